@@ -1,0 +1,14 @@
+"""mha: multi-head attention from the formula to the kernel, proven equal to PyTorch.
+
+    mha.numpy       the float64 NumPy oracle, readable beside the paper
+    mha.functional  scaled_dot_product_attention, multi_head_attention_forward (torch's signatures)
+    mha.nn          MultiheadAttention, a drop-in for torch.nn.MultiheadAttention
+    mha.kernels     exact attention backends and the dispatch between them
+    mha.masks       the one place masks are validated and canonicalised
+"""
+
+from . import functional, kernels, masks, nn, numpy
+
+__version__ = "0.1.0"
+
+__all__ = ["functional", "kernels", "masks", "nn", "numpy", "__version__"]

@@ -1,0 +1,105 @@
+"""Argument checks shared by every entry point.
+
+Each raises TypeError (wrong kind or dtype) or ValueError (wrong value or shape) with a message
+that names the argument, says what it got and what was expected.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+class DivisibilityError(ValueError, AssertionError):
+    """embed_dim not divisible by num_heads: a ValueError, and an AssertionError as torch raises."""
+
+
+def tensor(name: str, x) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.is_nested:
+        raise TypeError(f"{name} is a nested tensor; mha expects dense tensors (pad and pass a mask)")
+    return x
+
+
+def floating(name: str, x) -> Tensor:
+    tensor(name, x)
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must have a floating point dtype, got {x.dtype}")
+    return x
+
+
+def rank(name: str, x: Tensor, allowed: Sequence[int], meaning: str = "") -> Tensor:
+    if x.dim() not in allowed:
+        want = " or ".join(f"{r}-D" for r in allowed)
+        extra = f" {meaning}" if meaning else ""
+        raise ValueError(f"{name} must be {want}{extra}, got {x.dim()}-D with shape {tuple(x.shape)}")
+    return x
+
+
+def shape(name: str, x: Tensor, expected: Sequence[int], meaning: str = "") -> Tensor:
+    if tuple(x.shape) != tuple(expected):
+        extra = f" {meaning}" if meaning else ""
+        raise ValueError(f"{name} must have shape {tuple(expected)}{extra}, got {tuple(x.shape)}")
+    return x
+
+
+def same_dtype_device(reference_name: str, reference: Tensor, **others: Tensor | None) -> None:
+    """Every tensor in ``others`` has the dtype and device of ``reference``."""
+    for name, x in others.items():
+        if x is None:
+            continue
+        if x.dtype != reference.dtype:
+            raise TypeError(
+                f"{name} has dtype {x.dtype} but {reference_name} has dtype {reference.dtype}; "
+                "they must match (convert one with .to(dtype))"
+            )
+        if x.device != reference.device:
+            raise ValueError(
+                f"{name} is on device {x.device} but {reference_name} is on {reference.device}; "
+                "they must be on the same device"
+            )
+
+
+def integer(name: str, value) -> int:
+    """``value`` as an int (Python or NumPy integers); TypeError for anything else, bool included."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool ({value!r})")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})") from None
+
+
+def positive_int(name: str, value) -> int:
+    value = integer(name, value)
+    if value <= 0:
+        raise ValueError(f"{name} must be greater than 0, got {value}")
+    return value
+
+
+def probability(name: str, p) -> float:
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1], got {type(p).__name__} ({p!r})")
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {p}")
+    return float(p)
+
+
+def divisible(embed_dim: int, num_heads: int) -> int:
+    """The head dim embed_dim // num_heads; raises when num_heads does not divide embed_dim."""
+    if embed_dim % num_heads:
+        raise DivisibilityError(
+            f"embed_dim must be divisible by num_heads, got embed_dim={embed_dim} and num_heads={num_heads}"
+        )
+    return embed_dim // num_heads
+
+
+def mask_dtype(name: str, mask: Tensor) -> Tensor:
+    tensor(name, mask)
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"{name} must be a bool or floating point tensor, got dtype {mask.dtype}")
+    return mask

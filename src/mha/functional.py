@@ -1,0 +1,282 @@
+"""Functions mirroring torch.nn.functional: same names, signatures, defaults and shapes.
+
+    scaled_dot_product_attention   torch's SDPA (bool mask: True = ATTEND)
+    multi_head_attention_forward   torch's functional MHA (bool masks: True = MASKED OUT)
+
+Both run on the backends of :mod:`mha.kernels`, chosen by :func:`mha.kernels.choose_backend`
+(``backend="auto"``) or named with ``backend=``.
+
+Shape legend: N batch, H heads, L query length, S key length, E embed dim, D head dim (E / H),
+Ek / Ev key / value input widths.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _checks, kernels, masks
+
+__all__ = ["scaled_dot_product_attention", "multi_head_attention_forward"]
+
+
+def _attend(q, k, v, mask, is_causal, scale, dropout_p, need_weights, backend):
+    """Run the chosen backend: (output, weights or None)."""
+    name, _ = kernels.choose_backend(backend, need_weights=need_weights)
+    result = kernels.BACKENDS[name](q, k, v, mask, is_causal, scale, dropout_p)
+    out, weights = result if name == "math" else (result, None)
+    return out, (weights if need_weights else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# scaled_dot_product_attention
+# ---------------------------------------------------------------------------------------------
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
+                                 attn_mask: Tensor | None = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False, *, backend: str = "auto") -> Tensor:
+    """softmax(query key^T * scale + mask) value, as torch.nn.functional.scaled_dot_product_attention.
+
+    query (..., L, D), key (..., S, D), value (..., S, Dv) -> (..., L, Dv).
+    attn_mask: bool (True = attend) or float (added), broadcastable to (..., L, S).
+    is_causal: top-left causal mask (query i sees keys j <= i), combined with attn_mask if both.
+    enable_gqa: key/value may have fewer heads (dim -3) than query; query head h reads kv head
+    h // (H_q / H_kv). Dropout is applied whenever dropout_p > 0, as in torch.
+    A query row with every key masked gives zeros. backend: "auto", "sdpa" or "math".
+    """
+    _check_sdpa_inputs(query, key, value, enable_gqa)
+    dropout_p = _checks.probability("dropout_p", dropout_p)
+    L, S = query.shape[-2], key.shape[-2]
+    mask = masks.sdpa(attn_mask, L=L, S=S, batch_shape=tuple(query.shape[:-2]), like=query)
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        group = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(group, dim=-3)  # (..., H_kv, S, D) -> (..., H_q, S, D)
+        value = value.repeat_interleave(group, dim=-3)
+    out, _ = _attend(query, key, value, mask, is_causal, scale, dropout_p, False, backend)
+    return out
+
+
+def _check_sdpa_inputs(query, key, value, enable_gqa):
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _checks.floating(name, x)
+        _checks.rank(name, x, range(2, 9), "(..., length, features)")
+    _checks.same_dtype_device("query", query, key=key, value=value)
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"key's last dim must equal query's ({query.shape[-1]}), got shape {tuple(key.shape)}")
+    if value.shape[-2] != key.shape[-2]:
+        raise ValueError(
+            f"value must have as many positions as key ({key.shape[-2]}), got shape {tuple(value.shape)}"
+        )
+    if key.shape[:-1] != value.shape[:-1]:
+        raise ValueError(
+            f"key and value must share their leading dims, got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if query.dim() != key.dim():
+        raise ValueError(f"query is {query.dim()}-D but key is {key.dim()}-D; they must have the same rank")
+    q_batch, kv_batch = tuple(query.shape[:-2]), tuple(key.shape[:-2])
+    if q_batch == kv_batch:
+        return
+    grouped = (enable_gqa and query.dim() >= 3 and q_batch[:-1] == kv_batch[:-1]
+               and q_batch[-1] % kv_batch[-1] == 0)
+    if not grouped:
+        hint = "" if enable_gqa else " (pass enable_gqa=True for fewer key/value heads)"
+        raise ValueError(
+            f"query's batch dims {q_batch} do not match key/value's {kv_batch}{hint}; with enable_gqa "
+            "the query heads (dim -3) must be a multiple of the key/value heads"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# multi_head_attention_forward
+# ---------------------------------------------------------------------------------------------
+
+
+def multi_head_attention_forward(
+    query: Tensor, key: Tensor, value: Tensor, embed_dim_to_check: int, num_heads: int,
+    in_proj_weight: Tensor | None, in_proj_bias: Tensor | None,
+    bias_k: Tensor | None, bias_v: Tensor | None, add_zero_attn: bool, dropout_p: float,
+    out_proj_weight: Tensor, out_proj_bias: Tensor | None, training: bool = True,
+    key_padding_mask: Tensor | None = None, need_weights: bool = True,
+    attn_mask: Tensor | None = None, use_separate_proj_weight: bool = False,
+    q_proj_weight: Tensor | None = None, k_proj_weight: Tensor | None = None,
+    v_proj_weight: Tensor | None = None, static_k: Tensor | None = None,
+    static_v: Tensor | None = None, average_attn_weights: bool = True, is_causal: bool = False,
+    *, batch_first: bool = False, backend: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """torch.nn.functional.multi_head_attention_forward, with torch's arguments and shapes.
+
+    query (L, N, E), key (S, N, Ek), value (S, N, Ev); unbatched (L, E), (S, Ek), (S, Ev);
+    with the keyword-only ``batch_first=True``: (N, L, E), (N, S, Ek), (N, S, Ev).
+    Masks: bool True = masked OUT, float added; attn_mask (L, S) or (N*H, L, S) (unbatched:
+    (H, L, S)); key_padding_mask (N, S) (unbatched: (S,)).
+    Differences from torch: ``is_causal`` applies the causal mask (with attn_mask or without it,
+    combined with it when both are given); a query row whose keys are all masked gives zeros;
+    no weights are computed when need_weights=False.
+    Returns (output like query, weights (N, L, S) averaged or (N, H, L, S), or None).
+    """
+    is_self_attention = query is key and key is value
+    batched = _check_mha_inputs(query, key, value, embed_dim_to_check, num_heads)
+    dropout_p = _checks.probability("dropout_p", dropout_p) if training else 0.0
+    proj = _ProjectionWeights.gather(
+        in_proj_weight, in_proj_bias, use_separate_proj_weight, q_proj_weight, k_proj_weight,
+        v_proj_weight, embed_dim_to_check, key.shape[-1], value.shape[-1], like=query,
+    )
+    _check_output_and_kv_bias(out_proj_weight, out_proj_bias, bias_k, bias_v,
+                              static_k is not None or static_v is not None, embed_dim_to_check, query)
+
+    x_q, x_k, x_v = (_to_batch_first(x, batched, batch_first) for x in (query, key, value))
+    q, k, v = proj.apply(x_q, x_k, x_v, is_self_attention)  # (N, L, E), (N, S, E), (N, S, E)
+    N, L, E = q.shape
+    H = num_heads
+    if bias_k is not None:
+        k = torch.cat([k, bias_k.expand(N, 1, E)], dim=1)  # (N, S, E) -> (N, S+1, E)
+        v = torch.cat([v, bias_v.expand(N, 1, E)], dim=1)
+    q, k, v = (_split_heads(x, H) for x in (q, k, v))  # (N, T, E) -> (N, H, T, D)
+    k = _static("static_k", static_k, k, N, H, like=query)
+    v = _static("static_v", static_v, v, N, H, like=query)
+    if add_zero_attn:
+        k = _append_zero_key(k)  # (N, H, S, D) -> (N, H, S+1, D)
+        v = _append_zero_key(v)
+
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"keys and values must have the same length, got {k.shape[2]} and {v.shape[2]} "
+                         "(check static_k / static_v)")
+    appended = int(bias_k is not None) + int(bool(add_zero_attn))
+    S = k.shape[2] - appended  # the keys the caller's masks describe
+    mask = masks.multihead(attn_mask, key_padding_mask, batch=N, num_heads=H, L=L, S=S,
+                           batched=batched, like=query)
+    if appended and is_causal:
+        mask, is_causal = masks.with_causal(mask, L, S, query.dtype, query.device), False
+    mask = masks.append_attended_keys(mask, appended)
+
+    o, weights = _attend(q, k, v, mask, is_causal, None, dropout_p, need_weights, backend)
+    out = F.linear(_merge_heads(o, seq_first=batched and not batch_first), out_proj_weight,
+                   out_proj_bias)  # (L, N, E) or (N, L, E)
+    if weights is not None and average_attn_weights:
+        weights = weights.mean(dim=1)  # (N, H, L, S) -> (N, L, S)
+    if not batched:
+        out = out.squeeze(0)  # (1, L, E) -> (L, E)
+        weights = None if weights is None else weights.squeeze(0)
+    return out, weights
+
+
+def _check_mha_inputs(query, key, value, embed_dim, num_heads) -> bool:
+    """Validate query/key/value; returns whether the input is batched."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _checks.floating(name, x)
+    _checks.same_dtype_device("query", query, key=key, value=value)
+    _checks.rank("query", query, (2, 3), "((L, N, E) or (N, L, E) batched, (L, E) unbatched)")
+    for name, x in (("key", key), ("value", value)):
+        if x.dim() != query.dim():
+            raise ValueError(
+                f"{name} must be {query.dim()}-D like query, got {x.dim()}-D with shape {tuple(x.shape)}"
+            )
+    _checks.positive_int("num_heads", num_heads)
+    _checks.positive_int("embed_dim", embed_dim)
+    _checks.divisible(embed_dim, num_heads)
+    if query.shape[-1] != embed_dim:
+        raise ValueError(
+            f"query's last dim must be embed_dim={embed_dim}, got shape {tuple(query.shape)}"
+        )
+    if key.shape[:-1] != value.shape[:-1]:
+        raise ValueError(
+            "key and value must have the same length (and batch size), got shapes "
+            f"{tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    return query.dim() == 3
+
+
+def _to_batch_first(x: Tensor, batched: bool, batch_first: bool) -> Tensor:
+    """The caller's layout -> (N, T, features)."""
+    if not batched:
+        return x.unsqueeze(0)  # (T, F) -> (1, T, F)
+    return x if batch_first else x.transpose(0, 1)  # (T, N, F) -> (N, T, F)
+
+
+def _split_heads(x: Tensor, num_heads: int) -> Tensor:
+    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)  # (N, T, E) -> (N, T, H, D) -> (N, H, T, D)
+
+
+def _merge_heads(o: Tensor, seq_first: bool) -> Tensor:
+    if seq_first:
+        return o.permute(2, 0, 1, 3).flatten(2)  # (N, H, L, D) -> (L, N, H, D) -> (L, N, E)
+    return o.transpose(1, 2).flatten(2)  # (N, H, L, D) -> (N, L, H, D) -> (N, L, E)
+
+
+def _append_zero_key(x: Tensor) -> Tensor:
+    zeros = x.new_zeros(x.shape[0], x.shape[1], 1, x.shape[3])  # (N, H, 1, D)
+    return torch.cat([x, zeros], dim=2)
+
+
+def _static(name: str, given: Tensor | None, projected: Tensor, N: int, H: int, like: Tensor) -> Tensor:
+    """static_k / static_v (N*H, S, D) replace the projected keys / values."""
+    if given is None:
+        return projected
+    _checks.floating(name, given)
+    _checks.same_dtype_device("query", like, **{name: given})
+    D = projected.shape[-1]
+    _checks.rank(name, given, (3,), "(N*num_heads, S, head_dim)")
+    if given.shape[0] != N * H or given.shape[2] != D:
+        raise ValueError(f"{name} must have shape ({N * H}, S, {D}) = (N*num_heads, S, head_dim), "
+                         f"got {tuple(given.shape)}")
+    return given.unflatten(0, (N, H))  # (N*H, S, D) -> (N, H, S, D)
+
+
+def _check_output_and_kv_bias(out_proj_weight, out_proj_bias, bias_k, bias_v, static_kv, E, like):
+    _checks.tensor("out_proj_weight", out_proj_weight)
+    _checks.shape("out_proj_weight", out_proj_weight, (E, E), "(embed_dim, embed_dim)")
+    if out_proj_bias is not None:
+        _checks.shape("out_proj_bias", _checks.tensor("out_proj_bias", out_proj_bias), (E,))
+    if (bias_k is None) != (bias_v is None):
+        raise ValueError("bias_k and bias_v must be given together, got only "
+                         + ("bias_k" if bias_v is None else "bias_v"))
+    if bias_k is not None:
+        if static_kv:
+            raise ValueError("bias_k/bias_v cannot be added to static_k/static_v; pass one or the other")
+        for name, b in (("bias_k", bias_k), ("bias_v", bias_v)):
+            _checks.shape(name, _checks.tensor(name, b), (1, 1, E), "(1, 1, embed_dim)")
+    _checks.same_dtype_device("query", like, out_proj_weight=out_proj_weight,
+                              out_proj_bias=out_proj_bias, bias_k=bias_k, bias_v=bias_v)
+
+
+class _ProjectionWeights:
+    """The input projections, packed (3E, E) or separate (E, E), (E, Ek), (E, Ev), validated."""
+
+    def __init__(self, packed, w_q, w_k, w_v, bias):
+        self.packed, self.w, self.bias = packed, (w_q, w_k, w_v), bias
+        self.b = (None, None, None) if bias is None else bias.chunk(3)
+
+    @classmethod
+    def gather(cls, in_proj_weight, in_proj_bias, separate, q_w, k_w, v_w, E, Ek, Ev, like):
+        if separate:
+            for name, w, shape in (("q_proj_weight", q_w, (E, E)), ("k_proj_weight", k_w, (E, Ek)),
+                                   ("v_proj_weight", v_w, (E, Ev))):
+                if w is None:
+                    raise ValueError(f"use_separate_proj_weight=True needs {name}, got None")
+                _checks.shape(name, _checks.tensor(name, w), shape, "(embed_dim, input width)")
+            packed = None
+        else:
+            if in_proj_weight is None:
+                raise ValueError("use_separate_proj_weight=False needs in_proj_weight, got None")
+            packed = _checks.tensor("in_proj_weight", in_proj_weight)
+            if (Ek, Ev) != (E, E):
+                raise ValueError(
+                    f"packed in_proj_weight needs key and value widths equal to embed_dim={E}, got "
+                    f"{Ek} and {Ev}; use separate q/k/v_proj_weight for other widths"
+                )
+            _checks.shape("in_proj_weight", packed, (3 * E, E), "(3*embed_dim, embed_dim)")
+            q_w, k_w, v_w = packed.chunk(3)
+        if in_proj_bias is not None:
+            _checks.shape("in_proj_bias", _checks.tensor("in_proj_bias", in_proj_bias), (3 * E,))
+        _checks.same_dtype_device("query", like, in_proj_weight=packed, q_proj_weight=q_w,
+                                  k_proj_weight=k_w, v_proj_weight=v_w, in_proj_bias=in_proj_bias)
+        return cls(packed, q_w, k_w, v_w, in_proj_bias)
+
+    def apply(self, x_q, x_k, x_v, is_self_attention):
+        """(N, L, E), (N, S, Ek), (N, S, Ev) -> q (N, L, E), k (N, S, E), v (N, S, E)."""
+        if self.packed is not None and is_self_attention:
+            return F.linear(x_q, self.packed, self.bias).chunk(3, dim=-1)  # one (3E, E) matmul
+        return tuple(F.linear(x, w, b) for x, w, b in zip((x_q, x_k, x_v), self.w, self.b))

@@ -1,0 +1,117 @@
+"""mha.nn.MultiheadAttention: a drop-in for torch.nn.MultiheadAttention.
+
+Same constructor, forward, defaults, state_dict keys and shapes, initialisation and return
+values; the computation is mha.functional.multi_head_attention_forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+
+from .. import _checks
+from .. import functional as mha_functional
+
+__all__ = ["MultiheadAttention"]
+
+
+class MultiheadAttention(nn.Module):
+    """Multi-head attention with torch.nn.MultiheadAttention's interface (seq-first by default).
+
+    Parameters as torch: ``in_proj_weight`` (3E, E) when kdim == vdim == embed_dim, else
+    ``q_proj_weight`` (E, E), ``k_proj_weight`` (E, kdim), ``v_proj_weight`` (E, vdim);
+    ``in_proj_bias`` (3E,), ``bias_k``/``bias_v`` (1, 1, E), ``out_proj`` (Linear E -> E).
+    Masks: bool True = masked OUT, float masks are added.
+
+    Differences from torch (deliberate): ``is_causal=True`` always applies the causal mask, with
+    or without ``attn_mask`` (combined when both are given), in train and eval; a query row whose
+    keys are all masked gives zeros and finite gradients; ``need_weights=False`` computes no
+    weights; the eval path is the same computation as the train path (no slower fast path).
+    """
+
+    __constants__ = ["batch_first"]
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
+                 add_zero_attn=False, kdim=None, vdim=None, batch_first=False, device=None,
+                 dtype=None) -> None:
+        embed_dim = _checks.integer("embed_dim", embed_dim)
+        num_heads = _checks.integer("num_heads", num_heads)
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(f"embed_dim and num_heads must be greater than 0, got "
+                             f"embed_dim={embed_dim} and num_heads={num_heads} instead")
+        factory = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.embed_dim = embed_dim
+        self.kdim = _checks.positive_int("kdim", kdim) if kdim is not None else embed_dim
+        self.vdim = _checks.positive_int("vdim", vdim) if vdim is not None else embed_dim
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.num_heads = num_heads
+        self.dropout = _checks.probability("dropout", dropout)
+        self.batch_first = batch_first
+        self.head_dim = _checks.divisible(embed_dim, num_heads)
+
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **factory))
+            for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                self.register_parameter(name, None)
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim, **factory))
+            self.k_proj_weight = nn.Parameter(torch.empty(embed_dim, self.kdim, **factory))
+            self.v_proj_weight = nn.Parameter(torch.empty(embed_dim, self.vdim, **factory))
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **factory))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias, **factory)
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+        else:
+            self.bias_k = self.bias_v = None
+        self.add_zero_attn = add_zero_attn
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        """torch's order and distributions: xavier_uniform_ on the (packed) projection weights,
+        zero biases, xavier_normal_ on bias_k then bias_v (out_proj.weight keeps Linear's init)."""
+        if self._qkv_same_embed_dim:
+            xavier_uniform_(self.in_proj_weight)
+        else:
+            for w in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
+                xavier_uniform_(w)
+        if self.in_proj_bias is not None:
+            constant_(self.in_proj_bias, 0.0)
+            constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            xavier_normal_(self.bias_k)
+            xavier_normal_(self.bias_v)
+
+    def __setstate__(self, state):
+        state.setdefault("_qkv_same_embed_dim", True)  # modules pickled by old torch versions
+        super().__setstate__(state)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor,
+                key_padding_mask: Tensor | None = None, need_weights: bool = True,
+                attn_mask: Tensor | None = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+        """query (L, N, E) / (N, L, E) with batch_first / (L, E) unbatched; key, value (S, ...).
+
+        Returns (output shaped like query, weights or None): weights are (N, L, S) averaged over
+        heads, or (N, H, L, S) with average_attn_weights=False ((L, S) / (H, L, S) unbatched),
+        taken after dropout as in torch.
+        """
+        separate = not self._qkv_same_embed_dim
+        return mha_functional.multi_head_attention_forward(
+            query, key, value, self.embed_dim, self.num_heads,
+            self.in_proj_weight, self.in_proj_bias, self.bias_k, self.bias_v,
+            self.add_zero_attn, self.dropout, self.out_proj.weight, self.out_proj.bias,
+            training=self.training, key_padding_mask=key_padding_mask,
+            need_weights=need_weights, attn_mask=attn_mask,
+            use_separate_proj_weight=separate, q_proj_weight=self.q_proj_weight,
+            k_proj_weight=self.k_proj_weight, v_proj_weight=self.v_proj_weight,
+            average_attn_weights=average_attn_weights, is_causal=is_causal,
+            batch_first=self.batch_first,
+        )

@@ -1,0 +1,248 @@
+"""Attention in plain NumPy, written to be read beside the formula.
+
+    Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k) + M) V
+    MultiHead(Q, K, V) = concat(head_1, ..., head_h) W^O,
+    head_i             = Attention(Q W_i^Q, K W_i^K, V W_i^V)
+
+This is the project's oracle: every other implementation is tested against it in float64.
+It is deliberately plain (no blocking, no fusion) so that each line can be checked by eye.
+
+Shape legend:
+    N batch, H heads, L query length, S key length,
+    E embed dim (= H * D), D head dim, Ek / Ev key / value input widths.
+
+Mask conventions (the same as torch at the same entry point):
+    scaled_dot_product_attention  bool True = ATTEND (torch.nn.functional.scaled_dot_product_attention)
+    multi_head_attention          bool True = MASKED OUT (torch.nn.MultiheadAttention)
+    float masks are added to the scores in both.
+A query row whose keys are all masked gives zeros (torch gives NaN on some paths).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+__all__ = [
+    "softmax",
+    "causal_mask",
+    "scaled_dot_product_attention",
+    "multi_head_attention",
+    "multi_head_attention_vjp",
+]
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """exp(x - max) / sum(exp(x - max)) along ``axis``; a row of only -inf gives zeros."""
+    row_max = np.max(x, axis=axis, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)  # all -inf row: shift by 0
+    e = np.exp(x - row_max)
+    total = np.sum(e, axis=axis, keepdims=True)
+    return e / np.where(total == 0.0, 1.0, total)
+
+
+def causal_mask(L: int, S: int) -> np.ndarray:
+    """(L, S) bool, True = attend: query i sees keys j <= i (top-left aligned, as SDPA's is_causal)."""
+    return np.tril(np.ones((L, S), dtype=bool))
+
+
+def _additive(mask: np.ndarray | None, true_means_attend: bool, dtype) -> np.ndarray | float:
+    """A bool or float mask as a float array to add to the scores (0 = attend, -inf = masked)."""
+    if mask is None:
+        return 0.0
+    if mask.dtype == bool:
+        masked_out = ~mask if true_means_attend else mask
+        return np.where(masked_out, -np.inf, 0.0).astype(dtype)
+    return mask.astype(dtype)
+
+
+def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale=None):
+    """softmax(q k^T * scale + mask) v for q (..., L, D), k (..., S, D), v (..., S, Dv).
+
+    attn_mask: bool (True = attend) or float (added), broadcastable to (..., L, S).
+    Returns (output (..., L, Dv), weights (..., L, S)).
+    """
+    L, S = q.shape[-2], k.shape[-2]
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ np.swapaxes(k, -1, -2)) * scale  # (..., L, S)
+    scores = scores + _additive(attn_mask, True, scores.dtype)
+    if is_causal:
+        scores = scores + _additive(causal_mask(L, S), True, scores.dtype)
+    weights = softmax(scores, axis=-1)
+    return weights @ v, weights
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.nn.MultiheadAttention in NumPy. `params` holds the module's state_dict as arrays:
+#   in_proj_weight (3E, E)  or  q_proj_weight (E, E), k_proj_weight (E, Ek), v_proj_weight (E, Ev)
+#   in_proj_bias (3E,), bias_k (1, 1, E), bias_v (1, 1, E), out_proj.weight (E, E), out_proj.bias (E,)
+# Missing optional entries mean the option is off.
+# ---------------------------------------------------------------------------------------------
+
+
+def _projection_weights(params: dict, E: int):
+    """The three (E, E_in) input projections and their biases (or None)."""
+    if params.get("in_proj_weight") is not None:
+        w_q, w_k, w_v = np.split(params["in_proj_weight"], 3, axis=0)
+    else:
+        w_q, w_k, w_v = params["q_proj_weight"], params["k_proj_weight"], params["v_proj_weight"]
+    b = params.get("in_proj_bias")
+    b_q, b_k, b_v = (None, None, None) if b is None else np.split(b, 3)
+    return (w_q, w_k, w_v), (b_q, b_k, b_v)
+
+
+def _linear(x, w, b):
+    """x @ w^T + b, as torch.nn.functional.linear."""
+    y = x @ w.T
+    return y if b is None else y + b
+
+
+def _to_batch_first(x: np.ndarray, batched: bool, batch_first: bool) -> np.ndarray:
+    """(L, E) | (L, N, E) | (N, L, E) -> (N, L, E)."""
+    if not batched:
+        return x[None]  # (L, E) -> (1, L, E)
+    return x if batch_first else np.swapaxes(x, 0, 1)  # (L, N, E) -> (N, L, E)
+
+
+def _from_batch_first(x: np.ndarray, batched: bool, batch_first: bool) -> np.ndarray:
+    """(N, L, E) -> the caller's layout."""
+    if not batched:
+        return x[0]  # (1, L, E) -> (L, E)
+    return x if batch_first else np.swapaxes(x, 0, 1)  # (N, L, E) -> (L, N, E)
+
+
+def _mha_mask(N, H, L, S, attn_mask, key_padding_mask, is_causal, extra_columns, dtype):
+    """One additive mask (N|1, H|1, L, S + extra_columns) from torch.nn.MultiheadAttention's masks.
+
+    Bool True = masked out. attn_mask is (L, S), (N*H, L, S) indexed n*H + h, or (H, L, S) when
+    the input is unbatched (N == 1); key_padding_mask is (N, S). Appended keys (bias_k,
+    zero attention) are always attended.
+    """
+    mask = np.zeros((1, 1, L, S), dtype=dtype)
+    if attn_mask is not None:
+        am = _additive(attn_mask, False, dtype)
+        mask = mask + (am.reshape(-1, H, L, S) if am.ndim == 3 else am)  # (N*H, L, S) -> (N, H, L, S)
+    if key_padding_mask is not None:
+        kpm = _additive(key_padding_mask, False, dtype)
+        mask = mask + kpm.reshape(N, 1, 1, S)  # (N, S) -> (N, 1, 1, S)
+    if is_causal:
+        mask = mask + _additive(causal_mask(L, S), True, dtype)
+    pad = [(0, 0)] * 3 + [(0, extra_columns)]
+    return np.pad(mask, pad)  # extra keys get 0 = attend
+
+
+def _mha_steps(query, key, value, params, num_heads, *, key_padding_mask=None, attn_mask=None,
+               is_causal=False, add_zero_attn=False, batch_first=False):
+    """Run the forward once and keep every intermediate (the VJP reuses them)."""
+    s = SimpleNamespace()
+    s.batched = query.ndim == 3
+    s.batch_first = batch_first
+    x_q, x_k, x_v = (_to_batch_first(x, s.batched, batch_first) for x in (query, key, value))
+    if not s.batched and key_padding_mask is not None:
+        key_padding_mask = key_padding_mask[None]  # (S,) -> (1, S)
+    N, L, _ = x_q.shape
+    S0 = x_k.shape[1]
+    w_o, b_o = params["out_proj.weight"], params.get("out_proj.bias")
+    E = w_o.shape[0]
+    H, D = num_heads, E // num_heads
+
+    (w_q, w_k, w_v), (b_q, b_k, b_v) = _projection_weights(params, E)
+    q, k, v = _linear(x_q, w_q, b_q), _linear(x_k, w_k, b_k), _linear(x_v, w_v, b_v)  # (N, L|S, E)
+
+    s.bias_kv = params.get("bias_k") is not None
+    if s.bias_kv:
+        k = np.concatenate([k, np.broadcast_to(params["bias_k"], (N, 1, E))], axis=1)  # (N, S+1, E)
+        v = np.concatenate([v, np.broadcast_to(params["bias_v"], (N, 1, E))], axis=1)
+
+    q_h = q.reshape(N, L, H, D).transpose(0, 2, 1, 3)  # (N, L, E) -> (N, H, L, D)
+    k_h = k.reshape(N, -1, H, D).transpose(0, 2, 1, 3)  # (N, S, E) -> (N, H, S, D)
+    v_h = v.reshape(N, -1, H, D).transpose(0, 2, 1, 3)
+    s.zero_attn = add_zero_attn
+    if add_zero_attn:
+        zeros = np.zeros((N, H, 1, D), dtype=k_h.dtype)
+        k_h = np.concatenate([k_h, zeros], axis=2)  # (N, H, S+1, D)
+        v_h = np.concatenate([v_h, zeros], axis=2)
+
+    extra = int(s.bias_kv) + int(add_zero_attn)
+    mask = _mha_mask(N, H, L, S0, attn_mask, key_padding_mask, is_causal, extra, q.dtype)
+    s.scale = 1.0 / np.sqrt(D)
+    scores = (q_h @ k_h.transpose(0, 1, 3, 2)) * s.scale + mask  # (N, H, L, S)
+    s.P = softmax(scores, axis=-1)
+    o_h = s.P @ v_h  # (N, H, L, D)
+    s.o = o_h.transpose(0, 2, 1, 3).reshape(N, L, E)  # (N, H, L, D) -> (N, L, E)
+    s.out = _linear(s.o, w_o, b_o)  # (N, L, E)
+    s.x = (x_q, x_k, x_v)
+    s.w_in = (w_q, w_k, w_v)
+    s.heads = (q_h, k_h, v_h)
+    s.w_o, s.H, s.D, s.E = w_o, H, D, E
+    return s
+
+
+def multi_head_attention(query, key, value, params, num_heads, *, key_padding_mask=None,
+                         attn_mask=None, is_causal=False, add_zero_attn=False, need_weights=True,
+                         average_attn_weights=True, batch_first=False):
+    """The forward of torch.nn.MultiheadAttention (eval, no dropout) in NumPy.
+
+    query (L, N, E) or (N, L, E) with batch_first, or unbatched (L, E); key/value likewise with S.
+    Masks as torch.nn.MultiheadAttention (bool True = masked out). ``is_causal`` applies the
+    top-left causal mask in addition to ``attn_mask``.
+    Returns (output like query, weights (N, L, S) averaged or (N, H, L, S) per head, or None).
+    """
+    s = _mha_steps(query, key, value, params, num_heads, key_padding_mask=key_padding_mask,
+                   attn_mask=attn_mask, is_causal=is_causal, add_zero_attn=add_zero_attn,
+                   batch_first=batch_first)
+    out = _from_batch_first(s.out, s.batched, batch_first)
+    if not need_weights:
+        return out, None
+    weights = s.P.mean(axis=1) if average_attn_weights else s.P  # (N, L, S) or (N, H, L, S)
+    return out, (weights if s.batched else weights[0])
+
+
+def multi_head_attention_vjp(query, key, value, params, num_heads, grad_output, grad_weights=None,
+                             *, average_attn_weights=True, **options):
+    """Gradients of sum(output * grad_output) + sum(weights * grad_weights), by hand.
+
+    Takes the arguments of :func:`multi_head_attention`. Returns a dict with the gradients of
+    ``query``, ``key``, ``value`` and of every entry of ``params`` (same names and shapes).
+    """
+    s = _mha_steps(query, key, value, params, num_heads, **options)
+    (x_q, x_k, x_v), (w_q, w_k, w_v) = s.x, s.w_in
+    q_h, k_h, v_h = s.heads
+    N, H, L, D = q_h.shape
+    g_out = _to_batch_first(grad_output, s.batched, s.batch_first)  # (N, L, E)
+    grads = {"out_proj.weight": np.einsum("nle,nlf->ef", g_out, s.o)}
+    if params.get("out_proj.bias") is not None:
+        grads["out_proj.bias"] = g_out.sum(axis=(0, 1))
+
+    g_o = (g_out @ s.w_o).reshape(N, L, H, D).transpose(0, 2, 1, 3)  # (N, L, E) -> (N, H, L, D)
+    g_P = g_o @ v_h.transpose(0, 1, 3, 2)  # (N, H, L, S)
+    if grad_weights is not None:
+        g_w = grad_weights if s.batched else grad_weights[None]
+        g_P = g_P + (g_w[:, None] / H if average_attn_weights else g_w)  # (N, L, S) -> (N, 1, L, S)
+    g_v_h = s.P.transpose(0, 1, 3, 2) @ g_o  # (N, H, S, D)
+    g_scores = s.P * (g_P - np.sum(g_P * s.P, axis=-1, keepdims=True))  # softmax backward
+    g_q_h = (g_scores @ k_h) * s.scale  # (N, H, L, D)
+    g_k_h = (g_scores.transpose(0, 1, 3, 2) @ q_h) * s.scale  # (N, H, S, D)
+    if s.zero_attn:
+        g_k_h, g_v_h = g_k_h[:, :, :-1], g_v_h[:, :, :-1]  # the zero key has no parameters
+
+    g_q = g_q_h.transpose(0, 2, 1, 3).reshape(N, L, s.E)  # (N, H, L, D) -> (N, L, E)
+    g_k = g_k_h.transpose(0, 2, 1, 3).reshape(N, -1, s.E)  # (N, H, S, D) -> (N, S, E)
+    g_v = g_v_h.transpose(0, 2, 1, 3).reshape(N, -1, s.E)
+    if s.bias_kv:
+        grads["bias_k"] = g_k[:, -1].sum(axis=0).reshape(1, 1, s.E)
+        grads["bias_v"] = g_v[:, -1].sum(axis=0).reshape(1, 1, s.E)
+        g_k, g_v = g_k[:, :-1], g_v[:, :-1]
+
+    g_w_in = [np.einsum("nle,nlc->ec", g, x) for g, x in ((g_q, x_q), (g_k, x_k), (g_v, x_v))]
+    if params.get("in_proj_weight") is not None:
+        grads["in_proj_weight"] = np.concatenate(g_w_in, axis=0)  # (3E, E)
+    else:
+        grads.update(zip(("q_proj_weight", "k_proj_weight", "v_proj_weight"), g_w_in))
+    if params.get("in_proj_bias") is not None:
+        grads["in_proj_bias"] = np.concatenate([g.sum(axis=(0, 1)) for g in (g_q, g_k, g_v)])
+
+    for name, g, w in (("query", g_q, w_q), ("key", g_k, w_k), ("value", g_v, w_v)):
+        grads[name] = _from_batch_first(g @ w, s.batched, s.batch_first)  # (N, L|S, E_in)
+    return grads

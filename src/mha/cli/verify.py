@@ -1,0 +1,95 @@
+"""Run the parity matrix of mha.nn.MultiheadAttention against torch and the NumPy oracle.
+
+Every case runs in float64 and float32 and compares the output, the returned weights and the
+gradients (inputs and every parameter) with the float64 oracle. Pass: float64 error <= 1e-10;
+float32 error <= 2x torch's own float32 error + 1e-6. Exit status 1 if any case fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from .. import parity
+
+QUICK_PER_GROUP = 3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK_PER_GROUP} cases per group instead of the full grid")
+    parser.add_argument("--per-group", type=int, default=14, metavar="N",
+                        help="cases per configuration group (default 14, 16 groups)")
+    parser.add_argument("--seed", type=int, default=0, help="grid seed (default 0)")
+    parser.add_argument("--json", metavar="PATH", help="also write every case's errors as JSON")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.per_group <= 0:
+        raise SystemExit(f"mha verify: --per-group must be positive, got {args.per_group}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 160)  # keep the table whole in logs and CI
+    cases = parity.default_grid(QUICK_PER_GROUP if args.quick else args.per_group, args.seed)
+    results = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("verifying", total=len(cases))
+        for result in parity.run_grid(cases):
+            results.append(result)
+            progress.advance(task)
+    console.print(summary_table(results))
+    failures = [r for r in results if not r.passed]
+    for r in failures[:20]:
+        console.print(f"[red]FAIL[/] {r.case.group}: {r.case.describe()}\n      " + "; ".join(r.failures))
+    if args.json:
+        write_json(args.json, results)
+    verdict = "[green]all passed[/]" if not failures else f"[red]{len(failures)} failed[/]"
+    console.print(f"{len(results)} configurations, {verdict} (torch {torch.__version__})")
+    return 1 if failures else 0
+
+
+def summary_table(results: list[parity.Result]) -> Table:
+    columns = [f"{tag}/{q}" for tag in ("fp64", "fp32") for q in parity.QUANTITIES]
+    table = Table(title="mha.nn.MultiheadAttention vs the float64 oracle (max abs error)")
+    table.add_column("group", no_wrap=True)
+    table.add_column("cases", justify="right", min_width=5)
+    short = {"output": "out", "weights": "weights", "grads": "grads"}
+    for c in columns:
+        tag, quantity = c.split("/")
+        table.add_column(f"{tag} {short[quantity]}", justify="right", no_wrap=True, min_width=7)
+    table.add_column("torch fp32 out", justify="right", style="dim", no_wrap=True, min_width=7)
+    table.add_column("result", no_wrap=True)
+    by_group = defaultdict(list)
+    for r in results:
+        by_group[r.case.group].append(r)
+    for group, rs in by_group.items():
+        cells = [_max_cell(rs, c) for c in columns]
+        failed = sum(not r.passed for r in rs)
+        verdict = "[green]pass[/]" if not failed else f"[red]{failed} fail[/]"
+        table.add_row(group, str(len(rs)), *cells, _max_cell(rs, "torch-fp32/output"), verdict)
+    table.add_row("all", str(len(results)), *(_max_cell(results, c) for c in columns),
+                  _max_cell(results, "torch-fp32/output"),
+                  "[green]pass[/]" if all(r.passed for r in results) else "[red]fail[/]",
+                  style="bold")
+    return table
+
+
+def _max_cell(results, key: str) -> str:
+    values = [r.errors[key] for r in results if key in r.errors]
+    return f"{max(values):.1e}" if values else "-"
+
+
+def write_json(path: str, results: list[parity.Result]) -> None:
+    rows = [{"case": r.case.__dict__, "errors": r.errors, "limits": r.limits,
+             "passed": r.passed, "failures": r.failures} for r in results]
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)

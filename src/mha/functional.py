@@ -118,7 +118,7 @@ def multi_head_attention_forward(
     Returns (output like query, weights (N, L, S) averaged or (N, H, L, S), or None).
     """
     is_self_attention = query is key and key is value
-    batched = _check_mha_inputs(query, key, value, embed_dim_to_check, num_heads)
+    batched = _check_mha_inputs(query, key, value, embed_dim_to_check, num_heads, batch_first)
     dropout_p = _checks.probability("dropout_p", dropout_p) if training else 0.0
     proj = _ProjectionWeights.gather(
         in_proj_weight, in_proj_bias, use_separate_proj_weight, q_proj_weight, k_proj_weight,
@@ -163,7 +163,7 @@ def multi_head_attention_forward(
     return out, weights
 
 
-def _check_mha_inputs(query, key, value, embed_dim, num_heads) -> bool:
+def _check_mha_inputs(query, key, value, embed_dim, num_heads, batch_first) -> bool:
     """Validate query/key/value; returns whether the input is batched."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         _checks.floating(name, x)
@@ -186,7 +186,14 @@ def _check_mha_inputs(query, key, value, embed_dim, num_heads) -> bool:
             "key and value must have the same length (and batch size), got shapes "
             f"{tuple(key.shape)} and {tuple(value.shape)}"
         )
-    return query.dim() == 3
+    batched = query.dim() == 3
+    batch_axis = 0 if batch_first else 1
+    if batched and key.shape[batch_axis] != query.shape[batch_axis]:
+        raise ValueError(
+            f"key and query must have the same batch size (dim {batch_axis}), got shapes "
+            f"{tuple(key.shape)} and {tuple(query.shape)}"
+        )
+    return batched
 
 
 def _to_batch_first(x: Tensor, batched: bool, batch_first: bool) -> Tensor:

@@ -108,6 +108,8 @@ def sdpa(attn_mask: Tensor | None, *, L: int, S: int, batch_shape: tuple[int, ..
             f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the attention "
             f"scores' shape {target} (batch..., L, S)"
         )
+    while attn_mask.dim() < 2:  # torch's kernel wants (..., L, S): (S,) -> (1, S)
+        attn_mask = attn_mask.unsqueeze(0)
     return _as_additive(attn_mask, True, like.dtype)
 
 

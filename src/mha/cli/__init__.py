@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from . import verify
 
@@ -21,6 +20,3 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"verify": verify.run}
     return commands[args.command](args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

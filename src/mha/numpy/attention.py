@@ -20,6 +20,7 @@ A query row whose keys are all masked gives zeros (torch gives NaN on some paths
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -64,7 +65,7 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale
     Returns (output (..., L, Dv), weights (..., L, S)).
     """
     L, S = q.shape[-2], k.shape[-2]
-    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale  # a Python float keeps the dtype
     scores = (q @ np.swapaxes(k, -1, -2)) * scale  # (..., L, S)
     scores = scores + _additive(attn_mask, True, scores.dtype)
     if is_causal:
@@ -166,7 +167,7 @@ def _mha_steps(query, key, value, params, num_heads, *, key_padding_mask=None, a
 
     extra = int(s.bias_kv) + int(add_zero_attn)
     mask = _mha_mask(N, H, L, S0, attn_mask, key_padding_mask, is_causal, extra, q.dtype)
-    s.scale = 1.0 / np.sqrt(D)
+    s.scale = 1.0 / math.sqrt(D)
     scores = (q_h @ k_h.transpose(0, 1, 3, 2)) * s.scale + mask  # (N, H, L, S)
     s.P = softmax(scores, axis=-1)
     o_h = s.P @ v_h  # (N, H, L, D)

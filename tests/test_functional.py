@@ -1,0 +1,182 @@
+"""mha.functional against torch.nn.functional and the oracle; the backend dispatch."""
+
+import itertools
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mha
+from mha import kernels
+from mha import numpy as oracle
+from mha.functional import multi_head_attention_forward, scaled_dot_product_attention
+
+BACKENDS = ["auto", "sdpa", "math"]
+
+
+def _qkv(shape_q, shape_k, dv=None, dtype=torch.float64, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    shape_v = (*shape_k[:-1], dv or shape_k[-1])
+    return [torch.randn(s, generator=g, dtype=dtype).requires_grad_(grad) for s in (shape_q, shape_k, shape_v)]
+
+
+def _mask(kind, shape, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "none":
+        return None
+    attend = torch.rand(shape, generator=g) > 0.3
+    attend[..., 0] = True
+    if kind == "bool":
+        return attend
+    return torch.randn(shape, generator=g, dtype=torch.float64).masked_fill(~attend, float("-inf"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mask_kind, mask_shape", [("none", None), ("bool", (5, 7)), ("float", (2, 1, 5, 7)),
+                                                   ("bool", (2, 3, 5, 7)), ("float", (7,))])
+@pytest.mark.parametrize("is_causal, scale", [(False, None), (True, None), (False, 0.2)])
+def test_sdpa_matches_torch_and_oracle_forward_and_gradients(backend, mask_kind, mask_shape, is_causal, scale):
+    q, k, v = _qkv((2, 3, 5, 4), (2, 3, 7, 4), dv=6, grad=True)
+    mask = _mask(mask_kind, mask_shape)
+    out = scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, scale=scale, backend=backend)
+    want, _ = oracle.scaled_dot_product_attention(*(t.detach().numpy() for t in (q, k, v)),
+                                                  None if mask is None else mask.numpy(), is_causal, scale)
+    np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-12, rtol=0)
+    torch_mask = mask if mask is None or mask.dim() >= 2 else mask.expand(5, 7)  # torch refuses 1-D
+    if not is_causal:  # torch refuses a mask together with is_causal
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, torch_mask, scale=scale))
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref_mask = torch_mask
+    if is_causal:  # fold the causal mask in by hand (True = attend)
+        causal = torch.ones(5, 7, dtype=torch.bool).tril()
+        ref_mask = (causal if mask is None else torch_mask & causal if mask.dtype == torch.bool
+                    else torch_mask.masked_fill(~causal, float("-inf")))
+    ref = F.scaled_dot_product_attention(q2, k2, v2, ref_mask, scale=scale)
+    for got, want_g in zip(grads, torch.autograd.grad(ref.sum(), (q2, k2, v2))):
+        torch.testing.assert_close(got, want_g, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sdpa_float32_error_within_twice_torch(backend, dtype):
+    q, k, v = _qkv((3, 9, 8), (3, 11, 8), dtype=torch.float64, seed=4)
+    want, _ = oracle.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), is_causal=True)
+    lo = [t.to(dtype) for t in (q, k, v)]
+    ours = np.abs(scaled_dot_product_attention(*lo, is_causal=True, backend=backend).double().numpy() - want).max()
+    theirs = np.abs(F.scaled_dot_product_attention(*lo, is_causal=True).double().numpy() - want).max()
+    limit = 1e-10 if dtype == torch.float64 else 2 * theirs + 1e-6
+    assert ours <= limit
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sdpa_grouped_query_attention_matches_torch(backend):
+    q, k, v = _qkv((2, 6, 5, 4), (2, 2, 7, 4), seed=2)
+    got = scaled_dot_product_attention(q, k, v, enable_gqa=True, backend=backend)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    # query head h reads kv head h // 3
+    torch.testing.assert_close(got[:, 4], F.scaled_dot_product_attention(q[:, 4], k[:, 1], v[:, 1]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sdpa_all_masked_row_is_zero_with_finite_gradients(backend):
+    q, k, v = _qkv((1, 2, 3, 4), (1, 2, 5, 4), grad=True)
+    attend = torch.ones(3, 5, dtype=torch.bool)
+    attend[2] = False
+    out = scaled_dot_product_attention(q, k, v, attend, backend=backend)
+    assert torch.all(out[..., 2, :] == 0)
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_sdpa_dropout_is_applied_and_scaled():
+    q, k, v = _qkv((1, 1, 64, 8), (1, 1, 64, 8))
+    v = torch.ones_like(v)
+    torch.manual_seed(0)
+    out = scaled_dot_product_attention(q, k, v, dropout_p=0.5, backend="math")
+    assert not torch.allclose(out, torch.ones_like(out))
+    assert abs(out.mean().item() - 1.0) < 0.1  # survivors scaled by 1 / (1 - p): mean stays 1
+
+
+# --- multi_head_attention_forward: torch's functional signature ---------------------------------
+
+FUNCTIONAL_CASES = list(itertools.product([False, True], [False, True], [False, True]))
+
+
+@pytest.mark.parametrize("separate, bias_kv, zero_attn", FUNCTIONAL_CASES)
+def test_multi_head_attention_forward_matches_torch(separate, bias_kv, zero_attn):
+    E, H, L, S, N = 12, 3, 4, 6, 2
+    g = torch.Generator().manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    kd, vd = (5, 7) if separate else (E, E)
+    query, key, value = r(L, N, E), r(S, N, kd), r(S, N, vd)
+    weights = dict(in_proj_weight=None if separate else r(3 * E, E), in_proj_bias=r(3 * E),
+                   bias_k=r(1, 1, E) if bias_kv else None, bias_v=r(1, 1, E) if bias_kv else None,
+                   add_zero_attn=zero_attn, dropout_p=0.0, out_proj_weight=r(E, E), out_proj_bias=r(E))
+    extra = dict(use_separate_proj_weight=separate, q_proj_weight=r(E, E), k_proj_weight=r(E, kd),
+                 v_proj_weight=r(E, vd), key_padding_mask=torch.tensor([[False] * 5 + [True]] * N),
+                 average_attn_weights=False)
+    args = (query, key, value, E, H)
+    got, got_w = multi_head_attention_forward(*args, **weights, **extra)
+    want, want_w = F.multi_head_attention_forward(*args, **weights, **extra)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(got_w, want_w, atol=1e-12, rtol=0)
+    leaves = [t for t in (query, key, value, *weights.values(), *extra.values())
+              if isinstance(t, torch.Tensor) and t.requires_grad]
+    for a, b in zip(torch.autograd.grad(got.sum() + got_w.sum(), leaves, allow_unused=True),
+                    torch.autograd.grad(want.sum() + want_w.sum(), leaves, allow_unused=True)):
+        if a is None or b is None:
+            assert a is None and b is None  # a weight this configuration does not use
+        else:
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+def test_multi_head_attention_forward_static_kv_matches_torch():
+    E, H, L, S, N = 8, 2, 3, 5, 2
+    g = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    args = (r(L, N, E), r(4, N, E), r(4, N, E), E, H, r(3 * E, E), r(3 * E), None, None, False, 0.0,
+            r(E, E), r(E))
+    static = dict(static_k=r(N * H, S, E // H), static_v=r(N * H, S, E // H))
+    got, got_w = multi_head_attention_forward(*args, **static)
+    want, want_w = F.multi_head_attention_forward(*args, **static)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(got_w, want_w, atol=1e-12, rtol=0)
+
+
+def test_multi_head_attention_forward_batch_first_equals_seq_first():
+    E, H = 8, 2
+    m = mha.nn.MultiheadAttention(E, H)
+    x = torch.randn(5, 3, E)
+    params = (m.in_proj_weight, m.in_proj_bias, None, None, False, 0.0, m.out_proj.weight, m.out_proj.bias)
+    seq, _ = multi_head_attention_forward(x, x, x, E, H, *params)
+    xb = x.transpose(0, 1)
+    bf, _ = multi_head_attention_forward(xb, xb, xb, E, H, *params, batch_first=True)
+    torch.testing.assert_close(bf.transpose(0, 1), seq)
+
+
+# --- dispatch ---------------------------------------------------------------------------------
+
+
+def test_choose_backend_explains_and_can_be_overridden(caplog):
+    with caplog.at_level(logging.DEBUG, logger="mha.dispatch"):
+        assert kernels.choose_backend("auto", need_weights=True)[0] == "math"
+        assert kernels.choose_backend("auto", need_weights=False)[0] == "sdpa"
+        assert kernels.choose_backend("math", need_weights=False)[0] == "math"
+    assert "backend math" in caplog.text and "backend sdpa" in caplog.text
+    with pytest.raises(ValueError, match="backend"):
+        kernels.choose_backend("fast")
+    with pytest.raises(ValueError, match="weights"):
+        kernels.choose_backend("sdpa", need_weights=True)
+
+
+def test_multi_head_attention_forward_backend_override():
+    E, H = 8, 2
+    m = mha.nn.MultiheadAttention(E, H)
+    x = torch.randn(5, 3, E)
+    params = (m.in_proj_weight, m.in_proj_bias, None, None, False, 0.0, m.out_proj.weight, m.out_proj.bias)
+    a, _ = multi_head_attention_forward(x, x, x, E, H, *params, need_weights=False, backend="math")
+    b, _ = multi_head_attention_forward(x, x, x, E, H, *params, need_weights=False, backend="sdpa")
+    torch.testing.assert_close(a, b)

@@ -83,7 +83,7 @@ def test_all_masked_by_key_padding_gives_zeros():
     torch.testing.assert_close(out[:, 1], m.out_proj.bias.detach().expand(L, E))
 
 
-@pytest.mark.parametrize("need_weights, training", itertools.product([True, False], [True, False]))
+@pytest.mark.parametrize("need_weights, training", list(itertools.product([True, False], [True, False])))
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_is_causal_is_honored_with_or_without_attn_mask(need_weights, training, with_mask):
     m = _module(batch_first=True).train(training)

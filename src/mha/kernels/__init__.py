@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 
-from .math import math_attention, safe_softmax
+from .math import fully_masked_rows, math_attention, safe_softmax
 from .sdpa import sdpa_attention
 
-__all__ = ["BACKENDS", "choose_backend", "math_attention", "sdpa_attention", "safe_softmax"]
+__all__ = ["BACKENDS", "choose_backend", "fully_masked_rows", "math_attention", "safe_softmax",
+           "sdpa_attention"]
 
 BACKENDS = {"math": math_attention, "sdpa": sdpa_attention}
 

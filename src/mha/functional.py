@@ -129,26 +129,12 @@ def multi_head_attention_forward(
 
     x_q, x_k, x_v = (_to_batch_first(x, batched, batch_first) for x in (query, key, value))
     q, k, v = proj.apply(x_q, x_k, x_v, is_self_attention)  # (N, L, E), (N, S, E), (N, S, E)
-    N, L, E = q.shape
-    H = num_heads
-    if bias_k is not None:
-        k = torch.cat([k, bias_k.expand(N, 1, E)], dim=1)  # (N, S, E) -> (N, S+1, E)
-        v = torch.cat([v, bias_v.expand(N, 1, E)], dim=1)
-    q, k, v = (_split_heads(x, H) for x in (q, k, v))  # (N, T, E) -> (N, H, T, D)
-    k = _static("static_k", static_k, k, N, H, like=query)
-    v = _static("static_v", static_v, v, N, H, like=query)
-    if add_zero_attn:
-        k = _append_zero_key(k)  # (N, H, S, D) -> (N, H, S+1, D)
-        v = _append_zero_key(v)
-
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(f"keys and values must have the same length, got {k.shape[2]} and {v.shape[2]} "
-                         "(check static_k / static_v)")
-    appended = int(bias_k is not None) + int(bool(add_zero_attn))
+    q, k, v, appended = _heads(q, k, v, num_heads, bias_k, bias_v, static_k, static_v, add_zero_attn)
+    N, H, L, _ = q.shape
     S = k.shape[2] - appended  # the keys the caller's masks describe
     mask = masks.multihead(attn_mask, key_padding_mask, batch=N, num_heads=H, L=L, S=S,
                            batched=batched, like=query)
-    if appended and is_causal:
+    if appended and is_causal:  # the appended keys stay visible: fold causal in before padding
         mask, is_causal = masks.with_causal(mask, L, S, query.dtype, query.device), False
     mask = masks.append_attended_keys(mask, appended)
 
@@ -161,6 +147,27 @@ def multi_head_attention_forward(
         out = out.squeeze(0)  # (1, L, E) -> (L, E)
         weights = None if weights is None else weights.squeeze(0)
     return out, weights
+
+
+def _heads(q, k, v, num_heads, bias_k, bias_v, static_k, static_v, add_zero_attn):
+    """Projected (N, T, E) tensors -> per-head (N, H, T, D), with the optional extra keys.
+
+    Returns (q, k, v, number of key columns appended after the caller's S keys).
+    """
+    N, _, E = q.shape
+    if bias_k is not None:
+        k = torch.cat([k, bias_k.expand(N, 1, E)], dim=1)  # (N, S, E) -> (N, S+1, E)
+        v = torch.cat([v, bias_v.expand(N, 1, E)], dim=1)
+    q, k, v = (_split_heads(x, num_heads) for x in (q, k, v))  # (N, T, E) -> (N, H, T, D)
+    k = _static("static_k", static_k, k, N, num_heads, like=q)
+    v = _static("static_v", static_v, v, N, num_heads, like=q)
+    if add_zero_attn:
+        k = _append_zero_key(k)  # (N, H, S, D) -> (N, H, S+1, D)
+        v = _append_zero_key(v)
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"keys and values must have the same length, got {k.shape[2]} and "
+                         f"{v.shape[2]} (check static_k / static_v)")
+    return q, k, v, int(bias_k is not None) + int(bool(add_zero_attn))
 
 
 def _check_mha_inputs(query, key, value, embed_dim, num_heads, batch_first) -> bool:

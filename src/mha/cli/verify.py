@@ -2,7 +2,8 @@
 
 Every case runs in float64 and float32 and compares the output, the returned weights and the
 gradients (inputs and every parameter) with the float64 oracle. Pass: float64 error <= 1e-10;
-float32 error <= 2x torch's own float32 error + 1e-6. Exit status 1 if any case fails.
+float32 error <= 2x torch's own float32 error + 1e-6 x max(1, max |oracle value|). Exit status 1
+if any case fails.
 """
 
 from __future__ import annotations

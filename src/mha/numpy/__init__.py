@@ -3,18 +3,7 @@
 See :mod:`mha.numpy.attention` for the formulas and the mask conventions.
 """
 
-from .attention import (
-    causal_mask,
-    multi_head_attention,
-    multi_head_attention_vjp,
-    scaled_dot_product_attention,
-    softmax,
-)
+from . import attention
+from .attention import *  # noqa: F401,F403  (the names in attention.__all__)
 
-__all__ = [
-    "softmax",
-    "causal_mask",
-    "scaled_dot_product_attention",
-    "multi_head_attention",
-    "multi_head_attention_vjp",
-]
+__all__ = attention.__all__

@@ -81,13 +81,15 @@ def test_sdpa_grouped_query_attention_matches_torch(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_sdpa_all_masked_row_is_zero_with_finite_gradients(backend):
-    q, k, v = _qkv((1, 2, 3, 4), (1, 2, 5, 4), grad=True)
-    attend = torch.ones(3, 5, dtype=torch.bool)
+@pytest.mark.parametrize("dtype, L, D", [(torch.float64, 3, 4), (torch.float32, 256, 64),
+                                         (torch.bfloat16, 256, 64)])  # small: math; large: torch's flash
+def test_sdpa_all_masked_row_is_zero_with_finite_gradients(backend, dtype, L, D):
+    q, k, v = _qkv((1, 2, L, D), (1, 2, L + 2, D), dtype=dtype, grad=True)
+    attend = torch.ones(L, L + 2, dtype=torch.bool)
     attend[2] = False
     out = scaled_dot_product_attention(q, k, v, attend, backend=backend)
-    assert torch.all(out[..., 2, :] == 0)
-    out.sum().backward()
+    assert torch.all(out[..., 2, :] == 0) and torch.isfinite(out).all()
+    out.float().sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 

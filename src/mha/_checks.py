@@ -6,6 +6,7 @@ that names the argument, says what it got and what was expected.
 
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Sequence
 
@@ -82,7 +83,7 @@ def positive_int(name: str, value) -> int:
 
 
 def probability(name: str, p) -> float:
-    if isinstance(p, bool) or not isinstance(p, (int, float)):
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise TypeError(f"{name} must be a float in [0, 1], got {type(p).__name__} ({p!r})")
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {p}")

@@ -47,22 +47,30 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     h // (H_q / H_kv). Dropout is applied whenever dropout_p > 0, as in torch.
     A query row with every key masked gives zeros. backend: "auto", "sdpa" or "math".
     """
-    _check_sdpa_inputs(query, key, value, enable_gqa)
+    batch_shape = _check_sdpa_inputs(query, key, value, enable_gqa)
     dropout_p = _checks.probability("dropout_p", dropout_p)
     L, S = query.shape[-2], key.shape[-2]
-    mask = masks.sdpa(attn_mask, L=L, S=S, batch_shape=tuple(query.shape[:-2]), like=query)
-    if enable_gqa and key.shape[-3] != query.shape[-3]:
-        group = query.shape[-3] // key.shape[-3]
-        key = key.repeat_interleave(group, dim=-3)  # (..., H_kv, S, D) -> (..., H_q, S, D)
-        value = value.repeat_interleave(group, dim=-3)
+    mask = masks.sdpa(attn_mask, L=L, S=S, batch_shape=batch_shape, like=query)
+    if enable_gqa and query.dim() >= 3:
+        key, value = (_repeat_kv_heads(x, query.shape[-3]) for x in (key, value))
     out, _ = _attend(query, key, value, mask, is_causal, scale, dropout_p, False, backend)
     return out
 
 
-def _check_sdpa_inputs(query, key, value, enable_gqa):
+def _repeat_kv_heads(x: Tensor, query_heads: int) -> Tensor:
+    """Grouped-query attention: query head h reads key/value head h // (H_q / H_kv)."""
+    if x.dim() < 3 or x.shape[-3] == query_heads:
+        return x
+    return x.repeat_interleave(query_heads // x.shape[-3], dim=-3)  # (..., H_kv, S, D) -> (..., H_q, S, D)
+
+
+def _check_sdpa_inputs(query, key, value, enable_gqa) -> tuple[int, ...]:
+    """Validate; returns the output's batch shape (the inputs' batch dims broadcast together)."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         _checks.floating(name, x)
-        _checks.rank(name, x, range(2, 9), "(..., length, features)")
+        if x.dim() < 2:
+            raise ValueError(f"{name} must be at least 2-D (..., length, features), got {x.dim()}-D "
+                             f"with shape {tuple(x.shape)}")
     _checks.same_dtype_device("query", query, key=key, value=value)
     if key.shape[-1] != query.shape[-1]:
         raise ValueError(f"key's last dim must equal query's ({query.shape[-1]}), got shape {tuple(key.shape)}")
@@ -70,23 +78,21 @@ def _check_sdpa_inputs(query, key, value, enable_gqa):
         raise ValueError(
             f"value must have as many positions as key ({key.shape[-2]}), got shape {tuple(value.shape)}"
         )
-    if key.shape[:-1] != value.shape[:-1]:
-        raise ValueError(
-            f"key and value must share their leading dims, got {tuple(key.shape)} and {tuple(value.shape)}"
-        )
-    if query.dim() != key.dim():
-        raise ValueError(f"query is {query.dim()}-D but key is {key.dim()}-D; they must have the same rank")
-    q_batch, kv_batch = tuple(query.shape[:-2]), tuple(key.shape[:-2])
-    if q_batch == kv_batch:
-        return
-    grouped = (enable_gqa and query.dim() >= 3 and q_batch[:-1] == kv_batch[:-1]
-               and q_batch[-1] % kv_batch[-1] == 0)
-    if not grouped:
+    batches = [tuple(x.shape[:-2]) for x in (query, key, value)]
+    heads = ()
+    if enable_gqa and min(x.dim() for x in (query, key, value)) >= 3:
+        heads = (query.shape[-3],)
+        for name, x in (("key", key), ("value", value)):
+            if query.shape[-3] % x.shape[-3]:
+                raise ValueError(f"with enable_gqa the query heads (dim -3: {query.shape[-3]}) must be a "
+                                 f"multiple of {name}'s heads ({x.shape[-3]})")
+        batches = [b[:-1] for b in batches]  # heads checked: the rest must broadcast
+    try:
+        return (*torch.broadcast_shapes(*batches), *heads)
+    except RuntimeError:
         hint = "" if enable_gqa else " (pass enable_gqa=True for fewer key/value heads)"
-        raise ValueError(
-            f"query's batch dims {q_batch} do not match key/value's {kv_batch}{hint}; with enable_gqa "
-            "the query heads (dim -3) must be a multiple of the key/value heads"
-        )
+        raise ValueError(f"the batch dims of query {batches[0]}, key {batches[1]} and value {batches[2]} "
+                         f"do not broadcast together{hint}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,11 +272,17 @@ class _ProjectionWeights:
     @classmethod
     def gather(cls, in_proj_weight, in_proj_bias, separate, q_w, k_w, v_w, E, Ek, Ev, like):
         if separate:
-            for name, w, shape in (("q_proj_weight", q_w, (E, E)), ("k_proj_weight", k_w, (E, Ek)),
-                                   ("v_proj_weight", v_w, (E, Ev))):
+            for name, w in (("q_proj_weight", q_w), ("k_proj_weight", k_w), ("v_proj_weight", v_w)):
                 if w is None:
                     raise ValueError(f"use_separate_proj_weight=True needs {name}, got None")
-                _checks.shape(name, _checks.tensor(name, w), shape, "(embed_dim, input width)")
+                _checks.rank(name, _checks.tensor(name, w), (2,), "(embed_dim, input width)")
+                if w.shape[0] != E:
+                    raise ValueError(f"{name} must have embed_dim={E} rows, got shape {tuple(w.shape)}")
+            _checks.shape("q_proj_weight", q_w, (E, E), "(embed_dim, embed_dim)")
+            for name, width, w, dim in (("key", Ek, k_w, "kdim"), ("value", Ev, v_w, "vdim")):
+                if width != w.shape[1]:
+                    raise ValueError(f"{name}'s last dim must be {dim}={w.shape[1]} (the width of the "
+                                     f"module's projection), got {width}")
             packed = None
         else:
             if in_proj_weight is None:

@@ -1,6 +1,7 @@
 """The one place where masks are validated and brought to the internal form.
 
-Internal form: an ADDITIVE float mask in the query's dtype, broadcastable to (B, H, L, S),
+Internal form: an ADDITIVE float mask in the query's accumulation dtype (float32 for float16 and
+bfloat16 queries, else the query's dtype; see ``additive_dtype``), broadcastable to (B, H, L, S),
 holding 0 where a query may attend and -inf where it may not (or any float the caller added),
 plus a separate ``is_causal`` flag that kernels apply themselves (top-left aligned: query i sees
 keys j <= i, as torch.nn.functional.scaled_dot_product_attention).
@@ -30,21 +31,41 @@ def _bool_to_additive(masked_out: Tensor, dtype: torch.dtype) -> Tensor:
     )
 
 
-def _as_additive(mask: Tensor, true_means_attend: bool, dtype: torch.dtype) -> Tensor:
-    if mask.dtype == torch.bool:
-        return _bool_to_additive(~mask if true_means_attend else mask, dtype)
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def additive_dtype(query_dtype: torch.dtype) -> torch.dtype:
+    """The dtype masks are held and added in: float32 for float16/bfloat16 queries (a float16
+    mask has no room below -65504, and scores are accumulated in float32), else the query's."""
+    return torch.float32 if query_dtype in _LOW_PRECISION else query_dtype
+
+
+def to_dtype(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """An additive mask in ``dtype``; when narrowing, finite values stay finite (-1e300 from
+    float64 becomes float32's lowest value, not -inf, which would zero a row torch averages)."""
+    if mask.dtype == dtype:
+        return mask
+    if torch.finfo(mask.dtype).max > torch.finfo(dtype).max:
+        finite = torch.finfo(dtype)
+        mask = torch.where(mask.isinf(), mask, mask.clamp(finite.min, finite.max))
     return mask.to(dtype)
 
 
-def causal(L: int, S: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+def _as_additive(mask: Tensor, true_means_attend: bool, dtype: torch.dtype) -> Tensor:
+    if mask.dtype == torch.bool:
+        return _bool_to_additive(~mask if true_means_attend else mask, dtype)
+    return to_dtype(mask, dtype)
+
+
+def causal(L: int, S: int, query_dtype: torch.dtype, device: torch.device) -> Tensor:
     """(L, S) additive top-left causal mask: -inf where key j > query i."""
     future = torch.ones(L, S, dtype=torch.bool, device=device).triu_(1)
-    return _bool_to_additive(future, dtype)
+    return _bool_to_additive(future, additive_dtype(query_dtype))
 
 
-def with_causal(mask: Tensor | None, L: int, S: int, dtype: torch.dtype, device) -> Tensor:
+def with_causal(mask: Tensor | None, L: int, S: int, query_dtype: torch.dtype, device) -> Tensor:
     """``mask`` with the causal mask folded in (for kernels that take one or the other)."""
-    c = causal(L, S, dtype, device)
+    c = causal(L, S, query_dtype, device)
     return c if mask is None else mask + c
 
 
@@ -75,15 +96,16 @@ def multihead(attn_mask: Tensor | None, key_padding_mask: Tensor | None, *, batc
             _checks.shape("attn_mask", attn_mask, (first, L, S), meaning)
         else:
             _checks.rank("attn_mask", attn_mask, (2, 3), f"(L, S) or {meaning}")
-        merged = _as_additive(attn_mask, False, like.dtype)
+        merged = _as_additive(attn_mask, False, additive_dtype(like.dtype))
         if merged.dim() == 3:
-            merged = merged.reshape(-1, num_heads, L, S)  # (B*H, L, S) -> (B, H, L, S)
+            merged = merged.reshape(first // num_heads, num_heads, L, S)  # (B*H, L, S) -> (B, H, L, S)
     if key_padding_mask is not None:
         _checks.mask_dtype("key_padding_mask", key_padding_mask)
         _same_device("key_padding_mask", key_padding_mask, like)
         expected = (batch, S) if batched else (S,)
         _checks.shape("key_padding_mask", key_padding_mask, expected, "(B, S)" if batched else "(S,)")
-        kpm = _as_additive(key_padding_mask, False, like.dtype).reshape(-1, 1, 1, S)  # (B, S) -> (B, 1, 1, S)
+        kpm = _as_additive(key_padding_mask, False, additive_dtype(like.dtype))
+        kpm = kpm.reshape(batch if batched else 1, 1, 1, S)  # (B, S) -> (B, 1, 1, S)
         merged = kpm if merged is None else merged + kpm
     return merged
 
@@ -110,7 +132,7 @@ def sdpa(attn_mask: Tensor | None, *, L: int, S: int, batch_shape: tuple[int, ..
         )
     while attn_mask.dim() < 2:  # torch's kernel wants (..., L, S): (S,) -> (1, S)
         attn_mask = attn_mask.unsqueeze(0)
-    return _as_additive(attn_mask, True, like.dtype)
+    return _as_additive(attn_mask, True, additive_dtype(like.dtype))
 
 
 def _same_device(name: str, mask: Tensor, like: Tensor) -> None:

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from .. import _checks
+from .. import _checks, masks
 from .. import functional as mha_functional
 
 __all__ = ["MultiheadAttention"]
@@ -92,6 +92,20 @@ class MultiheadAttention(nn.Module):
     def __setstate__(self, state):
         state.setdefault("_qkv_same_embed_dim", True)  # modules pickled by old torch versions
         super().__setstate__(state)
+
+    def merge_masks(self, attn_mask: Tensor | None, key_padding_mask: Tensor | None,
+                    query: Tensor) -> tuple[Tensor | None, int | None]:
+        """torch's helper for its Transformer layers' fused path: (mask, mask_type).
+
+        mask_type 1: key_padding_mask (B, S) alone; 2: attn_mask (L, S) or (B*H, L, S), with the
+        key padding added, as one additive (B, H, L, S) mask. query is (B, L, E).
+        """
+        if attn_mask is None:
+            return key_padding_mask, (None if key_padding_mask is None else 1)
+        B, L, _ = query.shape
+        merged = masks.multihead(attn_mask, key_padding_mask, batch=B, num_heads=self.num_heads,
+                                 L=L, S=L, batched=True, like=query)
+        return merged.expand(B, self.num_heads, L, L), 2
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 key_padding_mask: Tensor | None = None, need_weights: bool = True,

@@ -36,7 +36,7 @@ __all__ = [
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     """exp(x - max) / sum(exp(x - max)) along ``axis``; a row of only -inf gives zeros."""
-    row_max = np.max(x, axis=axis, keepdims=True)
+    row_max = np.max(x, axis=axis, keepdims=True, initial=-np.inf)  # initial: rows may be empty
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)  # all -inf row: shift by 0
     e = np.exp(x - row_max)
     total = np.sum(e, axis=axis, keepdims=True)

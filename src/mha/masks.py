@@ -22,6 +22,7 @@ from torch import Tensor
 from . import _checks
 
 _NEG_INF = float("-inf")
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _bool_to_additive(masked_out: Tensor, dtype: torch.dtype) -> Tensor:
@@ -29,9 +30,6 @@ def _bool_to_additive(masked_out: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(masked_out.shape, dtype=dtype, device=masked_out.device).masked_fill_(
         masked_out, _NEG_INF
     )
-
-
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def additive_dtype(query_dtype: torch.dtype) -> torch.dtype:

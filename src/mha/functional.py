@@ -16,17 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _checks, kernels, masks
+from . import _checks, masks, multihead
 
 __all__ = ["scaled_dot_product_attention", "multi_head_attention_forward"]
-
-
-def _attend(q, k, v, mask, is_causal, scale, dropout_p, need_weights, backend):
-    """Run the chosen backend: (output, weights or None)."""
-    name, _ = kernels.choose_backend(backend, need_weights=need_weights)
-    result = kernels.BACKENDS[name](q, k, v, mask, is_causal, scale, dropout_p)
-    out, weights = result if name == "math" else (result, None)
-    return out, (weights if need_weights else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,7 +45,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     mask = masks.sdpa(attn_mask, L=L, S=S, batch_shape=batch_shape, like=query)
     if enable_gqa and query.dim() >= 3:
         key, value = (_repeat_kv_heads(x, query.shape[-3]) for x in (key, value))
-    out, _ = _attend(query, key, value, mask, is_causal, scale, dropout_p, False, backend)
+    out, _ = multihead.run_backend(query, key, value, mask, is_causal, scale, dropout_p, False, backend)
     return out
 
 
@@ -135,45 +127,14 @@ def multi_head_attention_forward(
 
     x_q, x_k, x_v = (_to_batch_first(x, batched, batch_first) for x in (query, key, value))
     q, k, v = proj.apply(x_q, x_k, x_v, is_self_attention)  # (N, L, E), (N, S, E), (N, S, E)
-    q, k, v, appended = _heads(q, k, v, num_heads, bias_k, bias_v, static_k, static_v, add_zero_attn)
-    N, H, L, _ = q.shape
-    S = k.shape[2] - appended  # the keys the caller's masks describe
-    mask = masks.multihead(attn_mask, key_padding_mask, batch=N, num_heads=H, L=L, S=S,
-                           batched=batched, like=query)
-    if appended and is_causal:  # the appended keys stay visible: fold causal in before padding
-        mask, is_causal = masks.with_causal(mask, L, S, query.dtype, query.device), False
-    mask = masks.append_attended_keys(mask, appended)
-
-    o, weights = _attend(q, k, v, mask, is_causal, None, dropout_p, need_weights, backend)
-    out = F.linear(_merge_heads(o, seq_first=batched and not batch_first), out_proj_weight,
-                   out_proj_bias)  # (L, N, E) or (N, L, E)
-    if weights is not None and average_attn_weights:
-        weights = weights.mean(dim=1)  # (N, H, L, S) -> (N, L, S)
-    if not batched:
-        out = out.squeeze(0)  # (1, L, E) -> (L, E)
-        weights = None if weights is None else weights.squeeze(0)
-    return out, weights
-
-
-def _heads(q, k, v, num_heads, bias_k, bias_v, static_k, static_v, add_zero_attn):
-    """Projected (N, T, E) tensors -> per-head (N, H, T, D), with the optional extra keys.
-
-    Returns (q, k, v, number of key columns appended after the caller's S keys).
-    """
-    N, _, E = q.shape
-    if bias_k is not None:
-        k = torch.cat([k, bias_k.expand(N, 1, E)], dim=1)  # (N, S, E) -> (N, S+1, E)
-        v = torch.cat([v, bias_v.expand(N, 1, E)], dim=1)
-    q, k, v = (_split_heads(x, num_heads) for x in (q, k, v))  # (N, T, E) -> (N, H, T, D)
-    k = _static("static_k", static_k, k, N, num_heads, like=q)
-    v = _static("static_v", static_v, v, N, num_heads, like=q)
-    if add_zero_attn:
-        k = _append_zero_key(k)  # (N, H, S, D) -> (N, H, S+1, D)
-        v = _append_zero_key(v)
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(f"keys and values must have the same length, got {k.shape[2]} and "
-                         f"{v.shape[2]} (check static_k / static_v)")
-    return q, k, v, int(bias_k is not None) + int(bool(add_zero_attn))
+    o, weights = multihead.attend(
+        q, k, v, num_heads, bias_k=bias_k, bias_v=bias_v, static_k=static_k, static_v=static_v,
+        add_zero_attn=add_zero_attn, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+        is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights, batched=batched,
+        backend=backend,
+    )
+    return multihead.finish(o, weights, out_proj_weight, out_proj_bias, average_attn_weights,
+                            batched=batched, seq_first=batched and not batch_first)
 
 
 def _check_mha_inputs(query, key, value, embed_dim, num_heads, batch_first) -> bool:
@@ -214,35 +175,6 @@ def _to_batch_first(x: Tensor, batched: bool, batch_first: bool) -> Tensor:
     if not batched:
         return x.unsqueeze(0)  # (T, F) -> (1, T, F)
     return x if batch_first else x.transpose(0, 1)  # (T, N, F) -> (N, T, F)
-
-
-def _split_heads(x: Tensor, num_heads: int) -> Tensor:
-    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)  # (N, T, E) -> (N, T, H, D) -> (N, H, T, D)
-
-
-def _merge_heads(o: Tensor, seq_first: bool) -> Tensor:
-    if seq_first:
-        return o.permute(2, 0, 1, 3).flatten(2)  # (N, H, L, D) -> (L, N, H, D) -> (L, N, E)
-    return o.transpose(1, 2).flatten(2)  # (N, H, L, D) -> (N, L, H, D) -> (N, L, E)
-
-
-def _append_zero_key(x: Tensor) -> Tensor:
-    zeros = x.new_zeros(x.shape[0], x.shape[1], 1, x.shape[3])  # (N, H, 1, D)
-    return torch.cat([x, zeros], dim=2)
-
-
-def _static(name: str, given: Tensor | None, projected: Tensor, N: int, H: int, like: Tensor) -> Tensor:
-    """static_k / static_v (N*H, S, D) replace the projected keys / values."""
-    if given is None:
-        return projected
-    _checks.floating(name, given)
-    _checks.same_dtype_device("query", like, **{name: given})
-    D = projected.shape[-1]
-    _checks.rank(name, given, (3,), "(N*num_heads, S, head_dim)")
-    if given.shape[0] != N * H or given.shape[2] != D:
-        raise ValueError(f"{name} must have shape ({N * H}, S, {D}) = (N*num_heads, S, head_dim), "
-                         f"got {tuple(given.shape)}")
-    return given.unflatten(0, (N, H))  # (N*H, S, D) -> (N, H, S, D)
 
 
 def _check_output_and_kv_bias(out_proj_weight, out_proj_bias, bias_k, bias_v, static_kv, E, like):

@@ -1,0 +1,113 @@
+"""The multi-head machinery shared by every module: heads, extra keys, masks, backend, merge.
+
+Both the drop-in (mha.nn.MultiheadAttention, through mha.functional) and the general module
+(mha.MultiHeadAttention) project their inputs their own way, then call :func:`attend` on the
+projections and :func:`finish` on its result.
+
+Shape legend: N batch, H heads, L query length, S key length, Dk / Dv per-head query-key / value
+width, E_out output width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _checks, kernels, masks
+
+
+def run_backend(q, k, v, mask, is_causal, scale, dropout_p, need_weights, backend):
+    """Run the chosen backend on (B, H, L, D) tensors: (output, weights or None)."""
+    name, _ = kernels.choose_backend(backend, need_weights=need_weights)
+    result = kernels.BACKENDS[name](q, k, v, mask, is_causal, scale, dropout_p)
+    out, weights = result if name == "math" else (result, None)
+    return out, (weights if need_weights else None)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, num_heads: int, *, bias_k=None, bias_v=None,
+           static_k=None, static_v=None, add_zero_attn=False, attn_mask=None,
+           key_padding_mask=None, is_causal=False, dropout_p=0.0, need_weights=False,
+           batched=True, backend="auto") -> tuple[Tensor, Tensor | None]:
+    """Attention over projected q (N, L, H*Dk), k (N, S, H*Dk), v (N, S, H*Dv).
+
+    Masks follow torch.nn.MultiheadAttention (bool True = masked out); the appended keys
+    (bias_k/bias_v, zero attention) are visible to every query, causal or not.
+    Returns (output (N, H, L, Dv), weights (N, H, L, S + appended) or None).
+    """
+    q, k, v, appended = _heads(q, k, v, num_heads, bias_k, bias_v, static_k, static_v, add_zero_attn)
+    N, H, L, _ = q.shape
+    S = k.shape[2] - appended  # the keys the caller's masks describe
+    mask = masks.multihead(attn_mask, key_padding_mask, batch=N, num_heads=H, L=L, S=S,
+                           batched=batched, like=q)
+    if appended and is_causal:  # fold causal in before padding, so the appended keys stay visible
+        mask, is_causal = masks.with_causal(mask, L, S, q.dtype, q.device), False
+    mask = masks.append_attended_keys(mask, appended)
+    return run_backend(q, k, v, mask, is_causal, None, dropout_p, need_weights, backend)
+
+
+def finish(o: Tensor, weights: Tensor | None, out_weight: Tensor | None, out_bias: Tensor | None,
+           average_attn_weights: bool, *, batched: bool, seq_first: bool):
+    """Merge heads, project out, average weights, drop the batch dim of unbatched input.
+
+    o (N, H, L, Dv) -> (L, N, E_out) when seq_first, else (N, L, E_out) (unbatched: (L, E_out)).
+    ``out_weight=None`` means no output projection (the merged heads are the output).
+    """
+    merged = _merge_heads(o, seq_first)
+    out = merged if out_weight is None else F.linear(merged, out_weight, out_bias)
+    if weights is not None and average_attn_weights:
+        weights = weights.mean(dim=1)  # (N, H, L, S) -> (N, L, S)
+    if not batched:
+        out = out.squeeze(0)  # (1, L, E_out) -> (L, E_out)
+        weights = None if weights is None else weights.squeeze(0)
+    return out, weights
+
+
+def _heads(q, k, v, num_heads, bias_k, bias_v, static_k, static_v, add_zero_attn):
+    """Projected (N, T, H*D) tensors -> per-head (N, H, T, D), with the optional extra keys.
+
+    Returns (q, k, v, number of key columns appended after the caller's S keys).
+    """
+    N = q.shape[0]
+    if bias_k is not None:
+        k = torch.cat([k, bias_k.expand(N, 1, k.shape[-1])], dim=1)  # (N, S, H*Dk) -> (N, S+1, H*Dk)
+        v = torch.cat([v, bias_v.expand(N, 1, v.shape[-1])], dim=1)  # (N, S, H*Dv) -> (N, S+1, H*Dv)
+    q, k, v = (_split_heads(x, num_heads) for x in (q, k, v))  # (N, T, H*D) -> (N, H, T, D)
+    k = _static("static_k", static_k, k, N, num_heads)
+    v = _static("static_v", static_v, v, N, num_heads)
+    if add_zero_attn:
+        k = _append_zero_key(k)  # (N, H, S, D) -> (N, H, S+1, D)
+        v = _append_zero_key(v)
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"keys and values must have the same length, got {k.shape[2]} and "
+                         f"{v.shape[2]} (check static_k / static_v)")
+    return q, k, v, int(bias_k is not None) + int(bool(add_zero_attn))
+
+
+def _split_heads(x: Tensor, num_heads: int) -> Tensor:
+    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)  # (N, T, H*D) -> (N, T, H, D) -> (N, H, T, D)
+
+
+def _merge_heads(o: Tensor, seq_first: bool) -> Tensor:
+    if seq_first:
+        return o.permute(2, 0, 1, 3).flatten(2)  # (N, H, L, D) -> (L, N, H, D) -> (L, N, H*D)
+    return o.transpose(1, 2).flatten(2)  # (N, H, L, D) -> (N, L, H, D) -> (N, L, H*D)
+
+
+def _append_zero_key(x: Tensor) -> Tensor:
+    zeros = x.new_zeros(x.shape[0], x.shape[1], 1, x.shape[3])  # (N, H, 1, D)
+    return torch.cat([x, zeros], dim=2)
+
+
+def _static(name: str, given: Tensor | None, projected: Tensor, N: int, H: int) -> Tensor:
+    """static_k / static_v (N*H, S, D) replace the projected keys / values."""
+    if given is None:
+        return projected
+    _checks.floating(name, given)
+    _checks.same_dtype_device("query", projected, **{name: given})
+    D = projected.shape[-1]
+    _checks.rank(name, given, (3,), "(N*num_heads, S, head_dim)")
+    if given.shape[0] != N * H or given.shape[2] != D:
+        raise ValueError(f"{name} must have shape ({N * H}, S, {D}) = (N*num_heads, S, head_dim), "
+                         f"got {tuple(given.shape)}")
+    return given.unflatten(0, (N, H))  # (N*H, S, D) -> (N, H, S, D)

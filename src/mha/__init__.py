@@ -3,12 +3,14 @@
     mha.numpy       the float64 NumPy oracle, readable beside the paper
     mha.functional  scaled_dot_product_attention, multi_head_attention_forward (torch's signatures)
     mha.nn          MultiheadAttention, a drop-in for torch.nn.MultiheadAttention
+    mha.MultiHeadAttention  the general module: widths cq, ck, cv, dk, dv, do and h heads (seed 002)
     mha.kernels     exact attention backends and the dispatch between them
     mha.masks       the one place masks are validated and canonicalised
 """
 
 from . import functional, kernels, masks, nn, numpy
+from .nn import MultiHeadAttention
 
 __version__ = "0.1.0"
 
-__all__ = ["functional", "kernels", "masks", "nn", "numpy", "__version__"]
+__all__ = ["MultiHeadAttention", "functional", "kernels", "masks", "nn", "numpy", "__version__"]

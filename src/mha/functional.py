@@ -139,35 +139,11 @@ def multi_head_attention_forward(
 
 def _check_mha_inputs(query, key, value, embed_dim, num_heads, batch_first) -> bool:
     """Validate query/key/value; returns whether the input is batched."""
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        _checks.floating(name, x)
-    _checks.same_dtype_device("query", query, key=key, value=value)
-    _checks.rank("query", query, (2, 3), "((L, N, E) or (N, L, E) batched, (L, E) unbatched)")
-    for name, x in (("key", key), ("value", value)):
-        if x.dim() != query.dim():
-            raise ValueError(
-                f"{name} must be {query.dim()}-D like query, got {x.dim()}-D with shape {tuple(x.shape)}"
-            )
     _checks.positive_int("num_heads", num_heads)
     _checks.positive_int("embed_dim", embed_dim)
     _checks.divisible(embed_dim, num_heads)
-    if query.shape[-1] != embed_dim:
-        raise ValueError(
-            f"query's last dim must be embed_dim={embed_dim}, got shape {tuple(query.shape)}"
-        )
-    if key.shape[:-1] != value.shape[:-1]:
-        raise ValueError(
-            "key and value must have the same length (and batch size), got shapes "
-            f"{tuple(key.shape)} and {tuple(value.shape)}"
-        )
-    batched = query.dim() == 3
-    batch_axis = 0 if batch_first else 1
-    if batched and key.shape[batch_axis] != query.shape[batch_axis]:
-        raise ValueError(
-            f"key and query must have the same batch size (dim {batch_axis}), got shapes "
-            f"{tuple(key.shape)} and {tuple(query.shape)}"
-        )
-    return batched
+    return multihead.check_inputs(query, key, value, query_width=("embed_dim", embed_dim),
+                                  batch_first=batch_first)
 
 
 def _to_batch_first(x: Tensor, batched: bool, batch_first: bool) -> Tensor:

@@ -17,6 +17,42 @@ from torch import Tensor
 from . import _checks, kernels, masks
 
 
+def check_inputs(query, key, value, *, query_width: tuple[str, int],
+                 key_width: tuple[str, int] | None = None, value_width: tuple[str, int] | None = None,
+                 batch_first: bool) -> bool:
+    """Validate query/key/value of a multi-head module; returns whether the input is batched.
+
+    Each ``*_width`` is (the name of the setting, its value), e.g. ("embed_dim", 512).
+    """
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _checks.floating(name, x)
+    _checks.same_dtype_device("query", query, key=key, value=value)
+    layout = "(N, L, E)" if batch_first else "(L, N, E)"
+    _checks.rank("query", query, (2, 3), f"({layout} batched, (L, E) unbatched)")
+    for name, x in (("key", key), ("value", value)):
+        if x.dim() != query.dim():
+            raise ValueError(
+                f"{name} must be {query.dim()}-D like query, got {x.dim()}-D with shape {tuple(x.shape)}"
+            )
+    for name, x, width in (("query", query, query_width), ("key", key, key_width),
+                           ("value", value, value_width)):
+        if width is not None and x.shape[-1] != width[1]:
+            raise ValueError(f"{name}'s last dim must be {width[0]}={width[1]}, got shape {tuple(x.shape)}")
+    if key.shape[:-1] != value.shape[:-1]:
+        raise ValueError(
+            "key and value must have the same length (and batch size), got shapes "
+            f"{tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    batched = query.dim() == 3
+    batch_axis = 0 if batch_first else 1
+    if batched and key.shape[batch_axis] != query.shape[batch_axis]:
+        raise ValueError(
+            f"key and query must have the same batch size (dim {batch_axis}), got shapes "
+            f"{tuple(key.shape)} and {tuple(query.shape)}"
+        )
+    return batched
+
+
 def run_backend(q, k, v, mask, is_causal, scale, dropout_p, need_weights, backend):
     """Run the chosen backend on (B, H, L, D) tensors: (output, weights or None)."""
     name, _ = kernels.choose_backend(backend, need_weights=need_weights)

@@ -1,5 +1,6 @@
-"""Drop-in modules for torch.nn."""
+"""Modules: drop-ins for torch.nn, and the general multi-head attention of seed 002."""
 
+from .general import MultiHeadAttention
 from .multihead import MultiheadAttention
 
-__all__ = ["MultiheadAttention"]
+__all__ = ["MultiheadAttention", "MultiHeadAttention"]

@@ -75,22 +75,43 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.nn.MultiheadAttention in NumPy. `params` holds the module's state_dict as arrays:
-#   in_proj_weight (3E, E)  or  q_proj_weight (E, E), k_proj_weight (E, Ek), v_proj_weight (E, Ev)
-#   in_proj_bias (3E,), bias_k (1, 1, E), bias_v (1, 1, E), out_proj.weight (E, E), out_proj.bias (E,)
-# Missing optional entries mean the option is off.
+# Multi-head attention in NumPy. `params` holds a module's state_dict as arrays, in either naming:
+#   torch.nn.MultiheadAttention: in_proj_weight (3E, E) or q_proj_weight (E, E), k_proj_weight
+#     (E, Ek), v_proj_weight (E, Ev); in_proj_bias (3E,); out_proj.weight (E, E), out_proj.bias
+#   mha.MultiHeadAttention: q_proj.weight (H*Dk, Eq), k_proj.weight (H*Dk, Ek), v_proj.weight
+#     (H*Dv, Ev), their .bias, out_proj.weight (E_out, H*Dv), out_proj.bias
+# and in both bias_k (1, 1, H*Dk), bias_v (1, 1, H*Dv). Missing optional entries mean "off".
 # ---------------------------------------------------------------------------------------------
 
+_GENERAL = ("q_proj", "k_proj", "v_proj")
 
-def _projection_weights(params: dict, E: int):
-    """The three (E, E_in) input projections and their biases (or None)."""
+
+def _projection_weights(params: dict):
+    """The three input projections (H*D, E_in) and their biases (or None), in q, k, v order."""
+    if "q_proj.weight" in params:  # the general module's naming
+        return ([params[f"{n}.weight"] for n in _GENERAL], [params.get(f"{n}.bias") for n in _GENERAL])
     if params.get("in_proj_weight") is not None:
-        w_q, w_k, w_v = np.split(params["in_proj_weight"], 3, axis=0)
+        weights = np.split(params["in_proj_weight"], 3, axis=0)
     else:
-        w_q, w_k, w_v = params["q_proj_weight"], params["k_proj_weight"], params["v_proj_weight"]
+        weights = [params["q_proj_weight"], params["k_proj_weight"], params["v_proj_weight"]]
     b = params.get("in_proj_bias")
-    b_q, b_k, b_v = (None, None, None) if b is None else np.split(b, 3)
-    return (w_q, w_k, w_v), (b_q, b_k, b_v)
+    return weights, ([None] * 3 if b is None else np.split(b, 3))
+
+
+def _projection_grads(params: dict, g_w: list, g_b: list) -> dict:
+    """Gradients of the input projections under the names ``params`` uses."""
+    if "q_proj.weight" in params:
+        grads = {f"{n}.weight": g for n, g in zip(_GENERAL, g_w)}
+        if params.get("q_proj.bias") is not None:
+            grads.update({f"{n}.bias": g for n, g in zip(_GENERAL, g_b)})
+        return grads
+    if params.get("in_proj_weight") is not None:
+        grads = {"in_proj_weight": np.concatenate(g_w, axis=0)}  # (3E, E)
+    else:
+        grads = dict(zip(("q_proj_weight", "k_proj_weight", "v_proj_weight"), g_w))
+    if params.get("in_proj_bias") is not None:
+        grads["in_proj_bias"] = np.concatenate(g_b)
+    return grads
 
 
 def _linear(x, w, b):
@@ -145,38 +166,36 @@ def _mha_steps(query, key, value, params, num_heads, *, key_padding_mask=None, a
     N, L, _ = x_q.shape
     S0 = x_k.shape[1]
     w_o, b_o = params["out_proj.weight"], params.get("out_proj.bias")
-    E = w_o.shape[0]
-    H, D = num_heads, E // num_heads
-
-    (w_q, w_k, w_v), (b_q, b_k, b_v) = _projection_weights(params, E)
-    q, k, v = _linear(x_q, w_q, b_q), _linear(x_k, w_k, b_k), _linear(x_v, w_v, b_v)  # (N, L|S, E)
+    (w_q, w_k, w_v), (b_q, b_k, b_v) = _projection_weights(params)
+    H = num_heads
+    Dk, Dv = w_q.shape[0] // H, w_v.shape[0] // H
+    q, k, v = _linear(x_q, w_q, b_q), _linear(x_k, w_k, b_k), _linear(x_v, w_v, b_v)  # (N, L|S, H*D)
 
     s.bias_kv = params.get("bias_k") is not None
     if s.bias_kv:
-        k = np.concatenate([k, np.broadcast_to(params["bias_k"], (N, 1, E))], axis=1)  # (N, S+1, E)
-        v = np.concatenate([v, np.broadcast_to(params["bias_v"], (N, 1, E))], axis=1)
+        k = np.concatenate([k, np.broadcast_to(params["bias_k"], (N, 1, H * Dk))], axis=1)  # (N, S+1, H*Dk)
+        v = np.concatenate([v, np.broadcast_to(params["bias_v"], (N, 1, H * Dv))], axis=1)
 
-    q_h = q.reshape(N, L, H, D).transpose(0, 2, 1, 3)  # (N, L, E) -> (N, H, L, D)
-    k_h = k.reshape(N, -1, H, D).transpose(0, 2, 1, 3)  # (N, S, E) -> (N, H, S, D)
-    v_h = v.reshape(N, -1, H, D).transpose(0, 2, 1, 3)
+    q_h = q.reshape(N, L, H, Dk).transpose(0, 2, 1, 3)  # (N, L, H*Dk) -> (N, H, L, Dk)
+    k_h = k.reshape(N, -1, H, Dk).transpose(0, 2, 1, 3)  # (N, S, H*Dk) -> (N, H, S, Dk)
+    v_h = v.reshape(N, -1, H, Dv).transpose(0, 2, 1, 3)  # (N, S, H*Dv) -> (N, H, S, Dv)
     s.zero_attn = add_zero_attn
     if add_zero_attn:
-        zeros = np.zeros((N, H, 1, D), dtype=k_h.dtype)
-        k_h = np.concatenate([k_h, zeros], axis=2)  # (N, H, S+1, D)
-        v_h = np.concatenate([v_h, zeros], axis=2)
+        k_h = np.concatenate([k_h, np.zeros((N, H, 1, Dk), dtype=k_h.dtype)], axis=2)  # (N, H, S+1, Dk)
+        v_h = np.concatenate([v_h, np.zeros((N, H, 1, Dv), dtype=v_h.dtype)], axis=2)
 
     extra = int(s.bias_kv) + int(add_zero_attn)
     mask = _mha_mask(N, H, L, S0, attn_mask, key_padding_mask, is_causal, extra, q.dtype)
-    s.scale = 1.0 / math.sqrt(D)
+    s.scale = 1.0 / math.sqrt(Dk)
     scores = (q_h @ k_h.transpose(0, 1, 3, 2)) * s.scale + mask  # (N, H, L, S)
     s.P = softmax(scores, axis=-1)
-    o_h = s.P @ v_h  # (N, H, L, D)
-    s.o = o_h.transpose(0, 2, 1, 3).reshape(N, L, E)  # (N, H, L, D) -> (N, L, E)
-    s.out = _linear(s.o, w_o, b_o)  # (N, L, E)
+    o_h = s.P @ v_h  # (N, H, L, Dv)
+    s.o = _merge(o_h)  # (N, H, L, Dv) -> (N, L, H*Dv)
+    s.out = _linear(s.o, w_o, b_o)  # (N, L, E_out)
     s.x = (x_q, x_k, x_v)
     s.w_in = (w_q, w_k, w_v)
     s.heads = (q_h, k_h, v_h)
-    s.w_o, s.H, s.D, s.E = w_o, H, D, E
+    s.w_o = w_o
     return s
 
 
@@ -210,40 +229,41 @@ def multi_head_attention_vjp(query, key, value, params, num_heads, grad_output, 
     s = _mha_steps(query, key, value, params, num_heads, **options)
     (x_q, x_k, x_v), (w_q, w_k, w_v) = s.x, s.w_in
     q_h, k_h, v_h = s.heads
-    N, H, L, D = q_h.shape
-    g_out = _to_batch_first(grad_output, s.batched, s.batch_first)  # (N, L, E)
+    N, H, L, _ = q_h.shape
+    Dv = v_h.shape[-1]
+    g_out = _to_batch_first(grad_output, s.batched, s.batch_first)  # (N, L, E_out)
     grads = {"out_proj.weight": np.einsum("nle,nlf->ef", g_out, s.o)}
     if params.get("out_proj.bias") is not None:
         grads["out_proj.bias"] = g_out.sum(axis=(0, 1))
 
-    g_o = (g_out @ s.w_o).reshape(N, L, H, D).transpose(0, 2, 1, 3)  # (N, L, E) -> (N, H, L, D)
+    g_o = (g_out @ s.w_o).reshape(N, L, H, Dv).transpose(0, 2, 1, 3)  # (N, L, H*Dv) -> (N, H, L, Dv)
     g_P = g_o @ v_h.transpose(0, 1, 3, 2)  # (N, H, L, S)
     if grad_weights is not None:
         g_w = grad_weights if s.batched else grad_weights[None]
         g_P = g_P + (g_w[:, None] / H if average_attn_weights else g_w)  # (N, L, S) -> (N, 1, L, S)
-    g_v_h = s.P.transpose(0, 1, 3, 2) @ g_o  # (N, H, S, D)
+    g_v_h = s.P.transpose(0, 1, 3, 2) @ g_o  # (N, H, S, Dv)
     g_scores = s.P * (g_P - np.sum(g_P * s.P, axis=-1, keepdims=True))  # softmax backward
-    g_q_h = (g_scores @ k_h) * s.scale  # (N, H, L, D)
-    g_k_h = (g_scores.transpose(0, 1, 3, 2) @ q_h) * s.scale  # (N, H, S, D)
+    g_q_h = (g_scores @ k_h) * s.scale  # (N, H, L, Dk)
+    g_k_h = (g_scores.transpose(0, 1, 3, 2) @ q_h) * s.scale  # (N, H, S, Dk)
     if s.zero_attn:
         g_k_h, g_v_h = g_k_h[:, :, :-1], g_v_h[:, :, :-1]  # the zero key has no parameters
 
-    g_q = g_q_h.transpose(0, 2, 1, 3).reshape(N, L, s.E)  # (N, H, L, D) -> (N, L, E)
-    g_k = g_k_h.transpose(0, 2, 1, 3).reshape(N, -1, s.E)  # (N, H, S, D) -> (N, S, E)
-    g_v = g_v_h.transpose(0, 2, 1, 3).reshape(N, -1, s.E)
+    g_q = _merge(g_q_h)  # (N, H, L, Dk) -> (N, L, H*Dk)
+    g_k = _merge(g_k_h)  # (N, H, S, Dk) -> (N, S, H*Dk)
+    g_v = _merge(g_v_h)  # (N, H, S, Dv) -> (N, S, H*Dv)
     if s.bias_kv:
-        grads["bias_k"] = g_k[:, -1].sum(axis=0).reshape(1, 1, s.E)
-        grads["bias_v"] = g_v[:, -1].sum(axis=0).reshape(1, 1, s.E)
+        grads["bias_k"] = g_k[:, -1].sum(axis=0)[None, None]  # (H*Dk,) -> (1, 1, H*Dk)
+        grads["bias_v"] = g_v[:, -1].sum(axis=0)[None, None]
         g_k, g_v = g_k[:, :-1], g_v[:, :-1]
 
-    g_w_in = [np.einsum("nle,nlc->ec", g, x) for g, x in ((g_q, x_q), (g_k, x_k), (g_v, x_v))]
-    if params.get("in_proj_weight") is not None:
-        grads["in_proj_weight"] = np.concatenate(g_w_in, axis=0)  # (3E, E)
-    else:
-        grads.update(zip(("q_proj_weight", "k_proj_weight", "v_proj_weight"), g_w_in))
-    if params.get("in_proj_bias") is not None:
-        grads["in_proj_bias"] = np.concatenate([g.sum(axis=(0, 1)) for g in (g_q, g_k, g_v)])
-
+    pairs = ((g_q, x_q), (g_k, x_k), (g_v, x_v))
+    grads.update(_projection_grads(params, [np.einsum("nle,nlc->ec", g, x) for g, x in pairs],
+                                   [g.sum(axis=(0, 1)) for g, _ in pairs]))
     for name, g, w in (("query", g_q, w_q), ("key", g_k, w_k), ("value", g_v, w_v)):
         grads[name] = _from_batch_first(g @ w, s.batched, s.batch_first)  # (N, L|S, E_in)
     return grads
+
+
+def _merge(x: np.ndarray) -> np.ndarray:
+    N, H, T, D = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(N, T, H * D)  # (N, H, T, D) -> (N, T, H*D)

@@ -1,0 +1,102 @@
+"""mha.MultiHeadAttention: multi-head attention with every width free (seed 002).
+
+    head_i = softmax(Q W_i^Q (K W_i^K)^T / sqrt(dk)) V W_i^V,   MHA = concat(head_1..head_h) W^O
+
+    query (N, L, cq) -> Q W^Q: (N, L, h*dk)       key (N, S, ck) -> K W^K: (N, S, h*dk)
+    value (N, S, cv) -> V W^V: (N, S, h*dv)       concat (N, L, h*dv) -> output (N, L, do)
+
+torch.nn.MultiheadAttention is the special case cq = do = h*dk = h*dv (with kdim = ck, vdim = cv).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
+
+from .. import _checks, multihead
+
+__all__ = ["MultiHeadAttention"]
+
+
+class MultiHeadAttention(nn.Module):
+    """General multi-head attention, batch-first.
+
+    Args:
+        cq, ck, cv: widths of the query, key and value inputs.
+        dk: per-head width of queries and keys; dv: per-head width of values (dk != dv allowed).
+        do: output width.  h: number of heads.
+        bias: biases on the four projections.  add_bias_kv: learned extra key/value (bias_k,
+        bias_v) appended to the keys.  add_zero_attn: a zero key/value appended.
+        dropout: on the attention weights, in training.
+
+    Parameters: ``bias_k`` (1, 1, h*dk), ``bias_v`` (1, 1, h*dv) with add_bias_kv, then the
+    nn.Linear submodules ``q_proj`` (h*dk, cq), ``k_proj`` (h*dk, ck), ``v_proj`` (h*dv, cv),
+    ``out_proj`` (do, h*dv). Initialised as torch.nn.MultiheadAttention initialises its own.
+
+    Masks follow torch.nn.MultiheadAttention: bool True = masked OUT, float masks are added;
+    attn_mask (L, S) or (N*h, L, S), key_padding_mask (N, S); is_causal applies the top-left
+    causal mask (with attn_mask or without it). A query row whose keys are all masked gives zeros.
+    """
+
+    def __init__(self, cq: int, ck: int, cv: int, dk: int, dv: int, do: int, h: int,
+                 bias: bool = True, add_bias_kv: bool = False, add_zero_attn: bool = False,
+                 dropout: float = 0.0, device=None, dtype=None) -> None:
+        super().__init__()
+        names = ("cq", "ck", "cv", "dk", "dv", "do", "h")
+        cq, ck, cv, dk, dv, do, h = (_checks.positive_int(n, v) for n, v in zip(names, (cq, ck, cv, dk, dv, do, h)))
+        factory = {"device": device, "dtype": dtype}
+        self.cq, self.ck, self.cv, self.dk, self.dv, self.do, self.h = cq, ck, cv, dk, dv, do, h
+        self.dropout = _checks.probability("dropout", dropout)
+        self.add_zero_attn = add_zero_attn
+        if add_bias_kv:  # registered first: the parameter order seed 002 prints
+            self.bias_k = nn.Parameter(torch.empty(1, 1, h * dk, **factory))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, h * dv, **factory))
+        else:
+            self.register_parameter("bias_k", None)
+            self.register_parameter("bias_v", None)
+        self.q_proj = nn.Linear(cq, h * dk, bias=bias, **factory)
+        self.k_proj = nn.Linear(ck, h * dk, bias=bias, **factory)
+        self.v_proj = nn.Linear(cv, h * dv, bias=bias, **factory)
+        self.out_proj = nn.Linear(h * dv, do, bias=bias, **factory)
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            xavier_uniform_(proj.weight)
+            if proj.bias is not None:
+                constant_(proj.bias, 0.0)
+        if self.out_proj.bias is not None:
+            constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            xavier_normal_(self.bias_k)
+            xavier_normal_(self.bias_v)
+
+    def extra_repr(self) -> str:
+        return (f"cq={self.cq}, ck={self.ck}, cv={self.cv}, dk={self.dk}, dv={self.dv}, "
+                f"do={self.do}, h={self.h}, add_zero_attn={self.add_zero_attn}, dropout={self.dropout}")
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor,
+                key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None,
+                is_causal: bool = False, need_weights: bool = False,
+                average_attn_weights: bool = True, *, backend: str = "auto"):
+        """query (N, L, cq), key (N, S, ck), value (N, S, cv), or unbatched (L, cq), (S, ck), (S, cv).
+
+        Returns the output (N, L, do) (unbatched: (L, do)); with need_weights=True, the pair
+        (output, weights), weights (N, L, S) averaged over heads or (N, h, L, S).
+        """
+        batched = multihead.check_inputs(query, key, value, query_width=("cq", self.cq),
+                                         key_width=("ck", self.ck), value_width=("cv", self.cv),
+                                         batch_first=True)
+        _checks.same_dtype_device("query", query, **{"the module's parameters": self.q_proj.weight})
+        x_q, x_k, x_v = (x if batched else x.unsqueeze(0) for x in (query, key, value))  # (N, T, c)
+        q, k, v = self.q_proj(x_q), self.k_proj(x_k), self.v_proj(x_v)  # (N, T, h*d)
+        o, weights = multihead.attend(
+            q, k, v, self.h, bias_k=self.bias_k, bias_v=self.bias_v, add_zero_attn=self.add_zero_attn,
+            attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0, need_weights=need_weights,
+            batched=batched, backend=backend,
+        )
+        out, weights = multihead.finish(o, weights, self.out_proj.weight, self.out_proj.bias,
+                                        average_attn_weights, batched=batched, seq_first=False)
+        return (out, weights) if need_weights else out

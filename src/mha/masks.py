@@ -49,7 +49,8 @@ def to_dtype(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return mask.to(dtype)
 
 
-def _as_additive(mask: Tensor, true_means_attend: bool, dtype: torch.dtype) -> Tensor:
+def as_additive(mask: Tensor, true_means_attend: bool, dtype: torch.dtype) -> Tensor:
+    """A bool mask (in the given convention) as 0 / -inf, or a float mask in ``dtype``."""
     if mask.dtype == torch.bool:
         return _bool_to_additive(~mask if true_means_attend else mask, dtype)
     return to_dtype(mask, dtype)
@@ -94,7 +95,7 @@ def multihead(attn_mask: Tensor | None, key_padding_mask: Tensor | None, *, batc
             _checks.shape("attn_mask", attn_mask, (first, L, S), meaning)
         else:
             _checks.rank("attn_mask", attn_mask, (2, 3), f"(L, S) or {meaning}")
-        merged = _as_additive(attn_mask, False, additive_dtype(like.dtype))
+        merged = as_additive(attn_mask, False, additive_dtype(like.dtype))
         if merged.dim() == 3:
             merged = merged.reshape(first // num_heads, num_heads, L, S)  # (B*H, L, S) -> (B, H, L, S)
     if key_padding_mask is not None:
@@ -102,7 +103,7 @@ def multihead(attn_mask: Tensor | None, key_padding_mask: Tensor | None, *, batc
         _same_device("key_padding_mask", key_padding_mask, like)
         expected = (batch, S) if batched else (S,)
         _checks.shape("key_padding_mask", key_padding_mask, expected, "(B, S)" if batched else "(S,)")
-        kpm = _as_additive(key_padding_mask, False, additive_dtype(like.dtype))
+        kpm = as_additive(key_padding_mask, False, additive_dtype(like.dtype))
         kpm = kpm.reshape(batch if batched else 1, 1, 1, S)  # (B, S) -> (B, 1, 1, S)
         merged = kpm if merged is None else merged + kpm
     return merged
@@ -130,7 +131,7 @@ def sdpa(attn_mask: Tensor | None, *, L: int, S: int, batch_shape: tuple[int, ..
         )
     while attn_mask.dim() < 2:  # torch's kernel wants (..., L, S): (S,) -> (1, S)
         attn_mask = attn_mask.unsqueeze(0)
-    return _as_additive(attn_mask, True, additive_dtype(like.dtype))
+    return as_additive(attn_mask, True, additive_dtype(like.dtype))
 
 
 def _same_device(name: str, mask: Tensor, like: Tensor) -> None:

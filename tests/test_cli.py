@@ -46,3 +46,84 @@ def test_module_and_console_script_entry_points():
     assert script, "the mha console script is installed with the package"
     done = subprocess.run([script, "verify", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "--quick" in done.stdout
+
+
+# --- mha convert -------------------------------------------------------------------------------
+
+
+def _bert_checkpoint(path, heads=3, E=12):
+    import torch
+
+    from mha import layouts
+
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(E, heads, batch_first=True)
+    block = layouts.convert(attention.state_dict(), "torch", "bert")
+    state = {f"encoder.layer.0.attention.{k}": t for k, t in block.items()}
+    state["encoder.layer.0.attention.output.LayerNorm.weight"] = torch.ones(E)  # not attention: kept
+    state["embeddings.word_embeddings.weight"] = torch.randn(10, E)
+    return attention, state
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_convert_bert_block_to_gpt2_keeps_other_keys_and_outputs(tmp_path, suffix, capsys):
+    import torch
+    from safetensors.torch import save_file
+
+    from mha import layouts
+
+    attention, state = _bert_checkpoint(tmp_path)
+    source = tmp_path / f"bert{suffix}"
+    save_file(state, str(source)) if suffix == ".safetensors" else torch.save(state, source)
+    target = tmp_path / "out" / f"gpt2{suffix}"
+    prefix = "encoder.layer.0.attention."
+    assert cli.main(["convert", str(source), str(target), "--from", "bert", "--to", "gpt2",
+                     "--prefix", prefix, "--out-prefix", "h.0.attn."]) == 0
+    assert "c_attn.weight" in capsys.readouterr().out
+    from mha.cli.convert import load_state
+
+    written = load_state(target)
+    assert set(written) == {"h.0.attn.c_attn.weight", "h.0.attn.c_attn.bias", "h.0.attn.c_proj.weight",
+                            "h.0.attn.c_proj.bias", f"{prefix}output.LayerNorm.weight",
+                            "embeddings.word_embeddings.weight"}
+    block = {k[len("h.0.attn."):]: t for k, t in written.items() if k.startswith("h.0.attn.")}
+    module = layouts.general_module(block, "gpt2", 3)
+    x = torch.randn(2, 4, 12)
+    torch.testing.assert_close(module(x, x, x), attention(x, x, x)[0])
+
+
+def test_convert_refuses_missing_keys_and_writes_nothing(tmp_path, capsys):
+    import torch
+
+    _, state = _bert_checkpoint(tmp_path)
+    del state["encoder.layer.0.attention.self.value.weight"]
+    source, target = tmp_path / "bert.pt", tmp_path / "out.pt"
+    torch.save(state, source)
+    assert cli.main(["convert", str(source), str(target), "--from", "bert", "--to", "torch",
+                     "--prefix", "encoder.layer.0.attention."]) == 2
+    assert "self.value.weight" in capsys.readouterr().err
+    assert not target.exists() and list(tmp_path.iterdir()) == [source]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--prefix", "nothing."], ["prefix"]),
+    (["--to", "per_head"], ["num_heads"]),
+])
+def test_convert_errors(tmp_path, capsys, args, words):
+    import torch
+
+    _, state = _bert_checkpoint(tmp_path)
+    source = tmp_path / "bert.pt"
+    torch.save(state, source)
+    base = ["convert", str(source), str(tmp_path / "o.pt"), "--from", "bert", "--to", "torch",
+            "--prefix", "encoder.layer.0.attention."]
+    assert cli.main(base + args) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words)
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_convert_missing_input_file(tmp_path, capsys):
+    assert cli.main(["convert", str(tmp_path / "none.pt"), str(tmp_path / "o.pt"), "--from", "torch",
+                     "--to", "bert"]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -1,0 +1,103 @@
+"""Convert attention weights between layouts in a .pt or .safetensors file.
+
+The attention block under --prefix is read in the --from layout and written in the --to layout
+(under --out-prefix, by default the same prefix); every other key is copied unchanged. Nothing is
+written when a key is missing or mis-shaped. Layouts: see mha.layouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from .. import layouts
+
+SAFETENSORS = ".safetensors"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("input", type=Path, help="a .pt/.pth/.bin state_dict or a .safetensors file")
+    parser.add_argument("output", type=Path, help="where to write (.safetensors or a torch file)")
+    parser.add_argument("--from", dest="source", required=True, choices=sorted(layouts.LAYOUTS))
+    parser.add_argument("--to", dest="target", required=True, choices=sorted(layouts.LAYOUTS))
+    parser.add_argument("--num-heads", type=int, default=None,
+                        help="number of heads (needed by the per_head layout)")
+    parser.add_argument("--prefix", default="", help="key prefix of the attention block, e.g. "
+                        "'bert.encoder.layer.0.attention.'")
+    parser.add_argument("--out-prefix", default=None, help="prefix of the written block (default: --prefix)")
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    try:
+        written = convert_file(args.input, args.output, args.source, args.target, args.num_heads,
+                               args.prefix, args.out_prefix)
+    except (ValueError, TypeError, OSError) as error:
+        print(f"mha convert: error: {error}", file=sys.stderr)
+        return 2
+    table = Table(title=f"{args.input} ({args.source}) -> {args.output} ({args.target})")
+    table.add_column("key")
+    table.add_column("shape", justify="right")
+    for key, shape in written.items():
+        table.add_row(key, str(shape))
+    console.print(table)
+    return 0
+
+
+def convert_file(source_path: Path, target_path: Path, source: str, target: str,
+                 num_heads: int | None = None, prefix: str = "", out_prefix: str | None = None) -> dict:
+    """Convert the block; returns {written key: shape} of the converted keys."""
+    state = load_state(source_path)
+    block = {k[len(prefix):]: t for k, t in state.items() if k.startswith(prefix)}
+    if not block:
+        raise ValueError(f"no key of {source_path} starts with the prefix {prefix!r}")
+    general = layouts.to_general(block, source, num_heads)
+    consumed = {prefix + k for k in layouts.from_general(general, source, num_heads)}
+    converted = layouts.from_general(general, target, num_heads)
+    out_prefix = prefix if out_prefix is None else out_prefix
+    result = {k: t for k, t in state.items() if k not in consumed}
+    clashes = sorted(out_prefix + k for k in converted if out_prefix + k in result)
+    if clashes:
+        raise ValueError(f"the converted keys {clashes} would overwrite keys kept from the input")
+    result.update({out_prefix + k: t for k, t in converted.items()})
+    save_state(result, target_path)
+    return {out_prefix + k: tuple(t.shape) for k, t in converted.items()}
+
+
+def load_state(path: Path) -> dict[str, torch.Tensor]:
+    if not path.exists():
+        raise ValueError(f"{path} does not exist")
+    if path.suffix == SAFETENSORS:
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{path} must hold a flat state_dict (a dict of tensors), got {type(state).__name__}")
+    return state
+
+
+def save_state(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Write atomically: a temporary file in the same folder, renamed when complete."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=path.suffix)
+    os.close(handle)
+    try:
+        tensors = {k: t.detach().contiguous().clone() for k, t in state.items()}  # no shared storage
+        if path.suffix == SAFETENSORS:
+            from safetensors.torch import save_file
+
+            save_file(tensors, temporary)
+        else:
+            torch.save(tensors, temporary)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)

@@ -2,5 +2,6 @@
 
 from .general import MultiHeadAttention
 from .multihead import MultiheadAttention
+from .transformer import TransformerDecoderLayer, TransformerEncoderLayer
 
-__all__ = ["MultiheadAttention", "MultiHeadAttention"]
+__all__ = ["MultiheadAttention", "MultiHeadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer"]

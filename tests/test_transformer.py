@@ -1,0 +1,114 @@
+"""mha.nn.TransformerEncoderLayer / TransformerDecoderLayer against torch's, and the NumPy block."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import mha
+from mha import numpy as oracle
+
+D, H, FF = 12, 3, 20
+VARIANTS = list(itertools.product([False, True], ["relu", "gelu", torch.nn.functional.silu], [True, False]))
+
+
+def _pair(cls_torch, cls_ours, **options):
+    torch.manual_seed(0)
+    theirs = cls_torch(D, H, FF, **options)
+    torch.manual_seed(0)
+    ours = cls_ours(D, H, FF, **options)
+    return theirs, ours
+
+
+def _masks(T, N):
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(T)
+    padding = torch.zeros(N, T, dtype=torch.bool)
+    padding[1, -2:] = True
+    return causal, padding
+
+
+@pytest.mark.parametrize("norm_first, activation, bias", VARIANTS, ids=str)
+@pytest.mark.parametrize("training", [True, False])
+def test_encoder_layer_equals_torch(norm_first, activation, bias, training):
+    theirs, ours = _pair(torch.nn.TransformerEncoderLayer, mha.nn.TransformerEncoderLayer, dropout=0.0,
+                         activation=activation, norm_first=norm_first, bias=bias, batch_first=True)
+    assert list(theirs.state_dict()) == list(ours.state_dict())
+    for a, b in zip(theirs.state_dict().values(), ours.state_dict().values()):
+        assert torch.equal(a, b)  # same seed, same initial values
+    theirs.train(training)
+    ours.train(training)
+    x = torch.randn(2, 5, D, requires_grad=True)
+    causal, padding = _masks(5, 2)
+    with torch.no_grad():
+        want = theirs(x, src_mask=causal, src_key_padding_mask=padding)
+    got = ours(x, src_mask=causal, src_key_padding_mask=padding)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    got.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    torch.testing.assert_close(ours(x, is_causal=True), theirs(x, src_mask=causal, is_causal=True))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("training", [True, False])
+def test_decoder_layer_equals_torch(norm_first, training):
+    theirs, ours = _pair(torch.nn.TransformerDecoderLayer, mha.nn.TransformerDecoderLayer, dropout=0.0,
+                         norm_first=norm_first, activation="gelu")
+    assert list(theirs.state_dict()) == list(ours.state_dict())
+    theirs.train(training)
+    ours.train(training)
+    tgt, memory = torch.randn(4, 2, D), torch.randn(6, 2, D)
+    causal, _ = _masks(4, 2)
+    memory_padding = torch.zeros(2, 6, dtype=torch.bool)
+    memory_padding[0, -1] = True
+    kwargs = dict(tgt_mask=causal, memory_key_padding_mask=memory_padding)
+    torch.testing.assert_close(ours(tgt, memory, **kwargs), theirs(tgt, memory, **kwargs))
+    torch.testing.assert_close(ours(tgt, memory, tgt_is_causal=True, memory_key_padding_mask=memory_padding),
+                               theirs(tgt, memory, **kwargs, tgt_is_causal=True))
+
+
+def test_layers_load_torch_state_dicts_and_stack_in_torch_containers():
+    torch.manual_seed(1)
+    theirs = torch.nn.TransformerEncoderLayer(D, H, FF, dropout=0.0, batch_first=True).eval()
+    ours = mha.nn.TransformerEncoderLayer(D, H, FF, dropout=0.0, batch_first=True).eval()
+    ours.load_state_dict(theirs.state_dict())
+    encoder = torch.nn.TransformerEncoder(ours, num_layers=2, enable_nested_tensor=False)
+    reference = torch.nn.TransformerEncoder(theirs, num_layers=2, enable_nested_tensor=False)
+    x = torch.randn(2, 5, D)
+    with torch.no_grad():
+        torch.testing.assert_close(encoder(x), reference(x))
+
+
+def test_unknown_activation_is_a_clear_error():
+    with pytest.raises(ValueError, match="activation"):
+        mha.nn.TransformerEncoderLayer(D, H, activation="swish")
+    with pytest.raises(TypeError, match="activation"):
+        mha.nn.TransformerDecoderLayer(D, H, activation=3)
+
+
+@pytest.mark.parametrize("norm_first, activation", [(False, "relu"), (True, "gelu")])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_numpy_encoder_block_equals_torch_layer(norm_first, activation, batch_first):
+    torch.manual_seed(2)
+    layer = torch.nn.TransformerEncoderLayer(D, H, FF, dropout=0.0, activation=activation,
+                                             norm_first=norm_first, batch_first=batch_first,
+                                             dtype=torch.float64).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # non-trivial norms and biases
+    x = torch.randn((2, 5, D) if batch_first else (5, 2, D), dtype=torch.float64)
+    causal, padding = _masks(5, 2)
+    with torch.no_grad():
+        want = layer(x, src_mask=causal, src_key_padding_mask=padding)
+    params = {k: v.numpy() for k, v in layer.state_dict().items()}
+    got = oracle.transformer_encoder_layer(x.numpy(), params, H, src_mask=causal.numpy(),
+                                           src_key_padding_mask=padding.numpy(), norm_first=norm_first,
+                                           activation=activation, batch_first=batch_first)
+    np.testing.assert_allclose(got, want.numpy(), atol=1e-12, rtol=0)
+
+
+def test_numpy_layer_norm_and_gelu():
+    x = np.random.default_rng(0).normal(size=(3, 7))
+    t = torch.from_numpy(x)
+    np.testing.assert_allclose(oracle.layer_norm(x), torch.nn.functional.layer_norm(t, (7,)).numpy(), atol=1e-12)
+    np.testing.assert_allclose(oracle.gelu(x), torch.nn.functional.gelu(t).numpy(), atol=1e-12)

@@ -94,7 +94,7 @@ def test_layouts_that_cannot_hold_the_weights_refuse():
 @pytest.mark.parametrize("batched", [False, True])
 def test_per_head_loop_equals_the_batched_module(options, batched):
     theirs = _torch_module(**options)
-    heads = layouts.per_head(layouts.to_general(theirs.state_dict(), "torch"), H)
+    heads = layouts.per_head(theirs.state_dict(), H, layout="torch")
     assert heads.num_heads == H and heads.W_q[0].shape == (E, E // H)
     lead = (2,) if batched else ()
     q = torch.randn(*lead, 4, E)

@@ -347,8 +347,9 @@ class PerHead:
         return cls(W_o=_require(state, "W_o", "per_head"), b_o=state.get("b_o"), **lists)
 
 
-def per_head(general: Mapping[str, Tensor], num_heads: int) -> PerHead:
-    """The general state's projections as the paper's per-head matrices (transposed, split)."""
+def per_head(state: Mapping[str, Tensor], num_heads: int, layout: str = "general") -> PerHead:
+    """The paper's per-head matrices (transposed, split by head) of weights in any layout."""
+    general = to_general(state, layout, num_heads) if layout != "general" else state
     w = widths(general, num_heads)
     h, dk, dv = num_heads, w["dk"], w["dv"]
 

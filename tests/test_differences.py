@@ -9,6 +9,7 @@ import torch
 import mha
 from mha import kernels
 from mha import numpy as oracle
+from mha.parity import numpy_state, randomize_biases
 
 E, H, L, N = 8, 2, 4, 2
 
@@ -16,15 +17,7 @@ E, H, L, N = 8, 2, 4, 2
 def _module(batch_first=False, **options):
     torch.manual_seed(0)
     m = mha.nn.MultiheadAttention(E, H, batch_first=batch_first, dtype=torch.float64, **options)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("bias"):
-                p.normal_()
-    return m
-
-
-def _params(m):
-    return {k: v.detach().numpy() for k, v in m.state_dict().items()}
+    return randomize_biases(m)
 
 
 def _all_masked_row(kind, dtype=torch.float64):
@@ -47,7 +40,7 @@ def test_all_masked_query_row_gives_zeros_and_finite_gradients(kind, need_weight
     with torch.set_grad_enabled(grad):
         out, w = m(x, x, x, attn_mask=mask, need_weights=need_weights, average_attn_weights=False)
     want, want_w = oracle.multi_head_attention(x.detach().numpy(), x.detach().numpy(),
-                                               x.detach().numpy(), _params(m), H,
+                                               x.detach().numpy(), numpy_state(m), H,
                                                attn_mask=mask.numpy(), batch_first=True,
                                                average_attn_weights=False)
     np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-10, rtol=0)
@@ -92,7 +85,7 @@ def test_is_causal_is_honored_with_or_without_attn_mask(need_weights, training, 
     with torch.no_grad():
         out, _ = m(x, x, x, attn_mask=mask, is_causal=True, need_weights=need_weights)
     arr = x.numpy()
-    want, _ = oracle.multi_head_attention(arr, arr, arr, _params(m), H, is_causal=True,
+    want, _ = oracle.multi_head_attention(arr, arr, arr, numpy_state(m), H, is_causal=True,
                                           attn_mask=None if mask is None else mask.numpy(),
                                           batch_first=True)
     np.testing.assert_allclose(out.numpy(), want, atol=1e-10, rtol=0)
@@ -127,7 +120,7 @@ def test_causal_with_appended_keys_keeps_the_appended_keys_visible():
     assert w.shape[-1] == L + 2
     assert torch.all(w[..., 0, 1:L] == 0) and torch.all(w[..., 0, L:] > 0)
     arr = x.numpy()
-    want, _ = oracle.multi_head_attention(arr, arr, arr, _params(m), H, is_causal=True,
+    want, _ = oracle.multi_head_attention(arr, arr, arr, numpy_state(m), H, is_causal=True,
                                           add_zero_attn=True)
     np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-10, rtol=0)
 

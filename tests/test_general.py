@@ -8,6 +8,7 @@ import torch
 
 import mha
 from mha import numpy as oracle
+from mha.parity import numpy_state, randomize_biases
 
 WIDTHS = dict(cq=6, ck=5, cv=7, dk=3, dv=4, do=9, h=2)  # dk != dv, h*dk != cq, do != h*dv
 
@@ -15,15 +16,7 @@ WIDTHS = dict(cq=6, ck=5, cv=7, dk=3, dv=4, do=9, h=2)  # dk != dv, h*dk != cq, 
 def _module(**options):
     torch.manual_seed(0)
     m = mha.MultiHeadAttention(**{**WIDTHS, **options}, dtype=torch.float64)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("bias"):
-                p.normal_()
-    return m
-
-
-def _params(m):
-    return {k: v.detach().numpy() for k, v in m.state_dict().items()}
+    return randomize_biases(m)
 
 
 OPTIONS = list(itertools.product([True, False], [False, True], [False, True]))
@@ -46,13 +39,13 @@ def test_forward_weights_and_gradients_equal_the_oracle(bias, add_bias_kv, add_z
     options = dict(key_padding_mask=padding.numpy(), is_causal=True, add_zero_attn=add_zero_attn,
                    batch_first=True)
     arrays = [t.detach().numpy() for t in (q, k, v)]
-    want, want_w = oracle.multi_head_attention(*arrays, _params(m), 2, average_attn_weights=False, **options)
+    want, want_w = oracle.multi_head_attention(*arrays, numpy_state(m), 2, average_attn_weights=False, **options)
     assert out.shape == (*lead, L, 9)
     np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-12, rtol=0)
     np.testing.assert_allclose(w.detach().numpy(), want_w, atol=1e-12, rtol=0)
     g_out, g_w = torch.randn_like(out), torch.randn_like(w)
     ((out * g_out).sum() + (w * g_w).sum()).backward()
-    grads = oracle.multi_head_attention_vjp(*arrays, _params(m), 2, g_out.numpy(), g_w.numpy(),
+    grads = oracle.multi_head_attention_vjp(*arrays, numpy_state(m), 2, g_out.numpy(), g_w.numpy(),
                                             average_attn_weights=False, **options)
     for name, t in [("query", q), ("key", k), ("value", v), *m.named_parameters()]:
         np.testing.assert_allclose(t.grad.numpy(), grads[name], atol=1e-10, rtol=0, err_msg=name)

@@ -5,18 +5,14 @@ import torch
 
 import mha
 from mha import layouts
+from mha.parity import randomize_biases
 
 E, H = 12, 3
 
 
 def _torch_module(**options):
     torch.manual_seed(0)
-    m = torch.nn.MultiheadAttention(E, H, batch_first=True, **options)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("bias"):
-                p.normal_()
-    return m
+    return randomize_biases(torch.nn.MultiheadAttention(E, H, batch_first=True, **options))
 
 
 def _assert_same_state(a, b):

@@ -104,15 +104,26 @@ class Result:
 # ---------------------------------------------------------------------------------------------
 
 
+def randomize_biases(module: torch.nn.Module) -> torch.nn.Module:
+    """Draw every bias from N(0, 1): attention modules start with zero biases, which would let a
+    bias bug pass unseen."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("bias"):
+                p.normal_()
+    return module
+
+
+def numpy_state(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    """A module's state_dict as NumPy arrays: the oracle's ``params``."""
+    return {name: t.detach().cpu().numpy() for name, t in module.state_dict().items()}
+
+
 def _modules(case: Case):
     """torch's module with random biases, and ours loaded from its state_dict."""
     options = dict(bias=case.bias, add_bias_kv=case.add_bias_kv, add_zero_attn=case.add_zero_attn,
                    kdim=case.kdim, vdim=case.vdim, batch_first=case.batch_first, dtype=torch.float64)
-    theirs = torch.nn.MultiheadAttention(case.embed_dim, case.num_heads, **options)
-    with torch.no_grad():
-        for name, p in theirs.named_parameters():
-            if name.endswith("bias"):  # torch zeroes them: make them count
-                p.normal_()
+    theirs = randomize_biases(torch.nn.MultiheadAttention(case.embed_dim, case.num_heads, **options))
     ours = MultiheadAttention(case.embed_dim, case.num_heads, **options)
     ours.load_state_dict(theirs.state_dict())
     for m in (theirs, ours):
@@ -211,7 +222,7 @@ def _float_to(dtype, mask):
 
 
 def _oracle(theirs, inputs, attn_mask, padding, cotangents, case: Case):
-    params = {name: t.detach().numpy() for name, t in theirs.state_dict().items()}
+    params = numpy_state(theirs)
     arrays = [t.numpy() for t in inputs]
     options = dict(key_padding_mask=None if padding is None else padding.numpy(),
                    attn_mask=None if attn_mask is None else attn_mask.numpy(),

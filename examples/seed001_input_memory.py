@@ -37,12 +37,13 @@ def readable_forward(input_, memory, mask):
 
 input_ = torch.randn(N, 5, d_model)
 memory = torch.randn(N, 7, d_model)
-padding = torch.ones(N, 1, 7, dtype=torch.long)
-padding[1, :, 5:] = 0  # the second memory has two padding positions
+input_padding = torch.ones(N, 1, 5, dtype=torch.long)
+input_padding[0, :, 4:] = 0  # the first input has one padding position
+memory_padding = torch.ones(N, 1, 7, dtype=torch.long)
+memory_padding[1, :, 5:] = 0  # the second memory has two
 
 with torch.no_grad():
-    for name, mem in (("self-attention", input_), ("cross-attention", memory)):
-        mask = padding[:, :, : mem.shape[1]]
+    for name, mem, mask in (("self-attention", input_, input_padding), ("cross-attention", memory, memory_padding)):
         attn_mask = layouts.annotated_mask_to_attn_mask(mask, num_heads=h, query_len=input_.shape[1])
         got = attention(input_, mem, mem, attn_mask=attn_mask)
         want = readable_forward(input_, mem, mask)

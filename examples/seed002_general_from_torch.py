@@ -36,6 +36,12 @@ for bias, add_bias_kv in itertools.product([False, True], [True, False]):
             our_attn.out_proj.bias.copy_(torch_attn.out_proj.bias)
     o_our = our_attn(q, k, v)
     o_torch, _ = torch_attn(q, k, v)
+    shapes = {n: tuple(p.shape) for n, p in our_attn.named_parameters()}
+    expected = {**({"bias_k": (1, 1, d), "bias_v": (1, 1, d)} if add_bias_kv else {}),  # the seed's printout
+                "q_proj.weight": (d, d), "k_proj.weight": (d, ck), "v_proj.weight": (d, cv),
+                "out_proj.weight": (d, d)}
+    assert {n: s for n, s in shapes.items() if not n.endswith(".bias")} == expected, shapes
+    assert next(iter(shapes)) == ("bias_k" if add_bias_kv else "q_proj.weight")  # the seed's order
     assert o_our.shape == (batch_dim, M, d)
     assert torch.allclose(o_our, o_torch, atol=1e-6), (o_our - o_torch).abs().max()
     print(f"bias={bias!s:5} add_bias_kv={add_bias_kv!s:5}: max |ours - torch| = "

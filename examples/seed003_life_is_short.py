@@ -50,14 +50,32 @@ assert torch.allclose(out, layouts.per_head_attention(x, x, x, heads), atol=1e-4
 print(f"3 heads with stacked weights: output {tuple(out.shape)} equals the seed's bmm computation")
 
 # --- the labml layout: query.linear / key.linear / value.linear / output, seq-first, mask [T_q, T_k, B]
-labml = layouts.convert(layouts.from_per_head(heads), "general", "labml", num_heads=h)
+torch.manual_seed(0)
+projections = {name: torch.nn.Linear(d, h * 8) for name in ("query", "key", "value")}  # labml: d_k = 8
+output = torch.nn.Linear(h * 8, d)
+labml = {f"{name}.linear.{p}": getattr(lin, p) for name, lin in projections.items() for p in ("weight", "bias")}
+labml.update({"output.weight": output.weight, "output.bias": output.bias})
 module = layouts.general_module(labml, "labml", num_heads=h)
+
+
+def labml_forward(x, mask):
+    """labml's MultiHeadAttention.forward: [T, B, d] in, einsum scores, softmax over keys (dim 1)."""
+    T, B, _ = x.shape
+    q, k, v = (projections[n](x).view(T, B, h, 8) for n in ("query", "key", "value"))  # [T, B, h, d_k]
+    scores = torch.einsum("ibhd,jbhd->ijbh", q, k) / 8 ** 0.5  # [T_q, T_k, B, h]
+    scores = scores.masked_fill(mask.unsqueeze(-1) == 0, float("-inf"))
+    attn = torch.softmax(scores, dim=1)
+    return output(torch.einsum("ijbh,jbhd->ibhd", attn, v).reshape(T, B, -1))  # [T, B, d]
+
+
 seq_first = torch.stack([x, x.flip(0)], dim=1)  # [T, B=2, d]
-causal = torch.tril(torch.ones(6, 6)).unsqueeze(-1)  # [T_q, T_k, 1]: broadcast over the batch
-attn_mask = layouts.labml_mask_to_attn_mask(causal, num_heads=h, batch=2)
+mask = torch.tril(torch.ones(6, 6)).unsqueeze(-1).repeat(1, 1, 2)  # [T_q, T_k, B]: 1 = may attend
+mask[:, 4, 1] = 0  # the second sequence may not look at position 4
+attn_mask = layouts.labml_mask_to_attn_mask(mask, num_heads=h)
+batch_first = layouts.seq_first_to_batch_first(seq_first)
 with torch.no_grad():
-    out = module(layouts.seq_first_to_batch_first(seq_first), layouts.seq_first_to_batch_first(seq_first),
-                 layouts.seq_first_to_batch_first(seq_first), attn_mask=attn_mask)
-    same = module(x, x, x, is_causal=True)
-assert torch.allclose(out[0], same, atol=1e-4)
-print("labml layout + mask [T_q, T_k, B]: equals is_causal on the first sequence")
+    out = layouts.batch_first_to_seq_first(module(batch_first, batch_first, batch_first, attn_mask=attn_mask))
+    want = labml_forward(seq_first, mask)
+assert torch.allclose(out, want, atol=1e-5), (out - want).abs().max()
+print(f"labml layout, seq-first, mask [T_q, T_k, B]: equals labml's own forward, max |diff| = "
+      f"{(out - want).abs().max().item():.1e}")

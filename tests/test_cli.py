@@ -82,7 +82,10 @@ def test_convert_bert_block_to_gpt2_keeps_other_keys_and_outputs(tmp_path, suffi
     assert "c_attn.weight" in capsys.readouterr().out
     from mha.cli.convert import load_state
 
-    written = load_state(target)
+    written, metadata = load_state(target)
+    if suffix == ".safetensors":
+        assert metadata == {"format": "pt"}
+    assert target.stat().st_mode & 0o777 == 0o666 & ~_umask()
     assert set(written) == {"h.0.attn.c_attn.weight", "h.0.attn.c_attn.bias", "h.0.attn.c_proj.weight",
                             "h.0.attn.c_proj.bias", f"{prefix}output.LayerNorm.weight",
                             "embeddings.word_embeddings.weight"}
@@ -90,6 +93,40 @@ def test_convert_bert_block_to_gpt2_keeps_other_keys_and_outputs(tmp_path, suffi
     module = layouts.general_module(block, "gpt2", 3)
     x = torch.randn(2, 4, 12)
     torch.testing.assert_close(module(x, x, x), attention(x, x, x)[0])
+
+
+def _umask():
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_convert_per_head_takes_the_head_count_from_the_file(tmp_path, capsys):
+    import torch
+
+    import mha
+    from mha import layouts
+    from mha.cli.convert import load_state
+
+    heads = layouts.per_head(mha.MultiHeadAttention(8, 8, 8, 2, 2, 8, 4).state_dict(), 4)
+    source = tmp_path / "ph.pt"
+    torch.save(heads.as_state(), source)
+    assert cli.main(["convert", str(source), str(tmp_path / "t.pt"), "--from", "per_head", "--to", "torch"]) == 0
+    assert set(load_state(tmp_path / "t.pt")[0]) == {"in_proj_weight", "in_proj_bias", "out_proj.weight",
+                                                     "out_proj.bias"}
+    assert cli.main(["convert", str(source), str(tmp_path / "u.pt"), "--from", "per_head", "--to", "torch",
+                     "--num-heads", "2"]) == 2
+    assert "4 heads" in capsys.readouterr().err and not (tmp_path / "u.pt").exists()
+
+
+@pytest.mark.parametrize("name, content", [("bad.pt", b"not a pickle"), ("bad.safetensors", b"\xff" * 16)])
+def test_convert_reports_unreadable_files(tmp_path, capsys, name, content):
+    source = tmp_path / name
+    source.write_bytes(content)
+    assert cli.main(["convert", str(source), str(tmp_path / "o.pt"), "--from", "torch", "--to", "bert"]) == 2
+    assert "could not read" in capsys.readouterr().err
 
 
 def test_convert_refuses_missing_keys_and_writes_nothing(tmp_path, capsys):

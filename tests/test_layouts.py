@@ -161,3 +161,49 @@ def test_missing_and_misshaped_keys_are_named():
         layouts.from_general(general, "per_head")
     with pytest.raises(ValueError, match="divide"):
         layouts.from_general(general, "per_head", num_heads=5)
+
+
+def test_per_head_head_count_comes_from_the_weights():
+    heads = layouts.per_head(mha.MultiHeadAttention(8, 8, 8, 2, 2, 8, 4).state_dict(), 4)
+    state = heads.as_state()
+    assert layouts.heads_in(state, "per_head") == 4
+    assert set(layouts.convert(state, "per_head", "torch")) >= {"in_proj_weight"}
+    with pytest.raises(ValueError, match="4 heads, but num_heads=2"):
+        layouts.general_module(state, "per_head", num_heads=2)
+    del state["W_k.3"]
+    with pytest.raises(ValueError, match="4 heads in W_q but 3 in W_k"):
+        layouts.to_general(state, "per_head")
+
+
+def test_per_head_bias_k_and_bias_v_come_together():
+    state = layouts.per_head(mha.MultiHeadAttention(8, 8, 8, 2, 2, 8, 4, add_bias_kv=True).state_dict(), 4).as_state()
+    for key in [k for k in state if k.startswith("bias_v.")]:
+        del state[key]
+    with pytest.raises(ValueError, match="bias_k.i and bias_v.i come together"):
+        layouts.to_general(state, "per_head")
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: layouts.labml_mask_to_attn_mask(torch.ones(4, 4, 3), num_heads=2, batch=2), ["batch=2"]),
+    (lambda: layouts.annotated_mask_to_attn_mask(torch.ones(2, 3, 4), num_heads=2, query_len=5), ["query_len=5"]),
+    (lambda: layouts.annotated_mask_to_attn_mask(torch.ones(1, 1, 4), num_heads=0), ["num_heads"]),
+    (lambda: layouts.to_general({"c_attn.weight": torch.zeros(2, 3, 4)}, "gpt2"), ["c_attn.weight", "2-D"]),
+    (lambda: layouts.per_head(layouts.to_general(_torch_module().state_dict(), "torch"), 2.0), ["num_heads"]),
+])
+def test_adapter_and_layout_input_errors(call, words):
+    with pytest.raises((ValueError, TypeError)) as info:
+        call()
+    assert all(w in str(info.value) for w in words), info.value
+
+
+def test_annotated_subsequent_mask_broadcasts_over_a_batch():
+    subsequent = torch.tril(torch.ones(1, 4, 4))  # the Annotated Transformer's subsequent_mask(4)
+    attn_mask = layouts.annotated_mask_to_attn_mask(subsequent, num_heads=2, batch=3)
+    assert attn_mask.shape == (6, 4, 4) and attn_mask[5, 0, 1] and not attn_mask[5, 1, 0]
+
+
+def test_integer_weights_are_refused():
+    general = layouts.to_general(_torch_module().state_dict(), "torch")
+    general["q_proj.weight"] = general["q_proj.weight"].long()
+    with pytest.raises(TypeError, match="floating"):
+        layouts.from_general(general, "bert")

@@ -112,3 +112,23 @@ def test_numpy_layer_norm_and_gelu():
     t = torch.from_numpy(x)
     np.testing.assert_allclose(oracle.layer_norm(x), torch.nn.functional.layer_norm(t, (7,)).numpy(), atol=1e-12)
     np.testing.assert_allclose(oracle.gelu(x), torch.nn.functional.gelu(t).numpy(), atol=1e-12)
+
+
+@pytest.mark.parametrize("activation, code", [("relu", 1), ("gelu", 2), (torch.nn.GELU(), 2), (torch.tanh, 0)])
+def test_encoder_records_activation_kind_like_torch(activation, code):
+    assert mha.nn.TransformerEncoderLayer(D, H, activation=activation).activation_relu_or_gelu == code
+    assert torch.nn.TransformerEncoderLayer(D, H, activation=activation).activation_relu_or_gelu == code
+
+
+@pytest.mark.parametrize("cls", [mha.nn.TransformerEncoderLayer, mha.nn.TransformerDecoderLayer])
+@pytest.mark.parametrize("kwargs, error, name", [(dict(dim_feedforward=-1), ValueError, "dim_feedforward"),
+                                                 (dict(layer_norm_eps="x"), ValueError, "layer_norm_eps"),
+                                                 (dict(dropout=2.0), ValueError, "dropout")])
+def test_layer_constructor_errors(cls, kwargs, error, name):
+    with pytest.raises(error, match=name):
+        cls(D, H, **kwargs)
+
+
+def test_numpy_block_unknown_activation():
+    with pytest.raises(ValueError, match="activation"):
+        oracle.transformer_encoder_layer(np.zeros((2, D)), {}, H, activation="tanh")

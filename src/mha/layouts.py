@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import masks
+from . import _checks, masks
 
 __all__ = [
-    "LAYOUTS", "convert", "to_general", "from_general", "widths", "general_module",
+    "LAYOUTS", "convert", "to_general", "from_general", "heads_in", "widths", "general_module",
     "torch_module", "state_of", "PerHead", "per_head", "from_per_head", "per_head_attention",
     "seq_first_to_batch_first", "batch_first_to_seq_first", "labml_mask_to_attn_mask",
     "annotated_mask_to_attn_mask",
@@ -48,22 +48,23 @@ _PROJ = ("q_proj", "k_proj", "v_proj", "out_proj")
 # ---------------------------------------------------------------------------------------------
 
 
-def _require(state: Mapping[str, Tensor], key: str, layout: str) -> Tensor:
+def _require(state: Mapping[str, Tensor], key: str, layout: str, ndim: int | None = None) -> Tensor:
     if key not in state:
         raise ValueError(f"layout {layout!r} needs the key {key!r}, which is missing "
                          f"(keys present: {sorted(state)[:12]}{' ...' if len(state) > 12 else ''})")
     value = state[key]
     if not isinstance(value, Tensor):
         raise TypeError(f"{key!r} must be a tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"{key!r} must be a floating point tensor, got dtype {value.dtype}")
+    if ndim is not None and value.dim() != ndim:
+        raise ValueError(f"{key!r} must be {ndim}-D, got shape {tuple(value.shape)}")
     return value
 
 
 def widths(general: Mapping[str, Tensor], num_heads: int | None = None) -> dict:
     """cq, ck, cv, do, h*dk, h*dv (and dk, dv with num_heads) of a general state; checks shapes."""
-    q, k, v, o = (_require(general, f"{p}.weight", "general") for p in _PROJ)
-    for name, w in zip(_PROJ, (q, k, v, o)):
-        if w.dim() != 2:
-            raise ValueError(f"{name}.weight must be 2-D, got shape {tuple(w.shape)}")
+    q, k, v, o = (_require(general, f"{p}.weight", "general", ndim=2) for p in _PROJ)
     hdk, hdv = q.shape[0], v.shape[0]
     found = dict(cq=q.shape[1], ck=k.shape[1], cv=v.shape[1], do=o.shape[0], hdk=hdk, hdv=hdv)
     expected = {"k_proj.weight": (hdk, found["ck"]), "out_proj.weight": (found["do"], hdv),
@@ -76,7 +77,8 @@ def widths(general: Mapping[str, Tensor], num_heads: int | None = None) -> dict:
     if ("bias_k" in general) != ("bias_v" in general):
         raise ValueError("bias_k and bias_v come together; only one of them is present")
     if num_heads is not None:
-        if num_heads <= 0 or hdk % num_heads or hdv % num_heads:
+        num_heads = _checks.positive_int("num_heads", num_heads)
+        if hdk % num_heads or hdv % num_heads:
             raise ValueError(f"num_heads={num_heads} must divide the projection widths h*dk={hdk} "
                              f"and h*dv={hdv}")
         found.update(h=num_heads, dk=hdk // num_heads, dv=hdv // num_heads)
@@ -143,7 +145,10 @@ def _torch_export(general, num_heads):
 
 def _torch_load(state, num_heads):
     if "in_proj_weight" in state:
-        q, k, v = _require(state, "in_proj_weight", "torch").chunk(3)  # (3E, E) -> 3 x (E, E)
+        packed = _require(state, "in_proj_weight", "torch", ndim=2)
+        if packed.shape[0] % 3:
+            raise ValueError(f"in_proj_weight must have 3*E rows, got shape {tuple(packed.shape)}")
+        q, k, v = packed.chunk(3)  # (3E, E) -> 3 x (E, E)
     else:
         q, k, v = (_require(state, f"{p}_weight", "torch") for p in _PROJ[:3])
     general = {"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v,
@@ -172,13 +177,13 @@ def _gpt2_export(general, num_heads):
 
 
 def _gpt2_load(state, num_heads):
-    packed = _require(state, "c_attn.weight", "gpt2").t()  # (cq, 3*h*d) -> (3*h*d, cq)
+    packed = _require(state, "c_attn.weight", "gpt2", ndim=2).t()  # (cq, 3*h*d) -> (3*h*d, cq)
     if packed.shape[0] % 3:
         raise ValueError(f"c_attn.weight must have 3*h*d columns, got shape {tuple(packed.shape[::-1])}")
     general = dict(zip(("q_proj.weight", "k_proj.weight", "v_proj.weight"), packed.chunk(3)))
     general.update(zip(("q_proj.bias", "k_proj.bias", "v_proj.bias"),
                        _require(state, "c_attn.bias", "gpt2").chunk(3)))
-    general["out_proj.weight"] = _require(state, "c_proj.weight", "gpt2").t()  # (h*dv, do) -> (do, h*dv)
+    general["out_proj.weight"] = _require(state, "c_proj.weight", "gpt2", ndim=2).t()  # (h*dv, do) -> (do, h*dv)
     general["out_proj.bias"] = _require(state, "c_proj.bias", "gpt2")
     return {k: t.contiguous() for k, t in general.items()}
 
@@ -188,7 +193,10 @@ def _per_head_export(general, num_heads):
 
 
 def _per_head_load(state, num_heads):
-    return from_per_head(PerHead.from_state(state))
+    heads = PerHead.from_state(state)
+    if num_heads is not None and num_heads != heads.num_heads:
+        raise ValueError(f"the per_head weights hold {heads.num_heads} heads, but num_heads={num_heads}")
+    return from_per_head(heads)
 
 
 def _heads_needed(num_heads):
@@ -230,10 +238,20 @@ def _layout_named(name: str) -> Layout:
     return LAYOUTS[name]
 
 
+def heads_in(state: Mapping[str, Tensor], layout: str, num_heads: int | None = None) -> int | None:
+    """The number of heads: the one the weights fix (per_head) checked against ``num_heads``, else ``num_heads``."""
+    if layout != "per_head":
+        return num_heads
+    count = PerHead.from_state(state).num_heads
+    if num_heads is not None and num_heads != count:
+        raise ValueError(f"the per_head weights hold {count} heads, but num_heads={num_heads}")
+    return count
+
+
 def to_general(state: Mapping[str, Tensor], layout: str, num_heads: int | None = None) -> dict:
     """A state_dict in ``layout`` -> the general module's state_dict (validated)."""
     general = _layout_named(layout).load(dict(state), num_heads)
-    widths(general, num_heads)
+    widths(general, heads_in(state, layout, num_heads))
     return general
 
 
@@ -245,6 +263,7 @@ def from_general(general: Mapping[str, Tensor], layout: str, num_heads: int | No
 
 def convert(state: Mapping[str, Tensor], source: str, target: str, num_heads: int | None = None) -> dict:
     """Convert attention weights from one layout to another (no copy beyond what packing needs)."""
+    num_heads = heads_in(state, source, num_heads)
     return from_general(to_general(state, source, num_heads), target, num_heads)
 
 
@@ -344,7 +363,13 @@ class PerHead:
         for name in ("W_q", "W_k", "W_v"):
             if lists[name] is None:
                 raise ValueError(f"layout 'per_head' needs the keys {name}.0 .. {name}.(h-1), which are missing")
-        return cls(W_o=_require(state, "W_o", "per_head"), b_o=state.get("b_o"), **lists)
+        h = len(lists["W_q"])
+        for name, items in lists.items():
+            if items is not None and len(items) != h:
+                raise ValueError(f"per_head has {h} heads in W_q but {len(items)} in {name}")
+        if (lists["bias_k"] is None) != (lists["bias_v"] is None):
+            raise ValueError("per_head bias_k.i and bias_v.i come together; only one of them is present")
+        return cls(W_o=_require(state, "W_o", "per_head", ndim=2), b_o=state.get("b_o"), **lists)
 
 
 def per_head(state: Mapping[str, Tensor], num_heads: int, layout: str = "general") -> PerHead:
@@ -379,6 +404,8 @@ def from_per_head(heads: PerHead) -> dict[str, Tensor]:
             general[key] = stack(parts)
     if heads.b_o is not None:
         general["out_proj.bias"] = heads.b_o
+    if (heads.bias_k is None) != (heads.bias_v is None):
+        raise ValueError("bias_k and bias_v come together; only one of them is given")
     if heads.bias_k is not None:
         general["bias_k"] = stack(heads.bias_k).reshape(1, 1, -1)  # (h*dk,) -> (1, 1, h*dk)
         general["bias_v"] = stack(heads.bias_v).reshape(1, 1, -1)
@@ -438,18 +465,27 @@ def labml_mask_to_attn_mask(mask: Tensor, num_heads: int, query_len: int | None 
     an attn_mask (B*num_heads, T_q, T_k) in torch.nn.MultiheadAttention's convention (True = masked out)."""
     if mask.dim() != 3:
         raise ValueError(f"a labml mask is [T_q, T_k, B], got shape {tuple(mask.shape)}")
-    T_q = query_len if query_len is not None else mask.shape[0]
-    B = batch if batch is not None else mask.shape[2]
-    allowed = mask.bool().permute(2, 0, 1).expand(B, T_q, mask.shape[1])  # [T_q, T_k, B] -> (B, T_q, T_k)
-    return (~allowed).repeat_interleave(num_heads, dim=0)  # (B, T_q, T_k) -> (B*H, T_q, T_k), index b*H + h
+    allowed = mask.bool().permute(2, 0, 1)  # [T_q, T_k, B] -> (B, T_q, T_k)
+    return _heads_of(allowed, num_heads, query_len, batch, "labml mask [T_q, T_k, B]")
 
 
-def annotated_mask_to_attn_mask(mask: Tensor, num_heads: int, query_len: int | None = None) -> Tensor:
-    """The Annotated Transformer's mask (B, 1 or T_q, T_k) (1 = may attend) -> an attn_mask
+def annotated_mask_to_attn_mask(mask: Tensor, num_heads: int, query_len: int | None = None,
+                                batch: int | None = None) -> Tensor:
+    """The Annotated Transformer's mask (B or 1, 1 or T_q, T_k) (1 = may attend) -> an attn_mask
     (B*num_heads, T_q, T_k), True = masked out. (The Annotated Transformer fills with -1e9, so a
     row with no visible key becomes uniform there and zeros here.)"""
     if mask.dim() != 3:
         raise ValueError(f"an Annotated Transformer mask is (B, 1 or T_q, T_k), got shape {tuple(mask.shape)}")
-    T_q = query_len if query_len is not None else mask.shape[1]
-    allowed = mask.bool().expand(mask.shape[0], T_q, mask.shape[2])  # (B, T_q, T_k)
-    return (~allowed).repeat_interleave(num_heads, dim=0)  # (B*H, T_q, T_k)
+    return _heads_of(mask.bool(), num_heads, query_len, batch, "Annotated Transformer mask (B, T_q, T_k)")
+
+
+def _heads_of(allowed: Tensor, num_heads: int, query_len, batch, what: str) -> Tensor:
+    """(B|1, T_q|1, T_k) "may attend" -> (B*H, T_q, T_k) "masked out", index b*H + h."""
+    num_heads = _checks.positive_int("num_heads", num_heads)
+    B = allowed.shape[0] if batch is None else _checks.positive_int("batch", batch)
+    T_q = allowed.shape[1] if query_len is None else _checks.positive_int("query_len", query_len)
+    for name, have, want in (("batch", allowed.shape[0], B), ("query_len", allowed.shape[1], T_q)):
+        if have not in (1, want):
+            raise ValueError(f"the {what} has {have} along {name}, which neither equals {name}={want} nor is 1")
+    full = allowed.expand(B, T_q, allowed.shape[2])  # broadcast the size-1 axes
+    return (~full).repeat_interleave(num_heads, dim=0)  # (B, T_q, T_k) -> (B*H, T_q, T_k)

@@ -62,8 +62,20 @@ class MultiHeadAttention(nn.Module):
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
-        for proj in (self.q_proj, self.k_proj, self.v_proj):
-            xavier_uniform_(proj.weight)
+        """torch.nn.MultiheadAttention's scheme: xavier_uniform_ on the input projections (on the
+        packed (3E, E) matrix when all widths are E, as torch does), zero biases, xavier_normal_
+        on bias_k and bias_v; out_proj keeps nn.Linear's init with a zero bias."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if len({self.cq, self.ck, self.cv, self.h * self.dk, self.h * self.dv}) == 1:
+            with torch.no_grad():
+                packed = xavier_uniform_(torch.empty(3 * self.cq, self.cq, dtype=self.q_proj.weight.dtype,
+                                                     device=self.q_proj.weight.device))
+                for proj, part in zip(projections, packed.chunk(3)):
+                    proj.weight.copy_(part)
+        else:
+            for proj in projections:
+                xavier_uniform_(proj.weight)
+        for proj in projections:
             if proj.bias is not None:
                 constant_(proj.bias, 0.0)
         if self.out_proj.bias is not None:

@@ -13,11 +13,13 @@ torch.nn.TransformerEncoder never routes them through its nested-tensor fast pat
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import _checks
 from .multihead import MultiheadAttention
 
 __all__ = ["TransformerEncoderLayer", "TransformerDecoderLayer"]
@@ -35,8 +37,26 @@ def _activation(activation: str | Callable[[Tensor], Tensor]) -> Callable[[Tenso
     return activation
 
 
+def _relu_or_gelu(activation) -> int:
+    if activation is F.relu or isinstance(activation, nn.ReLU):
+        return 1
+    if activation is F.gelu or isinstance(activation, nn.GELU):
+        return 2
+    return 0
+
+
 class _FeedForwardLayer(nn.Module):
-    """What both layers share: the feed-forward block and the residual wiring."""
+    """What both layers share: argument checks, the feed-forward block and the residual wiring."""
+
+    __constants__ = ["norm_first"]
+
+    @staticmethod
+    def _check(d_model, nhead, dim_feedforward, dropout, layer_norm_eps):
+        for name, value in (("d_model", d_model), ("nhead", nhead), ("dim_feedforward", dim_feedforward)):
+            _checks.positive_int(name, value)
+        _checks.probability("dropout", dropout)
+        if isinstance(layer_norm_eps, bool) or not isinstance(layer_norm_eps, numbers.Real) or layer_norm_eps < 0:
+            raise ValueError(f"layer_norm_eps must be a non-negative float, got {layer_norm_eps!r}")
 
     def _init_feed_forward(self, d_model, dim_feedforward, dropout, activation, factory, bias):
         self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
@@ -61,6 +81,7 @@ class TransformerEncoderLayer(_FeedForwardLayer):
                  batch_first: bool = False, norm_first: bool = False, bias: bool = True,
                  device=None, dtype=None) -> None:
         super().__init__()
+        self._check(d_model, nhead, dim_feedforward, dropout, layer_norm_eps)
         factory = {"device": device, "dtype": dtype}
         self.self_attn = MultiheadAttention(d_model, nhead, dropout=dropout, bias=bias,
                                             batch_first=batch_first, **factory)
@@ -71,6 +92,7 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         self.dropout1 = nn.Dropout(dropout)
         self.dropout2 = nn.Dropout(dropout)
         self.activation = _activation(activation)
+        self.activation_relu_or_gelu = _relu_or_gelu(self.activation)  # as torch's layer records it
 
     def forward(self, src: Tensor, src_mask: Tensor | None = None,
                 src_key_padding_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
@@ -92,6 +114,7 @@ class TransformerDecoderLayer(_FeedForwardLayer):
                  batch_first: bool = False, norm_first: bool = False, bias: bool = True,
                  device=None, dtype=None) -> None:
         super().__init__()
+        self._check(d_model, nhead, dim_feedforward, dropout, layer_norm_eps)
         factory = {"device": device, "dtype": dtype}
         self.self_attn = MultiheadAttention(d_model, nhead, dropout=dropout, batch_first=batch_first,
                                             bias=bias, **factory)

@@ -50,6 +50,8 @@ def transformer_encoder_layer(src, params, num_heads, *, src_mask=None, src_key_
     torch.nn.MultiheadAttention (bool True = masked out). ``activation``: "relu", "gelu" or a
     NumPy function.
     """
+    if isinstance(activation, str) and activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be 'relu', 'gelu' or a function, got {activation!r}")
     act = _ACTIVATIONS[activation] if isinstance(activation, str) else activation
     attention = {k[len("self_attn."):]: v for k, v in params.items() if k.startswith("self_attn.")}
 

@@ -55,7 +55,8 @@ def check_inputs(query, key, value, *, query_width: tuple[str, int],
 
 def run_backend(q, k, v, mask, is_causal, scale, dropout_p, need_weights, backend):
     """Run the chosen backend on (B, H, L, D) tensors: (output, weights or None)."""
-    name, _ = kernels.choose_backend(backend, need_weights=need_weights)
+    name, _ = kernels.choose_backend(backend, need_weights=need_weights, dropout_p=dropout_p,
+                                     mask_requires_grad=mask is not None and mask.requires_grad)
     result = kernels.BACKENDS[name](q, k, v, mask, is_causal, scale, dropout_p)
     out, weights = result if name == "math" else (result, None)
     return out, (weights if need_weights else None)

@@ -29,6 +29,7 @@ __all__ = [
     "softmax",
     "causal_mask",
     "scaled_dot_product_attention",
+    "blocked_attention",
     "multi_head_attention",
     "multi_head_attention_vjp",
 ]
@@ -267,3 +268,46 @@ def multi_head_attention_vjp(query, key, value, params, num_heads, grad_output, 
 def _merge(x: np.ndarray) -> np.ndarray:
     N, H, T, D = x.shape
     return x.transpose(0, 2, 1, 3).reshape(N, T, H * D)  # (N, H, T, D) -> (N, T, H*D)
+
+
+def blocked_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, block_q=256, block_k=256):
+    """scaled_dot_product_attention computed in tiles with an online softmax (never L x S at once).
+
+    Same arguments and conventions as :func:`scaled_dot_product_attention` (bool mask: True =
+    attend), but returns (output (..., L, Dv), log-sum-exp (..., L)). Per query block, a running
+    max m, sum l and unnormalised output acc take in one key tile at a time:
+
+        m' = max(m, rowmax(S_tile));  P = exp(S_tile - m')
+        l  = l * exp(m - m') + rowsum(P);  acc = acc * exp(m - m') + P V_tile
+        out = acc / l;  lse = m' + log(l)
+    """
+    L, S, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    mask = None if attn_mask is None else _additive(attn_mask, True, q.dtype)
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    out = np.zeros((*batch, L, Dv), dtype=q.dtype)
+    lse = np.full((*batch, L), -np.inf, dtype=q.dtype)
+    qs, kT = q * q.dtype.type(scale), np.swapaxes(k, -1, -2)
+    for i0 in range(0, L, block_q):
+        i1 = min(i0 + block_q, L)
+        m = np.full((*batch, i1 - i0, 1), -np.inf, dtype=q.dtype)
+        l = np.zeros_like(m)
+        acc = np.zeros((*batch, i1 - i0, Dv), dtype=q.dtype)
+        for j0 in range(0, min(S, i1) if is_causal else S, block_k):
+            j1 = min(j0 + block_k, min(S, i1) if is_causal else S)
+            s = qs[..., i0:i1, :] @ kT[..., :, j0:j1]  # (..., r, c)
+            if mask is not None:
+                s += np.broadcast_to(mask, (*mask.shape[:-2], L, S))[..., i0:i1, j0:j1]
+            if is_causal and j1 - 1 > i0:
+                s = np.where(np.arange(j0, j1) > np.arange(i0, i1)[:, None], -np.inf, s)
+            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+            m_new[m_new == -np.inf] = 0.0  # nothing visible yet: shift by 0
+            alpha = np.exp(m - m_new)
+            p = np.exp(s - m_new, out=s)
+            l = l * alpha + p.sum(axis=-1, keepdims=True)
+            acc = acc * alpha + p @ v[..., j0:j1, :]
+            m = m_new
+        out[..., i0:i1, :] = acc / np.where(l == 0, 1, l)
+        with np.errstate(divide="ignore"):
+            lse[..., i0:i1] = (m + np.log(l))[..., 0]
+    return out, lse

@@ -1,12 +1,12 @@
-"""The ``mha`` command: ``mha verify``, ``mha convert``."""
+"""The ``mha`` command: ``mha verify``, ``mha convert``, ``mha bench``."""
 
 from __future__ import annotations
 
 import argparse
 
-from . import convert, verify
+from . import bench, convert, verify
 
-COMMANDS = {"verify": verify, "convert": convert}  # each module has add_arguments and run
+COMMANDS = {"verify": verify, "convert": convert, "bench": bench}  # each module has add_arguments and run
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,207 @@
+"""Benchmarks: mha against torch, measured as ratios in one run on the same inputs.
+
+Every timing is the best of ``repeat`` rounds in which the compared functions run in turn (so
+drift in the machine's speed hits them alike). Sections:
+
+    module    forward, need_weights=False, batch_first self-attention, fp32, no_grad:
+              mha.nn.MultiheadAttention vs torch's training path and its default eval path
+    causal    the same with a causal mask (ours: is_causal=True; torch: the causal attn_mask)
+    backends  the attention core (B=1, H=8, D=64): sdpa, flash, math, numpy blocked, in GFLOP/s
+              (4*B*H*L*S*D / time, halved when causal) beside a matmul's GFLOP/s
+    training  forward + backward of the module vs torch's
+    memory    peak RSS growth of a causal flash forward at long T (in a fresh process)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from . import numpy as mnp
+from .kernels import BACKENDS
+from .nn import MultiheadAttention
+
+HEADS, HEAD_DIM = 8, 64
+
+
+@dataclass
+class Row:
+    section: str
+    point: str  # e.g. "B4 T512 E512"
+    times_ms: dict[str, float]  # implementation -> best time
+    ratios: dict[str, float] = field(default_factory=dict)  # "ours/torch-train" -> value
+    extra: dict[str, float] = field(default_factory=dict)  # GFLOP/s, MiB, errors ...
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "cores": os.cpu_count(),
+            "torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version()}
+
+
+def best_times(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """Best wall time in ms of each function; one warm-up call each, then rounds in turn."""
+    for fn in fns.values():
+        fn()
+    times = {name: float("inf") for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name] = min(times[name], (time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _pair(E: int):
+    torch.manual_seed(0)
+    theirs = torch.nn.MultiheadAttention(E, HEADS, batch_first=True)
+    ours = MultiheadAttention(E, HEADS, batch_first=True).eval()
+    ours.load_state_dict(theirs.state_dict())
+    theirs_eval = torch.nn.MultiheadAttention(E, HEADS, batch_first=True).eval()
+    theirs_eval.load_state_dict(theirs.state_dict())
+    return ours, theirs.train(), theirs_eval  # torch in train mode with dropout 0: its faster path
+
+
+def module_rows(points, repeat: int, causal: bool = False) -> Iterator[Row]:
+    """Forward, no weights. Causal: ours takes is_causal=True; torch the causal attn_mask, as most
+    code calls it, and also with the is_causal hint that lets its training path skip the masked half."""
+    for B, T, E in points:
+        ours, torch_train, torch_eval = _pair(E)
+        x = torch.randn(B, T, E)
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(T) if causal else None
+        fns = {"ours": lambda: ours(x, x, x, need_weights=False, is_causal=causal),
+               "torch-train": lambda: torch_train(x, x, x, need_weights=False, attn_mask=mask),
+               "torch-eval": lambda: torch_eval(x, x, x, need_weights=False, attn_mask=mask)}
+        if causal:
+            fns["torch-train+hint"] = lambda: torch_train(x, x, x, need_weights=False, attn_mask=mask, is_causal=True)
+        with torch.no_grad():
+            t = best_times(fns, repeat)
+        yield Row("causal" if causal else "module", f"B{B} T{T} E{E}", t,
+                  {f"ours/{name}": t["ours"] / t[name] for name in fns if name != "ours"})
+
+
+def matmul_gflops(n: int = 2048, repeat: int = 3) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    t = best_times({"mm": lambda: a @ b}, repeat)["mm"]
+    return 2 * n ** 3 / (t * 1e-3) / 1e9
+
+
+def backend_rows(lengths, repeat: int, math_limit: int = 2048) -> Iterator[Row]:
+    peak = matmul_gflops()
+    for T in lengths:
+        q, k, v = (torch.randn(1, HEADS, T, HEAD_DIM) for _ in range(3))
+        arrays = [t.numpy() for t in (q, k, v)]
+        for causal in (False, True):
+            fns = {name: (lambda f=BACKENDS[name]: f(q, k, v, None, causal)) for name in ("sdpa", "flash")}
+            if T <= math_limit:
+                fns["math"] = lambda: BACKENDS["math"](q, k, v, None, causal)
+            fns["numpy-blocked"] = lambda: mnp.blocked_attention(*arrays, None, causal)
+            with torch.no_grad():
+                t = best_times(fns, repeat)
+            flops = 4 * HEADS * T * T * HEAD_DIM / (2 if causal else 1)
+            gflops = {f"{name} GFLOP/s": flops / (ms * 1e-3) / 1e9 for name, ms in t.items()}
+            ratios = {"flash speed/sdpa speed": t["sdpa"] / t["flash"],
+                      "numpy time/sdpa time": t["numpy-blocked"] / t["sdpa"]}
+            yield Row("backends", f"T{T}{' causal' if causal else ''}", t, ratios,
+                      {**gflops, "matmul GFLOP/s": peak})
+
+
+def training_rows(points, repeat: int) -> Iterator[Row]:
+    for B, T, E in points:
+        ours, theirs, _ = _pair(E)
+        ours.train()
+        x = torch.randn(B, T, E, requires_grad=True)
+
+        def step(module):
+            module(x, x, x, need_weights=False)[0].sum().backward()
+
+        t = best_times({"ours": lambda: step(ours), "torch": lambda: step(theirs)}, repeat)
+        yield Row("training", f"B{B} T{T} E{E}", t, {"ours/torch": t["ours"] / t["torch"]})
+
+
+_MEMORY_SCRIPT = """
+import resource, sys, time, torch
+from mha.kernels import flash_attention
+T, D, rows = int(sys.argv[1]), 64, 256
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 1, T, D) for _ in range(3))
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1024
+before = rss_mib()
+start = time.perf_counter()
+with torch.no_grad():
+    out = flash_attention(q, k, v, is_causal=True)
+seconds = time.perf_counter() - start
+peak = rss_mib()
+tail = torch.ones(rows, T, dtype=torch.bool).tril(T - rows)  # the last rows' causal mask
+ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, -rows:], k, v, attn_mask=tail)
+print(peak - before, seconds, (out[:, :, -rows:] - ref).abs().max().item())
+"""
+
+
+def memory_row(T: int) -> Row:
+    """Causal flash forward at length T, H=1, D=64, in a fresh process (peak RSS is per process)."""
+    done = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(T)], capture_output=True, text=True,
+                          check=True)
+    growth, seconds, error = (float(x) for x in done.stdout.split())
+    dense_gib = T * T * 4 / 2 ** 30
+    return Row("memory", f"T{T} H1 D64 causal flash", {"flash": seconds * 1e3},
+               extra={"peak RSS growth MiB": growth, "dense scores GiB": dense_gib,
+                      "max |flash - sdpa| on last 256 rows": error})
+
+
+def plot_backends(rows: list[Row], path: str) -> None:
+    """Time vs T per backend, log-log, causal and not side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, causal in zip(axes, (False, True)):
+        mine = [r for r in rows if r.section == "backends" and r.point.endswith("causal") == causal]
+        lengths = [int(r.point.split()[0][1:]) for r in mine]
+        for name in dict.fromkeys(n for r in mine for n in r.times_ms):
+            points = [(T, r.times_ms[name]) for T, r in zip(lengths, mine) if name in r.times_ms]
+            ax.loglog(*zip(*points), marker="o", label=name)
+        ax.set(title=f"attention core, B=1 H={HEADS} D={HEAD_DIM}{', causal' if causal else ''}",
+               xlabel="sequence length T", ylabel="time (ms)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(rows: list[Row], info: dict, directory: str) -> list[str]:
+    """results.json, results.csv and backends.png into ``directory``; returns the paths."""
+    os.makedirs(directory, exist_ok=True)
+    paths = [os.path.join(directory, name) for name in ("results.json", "results.csv", "backends.png")]
+    with open(paths[0], "w") as f:
+        json.dump({"machine": info, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    with open(paths[1], "w") as f:
+        f.write("section,point,measure,value\n")
+        for r in rows:
+            for kind, values in (("ms", r.times_ms), ("", r.ratios), ("", r.extra)):
+                for name, value in values.items():
+                    f.write(f"{r.section},{r.point},{name}{' ' + kind if kind else ''},{value:.6g}\n")
+    if any(r.section == "backends" for r in rows):
+        plot_backends(rows, paths[2])
+    else:
+        paths.pop()
+    return paths

@@ -1,0 +1,95 @@
+"""Benchmark mha against torch (ratios in one run) and write JSON, CSV and a plot.
+
+Sections: module (forward vs torch's train and eval paths), causal, backends (sdpa, flash, math,
+numpy blocked; GFLOP/s beside a matmul's), training (forward + backward), memory (causal flash
+at long T). See mha.bench for how each is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from .. import bench
+
+FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [256, 512])),
+            causal=[(1, 4096, 512), (4, 4096, 256)], backends=[512, 1024, 2048, 4096],
+            training=[(4, 512, 512), (1, 2048, 512)], memory=65536)
+QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 2048, 256)],
+             backends=[512, 1024], training=[(4, 512, 256)], memory=16384)
+SECTIONS = ("module", "causal", "backends", "training", "memory")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="a small grid (under a minute)")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--repeat", type=int, default=5, help="timed rounds per point (best is kept)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--out", default="bench-results", help="folder for results.json/.csv and backends.png")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeat <= 0:
+        raise SystemExit(f"mha bench: --repeat must be positive, got {args.repeat}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    grid = QUICK if args.quick else FULL
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 140)
+    info = bench.machine()
+    console.print(f"[bold]mha bench[/] on {info['cpu']}, {info['threads']} threads, torch {info['torch']}")
+    jobs = _jobs(grid, args.sections, args.repeat)
+    rows = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("benchmarking", total=len(jobs))
+        for describe, job in jobs:
+            progress.update(task, description=describe)
+            rows.extend(job())
+            progress.advance(task)
+    for section in args.sections:
+        mine = [r for r in rows if r.section == section]
+        if mine:
+            console.print(_table(section, mine))
+    for path in bench.write(rows, info, args.out):
+        console.print(f"wrote {path}")
+    return 0
+
+
+def _jobs(grid, sections, repeat):
+    """(description, callable returning rows) per point, so the progress bar moves point by point."""
+    jobs = []
+    if "module" in sections:
+        jobs += [(f"module {p}", lambda p=p: list(bench.module_rows([p], repeat))) for p in grid["module"]]
+    if "causal" in sections:
+        jobs += [(f"causal {p}", lambda p=p: list(bench.module_rows([p], repeat, causal=True))) for p in grid["causal"]]
+    if "backends" in sections:
+        jobs += [(f"backends T{T}", lambda T=T: list(bench.backend_rows([T], repeat))) for T in grid["backends"]]
+    if "training" in sections:
+        jobs += [(f"training {p}", lambda p=p: list(bench.training_rows([p], repeat))) for p in grid["training"]]
+    if "memory" in sections:
+        jobs.append((f"memory T{grid['memory']}", lambda: [bench.memory_row(grid["memory"])]))
+    return jobs
+
+
+def _table(section: str, rows) -> Table:
+    table = Table(title=section)
+    table.add_column("point", no_wrap=True)
+    columns = list(dict.fromkeys(k for r in rows for k in r.times_ms))
+    ratio_columns = list(dict.fromkeys(k for r in rows for k in r.ratios))
+    extra_columns = list(dict.fromkeys(k for r in rows for k in r.extra))
+    for c in columns:
+        table.add_column(f"{c} ms", justify="right")
+    for c in ratio_columns + extra_columns:
+        table.add_column(c, justify="right", style="bold" if c in ratio_columns else None)
+    for r in rows:
+        cells = [f"{r.times_ms[c]:.1f}" if c in r.times_ms else "-" for c in columns]
+        cells += [f"{r.ratios[c]:.2f}" if c in r.ratios else "-" for c in ratio_columns]
+        cells += [f"{r.extra[c]:.3g}" if c in r.extra else "-" for c in extra_columns]
+        table.add_row(r.point, *cells)
+    return table

@@ -1,0 +1,57 @@
+"""mha bench: the measurements run and report what they claim (speed itself is not tested)."""
+
+import json
+
+import pytest
+
+from mha import bench, cli
+from mha.cli import bench as bench_cli
+
+
+def test_best_times_keeps_the_minimum_of_each():
+    calls = []
+    times = bench.best_times({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeat=3)
+    assert calls == ["a", "b"] * 4  # one warm-up, then rounds in turn
+    assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
+
+
+def test_module_and_training_rows_report_ratios():
+    (row,) = bench.module_rows([(1, 16, 32)], repeat=1)
+    assert set(row.times_ms) == {"ours", "torch-train", "torch-eval"}
+    assert row.ratios["ours/torch-train"] == pytest.approx(row.times_ms["ours"] / row.times_ms["torch-train"])
+    (causal,) = bench.module_rows([(1, 16, 32)], repeat=1, causal=True)
+    assert causal.section == "causal"
+    (train,) = bench.training_rows([(1, 16, 32)], repeat=1)
+    assert "ours/torch" in train.ratios
+
+
+def test_backend_rows_report_gflops_beside_matmul():
+    rows = list(bench.backend_rows([64], repeat=1))
+    assert [r.point for r in rows] == ["T64", "T64 causal"]
+    assert {"sdpa", "flash", "math", "numpy-blocked"} == set(rows[0].times_ms)
+    assert rows[0].extra["matmul GFLOP/s"] > 0 and rows[1].extra["flash GFLOP/s"] > 0
+
+
+def test_memory_row_runs_in_a_fresh_process_and_checks_the_output():
+    row = bench.memory_row(2048)
+    assert row.extra["max |flash - sdpa| on last 256 rows"] < 1e-5
+    assert 0 <= row.extra["peak RSS growth MiB"] < 512
+
+
+def test_cli_writes_json_csv_and_plot(tmp_path, monkeypatch, capsys):
+    tiny = dict(module=[(1, 16, 32)], causal=[(1, 16, 32)], backends=[32, 64], training=[(1, 16, 32)], memory=512)
+    monkeypatch.setattr(bench_cli, "QUICK", tiny)
+    assert cli.main(["bench", "--quick", "--repeat", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert all(section in out for section in bench_cli.SECTIONS) and "results.json" in out
+    data = json.loads((tmp_path / "results.json").read_text())
+    ratios = {k for r in data["rows"] for k in r["ratios"]}
+    assert {"ours/torch-train", "ours/torch-eval", "ours/torch-train+hint", "flash speed/sdpa speed"} <= ratios
+    assert data["machine"]["torch"] and {r["section"] for r in data["rows"]} == set(bench_cli.SECTIONS)
+    assert (tmp_path / "results.csv").read_text().startswith("section,point,measure,value")
+    assert (tmp_path / "backends.png").stat().st_size > 10_000
+
+
+def test_cli_rejects_bad_repeat():
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--repeat", "0"])

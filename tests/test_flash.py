@@ -135,3 +135,17 @@ def test_every_block_size_gives_the_same_answer():
                    for bq, bk in itertools.product([1, 5, 33, 64], [1, 8, 40])]
     for r in results[1:]:
         torch.testing.assert_close(r, results[0], atol=1e-13, rtol=0)
+
+
+def test_the_drop_in_module_takes_a_backend_attribute():
+    torch.manual_seed(0)
+    theirs = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    ours = mha.nn.MultiheadAttention(8, 2, batch_first=True)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 7, 8)
+    assert ours.backend == "auto"
+    ours.backend = "flash"
+    torch.testing.assert_close(ours(x, x, x, need_weights=False)[0], theirs(x, x, x, need_weights=False)[0])
+    ours.backend = "warp"
+    with pytest.raises(ValueError, match="backend"):
+        ours(x, x, x, need_weights=False)

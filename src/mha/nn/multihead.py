@@ -72,6 +72,7 @@ class MultiheadAttention(nn.Module):
         else:
             self.bias_k = self.bias_v = None
         self.add_zero_attn = add_zero_attn
+        self.backend = "auto"  # mha only: "auto", "math", "sdpa" or "flash" (see mha.kernels)
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
@@ -127,5 +128,5 @@ class MultiheadAttention(nn.Module):
             use_separate_proj_weight=separate, q_proj_weight=self.q_proj_weight,
             k_proj_weight=self.k_proj_weight, v_proj_weight=self.v_proj_weight,
             average_attn_weights=average_attn_weights, is_causal=is_causal,
-            batch_first=self.batch_first,
+            batch_first=self.batch_first, backend=getattr(self, "backend", "auto"),
         )

@@ -29,7 +29,7 @@ def choose_backend(requested: str = "auto", *, need_weights: bool = False, dropo
     """The backend that will run, and why. Raises ValueError for an unknown or unfit request.
 
     auto: weights requested -> math (the only backend that returns them); otherwise sdpa, torch's
-    fused kernel: the fastest exact kernel on this project's CPUs (flash, ours, runs at 0.9-1.0x
+    fused kernel: the fastest exact kernel on this project's CPUs (flash, ours, runs at 0.85-1.0x
     its speed at T=4096 and slower at short T: see benchmarks/README.md) and as frugal with memory.
     """
     names = ("auto", *BACKENDS)

@@ -15,6 +15,9 @@ Shape legend: B batch, H heads, L query length, S key length.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -66,6 +69,103 @@ def with_causal(mask: Tensor | None, L: int, S: int, query_dtype: torch.dtype, d
     """``mask`` with the causal mask folded in (for kernels that take one or the other)."""
     c = causal(L, S, query_dtype, device)
     return c if mask is None else mask + c
+
+
+@dataclass(frozen=True)
+class Band:
+    """Which keys j query i may see: i + offset - left <= j <= i + offset + right.
+
+    ``left``/``right`` None means unbounded. ``offset`` aligns queries to keys: 0 is top-left
+    (query 0 faces key 0: SDPA's is_causal), S - L is bottom-right (the last query faces the last
+    key: flash-attn's convention, and what a KV cache needs when L new queries follow S - L
+    cached keys).
+
+        causal, top-left:      Band(None, 0, 0)
+        causal, bottom-right:  Band(None, 0, S - L)
+        window (w_l, w_r):     Band(w_l, w_r, S - L)   (flash-attn's window_size, -1 = unbounded)
+    """
+    left: int | None = None
+    right: int | None = 0
+    offset: int = 0
+
+    def allowed(self, rows: Tensor, cols: Tensor) -> Tensor:
+        """Bool (len(rows), len(cols)): True where query rows[a] may see key cols[b]."""
+        rel = cols[None, :] - rows[:, None] - self.offset  # j - (i + offset)
+        ok = torch.ones_like(rel, dtype=torch.bool)
+        if self.left is not None:
+            ok &= rel >= -self.left
+        if self.right is not None:
+            ok &= rel <= self.right
+        return ok
+
+    def key_range(self, i0: int, i1: int, S: int) -> tuple[int, int]:
+        """[lo, hi): the keys some query in [i0, i1) may see (tiles outside are skipped)."""
+        lo = 0 if self.left is None else max(0, i0 + self.offset - self.left)
+        hi = S if self.right is None else min(S, i1 - 1 + self.offset + self.right + 1)
+        return lo, max(lo, hi)
+
+
+def causal_band(L: int, S: int, alignment: str = "top_left") -> Band:
+    """The causal Band, aligned "top_left" (SDPA's is_causal) or "bottom_right" (KV caches)."""
+    if alignment not in ("top_left", "bottom_right"):
+        raise ValueError(f"alignment must be 'top_left' or 'bottom_right', got {alignment!r}")
+    return Band(None, 0, 0 if alignment == "top_left" else S - L)
+
+
+def window_band(L: int, S: int, window: tuple[int, int]) -> Band:
+    """flash-attn's window_size=(left, right), bottom-right aligned; -1 means unbounded."""
+    if not (isinstance(window, (tuple, list)) and len(window) == 2
+            and all(isinstance(w, int) and w >= -1 for w in window)):
+        raise ValueError(f"window must be a pair (left, right) of ints >= -1 (-1 = unbounded), got {window!r}")
+    left, right = (None if w == -1 else w for w in window)
+    return Band(left, right, S - L)
+
+
+def as_band(is_causal, L: int, S: int) -> Band | None:
+    """A kernel's is_causal argument (bool or Band) as a Band or None."""
+    if isinstance(is_causal, Band):
+        return is_causal
+    return Band(None, 0, 0) if is_causal else None
+
+
+def band_additive(band: Band, L: int, S: int, query_dtype: torch.dtype, device) -> Tensor:
+    """(L, S) additive mask of a Band: 0 where visible, -inf elsewhere."""
+    allowed = band.allowed(torch.arange(L, device=device), torch.arange(S, device=device))
+    return _bool_to_additive(~allowed, additive_dtype(query_dtype))
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """ALiBi's per-head slopes (Press et al. 2022): 2^(-8 i / n) for i = 1..n when n is a power of
+    two; otherwise the slopes of the largest power of two below n, then every other slope of the
+    next power of two for the remaining heads."""
+    def powers(n):
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = powers(closest)
+    if closest < num_heads:
+        slopes += powers(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes)
+
+
+def alibi_bias(slopes: Tensor, L: int, S: int, query_dtype: torch.dtype, offset: int | None = None) -> Tensor:
+    """(H, L, S) ALiBi bias -slope_h * |j - (i + offset)|, bottom-right aligned by default
+    (offset = S - L, as flash-attn): the kernels' reference for what flash adds tile by tile."""
+    offset = S - L if offset is None else offset
+    distance = (torch.arange(S, device=slopes.device)[None, :] - torch.arange(L, device=slopes.device)[:, None]
+                - offset).abs()  # (L, S)
+    return (-slopes.to(additive_dtype(query_dtype))[:, None, None] * distance).to(additive_dtype(query_dtype))
+
+
+def fold(mask: Tensor | None, band: Band | None, alibi: Tensor | None, L: int, S: int,
+         query_dtype: torch.dtype, device) -> Tensor | None:
+    """One additive mask holding ``mask``, the band's -inf and the ALiBi bias (for kernels that
+    only take a mask). alibi (H, L, S) broadcasts against (B, H, L, S)."""
+    for extra in (None if band is None else band_additive(band, L, S, query_dtype, device), alibi):
+        if extra is not None:
+            mask = extra if mask is None else mask + extra
+    return mask
 
 
 def append_attended_keys(mask: Tensor | None, count: int) -> Tensor | None:

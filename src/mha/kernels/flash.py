@@ -26,43 +26,56 @@ from .. import masks
 
 BLOCK_Q = 256
 BLOCK_K = 256
+WINDOW_BLOCKS = (64, 128)  # a sliding window: smaller blocks waste less work on its edges
 _NEG_INF = float("-inf")
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-                    is_causal: bool = False, scale: float | None = None,
-                    dropout_p: float = 0.0) -> Tensor:
+                    is_causal: bool | masks.Band = False, scale: float | None = None,
+                    dropout_p: float = 0.0, *, alibi_slopes: Tensor | None = None) -> Tensor:
     """The backend entry point (the shared signature); dropout is not supported here."""
     if dropout_p > 0.0:
         raise ValueError("the flash backend has no dropout; use backend='sdpa' or 'math' for dropout_p > 0")
-    out, _ = flash_attention_with_lse(q, k, v, mask, is_causal, scale)
+    out, _ = flash_attention_with_lse(q, k, v, mask, is_causal, scale, alibi_slopes=alibi_slopes)
     return out
 
 
 def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-                             is_causal: bool = False, scale: float | None = None,
-                             block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> tuple[Tensor, Tensor]:
-    """(output (B, H, L, Dv), log-sum-exp (B, H, L) in float32; -inf for rows with no visible key)."""
+                             is_causal: bool | masks.Band = False, scale: float | None = None,
+                             block_q: int | None = None, block_k: int | None = None, *,
+                             alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(output (B, H, L, Dv), log-sum-exp (B, H, L) in float32; -inf for rows with no visible key).
+
+    is_causal: True (top-left) or a mha.masks.Band (causal alignment, sliding window): tiles with
+    no visible key are never computed, so a window w costs O(L * w). alibi_slopes (H,): the ALiBi
+    bias -slope_h * |j - (i + S - L)|, computed tile by tile.
+    """
     if mask is not None and mask.requires_grad and torch.is_grad_enabled():
         raise ValueError("the flash backend does not differentiate through attn_mask; use backend='math'")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _Flash.apply(q, k, v, mask, is_causal, scale, block_q, block_k)
+    band = masks.as_band(is_causal, q.shape[-2], k.shape[-2])
+    windowed = band is not None and band.left is not None
+    default_q, default_k = WINDOW_BLOCKS if windowed else (BLOCK_Q, BLOCK_K)
+    return _Flash.apply(q, k, v, mask, band, alibi_slopes, scale, block_q or default_q, block_k or default_k)
 
 
 class _Flash(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, scale, block_q, block_k):
-        out, lse = _forward(q, k, v, mask, is_causal, scale, block_q, block_k)
-        ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.options = (is_causal, scale, block_q, block_k)
+    def forward(ctx, q, k, v, mask, band, alibi_slopes, scale, block_q, block_k):
+        tiles = _TileScores(q, k, mask, band, alibi_slopes, scale)
+        out, lse = _forward(tiles, v, block_q, block_k)
+        ctx.save_for_backward(q, k, v, out, lse, mask, alibi_slopes)
+        ctx.options = (band, scale, block_q, block_k)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        q, k, v, out, lse, mask = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, out, lse, mask, grad_out, *ctx.options)
-        return dq, dk, dv, None, None, None, None, None
+        q, k, v, out, lse, mask, alibi_slopes = ctx.saved_tensors
+        band, scale, block_q, block_k = ctx.options
+        tiles = _TileScores(q, k, mask, band, alibi_slopes, scale)
+        dq, dk, dv = _backward(tiles, q, k, v, out, lse, grad_out, block_q, block_k)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -74,29 +87,77 @@ def _flat(x: Tensor, dtype, lead: tuple[int, ...]) -> Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])  # (B, H, T, D) -> (B*H, T, D)
 
 
-def _tiles(L: int, S: int, block_q: int, block_k: int, is_causal: bool):
-    """(i0, i1, j0, j1) of every tile that has a visible key (top-left causal: j <= i)."""
-    for i0 in range(0, L, block_q):
-        yield from _tiles_of_block(i0, min(i0 + block_q, L), S, block_k, is_causal)
+def _tiles_of_block(i0: int, i1: int, S: int, block_k: int, band: masks.Band | None):
+    """(i0, i1, j0, j1) of the key tiles of query block [i0, i1) that hold a visible key.
+
+    A band bounded on the left (a sliding window) whose keys for this block fit in 4 tiles is
+    taken as one tile: fewer, larger steps, each with the same mask pattern.
+    """
+    lo, hi = (0, S) if band is None else band.key_range(i0, i1, S)
+    if band is not None and band.left is not None and hi - lo <= 4 * block_k:
+        if hi > lo:
+            yield i0, i1, lo, hi
+        return
+    for j0 in range(lo - lo % block_k, hi, block_k):  # tiles start on multiples of block_k
+        yield i0, i1, max(j0, lo), min(j0 + block_k, hi)
 
 
-def _tiles_of_block(i0: int, i1: int, S: int, block_k: int, is_causal: bool):
-    last = min(S, i1) if is_causal else S  # causal: keys after the block's last query are skipped
-    for j0 in range(0, last, block_k):
-        yield i0, i1, j0, min(j0 + block_k, last)
+class _TileScores:
+    """The scaled, masked scores of any (query block, key tile), computed on demand.
 
+    Holds the inputs flattened to (B*H, T, D) in the compute dtype; the mask, band and ALiBi bias
+    are applied per tile, so nothing of size L x S ever exists.
+    """
 
-def _scores(q3, kT3, mask, is_causal, i0, i1, j0, j1, lead):
-    """The tile's scores (B*H, rows, cols), masked; ``q3`` is pre-scaled."""
-    s = torch.bmm(q3[:, i0:i1], kT3[:, :, j0:j1])  # (BH, r, D) @ (BH, D, c) -> (BH, r, c)
-    if mask is not None:
-        rows = slice(None) if mask.shape[-2] == 1 else slice(i0, i1)
-        cols = slice(None) if mask.shape[-1] == 1 else slice(j0, j1)
-        s.view(*lead, i1 - i0, j1 - j0).add_(mask[..., rows, cols])  # broadcasts over B, H
-    if is_causal and j1 - 1 > i0:  # some key in the tile lies after some query
-        future = torch.arange(j0, j1, device=s.device) > torch.arange(i0, i1, device=s.device)[:, None]
-        s.masked_fill_(future, _NEG_INF)
-    return s
+    def __init__(self, q, k, mask, band, alibi_slopes, scale):
+        self.lead, self.L, self.S = tuple(q.shape[:-2]), q.shape[-2], k.shape[-2]
+        self.dtype = masks.additive_dtype(q.dtype)  # float32 for float16/bfloat16
+        self.scale = scale
+        self.q = _flat(q, self.dtype, self.lead) * scale  # (BH, L, D), pre-scaled
+        self.kT = _flat(k, self.dtype, self.lead).transpose(1, 2)  # (BH, D, S)
+        self.mask = _mask_for(mask, self.dtype, self.lead)
+        self.band = band
+        self.slopes = None if alibi_slopes is None else alibi_slopes.to(self.dtype).view(-1, 1, 1)  # (H, 1, 1)
+        self._cache: dict[tuple, Tensor] = {}  # tile patterns by shape and j0 - i0 (a window repeats them)
+
+    def tiles(self, block_q: int, block_k: int):
+        for i0 in range(0, self.L, block_q):
+            yield from _tiles_of_block(i0, min(i0 + block_q, self.L), self.S, block_k, self.band)
+
+    def __call__(self, i0, i1, j0, j1) -> Tensor:
+        s = torch.bmm(self.q[:, i0:i1], self.kT[:, :, j0:j1])  # (BH, r, D) @ (BH, D, c) -> (BH, r, c)
+        tile = s.view(*self.lead, i1 - i0, j1 - j0)  # (B, H, r, c): masks broadcast over B, H
+        if self.mask is not None:
+            rows = slice(None) if self.mask.shape[-2] == 1 else slice(i0, i1)
+            cols = slice(None) if self.mask.shape[-1] == 1 else slice(j0, j1)
+            tile.add_(self.mask[..., rows, cols])
+        if self.slopes is not None:
+            tile.sub_(self.slopes * self._distance(i1 - i0, j1 - j0, j0 - i0))  # -slope_h |j - (i + S - L)|
+        if self.band is not None and not self._inside_band(i0, i1, j0, j1):
+            s.masked_fill_(self._hidden(i1 - i0, j1 - j0, j0 - i0), _NEG_INF)
+        return s
+
+    def _hidden(self, r: int, c: int, shift: int) -> Tensor:
+        """(r, c) True where the band hides key j0 + b from query i0 + a; depends on j0 - i0 only."""
+        key = ("hidden", r, c, shift)
+        if key not in self._cache:
+            rows, cols = torch.arange(r, device=self.q.device), torch.arange(c, device=self.q.device) + shift
+            self._cache[key] = ~self.band.allowed(rows, cols)
+        return self._cache[key]
+
+    def _distance(self, r: int, c: int, shift: int) -> Tensor:
+        """(r, c) |j - (i + S - L)| for the tile at key shift j0 - i0."""
+        key = ("distance", r, c, shift)
+        if key not in self._cache:
+            rows, cols = torch.arange(r, device=self.q.device), torch.arange(c, device=self.q.device) + shift
+            self._cache[key] = (cols[None, :] - rows[:, None] - (self.S - self.L)).abs().to(self.dtype)
+        return self._cache[key]
+
+    def _inside_band(self, i0, i1, j0, j1) -> bool:
+        """Whether every (query, key) of the tile is visible (then no masking is needed)."""
+        lo_first, hi_first = self.band.key_range(i0, i0 + 1, self.S)
+        lo_last, hi_last = self.band.key_range(i1 - 1, i1, self.S)
+        return lo_last <= j0 and j1 <= hi_first and lo_first <= j0 and j1 <= hi_last
 
 
 def _mask_for(mask: Tensor | None, dtype, lead: tuple[int, ...]) -> Tensor | None:
@@ -107,7 +168,7 @@ def _mask_for(mask: Tensor | None, dtype, lead: tuple[int, ...]) -> Tensor | Non
     return mask.reshape((1,) * (len(lead) + 2 - mask.dim()) + tuple(mask.shape))  # (L, S) -> (1, 1, L, S)
 
 
-def _forward(q, k, v, mask, is_causal, scale, block_q, block_k):
+def _forward(tiles: _TileScores, v, block_q, block_k):
     """Online softmax: per query block, a running max m, sum l and unnormalised output acc.
 
     Each key tile is merged in place: with m' = max(m, tile max), acc <- acc e^(m - m') + P V and
@@ -115,23 +176,19 @@ def _forward(q, k, v, mask, is_causal, scale, block_q, block_k):
     is merge_attention's formula in running, unnormalised form; buffers are reused tile to tile
     (a fresh tile buffer per step costs about a fifth of the time on CPU).
     """
-    lead, L = tuple(q.shape[:-2]), q.shape[-2]
-    S, Dv = k.shape[-2], v.shape[-1]
-    dtype = _compute_dtype(q)
-    q3 = _flat(q, dtype, lead) * scale
-    kT3, v3 = _flat(k, dtype, lead).transpose(1, 2), _flat(v, dtype, lead)
-    mask = _mask_for(mask, dtype, lead)
-    BH = q3.shape[0]
-    out = torch.zeros(BH, L, Dv, dtype=dtype, device=q.device)
-    lse = torch.full((BH, L), _NEG_INF, dtype=dtype, device=q.device)
-    running = _Running(BH, min(block_q, L), Dv, dtype, q.device)
+    lead, L, dtype = tiles.lead, tiles.L, tiles.dtype
+    v3 = _flat(v, dtype, lead)
+    BH, Dv = v3.shape[0], v3.shape[-1]
+    out = torch.zeros(BH, L, Dv, dtype=dtype, device=v.device)
+    lse = torch.full((BH, L), _NEG_INF, dtype=dtype, device=v.device)
+    running = _Running(BH, min(block_q, L), Dv, dtype, v.device)
     for i0 in range(0, L, block_q):
         i1 = min(i0 + block_q, L)
         state = running.start(i1 - i0)
-        for _, _, j0, j1 in _tiles_of_block(i0, i1, S, block_k, is_causal):
-            running.add(state, _scores(q3, kT3, mask, is_causal, i0, i1, j0, j1, lead), v3[:, j0:j1])
+        for _, _, j0, j1 in _tiles_of_block(i0, i1, tiles.S, block_k, tiles.band):
+            running.add(state, tiles(i0, i1, j0, j1), v3[:, j0:j1])
         running.finish(state, out[:, i0:i1], lse[:, i0:i1])
-    return out.view(*lead, L, Dv).to(q.dtype), lse.view(*lead, L)  # lse stays float32 (or float64)
+    return out.view(*lead, L, Dv).to(v.dtype), lse.view(*lead, L)  # lse stays float32 (or float64)
 
 
 class _Running:
@@ -168,25 +225,21 @@ class _Running:
         torch.add(m, l.log(), out=lse.unsqueeze(-1))  # -inf where l = 0
 
 
-def _backward(q, k, v, out, lse, mask, grad_out, is_causal, scale, block_q, block_k):
-    lead, L = tuple(q.shape[:-2]), q.shape[-2]
-    S = k.shape[-2]
-    dtype = _compute_dtype(q)
-    q3, k3, v3 = _flat(q, dtype, lead), _flat(k, dtype, lead), _flat(v, dtype, lead)
+def _backward(tiles: _TileScores, q, k, v, out, lse, grad_out, block_q, block_k):
+    lead, L, dtype = tiles.lead, tiles.L, tiles.dtype
+    k3, v3 = _flat(k, dtype, lead), _flat(v, dtype, lead)
     do3, o3 = _flat(grad_out, dtype, lead), _flat(out, dtype, lead)
-    mask = _mask_for(mask, dtype, lead)
     lse3 = lse.reshape(-1, L, 1).to(dtype)
     lse3 = torch.where(lse3 == _NEG_INF, torch.full_like(lse3, float("inf")), lse3)  # empty rows: P = 0
     delta = (do3 * o3).sum(dim=-1, keepdim=True)  # (BH, L, 1) = rowsum(dO * O)
-    qs3, kT3 = q3 * scale, k3.transpose(1, 2)
-    dq, dk, dv = torch.zeros_like(q3), torch.zeros_like(k3), torch.zeros_like(v3)
-    for i0, i1, j0, j1 in _tiles(L, S, block_q, block_k, is_causal):
-        p = _scores(qs3, kT3, mask, is_causal, i0, i1, j0, j1, lead).sub_(lse3[:, i0:i1]).exp_()  # (BH, r, c)
+    dq, dk, dv = torch.zeros_like(tiles.q), torch.zeros_like(k3), torch.zeros_like(v3)
+    for i0, i1, j0, j1 in tiles.tiles(block_q, block_k):
+        p = tiles(i0, i1, j0, j1).sub_(lse3[:, i0:i1]).exp_()  # (BH, r, c)
         dv[:, j0:j1].baddbmm_(p.transpose(1, 2), do3[:, i0:i1])  # P^T dO
         dp = torch.bmm(do3[:, i0:i1], v3[:, j0:j1].transpose(1, 2))  # dO V^T: (BH, r, c)
         ds = p.mul_(dp.sub_(delta[:, i0:i1]))  # P * (dP - delta), reusing p's storage
-        dq[:, i0:i1].baddbmm_(ds, k3[:, j0:j1], alpha=scale)
-        dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), q3[:, i0:i1], alpha=scale)
+        dq[:, i0:i1].baddbmm_(ds, k3[:, j0:j1], alpha=tiles.scale)  # dS K * scale
+        dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), tiles.q[:, i0:i1])  # dS^T (Q * scale)
     return _unflat(dq, q, lead), _unflat(dk, k, lead), _unflat(dv, v, lead)
 
 

@@ -53,11 +53,13 @@ def _may_overwrite(*tensors: Tensor | None) -> bool:
 
 
 def math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-                   is_causal: bool = False, scale: float | None = None,
-                   dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+                   is_causal: bool | masks.Band = False, scale: float | None = None,
+                   dropout_p: float = 0.0, *, alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Returns (output (B, H, L, Dv), weights (B, H, L, S)); weights are taken after dropout.
 
-    float16/bfloat16 scores are masked and normalised in float32, the weights cast back.
+    is_causal: True (top-left causal) or a mha.masks.Band (causal alignment, sliding window);
+    alibi_slopes (H,): ALiBi's bias. float16/bfloat16 scores are masked and normalised in float32,
+    the weights cast back.
     """
     L, S = q.shape[-2], k.shape[-2]
     scale = math.sqrt(1.0 / q.shape[-1]) if scale is None else scale
@@ -65,8 +67,8 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
     weights_dtype = scores.dtype  # under autocast, not necessarily q's
     inference = _may_overwrite(q, k, v, mask)
     scores = scores.to(masks.additive_dtype(weights_dtype))  # float16/bfloat16 -> a fresh float32 buffer
-    if is_causal:
-        mask = masks.with_causal(mask, L, S, weights_dtype, scores.device)
+    alibi = None if alibi_slopes is None else masks.alibi_bias(alibi_slopes, L, S, weights_dtype)
+    mask = masks.fold(mask, masks.as_band(is_causal, L, S), alibi, L, S, weights_dtype, scores.device)
     if mask is not None:
         mask = masks.to_dtype(mask, scores.dtype)
         scores = scores.add_(mask) if inference else scores + mask

@@ -1,0 +1,106 @@
+"""Causal alignment, sliding windows and ALiBi in every backend, against masks built by hand."""
+
+import numpy as np
+import pytest
+import torch
+
+from mha import masks
+from mha import numpy as oracle
+from mha.kernels import BACKENDS, flash_attention_with_lse, math_attention
+
+BACKEND_NAMES = ["math", "sdpa", "flash"]
+
+
+def _run(backend, *args, **kwargs):
+    result = BACKENDS[backend](*args, **kwargs)
+    return result[0] if backend == "math" else result  # math also returns the weights
+
+
+def _visible(L, S, left, right, offset):
+    """The formula, by hand: query i sees key j iff i + offset - left <= j <= i + offset + right."""
+    i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+    ok = np.ones((L, S), dtype=bool)
+    if left is not None:
+        ok &= j >= i + offset - left
+    if right is not None:
+        ok &= j <= i + offset + right
+    return ok
+
+
+def _inputs(L, S, H=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, H, n, 8, generator=g, dtype=torch.float64, requires_grad=True) for n in (L, S, S)]
+
+
+CASES = [  # (L, S, band)
+    (9, 9, masks.causal_band(9, 9, "top_left")),
+    (5, 12, masks.causal_band(5, 12, "bottom_right")),
+    (12, 5, masks.causal_band(12, 5, "bottom_right")),
+    (40, 40, masks.window_band(40, 40, (6, 0))),
+    (40, 40, masks.window_band(40, 40, (3, 5))),
+    (17, 45, masks.window_band(17, 45, (4, -1))),
+    (33, 33, masks.window_band(33, 33, (-1, -1))),
+]
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("L, S, band", CASES, ids=str)
+def test_band_equals_its_explicit_mask(backend, L, S, band):
+    q, k, v = _inputs(L, S)
+    visible = _visible(L, S, band.left, band.right, band.offset)
+    out = _run(backend, q, k, v, None, band)
+    want, _ = oracle.scaled_dot_product_attention(*(t.detach().numpy() for t in (q, k, v)), visible)
+    np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-12, rtol=0)
+    if backend == "sdpa":
+        return  # gradients: math and flash below
+    g = torch.randn_like(out)
+    got = torch.autograd.grad((out * g).sum(), (q, k, v))
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref, _ = math_attention(q2, k2, v2, torch.zeros(L, S, dtype=torch.float64).masked_fill(
+        torch.from_numpy(~visible), float("-inf")))
+    for a, b in zip(got, torch.autograd.grad((ref * g).sum(), (q2, k2, v2))):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("blocks", [(4, 4), (7, 3), (64, 128)])
+def test_flash_window_with_small_blocks(blocks):
+    L = S = 50
+    band = masks.window_band(L, S, (5, 2))
+    q, k, v = _inputs(L, S, seed=3)
+    out, _ = flash_attention_with_lse(q, k, v, None, band, None, *blocks)
+    want, _ = oracle.scaled_dot_product_attention(*(t.detach().numpy() for t in (q, k, v)),
+                                                  _visible(L, S, 5, 2, 0))
+    np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-12, rtol=0)
+
+
+def test_alibi_slopes_are_the_papers():
+    np.testing.assert_allclose(masks.alibi_slopes(8).numpy(), [2.0 ** -(i + 1) for i in range(8)])
+    # 12 heads: the 8-head slopes, then every other slope of 16 heads for the remaining 4
+    sixteen = [2.0 ** (-(i + 1) / 2) for i in range(16)]
+    np.testing.assert_allclose(masks.alibi_slopes(12).numpy(),
+                               [2.0 ** -(i + 1) for i in range(8)] + sixteen[0::2][:4], rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("L, S, causal", [(10, 10, True), (6, 14, False), (20, 20, False)])
+def test_alibi_equals_its_explicit_bias(backend, L, S, causal):
+    H = 3
+    q, k, v = _inputs(L, S, H, seed=5)
+    slopes = masks.alibi_slopes(H).double()
+    band = masks.causal_band(L, S, "bottom_right") if causal else None
+    out = _run(backend, q, k, v, None, band or False, alibi_slopes=slopes)
+    i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+    bias = -slopes.numpy()[:, None, None] * np.abs(j - i - (S - L))  # (H, L, S)
+    if causal:
+        bias = np.where(_visible(L, S, None, 0, S - L), bias, -np.inf)
+    want, _ = oracle.scaled_dot_product_attention(*(t.detach().numpy() for t in (q, k, v)), bias)
+    np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-12, rtol=0)
+
+
+def test_window_argument_errors():
+    with pytest.raises(ValueError, match="window"):
+        masks.window_band(4, 4, (2,))
+    with pytest.raises(ValueError, match="window"):
+        masks.window_band(4, 4, (-2, 0))
+    with pytest.raises(ValueError, match="alignment"):
+        masks.causal_band(4, 4, "middle")

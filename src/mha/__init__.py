@@ -3,14 +3,19 @@
     mha.numpy       the float64 NumPy oracle, readable beside the paper
     mha.functional  scaled_dot_product_attention, multi_head_attention_forward (torch's signatures)
     mha.nn          MultiheadAttention, a drop-in for torch.nn.MultiheadAttention
-    mha.MultiHeadAttention  the general module: widths cq, ck, cv, dk, dv, do and h heads (seed 002)
+    mha.MultiHeadAttention  the general module: widths cq, ck, cv, dk, dv, do and h heads (seed 002),
+                    GQA (num_kv_heads), RoPE, ALiBi, sliding windows, a KV cache
+    mha.KVCache, mha.RotaryEmbedding
     mha.kernels     exact attention backends and the dispatch between them
     mha.masks       the one place masks are validated and canonicalised
 """
 
 from . import functional, kernels, masks, nn, numpy
+from .cache import KVCache
 from .nn import MultiHeadAttention
+from .rope import RotaryEmbedding
 
 __version__ = "0.1.0"
 
-__all__ = ["MultiHeadAttention", "functional", "kernels", "masks", "nn", "numpy", "__version__"]
+__all__ = ["KVCache", "MultiHeadAttention", "RotaryEmbedding", "functional", "kernels", "masks", "nn",
+           "numpy", "__version__"]

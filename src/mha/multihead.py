@@ -53,26 +53,30 @@ def check_inputs(query, key, value, *, query_width: tuple[str, int],
     return batched
 
 
-def run_backend(q, k, v, mask, is_causal, scale, dropout_p, need_weights, backend):
+def run_backend(q, k, v, mask, is_causal, scale, dropout_p, need_weights, backend, alibi_slopes=None):
     """Run the chosen backend on (B, H, L, D) tensors: (output, weights or None)."""
     name, _ = kernels.choose_backend(backend, need_weights=need_weights, dropout_p=dropout_p,
                                      mask_requires_grad=mask is not None and mask.requires_grad)
-    result = kernels.BACKENDS[name](q, k, v, mask, is_causal, scale, dropout_p)
+    extra = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
+    result = kernels.BACKENDS[name](q, k, v, mask, is_causal, scale, dropout_p, **extra)
     out, weights = result if name == "math" else (result, None)
     return out, (weights if need_weights else None)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, num_heads: int, *, bias_k=None, bias_v=None,
-           static_k=None, static_v=None, add_zero_attn=False, attn_mask=None,
+def attend(q: Tensor, k: Tensor, v: Tensor, num_heads: int, *, num_kv_heads: int | None = None,
+           bias_k=None, bias_v=None, static_k=None, static_v=None, add_zero_attn=False, attn_mask=None,
            key_padding_mask=None, is_causal=False, dropout_p=0.0, need_weights=False,
            batched=True, backend="auto") -> tuple[Tensor, Tensor | None]:
-    """Attention over projected q (N, L, H*Dk), k (N, S, H*Dk), v (N, S, H*Dv).
+    """Attention over projected q (N, L, H*Dk), k (N, S, H_kv*Dk), v (N, S, H_kv*Dv).
 
     Masks follow torch.nn.MultiheadAttention (bool True = masked out); the appended keys
-    (bias_k/bias_v, zero attention) are visible to every query, causal or not.
+    (bias_k/bias_v, zero attention) are visible to every query, causal or not. With
+    num_kv_heads < num_heads (GQA), query head h reads key/value head h // (H / H_kv).
     Returns (output (N, H, L, Dv), weights (N, H, L, S + appended) or None).
     """
-    q, k, v, appended = _heads(q, k, v, num_heads, bias_k, bias_v, static_k, static_v, add_zero_attn)
+    q, k, v, appended = _heads(q, k, v, num_heads, num_kv_heads or num_heads, bias_k, bias_v,
+                               static_k, static_v, add_zero_attn)
+    k, v = (share_kv_heads(x, num_heads) for x in (k, v))
     N, H, L, _ = q.shape
     S = k.shape[2] - appended  # the keys the caller's masks describe
     mask = masks.multihead(attn_mask, key_padding_mask, batch=N, num_heads=H, L=L, S=S,
@@ -100,7 +104,88 @@ def finish(o: Tensor, weights: Tensor | None, out_weight: Tensor | None, out_bia
     return out, weights
 
 
-def _heads(q, k, v, num_heads, bias_k, bias_v, static_k, static_v, add_zero_attn):
+def share_kv_heads(x: Tensor, num_heads: int) -> Tensor:
+    """GQA/MQA: (N, H_kv, S, D) -> (N, H, S, D), query head h reading kv head h // (H / H_kv)."""
+    if x.shape[1] == num_heads:
+        return x
+    return x.repeat_interleave(num_heads // x.shape[1], dim=1)
+
+
+def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_heads: int, *,
+                      rope=None, window=None, alibi_slopes=None, cache=None, key_padding_mask=None,
+                      is_causal=False, dropout_p=0.0, need_weights=False, backend="auto"):
+    """Attention whose masks come from token positions: RoPE, sliding windows, ALiBi, KV cache.
+
+    q (N, L, H*Dk), k (N, S, H_kv*Dk), v (N, S, H_kv*Dv) are the new tokens' projections. Without a
+    cache, queries sit at positions 0..L-1 and keys at 0..S-1; with one, the new tokens continue
+    each sequence, are appended to the cache, and the queries see the cached keys too (causal:
+    bottom-right aligned). key_padding_mask (N, S), bool True = padding. A sliding window is
+    flash-attn's (left, right). When every sequence is aligned the masks stay implicit (a Band
+    the kernels skip tiles by); otherwise one (N, H|1, L, S) mask is built from the positions.
+    Returns (output (N, H, L, Dv), weights or None).
+    """
+    N, L, S = q.shape[0], q.shape[1], k.shape[1]
+    q, k, v = _split_heads(q, num_heads), _split_heads(k, num_kv_heads), _split_heads(v, num_kv_heads)
+    valid = _valid_keys(key_padding_mask, N, S, q.device)
+    if cache is not None:
+        if L != S:
+            raise ValueError(f"with a cache, query and key are the same new tokens: got lengths {L} and {S}")
+        aligned = cache.uniform and bool(valid.all())
+        pos_q = pos_k = cache.next_positions(N, L, q.device)  # (N, L)
+    else:
+        aligned = bool(valid.all())
+        pos_q, pos_k = (torch.arange(n, device=q.device).expand(N, n) for n in (L, S))
+    if rope is not None:
+        q, k = rope(q, pos_q[:, None]), rope(k, pos_k[:, None])  # positions (N, 1, T) over the heads
+    if cache is not None:
+        k, v, pos_k, valid = cache.update(k, v, pos_k, valid)
+    k, v = share_kv_heads(k, num_heads), share_kv_heads(v, num_heads)
+    S_all = k.shape[2]
+    if aligned:  # positions are 0..S-1 and the queries the last L (or first L without a cache)
+        band = _band(L, S_all, is_causal, window, bottom_right=cache is not None)
+        return run_backend(q, k, v, None, band or False, None, dropout_p, need_weights, backend, alibi_slopes)
+    mask = _positional_mask(pos_q, pos_k, valid, is_causal, window, alibi_slopes, q.dtype)
+    return run_backend(q, k, v, mask, False, None, dropout_p, need_weights, backend)
+
+
+def _valid_keys(key_padding_mask, N, S, device) -> Tensor:
+    if key_padding_mask is None:
+        return torch.ones(N, S, dtype=torch.bool, device=device)
+    _checks.mask_dtype("key_padding_mask", key_padding_mask)
+    if key_padding_mask.dtype != torch.bool:
+        raise TypeError("with RoPE, windows, ALiBi or a cache, key_padding_mask must be bool (True = padding)")
+    _checks.shape("key_padding_mask", key_padding_mask, (N, S), "(N, S)")
+    return ~key_padding_mask
+
+
+def _band(L, S, is_causal, window, bottom_right):
+    if window is not None:
+        band = masks.window_band(L, S, window)
+        return masks.Band(band.left, 0, band.offset) if is_causal else band
+    if is_causal:
+        return masks.causal_band(L, S, "bottom_right" if bottom_right else "top_left")
+    return None
+
+
+def _positional_mask(pos_q, pos_k, valid, is_causal, window, alibi_slopes, dtype) -> Tensor:
+    """(N, H|1, L, S) additive mask from positions: validity, causality, window, ALiBi."""
+    rel = pos_k[:, None, :] - pos_q[:, :, None]  # (N, L, S): key position - query position
+    visible = valid[:, None, :].expand_as(rel).clone()
+    if is_causal:
+        visible &= rel <= 0
+    if window is not None:
+        left, right = window
+        if left != -1:
+            visible &= rel >= -left
+        if right != -1:
+            visible &= rel <= right
+    mask = masks.as_additive(~visible, False, masks.additive_dtype(dtype))[:, None]  # (N, 1, L, S)
+    if alibi_slopes is not None:
+        mask = mask - alibi_slopes.to(mask.dtype)[None, :, None, None] * rel.abs()[:, None]  # (N, H, L, S)
+    return mask
+
+
+def _heads(q, k, v, num_heads, num_kv_heads, bias_k, bias_v, static_k, static_v, add_zero_attn):
     """Projected (N, T, H*D) tensors -> per-head (N, H, T, D), with the optional extra keys.
 
     Returns (q, k, v, number of key columns appended after the caller's S keys).
@@ -109,9 +194,10 @@ def _heads(q, k, v, num_heads, bias_k, bias_v, static_k, static_v, add_zero_attn
     if bias_k is not None:
         k = torch.cat([k, bias_k.expand(N, 1, k.shape[-1])], dim=1)  # (N, S, H*Dk) -> (N, S+1, H*Dk)
         v = torch.cat([v, bias_v.expand(N, 1, v.shape[-1])], dim=1)  # (N, S, H*Dv) -> (N, S+1, H*Dv)
-    q, k, v = (_split_heads(x, num_heads) for x in (q, k, v))  # (N, T, H*D) -> (N, H, T, D)
-    k = _static("static_k", static_k, k, N, num_heads)
-    v = _static("static_v", static_v, v, N, num_heads)
+    q = _split_heads(q, num_heads)  # (N, L, H*Dk) -> (N, H, L, Dk)
+    k, v = (_split_heads(x, num_kv_heads) for x in (k, v))  # (N, S, H_kv*D) -> (N, H_kv, S, D)
+    k = _static("static_k", static_k, k, N, num_kv_heads)
+    v = _static("static_v", static_v, v, N, num_kv_heads)
     if add_zero_attn:
         k = _append_zero_key(k)  # (N, H, S, D) -> (N, H, S+1, D)
         v = _append_zero_key(v)

@@ -14,7 +14,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 
-from .. import _checks, multihead
+from .. import _checks, masks, multihead
+from ..cache import KVCache
+from ..rope import RotaryEmbedding
 
 __all__ = ["MultiHeadAttention"]
 
@@ -41,32 +43,57 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, cq: int, ck: int, cv: int, dk: int, dv: int, do: int, h: int,
                  bias: bool = True, add_bias_kv: bool = False, add_zero_attn: bool = False,
-                 dropout: float = 0.0, device=None, dtype=None) -> None:
+                 dropout: float = 0.0, num_kv_heads: int | None = None, rope: RotaryEmbedding | None = None,
+                 alibi: bool = False, window: tuple[int, int] | None = None, device=None, dtype=None) -> None:
         super().__init__()
         names = ("cq", "ck", "cv", "dk", "dv", "do", "h")
         cq, ck, cv, dk, dv, do, h = (_checks.positive_int(n, v) for n, v in zip(names, (cq, ck, cv, dk, dv, do, h)))
+        hkv = h if num_kv_heads is None else _checks.positive_int("num_kv_heads", num_kv_heads)
+        if h % hkv:
+            raise ValueError(f"num_kv_heads must divide h: got h={h}, num_kv_heads={hkv}")
         factory = {"device": device, "dtype": dtype}
         self.cq, self.ck, self.cv, self.dk, self.dv, self.do, self.h = cq, ck, cv, dk, dv, do, h
+        self.num_kv_heads = hkv
         self.dropout = _checks.probability("dropout", dropout)
         self.add_zero_attn = add_zero_attn
+        self._set_positional(rope, alibi, window, add_bias_kv)
         if add_bias_kv:  # registered first: the parameter order seed 002 prints
-            self.bias_k = nn.Parameter(torch.empty(1, 1, h * dk, **factory))
-            self.bias_v = nn.Parameter(torch.empty(1, 1, h * dv, **factory))
+            self.bias_k = nn.Parameter(torch.empty(1, 1, hkv * dk, **factory))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, hkv * dv, **factory))
         else:
             self.register_parameter("bias_k", None)
             self.register_parameter("bias_v", None)
         self.q_proj = nn.Linear(cq, h * dk, bias=bias, **factory)
-        self.k_proj = nn.Linear(ck, h * dk, bias=bias, **factory)
-        self.v_proj = nn.Linear(cv, h * dv, bias=bias, **factory)
+        self.k_proj = nn.Linear(ck, hkv * dk, bias=bias, **factory)
+        self.v_proj = nn.Linear(cv, hkv * dv, bias=bias, **factory)
         self.out_proj = nn.Linear(h * dv, do, bias=bias, **factory)
         self._reset_parameters()
+
+    def _set_positional(self, rope, alibi, window, add_bias_kv) -> None:
+        """RoPE, ALiBi and the sliding window: settings, no parameters (ALiBi's slopes a buffer)."""
+        if rope is not None and not isinstance(rope, RotaryEmbedding):
+            raise TypeError(f"rope must be an mha.RotaryEmbedding, got {type(rope).__name__}")
+        if rope is not None and rope.rotary_dim > self.dk:
+            raise ValueError(f"rope.rotary_dim={rope.rotary_dim} exceeds the head width dk={self.dk}")
+        if window is not None:
+            masks.window_band(1, 1, window)  # validates: (left, right), -1 = unbounded
+            window = tuple(window)
+        if (rope is not None or alibi or window is not None) and (add_bias_kv or self.add_zero_attn):
+            raise ValueError("add_bias_kv / add_zero_attn have no position: they do not combine with rope, "
+                             "alibi or window")
+        self.rope, self.window = rope, window
+        self.register_buffer("alibi_slopes", masks.alibi_slopes(self.h) if alibi else None, persistent=False)
+
+    @property
+    def positional(self) -> bool:
+        return self.rope is not None or self.alibi_slopes is not None or self.window is not None
 
     def _reset_parameters(self) -> None:
         """torch.nn.MultiheadAttention's scheme: xavier_uniform_ on the input projections (on the
         packed (3E, E) matrix when all widths are E, as torch does), zero biases, xavier_normal_
         on bias_k and bias_v; out_proj keeps nn.Linear's init with a zero bias."""
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        if len({self.cq, self.ck, self.cv, self.h * self.dk, self.h * self.dv}) == 1:
+        if len({self.cq, self.ck, self.cv, self.h * self.dk, self.h * self.dv}) == 1 and self.num_kv_heads == self.h:
             with torch.no_grad():
                 packed = xavier_uniform_(torch.empty(3 * self.cq, self.cq, dtype=self.q_proj.weight.dtype,
                                                      device=self.q_proj.weight.device))
@@ -85,30 +112,48 @@ class MultiHeadAttention(nn.Module):
             xavier_normal_(self.bias_v)
 
     def extra_repr(self) -> str:
+        extras = [f"num_kv_heads={self.num_kv_heads}"] if self.num_kv_heads != self.h else []
+        extras += ["alibi=True"] if self.alibi_slopes is not None else []
+        extras += [f"window={self.window}"] if self.window is not None else []
         return (f"cq={self.cq}, ck={self.ck}, cv={self.cv}, dk={self.dk}, dv={self.dv}, "
-                f"do={self.do}, h={self.h}, add_zero_attn={self.add_zero_attn}, dropout={self.dropout}")
+                f"do={self.do}, h={self.h}, add_zero_attn={self.add_zero_attn}, dropout={self.dropout}"
+                + "".join(", " + e for e in extras))
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None,
                 is_causal: bool = False, need_weights: bool = False,
-                average_attn_weights: bool = True, *, backend: str = "auto"):
+                average_attn_weights: bool = True, *, cache: KVCache | None = None, backend: str = "auto"):
         """query (N, L, cq), key (N, S, ck), value (N, S, cv), or unbatched (L, cq), (S, ck), (S, cv).
 
         Returns the output (N, L, do) (unbatched: (L, do)); with need_weights=True, the pair
         (output, weights), weights (N, L, S) averaged over heads or (N, h, L, S).
+        cache: an mha.KVCache; query/key/value are then the new tokens, appended to it (with
+        RoPE, windows, ALiBi or a cache, masks come from positions: attn_mask is not taken).
         """
         batched = multihead.check_inputs(query, key, value, query_width=("cq", self.cq),
                                          key_width=("ck", self.ck), value_width=("cv", self.cv),
                                          batch_first=True)
         _checks.same_dtype_device("query", query, **{"the module's parameters": self.q_proj.weight})
         x_q, x_k, x_v = (x if batched else x.unsqueeze(0) for x in (query, key, value))  # (N, T, c)
-        q, k, v = self.q_proj(x_q), self.k_proj(x_k), self.v_proj(x_v)  # (N, T, h*d)
-        o, weights = multihead.attend(
-            q, k, v, self.h, bias_k=self.bias_k, bias_v=self.bias_v, add_zero_attn=self.add_zero_attn,
-            attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
-            dropout_p=self.dropout if self.training else 0.0, need_weights=need_weights,
-            batched=batched, backend=backend,
-        )
+        q, k, v = self.q_proj(x_q), self.k_proj(x_k), self.v_proj(x_v)  # (N, T, h*d), (N, T, h_kv*d)
+        dropout_p = self.dropout if self.training else 0.0
+        if self.positional or cache is not None:
+            if attn_mask is not None:
+                raise ValueError("with rope, alibi, window or a cache the masks come from positions: "
+                                 "pass key_padding_mask / is_causal, not attn_mask")
+            if key_padding_mask is not None and not batched:
+                key_padding_mask = key_padding_mask.unsqueeze(0)  # (S,) -> (1, S)
+            o, weights = multihead.attend_positional(
+                q, k, v, self.h, self.num_kv_heads, rope=self.rope, window=self.window,
+                alibi_slopes=self.alibi_slopes, cache=cache, key_padding_mask=key_padding_mask,
+                is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
+        else:
+            o, weights = multihead.attend(
+                q, k, v, self.h, num_kv_heads=self.num_kv_heads, bias_k=self.bias_k, bias_v=self.bias_v,
+                add_zero_attn=self.add_zero_attn, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights, batched=batched,
+                backend=backend,
+            )
         out, weights = multihead.finish(o, weights, self.out_proj.weight, self.out_proj.bias,
                                         average_attn_weights, batched=batched, seq_first=False)
         return (out, weights) if need_weights else out

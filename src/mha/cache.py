@@ -1,0 +1,114 @@
+"""mha.KVCache: the keys and values of past tokens, for decoding one token (or chunk) at a time.
+
+    cache = mha.KVCache()                   # grows as tokens arrive
+    cache = mha.KVCache(max_length=4096)    # preallocated: no copy per step
+    cache = mha.KVCache(window=256)         # rolling: keeps the last 256 positions (sliding windows)
+    out = attention(prompt, prompt, prompt, is_causal=True, cache=cache)   # prefill
+    out = attention(token, token, token, is_causal=True, cache=cache)      # decode, step by step
+
+It stores, per layer, keys (N, H_kv, S, Dk) and values (N, H_kv, S, Dv) after projection and
+RoPE, with each key's position (N, S) and validity (N, S). Sequences of a batch may have
+different lengths: prefill right-padded prompts with a key_padding_mask; each sequence then
+continues at its own position. Attention masks are derived from positions, so a new query at
+position p sees the cached keys at positions <= p (bottom-right causal alignment).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _checks
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    def __init__(self, max_length: int | None = None, window: int | None = None) -> None:
+        self.max_length = None if max_length is None else _checks.positive_int("max_length", max_length)
+        self.window = None if window is None else _checks.positive_int("window", window)
+        if self.max_length is not None and self.window is not None:
+            raise ValueError("a rolling cache (window) needs no max_length; pass one or the other")
+        self.keys = self.values = self.positions = self.valid = None
+        self.size = 0  # filled slots along S
+        self.lengths: Tensor | None = None  # (N,) tokens seen per sequence
+
+    def __repr__(self) -> str:
+        kind = (f"window={self.window}" if self.window else
+                f"max_length={self.max_length}" if self.max_length else "growing")
+        return f"KVCache({kind}, size={self.size})"
+
+    def reset(self) -> None:
+        self.__init__(self.max_length, self.window)
+
+    def next_positions(self, batch: int, new: int, device) -> Tensor:
+        """(N, new) positions of the next tokens: each sequence continues where it stopped."""
+        if self.lengths is None:
+            return torch.arange(new, device=device).expand(batch, new)
+        if self.lengths.shape[0] != batch:
+            raise ValueError(f"the cache holds a batch of {self.lengths.shape[0]} sequences, got {batch}")
+        return self.lengths[:, None] + torch.arange(new, device=device)
+
+    @property
+    def uniform(self) -> bool:
+        """Every stored key valid and every sequence at the same length (masks reduce to bands)."""
+        return self.valid is None or (bool(self.valid[:, : self.size].all())
+                                      and bool((self.lengths == self.lengths[0]).all()))
+
+    def update(self, keys: Tensor, values: Tensor, positions: Tensor, valid: Tensor) -> tuple[Tensor, ...]:
+        """Store new keys (N, H_kv, L, Dk), values (N, H_kv, L, Dv) with their positions and
+        validity (N, L); returns everything attention sees now: (keys, values, positions, valid)
+        over the cached and the new tokens."""
+        if self.keys is not None and keys.shape[:2] != self.keys.shape[:2]:
+            raise ValueError(f"the cache holds keys of shape {tuple(self.keys.shape[:2])} (N, H_kv) "
+                             f"but got {tuple(keys.shape[:2])}")
+        if self.window is not None and not bool(valid.all()):
+            raise ValueError("a rolling cache needs every token valid (no padding): give each sequence its own cache")
+        new = (keys, values, positions, valid)
+        if self.max_length is not None:
+            seen = self._write_preallocated(new)
+        else:
+            stored = (self.keys, self.values, self.positions, self.valid)
+            seen = new if self.keys is None else tuple(_concat(old, t, self.size) for old, t in zip(stored, new))
+            self._store(seen)
+        added = valid.sum(dim=1)
+        self.lengths = added if self.lengths is None else self.lengths + added
+        return seen
+
+    def _store(self, seen) -> None:
+        """Keep what a growing or rolling cache retains (a rolling one: the last ``window`` slots)."""
+        if self.window is not None:
+            seen = tuple(t.narrow(_slots(t), max(0, t.shape[_slots(t)] - self.window),
+                                  min(self.window, t.shape[_slots(t)])) for t in seen)
+        self.keys, self.values, self.positions, self.valid = seen
+        self.size = self.keys.shape[2]
+
+    def _write_preallocated(self, new) -> tuple[Tensor, ...]:
+        keys, values, positions, valid = new
+        L = keys.shape[2]
+        if self.keys is None:
+            N, H = keys.shape[:2]
+            self.keys = keys.new_empty(N, H, self.max_length, keys.shape[-1])
+            self.values = values.new_empty(N, H, self.max_length, values.shape[-1])
+            self.positions = positions.new_empty(N, self.max_length)
+            self.valid = valid.new_zeros(N, self.max_length)
+        if self.size + L > self.max_length:
+            raise ValueError(f"the cache holds max_length={self.max_length} tokens; {self.size} are stored "
+                             f"and {L} more came")
+        end = self.size + L
+        self.keys[:, :, self.size:end] = keys  # (N, H_kv, L, Dk) into its slots
+        self.values[:, :, self.size:end] = values
+        self.positions[:, self.size:end] = positions
+        self.valid[:, self.size:end] = valid
+        self.size = end
+        return (self.keys[:, :, :end], self.values[:, :, :end], self.positions[:, :end], self.valid[:, :end])
+
+
+def _slots(t: Tensor) -> int:
+    """The slot (sequence) axis: 2 for keys/values (N, H, S, D), 1 for positions/validity (N, S)."""
+    return 2 if t.dim() == 4 else 1
+
+
+def _concat(old: Tensor, new: Tensor, size: int) -> Tensor:
+    axis = _slots(new)
+    return torch.cat([old.narrow(axis, 0, size), new], dim=axis)

@@ -1,0 +1,171 @@
+"""GQA/MQA, RoPE, ALiBi, sliding windows and the KV cache in mha.MultiHeadAttention."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mha
+from mha import masks
+from mha.parity import randomize_biases
+
+E, H, D = 32, 4, 8
+
+
+def _module(seed=0, **options):
+    torch.manual_seed(seed)
+    return randomize_biases(mha.MultiHeadAttention(E, E, E, D, D, E, H, **options)).eval()
+
+
+def _reference(m, x, visible=None, alibi=False):
+    """The formula by hand: projections, RoPE at positions 0..T-1, GQA by repetition, explicit masks."""
+    N, T, _ = x.shape
+    q = m.q_proj(x).view(N, T, H, D).transpose(1, 2)
+    k = m.k_proj(x).view(N, T, m.num_kv_heads, D).transpose(1, 2)
+    v = m.v_proj(x).view(N, T, m.num_kv_heads, D).transpose(1, 2)
+    if m.rope is not None:
+        q, k = m.rope(q, torch.arange(T)), m.rope(k, torch.arange(T))
+    k, v = (t.repeat_interleave(H // m.num_kv_heads, dim=1) for t in (k, v))
+    bias = torch.zeros(H, T, T)
+    if alibi:
+        bias = -masks.alibi_slopes(H)[:, None, None] * (torch.arange(T)[None, :] - torch.arange(T)[:, None]).abs()
+    if visible is not None:
+        bias = bias.masked_fill(~visible, float("-inf"))
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    return m.out_proj(o.transpose(1, 2).reshape(N, T, H * D))
+
+
+def _causal(T, left=None):
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    visible = j <= i
+    return visible if left is None else visible & (j >= i - left)
+
+
+VARIANTS = {
+    "plain": dict(),
+    "gqa": dict(num_kv_heads=2),
+    "mqa": dict(num_kv_heads=1),
+    "rope": dict(rope=mha.RotaryEmbedding(D)),
+    "rope-partial-interleaved": dict(rope=mha.RotaryEmbedding(4, interleaved=True)),
+    "alibi": dict(alibi=True),
+    "window": dict(window=(3, 0)),
+    "everything": dict(num_kv_heads=2, rope=mha.RotaryEmbedding(D), alibi=True, window=(5, 0)),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("backend", ["auto", "math", "flash"])
+def test_full_forward_equals_the_formula(name, backend):
+    options = VARIANTS[name]
+    m = _module(**options)
+    x = torch.randn(2, 11, E)
+    left = options.get("window", (None, 0))[0]
+    with torch.no_grad():
+        got = m(x, x, x, is_causal=True, backend=backend)
+        want = _reference(m, x, _causal(11, left), alibi=options.get("alibi", False))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("cache_kind", ["growing", "preallocated", "rolling"])
+def test_decoding_token_by_token_equals_the_full_causal_forward(name, cache_kind):
+    options = VARIANTS[name]
+    left = options.get("window", (None, 0))[0]
+    if cache_kind == "rolling" and left is None:
+        pytest.skip("a rolling cache serves sliding windows")
+    m = _module(**options)
+    x = torch.randn(2, 13, E)
+    cache = {"growing": mha.KVCache(), "preallocated": mha.KVCache(max_length=13),
+             "rolling": mha.KVCache(window=left)}[cache_kind]
+    with torch.no_grad():
+        full = m(x, x, x, is_causal=True)
+        steps = [m(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], is_causal=True, cache=cache) for t in range(13)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
+    if cache_kind == "rolling":
+        assert cache.size == left
+
+
+@pytest.mark.parametrize("name", ["plain", "gqa", "rope", "alibi", "everything"])
+def test_prefill_then_decode(name):
+    m = _module(**VARIANTS[name])
+    x = torch.randn(2, 12, E)
+    cache = mha.KVCache()
+    with torch.no_grad():
+        full = m(x, x, x, is_causal=True)
+        prefill = m(x[:, :7], x[:, :7], x[:, :7], is_causal=True, cache=cache)
+        chunk = m(x[:, 7:9], x[:, 7:9], x[:, 7:9], is_causal=True, cache=cache)  # a two-token chunk
+        rest = [m(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], is_causal=True, cache=cache) for t in range(9, 12)]
+    torch.testing.assert_close(torch.cat([prefill, chunk, *rest], dim=1), full, atol=1e-5, rtol=0)
+    assert cache.lengths.tolist() == [12, 12]
+
+
+@pytest.mark.parametrize("name", ["plain", "rope", "alibi", "gqa"])
+def test_batch_of_different_lengths_equals_each_sequence_alone(name):
+    m = _module(**VARIANTS[name])
+    lengths = [6, 3]
+    x = torch.randn(2, 6, E)
+    padding = torch.tensor([[False] * 6, [False] * 3 + [True] * 3])  # right-padded prompts
+    new = torch.randn(2, 4, E)  # four decoded tokens each
+    cache = mha.KVCache()
+    with torch.no_grad():
+        prefill = m(x, x, x, key_padding_mask=padding, is_causal=True, cache=cache)
+        steps = [m(new[:, t:t + 1], new[:, t:t + 1], new[:, t:t + 1], is_causal=True, cache=cache) for t in range(4)]
+        for n, length in enumerate(lengths):
+            alone = torch.cat([x[n:n + 1, :length], new[n:n + 1]], dim=1)
+            want = m(alone, alone, alone, is_causal=True)
+            torch.testing.assert_close(prefill[n:n + 1, :length], want[:, :length], atol=1e-5, rtol=0)
+            torch.testing.assert_close(torch.cat(steps, 1)[n:n + 1], want[:, length:], atol=1e-5, rtol=0)
+    assert cache.lengths.tolist() == [10, 7]
+
+
+def test_gqa_matches_torch_sdpa_enable_gqa_and_shares_heads():
+    m = _module(num_kv_heads=2)
+    assert m.k_proj.weight.shape == (2 * D, E) and m.v_proj.weight.shape == (2 * D, E)
+    x = torch.randn(2, 5, E)
+    N, T = 2, 5
+    q = m.q_proj(x).view(N, T, H, D).transpose(1, 2)
+    k = m.k_proj(x).view(N, T, 2, D).transpose(1, 2)
+    v = m.v_proj(x).view(N, T, 2, D).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(m(x, x, x, is_causal=True), m.out_proj(o.transpose(1, 2).reshape(N, T, H * D)))
+
+
+def test_sliding_window_flash_visits_only_the_band():
+    """At T=512, w=16 the flash backend computes ~T*w scores: time is not asserted, the result is."""
+    m = _module(window=(16, 0))
+    x = torch.randn(1, 512, E)
+    with torch.no_grad():
+        got = m(x, x, x, is_causal=True, backend="flash")
+        want = _reference(m, x, _causal(512, 16))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("options, error, words", [
+    (dict(num_kv_heads=3), ValueError, ["num_kv_heads", "divide"]),
+    (dict(rope=mha.RotaryEmbedding(16)), ValueError, ["rotary_dim", "dk=8"]),
+    (dict(rope="yes"), TypeError, ["RotaryEmbedding"]),
+    (dict(window=(2,)), ValueError, ["window"]),
+    (dict(alibi=True, add_bias_kv=True), ValueError, ["add_bias_kv"]),
+])
+def test_constructor_errors(options, error, words):
+    with pytest.raises(error) as info:
+        mha.MultiHeadAttention(E, E, E, D, D, E, H, **options)
+    assert all(w in str(info.value) for w in words)
+
+
+def test_cache_errors():
+    m = _module()
+    x = torch.randn(2, 3, E)
+    cache = mha.KVCache(max_length=4)
+    with torch.no_grad():
+        m(x, x, x, is_causal=True, cache=cache)
+        with pytest.raises(ValueError, match="max_length=4"):
+            m(x, x, x, is_causal=True, cache=cache)
+        with pytest.raises(ValueError, match="batch of 2"):
+            m(x[:1], x[:1], x[:1], cache=cache)
+        with pytest.raises(ValueError, match="attn_mask"):
+            m(x, x, x, attn_mask=torch.zeros(3, 3), cache=mha.KVCache())
+        with pytest.raises(ValueError, match="padding"):
+            m(x, x, x, key_padding_mask=torch.tensor([[False, False, True]] * 2), cache=mha.KVCache(window=2))
+    with pytest.raises(ValueError, match="one or the other"):
+        mha.KVCache(max_length=4, window=2)
+    assert "growing" in repr(mha.KVCache())

@@ -169,3 +169,26 @@ def test_cache_errors():
     with pytest.raises(ValueError, match="one or the other"):
         mha.KVCache(max_length=4, window=2)
     assert "growing" in repr(mha.KVCache())
+
+
+def test_llama_layout_round_trip_with_fewer_kv_heads():
+    from mha import layouts
+
+    torch.manual_seed(1)
+    llama = {"q_proj.weight": torch.randn(H * D, E), "k_proj.weight": torch.randn(2 * D, E),
+             "v_proj.weight": torch.randn(2 * D, E), "o_proj.weight": torch.randn(E, H * D)}
+    module = layouts.general_module(llama, "llama", num_heads=H)
+    assert module.num_kv_heads == 2 and module.q_proj.bias is None
+    back = layouts.from_general(module.state_dict(), "llama", H)
+    assert all(torch.equal(back[k], llama[k]) for k in llama)
+    x = torch.randn(1, 6, E)
+    q = (x @ llama["q_proj.weight"].T).view(1, 6, H, D).transpose(1, 2)
+    k = (x @ llama["k_proj.weight"].T).view(1, 6, 2, D).transpose(1, 2)
+    v = (x @ llama["v_proj.weight"].T).view(1, 6, 2, D).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2).reshape(1, 6, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(module(x, x, x, is_causal=True), o @ llama["o_proj.weight"].T)
+    with pytest.raises(ValueError, match="no GQA"):
+        layouts.from_general(module.state_dict(), "torch")
+    with pytest.raises(ValueError, match="multiple"):
+        layouts.general_module(llama, "llama", num_heads=1)  # 1 head cannot share 2 kv heads

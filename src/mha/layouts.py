@@ -16,6 +16,7 @@ Layouts (the names ``convert`` takes):
     gpt2       GPT-2: c_attn (Conv1D: (cq, 3*h*dk), transposed and packed), c_proj (Conv1D)
     annotated  The Annotated Transformer: linears.0..3 (q, k, v, out)
     labml      labml.ai: query.linear.*, key.linear.*, value.linear.*, output.*
+    llama      Llama-style: q_proj, k_proj, v_proj (h_kv heads for GQA), o_proj
     per_head   the paper's matrices: W_q.i (cq, dk), W_k.i (ck, dk), W_v.i (cv, dv) for each head
                i, W_o (h*dv, do), and b_q.i, b_k.i, b_v.i, b_o, bias_k.i, bias_v.i
 
@@ -65,11 +66,16 @@ def _require(state: Mapping[str, Tensor], key: str, layout: str, ndim: int | Non
 def widths(general: Mapping[str, Tensor], num_heads: int | None = None) -> dict:
     """cq, ck, cv, do, h*dk, h*dv (and dk, dv with num_heads) of a general state; checks shapes."""
     q, k, v, o = (_require(general, f"{p}.weight", "general", ndim=2) for p in _PROJ)
-    hdk, hdv = q.shape[0], v.shape[0]
-    found = dict(cq=q.shape[1], ck=k.shape[1], cv=v.shape[1], do=o.shape[0], hdk=hdk, hdv=hdv)
-    expected = {"k_proj.weight": (hdk, found["ck"]), "out_proj.weight": (found["do"], hdv),
-                "q_proj.bias": (hdk,), "k_proj.bias": (hdk,), "v_proj.bias": (hdv,),
-                "out_proj.bias": (found["do"],), "bias_k": (1, 1, hdk), "bias_v": (1, 1, hdv)}
+    hdk, hdv = q.shape[0], o.shape[1]  # query heads x dk, query heads x dv
+    kv_hdk, kv_hdv = k.shape[0], v.shape[0]  # fewer rows with grouped-query attention
+    if kv_hdk == 0 or hdk % kv_hdk or hdv % kv_hdv or hdk // kv_hdk != hdv // kv_hdv:
+        raise ValueError(f"k_proj.weight ({kv_hdk} rows) and v_proj.weight ({kv_hdv} rows) must hold the same "
+                         f"whole fraction of the query heads as q_proj.weight ({hdk}) and out_proj.weight "
+                         f"({hdv} columns)")
+    found = dict(cq=q.shape[1], ck=k.shape[1], cv=v.shape[1], do=o.shape[0], hdk=hdk, hdv=hdv,
+                 kv_groups=hdk // kv_hdk)
+    expected = {"q_proj.bias": (hdk,), "k_proj.bias": (kv_hdk,), "v_proj.bias": (kv_hdv,),
+                "out_proj.bias": (found["do"],), "bias_k": (1, 1, kv_hdk), "bias_v": (1, 1, kv_hdv)}
     for key, shape in expected.items():
         if key in general and tuple(general[key].shape) != shape:
             raise ValueError(f"{key} must have shape {shape} to match the projections, "
@@ -81,7 +87,11 @@ def widths(general: Mapping[str, Tensor], num_heads: int | None = None) -> dict:
         if hdk % num_heads or hdv % num_heads:
             raise ValueError(f"num_heads={num_heads} must divide the projection widths h*dk={hdk} "
                              f"and h*dv={hdv}")
-        found.update(h=num_heads, dk=hdk // num_heads, dv=hdv // num_heads)
+        if num_heads % found["kv_groups"]:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of the {found['kv_groups']} query heads "
+                             "that share each key/value head")
+        found.update(h=num_heads, dk=hdk // num_heads, dv=hdv // num_heads,
+                     num_kv_heads=num_heads // found["kv_groups"])
     return found
 
 
@@ -122,6 +132,8 @@ def _linear_names(q, k, v, o, extra=True) -> dict[str, str]:
 def _torch_export(general, num_heads):
     w = widths(general)
     E = w["cq"]
+    if w["kv_groups"] != 1:
+        raise ValueError("torch.nn.MultiheadAttention has as many key/value heads as query heads (no GQA)")
     if not (w["hdk"] == w["hdv"] == w["do"] == E):
         raise ValueError("torch.nn.MultiheadAttention needs h*dk = h*dv = do = query width (embed_dim); "
                          f"got h*dk={w['hdk']}, h*dv={w['hdv']}, do={w['do']}, cq={E}")
@@ -163,8 +175,8 @@ def _torch_load(state, num_heads):
 
 def _gpt2_export(general, num_heads):
     w = widths(general)
-    if not (w["cq"] == w["ck"] == w["cv"] and w["hdk"] == w["hdv"]):
-        raise ValueError("GPT-2's c_attn packs q, k, v of one input: needs cq = ck = cv and dk = dv")
+    if not (w["cq"] == w["ck"] == w["cv"] and w["hdk"] == w["hdv"] and w["kv_groups"] == 1):
+        raise ValueError("GPT-2's c_attn packs q, k, v of one input: needs cq = ck = cv, dk = dv, no GQA")
     if "bias_k" in general:
         raise ValueError("GPT-2 has no bias_k / bias_v")
     biases = _biases(general)
@@ -228,6 +240,8 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
             _renaming("annotated", _linear_names("linears.0", "linears.1", "linears.2", "linears.3", extra=False))),
     _layout("labml", "labml.ai: query.linear, key.linear, value.linear, output",
             _renaming("labml", _linear_names("query.linear", "key.linear", "value.linear", "output", extra=False))),
+    _layout("llama", "Llama-style q_proj, k_proj, v_proj (fewer kv heads allowed), o_proj",
+            _renaming("llama", _linear_names("q_proj", "k_proj", "v_proj", "o_proj", extra=False))),
     _layout("per_head", "the paper's per-head matrices W_q.i, W_k.i, W_v.i, W_o", (_per_head_export, _per_head_load)),
 )}
 
@@ -294,7 +308,8 @@ def general_module(state: Mapping[str, Tensor], layout: str, num_heads: int, **o
     if any(biases) and not all(biases):
         raise ValueError("mha.MultiHeadAttention has biases on all four projections or on none")
     module = MultiHeadAttention(w["cq"], w["ck"], w["cv"], w["dk"], w["dv"], w["do"], num_heads,
-                                bias=all(biases), add_bias_kv="bias_k" in general, **options)
+                                bias=all(biases), add_bias_kv="bias_k" in general,
+                                num_kv_heads=w["num_kv_heads"], **options)
     module.load_state_dict(general)
     return module
 
@@ -376,6 +391,8 @@ def per_head(state: Mapping[str, Tensor], num_heads: int, layout: str = "general
     """The paper's per-head matrices (transposed, split by head) of weights in any layout."""
     general = to_general(state, layout, num_heads) if layout != "general" else state
     w = widths(general, num_heads)
+    if w["kv_groups"] != 1:
+        raise ValueError("the per-head form has one key/value matrix per head: repeat GQA's shared ones first")
     h, dk, dv = num_heads, w["dk"], w["dv"]
 
     def split(t, d):  # (h*d, c) -> h x (c, d); (h*d,) -> h x (d,)

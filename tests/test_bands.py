@@ -104,3 +104,24 @@ def test_window_argument_errors():
         masks.window_band(4, 4, (-2, 0))
     with pytest.raises(ValueError, match="alignment"):
         masks.causal_band(4, 4, "middle")
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_functional_sdpa_alignment_window_and_alibi(backend):
+    from mha.functional import scaled_dot_product_attention as sdpa
+
+    q, k, v = (t.detach() for t in _inputs(4, 9))
+    got = sdpa(q, k, v, is_causal=True, causal_alignment="bottom_right", backend=backend)
+    want, _ = oracle.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), _visible(4, 9, None, 0, 5))
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-12, rtol=0)
+    got = sdpa(q, k, v, window=(2, 1), backend=backend)
+    want, _ = oracle.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), _visible(4, 9, 2, 1, 5))
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-12, rtol=0)
+    slopes = masks.alibi_slopes(3).double()
+    got = sdpa(q, k, v, alibi_slopes=slopes, backend=backend)
+    i, j = np.arange(4)[:, None], np.arange(9)[None, :]
+    want, _ = oracle.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(),
+                                                  -slopes.numpy()[:, None, None] * np.abs(j - i - 5))
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        sdpa(q, k, v, alibi_slopes=torch.ones(5, dtype=torch.float64))

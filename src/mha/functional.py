@@ -29,7 +29,9 @@ __all__ = ["scaled_dot_product_attention", "multi_head_attention_forward"]
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  attn_mask: Tensor | None = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None,
-                                 enable_gqa: bool = False, *, backend: str = "auto") -> Tensor:
+                                 enable_gqa: bool = False, *, backend: str = "auto",
+                                 causal_alignment: str = "top_left", window: tuple[int, int] | None = None,
+                                 alibi_slopes: Tensor | None = None) -> Tensor:
     """softmax(query key^T * scale + mask) value, as torch.nn.functional.scaled_dot_product_attention.
 
     query (..., L, D), key (..., S, D), value (..., S, Dv) -> (..., L, Dv).
@@ -37,7 +39,13 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     is_causal: top-left causal mask (query i sees keys j <= i), combined with attn_mask if both.
     enable_gqa: key/value may have fewer heads (dim -3) than query; query head h reads kv head
     h // (H_q / H_kv). Dropout is applied whenever dropout_p > 0, as in torch.
-    A query row with every key masked gives zeros. backend: "auto", "sdpa" or "math".
+    A query row with every key masked gives zeros. backend: "auto", "sdpa", "flash" or "math".
+
+    Beyond torch's signature (keyword-only): causal_alignment "top_left" (torch's) or
+    "bottom_right" (the last query faces the last key, as after a KV cache); window (left, right)
+    with flash-attn's semantics (bottom-right aligned, -1 = unbounded; with is_causal the right
+    side is 0); alibi_slopes (H,) adds ALiBi's -slope_h * |j - (i + S - L)| (see
+    mha.masks.alibi_slopes). The flash backend skips the tiles a window hides.
     """
     batch_shape = _check_sdpa_inputs(query, key, value, enable_gqa)
     dropout_p = _checks.probability("dropout_p", dropout_p)
@@ -45,8 +53,20 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     mask = masks.sdpa(attn_mask, L=L, S=S, batch_shape=batch_shape, like=query)
     if enable_gqa and query.dim() >= 3:
         key, value = (_repeat_kv_heads(x, query.shape[-3]) for x in (key, value))
-    out, _ = multihead.run_backend(query, key, value, mask, is_causal, scale, dropout_p, False, backend)
+    band = _band(L, S, is_causal, causal_alignment, window)
+    if alibi_slopes is not None:
+        _checks.floating("alibi_slopes", alibi_slopes)
+        _checks.shape("alibi_slopes", alibi_slopes, (query.shape[-3] if query.dim() >= 3 else 1,), "(num_heads,)")
+    out, _ = multihead.run_backend(query, key, value, mask, band or False, scale, dropout_p, False, backend,
+                                   alibi_slopes)
     return out
+
+
+def _band(L: int, S: int, is_causal: bool, alignment: str, window) -> masks.Band | None:
+    if window is not None:
+        band = masks.window_band(L, S, window)
+        return masks.Band(band.left, 0, band.offset) if is_causal else band
+    return masks.causal_band(L, S, alignment) if is_causal else None
 
 
 def _repeat_kv_heads(x: Tensor, query_heads: int) -> Tensor:

@@ -39,7 +39,8 @@ def test_memory_row_runs_in_a_fresh_process_and_checks_the_output():
 
 
 def test_cli_writes_json_csv_and_plot(tmp_path, monkeypatch, capsys):
-    tiny = dict(module=[(1, 16, 32)], causal=[(1, 16, 32)], backends=[32, 64], training=[(1, 16, 32)], memory=512)
+    tiny = dict(module=[(1, 16, 32)], causal=[(1, 16, 32)], backends=[32, 64], training=[(1, 16, 32)], memory=512,
+                decode=8, window=(256, 16))
     monkeypatch.setattr(bench_cli, "QUICK", tiny)
     assert cli.main(["bench", "--quick", "--repeat", "1", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -55,3 +56,9 @@ def test_cli_writes_json_csv_and_plot(tmp_path, monkeypatch, capsys):
 def test_cli_rejects_bad_repeat():
     with pytest.raises(SystemExit):
         cli.main(["bench", "--repeat", "0"])
+
+
+def test_modern_rows():
+    row = bench.decode_row(16, E=32)
+    assert row.ratios["recompute/cache"] > 0 and row.extra["late token ms"] > 0
+    assert "dense causal/window" in bench.window_row(256, 16, repeat=1).ratios

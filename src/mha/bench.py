@@ -10,6 +10,7 @@ drift in the machine's speed hits them alike). Sections:
               (4*B*H*L*S*D / time, halved when causal) beside a matmul's GFLOP/s
     training  forward + backward of the module vs torch's
     memory    peak RSS growth of a causal flash forward at long T (in a fresh process)
+    modern    KV-cache decoding vs recomputation, per-token latency; sliding window vs dense causal
 """
 
 from __future__ import annotations
@@ -131,6 +132,49 @@ def training_rows(points, repeat: int) -> Iterator[Row]:
 
         t = best_times({"ours": lambda: step(ours), "torch": lambda: step(theirs)}, repeat)
         yield Row("training", f"B{B} T{T} E{E}", t, {"ours/torch": t["ours"] / t["torch"]})
+
+
+def decode_row(tokens: int, E: int = 512) -> Row:
+    """Generate ``tokens`` tokens one at a time: with a KV cache vs recomputing full causal attention
+    over the whole prefix at every step; and the cached per-token latency early vs late."""
+    from .cache import KVCache
+    from .nn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    module = MultiHeadAttention(E, E, E, E // HEADS, E // HEADS, E, HEADS).eval()
+    x = torch.randn(1, tokens, E)
+    cache, step_ms = KVCache(max_length=tokens), []
+    with torch.no_grad():
+        start = time.perf_counter()
+        for t in range(tokens):
+            step = time.perf_counter()
+            module(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], is_causal=True, cache=cache)
+            step_ms.append((time.perf_counter() - step) * 1e3)
+        cached = (time.perf_counter() - start) * 1e3
+        start = time.perf_counter()
+        for t in range(tokens):
+            prefix = x[:, : t + 1]
+            module(prefix, prefix, prefix, is_causal=True)[:, -1]
+        recomputed = (time.perf_counter() - start) * 1e3
+    eighth = max(1, tokens // 8)
+    early, late = np.median(step_ms[:eighth]), np.median(step_ms[-eighth:])
+    return Row("modern", f"decode {tokens} tokens, E{E} H{HEADS}", {"kv cache": cached, "recompute": recomputed},
+               {"recompute/cache": recomputed / cached, "late/early token latency": late / early},
+               {"early token ms": early, "late token ms": late})
+
+
+def window_row(T: int, window: int, repeat: int) -> Row:
+    """Causal sliding-window attention (flash, O(T*w)) vs dense causal attention (SDPA), B=1 H=8 D=64."""
+    from .kernels import flash_attention
+    from .masks import Band
+
+    q, k, v = (torch.randn(1, HEADS, T, HEAD_DIM) for _ in range(3))
+    band = Band(window, 0, 0)
+    with torch.no_grad():
+        t = best_times({"dense causal (sdpa)": lambda: BACKENDS["sdpa"](q, k, v, None, True),
+                        "window (flash)": lambda: flash_attention(q, k, v, None, band)}, repeat)
+    return Row("modern", f"T{T} window {window}", t,
+               {"dense causal/window": t["dense causal (sdpa)"] / t["window (flash)"]})
 
 
 _MEMORY_SCRIPT = """

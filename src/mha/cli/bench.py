@@ -2,7 +2,7 @@
 
 Sections: module (forward vs torch's train and eval paths), causal, backends (sdpa, flash, math,
 numpy blocked; GFLOP/s beside a matmul's), training (forward + backward), memory (causal flash
-at long T). See mha.bench for how each is measured.
+at long T), modern (KV-cache decoding, sliding windows). See mha.bench for how each is measured.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from .. import bench
 
 FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [256, 512])),
             causal=[(1, 4096, 512), (4, 4096, 256)], backends=[512, 1024, 2048, 4096],
-            training=[(4, 512, 512), (1, 2048, 512)], memory=65536)
+            training=[(4, 512, 512), (1, 2048, 512)], memory=65536, decode=1024, window=(16384, 256))
 QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 2048, 256)],
-             backends=[512, 1024], training=[(4, 512, 256)], memory=16384)
-SECTIONS = ("module", "causal", "backends", "training", "memory")
+             backends=[512, 1024], training=[(4, 512, 256)], memory=16384, decode=128, window=(4096, 128))
+SECTIONS = ("module", "causal", "backends", "training", "memory", "modern")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +74,9 @@ def _jobs(grid, sections, repeat):
         jobs += [(f"training {p}", lambda p=p: list(bench.training_rows([p], repeat))) for p in grid["training"]]
     if "memory" in sections:
         jobs.append((f"memory T{grid['memory']}", lambda: [bench.memory_row(grid["memory"])]))
+    if "modern" in sections:
+        jobs.append((f"decode {grid['decode']} tokens", lambda: [bench.decode_row(grid["decode"])]))
+        jobs.append((f"window {grid['window']}", lambda: [bench.window_row(*grid["window"], repeat)]))
     return jobs
 
 

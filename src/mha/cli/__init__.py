@@ -1,12 +1,12 @@
-"""The ``mha`` command: ``mha verify``, ``mha convert``, ``mha bench``."""
+"""The ``mha`` command: ``mha verify``, ``mha convert``, ``mha bench``, ``mha explain``."""
 
 from __future__ import annotations
 
 import argparse
 
-from . import bench, convert, verify
+from . import bench, convert, explain, verify
 
-COMMANDS = {"verify": verify, "convert": convert, "bench": bench}  # each module has add_arguments and run
+COMMANDS = {"verify": verify, "convert": convert, "bench": bench, "explain": explain}  # each module has add_arguments and run
 
 
 def build_parser() -> argparse.ArgumentParser:

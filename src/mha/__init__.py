@@ -12,10 +12,11 @@
 
 from . import functional, kernels, masks, nn, numpy
 from .cache import KVCache
+from .capture import capture_attention
 from .nn import MultiHeadAttention
 from .rope import RotaryEmbedding
 
 __version__ = "0.1.0"
 
-__all__ = ["KVCache", "MultiHeadAttention", "RotaryEmbedding", "functional", "kernels", "masks", "nn",
-           "numpy", "__version__"]
+__all__ = ["KVCache", "MultiHeadAttention", "RotaryEmbedding", "capture_attention", "functional", "kernels",
+           "masks", "nn", "numpy", "__version__"]

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 
-from .. import _checks, masks, multihead
+from .. import _checks, capture, masks, multihead
 from ..cache import KVCache
 from ..rope import RotaryEmbedding
 
@@ -137,6 +137,9 @@ class MultiHeadAttention(nn.Module):
         x_q, x_k, x_v = (x if batched else x.unsqueeze(0) for x in (query, key, value))  # (N, T, c)
         q, k, v = self.q_proj(x_q), self.k_proj(x_k), self.v_proj(x_v)  # (N, T, h*d), (N, T, h_kv*d)
         dropout_p = self.dropout if self.training else 0.0
+        capturing = capture.recording()  # mha.capture_attention: per-head weights are recorded
+        wanted = need_weights
+        need_weights = need_weights or capturing
         if self.positional or cache is not None:
             if attn_mask is not None:
                 raise ValueError("with rope, alibi, window or a cache the masks come from positions: "
@@ -155,5 +158,8 @@ class MultiHeadAttention(nn.Module):
                 backend=backend,
             )
         out, weights = multihead.finish(o, weights, self.out_proj.weight, self.out_proj.bias,
-                                        average_attn_weights, batched=batched, seq_first=False)
-        return (out, weights) if need_weights else out
+                                        average_attn_weights and not capturing, batched=batched, seq_first=False)
+        if capturing:
+            capture.record(self, weights, batched)
+            weights = capture.returned_weights(weights, wanted, average_attn_weights, batched)
+        return (out, weights) if wanted else out

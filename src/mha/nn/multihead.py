@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from .. import _checks, masks
+from .. import _checks, capture, masks
 from .. import functional as mha_functional
 
 __all__ = ["MultiheadAttention"]
@@ -119,14 +119,20 @@ class MultiheadAttention(nn.Module):
         taken after dropout as in torch.
         """
         separate = not self._qkv_same_embed_dim
-        return mha_functional.multi_head_attention_forward(
+        capturing = capture.recording()  # mha.capture_attention: per-head weights are recorded
+        out, weights = mha_functional.multi_head_attention_forward(
             query, key, value, self.embed_dim, self.num_heads,
             self.in_proj_weight, self.in_proj_bias, self.bias_k, self.bias_v,
             self.add_zero_attn, self.dropout, self.out_proj.weight, self.out_proj.bias,
             training=self.training, key_padding_mask=key_padding_mask,
-            need_weights=need_weights, attn_mask=attn_mask,
+            need_weights=need_weights or capturing, attn_mask=attn_mask,
             use_separate_proj_weight=separate, q_proj_weight=self.q_proj_weight,
             k_proj_weight=self.k_proj_weight, v_proj_weight=self.v_proj_weight,
-            average_attn_weights=average_attn_weights, is_causal=is_causal,
+            average_attn_weights=average_attn_weights and not capturing, is_causal=is_causal,
             batch_first=self.batch_first, backend=getattr(self, "backend", "auto"),
         )
+        if capturing:
+            batched = query.dim() == 3
+            capture.record(self, weights, batched)
+            weights = capture.returned_weights(weights, need_weights, average_attn_weights, batched)
+        return out, weights

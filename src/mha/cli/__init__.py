@@ -1,12 +1,12 @@
-"""The ``mha`` command: ``mha verify``, ``mha convert``, ``mha bench``, ``mha explain``."""
+"""The ``mha`` command: ``mha verify``, ``mha convert``, ``mha bench``, ``mha explain``, ``mha plot``."""
 
 from __future__ import annotations
 
 import argparse
 
-from . import bench, convert, explain, verify
+from . import bench, convert, explain, plot, verify
 
-COMMANDS = {"verify": verify, "convert": convert, "bench": bench, "explain": explain}  # each module has add_arguments and run
+COMMANDS = {"verify": verify, "convert": convert, "bench": bench, "explain": explain, "plot": plot}  # each module has add_arguments and run
 
 
 def build_parser() -> argparse.ArgumentParser:

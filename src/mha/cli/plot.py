@@ -1,0 +1,45 @@
+"""Draw attention maps: per-head heatmaps and the head average, as a PNG.
+
+Without --checkpoint: seed 003's sentence "Life is short, eat dessert first" through three heads.
+With --checkpoint DIR (config.json, model.safetensors, vocab.txt of a BERT-family model): the
+attention of --text at --layer, heads --heads (default all), run on mha's own layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .. import plot
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", type=Path, default=None, help="a BERT-family checkpoint directory")
+    parser.add_argument("--text", default="The quick brown fox jumps over the lazy dog.")
+    parser.add_argument("--layer", type=int, default=0, help="which layer (default 0)")
+    parser.add_argument("--heads", type=int, nargs="+", default=None, help="which heads (default all)")
+    parser.add_argument("--out", type=Path, default=Path("attention.png"))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.checkpoint is None:
+            weights, tokens = plot.sentence_example()
+            title = "seed 003: 'Life is short, eat dessert first', 3 heads (d_k=24, d_v=28)"
+        else:
+            from ..bert import attention_maps
+
+            tokens, maps, _ = attention_maps(args.checkpoint, args.text)
+            if not 0 <= args.layer < len(maps):
+                raise ValueError(f"--layer {args.layer} does not exist: the model has layers 0..{len(maps) - 1}")
+            weights = maps[args.layer]
+            title = f"{args.checkpoint.name}, layer {args.layer}"
+        figure = plot.attention_figure(weights, tokens, tokens, title, args.heads)
+    except (ValueError, OSError) as error:
+        print(f"mha plot: error: {error}", file=sys.stderr)
+        return 2
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+    return 0

@@ -125,7 +125,7 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_he
     Returns (output (N, H, L, Dv), weights or None).
     """
     N, L, S = q.shape[0], q.shape[1], k.shape[1]
-    q, k, v = _split_heads(q, num_heads), _split_heads(k, num_kv_heads), _split_heads(v, num_kv_heads)
+    q, k, v = split_heads(q, num_heads), split_heads(k, num_kv_heads), split_heads(v, num_kv_heads)
     valid = _valid_keys(key_padding_mask, N, S, q.device)
     if cache is not None:
         if L != S:
@@ -194,8 +194,8 @@ def _heads(q, k, v, num_heads, num_kv_heads, bias_k, bias_v, static_k, static_v,
     if bias_k is not None:
         k = torch.cat([k, bias_k.expand(N, 1, k.shape[-1])], dim=1)  # (N, S, H*Dk) -> (N, S+1, H*Dk)
         v = torch.cat([v, bias_v.expand(N, 1, v.shape[-1])], dim=1)  # (N, S, H*Dv) -> (N, S+1, H*Dv)
-    q = _split_heads(q, num_heads)  # (N, L, H*Dk) -> (N, H, L, Dk)
-    k, v = (_split_heads(x, num_kv_heads) for x in (k, v))  # (N, S, H_kv*D) -> (N, H_kv, S, D)
+    q = split_heads(q, num_heads)  # (N, L, H*Dk) -> (N, H, L, Dk)
+    k, v = (split_heads(x, num_kv_heads) for x in (k, v))  # (N, S, H_kv*D) -> (N, H_kv, S, D)
     k = _static("static_k", static_k, k, N, num_kv_heads)
     v = _static("static_v", static_v, v, N, num_kv_heads)
     if add_zero_attn:
@@ -207,7 +207,7 @@ def _heads(q, k, v, num_heads, num_kv_heads, bias_k, bias_v, static_k, static_v,
     return q, k, v, int(bias_k is not None) + int(bool(add_zero_attn))
 
 
-def _split_heads(x: Tensor, num_heads: int) -> Tensor:
+def split_heads(x: Tensor, num_heads: int) -> Tensor:
     return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)  # (N, T, H*D) -> (N, T, H, D) -> (N, H, T, D)
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 
-from .. import _checks, capture, masks, multihead
+from .. import _checks, capture, efficient, masks, multihead
 from ..cache import KVCache
 from ..rope import RotaryEmbedding
 
@@ -44,7 +44,8 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, cq: int, ck: int, cv: int, dk: int, dv: int, do: int, h: int,
                  bias: bool = True, add_bias_kv: bool = False, add_zero_attn: bool = False,
                  dropout: float = 0.0, num_kv_heads: int | None = None, rope: RotaryEmbedding | None = None,
-                 alibi: bool = False, window: tuple[int, int] | None = None, device=None, dtype=None) -> None:
+                 alibi: bool = False, window: tuple[int, int] | None = None, attention: str | nn.Module = "exact",
+                 attention_options: dict | None = None, device=None, dtype=None) -> None:
         super().__init__()
         names = ("cq", "ck", "cv", "dk", "dv", "do", "h")
         cq, ck, cv, dk, dv, do, h = (_checks.positive_int(n, v) for n, v in zip(names, (cq, ck, cv, dk, dv, do, h)))
@@ -63,6 +64,7 @@ class MultiHeadAttention(nn.Module):
         else:
             self.register_parameter("bias_k", None)
             self.register_parameter("bias_v", None)
+        self.attention = self._variant(attention, attention_options)
         self.q_proj = nn.Linear(cq, h * dk, bias=bias, **factory)
         self.k_proj = nn.Linear(ck, hkv * dk, bias=bias, **factory)
         self.v_proj = nn.Linear(cv, hkv * dv, bias=bias, **factory)
@@ -83,6 +85,17 @@ class MultiHeadAttention(nn.Module):
                              "alibi or window")
         self.rope, self.window = rope, window
         self.register_buffer("alibi_slopes", masks.alibi_slopes(self.h) if alibi else None, persistent=False)
+
+    def _variant(self, attention, options):
+        """None for exact attention (the full machinery), else an mha.efficient variant module."""
+        if isinstance(attention, nn.Module):
+            return attention
+        if attention == "exact" and not options:
+            return None
+        options = dict(options or {})
+        if attention == "performer":
+            options.setdefault("head_dim", self.dk)
+        return efficient.make(attention, **options)
 
     @property
     def positional(self) -> bool:
@@ -136,6 +149,8 @@ class MultiHeadAttention(nn.Module):
         _checks.same_dtype_device("query", query, **{"the module's parameters": self.q_proj.weight})
         x_q, x_k, x_v = (x if batched else x.unsqueeze(0) for x in (query, key, value))  # (N, T, c)
         q, k, v = self.q_proj(x_q), self.k_proj(x_k), self.v_proj(x_v)  # (N, T, h*d), (N, T, h_kv*d)
+        if self.attention is not None:
+            return self._efficient(q, k, v, batched, is_causal, key_padding_mask, attn_mask, need_weights, cache)
         dropout_p = self.dropout if self.training else 0.0
         capturing = capture.recording()  # mha.capture_attention: per-head weights are recorded
         wanted = need_weights
@@ -163,3 +178,18 @@ class MultiHeadAttention(nn.Module):
             capture.record(self, weights, batched)
             weights = capture.returned_weights(weights, wanted, average_attn_weights, batched)
         return (out, weights) if wanted else out
+
+    def _efficient(self, q, k, v, batched, is_causal, key_padding_mask, attn_mask, need_weights, cache):
+        """The selected mha.efficient variant on the projected heads: no masks but causality."""
+        if attn_mask is not None or key_padding_mask is not None or cache is not None or need_weights:
+            raise ValueError("an efficient attention variant takes is_causal only: no attn_mask, "
+                             "key_padding_mask, cache or need_weights")
+        if self.positional or self.bias_k is not None or self.add_zero_attn:
+            raise ValueError("an efficient attention variant does not combine with rope, alibi, window, "
+                             "add_bias_kv or add_zero_attn")
+        q = multihead.split_heads(q, self.h)  # (N, L, h*dk) -> (N, h, L, dk)
+        k, v = (multihead.share_kv_heads(multihead.split_heads(x, self.num_kv_heads), self.h) for x in (k, v))
+        o = self.attention(q, k, v, is_causal=is_causal)  # (N, h, L, dv)
+        out, _ = multihead.finish(o, None, self.out_proj.weight, self.out_proj.bias, True, batched=batched,
+                                  seq_first=False)
+        return out

@@ -1,0 +1,258 @@
+"""Efficient (mostly approximate) attention, each a module with one signature:
+
+    variant(q, k, v, is_causal=False) -> output       q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv)
+
+    exact        softmax attention (torch's fused kernel): the reference
+    local        sliding window of w keys (exact within its window; the flash kernel's band)
+    strided      Sparse Transformer, strided pattern (Child et al. 2019): the last c keys, and every
+                 c-th key before them; causal; block-sparse, ~O(T sqrt T) work for c ~ sqrt T
+    fixed        Sparse Transformer, fixed pattern: the query's own block of c keys, and the last
+                 ``summary`` keys of every earlier block; causal
+    linformer    keys and values projected along the sequence to k rows by learned E, F (k, n_max)
+    nystrom      Nystromformer: segment-mean landmarks, softmax kernels through a Moore-Penrose
+                 pseudo-inverse computed by iteration
+    linear       linear attention, phi = elu + 1; causal by a chunked prefix sum, O(T D^2)
+    performer    FAVOR+: positive orthogonal random features (redrawable), then linear attention
+
+The ones with exact limits reach them: strided/fixed with a pattern covering every key, nystrom
+with as many landmarks as keys, linformer with identity projections and k = n, local with w >= T.
+Variants that take only causal masks raise on is_causal when they have no causal form.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import _checks, masks
+from .kernels import flash_attention_with_lse, merge_attention, sdpa_attention
+
+__all__ = ["Exact", "Local", "Strided", "Fixed", "Linformer", "Nystrom", "LinearAttention", "Performer",
+           "VARIANTS", "make"]
+
+
+class Exact(nn.Module):
+    def forward(self, q, k, v, is_causal=False):
+        return sdpa_attention(q, k, v, None, is_causal)
+
+
+class Local(nn.Module):
+    """Each query sees the ``window`` keys before it and itself (causal), or ``window`` on each side."""
+
+    def __init__(self, window: int = 128):
+        super().__init__()
+        self.window = _checks.positive_int("window", window)
+
+    def forward(self, q, k, v, is_causal=False):
+        band = masks.Band(self.window, 0 if is_causal else self.window, k.shape[-2] - q.shape[-2])
+        return flash_attention_with_lse(q, k, v, None, band)[0]
+
+
+def _causal_only(name: str, is_causal: bool, q: Tensor, k: Tensor) -> None:
+    if not is_causal:
+        raise ValueError(f"the {name} pattern is defined for causal (autoregressive) attention: pass is_causal=True")
+    if q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"{name} attention is self-attention: query and key lengths must match, "
+                         f"got {q.shape[-2]} and {k.shape[-2]}")
+
+
+def _blocks(x: Tensor, c: int) -> tuple[Tensor, int]:
+    """(..., T, D) -> (..., T/c, c, D), padding T up to a multiple of c; returns (blocks, pad)."""
+    pad = -x.shape[-2] % c
+    x = F.pad(x, (0, 0, 0, pad))
+    return x.unflatten(-2, (-1, c)), pad  # (..., T, D) -> (..., n_blocks, c, D)
+
+
+class Strided(nn.Module):
+    """Query i sees keys i-c < j <= i (local) and j = i - c, i - 2c, ... (strided)."""
+
+    def __init__(self, stride: int = 64):
+        super().__init__()
+        self.stride = _checks.positive_int("stride", stride)
+
+    def forward(self, q, k, v, is_causal=True):
+        _causal_only("strided", is_causal, q, k)
+        T, c = q.shape[-2], self.stride
+        local, lse_local = flash_attention_with_lse(q, k, v, None, masks.Band(c - 1, 0, 0))
+        # strided: position p = a*c + r; query (a, r) sees keys (a', r) with a' < a
+        (qb, pad), (kb, _), (vb, _) = _blocks(q, c), _blocks(k, c), _blocks(v, c)  # (B, H, A, c, D)
+        column = lambda x: x.transpose(-2, -3)  # noqa: E731  (B, H, A, c, D) -> (B, H, c, A, D): residue-major
+        out, lse = flash_attention_with_lse(column(qb), column(kb), column(vb), None, masks.Band(None, -1, 0))
+        unblock = lambda x: column(x).flatten(-3, -2)[..., :T, :]  # noqa: E731  (B, H, c, A, D) -> (B, H, T, D)
+        strided = unblock(out)
+        lse_strided = column(lse.unsqueeze(-1)).flatten(-3, -2)[..., :T, 0]  # (B, H, c, A) -> (B, H, T)
+        merged, _ = merge_attention(local, lse_local, strided, lse_strided)
+        return merged
+
+
+class Fixed(nn.Module):
+    """Query i sees its own block's keys up to i, and the last ``summary`` keys of each earlier block."""
+
+    def __init__(self, block: int = 64, summary: int = 1):
+        super().__init__()
+        self.block = _checks.positive_int("block", block)
+        self.summary = _checks.positive_int("summary", summary)
+        if summary > block:
+            raise ValueError(f"summary={summary} cannot exceed block={block}")
+
+    def forward(self, q, k, v, is_causal=True):
+        _causal_only("fixed", is_causal, q, k)
+        T, c, t = q.shape[-2], self.block, self.summary
+        (qb, pad), (kb, _), (vb, _) = _blocks(q, c), _blocks(k, c), _blocks(v, c)  # (B, H, A, c, D)
+        own, lse_own = flash_attention_with_lse(qb, kb, vb, None, True)  # causal within each block
+        own, lse_own = own.flatten(-3, -2)[..., :T, :], lse_own.flatten(-2)[..., :T]  # (B, H, T, ...)
+        summary_k, summary_v = kb[..., c - t:, :].flatten(-3, -2), vb[..., c - t:, :].flatten(-3, -2)  # (B, H, A*t, D)
+        query_block = torch.arange(T, device=q.device) // c
+        key_block = torch.arange(summary_k.shape[-2], device=q.device) // t
+        earlier = key_block[None, :] < query_block[:, None]  # (T, A*t): summaries of earlier blocks only
+        mask = masks.as_additive(earlier, True, masks.additive_dtype(q.dtype))
+        summary, lse_summary = flash_attention_with_lse(q, summary_k, summary_v, mask)
+        merged, _ = merge_attention(own, lse_own, summary, lse_summary)
+        return merged
+
+
+class Linformer(nn.Module):
+    """K' = E K, V' = F V: keys and values projected along the sequence to ``k`` rows (Wang et al. 2020).
+
+    E, F (k, max_length) are learned (initialised as scaled Gaussians); sequences up to max_length.
+    """
+
+    def __init__(self, max_length: int, k: int = 64, share: bool = False):
+        super().__init__()
+        self.max_length = _checks.positive_int("max_length", max_length)
+        self.k = _checks.positive_int("k", k)
+        self.E = nn.Parameter(torch.randn(k, max_length) / math.sqrt(k))
+        self.F = self.E if share else nn.Parameter(torch.randn(k, max_length) / math.sqrt(k))
+
+    def forward(self, q, k, v, is_causal=False):
+        if is_causal:
+            raise ValueError("Linformer mixes all positions along the sequence: it has no causal form")
+        S = k.shape[-2]
+        if S > self.max_length:
+            raise ValueError(f"Linformer was built for sequences up to max_length={self.max_length}, got {S}")
+        k_proj = torch.einsum("kn,bhnd->bhkd", self.E[:, :S].to(k.dtype), k)  # (B, H, k, D)
+        v_proj = torch.einsum("kn,bhnd->bhkd", self.F[:, :S].to(v.dtype), v)
+        return sdpa_attention(q, k_proj, v_proj)
+
+
+def iterative_pinv(a: Tensor, iterations: int = 6) -> Tensor:
+    """Moore-Penrose pseudo-inverse of a batch of square matrices by the iteration of Razavi et
+    al. (2014) that Nystromformer uses: Z <- Z (13 I - A Z (15 I - A Z (7 I - A Z))) / 4."""
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    scale = a.abs().sum(-2).amax(-1, keepdim=True) * a.abs().sum(-1).amax(-1, keepdim=True)  # |A|_1 |A|_inf
+    z = a.transpose(-1, -2) / scale[..., None]
+    for _ in range(iterations):
+        az = a @ z
+        z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
+    return z
+
+
+class Nystrom(nn.Module):
+    """softmax(Q K^T) V ~ softmax(Q K~^T) pinv(softmax(Q~ K~^T)) softmax(Q~ K^T) V (Xiong et al. 2021),
+    Q~, K~ the means of ``landmarks`` segments. ``pinv_iterations=None``: torch.linalg.pinv."""
+
+    def __init__(self, landmarks: int = 64, pinv_iterations: int | None = 6):
+        super().__init__()
+        self.landmarks = _checks.positive_int("landmarks", landmarks)
+        self.pinv_iterations = pinv_iterations
+
+    def forward(self, q, k, v, is_causal=False):
+        if is_causal:
+            raise ValueError("Nystromformer's landmarks summarise the whole sequence: it has no causal form")
+        scale = q.shape[-1] ** -0.5
+        q_l, k_l = (self._segment_means(x) for x in (q, k))  # (B, H, m, D)
+        kernel_1 = torch.softmax(q @ k_l.transpose(-1, -2) * scale, -1)  # (B, H, L, m)
+        kernel_2 = torch.softmax(q_l @ k_l.transpose(-1, -2) * scale, -1)  # (B, H, m, m)
+        kernel_3 = torch.softmax(q_l @ k.transpose(-1, -2) * scale, -1)  # (B, H, m, S)
+        inverse = (torch.linalg.pinv(kernel_2) if self.pinv_iterations is None
+                   else iterative_pinv(kernel_2, self.pinv_iterations))
+        return kernel_1 @ (inverse @ (kernel_3 @ v))
+
+    def _segment_means(self, x: Tensor) -> Tensor:
+        T, m = x.shape[-2], min(self.landmarks, x.shape[-2])
+        return F.adaptive_avg_pool1d(x.transpose(-1, -2).flatten(0, -3), m).unflatten(0, x.shape[:-2]).transpose(-1, -2)
+
+
+def _linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, is_causal: bool, chunk: int = 128) -> Tensor:
+    """sum_j phi(q_i).phi(k_j) v_j / sum_j phi(q_i).phi(k_j), over all j or j <= i (chunked prefix)."""
+    if not is_causal:
+        kv = phi_k.transpose(-1, -2) @ v  # (B, H, m, Dv)
+        normaliser = phi_q @ phi_k.sum(-2, keepdim=True).transpose(-1, -2)  # (B, H, L, 1)
+        return (phi_q @ kv) / normaliser.clamp_min(1e-12)
+    state = phi_k.new_zeros(*phi_k.shape[:-2], phi_k.shape[-1], v.shape[-1])  # (B, H, m, Dv): sum of phi(k) v^T so far
+    total = phi_k.new_zeros(*phi_k.shape[:-2], 1, phi_k.shape[-1])  # (B, H, 1, m): sum of phi(k) so far
+    outputs = []
+    for start in range(0, phi_q.shape[-2], chunk):
+        pq, pk, vc = (x[..., start:start + chunk, :] for x in (phi_q, phi_k, v))
+        within = (pq @ pk.transpose(-1, -2)).tril()  # (B, H, c, c): this chunk's earlier keys and itself
+        numerator = within @ vc + pq @ state
+        denominator = within.sum(-1, keepdim=True) + pq @ total.transpose(-1, -2)
+        outputs.append(numerator / denominator.clamp_min(1e-12))
+        state = state + pk.transpose(-1, -2) @ vc
+        total = total + pk.sum(-2, keepdim=True)
+    return torch.cat(outputs, dim=-2)
+
+
+class LinearAttention(nn.Module):
+    """Katharopoulos et al. (2020): phi(x) = elu(x) + 1 in place of exp(q.k)."""
+
+    def __init__(self, chunk: int = 128):
+        super().__init__()
+        self.chunk = _checks.positive_int("chunk", chunk)
+
+    def forward(self, q, k, v, is_causal=False):
+        return _linear_attention(F.elu(q) + 1, F.elu(k) + 1, v, is_causal, self.chunk)
+
+
+class Performer(nn.Module):
+    """FAVOR+ (Choromanski et al. 2021): exp(q.k / sqrt(D)) ~ phi(q).phi(k) with positive random
+    features phi(x) = exp(w.x - |x|^2 / 2) / sqrt(m), w orthogonal Gaussian; ``redraw()`` resamples."""
+
+    def __init__(self, head_dim: int, features: int = 256, chunk: int = 128, generator_seed: int | None = None):
+        super().__init__()
+        self.head_dim = _checks.positive_int("head_dim", head_dim)
+        self.features = _checks.positive_int("features", features)
+        self.chunk = _checks.positive_int("chunk", chunk)
+        self.generator = torch.Generator()
+        if generator_seed is not None:
+            self.generator.manual_seed(generator_seed)
+        self.register_buffer("projection", self._draw())
+
+    def _draw(self) -> Tensor:
+        """(features, head_dim): blocks of orthogonal rows, each scaled by a chi-distributed norm."""
+        blocks, d = [], self.head_dim
+        for _ in range(math.ceil(self.features / d)):
+            gaussian = torch.randn(d, d, generator=self.generator)
+            orthogonal, _ = torch.linalg.qr(gaussian)
+            blocks.append(orthogonal.T)
+        rows = torch.cat(blocks)[: self.features]
+        norms = torch.randn(self.features, d, generator=self.generator).norm(dim=1, keepdim=True)
+        return rows * norms
+
+    def redraw(self) -> None:
+        self.projection = self._draw().to(self.projection.device)
+
+    def _features(self, x: Tensor, is_query: bool) -> Tensor:
+        x = x * self.head_dim ** -0.25  # exp(q.k / sqrt(D)) = exp(q'.k') with q' = q / D^(1/4)
+        proj = x @ self.projection.to(x.dtype).T  # (B, H, T, m)
+        sq = (x * x).sum(-1, keepdim=True) / 2
+        # subtract a max for stability: per row for queries (cancels in the ratio), one for all keys
+        shift = proj.amax(-1, keepdim=True) if is_query else proj.amax(dim=(-1, -2), keepdim=True)
+        return torch.exp(proj - sq - shift.detach()) / math.sqrt(self.features) + 1e-6
+
+    def forward(self, q, k, v, is_causal=False):
+        return _linear_attention(self._features(q, True), self._features(k, False), v, is_causal, self.chunk)
+
+
+VARIANTS = {"exact": Exact, "local": Local, "strided": Strided, "fixed": Fixed, "linformer": Linformer,
+            "nystrom": Nystrom, "linear": LinearAttention, "performer": Performer}
+
+
+def make(name: str, **options) -> nn.Module:
+    """A variant by name, e.g. make("performer", head_dim=64, features=256)."""
+    if name not in VARIANTS:
+        raise ValueError(f"attention must be one of {sorted(VARIANTS)}, got {name!r}")
+    return VARIANTS[name](**options)

@@ -11,6 +11,7 @@ drift in the machine's speed hits them alike). Sections:
     training  forward + backward of the module vs torch's
     memory    peak RSS growth of a causal flash forward at long T (in a fresh process)
     modern    KV-cache decoding vs recomputation, per-token latency; sliding window vs dense causal
+    variants  the efficient variants against exact attention: time, peak memory, error
 """
 
 from __future__ import annotations
@@ -177,6 +178,97 @@ def window_row(T: int, window: int, repeat: int) -> Row:
                {"dense causal/window": t["dense causal (sdpa)"] / t["window (flash)"]})
 
 
+# name: (variant factory source, causal); budgets follow each method's paper-style defaults
+VARIANT_SETUPS = {
+    "exact (sdpa)": ("efficient.Exact()", False),
+    "exact causal (sdpa)": ("efficient.Exact()", True),
+    "exact causal (flash)": ("FlashCausal()", True),
+    "local w=256": ("efficient.Local(256)", True),
+    "strided c=sqrt(T)": ("efficient.Strided(max(1, int(T ** 0.5)))", True),
+    "fixed c=sqrt(T)": ("efficient.Fixed(max(1, int(T ** 0.5)), max(1, int(T ** 0.5) // 8))", True),
+    "linformer k=256": ("efficient.Linformer(T, 256)", False),
+    "nystrom m=64": ("efficient.Nystrom(64)", False),
+    "linear": ("efficient.LinearAttention()", False),
+    "linear causal": ("efficient.LinearAttention()", True),
+    "performer m=256": ("efficient.Performer(64, 256, generator_seed=0)", False),
+    "performer m=256 causal": ("efficient.Performer(64, 256, generator_seed=0)", True),
+}
+
+_VARIANT_SCRIPT = """
+import sys, time, torch
+from mha import efficient
+from mha.kernels import flash_attention
+
+class FlashCausal(torch.nn.Module):
+    def forward(self, q, k, v, is_causal):
+        return flash_attention(q, k, v, None, is_causal)
+
+T, repeat, causal, source = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 8, T, 64) for _ in range(3))
+variant = eval(source)
+def hwm():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1024
+before = hwm()
+best = float("inf")
+with torch.no_grad():
+    for _ in range(repeat):
+        start = time.perf_counter()
+        out = variant(q, k, v, is_causal=causal)
+        best = min(best, time.perf_counter() - start)
+    peak = hwm() - before
+    rows = min(256, T)
+    mask = torch.ones(rows, T, dtype=torch.bool).tril(T - rows) if causal else None
+    ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, -rows:], k, v, attn_mask=mask)
+    error = ((out[:, :, -rows:] - ref).norm() / ref.norm()).item()
+print(best * 1e3, peak, error)
+"""
+
+
+def variant_rows(lengths, repeat: int, names=None) -> Iterator[Row]:
+    """Every efficient variant at each length, each in a fresh process (peak RSS is per process)."""
+    for T in lengths:
+        for name, (source, causal) in VARIANT_SETUPS.items():
+            if names is not None and name not in names:
+                continue
+            done = subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT, str(T), str(repeat), str(int(causal)), source],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{name} at T={T} failed:\n{done.stderr[-2000:]}")
+            ms, peak, error = (float(x) for x in done.stdout.split())
+            yield Row("variants", f"T{T} {name}", {"time": ms},
+                      extra={"peak RSS growth MiB": peak, "relative error (last 256 rows)": error, "T": T})
+
+
+def plot_variants(rows: list[Row], path: str) -> None:
+    """Time and error against T per variant (log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mine = [r for r in rows if r.section == "variants"]
+    names = list(dict.fromkeys(r.point.split(" ", 1)[1] for r in mine))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for name in names:
+        points = [(r.extra["T"], r.times_ms["time"], r.extra["relative error (last 256 rows)"])
+                  for r in mine if r.point.split(" ", 1)[1] == name]
+        Ts, times, errors = zip(*points)
+        style = "-" if name.startswith("exact") else "--"
+        left.loglog(Ts, times, style, marker="o", label=name)
+        if not name.startswith("exact"):
+            right.semilogx(Ts, errors, style, marker="o", label=name)
+    left.set(title="time per forward (B=1, H=8, D=64)", xlabel="sequence length T", ylabel="ms")
+    right.set(title="relative error vs exact attention", xlabel="sequence length T", ylabel="|out - exact| / |exact|")
+    for ax in (left, right):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 _MEMORY_SCRIPT = """
 import resource, sys, time, torch
 from mha.kernels import flash_attention
@@ -248,4 +340,7 @@ def write(rows: list[Row], info: dict, directory: str) -> list[str]:
         plot_backends(rows, paths[2])
     else:
         paths.pop()
+    if any(r.section == "variants" for r in rows):
+        paths.append(os.path.join(directory, "variants.png"))
+        plot_variants(rows, paths[-1])
     return paths

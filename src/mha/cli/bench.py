@@ -19,15 +19,19 @@ from .. import bench
 
 FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [256, 512])),
             causal=[(1, 4096, 512), (4, 4096, 256)], backends=[512, 1024, 2048, 4096],
-            training=[(4, 512, 512), (1, 2048, 512)], memory=65536, decode=1024, window=(16384, 256))
+            training=[(4, 512, 512), (1, 2048, 512)], memory=65536, decode=1024, window=(16384, 256),
+            variants=[256, 1024, 4096, 16384])
 QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 2048, 256)],
-             backends=[512, 1024], training=[(4, 512, 256)], memory=16384, decode=128, window=(4096, 128))
-SECTIONS = ("module", "causal", "backends", "training", "memory", "modern")
+             backends=[512, 1024], training=[(4, 512, 256)], memory=16384, decode=128, window=(4096, 128),
+             variants=[256, 1024])
+SECTIONS = ("module", "causal", "backends", "training", "memory", "modern", "variants")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a small grid (under a minute)")
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=[s for s in SECTIONS if s != "variants"])
+    parser.add_argument("--variants", action="store_true",
+                        help="the efficient-attention study alone (same as --sections variants)")
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds per point (best is kept)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", default="bench-results", help="folder for results.json/.csv and backends.png")
@@ -39,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     grid = QUICK if args.quick else FULL
+    if args.variants:
+        args.sections = ["variants"]
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, 140)
@@ -74,6 +80,8 @@ def _jobs(grid, sections, repeat):
         jobs += [(f"training {p}", lambda p=p: list(bench.training_rows([p], repeat))) for p in grid["training"]]
     if "memory" in sections:
         jobs.append((f"memory T{grid['memory']}", lambda: [bench.memory_row(grid["memory"])]))
+    if "variants" in sections:
+        jobs += [(f"variants T{T}", lambda T=T: list(bench.variant_rows([T], min(repeat, 3)))) for T in grid["variants"]]
     if "modern" in sections:
         jobs.append((f"decode {grid['decode']} tokens", lambda: [bench.decode_row(grid["decode"])]))
         jobs.append((f"window {grid['window']}", lambda: [bench.window_row(*grid["window"], repeat)]))

@@ -44,11 +44,12 @@ def test_cli_writes_json_csv_and_plot(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench_cli, "QUICK", tiny)
     assert cli.main(["bench", "--quick", "--repeat", "1", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert all(section in out for section in bench_cli.SECTIONS) and "results.json" in out
+    default = [s for s in bench_cli.SECTIONS if s != "variants"]  # the study runs with --variants
+    assert all(section in out for section in default) and "results.json" in out
     data = json.loads((tmp_path / "results.json").read_text())
     ratios = {k for r in data["rows"] for k in r["ratios"]}
     assert {"ours/torch-train", "ours/torch-eval", "ours/torch-train+hint", "flash speed/sdpa speed"} <= ratios
-    assert data["machine"]["torch"] and {r["section"] for r in data["rows"]} == set(bench_cli.SECTIONS)
+    assert data["machine"]["torch"] and {r["section"] for r in data["rows"]} == set(default)
     assert (tmp_path / "results.csv").read_text().startswith("section,point,measure,value")
     assert (tmp_path / "backends.png").stat().st_size > 10_000
 
@@ -62,3 +63,26 @@ def test_modern_rows():
     row = bench.decode_row(16, E=32)
     assert row.ratios["recompute/cache"] > 0 and row.extra["late token ms"] > 0
     assert "dense causal/window" in bench.window_row(256, 16, repeat=1).ratios
+
+
+def test_variant_rows_measure_time_memory_and_error():
+    rows = list(bench.variant_rows([64], repeat=1, names=["exact (sdpa)", "local w=256", "performer m=256"]))
+    assert [r.point for r in rows] == ["T64 exact (sdpa)", "T64 local w=256", "T64 performer m=256"]
+    assert rows[0].extra["relative error (last 256 rows)"] < 1e-6  # exact is exact
+    assert rows[1].extra["relative error (last 256 rows)"] < 1e-5  # a window covering T is exact
+    assert rows[2].extra["relative error (last 256 rows)"] > 1e-3 and rows[2].times_ms["time"] > 0
+
+
+def test_training_script_runs_a_tiny_budget(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "benchmarks" / "train_variants.py"
+    done = subprocess.run([sys.executable, str(script), "--budget", "1", "--length", "32", "--pairs", "2",
+                           "--variants", "exact", "nystrom m=32", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads((tmp_path / "training.json").read_text())
+    assert [r["variant"] for r in data["results"]] == ["exact", "nystrom m=32"]
+    assert len(data["results"][0]["curve"]) == 13 and (tmp_path / "training.png").exists()

@@ -149,6 +149,7 @@ def test_selectable_on_the_general_module(name, options, causal):
     (lambda: efficient.Linformer(8, 4)(*_qkv(16)), "max_length=8"),
     (lambda: efficient.Nystrom(4)(*_qkv(8), True), "no causal form"),
     (lambda: efficient.Fixed(4, 5), "summary=5"),
+    (lambda: mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, attention="linear", alibi=True), "does not combine"),
 ])
 def test_errors(call, words):
     with pytest.raises(ValueError, match=words):

@@ -38,9 +38,6 @@ class KVCache:
                 f"max_length={self.max_length}" if self.max_length else "growing")
         return f"KVCache({kind}, size={self.size})"
 
-    def reset(self) -> None:
-        self.__init__(self.max_length, self.window)
-
     def next_positions(self, batch: int, new: int, device) -> Tensor:
         """(N, new) positions of the next tokens: each sequence continues where it stopped."""
         if self.lengths is None:

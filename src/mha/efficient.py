@@ -59,11 +59,11 @@ def _causal_only(name: str, is_causal: bool, q: Tensor, k: Tensor) -> None:
                          f"got {q.shape[-2]} and {k.shape[-2]}")
 
 
-def _blocks(x: Tensor, c: int) -> tuple[Tensor, int]:
-    """(..., T, D) -> (..., T/c, c, D), padding T up to a multiple of c; returns (blocks, pad)."""
-    pad = -x.shape[-2] % c
-    x = F.pad(x, (0, 0, 0, pad))
-    return x.unflatten(-2, (-1, c)), pad  # (..., T, D) -> (..., n_blocks, c, D)
+def _blocks(x: Tensor, c: int) -> Tensor:
+    """(..., T, D) -> (..., T/c, c, D), zero-padding T up to a multiple of c (padding comes last,
+    so causal queries never see it)."""
+    x = F.pad(x, (0, 0, 0, -x.shape[-2] % c))
+    return x.unflatten(-2, (-1, c))  # (..., T, D) -> (..., n_blocks, c, D)
 
 
 class Strided(nn.Module):
@@ -78,7 +78,7 @@ class Strided(nn.Module):
         T, c = q.shape[-2], self.stride
         local, lse_local = flash_attention_with_lse(q, k, v, None, masks.Band(c - 1, 0, 0))
         # strided: position p = a*c + r; query (a, r) sees keys (a', r) with a' < a
-        (qb, pad), (kb, _), (vb, _) = _blocks(q, c), _blocks(k, c), _blocks(v, c)  # (B, H, A, c, D)
+        qb, kb, vb = _blocks(q, c), _blocks(k, c), _blocks(v, c)  # (B, H, A, c, D)
         column = lambda x: x.transpose(-2, -3)  # noqa: E731  (B, H, A, c, D) -> (B, H, c, A, D): residue-major
         out, lse = flash_attention_with_lse(column(qb), column(kb), column(vb), None, masks.Band(None, -1, 0))
         unblock = lambda x: column(x).flatten(-3, -2)[..., :T, :]  # noqa: E731  (B, H, c, A, D) -> (B, H, T, D)
@@ -101,7 +101,7 @@ class Fixed(nn.Module):
     def forward(self, q, k, v, is_causal=True):
         _causal_only("fixed", is_causal, q, k)
         T, c, t = q.shape[-2], self.block, self.summary
-        (qb, pad), (kb, _), (vb, _) = _blocks(q, c), _blocks(k, c), _blocks(v, c)  # (B, H, A, c, D)
+        qb, kb, vb = _blocks(q, c), _blocks(k, c), _blocks(v, c)  # (B, H, A, c, D)
         own, lse_own = flash_attention_with_lse(qb, kb, vb, None, True)  # causal within each block
         own, lse_own = own.flatten(-3, -2)[..., :T, :], lse_own.flatten(-2)[..., :T]  # (B, H, T, ...)
         summary_k, summary_v = kb[..., c - t:, :].flatten(-3, -2), vb[..., c - t:, :].flatten(-3, -2)  # (B, H, A*t, D)
@@ -172,7 +172,7 @@ class Nystrom(nn.Module):
         return kernel_1 @ (inverse @ (kernel_3 @ v))
 
     def _segment_means(self, x: Tensor) -> Tensor:
-        T, m = x.shape[-2], min(self.landmarks, x.shape[-2])
+        m = min(self.landmarks, x.shape[-2])
         return F.adaptive_avg_pool1d(x.transpose(-1, -2).flatten(0, -3), m).unflatten(0, x.shape[:-2]).transpose(-1, -2)
 
 

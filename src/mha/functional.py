@@ -52,28 +52,14 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     L, S = query.shape[-2], key.shape[-2]
     mask = masks.sdpa(attn_mask, L=L, S=S, batch_shape=batch_shape, like=query)
     if enable_gqa and query.dim() >= 3:
-        key, value = (_repeat_kv_heads(x, query.shape[-3]) for x in (key, value))
-    band = _band(L, S, is_causal, causal_alignment, window)
+        key, value = (multihead.share_kv_heads(x, query.shape[-3]) for x in (key, value))
+    band = masks.band_for(L, S, is_causal, window, causal_alignment)
     if alibi_slopes is not None:
         _checks.floating("alibi_slopes", alibi_slopes)
         _checks.shape("alibi_slopes", alibi_slopes, (query.shape[-3] if query.dim() >= 3 else 1,), "(num_heads,)")
     out, _ = multihead.run_backend(query, key, value, mask, band or False, scale, dropout_p, False, backend,
                                    alibi_slopes)
     return out
-
-
-def _band(L: int, S: int, is_causal: bool, alignment: str, window) -> masks.Band | None:
-    if window is not None:
-        band = masks.window_band(L, S, window)
-        return masks.Band(band.left, 0, band.offset) if is_causal else band
-    return masks.causal_band(L, S, alignment) if is_causal else None
-
-
-def _repeat_kv_heads(x: Tensor, query_heads: int) -> Tensor:
-    """Grouped-query attention: query head h reads key/value head h // (H_q / H_kv)."""
-    if x.dim() < 3 or x.shape[-3] == query_heads:
-        return x
-    return x.repeat_interleave(query_heads // x.shape[-3], dim=-3)  # (..., H_kv, S, D) -> (..., H_q, S, D)
 
 
 def _check_sdpa_inputs(query, key, value, enable_gqa) -> tuple[int, ...]:

@@ -59,18 +59,6 @@ def as_additive(mask: Tensor, true_means_attend: bool, dtype: torch.dtype) -> Te
     return to_dtype(mask, dtype)
 
 
-def causal(L: int, S: int, query_dtype: torch.dtype, device: torch.device) -> Tensor:
-    """(L, S) additive top-left causal mask: -inf where key j > query i."""
-    future = torch.ones(L, S, dtype=torch.bool, device=device).triu_(1)
-    return _bool_to_additive(future, additive_dtype(query_dtype))
-
-
-def with_causal(mask: Tensor | None, L: int, S: int, query_dtype: torch.dtype, device) -> Tensor:
-    """``mask`` with the causal mask folded in (for kernels that take one or the other)."""
-    c = causal(L, S, query_dtype, device)
-    return c if mask is None else mask + c
-
-
 @dataclass(frozen=True)
 class Band:
     """Which keys j query i may see: i + offset - left <= j <= i + offset + right.
@@ -89,8 +77,9 @@ class Band:
     offset: int = 0
 
     def allowed(self, rows: Tensor, cols: Tensor) -> Tensor:
-        """Bool (len(rows), len(cols)): True where query rows[a] may see key cols[b]."""
-        rel = cols[None, :] - rows[:, None] - self.offset  # j - (i + offset)
+        """Bool (..., len(rows), len(cols)): True where query at position rows[a] may see the key at
+        cols[b]. rows (..., L) and cols (..., S) may carry batch dims (per-sequence positions)."""
+        rel = cols[..., None, :] - rows[..., :, None] - self.offset  # j - (i + offset)
         ok = torch.ones_like(rel, dtype=torch.bool)
         if self.left is not None:
             ok &= rel >= -self.left
@@ -119,6 +108,16 @@ def window_band(L: int, S: int, window: tuple[int, int]) -> Band:
         raise ValueError(f"window must be a pair (left, right) of ints >= -1 (-1 = unbounded), got {window!r}")
     left, right = (None if w == -1 else w for w in window)
     return Band(left, right, S - L)
+
+
+def band_for(L: int, S: int, is_causal: bool, window: tuple[int, int] | None = None,
+             alignment: str = "top_left") -> Band | None:
+    """The Band of causality and/or a sliding window (a window is bottom-right aligned; with
+    is_causal its right side is 0), or None when every key is visible."""
+    if window is not None:
+        band = window_band(L, S, window)
+        return Band(band.left, 0, band.offset) if is_causal else band
+    return causal_band(L, S, alignment) if is_causal else None
 
 
 def as_band(is_causal, L: int, S: int) -> Band | None:

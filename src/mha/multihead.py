@@ -82,7 +82,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, num_heads: int, *, num_kv_heads: int
     mask = masks.multihead(attn_mask, key_padding_mask, batch=N, num_heads=H, L=L, S=S,
                            batched=batched, like=q)
     if appended and is_causal:  # fold causal in before padding, so the appended keys stay visible
-        mask, is_causal = masks.with_causal(mask, L, S, q.dtype, q.device), False
+        mask, is_causal = masks.fold(mask, masks.Band(None, 0, 0), None, L, S, q.dtype, q.device), False
     mask = masks.append_attended_keys(mask, appended)
     return run_backend(q, k, v, mask, is_causal, None, dropout_p, need_weights, backend)
 
@@ -105,10 +105,10 @@ def finish(o: Tensor, weights: Tensor | None, out_weight: Tensor | None, out_bia
 
 
 def share_kv_heads(x: Tensor, num_heads: int) -> Tensor:
-    """GQA/MQA: (N, H_kv, S, D) -> (N, H, S, D), query head h reading kv head h // (H / H_kv)."""
-    if x.shape[1] == num_heads:
+    """GQA/MQA: (..., H_kv, S, D) -> (..., H, S, D), query head h reading kv head h // (H / H_kv)."""
+    if x.dim() < 3 or x.shape[-3] == num_heads:
         return x
-    return x.repeat_interleave(num_heads // x.shape[1], dim=1)
+    return x.repeat_interleave(num_heads // x.shape[-3], dim=-3)
 
 
 def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_heads: int, *,
@@ -142,7 +142,7 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_he
     k, v = share_kv_heads(k, num_heads), share_kv_heads(v, num_heads)
     S_all = k.shape[2]
     if aligned:  # positions are 0..S-1 and the queries the last L (or first L without a cache)
-        band = _band(L, S_all, is_causal, window, bottom_right=cache is not None)
+        band = masks.band_for(L, S_all, is_causal, window, "bottom_right" if cache is not None else "top_left")
         return run_backend(q, k, v, None, band or False, None, dropout_p, need_weights, backend, alibi_slopes)
     mask = _positional_mask(pos_q, pos_k, valid, is_causal, window, alibi_slopes, q.dtype)
     return run_backend(q, k, v, mask, False, None, dropout_p, need_weights, backend)
@@ -158,30 +158,16 @@ def _valid_keys(key_padding_mask, N, S, device) -> Tensor:
     return ~key_padding_mask
 
 
-def _band(L, S, is_causal, window, bottom_right):
-    if window is not None:
-        band = masks.window_band(L, S, window)
-        return masks.Band(band.left, 0, band.offset) if is_causal else band
-    if is_causal:
-        return masks.causal_band(L, S, "bottom_right" if bottom_right else "top_left")
-    return None
-
-
 def _positional_mask(pos_q, pos_k, valid, is_causal, window, alibi_slopes, dtype) -> Tensor:
     """(N, H|1, L, S) additive mask from positions: validity, causality, window, ALiBi."""
-    rel = pos_k[:, None, :] - pos_q[:, :, None]  # (N, L, S): key position - query position
-    visible = valid[:, None, :].expand_as(rel).clone()
-    if is_causal:
-        visible &= rel <= 0
-    if window is not None:
-        left, right = window
-        if left != -1:
-            visible &= rel >= -left
-        if right != -1:
-            visible &= rel <= right
+    visible = valid[:, None, :].expand(-1, pos_q.shape[1], -1)  # (N, L, S)
+    band = masks.band_for(1, 1, is_causal, window)  # positions are absolute: offset 0
+    if band is not None:
+        visible = visible & band.allowed(pos_q, pos_k)
     mask = masks.as_additive(~visible, False, masks.additive_dtype(dtype))[:, None]  # (N, 1, L, S)
     if alibi_slopes is not None:
-        mask = mask - alibi_slopes.to(mask.dtype)[None, :, None, None] * rel.abs()[:, None]  # (N, H, L, S)
+        distance = (pos_k[:, None, :] - pos_q[:, :, None]).abs()  # (N, L, S)
+        mask = mask - alibi_slopes.to(mask.dtype)[None, :, None, None] * distance[:, None]  # (N, H, L, S)
     return mask
 
 

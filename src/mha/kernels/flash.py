@@ -78,10 +78,6 @@ class _Flash(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    return masks.additive_dtype(x.dtype)  # float32 for float16/bfloat16
-
-
 def _flat(x: Tensor, dtype, lead: tuple[int, ...]) -> Tensor:
     x = x.to(dtype).expand(*lead, *x.shape[-2:])  # key/value batch dims broadcast to the query's
     return x.reshape(-1, x.shape[-2], x.shape[-1])  # (B, H, T, D) -> (B*H, T, D)

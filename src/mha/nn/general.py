@@ -65,6 +65,9 @@ class MultiHeadAttention(nn.Module):
             self.register_parameter("bias_k", None)
             self.register_parameter("bias_v", None)
         self.attention = self._variant(attention, attention_options)
+        if self.attention is not None and (self.positional or add_bias_kv or add_zero_attn):
+            raise ValueError("an efficient attention variant does not combine with rope, alibi, window, "
+                             "add_bias_kv or add_zero_attn")
         self.q_proj = nn.Linear(cq, h * dk, bias=bias, **factory)
         self.k_proj = nn.Linear(ck, hkv * dk, bias=bias, **factory)
         self.v_proj = nn.Linear(cv, hkv * dv, bias=bias, **factory)
@@ -184,9 +187,6 @@ class MultiHeadAttention(nn.Module):
         if attn_mask is not None or key_padding_mask is not None or cache is not None or need_weights:
             raise ValueError("an efficient attention variant takes is_causal only: no attn_mask, "
                              "key_padding_mask, cache or need_weights")
-        if self.positional or self.bias_k is not None or self.add_zero_attn:
-            raise ValueError("an efficient attention variant does not combine with rope, alibi, window, "
-                             "add_bias_kv or add_zero_attn")
         q = multihead.split_heads(q, self.h)  # (N, L, h*dk) -> (N, h, L, dk)
         k, v = (multihead.share_kv_heads(multihead.split_heads(x, self.num_kv_heads), self.h) for x in (k, v))
         o = self.attention(q, k, v, is_causal=is_causal)  # (N, h, L, dv)

@@ -58,10 +58,19 @@ class _FeedForwardLayer(nn.Module):
         if isinstance(layer_norm_eps, bool) or not isinstance(layer_norm_eps, numbers.Real) or layer_norm_eps < 0:
             raise ValueError(f"layer_norm_eps must be a non-negative float, got {layer_norm_eps!r}")
 
-    def _init_feed_forward(self, d_model, dim_feedforward, dropout, activation, factory, bias):
+    def _init_rest(self, sublayers, d_model, dim_feedforward, dropout, activation, layer_norm_eps, norm_first,
+                   bias, factory):
+        """Everything after the attention modules, in torch's order (so seeded weights match):
+        linear1, dropout, linear2, norm_first, norm1..n, dropout1..n, activation."""
         self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
         self.dropout = nn.Dropout(dropout)
         self.linear2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)
+        self.norm_first = norm_first
+        for i in range(1, sublayers + 1):
+            setattr(self, f"norm{i}", nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory))
+        for i in range(1, sublayers + 1):
+            setattr(self, f"dropout{i}", nn.Dropout(dropout))
+        self.activation = _activation(activation)
 
     def _feed_forward(self, x: Tensor) -> Tensor:
         return self.linear2(self.dropout(self.activation(self.linear1(x))))
@@ -85,13 +94,7 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         factory = {"device": device, "dtype": dtype}
         self.self_attn = MultiheadAttention(d_model, nhead, dropout=dropout, bias=bias,
                                             batch_first=batch_first, **factory)
-        self._init_feed_forward(d_model, dim_feedforward, dropout, activation, factory, bias)
-        self.norm_first = norm_first
-        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
-        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(dropout)
-        self.activation = _activation(activation)
+        self._init_rest(2, d_model, dim_feedforward, dropout, activation, layer_norm_eps, norm_first, bias, factory)
         self.activation_relu_or_gelu = _relu_or_gelu(self.activation)  # as torch's layer records it
 
     def forward(self, src: Tensor, src_mask: Tensor | None = None,
@@ -120,15 +123,7 @@ class TransformerDecoderLayer(_FeedForwardLayer):
                                             bias=bias, **factory)
         self.multihead_attn = MultiheadAttention(d_model, nhead, dropout=dropout,
                                                  batch_first=batch_first, bias=bias, **factory)
-        self._init_feed_forward(d_model, dim_feedforward, dropout, activation, factory, bias)
-        self.norm_first = norm_first
-        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
-        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
-        self.norm3 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(dropout)
-        self.dropout3 = nn.Dropout(dropout)
-        self.activation = _activation(activation)
+        self._init_rest(3, d_model, dim_feedforward, dropout, activation, layer_norm_eps, norm_first, bias, factory)
 
     def forward(self, tgt: Tensor, memory: Tensor, tgt_mask: Tensor | None = None,
                 memory_mask: Tensor | None = None, tgt_key_padding_mask: Tensor | None = None,

@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from mha import masks
 from mha import numpy as oracle
-from mha.kernels import BACKENDS, flash_attention_with_lse, math_attention
+from mha import positions
+from mha.kernels import BACKENDS, Contract, flash_attention_with_lse, math_attention
+from mha.positions import Band
 
 BACKEND_NAMES = ["math", "sdpa", "flash"]
 
@@ -32,32 +33,39 @@ def _inputs(L, S, H=3, seed=0):
     return [torch.randn(2, H, n, 8, generator=g, dtype=torch.float64, requires_grad=True) for n in (L, S, S)]
 
 
-CASES = [  # (L, S, band)
-    (9, 9, masks.causal_band(9, 9, "top_left")),
-    (5, 12, masks.causal_band(5, 12, "bottom_right")),
-    (12, 5, masks.causal_band(12, 5, "bottom_right")),
-    (40, 40, masks.window_band(40, 40, (6, 0))),
-    (40, 40, masks.window_band(40, 40, (3, 5))),
-    (17, 45, masks.window_band(17, 45, (4, -1))),
-    (33, 33, masks.window_band(33, 33, (-1, -1))),
+CASES = [  # (L, S, band, offset)
+    (9, 9, Band(None, 0), 0),
+    (5, 12, Band(None, 0), 7),
+    (12, 5, Band(None, 0), -7),
+    (5, 12, Band(None, 0), 3),
+    (40, 40, Band(6, 0), 0),
+    (40, 40, Band(3, 5), 0),
+    (17, 45, Band(4, None), 28),
+    (33, 33, Band(None, None), 0),
 ]
 
 
+def _sdpa_takes(band):
+    return band.is_causal  # torch's kernel has causality, not windows
+
+
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
-@pytest.mark.parametrize("L, S, band", CASES, ids=str)
-def test_band_equals_its_explicit_mask(backend, L, S, band):
+@pytest.mark.parametrize("L, S, band, offset", CASES, ids=str)
+def test_band_equals_its_explicit_mask(backend, L, S, band, offset):
     q, k, v = _inputs(L, S)
-    visible = _visible(L, S, band.left, band.right, band.offset)
-    out = _run(backend, q, k, v, None, band)
+    visible = _visible(L, S, band.left, band.right, offset)
+    contract = Contract(band=band, offset=offset)
+    if backend == "sdpa" and not _sdpa_takes(band):
+        with pytest.raises(ValueError, match="sliding window"):
+            _run(backend, q, k, v, contract)
+        return
+    out = _run(backend, q, k, v, contract)
     want, _ = oracle.scaled_dot_product_attention(*(t.detach().numpy() for t in (q, k, v)), visible)
     np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-12, rtol=0)
-    if backend == "sdpa":
-        return  # gradients: math and flash below
     g = torch.randn_like(out)
     got = torch.autograd.grad((out * g).sum(), (q, k, v))
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    ref, _ = math_attention(q2, k2, v2, torch.zeros(L, S, dtype=torch.float64).masked_fill(
-        torch.from_numpy(~visible), float("-inf")))
+    ref, _ = math_attention(q2, k2, v2, Contract(mask=torch.from_numpy(visible)))
     for a, b in zip(got, torch.autograd.grad((ref * g).sum(), (q2, k2, v2))):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
 
@@ -65,30 +73,30 @@ def test_band_equals_its_explicit_mask(backend, L, S, band):
 @pytest.mark.parametrize("blocks", [(4, 4), (7, 3), (64, 128)])
 def test_flash_window_with_small_blocks(blocks):
     L = S = 50
-    band = masks.window_band(L, S, (5, 2))
     q, k, v = _inputs(L, S, seed=3)
-    out, _ = flash_attention_with_lse(q, k, v, None, band, None, *blocks)
+    out, _ = flash_attention_with_lse(q, k, v, Contract(band=positions.band(window=(5, 2))),
+                                      block_q=blocks[0], block_k=blocks[1])
     want, _ = oracle.scaled_dot_product_attention(*(t.detach().numpy() for t in (q, k, v)),
                                                   _visible(L, S, 5, 2, 0))
     np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-12, rtol=0)
 
 
 def test_alibi_slopes_are_the_papers():
-    np.testing.assert_allclose(masks.alibi_slopes(8).numpy(), [2.0 ** -(i + 1) for i in range(8)])
+    np.testing.assert_allclose(positions.alibi_slopes(8).numpy(), [2.0 ** -(i + 1) for i in range(8)])
     # 12 heads: the 8-head slopes, then every other slope of 16 heads for the remaining 4
     sixteen = [2.0 ** (-(i + 1) / 2) for i in range(16)]
-    np.testing.assert_allclose(masks.alibi_slopes(12).numpy(),
+    np.testing.assert_allclose(positions.alibi_slopes(12).numpy(),
                                [2.0 ** -(i + 1) for i in range(8)] + sixteen[0::2][:4], rtol=1e-6)
 
 
-@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("backend", ["math", "flash"])
 @pytest.mark.parametrize("L, S, causal", [(10, 10, True), (6, 14, False), (20, 20, False)])
 def test_alibi_equals_its_explicit_bias(backend, L, S, causal):
     H = 3
     q, k, v = _inputs(L, S, H, seed=5)
-    slopes = masks.alibi_slopes(H).double()
-    band = masks.causal_band(L, S, "bottom_right") if causal else None
-    out = _run(backend, q, k, v, None, band or False, alibi_slopes=slopes)
+    slopes = positions.alibi_slopes(H).double()
+    contract = Contract(band=Band(None, 0) if causal else None, offset=S - L, alibi_slopes=slopes)
+    out = _run(backend, q, k, v, contract)
     i, j = np.arange(L)[:, None], np.arange(S)[None, :]
     bias = -slopes.numpy()[:, None, None] * np.abs(j - i - (S - L))  # (H, L, S)
     if causal:
@@ -98,15 +106,14 @@ def test_alibi_equals_its_explicit_bias(backend, L, S, causal):
 
 
 def test_window_argument_errors():
-    with pytest.raises(ValueError, match="window"):
-        masks.window_band(4, 4, (2,))
-    with pytest.raises(ValueError, match="window"):
-        masks.window_band(4, 4, (-2, 0))
+    for window in [(2,), (-2, 0), (True, 0), (1.5, 0), "10"]:
+        with pytest.raises(ValueError, match="window"):
+            positions.band(window=window)
     with pytest.raises(ValueError, match="alignment"):
-        masks.causal_band(4, 4, "middle")
+        positions.offset_of("middle", 4, 4)
 
 
-@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("backend", ["math", "flash"])
 def test_functional_sdpa_alignment_window_and_alibi(backend):
     from mha.functional import scaled_dot_product_attention as sdpa
 
@@ -117,7 +124,7 @@ def test_functional_sdpa_alignment_window_and_alibi(backend):
     got = sdpa(q, k, v, window=(2, 1), backend=backend)
     want, _ = oracle.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), _visible(4, 9, 2, 1, 5))
     np.testing.assert_allclose(got.numpy(), want, atol=1e-12, rtol=0)
-    slopes = masks.alibi_slopes(3).double()
+    slopes = positions.alibi_slopes(3).double()
     got = sdpa(q, k, v, alibi_slopes=slopes, backend=backend)
     i, j = np.arange(4)[:, None], np.arange(9)[None, :]
     want, _ = oracle.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(),

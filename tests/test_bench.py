@@ -32,16 +32,25 @@ def test_backend_rows_report_gflops_beside_matmul():
     assert rows[0].extra["matmul GFLOP/s"] > 0 and rows[1].extra["flash GFLOP/s"] > 0
 
 
-def test_memory_row_runs_in_a_fresh_process_and_checks_the_output():
-    row = bench.memory_row(2048)
-    assert row.extra["max |flash - sdpa| on last 256 rows"] < 1e-5
-    assert 0 <= row.extra["peak RSS growth MiB"] < 512
+def test_memory_rows_run_in_fresh_processes_against_torch():
+    rows = list(bench.memory_rows(1024, ["causal", "module ALiBi"]))
+    assert [r.point for r in rows] == ["T1024 causal", "T1024 module ALiBi"]
+    for row in rows:
+        assert row.extra["peak RSS growth MiB"] >= 0 and row.extra["torch MiB"] >= 0
+        assert row.ratios["growth / torch"] > 0 and row.ratios["growth T / growth T/2"] > 0
+
+
+def test_contract_rows_time_ours_against_torch():
+    rows = list(bench.contract_rows(128, repeat=1))
+    assert len(rows) == 5 and all(r.ratios["ours/torch"] > 0 for r in rows)
 
 
 def test_cli_writes_json_csv_and_plot(tmp_path, monkeypatch, capsys):
-    tiny = dict(module=[(1, 16, 32)], causal=[(1, 16, 32)], backends=[32, 64], training=[(1, 16, 32)], memory=512,
-                decode=8, window=(256, 16))
+    tiny = dict(module=[(1, 16, 32)], causal=[(1, 16, 32)], backends=[32, 64], training=[(1, 16, 32)], contract=64,
+                memory=512, decode=8, window=(256, 16))
     monkeypatch.setattr(bench_cli, "QUICK", tiny)
+    few = {name: bench.MEMORY_CASES[name] for name in ("torch causal SDPA", "causal", "window (256, 0)")}
+    monkeypatch.setattr(bench, "MEMORY_CASES", few)
     assert cli.main(["bench", "--quick", "--repeat", "1", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     default = [s for s in bench_cli.SECTIONS if s != "variants"]  # the study runs with --variants

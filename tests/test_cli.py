@@ -24,8 +24,8 @@ def test_verify_quick_passes_and_prints_the_table(capsys, tmp_path):
 def test_verify_exits_1_when_a_case_fails(monkeypatch, capsys):
     original = kernels.BACKENDS["math"]
 
-    def off_by_a_little(q, k, v, *args):
-        out, w = original(q, k, v, *args)
+    def off_by_a_little(q, k, v, *args, **kwargs):
+        out, w = original(q, k, v, *args, **kwargs)
         return out * 1.0001, w
 
     monkeypatch.setitem(kernels.BACKENDS, "math", off_by_a_little)

@@ -9,7 +9,10 @@ import torch.nn.functional as F
 
 import mha
 from mha import numpy as oracle
-from mha.kernels import flash_attention, flash_attention_with_lse, merge_attention
+from mha.kernels import Contract, flash_attention, flash_attention_with_lse, merge_attention
+from mha.positions import Band
+
+CAUSAL = Contract(band=Band(None, 0))
 
 SHAPES = [((2, 3, 37, 8), (2, 3, 53, 8), 5), ((1, 2, 64, 4), (1, 2, 64, 4), 4), ((3, 19, 6), (3, 7, 6), 6),
           ((2, 4, 70, 8), (1, 4, 30, 8), 3)]  # odd sizes, L != S, L > S, 3-D, key batch broadcast
@@ -43,7 +46,8 @@ def test_flash_equals_the_oracle_forward_lse_and_gradients(shapes, mask_kind, is
     q, k, v = _inputs(q_shape, k_shape, dv)
     L, S = q_shape[-2], k_shape[-2]
     mask = _mask(mask_kind, L, S)
-    out, lse = flash_attention_with_lse(q, k, v, mask, is_causal, None, *blocks)
+    contract = Contract(mask=mask, band=Band(None, 0) if is_causal else None)
+    out, lse = flash_attention_with_lse(q, k, v, contract, block_q=blocks[0], block_k=blocks[1])
     arrays = [t.detach().expand(*q_shape[:-2], *t.shape[-2:]).numpy() for t in (q, k, v)]
     want, weights = oracle.scaled_dot_product_attention(*arrays, None if mask is None else mask.numpy(), is_causal)
     np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-12, rtol=0)
@@ -57,7 +61,7 @@ def test_flash_equals_the_oracle_forward_lse_and_gradients(shapes, mask_kind, is
     g = torch.randn_like(out)
     got = torch.autograd.grad((out * g).sum(), (q, k, v))
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    ref, _ = mha.kernels.math_attention(q2, k2, v2, mask, is_causal)
+    ref, _ = mha.kernels.math_attention(q2, k2, v2, contract)
     for a, b in zip(got, torch.autograd.grad((ref * g).sum(), (q2, k2, v2))):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
@@ -67,7 +71,7 @@ def test_fully_masked_row_is_zero_with_infinite_lse():
     q, k, v = _inputs((1, 1, 4, 3), (1, 1, 5, 3), 3)
     mask = torch.zeros(4, 5)
     mask[1] = float("-inf")
-    out, lse = flash_attention_with_lse(q, k, v, mask, block_q=2, block_k=2)
+    out, lse = flash_attention_with_lse(q, k, v, Contract(mask=mask), block_q=2, block_k=2)
     assert torch.all(out[0, 0, 1] == 0) and lse[0, 0, 1] == float("-inf")
 
 
@@ -93,17 +97,15 @@ def test_merge_of_empty_parts_is_zero():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_low_precision_is_computed_in_float32(dtype):
     q, k, v = (t.detach().to(dtype) for t in _inputs((1, 2, 40, 16), (1, 2, 50, 16), 16, torch.float32))
-    out = flash_attention(q, k, v, is_causal=True)
+    out = flash_attention(q, k, v, CAUSAL)
     assert out.dtype == dtype
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     tol = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 1e-6}[dtype]
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
-def test_flash_refuses_dropout_and_mask_gradients():
+def test_flash_refuses_mask_gradients():
     q, k, v = _inputs((1, 1, 4, 3), (1, 1, 4, 3), 3)
-    with pytest.raises(ValueError, match="dropout"):
-        mha.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, backend="flash")
     with pytest.raises(ValueError, match="attn_mask"):
         mha.functional.scaled_dot_product_attention(q, k, v, torch.zeros(4, 4, requires_grad=True,
                                                                          dtype=torch.float64), backend="flash")
@@ -131,7 +133,7 @@ def test_multi_head_attention_on_the_flash_backend_equals_torch(need_weights, op
 def test_every_block_size_gives_the_same_answer():
     q, k, v = _inputs((1, 2, 33, 4), (1, 2, 33, 4), 4)
     with torch.no_grad():
-        results = [flash_attention_with_lse(q, k, v, None, True, None, bq, bk)[0]
+        results = [flash_attention_with_lse(q, k, v, CAUSAL, block_q=bq, block_k=bk)[0]
                    for bq, bk in itertools.product([1, 5, 33, 64], [1, 8, 40])]
     for r in results[1:]:
         torch.testing.assert_close(r, results[0], atol=1e-13, rtol=0)

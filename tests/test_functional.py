@@ -40,6 +40,10 @@ def _mask(kind, shape, seed=1):
 def test_sdpa_matches_torch_and_oracle_forward_and_gradients(backend, mask_kind, mask_shape, is_causal, scale):
     q, k, v = _qkv((2, 3, 5, 4), (2, 3, 7, 4), dv=6, grad=True)
     mask = _mask(mask_kind, mask_shape)
+    if backend == "sdpa" and is_causal and mask is not None and mask.shape[-2:] != (5, 7):
+        with pytest.raises(ValueError, match="not L x S"):  # causality would widen the caller's mask
+            scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, scale=scale, backend=backend)
+        return
     out = scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, scale=scale, backend=backend)
     want, _ = oracle.scaled_dot_product_attention(*(t.detach().numpy() for t in (q, k, v)),
                                                   None if mask is None else mask.numpy(), is_causal, scale)
@@ -163,15 +167,17 @@ def test_multi_head_attention_forward_batch_first_equals_seq_first():
 
 
 def test_choose_backend_explains_and_can_be_overridden(caplog):
+    q = k = v = torch.randn(1, 2, 4, 8)
+    plain = kernels.Contract()
     with caplog.at_level(logging.DEBUG, logger="mha.dispatch"):
-        assert kernels.choose_backend("auto", need_weights=True)[0] == "math"
-        assert kernels.choose_backend("auto", need_weights=False)[0] == "sdpa"
-        assert kernels.choose_backend("math", need_weights=False)[0] == "math"
+        assert kernels.choose_backend("auto", q, k, v, plain, need_weights=True)[0] == "math"
+        assert kernels.choose_backend("auto", q, k, v, plain)[0] == "sdpa"
+        assert kernels.choose_backend("math", q, k, v, plain)[0] == "math"
     assert "backend math" in caplog.text and "backend sdpa" in caplog.text
     with pytest.raises(ValueError, match="backend"):
-        kernels.choose_backend("fast")
+        kernels.choose_backend("fast", q, k, v, plain)
     with pytest.raises(ValueError, match="weights"):
-        kernels.choose_backend("sdpa", need_weights=True)
+        kernels.choose_backend("sdpa", q, k, v, plain, need_weights=True)
 
 
 def test_multi_head_attention_forward_backend_override():

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import mha
-from mha import masks
+from mha import positions
 from mha.parity import randomize_biases
 
 E, H, D = 32, 4, 8
@@ -27,7 +27,7 @@ def _reference(m, x, visible=None, alibi=False):
     k, v = (t.repeat_interleave(H // m.num_kv_heads, dim=1) for t in (k, v))
     bias = torch.zeros(H, T, T)
     if alibi:
-        bias = -masks.alibi_slopes(H)[:, None, None] * (torch.arange(T)[None, :] - torch.arange(T)[:, None]).abs()
+        bias = -positions.alibi_slopes(H)[:, None, None] * (torch.arange(T)[None, :] - torch.arange(T)[:, None]).abs()
     if visible is not None:
         bias = bias.masked_fill(~visible, float("-inf"))
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
@@ -165,8 +165,9 @@ def test_cache_errors():
             m(x[:1], x[:1], x[:1], cache=cache)
         with pytest.raises(ValueError, match="attn_mask"):
             m(x, x, x, attn_mask=torch.zeros(3, 3), cache=mha.KVCache())
-        with pytest.raises(ValueError, match="padding"):
-            m(x, x, x, key_padding_mask=torch.tensor([[False, False, True]] * 2), cache=mha.KVCache(window=2))
+    windowed = _module(window=(2, 0))
+    with torch.no_grad(), pytest.raises(ValueError, match="padding"):
+        windowed(x, x, x, key_padding_mask=torch.tensor([[False, False, True]] * 2), cache=mha.KVCache(window=2))
     with pytest.raises(ValueError, match="one or the other"):
         mha.KVCache(max_length=4, window=2)
     assert "growing" in repr(mha.KVCache())

@@ -72,10 +72,10 @@ def test_the_parity_check_catches_a_wrong_implementation(monkeypatch, flaw):
     """The matrix can fail: break the math path in three ways and watch every one be caught."""
     original = kernels.BACKENDS["math"]
 
-    def broken(q, k, v, mask=None, is_causal=False, scale=None, dropout_p=0.0):
+    def broken(q, k, v, contract, *, dropout_p=0.0):
         if flaw == "scale":
-            return original(q, k, v, mask, is_causal, 1.01 * q.shape[-1] ** -0.5, dropout_p)
-        out, weights = original(q, k, v, mask, is_causal, scale, dropout_p)
+            return original(q, k, v, contract.replace(scale=1.01 * q.shape[-1] ** -0.5), dropout_p=dropout_p)
+        out, weights = original(q, k, v, contract, dropout_p=dropout_p)
         if flaw == "weights off by 0.1%":
             weights = weights * 1.001
             return weights @ v, weights

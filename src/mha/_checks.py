@@ -82,6 +82,25 @@ def positive_int(name: str, value) -> int:
     return value
 
 
+def real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} ({value!r})")
+    return float(value)
+
+
+def optional_real(name: str, value) -> float | None:
+    return None if value is None else real(name, value)
+
+
+def optional_positive_real(name: str, value) -> float | None:
+    if value is None:
+        return None
+    value = real(name, value)
+    if not value > 0.0 or value == float("inf"):
+        raise ValueError(f"{name} must be a finite number greater than 0, got {value}")
+    return value
+
+
 def probability(name: str, p) -> float:
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise TypeError(f"{name} must be a float in [0, 1], got {type(p).__name__} ({p!r})")

@@ -9,13 +9,18 @@ drift in the machine's speed hits them alike). Sections:
     backends  the attention core (B=1, H=8, D=64): sdpa, flash, math, numpy blocked, in GFLOP/s
               (4*B*H*L*S*D / time, halved when causal) beside a matmul's GFLOP/s
     training  forward + backward of the module vs torch's
-    memory    peak RSS growth of a causal flash forward at long T (in a fresh process)
+    memory    peak RSS growth of every default path (causal, bottom-right, padding, windows, ALiBi,
+              softcap, sinks; the general module with RoPE / ALiBi / window / padding; the drop-in)
+              at T and T/2, each in a fresh process, against torch's causal SDPA on the same shape
+    contract  time of mha's SDPA against torch's on the same call (torch given a dense mask where
+              it has no fused form)
     modern    KV-cache decoding vs recomputation, per-token latency; sliding window vs dense causal
     variants  the efficient variants against exact attention: time, peak memory, error
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -29,10 +34,12 @@ import numpy as np
 import torch
 
 from . import numpy as mnp
-from .kernels import BACKENDS
+from .kernels import BACKENDS, Contract
 from .nn import MultiheadAttention
+from .positions import Band
 
 HEADS, HEAD_DIM = 8, 64
+_CAUSAL = Contract(band=Band(None, 0))
 
 
 @dataclass
@@ -108,9 +115,10 @@ def backend_rows(lengths, repeat: int, math_limit: int = 2048) -> Iterator[Row]:
         q, k, v = (torch.randn(1, HEADS, T, HEAD_DIM) for _ in range(3))
         arrays = [t.numpy() for t in (q, k, v)]
         for causal in (False, True):
-            fns = {name: (lambda f=BACKENDS[name]: f(q, k, v, None, causal)) for name in ("sdpa", "flash")}
+            contract = _CAUSAL if causal else None
+            fns = {name: (lambda f=BACKENDS[name]: f(q, k, v, contract)) for name in ("sdpa", "flash")}
             if T <= math_limit:
-                fns["math"] = lambda: BACKENDS["math"](q, k, v, None, causal)
+                fns["math"] = lambda: BACKENDS["math"](q, k, v, contract)
             fns["numpy-blocked"] = lambda: mnp.blocked_attention(*arrays, None, causal)
             with torch.no_grad():
                 t = best_times(fns, repeat)
@@ -167,13 +175,12 @@ def decode_row(tokens: int, E: int = 512) -> Row:
 def window_row(T: int, window: int, repeat: int) -> Row:
     """Causal sliding-window attention (flash, O(T*w)) vs dense causal attention (SDPA), B=1 H=8 D=64."""
     from .kernels import flash_attention
-    from .masks import Band
 
     q, k, v = (torch.randn(1, HEADS, T, HEAD_DIM) for _ in range(3))
-    band = Band(window, 0, 0)
+    band = Contract(band=Band(window, 0))
     with torch.no_grad():
-        t = best_times({"dense causal (sdpa)": lambda: BACKENDS["sdpa"](q, k, v, None, True),
-                        "window (flash)": lambda: flash_attention(q, k, v, None, band)}, repeat)
+        t = best_times({"dense causal (sdpa)": lambda: BACKENDS["sdpa"](q, k, v, _CAUSAL),
+                        "window (flash)": lambda: flash_attention(q, k, v, band)}, repeat)
     return Row("modern", f"T{T} window {window}", t,
                {"dense causal/window": t["dense causal (sdpa)"] / t["window (flash)"]})
 
@@ -197,11 +204,12 @@ VARIANT_SETUPS = {
 _VARIANT_SCRIPT = """
 import sys, time, torch
 from mha import efficient
-from mha.kernels import flash_attention
+from mha.kernels import Contract, flash_attention
+from mha.positions import Band
 
 class FlashCausal(torch.nn.Module):
     def forward(self, q, k, v, is_causal):
-        return flash_attention(q, k, v, None, is_causal)
+        return flash_attention(q, k, v, Contract(band=Band(None, 0) if is_causal else None))
 
 T, repeat, causal, source = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
 torch.manual_seed(0)
@@ -269,36 +277,180 @@ def plot_variants(rows: list[Row], path: str) -> None:
     plt.close(fig)
 
 
-_MEMORY_SCRIPT = """
-import resource, sys, time, torch
-from mha.kernels import flash_attention
-T, D, rows = int(sys.argv[1]), 64, 256
-torch.manual_seed(0)
-q, k, v = (torch.randn(1, 1, T, D) for _ in range(3))
-def rss_mib():
+# -- memory of the default paths, each in a fresh process -------------------------------------------
+
+def _attention_inputs(T: int, L: int | None = None):
+    torch.manual_seed(0)
+    return (torch.randn(1, HEADS, L or T, HEAD_DIM), torch.randn(1, HEADS, T, HEAD_DIM),
+            torch.randn(1, HEADS, T, HEAD_DIM))
+
+
+def _functional_case(T: int, L: int | None = None, **options):
+    from .functional import scaled_dot_product_attention
+
+    q, k, v = _attention_inputs(T, L)
+    return lambda: scaled_dot_product_attention(q, k, v, **options)
+
+
+def _module_case(T: int, padded: bool = False, **options):
+    from .nn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    E = HEADS * HEAD_DIM
+    module = MultiHeadAttention(E, E, E, HEAD_DIM, HEAD_DIM, E, HEADS, **options).eval()
+    x = torch.randn(1, T, E)
+    padding = torch.zeros(1, T, dtype=torch.bool)
+    padding[:, -T // 16:] = padded  # the last keys are padding
+    return lambda: module(x, x, x, is_causal=True, key_padding_mask=padding if padded else None)
+
+
+def _torch_module_case(T: int):
+    """torch's own pipeline on the module's shape: projections, causal SDPA, out-projection."""
+    torch.manual_seed(0)
+    E = HEADS * HEAD_DIM
+    q_proj, k_proj, v_proj, out_proj = (torch.nn.Linear(E, E) for _ in range(4))
+    x = torch.randn(1, T, E)
+
+    def heads(t):
+        return t.view(1, T, HEADS, HEAD_DIM).transpose(1, 2)  # (1, T, E) -> (1, H, T, D)
+
+    def run():
+        o = torch.nn.functional.scaled_dot_product_attention(heads(q_proj(x)), heads(k_proj(x)), heads(v_proj(x)),
+                                                             is_causal=True)
+        return out_proj(o.transpose(1, 2).reshape(1, T, E))  # (1, H, T, D) -> (1, T, E)
+    return run
+
+
+def _drop_in_case(T: int):
+    from .nn import MultiheadAttention
+
+    torch.manual_seed(0)
+    module = MultiheadAttention(HEADS * HEAD_DIM, HEADS, batch_first=True).eval()
+    x = torch.randn(1, T, HEADS * HEAD_DIM)
+    padding = torch.zeros(1, T, dtype=torch.bool)
+    padding[:, -T // 16:] = True
+    return lambda: module(x, x, x, key_padding_mask=padding, need_weights=False, is_causal=True)[0]
+
+
+def _torch_causal_case(T: int):
+    q, k, v = _attention_inputs(T)
+    return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+# name: (builder of the call at length T, the torch baseline it is compared with)
+MEMORY_CASES = {
+    "torch causal SDPA": (_torch_causal_case, None),
+    "causal": (lambda T: _functional_case(T, is_causal=True), "torch causal SDPA"),
+    "causal bottom-right, L = T/2": (lambda T: _functional_case(T, T // 2, is_causal=True,
+                                                               causal_alignment="bottom_right"), "torch causal SDPA"),
+    "causal + key padding mask": (lambda T: _functional_case(T, attn_mask=torch.ones(1, 1, 1, T, dtype=torch.bool),
+                                                            is_causal=True), "torch causal SDPA"),
+    "window (256, 0)": (lambda T: _functional_case(T, window=(256, 0)), "torch causal SDPA"),
+    "ALiBi causal": (lambda T: _functional_case(T, is_causal=True, alibi_slopes=torch.ones(HEADS)),
+                     "torch causal SDPA"),
+    "softcap causal": (lambda T: _functional_case(T, is_causal=True, softcap=30.0), "torch causal SDPA"),
+    "sinks causal": (lambda T: _functional_case(T, is_causal=True, sinks=torch.zeros(HEADS)), "torch causal SDPA"),
+    "torch module pipeline": (_torch_module_case, None),
+    "module causal": (lambda T: _module_case(T), "torch module pipeline"),
+    "module RoPE": (lambda T: _module_case(T, rope=_rope()), "torch module pipeline"),
+    "module ALiBi": (lambda T: _module_case(T, alibi=True), "torch module pipeline"),
+    "module window (256, 0)": (lambda T: _module_case(T, window=(256, 0)), "torch module pipeline"),
+    "module RoPE + padding": (lambda T: _module_case(T, padded=True, rope=_rope()), "torch module pipeline"),
+    "drop-in causal + padding": (_drop_in_case, "torch module pipeline"),
+}
+
+
+def _rope():
+    from .rope import RotaryEmbedding
+
+    return RotaryEmbedding(HEAD_DIM)
+
+
+def _peak_rss_mib() -> float:
     with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1024
-before = rss_mib()
-start = time.perf_counter()
-with torch.no_grad():
-    out = flash_attention(q, k, v, is_causal=True)
-seconds = time.perf_counter() - start
-peak = rss_mib()
-tail = torch.ones(rows, T, dtype=torch.bool).tril(T - rows)  # the last rows' causal mask
-ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, -rows:], k, v, attn_mask=tail)
-print(peak - before, seconds, (out[:, :, -rows:] - ref).abs().max().item())
-"""
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
 
 
-def memory_row(T: int) -> Row:
-    """Causal flash forward at length T, H=1, D=64, in a fresh process (peak RSS is per process)."""
-    done = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(T)], capture_output=True, text=True,
-                          check=True)
-    growth, seconds, error = (float(x) for x in done.stdout.split())
-    dense_gib = T * T * 4 / 2 ** 30
-    return Row("memory", f"T{T} H1 D64 causal flash", {"flash": seconds * 1e3},
-               extra={"peak RSS growth MiB": growth, "dense scores GiB": dense_gib,
-                      "max |flash - sdpa| on last 256 rows": error})
+def memory_case(name: str, T: int) -> tuple[float, float]:
+    """(peak RSS growth in MiB, seconds) of one no_grad call, after a warm-up at a small length
+    (so that one-time allocations of the kernels do not count). Run it in a fresh process."""
+    build = MEMORY_CASES[name][0]
+    with torch.no_grad():
+        build(256)()
+        call = build(T)
+        before = _peak_rss_mib()
+        start = time.perf_counter()
+        out = call()
+        seconds = time.perf_counter() - start
+    if not torch.isfinite(out).all():
+        raise RuntimeError(f"memory case {name!r} gave non-finite values")
+    return _peak_rss_mib() - before, seconds
+
+
+def _memory_case_main() -> None:
+    """Entry point of the fresh process: python -c '...' NAME T prints 'MiB seconds'."""
+    name, T = sys.argv[1], int(sys.argv[2])
+    print(*memory_case(name, T))
+
+
+@functools.lru_cache(maxsize=None)  # a baseline is measured once per length
+def _fresh_memory_case(name: str, T: int) -> tuple[float, float]:
+    done = subprocess.run([sys.executable, "-c", "from mha.bench import _memory_case_main; _memory_case_main()",
+                           name, str(T)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"memory case {name!r} at T={T} failed:\n{done.stderr[-2000:]}")
+    growth, seconds = (float(x) for x in done.stdout.split())
+    return growth, seconds
+
+
+def memory_rows(T: int, names=None) -> Iterator[Row]:
+    """Peak RSS growth of each default path at T and T/2 (fresh processes), against its torch
+    baseline at T, and the growth ratio from T/2 to T (about 2 when memory is O(T), 4 when O(T^2))."""
+    for name in names or [n for n, (_, baseline) in MEMORY_CASES.items() if baseline is not None]:
+        growth, seconds = _fresh_memory_case(name, T)
+        half, _ = _fresh_memory_case(name, T // 2)
+        baseline_name = MEMORY_CASES[name][1]
+        baseline, _ = _fresh_memory_case(baseline_name, T)
+        yield Row("memory", f"T{T} {name}", {"call": seconds * 1e3},
+                  {"growth / torch": growth / max(baseline, 1.0), "growth T / growth T/2": growth / max(half, 1.0)},
+                  {"peak RSS growth MiB": growth, f"at T{T // 2} MiB": half, "torch MiB": baseline})
+
+
+# -- the attention contract: time against torch on the same calls ---------------------------------
+
+def contract_rows(T: int, repeat: int) -> Iterator[Row]:
+    """mha.functional.scaled_dot_product_attention against torch's on the same call, B1 H8 D64,
+    fp32, no_grad. Where torch has no fused form (bottom-right, padding beside causality, windows,
+    ALiBi) torch is given the equivalent dense mask, as a torch user would have to."""
+    from .functional import scaled_dot_product_attention as ours
+
+    F = torch.nn.functional
+    q, k, v = _attention_inputs(T)
+    half = q[:, :, T // 2:]
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    padding = torch.ones(1, 1, 1, T, dtype=torch.bool)
+    padding[..., -T // 16:] = False
+    slopes = torch.ones(HEADS)
+    cases = {
+        "causal": (lambda: ours(q, k, v, is_causal=True), lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        "causal bottom-right, L = T/2": (
+            lambda: ours(half, k, v, is_causal=True, causal_alignment="bottom_right"),
+            lambda: F.scaled_dot_product_attention(half, k, v, attn_mask=(j <= i[T // 2:]))),
+        "causal + key padding": (
+            lambda: ours(q, k, v, attn_mask=padding, is_causal=True),
+            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=padding & (j <= i))),
+        "window (256, 0)": (
+            lambda: ours(q, k, v, window=(256, 0)),
+            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) & (j >= i - 256))),
+        "ALiBi causal": (
+            lambda: ours(q, k, v, is_causal=True, alibi_slopes=slopes),
+            lambda: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=(-slopes[:, None, None] * (j - i).abs()).masked_fill(j > i, float("-inf")))),
+    }
+    for name, (mine, theirs) in cases.items():
+        with torch.no_grad():
+            t = best_times({"ours": mine, "torch": theirs}, repeat)
+        yield Row("contract", f"T{T} {name}", t, {"ours/torch": t["ours"] / t["torch"]})
 
 
 def plot_backends(rows: list[Row], path: str) -> None:

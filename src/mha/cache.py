@@ -15,6 +15,8 @@ position p sees the cached keys at positions <= p (bottom-right causal alignment
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -32,6 +34,23 @@ class KVCache:
         self.keys = self.values = self.positions = self.valid = None
         self.size = 0  # filled slots along S
         self.lengths: Tensor | None = None  # (N,) tokens seen per sequence
+        self._owner = None  # a weak reference to the module whose keys this cache holds
+
+    def attach(self, module, window: tuple[int, int] | None) -> None:
+        """Bind the cache to the attention module that fills it (one cache per module), and check
+        that a rolling cache keeps every key the module's sliding ``window`` (left, right) sees."""
+        owner = None if self._owner is None else self._owner()
+        if owner is not None and owner is not module:
+            raise ValueError("this KVCache holds the keys of another attention module; give each module "
+                             "(each layer) its own KVCache")
+        if self.window is not None:
+            left = None if window is None or window[0] == -1 else window[0]
+            if left is None or left > self.window:
+                seen = "no sliding window (it sees every past key)" if left is None else f"window={tuple(window)}"
+                raise ValueError(f"KVCache(window={self.window}) keeps the last {self.window} positions, but the "
+                                 f"module has {seen}: decoding would miss keys the cache dropped; use a growing "
+                                 f"cache or KVCache(window >= the module's left window)")
+        self._owner = weakref.ref(module)
 
     def __repr__(self) -> str:
         kind = (f"window={self.window}" if self.window else
@@ -52,14 +71,16 @@ class KVCache:
         return self.valid is None or (bool(self.valid[:, : self.size].all())
                                       and bool((self.lengths == self.lengths[0]).all()))
 
-    def update(self, keys: Tensor, values: Tensor, positions: Tensor, valid: Tensor) -> tuple[Tensor, ...]:
+    def update(self, keys: Tensor, values: Tensor, positions: Tensor,
+               valid: Tensor | None = None) -> tuple[Tensor, ...]:
         """Store new keys (N, H_kv, L, Dk), values (N, H_kv, L, Dv) with their positions and
-        validity (N, L); returns everything attention sees now: (keys, values, positions, valid)
-        over the cached and the new tokens."""
-        if self.keys is not None and keys.shape[:2] != self.keys.shape[:2]:
-            raise ValueError(f"the cache holds keys of shape {tuple(self.keys.shape[:2])} (N, H_kv) "
-                             f"but got {tuple(keys.shape[:2])}")
-        if self.window is not None and not bool(valid.all()):
+        validity (N, L) (None: all valid); returns everything attention sees now: (keys, values,
+        positions, valid) over the cached and the new tokens."""
+        if self.keys is not None:
+            self._check_like_stored(keys, values)
+        if valid is None:
+            valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
+        elif self.window is not None and not bool(valid.all()):
             raise ValueError("a rolling cache needs every token valid (no padding): give each sequence its own cache")
         new = (keys, values, positions, valid)
         if self.max_length is not None:
@@ -71,6 +92,16 @@ class KVCache:
         added = valid.sum(dim=1)
         self.lengths = added if self.lengths is None else self.lengths + added
         return seen
+
+    def _check_like_stored(self, keys: Tensor, values: Tensor) -> None:
+        for name, new, stored in (("keys", keys, self.keys), ("values", values, self.values)):
+            N, H, _, D = stored.shape
+            if (new.shape[0], new.shape[1], new.shape[3]) != (N, H, D):
+                raise ValueError(f"the cache holds {name} of shape (N, H_kv, S, D) = ({N}, {H}, S, {D}), got new "
+                                 f"{name} of shape {tuple(new.shape)}: a cache serves one module and one batch")
+            if new.dtype != stored.dtype or new.device != stored.device:
+                raise ValueError(f"the cache holds {name} of dtype {stored.dtype} on {stored.device}, got "
+                                 f"{new.dtype} on {new.device}")
 
     def _store(self, seen) -> None:
         """Keep what a growing or rolling cache retains (a rolling one: the last ``window`` slots)."""

@@ -27,8 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _checks, masks
-from .kernels import flash_attention_with_lse, merge_attention, sdpa_attention
+from . import _checks, positions
+from .kernels import Contract, flash_attention_with_lse, merge_attention, sdpa_attention
+from .positions import Band
+
+_CAUSAL = Contract(band=Band(None, 0))
 
 __all__ = ["Exact", "Local", "Strided", "Fixed", "Linformer", "Nystrom", "LinearAttention", "Performer",
            "VARIANTS", "make"]
@@ -36,7 +39,7 @@ __all__ = ["Exact", "Local", "Strided", "Fixed", "Linformer", "Nystrom", "Linear
 
 class Exact(nn.Module):
     def forward(self, q, k, v, is_causal=False):
-        return sdpa_attention(q, k, v, None, is_causal)
+        return sdpa_attention(q, k, v, Contract(band=positions.band(is_causal)))
 
 
 class Local(nn.Module):
@@ -47,8 +50,8 @@ class Local(nn.Module):
         self.window = _checks.positive_int("window", window)
 
     def forward(self, q, k, v, is_causal=False):
-        band = masks.Band(self.window, 0 if is_causal else self.window, k.shape[-2] - q.shape[-2])
-        return flash_attention_with_lse(q, k, v, None, band)[0]
+        band = Band(self.window, 0 if is_causal else self.window)
+        return flash_attention_with_lse(q, k, v, Contract(band=band, offset=k.shape[-2] - q.shape[-2]))[0]
 
 
 def _causal_only(name: str, is_causal: bool, q: Tensor, k: Tensor) -> None:
@@ -76,11 +79,11 @@ class Strided(nn.Module):
     def forward(self, q, k, v, is_causal=True):
         _causal_only("strided", is_causal, q, k)
         T, c = q.shape[-2], self.stride
-        local, lse_local = flash_attention_with_lse(q, k, v, None, masks.Band(c - 1, 0, 0))
+        local, lse_local = flash_attention_with_lse(q, k, v, Contract(band=Band(c - 1, 0)))
         # strided: position p = a*c + r; query (a, r) sees keys (a', r) with a' < a
         qb, kb, vb = _blocks(q, c), _blocks(k, c), _blocks(v, c)  # (B, H, A, c, D)
         column = lambda x: x.transpose(-2, -3)  # noqa: E731  (B, H, A, c, D) -> (B, H, c, A, D): residue-major
-        out, lse = flash_attention_with_lse(column(qb), column(kb), column(vb), None, masks.Band(None, -1, 0))
+        out, lse = flash_attention_with_lse(column(qb), column(kb), column(vb), Contract(band=Band(None, -1)))
         unblock = lambda x: column(x).flatten(-3, -2)[..., :T, :]  # noqa: E731  (B, H, c, A, D) -> (B, H, T, D)
         strided = unblock(out)
         lse_strided = column(lse.unsqueeze(-1)).flatten(-3, -2)[..., :T, 0]  # (B, H, c, A) -> (B, H, T)
@@ -102,14 +105,13 @@ class Fixed(nn.Module):
         _causal_only("fixed", is_causal, q, k)
         T, c, t = q.shape[-2], self.block, self.summary
         qb, kb, vb = _blocks(q, c), _blocks(k, c), _blocks(v, c)  # (B, H, A, c, D)
-        own, lse_own = flash_attention_with_lse(qb, kb, vb, None, True)  # causal within each block
+        own, lse_own = flash_attention_with_lse(qb, kb, vb, _CAUSAL)  # causal within each block
         own, lse_own = own.flatten(-3, -2)[..., :T, :], lse_own.flatten(-2)[..., :T]  # (B, H, T, ...)
         summary_k, summary_v = kb[..., c - t:, :].flatten(-3, -2), vb[..., c - t:, :].flatten(-3, -2)  # (B, H, A*t, D)
         query_block = torch.arange(T, device=q.device) // c
         key_block = torch.arange(summary_k.shape[-2], device=q.device) // t
-        earlier = key_block[None, :] < query_block[:, None]  # (T, A*t): summaries of earlier blocks only
-        mask = masks.as_additive(earlier, True, masks.additive_dtype(q.dtype))
-        summary, lse_summary = flash_attention_with_lse(q, summary_k, summary_v, mask)
+        earlier = key_block[None, :] < query_block[:, None]  # (T, A*t) bool: summaries of earlier blocks only
+        summary, lse_summary = flash_attention_with_lse(q, summary_k, summary_v, Contract(mask=earlier))
         merged, _ = merge_attention(own, lse_own, summary, lse_summary)
         return merged
 
@@ -135,7 +137,7 @@ class Linformer(nn.Module):
             raise ValueError(f"Linformer was built for sequences up to max_length={self.max_length}, got {S}")
         k_proj = torch.einsum("kn,bhnd->bhkd", self.E[:, :S].to(k.dtype), k)  # (B, H, k, D)
         v_proj = torch.einsum("kn,bhnd->bhkd", self.F[:, :S].to(v.dtype), v)
-        return sdpa_attention(q, k_proj, v_proj)
+        return sdpa_attention(q, k_proj, v_proj)  # (B, H, L, Dv)
 
 
 def iterative_pinv(a: Tensor, iterations: int = 6) -> Tensor:
@@ -176,23 +178,40 @@ class Nystrom(nn.Module):
         return F.adaptive_avg_pool1d(x.transpose(-1, -2).flatten(0, -3), m).unflatten(0, x.shape[:-2]).transpose(-1, -2)
 
 
-def _linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, is_causal: bool, chunk: int = 128) -> Tensor:
-    """sum_j phi(q_i).phi(k_j) v_j / sum_j phi(q_i).phi(k_j), over all j or j <= i (chunked prefix)."""
+def _linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, is_causal: bool, chunk: int = 128,
+                      key_shift: Tensor | None = None) -> Tensor:
+    """sum_j phi(q_i).phi(k_j) v_j / sum_j phi(q_i).phi(k_j), over all j or j <= i (chunked prefix).
+
+    Causal features may be given each in its own scale: phi_k[j] = phi(k_j) e^(-key_shift[j])
+    with key_shift (B, H, T) non-decreasing along T (a running max). Query i then reads every
+    key j <= i at the common scale e^(-key_shift[i]) (the ratio does not depend on it), so that no
+    future key changes a past row and no feature overflows.
+    """
     if not is_causal:
         kv = phi_k.transpose(-1, -2) @ v  # (B, H, m, Dv)
         normaliser = phi_q @ phi_k.sum(-2, keepdim=True).transpose(-1, -2)  # (B, H, L, 1)
-        return (phi_q @ kv) / normaliser.clamp_min(1e-12)
+        return (phi_q @ kv) / normaliser.clamp_min(torch.finfo(normaliser.dtype).tiny)
+    if key_shift is None:
+        key_shift = phi_k.new_zeros(phi_k.shape[:-1])  # (B, H, T): one scale for all
     state = phi_k.new_zeros(*phi_k.shape[:-2], phi_k.shape[-1], v.shape[-1])  # (B, H, m, Dv): sum of phi(k) v^T so far
     total = phi_k.new_zeros(*phi_k.shape[:-2], 1, phi_k.shape[-1])  # (B, H, 1, m): sum of phi(k) so far
+    scale = torch.full_like(key_shift[..., :1], float("-inf"))  # (B, H, 1): the scale state and total are at
     outputs = []
     for start in range(0, phi_q.shape[-2], chunk):
         pq, pk, vc = (x[..., start:start + chunk, :] for x in (phi_q, phi_k, v))
-        within = (pq @ pk.transpose(-1, -2)).tril()  # (B, H, c, c): this chunk's earlier keys and itself
-        numerator = within @ vc + pq @ state
-        denominator = within.sum(-1, keepdim=True) + pq @ total.transpose(-1, -2)
-        outputs.append(numerator / denominator.clamp_min(1e-12))
-        state = state + pk.transpose(-1, -2) @ vc
-        total = total + pk.sum(-2, keepdim=True)
+        shift = key_shift[..., start:start + chunk]  # (B, H, c)
+        rescale = (shift[..., None, :] - shift[..., :, None]).clamp_max(0).exp()  # (B, H, c, c): e^(shift_j - shift_i), j <= i
+        within = ((pq @ pk.transpose(-1, -2)) * rescale).tril()  # this chunk's earlier keys and itself
+        carried = (scale - shift).exp()[..., None]  # (B, H, c, 1): the state at each query's scale
+        numerator = within @ vc + carried * (pq @ state)
+        denominator = within.sum(-1, keepdim=True) + carried * (pq @ total.transpose(-1, -2))
+        outputs.append(numerator / denominator.clamp_min(torch.finfo(denominator.dtype).tiny))
+        end = shift[..., -1:]  # (B, H, 1): the chunk's last scale, the largest
+        to_end = (shift - end).exp()[..., None] * pk  # (B, H, c, m): this chunk's features at that scale
+        carry = (scale - end).exp()[..., None]  # (B, H, 1, 1)
+        state = carry * state + to_end.transpose(-1, -2) @ vc
+        total = carry * total + to_end.sum(-2, keepdim=True)
+        scale = end
     return torch.cat(outputs, dim=-2)
 
 
@@ -235,16 +254,21 @@ class Performer(nn.Module):
     def redraw(self) -> None:
         self.projection = self._draw().to(self.projection.device)
 
-    def _features(self, x: Tensor, is_query: bool) -> Tensor:
-        x = x * self.head_dim ** -0.25  # exp(q.k / sqrt(D)) = exp(q'.k') with q' = q / D^(1/4)
-        proj = x @ self.projection.to(x.dtype).T  # (B, H, T, m)
-        sq = (x * x).sum(-1, keepdim=True) / 2
-        # subtract a max for stability: per row for queries (cancels in the ratio), one for all keys
-        shift = proj.amax(-1, keepdim=True) if is_query else proj.amax(dim=(-1, -2), keepdim=True)
-        return torch.exp(proj - sq - shift.detach()) / math.sqrt(self.features) + 1e-6
+    def _log_features(self, x: Tensor) -> Tensor:
+        """(B, H, T, m): w.x' - |x'|^2 / 2 with x' = x / D^(1/4), so exp(q.k / sqrt(D)) = E exp(log phi(q) + log phi(k))."""
+        x = x * self.head_dim ** -0.25
+        return x @ self.projection.to(x.dtype).T - (x * x).sum(-1, keepdim=True) / 2  # (B, H, T, m)
 
     def forward(self, q, k, v, is_causal=False):
-        return _linear_attention(self._features(q, True), self._features(k, False), v, is_causal, self.chunk)
+        norm = self.features ** -0.5
+        log_q, log_k = self._log_features(q), self._log_features(k)
+        phi_q = torch.exp(log_q - log_q.amax(-1, keepdim=True).detach()) * norm  # a per-row scale cancels
+        if is_causal:  # each key at the running max of the keys so far: nothing depends on a later key
+            shift = log_k.amax(-1).cummax(-1).values.detach()  # (B, H, T)
+            phi_k = torch.exp(log_k - shift[..., None]) * norm
+            return _linear_attention(phi_q, phi_k, v, True, self.chunk, key_shift=shift)
+        phi_k = torch.exp(log_k - log_k.amax((-1, -2), keepdim=True).detach()) * norm  # one scale for all keys
+        return _linear_attention(phi_q, phi_k, v, False, self.chunk)
 
 
 VARIANTS = {"exact": Exact, "local": Local, "strided": Strided, "fixed": Fixed, "linformer": Linformer,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _checks, masks, multihead
+from . import _checks, kernels, masks, multihead, positions
 
 __all__ = ["scaled_dot_product_attention", "multi_head_attention_forward"]
 
@@ -30,36 +30,66 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  attn_mask: Tensor | None = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None,
                                  enable_gqa: bool = False, *, backend: str = "auto",
-                                 causal_alignment: str = "top_left", window: tuple[int, int] | None = None,
-                                 alibi_slopes: Tensor | None = None) -> Tensor:
+                                 causal_alignment: str | None = None, window: tuple[int, int] | None = None,
+                                 alibi_slopes: Tensor | None = None, softcap: float | None = None,
+                                 sinks: Tensor | None = None) -> Tensor:
     """softmax(query key^T * scale + mask) value, as torch.nn.functional.scaled_dot_product_attention.
 
     query (..., L, D), key (..., S, D), value (..., S, Dv) -> (..., L, Dv).
     attn_mask: bool (True = attend) or float (added), broadcastable to (..., L, S).
-    is_causal: top-left causal mask (query i sees keys j <= i), combined with attn_mask if both.
+    is_causal: causal mask (query i sees keys j <= i + offset), combined with attn_mask if both.
     enable_gqa: key/value may have fewer heads (dim -3) than query; query head h reads kv head
     h // (H_q / H_kv). Dropout is applied whenever dropout_p > 0, as in torch.
     A query row with every key masked gives zeros. backend: "auto", "sdpa", "flash" or "math".
 
-    Beyond torch's signature (keyword-only): causal_alignment "top_left" (torch's) or
-    "bottom_right" (the last query faces the last key, as after a KV cache); window (left, right)
-    with flash-attn's semantics (bottom-right aligned, -1 = unbounded; with is_causal the right
-    side is 0); alibi_slopes (H,) adds ALiBi's -slope_h * |j - (i + S - L)| (see
-    mha.masks.alibi_slopes). The flash backend skips the tiles a window hides.
+    Beyond torch's signature (keyword-only; see mha.positions for the position rule):
+      causal_alignment  "top_left" (offset 0, torch's) or "bottom_right" (offset S - L: the last
+                        query faces the last key, as after a KV cache): the alignment of is_causal,
+                        window and ALiBi alike. Default: "bottom_right" when window or alibi_slopes
+                        is given (flash-attn's convention), else "top_left".
+      window            (left, right), flash-attn's window_size: query i sees keys with
+                        -left <= j - (i + offset) <= right; -1 = unbounded; with is_causal right = 0.
+      alibi_slopes      (H,): ALiBi adds -slope_h * |j - (i + offset)| (mha.positions.alibi_slopes).
+      softcap           c > 0: scores become c * tanh(scores / c) before ALiBi and masks (Gemma 2).
+      sinks             (H,): one logit per head that joins every row's softmax and is then dropped
+                        (GPT-OSS); differentiable.
+    Windows, ALiBi, softcap and sinks run on the flash backend (torch's kernel has none of them),
+    tile by tile, without an L x S tensor.
     """
+    query, key, value, unbatched = _at_least_3d(query, key, value)
     batch_shape = _check_sdpa_inputs(query, key, value, enable_gqa)
     dropout_p = _checks.probability("dropout_p", dropout_p)
-    L, S = query.shape[-2], key.shape[-2]
-    mask = masks.sdpa(attn_mask, L=L, S=S, batch_shape=batch_shape, like=query)
-    if enable_gqa and query.dim() >= 3:
-        key, value = (multihead.share_kv_heads(x, query.shape[-3]) for x in (key, value))
-    band = masks.band_for(L, S, is_causal, window, causal_alignment)
-    if alibi_slopes is not None:
-        _checks.floating("alibi_slopes", alibi_slopes)
-        _checks.shape("alibi_slopes", alibi_slopes, (query.shape[-3] if query.dim() >= 3 else 1,), "(num_heads,)")
-    out, _ = multihead.run_backend(query, key, value, mask, band or False, scale, dropout_p, False, backend,
-                                   alibi_slopes)
-    return out
+    L, S, H = query.shape[-2], key.shape[-2], query.shape[-3]
+    if enable_gqa:
+        key, value = (multihead.share_kv_heads(x, H) for x in (key, value))
+    if causal_alignment is None:
+        causal_alignment = "bottom_right" if window is not None or alibi_slopes is not None else "top_left"
+    contract = kernels.Contract(
+        band=positions.band(is_causal, window), offset=positions.offset_of(causal_alignment, L, S),
+        mask=masks.sdpa(attn_mask, L=L, S=S, batch_shape=batch_shape, like=query),
+        alibi_slopes=_per_head("alibi_slopes", alibi_slopes, H, query), scale=_checks.optional_real("scale", scale),
+        softcap=_checks.optional_positive_real("softcap", softcap), sinks=_per_head("sinks", sinks, H, query))
+    out, _ = kernels.attention(query, key, value, contract, dropout_p=dropout_p, backend=backend)
+    return out[0] if unbatched else out
+
+
+def _at_least_3d(query, key, value):
+    """(L, D) inputs as (1, L, D): dim -3 is the heads ALiBi and sinks index. Returns a flag to undo it."""
+    tensors = [_checks.tensor(name, x) for name, x in (("query", query), ("key", key), ("value", value))]
+    unbatched = all(x.dim() == 2 for x in tensors)
+    lifted = (x[None] if x.dim() == 2 else x for x in tensors)  # (T, D) -> (1, T, D)
+    return (*lifted, unbatched)
+
+
+def _per_head(name: str, x: Tensor | None, H: int, like: Tensor) -> Tensor | None:
+    """alibi_slopes / sinks: a floating (H,) tensor on the query's device, or None."""
+    if x is None:
+        return None
+    _checks.floating(name, x)
+    _checks.shape(name, x, (H,), "(num_heads,): one value per query head (dim -3 of query)")
+    if x.device != like.device:
+        raise ValueError(f"{name} is on device {x.device} but query is on {like.device}")
+    return x
 
 
 def _check_sdpa_inputs(query, key, value, enable_gqa) -> tuple[int, ...]:
@@ -78,10 +108,12 @@ def _check_sdpa_inputs(query, key, value, enable_gqa) -> tuple[int, ...]:
         )
     batches = [tuple(x.shape[:-2]) for x in (query, key, value)]
     heads = ()
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__} ({enable_gqa!r})")
     if enable_gqa and min(x.dim() for x in (query, key, value)) >= 3:
         heads = (query.shape[-3],)
         for name, x in (("key", key), ("value", value)):
-            if query.shape[-3] % x.shape[-3]:
+            if x.shape[-3] == 0 or query.shape[-3] % x.shape[-3]:
                 raise ValueError(f"with enable_gqa the query heads (dim -3: {query.shape[-3]}) must be a "
                                  f"multiple of {name}'s heads ({x.shape[-3]})")
         batches = [b[:-1] for b in batches]  # heads checked: the rest must broadcast

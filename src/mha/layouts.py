@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks, masks
@@ -455,7 +456,7 @@ def per_head_attention(query: Tensor, key: Tensor, value: Tensor, heads: PerHead
         scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # (..., L, S+n)
         if attn_mask is not None:
             mask = masks.as_additive(attn_mask, true_means_attend=False, dtype=scores.dtype)
-            scores = scores + masks.append_attended_keys(mask, len(extra_k))
+            scores = scores + F.pad(mask, (0, len(extra_k)))  # the extra keys are always visible
         outputs.append(torch.softmax(scores, dim=-1) @ v)  # (..., L, dv)
     out = torch.cat(outputs, dim=-1) @ heads.W_o  # concat(head_1..head_h) W_o: (..., L, do)
     return out if heads.b_o is None else out + heads.b_o

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _checks, kernels, masks
+from . import _checks, kernels, masks, positions
 
 
 def check_inputs(query, key, value, *, query_width: tuple[str, int],
@@ -53,20 +53,10 @@ def check_inputs(query, key, value, *, query_width: tuple[str, int],
     return batched
 
 
-def run_backend(q, k, v, mask, is_causal, scale, dropout_p, need_weights, backend, alibi_slopes=None):
-    """Run the chosen backend on (B, H, L, D) tensors: (output, weights or None)."""
-    name, _ = kernels.choose_backend(backend, need_weights=need_weights, dropout_p=dropout_p,
-                                     mask_requires_grad=mask is not None and mask.requires_grad)
-    extra = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
-    result = kernels.BACKENDS[name](q, k, v, mask, is_causal, scale, dropout_p, **extra)
-    out, weights = result if name == "math" else (result, None)
-    return out, (weights if need_weights else None)
-
-
 def attend(q: Tensor, k: Tensor, v: Tensor, num_heads: int, *, num_kv_heads: int | None = None,
            bias_k=None, bias_v=None, static_k=None, static_v=None, add_zero_attn=False, attn_mask=None,
-           key_padding_mask=None, is_causal=False, dropout_p=0.0, need_weights=False,
-           batched=True, backend="auto") -> tuple[Tensor, Tensor | None]:
+           key_padding_mask=None, is_causal=False, softcap=None, sinks=None, dropout_p=0.0,
+           need_weights=False, batched=True, backend="auto") -> tuple[Tensor, Tensor | None]:
     """Attention over projected q (N, L, H*Dk), k (N, S, H_kv*Dk), v (N, S, H_kv*Dv).
 
     Masks follow torch.nn.MultiheadAttention (bool True = masked out); the appended keys
@@ -79,12 +69,19 @@ def attend(q: Tensor, k: Tensor, v: Tensor, num_heads: int, *, num_kv_heads: int
     k, v = (share_kv_heads(x, num_heads) for x in (k, v))
     N, H, L, _ = q.shape
     S = k.shape[2] - appended  # the keys the caller's masks describe
-    mask = masks.multihead(attn_mask, key_padding_mask, batch=N, num_heads=H, L=L, S=S,
-                           batched=batched, like=q)
-    if appended and is_causal:  # fold causal in before padding, so the appended keys stay visible
-        mask, is_causal = masks.fold(mask, masks.Band(None, 0, 0), None, L, S, q.dtype, q.device), False
-    mask = masks.append_attended_keys(mask, appended)
-    return run_backend(q, k, v, mask, is_causal, None, dropout_p, need_weights, backend)
+    mask, key_valid = masks.multihead(attn_mask, key_padding_mask, batch=N, num_heads=H, L=L, S=S,
+                                      batched=batched, like=q)
+    band = positions.band(is_causal)
+    where = None
+    if appended:  # appended keys: attended by every query; causal queries see them at position 0
+        mask = None if mask is None else F.pad(mask, (0, appended), value=True if mask.dtype == torch.bool else 0.0)
+        key_valid = None if key_valid is None else F.pad(key_valid, (0, appended), value=True)
+        if band is not None:
+            key_positions = F.pad(torch.arange(S, device=q.device), (0, appended))  # (S + appended,)
+            where = (torch.arange(L, device=q.device)[None], key_positions[None])  # (1, L), (1, S + appended)
+    contract = kernels.Contract(band=band, positions=where, key_valid=key_valid, mask=mask,
+                                softcap=softcap, sinks=sinks)
+    return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
 
 
 def finish(o: Tensor, weights: Tensor | None, out_weight: Tensor | None, out_bias: Tensor | None,
@@ -112,63 +109,51 @@ def share_kv_heads(x: Tensor, num_heads: int) -> Tensor:
 
 
 def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_heads: int, *,
-                      rope=None, window=None, alibi_slopes=None, cache=None, key_padding_mask=None,
-                      is_causal=False, dropout_p=0.0, need_weights=False, backend="auto"):
+                      rope=None, window=None, alibi_slopes=None, softcap=None, sinks=None, cache=None,
+                      key_padding_mask=None, is_causal=False, dropout_p=0.0, need_weights=False, backend="auto"):
     """Attention whose masks come from token positions: RoPE, sliding windows, ALiBi, KV cache.
 
     q (N, L, H*Dk), k (N, S, H_kv*Dk), v (N, S, H_kv*Dv) are the new tokens' projections. Without a
     cache, queries sit at positions 0..L-1 and keys at 0..S-1; with one, the new tokens continue
     each sequence, are appended to the cache, and the queries see the cached keys too (causal:
-    bottom-right aligned). key_padding_mask (N, S), bool True = padding. A sliding window is
-    flash-attn's (left, right). When every sequence is aligned the masks stay implicit (a Band
-    the kernels skip tiles by); otherwise one (N, H|1, L, S) mask is built from the positions.
+    a new token sees every cached one). key_padding_mask (N, S), bool True = padding. RoPE, the
+    causal band, the window (flash-attn's (left, right)) and ALiBi all read these positions
+    (mha.positions); the kernels apply them tile by tile.
     Returns (output (N, H, L, Dv), weights or None).
     """
     N, L, S = q.shape[0], q.shape[1], k.shape[1]
     q, k, v = split_heads(q, num_heads), split_heads(k, num_kv_heads), split_heads(v, num_kv_heads)
-    valid = _valid_keys(key_padding_mask, N, S, q.device)
-    if cache is not None:
+    key_valid = _valid_keys(key_padding_mask, N, S)
+    if cache is None:
+        q_pos, k_pos = positions.aligned(range(L), range(S), 0, q.device)  # (L,), (S,)
+    else:
         if L != S:
             raise ValueError(f"with a cache, query and key are the same new tokens: got lengths {L} and {S}")
-        aligned = cache.uniform and bool(valid.all())
-        pos_q = pos_k = cache.next_positions(N, L, q.device)  # (N, L)
-    else:
-        aligned = bool(valid.all())
-        pos_q, pos_k = (torch.arange(n, device=q.device).expand(N, n) for n in (L, S))
+        q_pos = k_pos = cache.next_positions(N, L, q.device)  # (N, L)
     if rope is not None:
-        q, k = rope(q, pos_q[:, None]), rope(k, pos_k[:, None])  # positions (N, 1, T) over the heads
+        q, k = rope(q, q_pos[..., None, :]), rope(k, k_pos[..., None, :])  # positions (N|1, 1, T) over the heads
+    where = None
     if cache is not None:
-        k, v, pos_k, valid = cache.update(k, v, pos_k, valid)
+        uniform = cache.uniform and key_valid is None  # every sequence at the same length: offsets suffice
+        k, v, k_pos, key_valid = cache.update(k, v, k_pos, key_valid)
+        where = None if uniform else (q_pos, k_pos)  # (N, L), (N, S_all)
+        key_valid = None if uniform else key_valid
     k, v = share_kv_heads(k, num_heads), share_kv_heads(v, num_heads)
-    S_all = k.shape[2]
-    if aligned:  # positions are 0..S-1 and the queries the last L (or first L without a cache)
-        band = masks.band_for(L, S_all, is_causal, window, "bottom_right" if cache is not None else "top_left")
-        return run_backend(q, k, v, None, band or False, None, dropout_p, need_weights, backend, alibi_slopes)
-    mask = _positional_mask(pos_q, pos_k, valid, is_causal, window, alibi_slopes, q.dtype)
-    return run_backend(q, k, v, mask, False, None, dropout_p, need_weights, backend)
+    contract = kernels.Contract(
+        band=positions.band(is_causal, window), offset=k.shape[2] - L if cache is not None else 0,
+        positions=where, key_valid=key_valid, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
+    return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
 
 
-def _valid_keys(key_padding_mask, N, S, device) -> Tensor:
+def _valid_keys(key_padding_mask, N, S) -> Tensor | None:
+    """key_padding_mask (N, S), bool True = padding, as key_valid (N, S), or None."""
     if key_padding_mask is None:
-        return torch.ones(N, S, dtype=torch.bool, device=device)
+        return None
     _checks.mask_dtype("key_padding_mask", key_padding_mask)
     if key_padding_mask.dtype != torch.bool:
         raise TypeError("with RoPE, windows, ALiBi or a cache, key_padding_mask must be bool (True = padding)")
     _checks.shape("key_padding_mask", key_padding_mask, (N, S), "(N, S)")
     return ~key_padding_mask
-
-
-def _positional_mask(pos_q, pos_k, valid, is_causal, window, alibi_slopes, dtype) -> Tensor:
-    """(N, H|1, L, S) additive mask from positions: validity, causality, window, ALiBi."""
-    visible = valid[:, None, :].expand(-1, pos_q.shape[1], -1)  # (N, L, S)
-    band = masks.band_for(1, 1, is_causal, window)  # positions are absolute: offset 0
-    if band is not None:
-        visible = visible & band.allowed(pos_q, pos_k)
-    mask = masks.as_additive(~visible, False, masks.additive_dtype(dtype))[:, None]  # (N, 1, L, S)
-    if alibi_slopes is not None:
-        distance = (pos_k[:, None, :] - pos_q[:, :, None]).abs()  # (N, L, S)
-        mask = mask - alibi_slopes.to(mask.dtype)[None, :, None, None] * distance[:, None]  # (N, H, L, S)
-    return mask
 
 
 def _heads(q, k, v, num_heads, num_kv_heads, bias_k, bias_v, static_k, static_v, add_zero_attn):

@@ -1,8 +1,10 @@
 """Benchmark mha against torch (ratios in one run) and write JSON, CSV and a plot.
 
 Sections: module (forward vs torch's train and eval paths), causal, backends (sdpa, flash, math,
-numpy blocked; GFLOP/s beside a matmul's), training (forward + backward), memory (causal flash
-at long T), modern (KV-cache decoding, sliding windows). See mha.bench for how each is measured.
+numpy blocked; GFLOP/s beside a matmul's), training (forward + backward), contract (our SDPA vs
+torch's on causal, bottom-right, padding, windows, ALiBi), memory (peak RSS of every default path
+in fresh processes), modern (KV-cache decoding, sliding windows). See mha.bench for how each is
+measured.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from .. import bench
 
 FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [256, 512])),
             causal=[(1, 4096, 512), (4, 4096, 256)], backends=[512, 1024, 2048, 4096],
-            training=[(4, 512, 512), (1, 2048, 512)], memory=65536, decode=1024, window=(16384, 256),
-            variants=[256, 1024, 4096, 16384])
+            training=[(4, 512, 512), (1, 2048, 512)], contract=4096, memory=8192, decode=1024,
+            window=(16384, 256), variants=[256, 1024, 4096, 16384])
 QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 2048, 256)],
-             backends=[512, 1024], training=[(4, 512, 256)], memory=16384, decode=128, window=(4096, 128),
-             variants=[256, 1024])
-SECTIONS = ("module", "causal", "backends", "training", "memory", "modern", "variants")
+             backends=[512, 1024], training=[(4, 512, 256)], contract=1024, memory=2048, decode=128,
+             window=(4096, 128), variants=[256, 1024])
+SECTIONS = ("module", "causal", "backends", "training", "contract", "memory", "modern", "variants")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,8 +80,11 @@ def _jobs(grid, sections, repeat):
         jobs += [(f"backends T{T}", lambda T=T: list(bench.backend_rows([T], repeat))) for T in grid["backends"]]
     if "training" in sections:
         jobs += [(f"training {p}", lambda p=p: list(bench.training_rows([p], repeat))) for p in grid["training"]]
+    if "contract" in sections:
+        jobs.append((f"contract T{grid['contract']}", lambda: list(bench.contract_rows(grid["contract"], repeat))))
     if "memory" in sections:
-        jobs.append((f"memory T{grid['memory']}", lambda: [bench.memory_row(grid["memory"])]))
+        jobs += [(f"memory {name}", lambda name=name: list(bench.memory_rows(grid["memory"], [name])))
+                 for name, (_, baseline) in bench.MEMORY_CASES.items() if baseline is not None]
     if "variants" in sections:
         jobs += [(f"variants T{T}", lambda T=T: list(bench.variant_rows([T], min(repeat, 3)))) for T in grid["variants"]]
     if "modern" in sections:

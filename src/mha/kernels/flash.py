@@ -2,27 +2,37 @@
 
 For each block of queries, the keys are visited in tiles and merged into a running softmax
 (the log-sum-exp merge of mha.kernels.merge in place); the result comes with its log-sum-exp, so
-flash results over separate key sets merge exactly with merge_attention. Causal tiles wholly
-above the diagonal are skipped; masks are added tile by tile. The backward
-pass recomputes each tile's probabilities from the saved log-sum-exp:
+flash results over separate key sets merge exactly with merge_attention. Every term of the
+contract (mha.kernels.Contract) is applied tile by tile: tiles the band hides are never computed
+(a sliding window w costs O(L * w)), masks are sliced, ALiBi and padding come from positions.
+Attention sinks start each row's running softmax (a key with logit sink_h and a zero value).
+The backward pass recomputes each tile's probabilities from the saved log-sum-exp:
 
     P = exp(S - lse),  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dO * O)),
-    dQ = dS K * scale,  dK = dS^T Q * scale
+    dQ = dS K * scale,  dK = dS^T Q * scale,  d slope_h = -sum dS |rel|,  d sink_h = -sum P_sink rowsum(dO * O)
 
-Memory: O((L + S) * D) plus one (B*H, block_q, block_k) tile. Shapes: q (B, H, L, D),
-k (B, H, S, D), v (B, H, S, Dv) (any number of leading dims; key/value's broadcast to query's),
-mask additive and broadcastable to (B, H, L, S).
-float16/bfloat16 inputs are computed in float32.
+(with softcap, dS is multiplied by 1 - tanh^2; with dropout, P is replaced by P * Z in dV and
+dP by dP * Z, Z the tile's keep mask / (1 - p), redrawn from the same seed).
+
+Memory: O((L + S) * D) plus a few (B*H, block_q, block_k) tiles. Shapes: q (..., L, D),
+k (..., S, D), v (..., S, Dv), the leading dims broadcast together (the last one is the heads:
+ALiBi slopes and sinks are (H,)). float16/bfloat16 inputs are computed in float32; under
+torch.autocast the inputs are cast to the autocast dtype first, as torch's SDPA does.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from .. import masks
+from ._amp import autocast_inputs
+from .contract import Contract, resolve
+from .contract import mask_tile
 
 BLOCK_Q = 256
 BLOCK_K = 256
@@ -30,188 +40,229 @@ WINDOW_BLOCKS = (64, 128)  # a sliding window: smaller blocks waste less work on
 _NEG_INF = float("-inf")
 
 
-def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-                    is_causal: bool | masks.Band = False, scale: float | None = None,
-                    dropout_p: float = 0.0, *, alibi_slopes: Tensor | None = None) -> Tensor:
-    """The backend entry point (the shared signature); dropout is not supported here."""
-    if dropout_p > 0.0:
-        raise ValueError("the flash backend has no dropout; use backend='sdpa' or 'math' for dropout_p > 0")
-    out, _ = flash_attention_with_lse(q, k, v, mask, is_causal, scale, alibi_slopes=alibi_slopes)
-    return out
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
+                    dropout_p: float = 0.0) -> Tensor:
+    """The backend entry point: output (..., L, Dv)."""
+    return flash_attention_with_lse(q, k, v, contract, dropout_p=dropout_p)[0]
 
 
-def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-                             is_causal: bool | masks.Band = False, scale: float | None = None,
-                             block_q: int | None = None, block_k: int | None = None, *,
-                             alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(output (B, H, L, Dv), log-sum-exp (B, H, L) in float32; -inf for rows with no visible key).
-
-    is_causal: True (top-left) or a mha.masks.Band (causal alignment, sliding window): tiles with
-    no visible key are never computed, so a window w costs O(L * w). alibi_slopes (H,): the ALiBi
-    bias -slope_h * |j - (i + S - L)|, computed tile by tile.
-    """
-    if mask is not None and mask.requires_grad and torch.is_grad_enabled():
-        raise ValueError("the flash backend does not differentiate through attn_mask; use backend='math'")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    band = masks.as_band(is_causal, q.shape[-2], k.shape[-2])
-    windowed = band is not None and band.left is not None
+def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
+                             dropout_p: float = 0.0, block_q: int | None = None,
+                             block_k: int | None = None) -> tuple[Tensor, Tensor]:
+    """(output (..., L, Dv), log-sum-exp (..., L) in float32 or wider: log of the softmax's
+    denominator, sinks included; -inf for a row that sees no key and has no sink)."""
+    contract = resolve(contract)
+    reason = unsupported(q, k, v, contract)
+    if reason:
+        raise ValueError(f"the flash backend cannot run this call: {reason}")
+    windowed = contract.band is not None and contract.band.left is not None
     default_q, default_k = WINDOW_BLOCKS if windowed else (BLOCK_Q, BLOCK_K)
-    return _Flash.apply(q, k, v, mask, band, alibi_slopes, scale, block_q or default_q, block_k or default_k)
+    options = (contract, float(dropout_p), block_q or default_q, block_k or default_k)
+    arguments = (contract.alibi_slopes, contract.sinks, options)
+    if torch.is_autocast_enabled(q.device.type):
+        with torch.autocast(q.device.type, enabled=False):  # the tiles mix dtypes on purpose
+            return _Flash.apply(*autocast_inputs(q, k, v), *arguments)
+    return _Flash.apply(q, k, v, *arguments)
+
+
+def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> str | None:
+    """Why flash cannot run this call, or None. (It honours every term of the contract.)"""
+    if torch._C._are_functorch_transforms_active():
+        return "it does not run under torch.func transforms (vmap, grad, jacrev); use backend='math'"
+    if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in (q, k, v)):
+        return "it has no forward-mode AD (jvp); use backend='math'"
+    if contract.mask is not None and contract.mask.requires_grad and torch.is_grad_enabled():
+        return "it does not differentiate through attn_mask; use backend='math'"
+    return None
 
 
 class _Flash(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, band, alibi_slopes, scale, block_q, block_k):
-        tiles = _TileScores(q, k, mask, band, alibi_slopes, scale)
-        out, lse = _forward(tiles, v, block_q, block_k)
-        ctx.save_for_backward(q, k, v, out, lse, mask, alibi_slopes)
-        ctx.options = (band, scale, block_q, block_k)
+    def forward(ctx, q, k, v, alibi_slopes, sinks, options):
+        contract, dropout_p, block_q, block_k = options
+        tiles = _Tiles(q, k, v, contract, dropout_p)
+        out, lse = _forward(tiles, block_q, block_k)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = options
+        ctx.seed = tiles.seed
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        q, k, v, out, lse, mask, alibi_slopes = ctx.saved_tensors
-        band, scale, block_q, block_k = ctx.options
-        tiles = _TileScores(q, k, mask, band, alibi_slopes, scale)
-        dq, dk, dv = _backward(tiles, q, k, v, out, lse, grad_out, block_q, block_k)
-        return dq, dk, dv, None, None, None, None, None, None
+        if torch.is_grad_enabled():
+            raise RuntimeError("the flash backend has no double backward (create_graph=True); "
+                               "use backend='math' for higher derivatives")
+        q, k, v, out, lse = ctx.saved_tensors
+        contract, dropout_p, block_q, block_k = ctx.options
+        tiles = _Tiles(q, k, v, contract, dropout_p, seed=ctx.seed)
+        return (*_backward(tiles, (q, k, v), out, lse, grad_out, block_q, block_k), None)
 
 
 def _flat(x: Tensor, dtype, lead: tuple[int, ...]) -> Tensor:
-    x = x.to(dtype).expand(*lead, *x.shape[-2:])  # key/value batch dims broadcast to the query's
-    return x.reshape(-1, x.shape[-2], x.shape[-1])  # (B, H, T, D) -> (B*H, T, D)
+    x = x.to(dtype).expand(*lead, *x.shape[-2:])  # batch dims broadcast to the common ones
+    return x.reshape(-1, x.shape[-2], x.shape[-1])  # (..., T, D) -> (B*H, T, D)
 
 
-def _tiles_of_block(i0: int, i1: int, S: int, block_k: int, band: masks.Band | None):
-    """(i0, i1, j0, j1) of the key tiles of query block [i0, i1) that hold a visible key.
-
-    A band bounded on the left (a sliding window) whose keys for this block fit in 4 tiles is
-    taken as one tile: fewer, larger steps, each with the same mask pattern.
-    """
-    lo, hi = (0, S) if band is None else band.key_range(i0, i1, S)
-    if band is not None and band.left is not None and hi - lo <= 4 * block_k:
-        if hi > lo:
-            yield i0, i1, lo, hi
-        return
-    for j0 in range(lo - lo % block_k, hi, block_k):  # tiles start on multiples of block_k
-        yield i0, i1, max(j0, lo), min(j0 + block_k, hi)
+def _per_row(x: Tensor, lead: tuple[int, ...], dtype) -> Tensor:
+    """A per-head (H,) tensor as (B*H, 1, 1), for the flattened rows."""
+    return x.to(dtype).expand(lead).reshape(-1, 1, 1)  # (H,) -> (..., H) -> (B*H, 1, 1)
 
 
-class _TileScores:
-    """The scaled, masked scores of any (query block, key tile), computed on demand.
+class _Tile(NamedTuple):
+    s: Tensor  # (BH, r, c) scores, -inf where hidden
+    hidden: list[Tensor]  # bool masks (True = hidden) broadcasting to (..., H, r, c)
+    capped: Tensor | None  # tanh(raw / softcap), for the backward
+    distance: Tensor | None  # |rel|, for the ALiBi slopes' gradient
 
-    Holds the inputs flattened to (B*H, T, D) in the compute dtype; the mask, band and ALiBi bias
-    are applied per tile, so nothing of size L x S ever exists.
-    """
 
-    def __init__(self, q, k, mask, band, alibi_slopes, scale):
-        self.lead, self.L, self.S = tuple(q.shape[:-2]), q.shape[-2], k.shape[-2]
+class _Tiles:
+    """The inputs flattened to (B*H, T, D) in the compute dtype, and the scores of any tile of
+    (query rows, key cols) under the contract, computed on demand (nothing L x S ever exists)."""
+
+    def __init__(self, q, k, v, contract: Contract, dropout_p: float, seed: int | None = None):
+        self.lead = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+        self.L, self.S = q.shape[-2], k.shape[-2]
         self.dtype = masks.additive_dtype(q.dtype)  # float32 for float16/bfloat16
-        self.scale = scale
-        self.q = _flat(q, self.dtype, self.lead) * scale  # (BH, L, D), pre-scaled
-        self.kT = _flat(k, self.dtype, self.lead).transpose(1, 2)  # (BH, D, S)
-        self.mask = _mask_for(mask, self.dtype, self.lead)
-        self.band = band
-        self.slopes = None if alibi_slopes is None else alibi_slopes.to(self.dtype).view(-1, 1, 1)  # (H, 1, 1)
-        self._cache: dict[tuple, Tensor] = {}  # tile patterns by shape and j0 - i0 (a window repeats them)
+        self.out_dtype = v.dtype
+        self.contract, self.dropout_p = contract, dropout_p
+        self.scale = contract.scale_for(q.shape[-1])
+        self.q = _flat(q, self.dtype, self.lead) * self.scale  # (BH, L, D), pre-scaled
+        self.k, self.v = _flat(k, self.dtype, self.lead), _flat(v, self.dtype, self.lead)  # (BH, S, D|Dv)
+        self.kT = self.k.transpose(1, 2)  # (BH, D, S)
+        self.seed = seed if seed is not None or dropout_p == 0.0 else int(torch.randint(2 ** 62, ()).item())
+        self._hidden: dict[tuple, Tensor] = {}  # band patterns of edge tiles by shape and shift
+        info = torch.finfo(self.dtype)
+        self.floor = math.log(info.tiny / info.eps)  # e^floor times any value above eps is a normal float
 
-    def tiles(self, block_q: int, block_k: int):
+    def blocks(self, block_q: int):
         for i0 in range(0, self.L, block_q):
-            yield from _tiles_of_block(i0, min(i0 + block_q, self.L), self.S, block_k, self.band)
+            yield range(i0, min(i0 + block_q, self.L))
 
-    def __call__(self, i0, i1, j0, j1) -> Tensor:
-        s = torch.bmm(self.q[:, i0:i1], self.kT[:, :, j0:j1])  # (BH, r, D) @ (BH, D, c) -> (BH, r, c)
-        tile = s.view(*self.lead, i1 - i0, j1 - j0)  # (B, H, r, c): masks broadcast over B, H
-        if self.mask is not None:
-            rows = slice(None) if self.mask.shape[-2] == 1 else slice(i0, i1)
-            cols = slice(None) if self.mask.shape[-1] == 1 else slice(j0, j1)
-            tile.add_(self.mask[..., rows, cols])
-        if self.slopes is not None:
-            tile.sub_(self.slopes * self._distance(i1 - i0, j1 - j0, j0 - i0))  # -slope_h |j - (i + S - L)|
-        if self.band is not None and not self._inside_band(i0, i1, j0, j1):
-            s.masked_fill_(self._hidden(i1 - i0, j1 - j0, j0 - i0), _NEG_INF)
-        return s
+    def key_tiles(self, rows: range, block_k: int):
+        """The key ranges of tiles with a visible key. A band bounded on the left (a sliding
+        window) whose keys for this block fit in 4 tiles is taken as one tile."""
+        lo, hi = self.contract.key_range(rows, self.S)
+        band = self.contract.band
+        if band is not None and band.left is not None and hi - lo <= 4 * block_k:
+            if hi > lo:
+                yield range(lo, hi)
+            return
+        for j0 in range(lo - lo % block_k, hi, block_k):  # tiles start on multiples of block_k
+            yield range(max(j0, lo), min(j0 + block_k, hi))
 
-    def _hidden(self, r: int, c: int, shift: int) -> Tensor:
-        """(r, c) True where the band hides key j0 + b from query i0 + a; depends on j0 - i0 only."""
-        key = ("hidden", r, c, shift)
-        if key not in self._cache:
-            rows, cols = torch.arange(r, device=self.q.device), torch.arange(c, device=self.q.device) + shift
-            self._cache[key] = ~self.band.allowed(rows, cols)
-        return self._cache[key]
+    def scores(self, rows: range, cols: range) -> _Tile:
+        """The tile's scores (BH, r, c), ready for the softmax, and what its backward needs."""
+        s = torch.bmm(self.q[:, rows.start:rows.stop], self.kT[:, :, cols.start:cols.stop])  # (BH, r, c)
+        capped = None
+        if self.contract.softcap is not None:
+            capped = s.div_(self.contract.softcap).tanh_()  # in place: s holds tanh(s / c)
+            s = capped * self.contract.softcap
+        rel, bias, band_hidden = self._position_terms(rows, cols)
+        hidden = self.contract.hidden(rows, cols, band_hidden)
+        self.contract.shape(s.view(*self.lead, len(rows), len(cols)), rows, cols, inplace=True, bias=bias,
+                            hidden=hidden)
+        mask = self.contract.mask
+        if mask is not None and mask.dtype != torch.bool:  # a float mask may hide keys with -inf too
+            hidden.append(mask_tile(mask, rows, cols) == _NEG_INF)
+        distance = None if rel is None or bias is None else rel.abs()
+        return _Tile(s, hidden, capped, distance)
 
-    def _distance(self, r: int, c: int, shift: int) -> Tensor:
-        """(r, c) |j - (i + S - L)| for the tile at key shift j0 - i0."""
-        key = ("distance", r, c, shift)
-        if key not in self._cache:
-            rows, cols = torch.arange(r, device=self.q.device), torch.arange(c, device=self.q.device) + shift
-            self._cache[key] = (cols[None, :] - rows[:, None] - (self.S - self.L)).abs().to(self.dtype)
-        return self._cache[key]
+    def _position_terms(self, rows: range, cols: range):
+        """(rel or None, ALiBi bias or None, band-hidden or None) of the tile; band edges cached."""
+        contract = self.contract
+        covered = contract.band_covers(rows, cols)
+        if not contract.needs_positions or (covered and contract.alibi_slopes is None):
+            return None, None, None
+        if contract.alibi_slopes is None and contract.positions is None:  # a band edge: the pattern repeats
+            key = (len(rows), len(cols), cols.start - rows.start)
+            if key not in self._hidden:
+                self._hidden[key] = contract.position_terms(contract.distances(rows, cols, self.q.device),
+                                                            self.dtype)[1]
+            return None, None, self._hidden[key]
+        rel = contract.distances(rows, cols, self.q.device)
+        bias, hidden = contract.position_terms(rel, self.dtype)
+        return rel, bias, None if covered else hidden
 
-    def _inside_band(self, i0, i1, j0, j1) -> bool:
-        """Whether every (query, key) of the tile is visible (then no masking is needed)."""
-        lo_first, hi_first = self.band.key_range(i0, i0 + 1, self.S)
-        lo_last, hi_last = self.band.key_range(i1 - 1, i1, self.S)
-        return lo_last <= j0 and j1 <= hi_first and lo_first <= j0 and j1 <= hi_last
+    def probabilities(self, tile: _Tile, shift: Tensor) -> Tensor:
+        """e^(scores - shift), in place, with exact zeros where the tile hides a key.
+
+        The exponent is floored at log(tiny / eps) (-71 in float32): exp takes a slow path for
+        arguments below about -87 (80x slower on this project's CPUs), and denormal weights, or
+        their products with the values, slow the following matmul by 100x or more. A key that far
+        below the row's maximum weighs less than the float's resolution of the sum either way.
+        Hidden keys are zeroed after the exp, so they weigh exactly nothing.
+        """
+        p = tile.s.sub_(shift).clamp_(min=self.floor).exp_()
+        for h in tile.hidden:
+            p.view(*self.lead, *p.shape[-2:]).masked_fill_(h, 0.0)
+        return p
+
+    def keep(self, rows: range, cols: range, shape) -> Tensor | None:
+        """Dropout's scaled keep mask Z of a tile (the same draw in forward and backward), or None."""
+        if self.dropout_p == 0.0:
+            return None
+        generator = torch.Generator(self.q.device).manual_seed(
+            (self.seed + rows.start * (self.S + 1) + cols.start) % 2 ** 63)
+        kept = torch.rand(shape, generator=generator, device=self.q.device, dtype=self.dtype) >= self.dropout_p
+        return kept.to(self.dtype).mul_(0.0 if self.dropout_p == 1.0 else 1.0 / (1.0 - self.dropout_p))
 
 
-def _mask_for(mask: Tensor | None, dtype, lead: tuple[int, ...]) -> Tensor | None:
-    """The mask with as many dims as (*lead, L, S), for slicing tile by tile."""
-    if mask is None:
-        return None
-    mask = masks.to_dtype(mask, dtype)
-    return mask.reshape((1,) * (len(lead) + 2 - mask.dim()) + tuple(mask.shape))  # (L, S) -> (1, 1, L, S)
-
-
-def _forward(tiles: _TileScores, v, block_q, block_k):
+def _forward(tiles: _Tiles, block_q: int, block_k: int):
     """Online softmax: per query block, a running max m, sum l and unnormalised output acc.
 
     Each key tile is merged in place: with m' = max(m, tile max), acc <- acc e^(m - m') + P V and
     l <- l e^(m - m') + rowsum(P), P = e^(S - m'); at the end out = acc / l, lse = m' + log l. This
     is merge_attention's formula in running, unnormalised form; buffers are reused tile to tile
-    (a fresh tile buffer per step costs about a fifth of the time on CPU).
+    (a fresh tile buffer per step costs about a fifth of the time on CPU). A sink starts a row
+    at m = sink, l = 1.
     """
-    lead, L, dtype = tiles.lead, tiles.L, tiles.dtype
-    v3 = _flat(v, dtype, lead)
+    lead, L, dtype, v3 = tiles.lead, tiles.L, tiles.dtype, tiles.v
     BH, Dv = v3.shape[0], v3.shape[-1]
-    out = torch.zeros(BH, L, Dv, dtype=dtype, device=v.device)
-    lse = torch.full((BH, L), _NEG_INF, dtype=dtype, device=v.device)
-    running = _Running(BH, min(block_q, L), Dv, dtype, v.device)
-    for i0 in range(0, L, block_q):
-        i1 = min(i0 + block_q, L)
-        state = running.start(i1 - i0)
-        for _, _, j0, j1 in _tiles_of_block(i0, i1, tiles.S, block_k, tiles.band):
-            running.add(state, tiles(i0, i1, j0, j1), v3[:, j0:j1])
-        running.finish(state, out[:, i0:i1], lse[:, i0:i1])
-    return out.view(*lead, L, Dv).to(v.dtype), lse.view(*lead, L)  # lse stays float32 (or float64)
+    out = torch.zeros(BH, L, Dv, dtype=dtype, device=v3.device)
+    lse = torch.full((BH, L), _NEG_INF, dtype=dtype, device=v3.device)
+    sinks = tiles.contract.sinks
+    running = _Running(BH, min(block_q, L), Dv, dtype, v3.device,
+                       None if sinks is None else _per_row(sinks, lead, dtype))
+    for rows in tiles.blocks(block_q):
+        state = running.start(len(rows))
+        for cols in tiles.key_tiles(rows, block_k):
+            tile = tiles.scores(rows, cols)
+            running.add(state, tiles, tile, tiles.v[:, cols.start:cols.stop], tiles.keep(rows, cols, tile.s.shape))
+        running.finish(state, out[:, rows.start:rows.stop], lse[:, rows.start:rows.stop])
+    return out.view(*lead, L, Dv).to(tiles.out_dtype), lse.view(*lead, L)  # lse stays float32 (or float64)
 
 
 class _Running:
     """Buffers of the running softmax of one query block (B*H, rows, ...), reused block to block."""
 
-    def __init__(self, BH, rows, Dv, dtype, device):
+    def __init__(self, BH, rows, Dv, dtype, device, sinks):
         make = lambda *shape: torch.empty(BH, *shape, dtype=dtype, device=device)  # noqa: E731
         self.m, self.m_new, self.alpha, self.l = (make(rows, 1) for _ in range(4))
         self.acc = make(rows, Dv)
+        self.sinks = sinks  # (BH, 1, 1) or None
 
     def start(self, rows):
         state = tuple(x[:, :rows] for x in (self.m, self.m_new, self.alpha, self.l, self.acc))
-        state[0].fill_(_NEG_INF)
-        state[3].zero_()
+        if self.sinks is None:
+            state[0].fill_(_NEG_INF)
+            state[3].zero_()
+        else:  # the sink, seen first: a logit with weight e^(sink - m) = 1 and a zero value
+            state[0].copy_(self.sinks.expand_as(state[0]))
+            state[3].fill_(1.0)
         state[4].zero_()
         return state
 
     @staticmethod
-    def add(state, s, v_tile):
-        """Merge one tile of scores s (BH, r, c) with its values (BH, c, Dv) into the state."""
+    def add(state, tiles, tile, v_tile, keep):
+        """Merge one tile of scores (BH, r, c) with its values (BH, c, Dv) into the state."""
         m, m_new, alpha, l, acc = state
-        torch.maximum(m, s.amax(dim=-1, keepdim=True), out=m_new)
+        torch.maximum(m, tile.s.amax(dim=-1, keepdim=True), out=m_new)
         m_new.masked_fill_(m_new == _NEG_INF, 0.0)  # rows with nothing visible yet: shift by 0
-        torch.sub(m, m_new, out=alpha).exp_()  # e^(m - m'): rescales what came before
-        p = s.sub_(m_new).exp_()  # in place: P = e^(S - m')
+        torch.sub(m, m_new, out=alpha).clamp_(min=tiles.floor).exp_()  # e^(m - m') rescales the past (floored)
+        p = tiles.probabilities(tile, m_new)  # in place: P = e^(S - m')
         l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
-        acc.mul_(alpha).baddbmm_(p, v_tile)
+        acc.mul_(alpha).baddbmm_(p if keep is None else p.mul_(keep), v_tile)
         m.copy_(m_new)
 
     @staticmethod
@@ -221,25 +272,49 @@ class _Running:
         torch.add(m, l.log(), out=lse.unsqueeze(-1))  # -inf where l = 0
 
 
-def _backward(tiles: _TileScores, q, k, v, out, lse, grad_out, block_q, block_k):
-    lead, L, dtype = tiles.lead, tiles.L, tiles.dtype
-    k3, v3 = _flat(k, dtype, lead), _flat(v, dtype, lead)
+def _backward(tiles: _Tiles, inputs, out, lse, grad_out, block_q, block_k):
+    """(dq, dk, dv, d alibi_slopes or None, d sinks or None), each shaped like its input."""
+    lead, L, dtype, contract = tiles.lead, tiles.L, tiles.dtype, tiles.contract
     do3, o3 = _flat(grad_out, dtype, lead), _flat(out, dtype, lead)
     lse3 = lse.reshape(-1, L, 1).to(dtype)
     lse3 = torch.where(lse3 == _NEG_INF, torch.full_like(lse3, float("inf")), lse3)  # empty rows: P = 0
     delta = (do3 * o3).sum(dim=-1, keepdim=True)  # (BH, L, 1) = rowsum(dO * O)
-    dq, dk, dv = torch.zeros_like(tiles.q), torch.zeros_like(k3), torch.zeros_like(v3)
-    for i0, i1, j0, j1 in tiles.tiles(block_q, block_k):
-        p = tiles(i0, i1, j0, j1).sub_(lse3[:, i0:i1]).exp_()  # (BH, r, c)
-        dv[:, j0:j1].baddbmm_(p.transpose(1, 2), do3[:, i0:i1])  # P^T dO
-        dp = torch.bmm(do3[:, i0:i1], v3[:, j0:j1].transpose(1, 2))  # dO V^T: (BH, r, c)
-        ds = p.mul_(dp.sub_(delta[:, i0:i1]))  # P * (dP - delta), reusing p's storage
-        dq[:, i0:i1].baddbmm_(ds, k3[:, j0:j1], alpha=tiles.scale)  # dS K * scale
-        dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), tiles.q[:, i0:i1])  # dS^T (Q * scale)
-    return _unflat(dq, q, lead), _unflat(dk, k, lead), _unflat(dv, v, lead)
+    dq, dk, dv = torch.zeros_like(tiles.q), torch.zeros_like(tiles.k), torch.zeros_like(tiles.v)
+    d_slopes = None if contract.alibi_slopes is None else torch.zeros(dq.shape[0], dtype=dtype, device=dq.device)
+    for rows in tiles.blocks(block_q):
+        i0, i1 = rows.start, rows.stop
+        for cols in tiles.key_tiles(rows, block_k):
+            j0, j1 = cols.start, cols.stop
+            tile = tiles.scores(rows, cols)
+            p = tiles.probabilities(tile, lse3[:, i0:i1])  # (BH, r, c)
+            keep = tiles.keep(rows, cols, p.shape)
+            dp = torch.bmm(do3[:, i0:i1], tiles.v[:, j0:j1].transpose(1, 2))  # dO V^T: (BH, r, c)
+            if keep is not None:
+                dp.mul_(keep)
+            dv[:, j0:j1].baddbmm_((p if keep is None else p * keep).transpose(1, 2), do3[:, i0:i1])  # (P Z)^T dO
+            ds = p.mul_(dp.sub_(delta[:, i0:i1]))  # P * (dP - delta), reusing p's storage
+            if tile.distance is not None:  # d/d slope of -slope |rel|
+                d_slopes -= (ds.view(*lead, len(rows), len(cols)) * tile.distance).sum((-2, -1)).reshape(-1)
+            if tile.capped is not None:  # d/ds of c tanh(s / c)
+                ds.mul_(tile.capped.mul_(tile.capped).neg_().add_(1.0))
+            dq[:, i0:i1].baddbmm_(ds, tiles.k[:, j0:j1], alpha=tiles.scale)  # dS K * scale
+            dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), tiles.q[:, i0:i1])  # dS^T (Q * scale)
+    grads = [_unflat(grad, x, lead) for grad, x in zip((dq, dk, dv), inputs)]
+    grads.append(None if d_slopes is None else _per_head(d_slopes, contract.alibi_slopes, lead))
+    if contract.sinks is None:
+        grads.append(None)
+    else:  # d sink = -sum over rows of P_sink * delta, P_sink = e^(sink - lse)
+        p_sink = (_per_row(contract.sinks, lead, dtype)[:, :, 0] - lse3[..., 0]).exp()  # (BH, L)
+        grads.append(_per_head(-(p_sink * delta[..., 0]).sum(-1), contract.sinks, lead))
+    return grads
+
+
+def _per_head(grad: Tensor, like: Tensor, lead: tuple[int, ...]) -> Tensor:
+    """(B*H,) -> (H,) summed over the batch, in like's dtype."""
+    return grad.view(*lead).reshape(-1, lead[-1]).sum(0).to(like.dtype)  # (B*H,) -> (B, H) -> (H,)
 
 
 def _unflat(grad: Tensor, like: Tensor, lead: tuple[int, ...]) -> Tensor:
     """(B*H, T, D) -> the input's shape, summed over the dims the input was broadcast along."""
-    grad = grad.view(*lead, *grad.shape[-2:]).to(like.dtype)  # (B*H, T, D) -> (B, H, T, D)
+    grad = grad.view(*lead, *grad.shape[-2:]).to(like.dtype)  # (B*H, T, D) -> (..., T, D)
     return grad.sum_to_size(like.shape) if grad.shape != like.shape else grad

@@ -1,11 +1,10 @@
 """The explicit kernel: scores, softmax, weights @ V. The one backend that returns the weights.
 
-Shapes: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv); mask additive, broadcastable to (B, H, L, S).
+It honours the whole contract (mha.kernels.Contract) by building the (B, H, L, S) scores, which
+it must hold anyway to return the weights. Shapes: q (..., L, D), k (..., S, D), v (..., S, Dv).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -13,32 +12,32 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from .. import masks
-
-def fully_masked_rows(mask: Tensor | None) -> Tensor | None:
-    """(..., L, 1) True where an additive mask blocks every key of a query row, else None.
-
-    Computed on the mask (often (L, S) or (B, 1, 1, S)), not on the scores: with finite q and k a
-    score row is all -inf exactly when its mask row is.
-    """
-    if mask is None or mask.shape[-1] == 0:  # no keys at all: the output is zeros anyway
-        return None
-    rows = mask.amax(dim=-1, keepdim=True) == float("-inf")
-    return rows if bool(rows.any()) else None
+from .contract import Contract, resolve
 
 
-def safe_softmax(scores: Tensor, blocked_rows: Tensor | None = None, *, inplace: bool = False) -> Tensor:
-    """softmax over the last axis; the rows in ``blocked_rows`` give zeros and zero gradients.
+
+def safe_softmax(scores: Tensor, *, inplace: bool = False) -> Tensor:
+    """softmax over the last axis; a row whose scores are all -inf gives zeros and zero gradients.
 
     ``inplace=True`` (inference only: no autograd graph) overwrites ``scores``, which saves
     allocating (and page-faulting) a second L x S buffer: most of a large softmax's time on CPU.
     """
-    if blocked_rows is not None:  # finite row -> finite softmax and gradient
-        scores = scores.masked_fill_(blocked_rows, 0.0) if inplace else scores.masked_fill(blocked_rows, 0.0)
+    blocked = scores.amax(dim=-1, keepdim=True) == float("-inf") if scores.shape[-1] else None  # (..., L, 1)
+    if blocked is not None and not torch._C._are_functorch_transforms_active() and not bool(blocked.any()):
+        blocked = None  # the common case, skipped (a data-dependent branch vmap cannot take)
+    if blocked is not None:  # finite row -> finite softmax and gradient
+        scores = scores.masked_fill_(blocked, 0.0) if inplace else scores.masked_fill(blocked, 0.0)
     weights = (torch.ops.aten._softmax.out(scores, -1, False, out=scores) if inplace
                else torch.softmax(scores, dim=-1))
-    if blocked_rows is not None:
-        weights = weights.masked_fill_(blocked_rows, 0.0) if inplace else weights.masked_fill(blocked_rows, 0.0)
+    if blocked is not None:
+        weights = weights.masked_fill_(blocked, 0.0) if inplace else weights.masked_fill(blocked, 0.0)
     return weights
+
+
+def _softmax_with_sinks(scores: Tensor, sinks: Tensor) -> Tensor:
+    """softmax over the keys and one sink logit per head (..., H, L, S) -> weights of the keys."""
+    sink_column = sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)  # (H,) -> (..., H, L, 1)
+    return torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
 
 
 def _may_overwrite(*tensors: Tensor | None) -> bool:
@@ -52,27 +51,25 @@ def _may_overwrite(*tensors: Tensor | None) -> bool:
                    for t in tensors)
 
 
-def math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-                   is_causal: bool | masks.Band = False, scale: float | None = None,
-                   dropout_p: float = 0.0, *, alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Returns (output (B, H, L, Dv), weights (B, H, L, S)); weights are taken after dropout.
+def math_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
+                   dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+    """Returns (output (..., L, Dv), weights (..., L, S)); weights are taken after dropout.
 
-    is_causal: True (top-left causal) or a mha.masks.Band (causal alignment, sliding window);
-    alibi_slopes (H,): ALiBi's bias. float16/bfloat16 scores are masked and normalised in float32,
-    the weights cast back.
+    float16/bfloat16 scores are shaped and normalised in float32, the weights cast back.
     """
+    contract = resolve(contract)
     L, S = q.shape[-2], k.shape[-2]
-    scale = math.sqrt(1.0 / q.shape[-1]) if scale is None else scale
-    scores = (q * scale) @ k.transpose(-2, -1)  # (B, H, L, D) @ (B, H, D, S) -> (B, H, L, S)
+    scores = (q * contract.scale_for(q.shape[-1])) @ k.transpose(-2, -1)  # (..., L, D) @ (..., D, S) -> (..., L, S)
     weights_dtype = scores.dtype  # under autocast, not necessarily q's
-    inference = _may_overwrite(q, k, v, mask)
+    inference = _may_overwrite(q, k, v, contract.mask, contract.alibi_slopes, contract.sinks)
     scores = scores.to(masks.additive_dtype(weights_dtype))  # float16/bfloat16 -> a fresh float32 buffer
-    alibi = None if alibi_slopes is None else masks.alibi_bias(alibi_slopes, L, S, weights_dtype)
-    mask = masks.fold(mask, masks.as_band(is_causal, L, S), alibi, L, S, weights_dtype, scores.device)
-    if mask is not None:
-        mask = masks.to_dtype(mask, scores.dtype)
-        scores = scores.add_(mask) if inference else scores + mask
-    weights = safe_softmax(scores, fully_masked_rows(mask), inplace=inference).to(weights_dtype)
+    scores = contract.cap(scores, inplace=inference)
+    scores = contract.shape(scores, range(L), range(S), inplace=inference)
+    if contract.sinks is None:
+        weights = safe_softmax(scores, inplace=inference)
+    else:
+        weights = _softmax_with_sinks(scores, contract.sinks)
+    weights = weights.to(weights_dtype)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     return weights @ v, weights

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 
-from .. import _checks, capture, efficient, masks, multihead
+from .. import _checks, capture, efficient, multihead, positions
 from ..cache import KVCache
 from ..rope import RotaryEmbedding
 
@@ -31,6 +31,20 @@ class MultiHeadAttention(nn.Module):
         bias: biases on the four projections.  add_bias_kv: learned extra key/value (bias_k,
         bias_v) appended to the keys.  add_zero_attn: a zero key/value appended.
         dropout: on the attention weights, in training.
+        num_kv_heads: key/value heads (GQA; 1: MQA), a divisor of h.
+        rope: an mha.RotaryEmbedding applied to queries and keys at their positions.
+        alibi: ALiBi's per-head linear bias -slope_h * |distance|.
+        window: a sliding window (left, right), flash-attn's window_size (-1 = unbounded).
+        softcap: scores become softcap * tanh(scores / softcap) (Gemma 2).
+        sinks: learned per-head sink logits ``sinks`` (h,), zeros at the start, that join every
+            row's softmax and are then dropped (GPT-OSS).
+        attention: "exact" or an mha.efficient variant (a name or a module); attention_options
+            are its constructor's arguments.
+
+    Positions (mha.positions): without a cache, query i sits at position i and key j at j; with an
+    mha.KVCache the new tokens continue each sequence. RoPE, causality, the window and ALiBi all
+    read these positions, and none of them builds an L x S tensor (the flash backend applies them
+    tile by tile).
 
     Parameters: ``bias_k`` (1, 1, h*dk), ``bias_v`` (1, 1, h*dv) with add_bias_kv, then the
     nn.Linear submodules ``q_proj`` (h*dk, cq), ``k_proj`` (h*dk, ck), ``v_proj`` (h*dv, cv),
@@ -44,8 +58,9 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, cq: int, ck: int, cv: int, dk: int, dv: int, do: int, h: int,
                  bias: bool = True, add_bias_kv: bool = False, add_zero_attn: bool = False,
                  dropout: float = 0.0, num_kv_heads: int | None = None, rope: RotaryEmbedding | None = None,
-                 alibi: bool = False, window: tuple[int, int] | None = None, attention: str | nn.Module = "exact",
-                 attention_options: dict | None = None, device=None, dtype=None) -> None:
+                 alibi: bool = False, window: tuple[int, int] | None = None, softcap: float | None = None,
+                 sinks: bool = False, attention: str | nn.Module = "exact", attention_options: dict | None = None,
+                 device=None, dtype=None) -> None:
         super().__init__()
         names = ("cq", "ck", "cv", "dk", "dv", "do", "h")
         cq, ck, cv, dk, dv, do, h = (_checks.positive_int(n, v) for n, v in zip(names, (cq, ck, cv, dk, dv, do, h)))
@@ -58,6 +73,9 @@ class MultiHeadAttention(nn.Module):
         self.dropout = _checks.probability("dropout", dropout)
         self.add_zero_attn = add_zero_attn
         self._set_positional(rope, alibi, window, add_bias_kv)
+        self.softcap = _checks.optional_positive_real("softcap", softcap)
+        if not isinstance(sinks, bool):
+            raise TypeError(f"sinks must be a bool (learned per-head sink logits), got {type(sinks).__name__}")
         if add_bias_kv:  # registered first: the parameter order seed 002 prints
             self.bias_k = nn.Parameter(torch.empty(1, 1, hkv * dk, **factory))
             self.bias_v = nn.Parameter(torch.empty(1, 1, hkv * dv, **factory))
@@ -65,13 +83,15 @@ class MultiHeadAttention(nn.Module):
             self.register_parameter("bias_k", None)
             self.register_parameter("bias_v", None)
         self.attention = self._variant(attention, attention_options)
-        if self.attention is not None and (self.positional or add_bias_kv or add_zero_attn):
+        if self.attention is not None and (self.positional or add_bias_kv or add_zero_attn or sinks or softcap):
             raise ValueError("an efficient attention variant does not combine with rope, alibi, window, "
-                             "add_bias_kv or add_zero_attn")
+                             "softcap, sinks, add_bias_kv or add_zero_attn")
         self.q_proj = nn.Linear(cq, h * dk, bias=bias, **factory)
         self.k_proj = nn.Linear(ck, hkv * dk, bias=bias, **factory)
         self.v_proj = nn.Linear(cv, hkv * dv, bias=bias, **factory)
         self.out_proj = nn.Linear(h * dv, do, bias=bias, **factory)
+        # sink logits, one per head: they join every row's softmax (GPT-OSS); zero at the start
+        self.sinks = nn.Parameter(torch.zeros(h, **factory)) if sinks else None
         self._reset_parameters()
 
     def _set_positional(self, rope, alibi, window, add_bias_kv) -> None:
@@ -81,13 +101,15 @@ class MultiHeadAttention(nn.Module):
         if rope is not None and rope.rotary_dim > self.dk:
             raise ValueError(f"rope.rotary_dim={rope.rotary_dim} exceeds the head width dk={self.dk}")
         if window is not None:
-            masks.window_band(1, 1, window)  # validates: (left, right), -1 = unbounded
+            positions.check_window(window)  # (left, right), -1 = unbounded
             window = tuple(window)
         if (rope is not None or alibi or window is not None) and (add_bias_kv or self.add_zero_attn):
             raise ValueError("add_bias_kv / add_zero_attn have no position: they do not combine with rope, "
                              "alibi or window")
         self.rope, self.window = rope, window
-        self.register_buffer("alibi_slopes", masks.alibi_slopes(self.h) if alibi else None, persistent=False)
+        if not isinstance(alibi, bool):
+            raise TypeError(f"alibi must be a bool, got {type(alibi).__name__}")
+        self.register_buffer("alibi_slopes", positions.alibi_slopes(self.h) if alibi else None, persistent=False)
 
     def _variant(self, attention, options):
         """None for exact attention (the full machinery), else an mha.efficient variant module."""
@@ -131,6 +153,8 @@ class MultiHeadAttention(nn.Module):
         extras = [f"num_kv_heads={self.num_kv_heads}"] if self.num_kv_heads != self.h else []
         extras += ["alibi=True"] if self.alibi_slopes is not None else []
         extras += [f"window={self.window}"] if self.window is not None else []
+        extras += [f"softcap={self.softcap}"] if self.softcap is not None else []
+        extras += ["sinks=True"] if self.sinks is not None else []
         return (f"cq={self.cq}, ck={self.ck}, cv={self.cv}, dk={self.dk}, dv={self.dv}, "
                 f"do={self.do}, h={self.h}, add_zero_attn={self.add_zero_attn}, dropout={self.dropout}"
                 + "".join(", " + e for e in extras))
@@ -158,6 +182,10 @@ class MultiHeadAttention(nn.Module):
         capturing = capture.recording()  # mha.capture_attention: per-head weights are recorded
         wanted = need_weights
         need_weights = need_weights or capturing
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"cache must be an mha.KVCache, got {type(cache).__name__}")
+            cache.attach(self, self.window)
         if self.positional or cache is not None:
             if attn_mask is not None:
                 raise ValueError("with rope, alibi, window or a cache the masks come from positions: "
@@ -166,14 +194,15 @@ class MultiHeadAttention(nn.Module):
                 key_padding_mask = key_padding_mask.unsqueeze(0)  # (S,) -> (1, S)
             o, weights = multihead.attend_positional(
                 q, k, v, self.h, self.num_kv_heads, rope=self.rope, window=self.window,
-                alibi_slopes=self.alibi_slopes, cache=cache, key_padding_mask=key_padding_mask,
-                is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
+                alibi_slopes=self.alibi_slopes, softcap=self.softcap, sinks=self.sinks, cache=cache,
+                key_padding_mask=key_padding_mask, is_causal=is_causal, dropout_p=dropout_p,
+                need_weights=need_weights, backend=backend)
         else:
             o, weights = multihead.attend(
                 q, k, v, self.h, num_kv_heads=self.num_kv_heads, bias_k=self.bias_k, bias_v=self.bias_v,
                 add_zero_attn=self.add_zero_attn, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-                is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights, batched=batched,
-                backend=backend,
+                is_causal=is_causal, softcap=self.softcap, sinks=self.sinks, dropout_p=dropout_p,
+                need_weights=need_weights, batched=batched, backend=backend,
             )
         out, weights = multihead.finish(o, weights, self.out_proj.weight, self.out_proj.bias,
                                         average_attn_weights and not capturing, batched=batched, seq_first=False)

@@ -104,8 +104,9 @@ class MultiheadAttention(nn.Module):
         if attn_mask is None:
             return key_padding_mask, (None if key_padding_mask is None else 1)
         B, L, _ = query.shape
-        merged = masks.multihead(attn_mask, key_padding_mask, batch=B, num_heads=self.num_heads,
-                                 L=L, S=L, batched=True, like=query)
+        mask, key_valid = masks.multihead(attn_mask, key_padding_mask, batch=B, num_heads=self.num_heads,
+                                          L=L, S=L, batched=True, like=query)
+        merged = masks.combined_additive(mask, key_valid, masks.additive_dtype(query.dtype))
         return merged.expand(B, self.num_heads, L, L), 2
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor,

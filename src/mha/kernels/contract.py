@@ -1,0 +1,176 @@
+"""The attention contract: the one value every backend receives besides q, k and v.
+
+It says which keys each query sees and how its scores are shaped before the softmax:
+
+    s = (q . k) * scale                          scale: 1 / sqrt(D) unless given
+    s = softcap * tanh(s / softcap)              logit soft-capping (Gemma 2), optional
+    s = s - slope_h * |rel|                      ALiBi, optional (rel: mha.positions.relative)
+    s = s + mask     /  s = -inf where not mask  the caller's mask: additive float, or bool True = attend
+    s = -inf where the band or padding hides the key
+    p = softmax over the keys and, per head, one sink logit that joins every row's softmax and
+        is then dropped (GPT-OSS's attention sinks), optional
+
+Positions follow mha.positions: query i sits at i + offset and key j at j, unless ``positions``
+gives them per sequence (a KV cache holding sequences of different lengths). A backend either
+honours the whole contract at O(L + S) memory or says it cannot (mha.kernels.choose_backend routes
+around it); the math backend honours everything by building the L x S scores, as it must to
+return the weights. The score shaping is written here once and used by every backend: the math
+backend applies it to the whole (L, S) range, the flash backend tile by tile.
+
+Shapes: B batch, H heads, L query length, S key length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from .. import masks, positions
+from ..positions import Band
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True, eq=False)
+class Contract:
+    """Which keys each query sees and how its scores are shaped (see the module docstring).
+
+    band:          mha.positions.Band of visible distances (causal, sliding window) or None
+    offset:        the alignment of the default positions (query i at i + offset, key j at j)
+    positions:     (query (B|1, L), key (B|1, S)) int64 positions per sequence, or None
+    key_valid:     (B|1, S) bool, False where a key is padding, or None
+    mask:          the caller's mask, bool (True = attend) or additive float, broadcastable to
+                   (B, H, L, S), or None
+    alibi_slopes:  (H,) ALiBi slopes, or None
+    scale:         the factor of q . k; None means 1 / sqrt(D)
+    softcap:       logit soft-capping c > 0, or None
+    sinks:         (H,) per-head sink logits, or None
+    """
+    band: Band | None = None
+    offset: int = 0
+    positions: tuple[Tensor, Tensor] | None = None
+    key_valid: Tensor | None = None
+    mask: Tensor | None = None
+    alibi_slopes: Tensor | None = None
+    scale: float | None = None
+    softcap: float | None = None
+    sinks: Tensor | None = None
+
+    def __repr__(self) -> str:
+        shown = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None or (f.name == "offset" and value == 0):
+                continue
+            if isinstance(value, Tensor):
+                value = f"<{tuple(value.shape)} {value.dtype}>"
+            elif isinstance(value, tuple):
+                value = "(" + ", ".join(f"<{tuple(t.shape)}>" for t in value) + ")"
+            shown.append(f"{f.name}={value}")
+        return f"Contract({', '.join(shown)})"
+
+    def replace(self, **changes) -> Contract:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return Contract(**values)
+
+    def scale_for(self, head_dim: int) -> float:
+        return 1.0 / math.sqrt(head_dim) if self.scale is None else self.scale
+
+    @property
+    def needs_positions(self) -> bool:
+        """Whether the scores depend on where queries and keys sit (band or ALiBi)."""
+        return self.band is not None or self.alibi_slopes is not None
+
+    # -- the score shaping, for any range of query rows and key columns ------------------------
+
+    def cap(self, s: Tensor, *, inplace: bool) -> Tensor:
+        """softcap * tanh(s / softcap), or s unchanged."""
+        c = self.softcap
+        if c is None:
+            return s
+        return s.div_(c).tanh_().mul_(c) if inplace else torch.tanh(s / c) * c
+
+    def distances(self, rows: range, cols: range, device) -> Tensor:
+        """rel = key position - query position: (r, c), or (B|1, 1, r, c) with per-sequence positions."""
+        if self.positions is None:
+            return positions.relative(*positions.aligned(rows, cols, self.offset, device))
+        q_pos, k_pos = self.positions
+        rel = positions.relative(q_pos[:, rows.start:rows.stop], k_pos[:, cols.start:cols.stop])  # (B, r, c)
+        return rel[:, None]  # (B, r, c) -> (B, 1, r, c): the same for every head
+
+    def position_terms(self, rel: Tensor, dtype) -> tuple[Tensor | None, Tensor | None]:
+        """(ALiBi bias (..., H, r, c) or None, band-hidden bool (..., r, c) or None) of the distances."""
+        bias = None
+        if self.alibi_slopes is not None:
+            slopes = self.alibi_slopes.to(dtype)
+            bias = positions.alibi_bias(slopes, rel if rel.dim() == 2 else rel[:, 0])  # (..., H, r, c)
+        hidden = None if self.band is None else ~self.band.allowed(rel)
+        return bias, hidden
+
+    def hidden(self, rows: range, cols: range, band_hidden: Tensor | None = None) -> list[Tensor]:
+        """The bool masks (True = hidden) of a tile that broadcast to its (B, H, r, c) scores: the
+        band's (given, or None where it hides nothing), the key padding's and a bool mask's."""
+        masks_ = [] if band_hidden is None else [band_hidden]
+        if self.key_valid is not None:
+            masks_.append(~self.key_valid[:, None, None, cols.start:cols.stop])  # (B, S) -> (B, 1, 1, c)
+        if self.mask is not None and self.mask.dtype == torch.bool:
+            masks_.append(~mask_tile(self.mask, rows, cols))  # True = attend -> True = hidden
+        return masks_
+
+    def shape(self, s: Tensor, rows: range, cols: range, *, inplace: bool,
+              bias: Tensor | None = None, hidden: list[Tensor] | None = None) -> Tensor:
+        """s (B, H, r, c), the capped scores of query ``rows`` and key ``cols``, plus the ALiBi
+        ``bias`` and a float mask, and -inf where ``hidden`` (see :meth:`hidden`). Without ``hidden``
+        both are computed here (from the whole contract)."""
+        if hidden is None:
+            band_hidden = None
+            if self.needs_positions:
+                bias, band_hidden = self.position_terms(self.distances(rows, cols, s.device), s.dtype)
+            hidden = self.hidden(rows, cols, band_hidden)
+        if bias is not None:
+            s = s.add_(bias) if inplace else s + bias
+        if self.mask is not None and self.mask.dtype != torch.bool:
+            mask = masks.to_dtype(mask_tile(self.mask, rows, cols), s.dtype)
+            s = s.add_(mask) if inplace else s + mask
+        for h in hidden:  # filled, not added: a NaN score (a NaN key) behind the mask stays out
+            s = s.masked_fill_(h, _NEG_INF) if inplace else s.masked_fill(h, _NEG_INF)
+        return s
+
+    def key_range(self, rows: range, S: int) -> tuple[int, int]:
+        """[lo, hi): the keys some query of ``rows`` may see (with per-sequence positions: all)."""
+        if self.band is None or self.positions is not None:
+            return 0, S
+        return self.band.key_range(rows.start + self.offset, rows.stop - 1 + self.offset, S)
+
+    def band_covers(self, rows: range, cols: range) -> bool:
+        """Whether the band hides nothing in the tile (default positions only)."""
+        if self.band is None:
+            return True
+        if self.positions is not None:
+            return False
+        return self.band.covers(cols.start - (rows.stop - 1 + self.offset), cols.stop - 1 - (rows.start + self.offset))
+
+
+NONE = Contract()
+
+
+def resolve(contract: Contract | None) -> Contract:
+    """A kernel's ``contract`` argument: None means the empty contract (no mask, no band)."""
+    if contract is None:
+        return NONE
+    if not isinstance(contract, Contract):
+        raise TypeError(f"contract must be an mha.kernels.Contract or None, got {type(contract).__name__}")
+    return contract
+
+
+def mask_tile(mask: Tensor, rows: range, cols: range) -> Tensor:
+    """The mask's part for ``rows`` x ``cols`` (dims of size 1 broadcast)."""
+    r = slice(None) if mask.shape[-2] == 1 else slice(rows.start, rows.stop)
+    c = slice(None) if mask.shape[-1] == 1 else slice(cols.start, cols.stop)
+    return mask[..., r, c]
+
+

@@ -1,0 +1,73 @@
+"""Which backend runs a call, and why: the one place that decides.
+
+    weights requested              -> math (the only backend that returns them)
+    a backend named explicitly     -> that backend, or a ValueError saying why it cannot
+    otherwise (auto)               -> sdpa, torch's fused kernel, when it takes the whole contract
+                                      without an L x S tensor; else flash, ours, which honours every
+                                      term tile by tile; else math (under torch.func transforms, or
+                                      for a mask that needs its gradient)
+
+The choice and its reason go to the debug log "mha.dispatch".
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import Tensor
+
+from . import flash, sdpa
+from .contract import Contract
+from .flash import flash_attention
+from .math import math_attention
+from .sdpa import sdpa_attention
+
+BACKENDS = {"math": math_attention, "sdpa": sdpa_attention, "flash": flash_attention}
+
+log = logging.getLogger("mha.dispatch")
+
+
+def _unsupported(name: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float) -> str | None:
+    if name == "sdpa":
+        return sdpa.unsupported(q, k, contract, dropout_p)
+    if name == "flash":
+        return flash.unsupported(q, k, v, contract)
+    return None  # math honours everything
+
+
+def choose_backend(requested: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, *,
+                   need_weights: bool = False, dropout_p: float = 0.0) -> tuple[str, str]:
+    """(the backend that will run, why). Raises ValueError for an unknown or unfit request."""
+    names = ("auto", *BACKENDS)
+    if requested not in names:
+        raise ValueError(f"backend must be one of {names}, got {requested!r}")
+    if need_weights:
+        if requested not in ("auto", "math"):
+            raise ValueError(f"backend={requested!r} does not return attention weights; "
+                             "use backend='math' or need_weights=False")
+        choice = ("math", "attention weights requested: only the math backend returns them")
+    elif requested != "auto":
+        reason = _unsupported(requested, q, k, v, contract, dropout_p)
+        if reason:
+            raise ValueError(f"backend={requested!r} cannot run this call: {reason}")
+        choice = (requested, "requested explicitly")
+    else:
+        no_sdpa = _unsupported("sdpa", q, k, v, contract, dropout_p)
+        no_flash = no_sdpa and _unsupported("flash", q, k, v, contract, dropout_p)
+        if not no_sdpa:
+            choice = ("sdpa", "torch's fused kernel takes the whole contract")
+        elif not no_flash:
+            choice = ("flash", f"not sdpa ({no_sdpa}): flash applies every term tile by tile")
+        else:
+            choice = ("math", f"not sdpa ({no_sdpa}), not flash ({no_flash})")
+    log.debug("backend %s: %s", *choice)
+    return choice
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p: float = 0.0,
+              need_weights: bool = False, backend: str = "auto") -> tuple[Tensor, Tensor | None]:
+    """Run the chosen backend on q (..., L, D), k (..., S, D), v (..., S, Dv): (output, weights or None)."""
+    name, _ = choose_backend(backend, q, k, v, contract, need_weights=need_weights, dropout_p=dropout_p)
+    result = BACKENDS[name](q, k, v, contract, dropout_p=dropout_p)
+    out, weights = result if name == "math" else (result, None)
+    return out, (weights if need_weights else None)

@@ -1,0 +1,137 @@
+"""The one position rule: how far key j is from query i, and which distances are visible.
+
+Every query and every key has a position. The distance that masks, windows and ALiBi read is
+
+    rel = position(key j) - position(query i) = j - (i + offset)
+
+with the default positions (query i at i + offset, key j at j). ``offset`` is the alignment:
+
+    top_left      offset 0:      query 0 faces key 0 (torch's SDPA is_causal)
+    bottom_right  offset S - L:  the last query faces the last key (flash-attn; L new tokens after
+                                 S - L cached ones)
+
+A KV cache whose sequences have different lengths gives the positions explicitly, per sequence
+(B, L) and (B, S), and the same rule applies with offset 0. Nothing else in the package computes
+a relative position: bands (causal, sliding windows), ALiBi, the flash tiles, the cache path and
+the efficient variants all call :func:`relative` (directly or through a :class:`Band`).
+
+The functions work on torch tensors and on NumPy arrays alike (the NumPy oracle uses them too).
+
+    causal                         Band(left=None, right=0)     rel <= 0
+    sliding window (w_l, w_r)      Band(w_l, w_r)               -w_l <= rel <= w_r
+    causal window of w_l           Band(w_l, 0)
+
+        keys j ->        causal, offset 0     window (2, 0), offset 0     causal, offset 2 (L=3, S=5)
+        queries i        x . . . .            x . . . .                   x x x . .
+            |            x x . . .            x x . . .                   x x x x .
+            v            x x x . .            x x x . .                   x x x x x
+                         x x x x .            . x x x .
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import _checks
+
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def offset_of(alignment: str, L: int, S: int) -> int:
+    """The offset of an alignment: 0 for "top_left", S - L for "bottom_right"."""
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment must be 'top_left' or 'bottom_right', got {alignment!r}")
+    return 0 if alignment == "top_left" else S - L
+
+
+def relative(query_positions, key_positions):
+    """(..., L, S) distances key - query: query_positions (..., L), key_positions (..., S)."""
+    return key_positions[..., None, :] - query_positions[..., :, None]
+
+
+def aligned(rows: range, cols: range, offset: int, device=None) -> tuple[Tensor, Tensor]:
+    """The default positions of query rows (i + offset) and key columns (j), as int64 tensors."""
+    return (torch.arange(rows.start, rows.stop, device=device) + offset,
+            torch.arange(cols.start, cols.stop, device=device))
+
+
+@dataclass(frozen=True)
+class Band:
+    """The visible distances: -left <= rel <= right (None: unbounded on that side)."""
+    left: int | None = None
+    right: int | None = 0
+
+    def allowed(self, rel):
+        """Bool like ``rel``: True where the distance is inside the band."""
+        ok = rel == rel  # all True (rel holds integers), in rel's array type
+        if self.left is not None:
+            ok = ok & (rel >= -self.left)
+        if self.right is not None:
+            ok = ok & (rel <= self.right)
+        return ok
+
+    def key_range(self, first_query: int, last_query: int, S: int) -> tuple[int, int]:
+        """[lo, hi): the keys 0..S-1 that a query at some position in [first_query, last_query]
+        may see, with keys at positions 0..S-1 (the flash kernel skips tiles outside)."""
+        lo = 0 if self.left is None else max(0, first_query - self.left)
+        hi = S if self.right is None else min(S, last_query + self.right + 1)
+        return lo, max(lo, hi)
+
+    def covers(self, first_rel: int, last_rel: int) -> bool:
+        """Whether every distance in [first_rel, last_rel] is visible."""
+        return ((self.left is None or first_rel >= -self.left)
+                and (self.right is None or last_rel <= self.right))
+
+    @property
+    def is_causal(self) -> bool:
+        return self.left is None and self.right == 0
+
+
+def band(is_causal: bool = False, window: tuple[int, int] | None = None) -> Band | None:
+    """The Band of causality and/or a sliding window, or None when every key is visible.
+
+    window: flash-attn's window_size (left, right), -1 = unbounded on that side; with is_causal
+    the right side is 0.
+    """
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__} ({is_causal!r})")
+    if window is None:
+        return Band(None, 0) if is_causal else None
+    left, right = check_window(window)
+    if is_causal:
+        right = 0
+    return None if left is None and right is None else Band(left, right)
+
+
+def check_window(window) -> tuple[int | None, int | None]:
+    """A window (left, right) of ints >= -1 as (left, right) with None for unbounded."""
+    if not (isinstance(window, (tuple, list)) and len(window) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)):
+        raise ValueError(f"window must be a pair (left, right) of ints >= -1 (-1 = unbounded), got {window!r}")
+    return tuple(None if w == -1 else w for w in window)
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """ALiBi's per-head slopes (Press et al. 2022): 2^(-8 i / n) for i = 1..n when n is a power of
+    two; otherwise the slopes of the largest power of two below n, then every other slope of the
+    next power of two for the remaining heads."""
+    num_heads = _checks.positive_int("num_heads", num_heads)
+
+    def powers(n):
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = powers(closest)
+    if closest < num_heads:
+        slopes += powers(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes)
+
+
+def alibi_bias(slopes, rel):
+    """ALiBi's bias -slope_h * |rel|: slopes (H,), rel (..., L, S) -> (..., H, L, S)."""
+    return -slopes[:, None, None] * abs(rel[..., None, :, :])

@@ -146,3 +146,34 @@ def test_sdpa_gqa_with_different_key_and_value_heads():
 def test_numpy_scalar_dropout_is_accepted():
     m = mha.nn.MultiheadAttention(8, 2, dropout=np.float32(0.25))
     assert m.dropout == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("call, torch_words", [
+    (lambda m, q: m(q, torch.randn(3, 3), q), "expected `key` and `value` to be 3-D but found 2-D and 3-D tensors"),
+    (lambda m, q: m(q, q, torch.randn(3, 3)), "expected `key` and `value` to be 3-D but found 3-D and 2-D tensors"),
+    (lambda m, q: m(q, q, q, key_padding_mask=torch.tensor([False, True, True])),
+     "expected `key_padding_mask` to be `None` or 2-D but found 1-D tensor instead"),
+    (lambda m, q: m(q, q, q, attn_mask=torch.tensor([False, True, True, True])),
+     "expected `attn_mask` to be `None`, 2-D or 3-D but found 1-D tensor instead"),
+    (lambda m, q: m(q[0], q[0], q[0], attn_mask=torch.zeros(5, 4, 4, dtype=torch.bool)),
+     "Expected `attn_mask` shape to be (4, 4, 4)"),
+])
+def test_invalid_shapes_raise_what_torch_raises(call, torch_words):
+    """An AssertionError with torch's words (torch's own tests catch that) that is also a ValueError."""
+    m = mha.nn.MultiheadAttention(4, 4, batch_first=True)
+    q = torch.randn(4, 4, 4)
+    with pytest.raises(AssertionError) as info:
+        call(m, q)
+    assert isinstance(info.value, ValueError) and torch_words in str(info.value)
+
+
+def test_an_in_proj_bias_of_another_dtype_is_used_as_torch_uses_it():
+    torch.manual_seed(0)
+    theirs = torch.nn.MultiheadAttention(4, 2, batch_first=True, dtype=torch.float64)
+    torch.nn.init.normal_(theirs.in_proj_bias)
+    ours = mha.nn.MultiheadAttention(4, 2, batch_first=True, dtype=torch.float64)
+    ours.load_state_dict(theirs.state_dict())
+    for m in (theirs, ours):
+        m.in_proj_bias = torch.nn.Parameter(m.in_proj_bias.half())
+    q = torch.randn(3, 5, 4, dtype=torch.float64)
+    torch.testing.assert_close(ours(q, q, q)[0], theirs(q, q, q)[0])

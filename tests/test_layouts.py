@@ -100,7 +100,7 @@ def test_per_head_loop_equals_the_batched_module(options, batched):
     mask[1, 2:] = True
     want, _ = theirs(q, k, v, attn_mask=mask)
     got = layouts.per_head_attention(q, k, v, heads, attn_mask=mask,
-                                     add_zero_attn=options.get("add_zero_attn", False))
+                                     add_zero_attn=options.get("add_zero_attn", False), batch_first=True)
     torch.testing.assert_close(got, want)
 
 
@@ -207,3 +207,19 @@ def test_integer_weights_are_refused():
     general["q_proj.weight"] = general["q_proj.weight"].long()
     with pytest.raises(TypeError, match="floating"):
         layouts.from_general(general, "bert")
+
+
+def test_per_head_attention_reads_the_layout_it_is_told():
+    """The README's example: torch's default module is seq-first; the loop must be told so."""
+    torch.manual_seed(0)
+    torch_mha = torch.nn.MultiheadAttention(E, H)  # seq-first
+    heads = layouts.per_head(torch_mha.state_dict(), H, layout="torch")
+    x = torch.randn(5, 3, E)  # (L, N, E)
+    with torch.no_grad():
+        want, _ = torch_mha(x, x, x)
+        torch.testing.assert_close(layouts.per_head_attention(x, x, x, heads, batch_first=False), want)
+        batch_first = x.transpose(0, 1)
+        torch.testing.assert_close(layouts.per_head_attention(batch_first, batch_first, batch_first, heads,
+                                                              batch_first=True), want.transpose(0, 1))
+    with pytest.raises(ValueError, match="batch_first"):
+        layouts.per_head_attention(x, x, x, heads)

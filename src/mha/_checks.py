@@ -18,6 +18,11 @@ class DivisibilityError(ValueError, AssertionError):
     """embed_dim not divisible by num_heads: a ValueError, and an AssertionError as torch raises."""
 
 
+class ShapeError(ValueError, AssertionError):
+    """A tensor of the wrong rank or shape: a ValueError, and an AssertionError as torch's
+    MultiheadAttention raises (so code and tests written against torch catch it)."""
+
+
 def tensor(name: str, x) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -37,14 +42,14 @@ def rank(name: str, x: Tensor, allowed: Sequence[int], meaning: str = "") -> Ten
     if x.dim() not in allowed:
         want = " or ".join(f"{r}-D" for r in allowed)
         extra = f" {meaning}" if meaning else ""
-        raise ValueError(f"{name} must be {want}{extra}, got {x.dim()}-D with shape {tuple(x.shape)}")
+        raise ShapeError(f"{name} must be {want}{extra}, got {x.dim()}-D with shape {tuple(x.shape)}")
     return x
 
 
 def shape(name: str, x: Tensor, expected: Sequence[int], meaning: str = "") -> Tensor:
     if tuple(x.shape) != tuple(expected):
         extra = f" {meaning}" if meaning else ""
-        raise ValueError(f"{name} must have shape {tuple(expected)}{extra}, got {tuple(x.shape)}")
+        raise ShapeError(f"{name} must have shape {tuple(expected)}{extra}, got {tuple(x.shape)}")
     return x
 
 

@@ -143,9 +143,7 @@ def _steps(module, x, mask, calls, torch_out, torch_weights, E, h, d, L, N) -> l
     steps.append(Step("the output torch returns", "out.view(L, N, E)  # unbatched: (L, E)", final, torch_out))
     steps.append(Step("per-head weights torch returns", "weights.view(N, h, L, S)", weights.view(N, h, L, L).squeeze(0)
                       if x.dim() == 2 else weights.view(N, h, L, L), torch_weights))
-    xb = x if x.dim() == 2 else x.transpose(0, 1)  # the per-head form reads (..., L, E)
-    per_head = layouts.per_head_attention(xb, xb, xb, heads, attn_mask=mask)
-    per_head = per_head if x.dim() == 2 else per_head.transpose(0, 1)  # back to (L, N, E)
+    per_head = layouts.per_head_attention(x, x, x, heads, attn_mask=mask, batch_first=False)  # x: (L, N, E) or (L, E)
     steps.append(Step("the paper's per-head formula, a loop over heads",
                       "concat_i softmax(X W_i^Q (X W_i^K)^T / sqrt(d)) X W_i^V  W^O", per_head, torch_out,
                       note="the same output from the per-head matrices W_i^Q, W_i^K, W_i^V"))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks, kernels, masks, multihead, positions
+from .kernels._amp import autocast_inputs
 
 __all__ = ["scaled_dot_product_attention", "multi_head_attention_forward"]
 
@@ -57,6 +58,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     tile by tile, without an L x S tensor.
     """
     query, key, value, unbatched = _at_least_3d(query, key, value)
+    query, key, value = autocast_inputs(query, key, value)  # under torch.autocast, as torch's SDPA
     batch_shape = _check_sdpa_inputs(query, key, value, enable_gqa)
     dropout_p = _checks.probability("dropout_p", dropout_p)
     L, S, H = query.shape[-2], key.shape[-2], query.shape[-3]
@@ -201,7 +203,8 @@ def _check_output_and_kv_bias(out_proj_weight, out_proj_bias, bias_k, bias_v, st
                          + ("bias_k" if bias_v is None else "bias_v"))
     if bias_k is not None:
         if static_kv:
-            raise ValueError("bias_k/bias_v cannot be added to static_k/static_v; pass one or the other")
+            raise _checks.ShapeError("bias cannot be added to static key (or value): bias_k/bias_v cannot be added "
+                                     "to static_k/static_v; pass one or the other")
         for name, b in (("bias_k", bias_k), ("bias_v", bias_v)):
             _checks.shape(name, _checks.tensor(name, b), (1, 1, E), "(1, 1, embed_dim)")
     _checks.same_dtype_device("query", like, out_proj_weight=out_proj_weight,
@@ -243,8 +246,11 @@ class _ProjectionWeights:
             q_w, k_w, v_w = packed.chunk(3)
         if in_proj_bias is not None:
             _checks.shape("in_proj_bias", _checks.tensor("in_proj_bias", in_proj_bias), (3 * E,))
+            if in_proj_bias.device != like.device:
+                raise ValueError(f"in_proj_bias is on device {in_proj_bias.device} but query is on {like.device}")
+            in_proj_bias = in_proj_bias.to(like.dtype)  # as torch: a bias of another dtype is added in the query's
         _checks.same_dtype_device("query", like, in_proj_weight=packed, q_proj_weight=q_w,
-                                  k_proj_weight=k_w, v_proj_weight=v_w, in_proj_bias=in_proj_bias)
+                                  k_proj_weight=k_w, v_proj_weight=v_w)
         return cls(packed, q_w, k_w, v_w, in_proj_bias)
 
     def apply(self, x_q, x_k, x_v, is_self_attention):

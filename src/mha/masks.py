@@ -71,18 +71,25 @@ def multihead(attn_mask: Tensor | None, key_padding_mask: Tensor | None, *, batc
         _same_device("attn_mask", attn_mask, like)
         first = batch * num_heads if batched else num_heads
         meaning = "(B*num_heads, L, S)" if batched else "(num_heads, L, S) for unbatched input"
-        if attn_mask.dim() == 2:
-            _checks.shape("attn_mask", attn_mask, (L, S), "(L, S)")
-        elif attn_mask.dim() == 3:
-            _checks.shape("attn_mask", attn_mask, (first, L, S), meaning)
+        if attn_mask.dim() not in (2, 3):  # torch's words, then ours
+            raise _checks.ShapeError(f"expected `attn_mask` to be `None`, 2-D or 3-D but found {attn_mask.dim()}-D "
+                                     f"tensor instead: (L, S) or {meaning}, got shape {tuple(attn_mask.shape)}")
+        expected = (L, S) if attn_mask.dim() == 2 else (first, L, S)
+        if tuple(attn_mask.shape) != expected:
+            raise _checks.ShapeError(f"Expected `attn_mask` shape to be {expected} "
+                                     f"{'(L, S)' if attn_mask.dim() == 2 else meaning} but got {tuple(attn_mask.shape)}")
+        if attn_mask.dim() == 3:
             attn_mask = attn_mask.reshape(first // num_heads, num_heads, L, S)  # (B*H, L, S) -> (B, H, L, S)
-        else:
-            _checks.rank("attn_mask", attn_mask, (2, 3), f"(L, S) or {meaning}")
         mask = ~attn_mask if attn_mask.dtype == torch.bool else to_dtype(attn_mask, additive_dtype(like.dtype))
     if key_padding_mask is not None:
         _checks.mask_dtype("key_padding_mask", key_padding_mask)
         _same_device("key_padding_mask", key_padding_mask, like)
         expected = (batch, S) if batched else (S,)
+        if key_padding_mask.dim() != len(expected):  # torch's words, then ours
+            raise _checks.ShapeError(
+                f"expected `key_padding_mask` to be `None` or {len(expected)}-D but found {key_padding_mask.dim()}-D "
+                f"tensor instead: it must have shape {expected} {'(B, S)' if batched else '(S,)'}, "
+                f"got {tuple(key_padding_mask.shape)}")
         _checks.shape("key_padding_mask", key_padding_mask, expected, "(B, S)" if batched else "(S,)")
         padding = key_padding_mask.reshape(batch if batched else 1, S)  # (S,) -> (1, S) unbatched
         if padding.dtype == torch.bool:

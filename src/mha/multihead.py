@@ -29,11 +29,10 @@ def check_inputs(query, key, value, *, query_width: tuple[str, int],
     _checks.same_dtype_device("query", query, key=key, value=value)
     layout = "(N, L, E)" if batch_first else "(L, N, E)"
     _checks.rank("query", query, (2, 3), f"({layout} batched, (L, E) unbatched)")
-    for name, x in (("key", key), ("value", value)):
-        if x.dim() != query.dim():
-            raise ValueError(
-                f"{name} must be {query.dim()}-D like query, got {x.dim()}-D with shape {tuple(x.shape)}"
-            )
+    if key.dim() != query.dim() or value.dim() != query.dim():  # torch's words, and what we got
+        raise _checks.ShapeError(
+            f"expected `key` and `value` to be {query.dim()}-D but found {key.dim()}-D and {value.dim()}-D tensors "
+            f"respectively: they must have query's rank (key {tuple(key.shape)}, value {tuple(value.shape)})")
     for name, x, width in (("query", query, query_width), ("key", key, key_width),
                            ("value", value, value_width)):
         if width is not None and x.shape[-1] != width[1]:

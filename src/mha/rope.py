@@ -34,6 +34,7 @@ def apply_rope(x: Tensor, positions: Tensor, *, base: float = 10000.0, rotary_di
                interleaved: bool = False) -> Tensor:
     """x rotated by its positions (computed in float32, returned in x's dtype)."""
     D = x.shape[-1]
+    base = _check_base(base)
     rotary_dim = D if rotary_dim is None else rotary_dim
     if not (0 < rotary_dim <= D and rotary_dim % 2 == 0):
         raise ValueError(f"rotary_dim must be even and in (0, {D}], got {rotary_dim}")
@@ -49,6 +50,13 @@ def apply_rope(x: Tensor, positions: Tensor, *, base: float = 10000.0, rotary_di
     return torch.cat([rotated.to(x.dtype), rest], dim=-1)
 
 
+def _check_base(base) -> float:
+    base = _checks.real("base", base)
+    if not base > 0.0 or base == float("inf"):
+        raise ValueError(f"base must be a finite number greater than 0 (RoPE's frequencies are base^(-2i/d)), got {base}")
+    return base
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE as a module: ``rope(x, positions)``; holds no parameters, only its settings."""
 
@@ -57,7 +65,9 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = _checks.positive_int("rotary_dim", rotary_dim)
         if rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
-        self.base = float(base)
+        self.base = _check_base(base)
+        if not isinstance(interleaved, bool):
+            raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__} ({interleaved!r})")
         self.interleaved = interleaved
 
     def extra_repr(self) -> str:

@@ -68,7 +68,7 @@ def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract
 def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> str | None:
     """Why flash cannot run this call, or None. (It honours every term of the contract.)"""
     if torch._C._are_functorch_transforms_active():
-        return "it does not run under torch.func transforms (vmap, grad, jacrev); use backend='math'"
+        return "it does not run under torch.func transforms (vmap, grad, jvp, jacrev); use backend='math'"
     if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in (q, k, v)):
         return "it has no forward-mode AD (jvp); use backend='math'"
     if contract.mask is not None and contract.mask.requires_grad and torch.is_grad_enabled():
@@ -101,7 +101,7 @@ class _Flash(torch.autograd.Function):
 
 def _flat(x: Tensor, dtype, lead: tuple[int, ...]) -> Tensor:
     x = x.to(dtype).expand(*lead, *x.shape[-2:])  # batch dims broadcast to the common ones
-    return x.reshape(-1, x.shape[-2], x.shape[-1])  # (..., T, D) -> (B*H, T, D)
+    return x.reshape(math.prod(lead), x.shape[-2], x.shape[-1])  # (..., T, D) -> (B*H, T, D)
 
 
 def _per_row(x: Tensor, lead: tuple[int, ...], dtype) -> Tensor:
@@ -276,7 +276,7 @@ def _backward(tiles: _Tiles, inputs, out, lse, grad_out, block_q, block_k):
     """(dq, dk, dv, d alibi_slopes or None, d sinks or None), each shaped like its input."""
     lead, L, dtype, contract = tiles.lead, tiles.L, tiles.dtype, tiles.contract
     do3, o3 = _flat(grad_out, dtype, lead), _flat(out, dtype, lead)
-    lse3 = lse.reshape(-1, L, 1).to(dtype)
+    lse3 = lse.reshape(tiles.q.shape[0], L, 1).to(dtype)  # (..., L) -> (BH, L, 1)
     lse3 = torch.where(lse3 == _NEG_INF, torch.full_like(lse3, float("inf")), lse3)  # empty rows: P = 0
     delta = (do3 * o3).sum(dim=-1, keepdim=True)  # (BH, L, 1) = rowsum(dO * O)
     dq, dk, dv = torch.zeros_like(tiles.q), torch.zeros_like(tiles.k), torch.zeros_like(tiles.v)

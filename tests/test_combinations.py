@@ -1,0 +1,216 @@
+"""Where features combine: each defect found by random and adversarial testing, pinned by a test
+that failed before it was fixed (the contract's own properties are in test_contract.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mha
+from mha import kernels, positions
+from mha.functional import scaled_dot_product_attention as sdpa
+from mha.kernels import Contract
+from mha.positions import Band
+
+E, H, D = 16, 4, 4
+
+
+def _module(**options):
+    torch.manual_seed(0)
+    return mha.MultiHeadAttention(E, E, E, D, D, E, H, dtype=torch.float64, **options).eval()
+
+
+@pytest.mark.parametrize("options", [dict(window=(2, 0)), dict(alibi=True), dict(window=(1, 1), alibi=True)], ids=str)
+def test_padding_a_key_keeps_the_alignment_of_windows_and_alibi(options):
+    """L != S: padding the last key gives the output of the call without that key (the window
+    and ALiBi used to flip from bottom-right to top-left as soon as a key was padded)."""
+    m = _module(**options)
+    x_q, x_kv = torch.randn(2, 4, E, dtype=torch.float64), torch.randn(2, 7, E, dtype=torch.float64)
+    padding = torch.zeros(2, 7, dtype=torch.bool)
+    padding[:, -1] = True
+    with torch.no_grad():
+        padded = m(x_q, x_kv, x_kv, key_padding_mask=padding, is_causal=True)
+        shorter = m(x_q, x_kv[:, :-1], x_kv[:, :-1], is_causal=True)
+    torch.testing.assert_close(padded, shorter, atol=1e-12, rtol=0)
+
+
+def test_flash_gives_alibi_slopes_their_gradient():
+    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64) for _ in range(3))
+    grads = {}
+    for backend in ("math", "flash"):
+        slopes = torch.tensor([0.5, 0.125], dtype=torch.float64, requires_grad=True)
+        out = sdpa(q, k, v, is_causal=True, alibi_slopes=slopes, backend=backend)
+        grads[backend] = torch.autograd.grad(out.square().sum(), slopes)[0]
+    torch.testing.assert_close(grads["flash"], grads["math"], atol=1e-12, rtol=0)
+    assert grads["flash"].abs().min() > 0
+
+
+def test_math_with_differentiable_slopes_and_plain_inputs():
+    """Only the ALiBi slopes require grad: the math backend must not soft-max in place."""
+    q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25], requires_grad=True)
+    out = sdpa(q, k, v, alibi_slopes=slopes, backend="math")
+    (grad,) = torch.autograd.grad(out.sum() + out.square().sum(), slopes)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("backend", ["flash", "math", "sdpa", "auto"])
+@pytest.mark.parametrize("L, S", [(0, 5), (4, 0), (0, 0)])
+def test_empty_queries_or_keys_give_zeros_like_torch(backend, L, S):
+    q, k, v = torch.randn(2, 3, L, 4, requires_grad=True), torch.randn(2, 3, S, 4), torch.randn(2, 3, S, 6)
+    out = sdpa(q, k, v, backend=backend)
+    assert out.shape == (2, 3, L, 6) and torch.all(out == 0)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+
+
+def test_flash_broadcasts_key_and_value_batches_as_torch():
+    q = torch.randn(1, 3, 6, 4, requires_grad=True)
+    k, v = torch.randn(2, 3, 7, 4, requires_grad=True), torch.randn(2, 1, 7, 5, requires_grad=True)
+    out = sdpa(q, k, v, backend="flash")
+    want = F.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(out, want)
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    for a, b in zip(got, torch.autograd.grad(want.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("terms", [dict(is_causal=True), dict(window=(3, 0)), dict(softcap=5.0)], ids=str)
+def test_autocast_casts_like_torch(terms):
+    q = torch.randn(1, 2, 8, 16)
+    k, v = torch.randn(1, 2, 8, 16).bfloat16(), torch.randn(1, 2, 8, 16)  # mixed, as autocast code has them
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = sdpa(q, k, v, backend="flash", **terms)
+        reference = sdpa(q.bfloat16(), k, v.bfloat16(), backend="math", **terms)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, reference, atol=2e-2, rtol=2e-2)
+
+
+def test_flash_refuses_double_backward_and_transforms_clearly():
+    q, k, v = (torch.randn(1, 1, 4, 3, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = sdpa(q, k, v, window=(1, 0), backend="flash")
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(ValueError, match="torch.func"):
+        torch.func.vmap(lambda x: sdpa(x, x, x, window=(1, 0), backend="flash"))(q.detach())
+    with pytest.raises(ValueError, match="jvp"):
+        torch.func.jvp(lambda x: sdpa(x, x, x, window=(1, 0), backend="flash"), (q.detach(),), (q.detach(),))
+    import torch.autograd.forward_ad as fwad
+
+    with fwad.dual_level(), pytest.raises(ValueError, match="forward-mode"):
+        dual = fwad.make_dual(q.detach(), torch.ones_like(q))
+        sdpa(dual, dual, dual, window=(1, 0), backend="flash")
+
+
+def test_auto_under_transforms_runs_what_can_run_there():
+    """vmap, jvp and double backward through auto: sdpa where torch's kernel takes the call, else math."""
+    x = torch.randn(3, 1, 2, 5, 4, dtype=torch.float64)
+    windowed = torch.func.vmap(lambda t: sdpa(t, t, t, window=(2, 0)))(x)
+    dense = torch.stack([sdpa(t, t, t, window=(2, 0), backend="math") for t in x])
+    torch.testing.assert_close(windowed, dense)
+    _, tangent = torch.func.jvp(lambda t: sdpa(t, t, t, is_causal=True, softcap=3.0), (x[0],), (torch.ones_like(x[0]),))
+    assert torch.isfinite(tangent).all()
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda q: sdpa(q, q, q, is_causal="yes"), TypeError, ["is_causal", "bool"]),
+    (lambda q: sdpa(q, q, q, is_causal=None), TypeError, ["is_causal"]),
+    (lambda q: sdpa(q, q, q, window=(True, 0)), ValueError, ["window"]),
+    (lambda q: sdpa(q, q, q, causal_alignment="middle"), ValueError, ["alignment"]),
+    (lambda q: sdpa(q, q[:, :0], q[:, :0], enable_gqa=True), ValueError, ["enable_gqa", "heads"]),
+    (lambda q: sdpa(q, q, q, enable_gqa="no"), TypeError, ["enable_gqa"]),
+    (lambda q: sdpa(q, q, q, softcap=0.0), ValueError, ["softcap"]),
+    (lambda q: sdpa(q, q, q, softcap="1"), TypeError, ["softcap"]),
+    (lambda q: sdpa(q, q, q, sinks=torch.zeros(3)), ValueError, ["sinks", "(2,)"]),
+    (lambda q: sdpa(q, q, q, sinks=torch.zeros(2, dtype=torch.long)), TypeError, ["sinks"]),
+    (lambda q: sdpa(q, q, q, scale="big"), TypeError, ["scale"]),
+    (lambda q: mha.RotaryEmbedding(4, base=0), ValueError, ["base"]),
+    (lambda q: mha.RotaryEmbedding(4, base=-10000.0), ValueError, ["base"]),
+    (lambda q: mha.RotaryEmbedding(4, interleaved="yes"), TypeError, ["interleaved"]),
+    (lambda q: mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, sinks="yes"), TypeError, ["sinks"]),
+    (lambda q: mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, softcap=-1.0), ValueError, ["softcap"]),
+    (lambda q: mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, window=(True, 0)), ValueError, ["window"]),
+    (lambda q: mha.nn.MultiheadAttention(8, 2)(q[0], q[0], q[0], is_causal="yes"), TypeError, ["is_causal"]),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_bad_arguments_are_named(call, error, words):
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(error) as info:
+        call(q)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_causal_alignment_applies_to_windows_and_alibi_too():
+    """One alignment per call: the window and ALiBi follow causal_alignment (once ignored beside a window)."""
+    q, k, v = torch.randn(1, 2, 3, 4, dtype=torch.float64), *(torch.randn(1, 2, 7, 4, dtype=torch.float64) for _ in range(2))
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    for alignment, offset in (("top_left", 0), ("bottom_right", 4)):
+        got = sdpa(q, k, v, window=(1, 0), alibi_slopes=slopes, causal_alignment=alignment)
+        want, _ = kernels.math_attention(q, k, v, Contract(band=Band(1, 0), offset=offset, alibi_slopes=slopes))
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    default = sdpa(q, k, v, window=(1, 0))  # flash-attn's convention: bottom-right
+    torch.testing.assert_close(default, sdpa(q, k, v, window=(1, 0), causal_alignment="bottom_right"))
+
+
+# -- the KV cache: wrong uses are refused ----------------------------------------------------------------------
+
+
+def test_a_rolling_cache_narrower_than_the_window_is_refused():
+    x = torch.randn(1, 3, E, dtype=torch.float64)
+    for options, words in ((dict(window=(5, 0)), ["window=4", "(5, 0)"]), (dict(), ["window=4", "no sliding window"])):
+        with torch.no_grad(), pytest.raises(ValueError) as info:
+            _module(**options)(x, x, x, is_causal=True, cache=mha.KVCache(window=4))
+        assert all(w in str(info.value) for w in words), str(info.value)
+    with torch.no_grad():  # wide enough: fine
+        _module(window=(4, 0))(x, x, x, is_causal=True, cache=mha.KVCache(window=4))
+
+
+def test_a_cache_serves_one_module():
+    x = torch.randn(1, 3, E, dtype=torch.float64)
+    cache, first, second = mha.KVCache(), _module(), _module()
+    with torch.no_grad():
+        first(x, x, x, is_causal=True, cache=cache)
+        with pytest.raises(ValueError, match="another attention module"):
+            second(x, x, x, is_causal=True, cache=cache)
+
+
+def test_a_cache_refuses_keys_of_another_width_or_dtype():
+    x = torch.randn(1, 3, E, dtype=torch.float64)
+    cache = mha.KVCache()
+    m = _module()
+    with torch.no_grad():
+        m(x, x, x, is_causal=True, cache=cache)
+        cache._owner = None  # as if another module, of other widths, took it over
+        wide = mha.MultiHeadAttention(E, E, E, 2 * D, D, E, H, dtype=torch.float64).eval()
+        with pytest.raises(ValueError, match="keys of shape"):
+            wide(x, x, x, is_causal=True, cache=cache)
+        cache._owner = None
+        with pytest.raises(ValueError, match="dtype"):
+            m.float()(x.float(), x.float(), x.float(), is_causal=True, cache=cache)
+
+
+def test_cache_must_be_a_kv_cache():
+    x = torch.randn(1, 3, E, dtype=torch.float64)
+    with pytest.raises(TypeError, match="KVCache"):
+        _module()(x, x, x, cache={})
+
+
+def test_module_softcap_and_sinks_equal_the_functional_form():
+    m = _module(softcap=2.0, sinks=True, num_kv_heads=2)
+    torch.nn.init.normal_(m.sinks)
+    x = torch.randn(2, 6, E, dtype=torch.float64, requires_grad=True)
+    out = m(x, x, x, is_causal=True)
+    q = m.q_proj(x).view(2, 6, H, D).transpose(1, 2)
+    k, v = (p(x).view(2, 6, 2, D).transpose(1, 2) for p in (m.k_proj, m.v_proj))
+    o = sdpa(q, k, v, is_causal=True, enable_gqa=True, softcap=2.0, sinks=m.sinks, backend="math")
+    torch.testing.assert_close(out, m.out_proj(o.transpose(1, 2).reshape(2, 6, H * D)), atol=1e-12, rtol=0)
+    (grad,) = torch.autograd.grad(out.sum(), m.sinks)
+    assert grad.abs().min() > 0
+    assert "softcap=2.0" in repr(m) and "sinks=True" in repr(m)
+
+
+def test_positions_is_the_only_home_of_the_rule():
+    """ALiBi's bias and the band read the same distances (key - query)."""
+    rel = positions.relative(torch.arange(3) + 2, torch.arange(5))  # offset 2
+    assert rel.tolist() == [[-2, -1, 0, 1, 2], [-3, -2, -1, 0, 1], [-4, -3, -2, -1, 0]]
+    assert Band(1, 0).allowed(rel).tolist() == [[False, True, True, False, False], [False, False, True, True, False],
+                                              [False, False, False, True, True]]
+    torch.testing.assert_close(positions.alibi_bias(torch.tensor([0.5]), rel), -0.5 * rel.abs()[None].float())

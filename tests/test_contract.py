@@ -1,0 +1,367 @@
+"""The attention contract itself: every backend against one float64 reference built from the
+single position rule (mha.numpy.contract), forward and gradients, over random contracts; what
+padding and causality promise; the dispatch; flash's dropout."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mha import kernels, positions
+from mha import numpy as oracle
+from mha.kernels import Contract
+from mha.positions import Band
+
+EXACT = ["math", "flash", "sdpa", "auto"]
+
+
+def _tensor(shape, g, dtype=torch.float64):
+    return torch.randn(shape, generator=g, dtype=dtype)
+
+
+@st.composite
+def contracts(draw):
+    """(q, k, v, contract) with every term of the contract drawn at random, float64."""
+    B, H = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    L, S = draw(st.integers(0, 13)), draw(st.integers(0, 17))
+    D, Dv = draw(st.sampled_from([1, 4, 5])), draw(st.sampled_from([1, 3, 4]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31)))
+    q, k, v = _tensor((B, H, L, D), g) * 2, _tensor((B, H, S, D), g) * 2, _tensor((B, H, S, Dv), g)
+    terms = {}
+    kind = draw(st.sampled_from(["none", "causal", "window", "left window", "right window"]))
+    bound = st.integers(0, 6)
+    terms["band"] = {"none": None, "causal": Band(None, 0), "window": Band(draw(bound), draw(bound)),
+                     "left window": Band(draw(bound), None), "right window": Band(None, draw(bound))}[kind]
+    if draw(st.booleans()):  # per-sequence positions, as a KV cache holding sequences of different lengths
+        terms["positions"] = (torch.randint(0, 20, (B, L), generator=g), torch.randint(0, 20, (B, S), generator=g))
+    else:
+        terms["offset"] = draw(st.sampled_from([0, S - L, draw(st.integers(-5, 5))]))
+    if draw(st.booleans()):
+        terms["key_valid"] = torch.rand(B, S, generator=g) > 0.3
+    mask_shape = draw(st.sampled_from([None, (L, S), (B, 1, 1, S), (1, H, L, S), (1, S)]))
+    if mask_shape is not None:
+        attend = torch.rand(mask_shape, generator=g) > 0.25
+        terms["mask"] = attend if draw(st.booleans()) else _tensor(mask_shape, g).masked_fill(~attend, float("-inf"))
+    if draw(st.booleans()):
+        terms["alibi_slopes"] = torch.rand(H, generator=g, dtype=torch.float64)
+    if draw(st.booleans()):
+        terms["softcap"] = draw(st.sampled_from([0.5, 3.0, 20.0]))
+    if draw(st.booleans()):
+        terms["sinks"] = _tensor((H,), g)
+    if draw(st.booleans()):
+        terms["scale"] = draw(st.sampled_from([0.1, 1.0]))
+    return q, k, v, Contract(**terms)
+
+
+def _oracle_terms(contract: Contract) -> dict:
+    """The contract as the NumPy reference's keyword arguments."""
+    as_numpy = lambda t: None if t is None else t.numpy()  # noqa: E731
+    terms = dict(band=contract.band, offset=contract.offset, key_valid=as_numpy(contract.key_valid),
+                 mask=as_numpy(contract.mask), alibi_slopes=as_numpy(contract.alibi_slopes),
+                 scale=contract.scale, softcap=contract.softcap, sinks=as_numpy(contract.sinks))
+    if contract.positions is not None:
+        terms["query_positions"], terms["key_positions"] = (p.numpy() for p in contract.positions)
+    return terms
+
+
+def _run(backend, q, k, v, contract):
+    out, _ = kernels.attention(q, k, v, contract, backend=backend)
+    return out
+
+
+def _with_grad(contract: Contract) -> Contract:
+    return contract.replace(**{name: getattr(contract, name).clone().requires_grad_()
+                               for name in ("alibi_slopes", "sinks") if getattr(contract, name) is not None})
+
+
+@given(contracts(), st.sampled_from(EXACT))
+def test_every_backend_equals_the_reference_forward_and_gradients(case, backend):
+    q, k, v, contract = case
+    reason = kernels.dispatch._unsupported(backend, q, k, v, contract, 0.0) if backend != "auto" else None
+    if reason:  # a backend that cannot honour the contract says so, and computes nothing else
+        with pytest.raises(ValueError, match="cannot run this call"):
+            _run(backend, q, k, v, contract)
+        return
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    contract = _with_grad(contract)
+    out = _run(backend, q, k, v, contract)
+    terms = _oracle_terms(contract.replace(alibi_slopes=_detached(contract.alibi_slopes),
+                                           sinks=_detached(contract.sinks)))
+    arrays = [t.detach().numpy() for t in (q, k, v)]
+    want, _ = oracle.contract_attention(*arrays, **terms)
+    np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-10, rtol=0)
+    grad_out = torch.randn_like(out)
+    wanted = oracle.contract_attention_vjp(*arrays, grad_out.numpy(), **terms)
+    inputs = {"q": q, "k": k, "v": v, "alibi_slopes": contract.alibi_slopes, "sinks": contract.sinks}
+    inputs = {name: t for name, t in inputs.items() if t is not None}
+    if out.numel() == 0:
+        return
+    grads = torch.autograd.grad(out, list(inputs.values()), grad_out, allow_unused=True)
+    for (name, t), got in zip(inputs.items(), grads):
+        got = torch.zeros_like(t) if got is None else got
+        np.testing.assert_allclose(got.numpy(), wanted[name], atol=1e-9, rtol=0, err_msg=name)
+
+
+def _detached(t):
+    return None if t is None else t.detach()
+
+
+def test_the_reference_gradients_equal_finite_differences():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = _tensor((1, 2, 3, 4), g), _tensor((1, 2, 5, 4), g), _tensor((1, 2, 5, 3), g)
+    terms = dict(band=Band(2, 0), offset=2, alibi_slopes=np.array([0.5, 0.25]), softcap=2.0,
+                 sinks=np.array([0.3, -1.0]), key_valid=np.array([[True, True, False, True, True]]))
+    grad_out = np.random.default_rng(1).standard_normal((1, 2, 3, 3))
+    arrays = {"q": q.numpy(), "k": k.numpy(), "v": v.numpy()}
+    grads = oracle.contract_attention_vjp(*arrays.values(), grad_out, **terms)
+
+    def loss(name, value):
+        args = {**arrays, name: value} if name in arrays else arrays
+        extra = {} if name in arrays else {name: value}
+        out, _ = oracle.contract_attention(*args.values(), **{**terms, **extra})
+        return np.sum(out * grad_out)
+
+    for name in ("q", "k", "v", "alibi_slopes", "sinks"):
+        x = arrays[name] if name in arrays else terms[name]
+        numeric = np.zeros_like(x)
+        for index in np.ndindex(x.shape):
+            step = np.zeros_like(x)
+            step[index] = 1e-6
+            numeric[index] = (loss(name, x + step) - loss(name, x - step)) / 2e-6
+        np.testing.assert_allclose(grads[name], numeric, atol=1e-7, err_msg=name)
+
+
+# -- what padding and causality promise ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", EXACT)
+@pytest.mark.parametrize("terms", [dict(), dict(band=Band(None, 0)), dict(band=Band(3, 0), alibi_slopes=True),
+                                   dict(softcap=5.0, sinks=True)], ids=str)
+def test_a_padded_key_changes_nothing(backend, terms):
+    """Keys marked padding may hold anything (here values that would dominate every softmax): the
+    output and the real keys' gradients are those without them, and the padded keys' gradients
+    are exactly zero."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = _tensor((2, 2, 6, 4), g), _tensor((2, 2, 9, 4), g), _tensor((2, 2, 9, 4), g)
+    terms = {**terms, "alibi_slopes": torch.tensor([0.5, 0.1], dtype=torch.float64) if terms.get("alibi_slopes") else None,
+             "sinks": torch.zeros(2, dtype=torch.float64) if terms.get("sinks") else None}
+    k2, v2 = torch.cat([k, 1e4 * q[:, :, :3]], 2), torch.cat([v, 1e30 * v[:, :, :3]], 2)
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[:, 9:] = False
+    offset = 3  # bottom-right for the 9 real keys, so both calls put the queries at the same positions
+    if backend == "sdpa" and (terms.get("band") or terms.get("softcap")):
+        return  # sdpa declines padding beside causality, and softcap (tested above)
+    plain = _run(backend, q, k, v, Contract(offset=offset, **terms))
+    k2.requires_grad_()
+    v2.requires_grad_()
+    padded = _run(backend, q, k2, v2, Contract(offset=offset, key_valid=valid, **terms))
+    torch.testing.assert_close(padded, plain, atol=1e-12, rtol=0)
+    dk, dv = torch.autograd.grad(padded.sum(), (k2, v2))
+    assert torch.all(dk[:, :, 9:] == 0) and torch.all(dv[:, :, 9:] == 0)
+
+
+CAUSAL_VARIANTS = {
+    "exact-math": lambda q, k, v: _run("math", q, k, v, Contract(band=Band(None, 0))),
+    "exact-flash": lambda q, k, v: _run("flash", q, k, v, Contract(band=Band(None, 0))),
+    "exact-sdpa": lambda q, k, v: _run("sdpa", q, k, v, Contract(band=Band(None, 0))),
+    "exact-sdpa-bottom-right": lambda q, k, v: _run("sdpa", q[:, :, 4:], k, v, Contract(band=Band(None, 0), offset=4)),
+    "alibi-window-softcap-sinks": lambda q, k, v: _run("auto", q, k, v, Contract(
+        band=Band(5, 0), alibi_slopes=torch.tensor([0.3, 0.7], dtype=q.dtype), softcap=4.0,
+        sinks=torch.tensor([0.0, 1.0], dtype=q.dtype))),
+}
+
+
+def _efficient(name, **options):
+    from mha import efficient
+
+    variant = efficient.make(name, **options)
+    return lambda q, k, v: variant(q, k, v, is_causal=True)
+
+
+CAUSAL_VARIANTS.update({
+    "local": _efficient("local", window=4), "strided": _efficient("strided", stride=3),
+    "fixed": _efficient("fixed", block=4, summary=2), "linear": _efficient("linear", chunk=5),
+    "performer": _efficient("performer", head_dim=8, features=16, chunk=5, generator_seed=0),
+})
+
+
+@pytest.mark.parametrize("name", list(CAUSAL_VARIANTS))
+def test_causal_variants_never_see_the_future(name):
+    """Changing future keys and values leaves every earlier output bit for bit, and their
+    gradients from earlier outputs are exactly zero (exact and efficient variants alike)."""
+    attend = CAUSAL_VARIANTS[name]
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (_tensor((1, 2, 20, 8), g) for _ in range(3))
+    offset = 4 if name.endswith("bottom-right") else 0  # that variant's queries are the last 16
+    out = attend(q, k, v)
+    for t in (6, 13):
+        future_k, future_v = k.clone(), v.clone()
+        future_k[:, :, t + 1:] = 50 * _tensor(future_k[:, :, t + 1:].shape, g)  # large: a max-based shift would move
+        future_v[:, :, t + 1:] = 50 * _tensor(future_v[:, :, t + 1:].shape, g)
+        changed = attend(q, future_k, future_v)
+        rows = slice(0, t + 1 - offset)
+        assert torch.equal(changed[:, :, rows], out[:, :, rows]), f"rows up to {t} moved"
+        kk, vv = k.clone().requires_grad_(), v.clone().requires_grad_()
+        dk, dv = torch.autograd.grad(attend(q, kk, vv)[:, :, rows].sum(), (kk, vv))
+        assert torch.all(dk[:, :, t + 1:] == 0) and torch.all(dv[:, :, t + 1:] == 0)
+
+
+@pytest.mark.parametrize("backend", EXACT)
+def test_a_nan_in_a_future_key_leaves_earlier_rows_finite(backend):
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (_tensor((1, 2, 10, 4), g) for _ in range(3))
+    clean = _run(backend, q, k, v, Contract(band=Band(None, 0)))
+    k[:, :, 7] = float("nan")
+    poisoned = _run(backend, q, k, v, Contract(band=Band(None, 0)))
+    torch.testing.assert_close(poisoned[:, :, :7], clean[:, :, :7], atol=1e-14, rtol=0)
+    assert torch.isnan(poisoned[:, :, 7:]).all()
+
+
+# -- dispatch: O(T) memory by construction -------------------------------------------------------------
+
+Q = K = V = torch.randn(1, 2, 8, 4)
+DISPATCH = [  # (contract, need_weights, dropout_p, backend auto picks)
+    (Contract(), False, 0.0, "sdpa"),
+    (Contract(band=Band(None, 0)), False, 0.0, "sdpa"),
+    (Contract(band=Band(None, 0), offset=5), False, 0.0, "sdpa"),  # bottom-right: split at the diagonal
+    (Contract(band=Band(None, 0), offset=-3), False, 0.0, "sdpa"),
+    (Contract(key_valid=torch.ones(1, 8, dtype=torch.bool)), False, 0.0, "sdpa"),  # a (B, 1, 1, S) mask
+    (Contract(mask=torch.ones(8, 8, dtype=torch.bool), band=Band(None, 0)), False, 0.0, "sdpa"),  # the caller's L x S
+    (Contract(mask=torch.ones(1, 8, dtype=torch.bool), band=Band(None, 0)), False, 0.0, "flash"),
+    (Contract(key_valid=torch.ones(1, 8, dtype=torch.bool), band=Band(None, 0)), False, 0.0, "flash"),
+    (Contract(band=Band(3, 0)), False, 0.0, "flash"),
+    (Contract(alibi_slopes=torch.ones(2)), False, 0.0, "flash"),
+    (Contract(softcap=3.0), False, 0.0, "flash"),
+    (Contract(sinks=torch.zeros(2)), False, 0.0, "flash"),
+    (Contract(band=Band(None, 0), positions=(torch.zeros(1, 8, dtype=torch.long),) * 2), False, 0.0, "flash"),
+    (Contract(), False, 0.1, "flash"),  # torch's CPU kernel builds the L x S weights for dropout
+    (Contract(band=Band(3, 0)), True, 0.0, "math"),
+]
+
+
+@pytest.mark.parametrize("contract, need_weights, dropout_p, expected", DISPATCH, ids=repr)
+def test_auto_picks_a_backend_that_builds_no_score_matrix(contract, need_weights, dropout_p, expected):
+    name, reason = kernels.choose_backend("auto", Q, K, V, contract, need_weights=need_weights, dropout_p=dropout_p)
+    assert name == expected, reason
+    assert reason
+
+
+def test_a_backend_that_cannot_says_why():
+    with pytest.raises(ValueError, match="sdpa.*sliding window"):
+        kernels.choose_backend("sdpa", Q, K, V, Contract(band=Band(3, 0)))
+    with pytest.raises(ValueError, match="sdpa.*softcap"):
+        kernels.choose_backend("sdpa", Q, K, V, Contract(softcap=1.0))
+    with pytest.raises(ValueError, match="flash.*attn_mask"):
+        kernels.choose_backend("flash", Q, K, V, Contract(mask=torch.zeros(8, 8, requires_grad=True)))
+    with pytest.raises(TypeError, match="Contract"):
+        kernels.flash_attention(Q, K, V, torch.zeros(8, 8))
+
+
+# -- flash's own dropout ---------------------------------------------------------------------------------------
+
+
+def test_flash_dropout_drops_whole_weights_and_rescales_the_rest():
+    """With one-hot values, each output row is its dropped weights: each is 0 or P / (1 - p)."""
+    g = torch.Generator().manual_seed(7)
+    q, k = _tensor((1, 2, 40, 8), g), _tensor((1, 2, 40, 8), g)
+    v = torch.eye(40, dtype=torch.float64).expand(1, 2, 40, 40)
+    torch.manual_seed(0)
+    dropped = kernels.flash_attention_with_lse(q, k, v, Contract(band=Band(None, 0)), dropout_p=0.25,
+                                               block_q=16, block_k=16)[0]
+    _, weights = kernels.math_attention(q, k, v, Contract(band=Band(None, 0)))
+    kept = dropped != 0
+    torch.testing.assert_close(dropped[kept], weights[kept] / 0.75, atol=1e-12, rtol=0)
+    visible = weights > 0
+    share = (kept & visible).sum() / visible.sum()
+    assert 0.7 < share < 0.8  # 75% kept, of 1640 visible weights
+
+
+def test_flash_dropout_gradients_match_its_own_draws():
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (_tensor((1, 1, 12, 3), g).requires_grad_() for _ in range(3))
+    contract = Contract(band=Band(None, 0), softcap=3.0)
+
+    def seeded(q, k, v):
+        torch.manual_seed(1)  # the same draws at every call
+        return kernels.flash_attention_with_lse(q, k, v, contract, dropout_p=0.3, block_q=5, block_k=4)[0]
+
+    assert torch.autograd.gradcheck(seeded, (q, k, v))
+    torch.manual_seed(2)
+    a = kernels.flash_attention(q, k, v, contract, dropout_p=0.3)
+    b = kernels.flash_attention(q, k, v, contract, dropout_p=0.3)
+    assert not torch.equal(a, b)  # fresh draws at every call
+
+
+# -- the positional path of mha.MultiHeadAttention against the same reference ----------------------------
+
+
+@st.composite
+def positional_modules(draw):
+    """A float64 general module with random positional options, and its input with padding."""
+    import mha
+
+    H = draw(st.sampled_from([2, 4]))
+    hkv = draw(st.sampled_from([h for h in (1, 2, H) if H % h == 0]))
+    D, E = 4, 8
+    options = dict(num_kv_heads=hkv, alibi=draw(st.booleans()),
+                   window=draw(st.sampled_from([None, (2, 0), (3, 1), (-1, 2)])),
+                   softcap=draw(st.sampled_from([None, 2.0])), sinks=draw(st.booleans()))
+    if draw(st.booleans()):
+        options["rope"] = mha.RotaryEmbedding(draw(st.sampled_from([2, 4])), interleaved=draw(st.booleans()))
+    torch.manual_seed(draw(st.integers(0, 1000)))
+    module = mha.MultiHeadAttention(E, E, E, D, D, E, H, dtype=torch.float64, **options).eval()
+    if module.sinks is not None:
+        torch.nn.init.normal_(module.sinks)
+    B, L, S = draw(st.integers(1, 2)), draw(st.integers(1, 9)), draw(st.integers(1, 11))
+    lengths = [draw(st.integers(1, S)) for _ in range(B)]
+    padding = torch.arange(S)[None, :] >= torch.tensor(lengths)[:, None]  # (B, S) right padding
+    x_q, x_kv = torch.randn(B, L, E, dtype=torch.float64), torch.randn(B, S, E, dtype=torch.float64)
+    return module, x_q, x_kv, padding, draw(st.booleans())
+
+
+def _module_reference(m, x_q, x_kv, padding, is_causal):
+    """The module's formula by hand: projections, RoPE at positions 0.., GQA by repetition, then
+    the NumPy contract with the same positions (query i at i, key j at j)."""
+    B, L, _ = x_q.shape
+    S = x_kv.shape[1]
+    heads = lambda x, n: x.view(B, x.shape[1], n, -1).transpose(1, 2)  # noqa: E731  (B, T, n*D) -> (B, n, T, D)
+    q, k, v = heads(m.q_proj(x_q), m.h), heads(m.k_proj(x_kv), m.num_kv_heads), heads(m.v_proj(x_kv), m.num_kv_heads)
+    if m.rope is not None:
+        q, k = m.rope(q, torch.arange(L)), m.rope(k, torch.arange(S))
+    k, v = (t.repeat_interleave(m.h // m.num_kv_heads, dim=1) for t in (k, v))
+    arrays = [t.detach().numpy() for t in (q, k, v)]
+    as_numpy = lambda t: None if t is None else t.detach().numpy()  # noqa: E731
+    out, _ = oracle.contract_attention(*arrays, band=positions.band(is_causal, m.window), key_valid=~padding.numpy(),
+                                       alibi_slopes=as_numpy(m.alibi_slopes), softcap=m.softcap,
+                                       sinks=as_numpy(m.sinks))
+    o = torch.from_numpy(out).transpose(1, 2).reshape(B, L, -1)  # (B, H, L, Dv) -> (B, L, H*Dv)
+    return m.out_proj(o)
+
+
+@given(positional_modules(), st.sampled_from(["auto", "flash", "math"]))
+def test_the_module_positional_path_equals_the_reference(case, backend):
+    m, x_q, x_kv, padding, is_causal = case
+    with torch.no_grad():
+        got = m(x_q, x_kv, x_kv, key_padding_mask=padding, is_causal=is_causal, backend=backend)
+        want = _module_reference(m, x_q, x_kv, padding, is_causal)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+
+
+@given(positional_modules(), st.lists(st.integers(1, 4), min_size=1, max_size=4))
+def test_decoding_in_chunks_equals_the_full_causal_forward(case, chunks):
+    """Prefill and chunks of any size through a KVCache: the same rows as one causal forward."""
+    import mha
+
+    m, x, _, _, _ = case
+    T = x.shape[1]
+    with torch.no_grad():
+        full = m(x, x, x, is_causal=True)
+        cache, pieces, start = mha.KVCache(), [], 0
+        for size in [*chunks, T]:
+            if start >= T:
+                break
+            part = x[:, start:start + size]
+            pieces.append(m(part, part, part, is_causal=True, cache=cache))
+            start += size
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-10, rtol=0)

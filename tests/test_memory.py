@@ -1,0 +1,28 @@
+"""Memory of every default path, each measured in a fresh process (peak RSS growth of one call):
+none builds an L x S tensor. The same cases are reported at T = 8192 by `mha bench --sections memory`."""
+
+import pytest
+
+from mha import bench
+
+T = 2048
+DENSE_MIB = bench.HEADS * T * T * 4 / 2 ** 20  # one float32 score matrix per head: 128 MiB
+CASES = [name for name, (_, baseline) in bench.MEMORY_CASES.items() if baseline is not None]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_default_path_holds_no_score_matrix(name):
+    growth, _ = bench._fresh_memory_case(name, T)
+    torch_growth, _ = bench._fresh_memory_case(bench.MEMORY_CASES[name][1], T)
+    assert growth <= 3 * torch_growth + 8, f"{name}: {growth:.1f} MiB against torch's {torch_growth:.1f} MiB"
+    assert growth < DENSE_MIB / 2, f"{name}: {growth:.1f} MiB, a dense score matrix is {DENSE_MIB:.0f} MiB"
+
+
+def test_the_measurement_sees_a_score_matrix():
+    """The measurement can fail: the math backend (which must build the scores) is caught."""
+    bench.MEMORY_CASES["math causal"] = (lambda T: bench._functional_case(T, is_causal=True, backend="math"), None)
+    try:
+        growth, _ = bench.memory_case("math causal", T)  # in this process: the case is not importable elsewhere
+    finally:
+        del bench.MEMORY_CASES["math causal"]
+    assert growth > DENSE_MIB / 2

@@ -42,7 +42,7 @@ def test_memory_rows_run_in_fresh_processes_against_torch():
 
 def test_contract_rows_time_ours_against_torch():
     rows = list(bench.contract_rows(128, repeat=1))
-    assert len(rows) == 5 and all(r.ratios["ours/torch"] > 0 for r in rows)
+    assert len(rows) == 6 and all(r.ratios["ours/torch"] > 0 for r in rows)
 
 
 def test_cli_writes_json_csv_and_plot(tmp_path, monkeypatch, capsys):

@@ -220,24 +220,37 @@ def test_a_nan_in_a_future_key_leaves_earlier_rows_finite(backend):
 
 # -- dispatch: O(T) memory by construction -------------------------------------------------------------
 
-Q = K = V = torch.randn(1, 2, 8, 4)
+Q = K = V = torch.randn(1, 2, 64, 4)  # q, k and v hold 1,536 elements; a 64 x 64 mask 4,096
+SMALL = torch.randn(1, 2, 8, 4)  # 192 elements; an 8 x 8 mask 64
+VALID = torch.ones(1, 64, dtype=torch.bool)
 DISPATCH = [  # (contract, need_weights, dropout_p, backend auto picks)
     (Contract(), False, 0.0, "sdpa"),
     (Contract(band=Band(None, 0)), False, 0.0, "sdpa"),
     (Contract(band=Band(None, 0), offset=5), False, 0.0, "sdpa"),  # bottom-right: split at the diagonal
     (Contract(band=Band(None, 0), offset=-3), False, 0.0, "sdpa"),
-    (Contract(key_valid=torch.ones(1, 8, dtype=torch.bool)), False, 0.0, "sdpa"),  # a (B, 1, 1, S) mask
-    (Contract(mask=torch.ones(8, 8, dtype=torch.bool), band=Band(None, 0)), False, 0.0, "sdpa"),  # the caller's L x S
-    (Contract(mask=torch.ones(1, 8, dtype=torch.bool), band=Band(None, 0)), False, 0.0, "flash"),
-    (Contract(key_valid=torch.ones(1, 8, dtype=torch.bool), band=Band(None, 0)), False, 0.0, "flash"),
+    (Contract(key_valid=VALID), False, 0.0, "sdpa"),  # a (B, 1, 1, S) mask
+    (Contract(mask=torch.ones(64, 64, dtype=torch.bool), band=Band(None, 0)), False, 0.0, "sdpa"),  # the caller's L x S
+    (Contract(mask=torch.ones(1, 64, dtype=torch.bool), band=Band(None, 0)), False, 0.0, "flash"),
+    (Contract(key_valid=VALID, band=Band(None, 0)), False, 0.0, "flash"),
     (Contract(band=Band(3, 0)), False, 0.0, "flash"),
     (Contract(alibi_slopes=torch.ones(2)), False, 0.0, "flash"),
     (Contract(softcap=3.0), False, 0.0, "flash"),
     (Contract(sinks=torch.zeros(2)), False, 0.0, "flash"),
-    (Contract(band=Band(None, 0), positions=(torch.zeros(1, 8, dtype=torch.long),) * 2), False, 0.0, "flash"),
-    (Contract(), False, 0.1, "flash"),  # torch's CPU kernel builds the L x S weights for dropout
+    (Contract(band=Band(None, 0), positions=(torch.zeros(1, 64, dtype=torch.long),) * 2), False, 0.0, "flash"),
+    (Contract(), False, 0.1, "flash"),  # torch's CPU kernel builds the (B, H, L, S) weights for dropout
     (Contract(band=Band(3, 0)), True, 0.0, "math"),
 ]
+
+
+@pytest.mark.parametrize("contract", [Contract(band=Band(3, 0)), Contract(key_valid=VALID[:, :8], band=Band(None, 0)),
+                                      Contract(alibi_slopes=torch.ones(2)), Contract(band=Band(2, 1), offset=-2)],
+                         ids=repr)
+def test_short_calls_fold_into_one_mask_no_larger_than_the_inputs(contract):
+    """At short T a dense mask is smaller than q, k and v: torch's kernel runs it (the fastest there)."""
+    name, reason = kernels.choose_backend("auto", SMALL, SMALL, SMALL, contract)
+    assert name == "sdpa", reason
+    out = kernels.sdpa_attention(SMALL, SMALL, SMALL, contract)
+    torch.testing.assert_close(out, kernels.math_attention(SMALL, SMALL, SMALL, contract)[0])
 
 
 @pytest.mark.parametrize("contract, need_weights, dropout_p, expected", DISPATCH, ids=repr)
@@ -248,7 +261,7 @@ def test_auto_picks_a_backend_that_builds_no_score_matrix(contract, need_weights
 
 
 def test_a_backend_that_cannot_says_why():
-    with pytest.raises(ValueError, match="sdpa.*sliding window"):
+    with pytest.raises(ValueError, match=r"sdpa.*\(64, 64\) mask, more than q, k and v hold"):
         kernels.choose_backend("sdpa", Q, K, V, Contract(band=Band(3, 0)))
     with pytest.raises(ValueError, match="sdpa.*softcap"):
         kernels.choose_backend("sdpa", Q, K, V, Contract(softcap=1.0))

@@ -451,6 +451,24 @@ def contract_rows(T: int, repeat: int) -> Iterator[Row]:
         with torch.no_grad():
             t = best_times({"ours": mine, "torch": theirs}, repeat)
         yield Row("contract", f"T{T} {name}", t, {"ours/torch": t["ours"] / t["torch"]})
+    yield padded_decoder_row(8, 128, 256, repeat)
+
+
+def padded_decoder_row(B: int, T: int, E: int, repeat: int) -> Row:
+    """A padded causal batch through the drop-in (key_padding_mask + is_causal; torch: the causal
+    attn_mask), eval, no weights: at short T the contract folds into one mask for torch's kernel."""
+    ours, torch_train, torch_eval = _pair(E)
+    x = torch.randn(B, T, E)
+    padding = torch.zeros(B, T, dtype=torch.bool)
+    padding[:, -T // 8:] = True
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(T) == float("-inf")  # bool, True = masked
+    fns = {"ours": lambda: ours(x, x, x, key_padding_mask=padding, need_weights=False, is_causal=True)}
+    for name, module in (("torch-train", torch_train), ("torch-eval", torch_eval)):
+        fns[name] = lambda m=module: m(x, x, x, key_padding_mask=padding, need_weights=False, attn_mask=causal)
+    with torch.no_grad():
+        t = best_times(fns, repeat)
+    return Row("contract", f"drop-in B{B} T{T} E{E} causal + key padding", t,
+               {"ours/torch": t["ours"] / t["torch-train"], "ours/torch-eval": t["ours"] / t["torch-eval"]})
 
 
 def plot_backends(rows: list[Row], path: str) -> None:

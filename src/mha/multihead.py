@@ -71,14 +71,14 @@ def attend(q: Tensor, k: Tensor, v: Tensor, num_heads: int, *, num_kv_heads: int
     mask, key_valid = masks.multihead(attn_mask, key_padding_mask, batch=N, num_heads=H, L=L, S=S,
                                       batched=batched, like=q)
     band = positions.band(is_causal)
-    where = None
+    per_sequence = None
     if appended:  # appended keys: attended by every query; causal queries see them at position 0
         mask = None if mask is None else F.pad(mask, (0, appended), value=True if mask.dtype == torch.bool else 0.0)
         key_valid = None if key_valid is None else F.pad(key_valid, (0, appended), value=True)
         if band is not None:
             key_positions = F.pad(torch.arange(S, device=q.device), (0, appended))  # (S + appended,)
-            where = (torch.arange(L, device=q.device)[None], key_positions[None])  # (1, L), (1, S + appended)
-    contract = kernels.Contract(band=band, positions=where, key_valid=key_valid, mask=mask,
+            per_sequence = (torch.arange(L, device=q.device)[None], key_positions[None])  # (1, L), (1, S + appended)
+    contract = kernels.Contract(band=band, positions=per_sequence, key_valid=key_valid, mask=mask,
                                 softcap=softcap, sinks=sinks)
     return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
 
@@ -131,16 +131,16 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_he
         q_pos = k_pos = cache.next_positions(N, L, q.device)  # (N, L)
     if rope is not None:
         q, k = rope(q, q_pos[..., None, :]), rope(k, k_pos[..., None, :])  # positions (N|1, 1, T) over the heads
-    where = None
+    per_sequence = None
     if cache is not None:
-        uniform = cache.uniform and key_valid is None  # every sequence at the same length: offsets suffice
+        uniform = cache.uniform and key_valid is None  # every sequence at the same length: an offset suffices
         k, v, k_pos, key_valid = cache.update(k, v, k_pos, key_valid)
-        where = None if uniform else (q_pos, k_pos)  # (N, L), (N, S_all)
+        per_sequence = None if uniform else (q_pos, k_pos)  # (N, L), (N, S_all)
         key_valid = None if uniform else key_valid
     k, v = share_kv_heads(k, num_heads), share_kv_heads(v, num_heads)
     contract = kernels.Contract(
         band=positions.band(is_causal, window), offset=k.shape[2] - L if cache is not None else 0,
-        positions=where, key_valid=key_valid, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
+        positions=per_sequence, key_valid=key_valid, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
     return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
 
 

@@ -22,6 +22,7 @@ Shapes: B batch, H heads, L query length, S key length.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
 
@@ -73,9 +74,7 @@ class Contract:
         return f"Contract({', '.join(shown)})"
 
     def replace(self, **changes) -> Contract:
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values.update(changes)
-        return Contract(**values)
+        return dataclasses.replace(self, **changes)
 
     def scale_for(self, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim) if self.scale is None else self.scale

@@ -3,9 +3,10 @@
     weights requested              -> math (the only backend that returns them)
     a backend named explicitly     -> that backend, or a ValueError saying why it cannot
     otherwise (auto)               -> sdpa, torch's fused kernel, when it takes the whole contract
-                                      without an L x S tensor; else flash, ours, which honours every
-                                      term tile by tile; else math (under torch.func transforms, or
-                                      for a mask that needs its gradient)
+                                      with no tensor larger than q, k and v together (or the
+                                      caller's mask); else flash, ours, which honours every term
+                                      tile by tile; else math (under torch.func transforms, or for
+                                      a mask that needs its gradient)
 
 The choice and its reason go to the debug log "mha.dispatch".
 """
@@ -29,7 +30,7 @@ log = logging.getLogger("mha.dispatch")
 
 def _unsupported(name: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float) -> str | None:
     if name == "sdpa":
-        return sdpa.unsupported(q, k, contract, dropout_p)
+        return sdpa.unsupported(q, k, v, contract, dropout_p)
     if name == "flash":
         return flash.unsupported(q, k, v, contract)
     return None  # math honours everything

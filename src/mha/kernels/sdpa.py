@@ -1,9 +1,20 @@
 """torch's fused scaled_dot_product_attention as a backend (no weights returned).
 
-It takes the contracts torch's kernel expresses without an L x S tensor: no mask, the caller's
-mask, key padding (a (B, 1, 1, S) mask), causality in any alignment, and causality beside the
-caller's (..., L, S) mask (folded into one copy of it). Top-left causality is
-torch's ``is_causal``; a causal band shifted by an offset is split where torch can take it:
+It takes a contract when torch's kernel can run it with no tensor larger than the caller's own
+(q, k and v together, or the caller's mask):
+
+    no mask, the caller's mask, key padding      passed as they are (padding as a (B, 1, 1, S) mask)
+    causality, top-left                          torch's is_causal
+    causality shifted by an offset               split where torch can take it (below)
+    causality beside the caller's (..., L, S)    folded into one copy of that mask
+    anything else but softcap and sinks          folded into one dense mask (the band, padding,
+      (windows, ALiBi, padding beside causality, ALiBi, per-sequence positions) when that mask is
+      per-sequence positions, dropout on CPU)    no larger than q, k and v together: O(T) memory
+                                                 at short T, where torch's kernel is the fastest;
+                                                 beyond that it declines (flash takes the call)
+
+Torch's CPU kernel builds the (B, H, L, S) weights when dropout_p > 0: that call, too, is taken
+only when those weights are no larger than q, k and v. A causal band shifted by an offset:
 
     offset > 0 (bottom-right, L < S): keys [0, offset) are seen by every query (no mask), keys
         [offset, S) form a top-left causal block; the two parts merge by their log-sum-exp
@@ -12,18 +23,19 @@ torch's ``is_causal``; a causal band shifted by an offset is split where torch c
     offset < 0 (bottom-right, L > S): queries [0, -offset) see no key (zeros); the rest are a
         top-left causal block.
 
-Everything else (windows, ALiBi, softcap, sinks, per-sequence positions, a mask beside
-causality, dropout on CPU, where torch's kernel builds the L x S weights) it declines: see
-:func:`unsupported`. On CPU torch's kernels return zeros (not NaN) for a query row whose keys are
-all masked. Shapes: q (..., L, D), k (..., S, D), v (..., S, Dv).
+On CPU torch's kernels return zeros (not NaN) for a query row whose keys are all masked.
+Shapes: q (..., L, D), k (..., S, D), v (..., S, Dv).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import masks
 from ._amp import autocast_inputs
 from .contract import Contract, resolve
 from .merge import merge_attention
@@ -32,43 +44,80 @@ _FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def unsupported(q: Tensor, k: Tensor, contract: Contract, dropout_p: float = 0.0) -> str | None:
-    """Why torch's fused kernel cannot take this call without an L x S tensor, or None."""
-    terms = {"softcap": contract.softcap, "attention sinks": contract.sinks,
-             "ALiBi": contract.alibi_slopes, "per-sequence positions": contract.positions}
-    named = [name for name, value in terms.items() if value is not None]
-    if named:
-        return f"torch's kernel has no {named[0]}"
-    band = contract.band
-    if band is not None and not band.is_causal:
-        return "torch's kernel has no sliding window"
-    if band is not None and contract.key_valid is not None:
-        return "torch's kernel takes a mask or causality, not both, and the key padding is no L x S mask"
-    if band is not None and contract.mask is not None and tuple(contract.mask.shape[-2:]) != (q.shape[-2], k.shape[-2]):
-        return "torch's kernel takes a mask or causality, not both, and the caller's mask is not L x S"
-    if contract.mask is not None and contract.key_valid is not None and _grows(contract.mask, contract.key_valid):
-        return "the key padding would widen the caller's mask"
+def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float = 0.0) -> str | None:
+    """Why torch's fused kernel cannot take this call within the memory of q, k and v, or None."""
+    if contract.softcap is not None:
+        return "torch's kernel has no softcap"
+    if contract.sinks is not None:
+        return "torch's kernel has no attention sinks"
+    budget = q.numel() + k.numel() + v.numel()
     if dropout_p > 0.0 and q.device.type == "cpu":
-        return "with dropout torch's CPU kernel builds the L x S weights"
-    if band is not None and contract.mask is None and contract.offset and (dropout_p > 0.0 or not _fused_dtype(q, k)):
-        return "a shifted causal band needs torch's CPU flash kernel (no dropout, float dtypes on CPU)"
+        weights = math.prod(_batch(q, k, v)) * q.shape[-2] * k.shape[-2]
+        if weights > budget:
+            return (f"with dropout torch's CPU kernel builds the attention weights ({weights:,} elements), "
+                    f"more than q, k and v hold ({budget:,})")
+    if _native(q, k, contract, dropout_p):
+        return None
+    shape = _folded_shape(q, k, v, contract)
+    if math.prod(shape) > budget:
+        return (f"torch's kernel would need the band, ALiBi or padding as a {tuple(shape)} mask, more than "
+                f"q, k and v hold ({budget:,} elements)")
     return None
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
                    dropout_p: float = 0.0) -> Tensor:
     contract = resolve(contract)
-    reason = unsupported(q, k, contract, dropout_p)
+    reason = unsupported(q, k, v, contract, dropout_p)
     if reason:
         raise ValueError(f"the sdpa backend cannot run this call: {reason}; use backend='flash' or 'math'")
+    L, S, scale = q.shape[-2], k.shape[-2], contract.scale
+    if not _native(q, k, contract, dropout_p):  # one dense mask within the memory of q, k and v
+        mask = torch.zeros(_folded_shape(q, k, v, contract), dtype=masks.additive_dtype(q.dtype), device=q.device)
+        mask = contract.shape(mask, range(L), range(S), inplace=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
     mask = _with_padding(contract.mask, contract.key_valid)
-    band, scale = contract.band, contract.scale
+    band = contract.band
     if band is not None and mask is not None:  # causality folded into a copy of the caller's (..., L, S) mask
-        mask, band = _with_band(mask, contract, q.shape[-2], k.shape[-2]), None
+        hidden = ~band.allowed(contract.distances(range(L), range(S), q.device))  # (L, S)
+        mask, band = (mask & ~hidden if mask.dtype == torch.bool else mask.masked_fill(hidden, float("-inf"))), None
     if band is None or contract.offset == 0:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                               is_causal=band is not None, scale=scale)
     return _shifted_causal(q, k, v, contract.offset, contract.scale_for(q.shape[-1]))
+
+
+def _native(q: Tensor, k: Tensor, contract: Contract, dropout_p: float) -> bool:
+    """Whether torch's kernel takes the contract as it is (no mask larger than the caller's)."""
+    band, mask, key_valid = contract.band, contract.mask, contract.key_valid
+    if contract.alibi_slopes is not None or contract.positions is not None:
+        return False
+    if band is None:
+        return mask is None or key_valid is None or not _grows(mask, key_valid)
+    if not band.is_causal or key_valid is not None:
+        return False
+    if mask is not None:
+        return tuple(mask.shape[-2:]) == (q.shape[-2], k.shape[-2])
+    return contract.offset == 0 or (dropout_p == 0.0 and _fused_dtype(q, k))
+
+
+def _batch(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, ...]:
+    return tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+
+
+def _folded_shape(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> torch.Size:
+    """The shape of one mask holding every term of the contract: (..., H|1, L, S)."""
+    L, S = q.shape[-2], k.shape[-2]
+    shapes = [(L, S)]
+    if contract.mask is not None:
+        shapes.append(contract.mask.shape)
+    if contract.key_valid is not None:
+        shapes.append((contract.key_valid.shape[0], 1, 1, S))  # (B, S) -> (B, 1, 1, S)
+    if contract.positions is not None:
+        shapes.append((contract.positions[0].shape[0], 1, L, S))  # per sequence: (B, 1, L, S)
+    if contract.alibi_slopes is not None:
+        shapes.append((contract.alibi_slopes.shape[0], 1, 1))  # per head: (H, 1, 1)
+    return torch.broadcast_shapes(*shapes)
 
 
 def _grows(mask: Tensor, key_valid: Tensor) -> bool:
@@ -84,12 +133,6 @@ def _with_padding(mask: Tensor | None, key_valid: Tensor | None) -> Tensor | Non
     if mask is None:
         return valid
     return mask & valid if mask.dtype == torch.bool else mask.masked_fill(~valid, float("-inf"))
-
-
-def _with_band(mask: Tensor, contract: Contract, L: int, S: int) -> Tensor:
-    """The caller's (..., L, S) mask with the band's hidden keys as False / -inf."""
-    hidden = ~contract.band.allowed(contract.distances(range(L), range(S), mask.device))  # (L, S)
-    return mask & ~hidden if mask.dtype == torch.bool else mask.masked_fill(hidden, float("-inf"))
 
 
 def _fused_dtype(q: Tensor, k: Tensor) -> bool:

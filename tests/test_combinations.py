@@ -214,3 +214,14 @@ def test_positions_is_the_only_home_of_the_rule():
     assert Band(1, 0).allowed(rel).tolist() == [[False, True, True, False, False], [False, False, True, True, False],
                                               [False, False, False, True, True]]
     torch.testing.assert_close(positions.alibi_bias(torch.tensor([0.5]), rel), -0.5 * rel.abs()[None].float())
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "auto"])
+def test_bottom_right_causal_with_value_width_unlike_key_width(backend):
+    """torch's CPU flash op (the split of a shifted causal band) wants Dv == D: found by the long
+    random run; the call now folds (short) or goes to flash instead."""
+    q, k, v = torch.randn(1, 1, 2, 1, dtype=torch.float64), torch.randn(1, 1, 3, 1, dtype=torch.float64), \
+        torch.randn(1, 1, 3, 3, dtype=torch.float64)
+    got = kernels.attention(q, k, v, Contract(band=Band(None, 0), offset=1), backend=backend)[0]
+    want, _ = kernels.math_attention(q, k, v, Contract(band=Band(None, 0), offset=1))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)

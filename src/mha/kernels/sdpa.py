@@ -56,7 +56,7 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: 
         if weights > budget:
             return (f"with dropout torch's CPU kernel builds the attention weights ({weights:,} elements), "
                     f"more than q, k and v hold ({budget:,})")
-    if _native(q, k, contract, dropout_p):
+    if _native(q, k, v, contract, dropout_p):
         return None
     shape = _folded_shape(q, k, v, contract)
     if math.prod(shape) > budget:
@@ -72,7 +72,7 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = 
     if reason:
         raise ValueError(f"the sdpa backend cannot run this call: {reason}; use backend='flash' or 'math'")
     L, S, scale = q.shape[-2], k.shape[-2], contract.scale
-    if not _native(q, k, contract, dropout_p):  # one dense mask within the memory of q, k and v
+    if not _native(q, k, v, contract, dropout_p):  # one dense mask within the memory of q, k and v
         mask = torch.zeros(_folded_shape(q, k, v, contract), dtype=masks.additive_dtype(q.dtype), device=q.device)
         mask = contract.shape(mask, range(L), range(S), inplace=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
@@ -87,7 +87,7 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = 
     return _shifted_causal(q, k, v, contract.offset, contract.scale_for(q.shape[-1]))
 
 
-def _native(q: Tensor, k: Tensor, contract: Contract, dropout_p: float) -> bool:
+def _native(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float) -> bool:
     """Whether torch's kernel takes the contract as it is (no mask larger than the caller's)."""
     band, mask, key_valid = contract.band, contract.mask, contract.key_valid
     if contract.alibi_slopes is not None or contract.positions is not None:
@@ -98,7 +98,7 @@ def _native(q: Tensor, k: Tensor, contract: Contract, dropout_p: float) -> bool:
         return False
     if mask is not None:
         return tuple(mask.shape[-2:]) == (q.shape[-2], k.shape[-2])
-    return contract.offset == 0 or (dropout_p == 0.0 and _fused_dtype(q, k))
+    return contract.offset == 0 or (dropout_p == 0.0 and _fused_op_takes(q, k, v))
 
 
 def _batch(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, ...]:
@@ -135,9 +135,10 @@ def _with_padding(mask: Tensor | None, key_valid: Tensor | None) -> Tensor | Non
     return mask & valid if mask.dtype == torch.bool else mask.masked_fill(~valid, float("-inf"))
 
 
-def _fused_dtype(q: Tensor, k: Tensor) -> bool:
-    return q.device.type == "cpu" and q.dtype == k.dtype and q.dtype in (
-        torch.float32, torch.float64, torch.bfloat16, torch.float16)
+def _fused_op_takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether torch's CPU flash op (which the split of a shifted causal band calls) takes these."""
+    return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and q.shape[-1] == v.shape[-1]
+            and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16))
 
 
 def _shifted_causal(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float) -> Tensor:

@@ -225,3 +225,66 @@ def test_bottom_right_causal_with_value_width_unlike_key_width(backend):
     got = kernels.attention(q, k, v, Contract(band=Band(None, 0), offset=1), backend=backend)[0]
     want, _ = kernels.math_attention(q, k, v, Contract(band=Band(None, 0), offset=1))
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_a_left_padded_prefill_continues_at_the_right_positions():
+    """Left padding takes no positions: the sequence alone, unpadded, gives the same rows (found
+    in review: positions came from the slots while lengths counted the valid tokens)."""
+    m = _module(rope=mha.RotaryEmbedding(D), alibi=True)
+    x, new = torch.randn(1, 5, E, dtype=torch.float64), torch.randn(1, 2, E, dtype=torch.float64)
+    padding = torch.tensor([[True, True, False, False, False]])
+    cache = mha.KVCache()
+    with torch.no_grad():
+        prefill = m(x, x, x, key_padding_mask=padding, is_causal=True, cache=cache)
+        steps = [m(new[:, t:t + 1], new[:, t:t + 1], new[:, t:t + 1], is_causal=True, cache=cache) for t in range(2)]
+        alone = torch.cat([x[:, 2:], new], dim=1)
+        want = m(alone, alone, alone, is_causal=True)
+    torch.testing.assert_close(prefill[:, 2:], want[:, :3], atol=1e-12, rtol=0)
+    torch.testing.assert_close(torch.cat(steps, 1), want[:, 3:], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad", "jvp"])
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+def test_bottom_right_causal_under_torch_func(transform, backend):
+    """The split of a shifted causal band is an autograd.Function without transform rules: under
+    torch.func, sdpa folds (short) or declines; auto runs what can run (found in review)."""
+    q = torch.randn(2, 1, 3, 4, dtype=torch.float64)
+    kv = torch.randn(1, 6, 4, dtype=torch.float64)
+
+    def attend(x):
+        return sdpa(x, kv, kv, is_causal=True, causal_alignment="bottom_right", backend=backend)
+
+    want = torch.stack([sdpa(x, kv, kv, is_causal=True, causal_alignment="bottom_right", backend="math") for x in q])
+    if transform == "vmap":
+        torch.testing.assert_close(torch.func.vmap(attend)(q), want)
+    elif transform == "grad":
+        got = torch.func.grad(lambda x: attend(x).sum())(q[0])
+        x = q[0].clone().requires_grad_()
+        (ref,) = torch.autograd.grad(sdpa(x, kv, kv, is_causal=True, causal_alignment="bottom_right",
+                                          backend="math").sum(), x)
+        torch.testing.assert_close(got, ref)
+    elif backend == "sdpa":
+        with pytest.raises(ValueError, match="forward-mode"):
+            torch.func.jvp(attend, (q[0],), (torch.ones_like(q[0]),))
+    else:
+        out, tangent = torch.func.jvp(attend, (q[0],), (torch.ones_like(q[0]),))
+        torch.testing.assert_close(out, want[0])
+        assert torch.isfinite(tangent).all()
+
+
+@pytest.mark.parametrize("shapes", [
+    ((8, 256, 16), (8, 256, 16), (8, 256, 16)),  # 3-D: no head dim
+    ((2, 4, 256, 16), (1, 4, 256, 16), (1, 4, 256, 16)),  # key/value batch broadcast
+    ((1, 4, 256, 16), (1, 4, 256, 16), (1, 4, 256, 8)),  # Dv != D
+], ids=["3-D", "broadcast", "Dv != D"])
+def test_shapes_torch_would_compute_densely_go_to_flash(shapes):
+    """torch's CPU kernel falls back to building the (B, H, L, S) weights for these shapes: auto
+    keeps them off it at long T (found in review: 1.27 GiB at T = 4096) and 3-D goes fused."""
+    q, k, v = (torch.randn(s) for s in shapes)
+    name, reason = kernels.choose_backend("auto", q, k, v, Contract(band=Band(None, 0)))
+    if len(shapes[0]) == 3:
+        assert name == "sdpa", reason  # lifted to 4-D, which torch's fused kernel takes
+    else:
+        assert name == "flash" and "weights" in reason, reason
+    torch.testing.assert_close(kernels.attention(q, k, v, Contract(band=Band(None, 0)))[0],
+                               kernels.math_attention(q, k, v, Contract(band=Band(None, 0)))[0])

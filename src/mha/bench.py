@@ -292,12 +292,12 @@ def _functional_case(T: int, L: int | None = None, **options):
     return lambda: scaled_dot_product_attention(q, k, v, **options)
 
 
-def _module_case(T: int, padded: bool = False, **options):
+def _module_case(T: int, padded: bool = False, dv: int = HEAD_DIM, **options):
     from .nn import MultiHeadAttention
 
     torch.manual_seed(0)
     E = HEADS * HEAD_DIM
-    module = MultiHeadAttention(E, E, E, HEAD_DIM, HEAD_DIM, E, HEADS, **options).eval()
+    module = MultiHeadAttention(E, E, E, HEAD_DIM, dv, E, HEADS, **options).eval()
     x = torch.randn(1, T, E)
     padding = torch.zeros(1, T, dtype=torch.bool)
     padding[:, -T // 16:] = padded  # the last keys are padding
@@ -356,6 +356,7 @@ MEMORY_CASES = {
     "module ALiBi": (lambda T: _module_case(T, alibi=True), "torch module pipeline"),
     "module window (256, 0)": (lambda T: _module_case(T, window=(256, 0)), "torch module pipeline"),
     "module RoPE + padding": (lambda T: _module_case(T, padded=True, rope=_rope()), "torch module pipeline"),
+    "module dv = dk / 2": (lambda T: _module_case(T, dv=HEAD_DIM // 2), "torch module pipeline"),
     "drop-in causal + padding": (_drop_in_case, "torch module pipeline"),
 }
 

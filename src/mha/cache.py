@@ -57,13 +57,15 @@ class KVCache:
                 f"max_length={self.max_length}" if self.max_length else "growing")
         return f"KVCache({kind}, size={self.size})"
 
-    def next_positions(self, batch: int, new: int, device) -> Tensor:
-        """(N, new) positions of the next tokens: each sequence continues where it stopped."""
-        if self.lengths is None:
-            return torch.arange(new, device=device).expand(batch, new)
-        if self.lengths.shape[0] != batch:
+    def next_positions(self, batch: int, new: int, device, valid: Tensor | None = None) -> Tensor:
+        """(N, new) positions of the next tokens: each sequence continues where it stopped, and a
+        token's position counts the valid tokens before it (padding, left or right, takes none)."""
+        if self.lengths is not None and self.lengths.shape[0] != batch:
             raise ValueError(f"the cache holds a batch of {self.lengths.shape[0]} sequences, got {batch}")
-        return self.lengths[:, None] + torch.arange(new, device=device)
+        start = 0 if self.lengths is None else self.lengths[:, None]  # (N, 1)
+        if valid is None:
+            return start + torch.arange(new, device=device).expand(batch, new)
+        return start + valid.cumsum(dim=1) - valid.long()  # valid tokens before each one
 
     @property
     def uniform(self) -> bool:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks, kernels, masks, multihead, positions
-from .kernels._amp import autocast_inputs
+from .kernels._context import autocast_inputs
 
 __all__ = ["scaled_dot_product_attention", "multi_head_attention_forward"]
 

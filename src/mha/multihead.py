@@ -128,7 +128,7 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_he
     else:
         if L != S:
             raise ValueError(f"with a cache, query and key are the same new tokens: got lengths {L} and {S}")
-        q_pos = k_pos = cache.next_positions(N, L, q.device)  # (N, L)
+        q_pos = k_pos = cache.next_positions(N, L, q.device, key_valid)  # (N, L)
     if rope is not None:
         q, k = rope(q, q_pos[..., None, :]), rope(k, k_pos[..., None, :])  # positions (N|1, 1, T) over the heads
     per_sequence = None

@@ -27,12 +27,10 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.autograd import forward_ad
 
 from .. import masks
-from ._amp import autocast_inputs
-from .contract import Contract, resolve
-from .contract import mask_tile
+from ._context import autocast_inputs, forward_mode, transforms_active
+from .contract import Contract, mask_tile, resolve
 
 BLOCK_Q = 256
 BLOCK_K = 256
@@ -67,9 +65,9 @@ def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract
 
 def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> str | None:
     """Why flash cannot run this call, or None. (It honours every term of the contract.)"""
-    if torch._C._are_functorch_transforms_active():
+    if transforms_active():
         return "it does not run under torch.func transforms (vmap, grad, jvp, jacrev); use backend='math'"
-    if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in (q, k, v)):
+    if forward_mode(q, k, v):
         return "it has no forward-mode AD (jvp); use backend='math'"
     if contract.mask is not None and contract.mask.requires_grad and torch.is_grad_enabled():
         return "it does not differentiate through attn_mask; use backend='math'"

@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from .. import masks
+from ._context import transforms_active
 from .contract import Contract, resolve
 
 
@@ -23,7 +24,7 @@ def safe_softmax(scores: Tensor, *, inplace: bool = False) -> Tensor:
     allocating (and page-faulting) a second L x S buffer: most of a large softmax's time on CPU.
     """
     blocked = scores.amax(dim=-1, keepdim=True) == float("-inf") if scores.shape[-1] else None  # (..., L, 1)
-    if blocked is not None and not torch._C._are_functorch_transforms_active() and not bool(blocked.any()):
+    if blocked is not None and not transforms_active() and not bool(blocked.any()):
         blocked = None  # the common case, skipped (a data-dependent branch vmap cannot take)
     if blocked is not None:  # finite row -> finite softmax and gradient
         scores = scores.masked_fill_(blocked, 0.0) if inplace else scores.masked_fill(blocked, 0.0)
@@ -43,7 +44,7 @@ def _softmax_with_sinks(scores: Tensor, sinks: Tensor) -> Tensor:
 def _may_overwrite(*tensors: Tensor | None) -> bool:
     """True when nothing differentiates through these tensors: no autograd graph, no forward-mode
     tangent, no torch.func transform (vmap, jvp, grad) active. Only then may we work in place."""
-    if torch._C._are_functorch_transforms_active():
+    if transforms_active():
         return False
     grad_mode = torch.is_grad_enabled()
     return not any(t is not None and ((grad_mode and t.requires_grad)

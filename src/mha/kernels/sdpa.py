@@ -36,26 +36,31 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import masks
-from ._amp import autocast_inputs
+from ._context import autocast_inputs, forward_mode, transforms_active
 from .contract import Contract, resolve
 from .merge import merge_attention
 
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float = 0.0) -> str | None:
-    """Why torch's fused kernel cannot take this call within the memory of q, k and v, or None."""
+    """Why torch's kernel cannot take this call within the memory of q, k and v, or None."""
     if contract.softcap is not None:
         return "torch's kernel has no softcap"
     if contract.sinks is not None:
         return "torch's kernel has no attention sinks"
+    if forward_mode(q, k, v):
+        return "torch's kernel has no forward-mode AD (jvp)"
+    q, k, v = _as_4d(q, k, v)
     budget = q.numel() + k.numel() + v.numel()
-    if dropout_p > 0.0 and q.device.type == "cpu":
+    why = _builds_weights(q, k, v, dropout_p)
+    if why:
         weights = math.prod(_batch(q, k, v)) * q.shape[-2] * k.shape[-2]
         if weights > budget:
-            return (f"with dropout torch's CPU kernel builds the attention weights ({weights:,} elements), "
-                    f"more than q, k and v hold ({budget:,})")
+            return (f"torch's kernel would build the attention weights ({why}): {weights:,} elements, more than "
+                    f"q, k and v hold ({budget:,})")
     if _native(q, k, v, contract, dropout_p):
         return None
     shape = _folded_shape(q, k, v, contract)
@@ -71,6 +76,13 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = 
     reason = unsupported(q, k, v, contract, dropout_p)
     if reason:
         raise ValueError(f"the sdpa backend cannot run this call: {reason}; use backend='flash' or 'math'")
+    batch = _batch(q, k, v)
+    q, k, v = _as_4d(q, k, v)
+    out = _run(q, k, v, contract, dropout_p)
+    return out.view(*batch, *out.shape[-2:])  # (..., L, Dv), the leading dims added for torch's kernel dropped
+
+
+def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float) -> Tensor:
     L, S, scale = q.shape[-2], k.shape[-2], contract.scale
     if not _native(q, k, v, contract, dropout_p):  # one dense mask within the memory of q, k and v
         mask = torch.zeros(_folded_shape(q, k, v, contract), dtype=masks.additive_dtype(q.dtype), device=q.device)
@@ -98,7 +110,32 @@ def _native(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: floa
         return False
     if mask is not None:
         return tuple(mask.shape[-2:]) == (q.shape[-2], k.shape[-2])
-    return contract.offset == 0 or (dropout_p == 0.0 and _fused_op_takes(q, k, v))
+    # a shifted band is split into two calls of torch's CPU flash op, in an autograd.Function
+    return contract.offset == 0 or (not _builds_weights(q, k, v, dropout_p) and not transforms_active())
+
+
+def _builds_weights(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> str | None:
+    """Why torch's CPU kernel would fall back to its math path, which builds the (B, H, L, S)
+    weights, or None. Its fused kernel wants 4-D q, k, v of equal batch and heads, one head dim,
+    a float dtype, contiguous rows, no dropout."""
+    if q.device.type != "cpu":
+        return None
+    if dropout_p > 0.0:
+        return "dropout"
+    if not (q.dim() == k.dim() == v.dim() == 4 and q.shape[:2] == k.shape[:2] == v.shape[:2]):
+        return "q, k and v of different batch or head counts"
+    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+        return "a value head dim unlike the query's"
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in _FUSED_DTYPES):
+        return f"dtype {q.dtype}"
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        return "rows that are not contiguous"
+    return None
+
+
+def _as_4d(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """(..., T, D) with fewer than 4 dims as (1, ..., T, D): the 4-D torch's fused kernel takes."""
+    return tuple(t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t for t in tensors)
 
 
 def _batch(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, ...]:
@@ -135,12 +172,6 @@ def _with_padding(mask: Tensor | None, key_valid: Tensor | None) -> Tensor | Non
     return mask & valid if mask.dtype == torch.bool else mask.masked_fill(~valid, float("-inf"))
 
 
-def _fused_op_takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether torch's CPU flash op (which the split of a shifted causal band calls) takes these."""
-    return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and q.shape[-1] == v.shape[-1]
-            and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16))
-
-
 def _shifted_causal(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float) -> Tensor:
     """Causal attention where query i sees keys j <= i + offset, on torch's fused kernels."""
     L, S = q.shape[-2], k.shape[-2]
@@ -150,15 +181,11 @@ def _shifted_causal(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float) 
         empty = min(-offset, L)
         seen = F.scaled_dot_product_attention(q[..., empty:, :], k, v, is_causal=True, scale=scale)
         return F.pad(seen, (0, 0, empty, 0))  # (..., L + offset, Dv) -> (..., L, Dv), zeros first
-    q, k, v = autocast_inputs(q, k, v)
-    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    q4, k4, v4 = (x.expand(*lead, *x.shape[-2:]).reshape(-1, 1, *x.shape[-2:]) for x in (q, k, v))  # (N, 1, T, D)
-    out = _PrefixThenCausal.apply(q4, k4, v4, offset, scale)
-    return out.view(*lead, L, v.shape[-1])  # (N, 1, L, Dv) -> (..., L, Dv)
+    return _PrefixThenCausal.apply(*autocast_inputs(q, k, v), offset, scale)
 
 
 class _PrefixThenCausal(torch.autograd.Function):
-    """Keys [0, prefix) seen by every query, keys [prefix, S) top-left causal; q, k, v (N, 1, T, D)."""
+    """Keys [0, prefix) seen by every query, keys [prefix, S) top-left causal; q, k, v (B, H, T, D)."""
 
     @staticmethod
     def forward(ctx, q, k, v, prefix, scale):

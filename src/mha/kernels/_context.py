@@ -1,0 +1,34 @@
+"""What the calling context asks of a kernel: torch.autocast, torch.func transforms, forward-mode AD.
+
+The kernels call torch's ops below the layers that handle these (an autograd.Function, torch's
+private CPU flash op), so they look at the context themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch._C._functorch import TransformType, get_interpreter_stack
+from torch.autograd import forward_ad
+
+
+def autocast_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """The floating tensors in the autocast dtype when autocast is on for their device (as torch's
+    SDPA casts its inputs), else unchanged."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+
+
+def transforms_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp, jacrev, ...) is running."""
+    return torch._C._are_functorch_transforms_active()
+
+
+def forward_mode(*tensors: Tensor | None) -> bool:
+    """Whether forward-mode derivatives are asked for: a dual tensor, or torch.func.jvp running."""
+    if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        return True
+    return transforms_active() and any(i.key() == TransformType.Jvp for i in get_interpreter_stack() or ())

@@ -54,8 +54,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
       softcap           c > 0: scores become c * tanh(scores / c) before ALiBi and masks (Gemma 2).
       sinks             (H,): one logit per head that joins every row's softmax and is then dropped
                         (GPT-OSS); differentiable.
-    Windows, ALiBi, softcap and sinks run on the flash backend (torch's kernel has none of them),
-    tile by tile, without an L x S tensor.
+    None of them builds an L x S tensor: they run on the flash backend, tile by tile (at short T,
+    windows and ALiBi fold into one mask for torch's kernel when that mask is no larger than
+    query, key and value together; see mha.kernels.dispatch).
     """
     query, key, value, unbatched = _at_least_3d(query, key, value)
     query, key, value = autocast_inputs(query, key, value)  # under torch.autocast, as torch's SDPA

@@ -100,6 +100,18 @@ def multihead(attn_mask: Tensor | None, key_padding_mask: Tensor | None, *, batc
     return mask, key_valid
 
 
+def key_valid(key_padding_mask: Tensor | None, batch: int, S: int) -> Tensor | None:
+    """A bool key_padding_mask (B, S), True = padding, as the contract's key_valid (B, S), or None
+    (the positional path: RoPE, windows, ALiBi, a cache, where padding is per key only)."""
+    if key_padding_mask is None:
+        return None
+    _checks.mask_dtype("key_padding_mask", key_padding_mask)
+    if key_padding_mask.dtype != torch.bool:
+        raise TypeError("with RoPE, windows, ALiBi or a cache, key_padding_mask must be bool (True = padding)")
+    _checks.shape("key_padding_mask", key_padding_mask, (batch, S), "(N, S)")
+    return ~key_padding_mask
+
+
 def combined_additive(mask: Tensor | None, key_valid: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     """mask and key_valid as one additive (B|1, H|1, L|1, S) mask (for torch's layers' fused path)."""
     if key_valid is not None:

@@ -122,7 +122,7 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_he
     """
     N, L, S = q.shape[0], q.shape[1], k.shape[1]
     q, k, v = split_heads(q, num_heads), split_heads(k, num_kv_heads), split_heads(v, num_kv_heads)
-    key_valid = _valid_keys(key_padding_mask, N, S)
+    key_valid = masks.key_valid(key_padding_mask, N, S)
     if cache is None:
         q_pos, k_pos = positions.aligned(range(L), range(S), 0, q.device)  # (L,), (S,)
     else:
@@ -142,17 +142,6 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_he
         band=positions.band(is_causal, window), offset=k.shape[2] - L if cache is not None else 0,
         positions=per_sequence, key_valid=key_valid, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
     return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
-
-
-def _valid_keys(key_padding_mask, N, S) -> Tensor | None:
-    """key_padding_mask (N, S), bool True = padding, as key_valid (N, S), or None."""
-    if key_padding_mask is None:
-        return None
-    _checks.mask_dtype("key_padding_mask", key_padding_mask)
-    if key_padding_mask.dtype != torch.bool:
-        raise TypeError("with RoPE, windows, ALiBi or a cache, key_padding_mask must be bool (True = padding)")
-    _checks.shape("key_padding_mask", key_padding_mask, (N, S), "(N, S)")
-    return ~key_padding_mask
 
 
 def _heads(q, k, v, num_heads, num_kv_heads, bias_k, bias_v, static_k, static_v, add_zero_attn):

@@ -86,12 +86,14 @@ class Contract:
 
     # -- the score shaping, for any range of query rows and key columns ------------------------
 
-    def cap(self, s: Tensor, *, inplace: bool) -> Tensor:
-        """softcap * tanh(s / softcap), or s unchanged."""
+    def cap(self, s: Tensor, *, inplace: bool) -> tuple[Tensor, Tensor | None]:
+        """(softcap * tanh(s / softcap), tanh(s / softcap)), or (s, None) without softcap. In place,
+        ``s`` is left holding the tanh (the backward's d/ds is 1 - tanh^2)."""
         c = self.softcap
         if c is None:
-            return s
-        return s.div_(c).tanh_().mul_(c) if inplace else torch.tanh(s / c) * c
+            return s, None
+        tanh = s.div_(c).tanh_() if inplace else torch.tanh(s / c)
+        return tanh * c, tanh
 
     def distances(self, rows: range, cols: range, device) -> Tensor:
         """rel = key position - query position: (r, c), or (B|1, 1, r, c) with per-sequence positions."""

@@ -152,10 +152,7 @@ class _Tiles:
     def scores(self, rows: range, cols: range) -> _Tile:
         """The tile's scores (BH, r, c), ready for the softmax, and what its backward needs."""
         s = torch.bmm(self.q[:, rows.start:rows.stop], self.kT[:, :, cols.start:cols.stop])  # (BH, r, c)
-        capped = None
-        if self.contract.softcap is not None:
-            capped = s.div_(self.contract.softcap).tanh_()  # in place: s holds tanh(s / c)
-            s = capped * self.contract.softcap
+        s, capped = self.contract.cap(s, inplace=True)  # capped: tanh(s / c), or None
         rel, bias, band_hidden = self._position_terms(rows, cols)
         hidden = self.contract.hidden(rows, cols, band_hidden)
         self.contract.shape(s.view(*self.lead, len(rows), len(cols)), rows, cols, inplace=True, bias=bias,

@@ -64,7 +64,7 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = 
     weights_dtype = scores.dtype  # under autocast, not necessarily q's
     inference = _may_overwrite(q, k, v, contract.mask, contract.alibi_slopes, contract.sinks)
     scores = scores.to(masks.additive_dtype(weights_dtype))  # float16/bfloat16 -> a fresh float32 buffer
-    scores = contract.cap(scores, inplace=inference)
+    scores, _ = contract.cap(scores, inplace=inference)
     scores = contract.shape(scores, range(L), range(S), inplace=inference)
     if contract.sinks is None:
         weights = safe_softmax(scores, inplace=inference)

@@ -47,45 +47,51 @@ _FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float = 0.0) -> str | None:
     """Why torch's kernel cannot take this call within the memory of q, k and v, or None."""
+    return _plan(q, k, v, contract, dropout_p)[1]
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
+                   dropout_p: float = 0.0) -> Tensor:
+    contract = resolve(contract)
+    folded, reason = _plan(q, k, v, contract, dropout_p)
+    if reason:
+        raise ValueError(f"the sdpa backend cannot run this call: {reason}; use backend='flash' or 'math'")
+    batch = _batch(q, k, v)
+    q, k, v = _as_4d(q, k, v)
+    out = _run(q, k, v, contract, dropout_p, folded)
+    return out.view(*batch, *out.shape[-2:])  # (..., L, Dv), the leading dims added for torch's kernel dropped
+
+
+def _plan(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float):
+    """(the shape of the one mask the contract folds into, or None when torch's kernel takes it as
+    it is; why torch's kernel cannot take the call within the memory of q, k and v, or None)."""
     if contract.softcap is not None:
-        return "torch's kernel has no softcap"
+        return None, "torch's kernel has no softcap"
     if contract.sinks is not None:
-        return "torch's kernel has no attention sinks"
+        return None, "torch's kernel has no attention sinks"
     if forward_mode(q, k, v):
-        return "torch's kernel has no forward-mode AD (jvp)"
+        return None, "torch's kernel has no forward-mode AD (jvp)"
     q, k, v = _as_4d(q, k, v)
     budget = q.numel() + k.numel() + v.numel()
     why = _builds_weights(q, k, v, dropout_p)
     if why:
         weights = math.prod(_batch(q, k, v)) * q.shape[-2] * k.shape[-2]
         if weights > budget:
-            return (f"torch's kernel would build the attention weights ({why}): {weights:,} elements, more than "
-                    f"q, k and v hold ({budget:,})")
+            return None, (f"torch's kernel would build the attention weights ({why}): {weights:,} elements, "
+                          f"more than q, k and v hold ({budget:,})")
     if _native(q, k, v, contract, dropout_p):
-        return None
+        return None, None
     shape = _folded_shape(q, k, v, contract)
     if math.prod(shape) > budget:
-        return (f"torch's kernel would need the band, ALiBi or padding as a {tuple(shape)} mask, more than "
-                f"q, k and v hold ({budget:,} elements)")
-    return None
+        return None, (f"torch's kernel would need the band, ALiBi or padding as a {tuple(shape)} mask, more "
+                      f"than q, k and v hold ({budget:,} elements)")
+    return shape, None
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
-                   dropout_p: float = 0.0) -> Tensor:
-    contract = resolve(contract)
-    reason = unsupported(q, k, v, contract, dropout_p)
-    if reason:
-        raise ValueError(f"the sdpa backend cannot run this call: {reason}; use backend='flash' or 'math'")
-    batch = _batch(q, k, v)
-    q, k, v = _as_4d(q, k, v)
-    out = _run(q, k, v, contract, dropout_p)
-    return out.view(*batch, *out.shape[-2:])  # (..., L, Dv), the leading dims added for torch's kernel dropped
-
-
-def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float) -> Tensor:
+def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float, folded) -> Tensor:
     L, S, scale = q.shape[-2], k.shape[-2], contract.scale
-    if not _native(q, k, v, contract, dropout_p):  # one dense mask within the memory of q, k and v
-        mask = torch.zeros(_folded_shape(q, k, v, contract), dtype=masks.additive_dtype(q.dtype), device=q.device)
+    if folded is not None:  # one dense mask within the memory of q, k and v
+        mask = torch.zeros(folded, dtype=masks.additive_dtype(q.dtype), device=q.device)
         mask = contract.shape(mask, range(L), range(S), inplace=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
     mask = _with_padding(contract.mask, contract.key_valid)

@@ -33,6 +33,7 @@ class KVCache:
             raise ValueError("a rolling cache (window) needs no max_length; pass one or the other")
         self.keys = self.values = self.positions = self.valid = None
         self.size = 0  # filled slots along S
+        self.padded = False  # whether any step came with a key_padding_mask
         self.lengths: Tensor | None = None  # (N,) tokens seen per sequence
         self._owner = None  # a weak reference to the module whose keys this cache holds
 
@@ -69,9 +70,9 @@ class KVCache:
 
     @property
     def uniform(self) -> bool:
-        """Every stored key valid and every sequence at the same length (masks reduce to bands)."""
-        return self.valid is None or (bool(self.valid[:, : self.size].all())
-                                      and bool((self.lengths == self.lengths[0]).all()))
+        """Every sequence at the same length with every key valid (masks reduce to an offset band):
+        true until a key_padding_mask arrives. Kept in Python, so no step reads tensor values."""
+        return not self.padded
 
     def update(self, keys: Tensor, values: Tensor, positions: Tensor,
                valid: Tensor | None = None) -> tuple[Tensor, ...]:
@@ -80,10 +81,11 @@ class KVCache:
         positions, valid) over the cached and the new tokens."""
         if self.keys is not None:
             self._check_like_stored(keys, values)
+        if valid is not None and self.window is not None:
+            raise ValueError("a rolling cache (window) takes no key_padding_mask: give each sequence its own cache")
+        self.padded = self.padded or valid is not None
         if valid is None:
             valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
-        elif self.window is not None and not bool(valid.all()):
-            raise ValueError("a rolling cache needs every token valid (no padding): give each sequence its own cache")
         new = (keys, values, positions, valid)
         if self.max_length is not None:
             seen = self._write_preallocated(new)

@@ -27,6 +27,12 @@ def transforms_active() -> bool:
     return torch._C._are_functorch_transforms_active()
 
 
+def may_branch_on_values() -> bool:
+    """Whether Python may branch on a tensor's values (``bool(t.any())``): not while torch.func
+    transforms run (vmap cannot) nor while torch.compile traces (it would break the graph)."""
+    return not transforms_active() and not torch.compiler.is_compiling()
+
+
 def forward_mode(*tensors: Tensor | None) -> bool:
     """Whether forward-mode derivatives are asked for: a dual tensor, or torch.func.jvp running."""
     if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors):

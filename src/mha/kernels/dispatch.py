@@ -8,13 +8,15 @@
                                       tile by tile; else math (under torch.func transforms, or for
                                       a mask that needs its gradient)
 
-The choice and its reason go to the debug log "mha.dispatch".
+The choice and its reason go to the debug log "mha.dispatch" (in eager mode; under torch.compile
+call choose_backend to ask).
 """
 
 from __future__ import annotations
 
 import logging
 
+import torch
 from torch import Tensor
 
 from . import flash, sdpa
@@ -61,7 +63,8 @@ def choose_backend(requested: str, q: Tensor, k: Tensor, v: Tensor, contract: Co
             choice = ("flash", f"not sdpa ({no_sdpa}): flash applies every term tile by tile")
         else:
             choice = ("math", f"not sdpa ({no_sdpa}), not flash ({no_flash})")
-    log.debug("backend %s: %s", *choice)
+    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):  # a graph break under compile
+        log.debug("backend %s: %s", *choice)
     return choice
 
 

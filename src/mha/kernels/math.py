@@ -12,9 +12,8 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from .. import masks
-from ._context import transforms_active
+from ._context import may_branch_on_values, transforms_active
 from .contract import Contract, resolve
-
 
 
 def safe_softmax(scores: Tensor, *, inplace: bool = False) -> Tensor:
@@ -24,8 +23,8 @@ def safe_softmax(scores: Tensor, *, inplace: bool = False) -> Tensor:
     allocating (and page-faulting) a second L x S buffer: most of a large softmax's time on CPU.
     """
     blocked = scores.amax(dim=-1, keepdim=True) == float("-inf") if scores.shape[-1] else None  # (..., L, 1)
-    if blocked is not None and not transforms_active() and not bool(blocked.any()):
-        blocked = None  # the common case, skipped (a data-dependent branch vmap cannot take)
+    if blocked is not None and may_branch_on_values() and not bool(blocked.any()):
+        blocked = None  # the common case, skipped (in eager mode only: a branch on values)
     if blocked is not None:  # finite row -> finite softmax and gradient
         scores = scores.masked_fill_(blocked, 0.0) if inplace else scores.masked_fill(blocked, 0.0)
     weights = (torch.ops.aten._softmax.out(scores, -1, False, out=scores) if inplace

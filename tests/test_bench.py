@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from mha import bench, cli
+from mha import cli
+from mha.tools import bench, bench_memory
 from mha.cli import bench as bench_cli
 
 
@@ -49,8 +50,8 @@ def test_cli_writes_json_csv_and_plot(tmp_path, monkeypatch, capsys):
     tiny = dict(module=[(1, 16, 32)], causal=[(1, 16, 32)], backends=[32, 64], training=[(1, 16, 32)], contract=64,
                 memory=512, decode=8, window=(256, 16))
     monkeypatch.setattr(bench_cli, "QUICK", tiny)
-    few = {name: bench.MEMORY_CASES[name] for name in ("torch causal SDPA", "causal", "window (256, 0)")}
-    monkeypatch.setattr(bench, "MEMORY_CASES", few)
+    few = {name: bench_memory.MEMORY_CASES[name] for name in ("torch causal SDPA", "causal", "window (256, 0)")}
+    monkeypatch.setattr(bench_memory, "MEMORY_CASES", few)
     assert cli.main(["bench", "--quick", "--repeat", "1", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     default = [s for s in bench_cli.SECTIONS if s != "variants"]  # the study runs with --variants

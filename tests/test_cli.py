@@ -80,7 +80,7 @@ def test_convert_bert_block_to_gpt2_keeps_other_keys_and_outputs(tmp_path, suffi
     assert cli.main(["convert", str(source), str(target), "--from", "bert", "--to", "gpt2",
                      "--prefix", prefix, "--out-prefix", "h.0.attn."]) == 0
     assert "c_attn.weight" in capsys.readouterr().out
-    from mha.cli.convert import load_state
+    from mha.tools.convert import load_state
 
     written, metadata = load_state(target)
     if suffix == ".safetensors":
@@ -108,7 +108,7 @@ def test_convert_per_head_takes_the_head_count_from_the_file(tmp_path, capsys):
 
     import mha
     from mha import layouts
-    from mha.cli.convert import load_state
+    from mha.tools.convert import load_state
 
     heads = layouts.per_head(mha.MultiHeadAttention(8, 8, 8, 2, 2, 8, 4).state_dict(), 4)
     source = tmp_path / "ph.pt"

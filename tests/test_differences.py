@@ -9,7 +9,7 @@ import torch
 import mha
 from mha import kernels
 from mha import numpy as oracle
-from mha.parity import numpy_state, randomize_biases
+from mha.tools.verify import numpy_state, randomize_biases
 
 E, H, L, N = 8, 2, 4, 2
 

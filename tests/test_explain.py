@@ -2,7 +2,8 @@
 
 import pytest
 
-from mha import cli, explain
+from mha import cli
+from mha.tools import explain
 
 
 @pytest.mark.parametrize("options", [dict(readable=True), dict(), dict(batch=2, causal=True),

@@ -8,7 +8,7 @@ import torch
 
 import mha
 from mha import numpy as oracle
-from mha.parity import numpy_state, randomize_biases
+from mha.tools.verify import numpy_state, randomize_biases
 
 WIDTHS = dict(cq=6, ck=5, cv=7, dk=3, dv=4, do=9, h=2)  # dk != dv, h*dk != cq, do != h*dv
 

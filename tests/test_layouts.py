@@ -5,7 +5,7 @@ import torch
 
 import mha
 from mha import layouts
-from mha.parity import randomize_biases
+from mha.tools.verify import randomize_biases
 
 E, H = 12, 3
 

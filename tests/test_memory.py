@@ -3,26 +3,26 @@ none builds an L x S tensor. The same cases are reported at T = 8192 by `mha ben
 
 import pytest
 
-from mha import bench
+from mha.tools import bench, bench_memory
 
 T = 2048
-DENSE_MIB = bench.HEADS * T * T * 4 / 2 ** 20  # one float32 score matrix per head: 128 MiB
-CASES = [name for name, (_, baseline) in bench.MEMORY_CASES.items() if baseline is not None]
+DENSE_MIB = bench_memory.HEADS * T * T * 4 / 2 ** 20  # one float32 score matrix per head: 128 MiB
+CASES = [name for name, (_, baseline) in bench_memory.MEMORY_CASES.items() if baseline is not None]
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_a_default_path_holds_no_score_matrix(name):
-    growth, _ = bench._fresh_memory_case(name, T)
-    torch_growth, _ = bench._fresh_memory_case(bench.MEMORY_CASES[name][1], T)
+    growth, _ = bench.fresh_memory_case(name, T)
+    torch_growth, _ = bench.fresh_memory_case(bench_memory.MEMORY_CASES[name][1], T)
     assert growth <= 3 * torch_growth + 8, f"{name}: {growth:.1f} MiB against torch's {torch_growth:.1f} MiB"
     assert growth < DENSE_MIB / 2, f"{name}: {growth:.1f} MiB, a dense score matrix is {DENSE_MIB:.0f} MiB"
 
 
 def test_the_measurement_sees_a_score_matrix():
     """The measurement can fail: the math backend (which must build the scores) is caught."""
-    bench.MEMORY_CASES["math causal"] = (lambda T: bench._functional_case(T, is_causal=True, backend="math"), None)
+    bench_memory.MEMORY_CASES["math causal"] = (lambda T: bench_memory._functional_case(T, is_causal=True, backend="math"), None)
     try:
-        growth, _ = bench.memory_case("math causal", T)  # in this process: the case is not importable elsewhere
+        growth, _ = bench_memory.memory_case("math causal", T)  # in this process: the case is not importable elsewhere
     finally:
-        del bench.MEMORY_CASES["math causal"]
+        del bench_memory.MEMORY_CASES["math causal"]
     assert growth > DENSE_MIB / 2

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import mha
 from mha import positions
-from mha.parity import randomize_biases
+from mha.tools.verify import randomize_biases
 
 E, H, D = 32, 4, 8
 

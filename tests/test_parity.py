@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mha import kernels, parity
+from mha import kernels
+from mha.tools import verify as parity
 
 
 @st.composite

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from mha import cli
-from mha.bert import BertCheckpoint, attention_maps
+from mha.tools.bert import BertCheckpoint, attention_maps
 
 HIDDEN, HEADS, LAYERS, FF = 16, 2, 2, 24
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "the", "cat", "sat", "on", "mat", "##s", ".", "dog"]

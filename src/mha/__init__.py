@@ -1,23 +1,38 @@
 """mha: multi-head attention from the formula to the kernel, proven equal to PyTorch.
 
-    mha.numpy       the float64 NumPy oracle, readable beside the paper
-    mha.functional  scaled_dot_product_attention, multi_head_attention_forward (torch's signatures)
-    mha.nn          MultiheadAttention, a drop-in for torch.nn.MultiheadAttention
+    mha.numpy               the float64 NumPy oracle, readable beside the paper
+    mha.functional          scaled_dot_product_attention, multi_head_attention_forward (torch's signatures)
+    mha.nn                  torch's drop-ins: MultiheadAttention, TransformerEncoderLayer, TransformerDecoderLayer
     mha.MultiHeadAttention  the general module: widths cq, ck, cv, dk, dv, do and h heads (seed 002),
-                    GQA (num_kv_heads), RoPE, ALiBi, sliding windows, a KV cache
+                            GQA (num_kv_heads), RoPE, ALiBi, sliding windows, softcap, sinks, a KV cache
     mha.KVCache, mha.RotaryEmbedding
-    mha.kernels     the attention contract, exact attention backends and the dispatch between them
-    mha.positions   the one position rule: distances, bands (causal, windows), alignment, ALiBi
-    mha.masks       the one place the caller's masks are validated and canonicalised
+    mha.layouts             weights between layouts (torch, general, per-head, Annotated, labml)
+    mha.efficient           approximate attention variants, one signature
+    mha.kernels             the attention contract, exact backends and the dispatch between them
+    mha.positions           the one position rule: distances, bands (causal, windows), alignment, ALiBi
+    mha.masks               the one place the caller's masks are validated and canonicalised
+    mha.capture_attention   record every attention module's weights during a forward
+
+Shape legend (the same letters everywhere): B batch, H query heads, Hkv key/value heads, L query
+length, S key length, T a length where L = S, E embedding width, D per-head width of queries and
+keys, Dv per-head width of values. The general module's constructor keeps seed 002's names
+(cq, ck, cv the input widths, dk = D, dv = Dv, do the output width, h = H).
+
+The tools the ``mha`` command runs (verify, bench, explain, plot, convert) live in mha.tools.
 """
 
-from . import functional, kernels, masks, nn, numpy, positions
+from . import efficient, functional, kernels, layouts, masks, nn, numpy, positions
 from .cache import KVCache
 from .capture import capture_attention
-from .nn import MultiHeadAttention
+from .general import MultiHeadAttention
 from .rope import RotaryEmbedding
 
 __version__ = "0.1.0"
 
-__all__ = ["KVCache", "MultiHeadAttention", "RotaryEmbedding", "capture_attention", "functional", "kernels",
-           "masks", "nn", "numpy", "positions", "__version__"]
+__all__ = ["KVCache", "MultiHeadAttention", "RotaryEmbedding", "capture_attention", "efficient", "functional",
+           "kernels", "layouts", "masks", "nn", "numpy", "positions", "__version__"]
+
+
+def __dir__() -> list[str]:
+    """The public surface only (importing submodules binds helpers such as ``_checks`` here too)."""
+    return sorted(__all__)

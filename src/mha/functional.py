@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _checks, kernels, masks, multihead, positions
+from . import _checks, kernels, masks, positions
+from .attention import attend, check_inputs, finish, share_kv_heads
 from .kernels._context import autocast_inputs
 
 __all__ = ["scaled_dot_product_attention", "multi_head_attention_forward"]
@@ -64,7 +65,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     dropout_p = _checks.probability("dropout_p", dropout_p)
     L, S, H = query.shape[-2], key.shape[-2], query.shape[-3]
     if enable_gqa:
-        key, value = (multihead.share_kv_heads(x, H) for x in (key, value))
+        key, value = (share_kv_heads(x, H) for x in (key, value))
     if causal_alignment is None:
         causal_alignment = "bottom_right" if window is not None or alibi_slopes is not None else "top_left"
     contract = kernels.Contract(
@@ -168,13 +169,13 @@ def multi_head_attention_forward(
 
     x_q, x_k, x_v = (_to_batch_first(x, batched, batch_first) for x in (query, key, value))
     q, k, v = proj.apply(x_q, x_k, x_v, is_self_attention)  # (N, L, E), (N, S, E), (N, S, E)
-    o, weights = multihead.attend(
+    o, weights = attend(
         q, k, v, num_heads, bias_k=bias_k, bias_v=bias_v, static_k=static_k, static_v=static_v,
         add_zero_attn=add_zero_attn, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
         is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights, batched=batched,
         backend=backend,
     )
-    return multihead.finish(o, weights, out_proj_weight, out_proj_bias, average_attn_weights,
+    return finish(o, weights, out_proj_weight, out_proj_bias, average_attn_weights,
                             batched=batched, seq_first=batched and not batch_first)
 
 
@@ -183,7 +184,7 @@ def _check_mha_inputs(query, key, value, embed_dim, num_heads, batch_first) -> b
     _checks.positive_int("num_heads", num_heads)
     _checks.positive_int("embed_dim", embed_dim)
     _checks.divisible(embed_dim, num_heads)
-    return multihead.check_inputs(query, key, value, query_width=("embed_dim", embed_dim),
+    return check_inputs(query, key, value, query_width=("embed_dim", embed_dim),
                                   batch_first=batch_first)
 
 

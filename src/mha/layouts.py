@@ -289,7 +289,8 @@ def convert(state: Mapping[str, Tensor], source: str, target: str, num_heads: in
 
 def state_of(module) -> tuple[dict, str, int]:
     """(state_dict, layout name, num_heads) of a torch/mha attention module."""
-    from .nn import MultiHeadAttention, MultiheadAttention
+    from .general import MultiHeadAttention
+    from .nn import MultiheadAttention
 
     if isinstance(module, MultiHeadAttention):
         return module.state_dict(), "general", module.h
@@ -301,7 +302,7 @@ def state_of(module) -> tuple[dict, str, int]:
 
 def general_module(state: Mapping[str, Tensor], layout: str, num_heads: int, **options):
     """An mha.MultiHeadAttention with the widths these weights imply, loaded with them."""
-    from .nn import MultiHeadAttention
+    from .general import MultiHeadAttention
 
     general = to_general(state, layout, num_heads)
     w = widths(general, num_heads)

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from .. import bench
+from ..tools import bench
 
 FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [256, 512])),
             causal=[(1, 4096, 512), (4, 4096, 256)], backends=[512, 1024, 2048, 4096],
@@ -84,7 +84,7 @@ def _jobs(grid, sections, repeat):
         jobs.append((f"contract T{grid['contract']}", lambda: list(bench.contract_rows(grid["contract"], repeat))))
     if "memory" in sections:
         jobs += [(f"memory {name}", lambda name=name: list(bench.memory_rows(grid["memory"], [name])))
-                 for name, (_, baseline) in bench.MEMORY_CASES.items() if baseline is not None]
+                 for name, (_, baseline) in bench.bench_memory.MEMORY_CASES.items() if baseline is not None]
     if "variants" in sections:
         jobs += [(f"variants T{T}", lambda T=T: list(bench.variant_rows([T], min(repeat, 3)))) for T in grid["variants"]]
     if "modern" in sections:

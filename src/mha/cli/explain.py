@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .. import explain
+from ..tools import explain
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .. import plot
+from ..tools import plot
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
             weights, tokens = plot.sentence_example()
             title = "seed 003: 'Life is short, eat dessert first', 3 heads (d_k=24, d_v=28)"
         else:
-            from ..bert import attention_maps
+            from ..tools.bert import attention_maps
 
             tokens, maps, _ = attention_maps(args.checkpoint, args.text)
             if not 0 <= args.layer < len(maps):

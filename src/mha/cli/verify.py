@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from .. import parity
+from ..tools import verify
 
 QUICK_PER_GROUP = 3
 
@@ -40,11 +40,11 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, 160)  # keep the table whole in logs and CI
-    cases = parity.default_grid(QUICK_PER_GROUP if args.quick else args.per_group, args.seed)
+    cases = verify.default_grid(QUICK_PER_GROUP if args.quick else args.per_group, args.seed)
     results = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("verifying", total=len(cases))
-        for result in parity.run_grid(cases):
+        for result in verify.run_grid(cases):
             results.append(result)
             progress.advance(task)
     console.print(summary_table(results))
@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def summary_table(results: list[parity.Result]) -> Table:
-    columns = [f"{tag}/{q}" for tag in ("fp64", "fp32") for q in parity.QUANTITIES]
+def summary_table(results: list[verify.Result]) -> Table:
+    columns = [f"{tag}/{q}" for tag in ("fp64", "fp32") for q in verify.QUANTITIES]
     table = Table(title="mha.nn.MultiheadAttention vs the float64 oracle (max abs error)")
     table.add_column("group", no_wrap=True)
     table.add_column("cases", justify="right", min_width=5)
@@ -89,7 +89,7 @@ def _max_cell(results, key: str) -> str:
     return f"{max(values):.1e}" if values else "-"
 
 
-def write_json(path: str, results: list[parity.Result]) -> None:
+def write_json(path: str, results: list[verify.Result]) -> None:
     rows = [{"case": r.case.__dict__, "errors": r.errors, "limits": r.limits,
              "passed": r.passed, "failures": r.failures} for r in results]
     with open(path, "w") as f:

@@ -1,7 +1,13 @@
-"""Modules: drop-ins for torch.nn, and the general multi-head attention of seed 002."""
+"""Drop-ins for torch.nn: the same constructors, forwards, defaults, state_dict keys and shapes.
 
-from .general import MultiHeadAttention
-from .multihead import MultiheadAttention
+    MultiheadAttention          torch.nn.MultiheadAttention
+    TransformerEncoderLayer     torch.nn.TransformerEncoderLayer
+    TransformerDecoderLayer     torch.nn.TransformerDecoderLayer
+
+The general module of seed 002 (free widths, GQA, RoPE, a KV cache) is mha.MultiHeadAttention.
+"""
+
+from .multihead_attention import MultiheadAttention
 from .transformer import TransformerDecoderLayer, TransformerEncoderLayer
 
-__all__ = ["MultiheadAttention", "MultiHeadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer"]
+__all__ = ["MultiheadAttention", "TransformerDecoderLayer", "TransformerEncoderLayer"]

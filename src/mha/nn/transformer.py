@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
-from .multihead import MultiheadAttention
+from .multihead_attention import MultiheadAttention
 
 __all__ = ["TransformerEncoderLayer", "TransformerDecoderLayer"]
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from . import layouts
-from .capture import capture_attention
-from .nn import TransformerEncoderLayer
+from .. import layouts
+from ..capture import capture_attention
+from ..nn import TransformerEncoderLayer
 
 __all__ = ["BertCheckpoint", "attention_maps"]
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import layouts
+from .. import layouts
 
 __all__ = ["Step", "trace", "render_markdown", "render_rich"]
 

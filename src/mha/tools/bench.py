@@ -33,12 +33,15 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from . import numpy as mnp
-from .kernels import BACKENDS, Contract
-from .nn import MultiheadAttention
-from .positions import Band
-
-HEADS, HEAD_DIM = 8, 64
+from .. import numpy as mnp
+from ..cache import KVCache
+from ..functional import scaled_dot_product_attention
+from ..general import MultiHeadAttention
+from ..kernels import BACKENDS, Contract, flash_attention
+from ..nn import MultiheadAttention
+from ..positions import Band
+from . import bench_memory, bench_variants
+from .bench_memory import HEADS, HEAD_DIM
 _CAUSAL = Contract(band=Band(None, 0))
 
 
@@ -146,8 +149,6 @@ def training_rows(points, repeat: int) -> Iterator[Row]:
 def decode_row(tokens: int, E: int = 512) -> Row:
     """Generate ``tokens`` tokens one at a time: with a KV cache vs recomputing full causal attention
     over the whole prefix at every step; and the cached per-token latency early vs late."""
-    from .cache import KVCache
-    from .nn import MultiHeadAttention
 
     torch.manual_seed(0)
     module = MultiHeadAttention(E, E, E, E // HEADS, E // HEADS, E, HEADS).eval()
@@ -174,7 +175,6 @@ def decode_row(tokens: int, E: int = 512) -> Row:
 
 def window_row(T: int, window: int, repeat: int) -> Row:
     """Causal sliding-window attention (flash, O(T*w)) vs dense causal attention (SDPA), B=1 H=8 D=64."""
-    from .kernels import flash_attention
 
     q, k, v = (torch.randn(1, HEADS, T, HEAD_DIM) for _ in range(3))
     band = Contract(band=Band(window, 0))
@@ -185,68 +185,14 @@ def window_row(T: int, window: int, repeat: int) -> Row:
                {"dense causal/window": t["dense causal (sdpa)"] / t["window (flash)"]})
 
 
-# name: (variant factory source, causal); budgets follow each method's paper-style defaults
-VARIANT_SETUPS = {
-    "exact (sdpa)": ("efficient.Exact()", False),
-    "exact causal (sdpa)": ("efficient.Exact()", True),
-    "exact causal (flash)": ("FlashCausal()", True),
-    "local w=256": ("efficient.Local(256)", True),
-    "strided c=sqrt(T)": ("efficient.Strided(max(1, int(T ** 0.5)))", True),
-    "fixed c=sqrt(T)": ("efficient.Fixed(max(1, int(T ** 0.5)), max(1, int(T ** 0.5) // 8))", True),
-    "linformer k=256": ("efficient.Linformer(T, 256)", False),
-    "nystrom m=64": ("efficient.Nystrom(64)", False),
-    "linear": ("efficient.LinearAttention()", False),
-    "linear causal": ("efficient.LinearAttention()", True),
-    "performer m=256": ("efficient.Performer(64, 256, generator_seed=0)", False),
-    "performer m=256 causal": ("efficient.Performer(64, 256, generator_seed=0)", True),
-}
-
-_VARIANT_SCRIPT = """
-import sys, time, torch
-from mha import efficient
-from mha.kernels import Contract, flash_attention
-from mha.positions import Band
-
-class FlashCausal(torch.nn.Module):
-    def forward(self, q, k, v, is_causal):
-        return flash_attention(q, k, v, Contract(band=Band(None, 0) if is_causal else None))
-
-T, repeat, causal, source = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
-torch.manual_seed(0)
-q, k, v = (torch.randn(1, 8, T, 64) for _ in range(3))
-variant = eval(source)
-def hwm():
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1024
-before = hwm()
-best = float("inf")
-with torch.no_grad():
-    for _ in range(repeat):
-        start = time.perf_counter()
-        out = variant(q, k, v, is_causal=causal)
-        best = min(best, time.perf_counter() - start)
-    peak = hwm() - before
-    rows = min(256, T)
-    mask = torch.ones(rows, T, dtype=torch.bool).tril(T - rows) if causal else None
-    ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, -rows:], k, v, attn_mask=mask)
-    error = ((out[:, :, -rows:] - ref).norm() / ref.norm()).item()
-print(best * 1e3, peak, error)
-"""
-
-
 def variant_rows(lengths, repeat: int, names=None) -> Iterator[Row]:
     """Every efficient variant at each length, each in a fresh process (peak RSS is per process)."""
     for T in lengths:
-        for name, (source, causal) in VARIANT_SETUPS.items():
-            if names is not None and name not in names:
-                continue
-            done = subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT, str(T), str(repeat), str(int(causal)), source],
-                                  capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"{name} at T={T} failed:\n{done.stderr[-2000:]}")
-            ms, peak, error = (float(x) for x in done.stdout.split())
-            yield Row("variants", f"T{T} {name}", {"time": ms},
-                      extra={"peak RSS growth MiB": peak, "relative error (last 256 rows)": error, "T": T})
+        for name in names or bench_variants.VARIANTS:
+            result = run_worker("mha.tools.bench_variants", name, T, repeat)
+            yield Row("variants", f"T{T} {name}", {"time": result["ms"]},
+                      extra={"peak RSS growth MiB": result["peak_mib"],
+                             "relative error (last 256 rows)": result["error"], "T": T})
 
 
 def plot_variants(rows: list[Row], path: str) -> None:
@@ -277,141 +223,31 @@ def plot_variants(rows: list[Row], path: str) -> None:
     plt.close(fig)
 
 
-# -- memory of the default paths, each in a fresh process -------------------------------------------
+# -- workers in fresh processes (peak memory is per process) ------------------------------------
 
-def _attention_inputs(T: int, L: int | None = None):
-    torch.manual_seed(0)
-    return (torch.randn(1, HEADS, L or T, HEAD_DIM), torch.randn(1, HEADS, T, HEAD_DIM),
-            torch.randn(1, HEADS, T, HEAD_DIM))
-
-
-def _functional_case(T: int, L: int | None = None, **options):
-    from .functional import scaled_dot_product_attention
-
-    q, k, v = _attention_inputs(T, L)
-    return lambda: scaled_dot_product_attention(q, k, v, **options)
-
-
-def _module_case(T: int, padded: bool = False, dv: int = HEAD_DIM, **options):
-    from .nn import MultiHeadAttention
-
-    torch.manual_seed(0)
-    E = HEADS * HEAD_DIM
-    module = MultiHeadAttention(E, E, E, HEAD_DIM, dv, E, HEADS, **options).eval()
-    x = torch.randn(1, T, E)
-    padding = torch.zeros(1, T, dtype=torch.bool)
-    padding[:, -T // 16:] = padded  # the last keys are padding
-    return lambda: module(x, x, x, is_causal=True, key_padding_mask=padding if padded else None)
-
-
-def _torch_module_case(T: int):
-    """torch's own pipeline on the module's shape: projections, causal SDPA, out-projection."""
-    torch.manual_seed(0)
-    E = HEADS * HEAD_DIM
-    q_proj, k_proj, v_proj, out_proj = (torch.nn.Linear(E, E) for _ in range(4))
-    x = torch.randn(1, T, E)
-
-    def heads(t):
-        return t.view(1, T, HEADS, HEAD_DIM).transpose(1, 2)  # (1, T, E) -> (1, H, T, D)
-
-    def run():
-        o = torch.nn.functional.scaled_dot_product_attention(heads(q_proj(x)), heads(k_proj(x)), heads(v_proj(x)),
-                                                             is_causal=True)
-        return out_proj(o.transpose(1, 2).reshape(1, T, E))  # (1, H, T, D) -> (1, T, E)
-    return run
-
-
-def _drop_in_case(T: int):
-    from .nn import MultiheadAttention
-
-    torch.manual_seed(0)
-    module = MultiheadAttention(HEADS * HEAD_DIM, HEADS, batch_first=True).eval()
-    x = torch.randn(1, T, HEADS * HEAD_DIM)
-    padding = torch.zeros(1, T, dtype=torch.bool)
-    padding[:, -T // 16:] = True
-    return lambda: module(x, x, x, key_padding_mask=padding, need_weights=False, is_causal=True)[0]
-
-
-def _torch_causal_case(T: int):
-    q, k, v = _attention_inputs(T)
-    return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-# name: (builder of the call at length T, the torch baseline it is compared with)
-MEMORY_CASES = {
-    "torch causal SDPA": (_torch_causal_case, None),
-    "causal": (lambda T: _functional_case(T, is_causal=True), "torch causal SDPA"),
-    "causal bottom-right, L = T/2": (lambda T: _functional_case(T, T // 2, is_causal=True,
-                                                               causal_alignment="bottom_right"), "torch causal SDPA"),
-    "causal + key padding mask": (lambda T: _functional_case(T, attn_mask=torch.ones(1, 1, 1, T, dtype=torch.bool),
-                                                            is_causal=True), "torch causal SDPA"),
-    "window (256, 0)": (lambda T: _functional_case(T, window=(256, 0)), "torch causal SDPA"),
-    "ALiBi causal": (lambda T: _functional_case(T, is_causal=True, alibi_slopes=torch.ones(HEADS)),
-                     "torch causal SDPA"),
-    "softcap causal": (lambda T: _functional_case(T, is_causal=True, softcap=30.0), "torch causal SDPA"),
-    "sinks causal": (lambda T: _functional_case(T, is_causal=True, sinks=torch.zeros(HEADS)), "torch causal SDPA"),
-    "torch module pipeline": (_torch_module_case, None),
-    "module causal": (lambda T: _module_case(T), "torch module pipeline"),
-    "module RoPE": (lambda T: _module_case(T, rope=_rope()), "torch module pipeline"),
-    "module ALiBi": (lambda T: _module_case(T, alibi=True), "torch module pipeline"),
-    "module window (256, 0)": (lambda T: _module_case(T, window=(256, 0)), "torch module pipeline"),
-    "module RoPE + padding": (lambda T: _module_case(T, padded=True, rope=_rope()), "torch module pipeline"),
-    "module dv = dk / 2": (lambda T: _module_case(T, dv=HEAD_DIM // 2), "torch module pipeline"),
-    "drop-in causal + padding": (_drop_in_case, "torch module pipeline"),
-}
-
-
-def _rope():
-    from .rope import RotaryEmbedding
-
-    return RotaryEmbedding(HEAD_DIM)
-
-
-def _peak_rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
-
-
-def memory_case(name: str, T: int) -> tuple[float, float]:
-    """(peak RSS growth in MiB, seconds) of one no_grad call, after a warm-up at a small length
-    (so that one-time allocations of the kernels do not count). Run it in a fresh process."""
-    build = MEMORY_CASES[name][0]
-    with torch.no_grad():
-        build(256)()
-        call = build(T)
-        before = _peak_rss_mib()
-        start = time.perf_counter()
-        out = call()
-        seconds = time.perf_counter() - start
-    if not torch.isfinite(out).all():
-        raise RuntimeError(f"memory case {name!r} gave non-finite values")
-    return _peak_rss_mib() - before, seconds
-
-
-def _memory_case_main() -> None:
-    """Entry point of the fresh process: python -c '...' NAME T prints 'MiB seconds'."""
-    name, T = sys.argv[1], int(sys.argv[2])
-    print(*memory_case(name, T))
+def run_worker(module: str, *args) -> dict:
+    """Run ``python -m module *args`` in a fresh process; returns the JSON it prints."""
+    done = subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{module} {' '.join(map(str, args))} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout)
 
 
 @functools.lru_cache(maxsize=None)  # a baseline is measured once per length
-def _fresh_memory_case(name: str, T: int) -> tuple[float, float]:
-    done = subprocess.run([sys.executable, "-c", "from mha.bench import _memory_case_main; _memory_case_main()",
-                           name, str(T)], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"memory case {name!r} at T={T} failed:\n{done.stderr[-2000:]}")
-    growth, seconds = (float(x) for x in done.stdout.split())
-    return growth, seconds
+def fresh_memory_case(name: str, T: int) -> tuple[float, float]:
+    """(peak RSS growth MiB, seconds) of one memory case at length T, in a fresh process."""
+    result = run_worker("mha.tools.bench_memory", name, T)
+    return result["growth_mib"], result["seconds"]
 
 
 def memory_rows(T: int, names=None) -> Iterator[Row]:
     """Peak RSS growth of each default path at T and T/2 (fresh processes), against its torch
     baseline at T, and the growth ratio from T/2 to T (about 2 when memory is O(T), 4 when O(T^2))."""
-    for name in names or [n for n, (_, baseline) in MEMORY_CASES.items() if baseline is not None]:
-        growth, seconds = _fresh_memory_case(name, T)
-        half, _ = _fresh_memory_case(name, T // 2)
-        baseline_name = MEMORY_CASES[name][1]
-        baseline, _ = _fresh_memory_case(baseline_name, T)
+    cases = bench_memory.MEMORY_CASES
+    for name in names or [n for n, (_, baseline) in cases.items() if baseline is not None]:
+        growth, seconds = fresh_memory_case(name, T)
+        half, _ = fresh_memory_case(name, T // 2)
+        baseline, _ = fresh_memory_case(cases[name][1], T)
         yield Row("memory", f"T{T} {name}", {"call": seconds * 1e3},
                   {"growth / torch": growth / max(baseline, 1.0), "growth T / growth T/2": growth / max(half, 1.0)},
                   {"peak RSS growth MiB": growth, f"at T{T // 2} MiB": half, "torch MiB": baseline})
@@ -423,10 +259,10 @@ def contract_rows(T: int, repeat: int) -> Iterator[Row]:
     """mha.functional.scaled_dot_product_attention against torch's on the same call, B1 H8 D64,
     fp32, no_grad. Where torch has no fused form (bottom-right, padding beside causality, windows,
     ALiBi) torch is given the equivalent dense mask, as a torch user would have to."""
-    from .functional import scaled_dot_product_attention as ours
+    ours = scaled_dot_product_attention
 
     F = torch.nn.functional
-    q, k, v = _attention_inputs(T)
+    q, k, v = bench_memory.attention_inputs(T)
     half = q[:, :, T // 2:]
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
     padding = torch.ones(1, 1, 1, T, dtype=torch.bool)

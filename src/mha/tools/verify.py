@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import numpy as oracle
-from .nn import MultiheadAttention
+from .. import numpy as oracle
+from ..nn import MultiheadAttention
 
 FP64_TOL = 1e-10
 FP32_FACTOR, FP32_SLACK = 2.0, 1e-6

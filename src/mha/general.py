@@ -14,9 +14,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 
-from .. import _checks, capture, efficient, multihead, positions
-from ..cache import KVCache
-from ..rope import RotaryEmbedding
+from . import _checks, capture, efficient, positions
+from .attention import attend, attend_positional, check_inputs, finish, share_kv_heads, split_heads
+from .cache import KVCache
+from .rope import RotaryEmbedding
 
 __all__ = ["MultiHeadAttention"]
 
@@ -170,7 +171,7 @@ class MultiHeadAttention(nn.Module):
         cache: an mha.KVCache; query/key/value are then the new tokens, appended to it (with
         RoPE, windows, ALiBi or a cache, masks come from positions: attn_mask is not taken).
         """
-        batched = multihead.check_inputs(query, key, value, query_width=("cq", self.cq),
+        batched = check_inputs(query, key, value, query_width=("cq", self.cq),
                                          key_width=("ck", self.ck), value_width=("cv", self.cv),
                                          batch_first=True)
         _checks.same_dtype_device("query", query, **{"the module's parameters": self.q_proj.weight})
@@ -192,19 +193,19 @@ class MultiHeadAttention(nn.Module):
                                  "pass key_padding_mask / is_causal, not attn_mask")
             if key_padding_mask is not None and not batched:
                 key_padding_mask = key_padding_mask.unsqueeze(0)  # (S,) -> (1, S)
-            o, weights = multihead.attend_positional(
+            o, weights = attend_positional(
                 q, k, v, self.h, self.num_kv_heads, rope=self.rope, window=self.window,
                 alibi_slopes=self.alibi_slopes, softcap=self.softcap, sinks=self.sinks, cache=cache,
                 key_padding_mask=key_padding_mask, is_causal=is_causal, dropout_p=dropout_p,
                 need_weights=need_weights, backend=backend)
         else:
-            o, weights = multihead.attend(
+            o, weights = attend(
                 q, k, v, self.h, num_kv_heads=self.num_kv_heads, bias_k=self.bias_k, bias_v=self.bias_v,
                 add_zero_attn=self.add_zero_attn, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
                 is_causal=is_causal, softcap=self.softcap, sinks=self.sinks, dropout_p=dropout_p,
                 need_weights=need_weights, batched=batched, backend=backend,
             )
-        out, weights = multihead.finish(o, weights, self.out_proj.weight, self.out_proj.bias,
+        out, weights = finish(o, weights, self.out_proj.weight, self.out_proj.bias,
                                         average_attn_weights and not capturing, batched=batched, seq_first=False)
         if capturing:
             capture.record(self, weights, batched)
@@ -216,9 +217,9 @@ class MultiHeadAttention(nn.Module):
         if attn_mask is not None or key_padding_mask is not None or cache is not None or need_weights:
             raise ValueError("an efficient attention variant takes is_causal only: no attn_mask, "
                              "key_padding_mask, cache or need_weights")
-        q = multihead.split_heads(q, self.h)  # (N, L, h*dk) -> (N, h, L, dk)
-        k, v = (multihead.share_kv_heads(multihead.split_heads(x, self.num_kv_heads), self.h) for x in (k, v))
+        q = split_heads(q, self.h)  # (N, L, h*dk) -> (N, h, L, dk)
+        k, v = (share_kv_heads(split_heads(x, self.num_kv_heads), self.h) for x in (k, v))
         o = self.attention(q, k, v, is_causal=is_causal)  # (N, h, L, dv)
-        out, _ = multihead.finish(o, None, self.out_proj.weight, self.out_proj.bias, True, batched=batched,
+        out, _ = finish(o, None, self.out_proj.weight, self.out_proj.bias, True, batched=batched,
                                   seq_first=False)
         return out

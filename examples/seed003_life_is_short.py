@@ -24,7 +24,7 @@ with torch.no_grad():
     single.k_proj.weight.copy_(W_key)
     single.v_proj.weight.copy_(W_value)
     single.out_proj.weight.copy_(torch.eye(d_v))  # identity: the context vectors themselves
-context, weights = single(x, x, x, need_weights=True)
+context, weights = single.forward_with_weights(x, x, x)
 print("attention weights of 'is':", weights[1])
 expected = torch.tensor([0.2912, 0.0106, 0.0982, 0.0625, 0.4917, 0.0458])  # the seed's printout
 assert torch.allclose(weights[1], expected, atol=1e-4), weights[1]

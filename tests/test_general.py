@@ -34,7 +34,7 @@ def test_forward_weights_and_gradients_equal_the_oracle(bias, add_bias_kv, add_z
     v = torch.randn(*lead, S, 7, generator=g, dtype=torch.float64, requires_grad=True)
     padding = torch.zeros(*lead, S, dtype=torch.bool)
     padding[..., 3] = True
-    out, w = m(q, k, v, key_padding_mask=padding, is_causal=True, need_weights=True,
+    out, w = m.forward_with_weights(q, k, v, key_padding_mask=padding, is_causal=True,
                average_attn_weights=False)
     options = dict(key_padding_mask=padding.numpy(), is_causal=True, add_zero_attn=add_zero_attn,
                    batch_first=True)
@@ -76,7 +76,7 @@ def test_seed_002_loading_from_torch_gives_torch_outputs(bias, add_bias_kv):
             ours.bias_v.copy_(theirs.bias_v.squeeze(0))
     q, k, v = torch.rand(10, 5, d), torch.rand(10, 3, ck), torch.rand(10, 3, cv)
     torch.testing.assert_close(ours(q, k, v), theirs(q, k, v)[0])
-    out, w = ours(q, k, v, need_weights=True)
+    out, w = ours.forward_with_weights(q, k, v)
     torch.testing.assert_close(w, theirs(q, k, v)[1])
 
 
@@ -98,7 +98,7 @@ def test_dropout_in_training_only():
     m.eval()
     torch.testing.assert_close(m(*x), m(*x))
     m.train()
-    _, w = m(*x, need_weights=True, average_attn_weights=False)
+    _, w = m.forward_with_weights(*x, average_attn_weights=False)
     assert (w == 0).any()
 
 

@@ -56,7 +56,7 @@ class MultiHeadAttention(nn.Module):
     causal mask (with attn_mask or without it). A query row whose keys are all masked gives zeros.
     """
 
-    def __init__(self, cq: int, ck: int, cv: int, dk: int, dv: int, do: int, h: int,
+    def __init__(self, cq: int, ck: int, cv: int, dk: int, dv: int, do: int, h: int, *,
                  bias: bool = True, add_bias_kv: bool = False, add_zero_attn: bool = False,
                  dropout: float = 0.0, num_kv_heads: int | None = None, rope: RotaryEmbedding | None = None,
                  alibi: bool = False, window: tuple[int, int] | None = None, softcap: float | None = None,
@@ -160,25 +160,44 @@ class MultiHeadAttention(nn.Module):
                 f"do={self.do}, h={self.h}, add_zero_attn={self.add_zero_attn}, dropout={self.dropout}"
                 + "".join(", " + e for e in extras))
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor,
-                key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None,
-                is_causal: bool = False, need_weights: bool = False,
-                average_attn_weights: bool = True, *, cache: KVCache | None = None, backend: str = "auto"):
-        """query (N, L, cq), key (N, S, ck), value (N, S, cv), or unbatched (L, cq), (S, ck), (S, cv).
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, *, key_padding_mask: Tensor | None = None,
+                attn_mask: Tensor | None = None, is_causal: bool = False, cache: KVCache | None = None,
+                backend: str = "auto") -> Tensor:
+        """query (B, L, cq), key (B, S, ck), value (B, S, cv), or unbatched (L, cq), (S, ck), (S, cv).
 
-        Returns the output (N, L, do) (unbatched: (L, do)); with need_weights=True, the pair
-        (output, weights), weights (N, L, S) averaged over heads or (N, h, L, S).
+        Returns the output (B, L, do) (unbatched: (L, do)), always a tensor; the weights come from
+        :meth:`forward_with_weights` (or mha.capture_attention).
         cache: an mha.KVCache; query/key/value are then the new tokens, appended to it (with
         RoPE, windows, ALiBi or a cache, masks come from positions: attn_mask is not taken).
+        backend: "auto" or a backend of mha.kernels ("math", "sdpa", "flash").
         """
-        batched = check_inputs(query, key, value, query_width=("cq", self.cq),
-                                         key_width=("ck", self.ck), value_width=("cv", self.cv),
-                                         batch_first=True)
+        out, _ = self._attend(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                              is_causal=is_causal, cache=cache, backend=backend, need_weights=False)
+        return out
+
+    def forward_with_weights(self, query: Tensor, key: Tensor, value: Tensor, *,
+                             key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None,
+                             is_causal: bool = False, average_attn_weights: bool = True,
+                             cache: KVCache | None = None) -> tuple[Tensor, Tensor]:
+        """:meth:`forward` on the math backend, returning (output, weights): weights (B, L, S)
+        averaged over heads, or (B, h, L, S) with average_attn_weights=False (unbatched: no B),
+        taken after dropout as torch.nn.MultiheadAttention takes them."""
+        return self._attend(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                            is_causal=is_causal, cache=cache, backend="auto", need_weights=True,
+                            average_attn_weights=average_attn_weights)
+
+    def _attend(self, query, key, value, *, key_padding_mask, attn_mask, is_causal, cache, backend,
+                need_weights, average_attn_weights=True) -> tuple[Tensor, Tensor | None]:
+        batched = check_inputs(query, key, value, query_width=("cq", self.cq), key_width=("ck", self.ck),
+                               value_width=("cv", self.cv), batch_first=True)
         _checks.same_dtype_device("query", query, **{"the module's parameters": self.q_proj.weight})
-        x_q, x_k, x_v = (x if batched else x.unsqueeze(0) for x in (query, key, value))  # (N, T, c)
-        q, k, v = self.q_proj(x_q), self.k_proj(x_k), self.v_proj(x_v)  # (N, T, h*d), (N, T, h_kv*d)
+        x_q, x_k, x_v = (x if batched else x.unsqueeze(0) for x in (query, key, value))  # (T, c) -> (B=1, T, c)
+        q, k, v = self.q_proj(x_q), self.k_proj(x_k), self.v_proj(x_v)  # (B, T, h*dk), (B, S, Hkv*dk|dv)
         if self.attention is not None:
-            return self._efficient(q, k, v, batched, is_causal, key_padding_mask, attn_mask, need_weights, cache)
+            if attn_mask is not None or key_padding_mask is not None or cache is not None or need_weights:
+                raise ValueError("an efficient attention variant takes is_causal only: no attn_mask, "
+                                 "key_padding_mask, cache or weights (forward_with_weights)")
+            return self._efficient(q, k, v, batched=batched, is_causal=is_causal), None
         dropout_p = self.dropout if self.training else 0.0
         capturing = capture.recording()  # mha.capture_attention: per-head weights are recorded
         wanted = need_weights
@@ -206,20 +225,16 @@ class MultiHeadAttention(nn.Module):
                 need_weights=need_weights, batched=batched, backend=backend,
             )
         out, weights = finish(o, weights, self.out_proj.weight, self.out_proj.bias,
-                                        average_attn_weights and not capturing, batched=batched, seq_first=False)
+                              average_attn_weights and not capturing, batched=batched, seq_first=False)
         if capturing:
             capture.record(self, weights, batched)
             weights = capture.returned_weights(weights, wanted, average_attn_weights, batched)
-        return (out, weights) if wanted else out
+        return out, weights
 
-    def _efficient(self, q, k, v, batched, is_causal, key_padding_mask, attn_mask, need_weights, cache):
-        """The selected mha.efficient variant on the projected heads: no masks but causality."""
-        if attn_mask is not None or key_padding_mask is not None or cache is not None or need_weights:
-            raise ValueError("an efficient attention variant takes is_causal only: no attn_mask, "
-                             "key_padding_mask, cache or need_weights")
-        q = split_heads(q, self.h)  # (N, L, h*dk) -> (N, h, L, dk)
-        k, v = (share_kv_heads(split_heads(x, self.num_kv_heads), self.h) for x in (k, v))
-        o = self.attention(q, k, v, is_causal=is_causal)  # (N, h, L, dv)
-        out, _ = finish(o, None, self.out_proj.weight, self.out_proj.bias, True, batched=batched,
-                                  seq_first=False)
+    def _efficient(self, q: Tensor, k: Tensor, v: Tensor, *, batched: bool, is_causal: bool) -> Tensor:
+        """The selected mha.efficient variant on the projections q (B, L, h*dk), k, v (B, S, Hkv*d)."""
+        q = split_heads(q, self.h)  # (B, L, h*dk) -> (B, h, L, dk)
+        k, v = (share_kv_heads(split_heads(x, self.num_kv_heads), self.h) for x in (k, v))  # -> (B, h, S, d)
+        o = self.attention(q, k, v, is_causal=is_causal)  # (B, h, L, dv)
+        out, _ = finish(o, None, self.out_proj.weight, self.out_proj.bias, True, batched=batched, seq_first=False)
         return out

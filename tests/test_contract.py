@@ -78,7 +78,7 @@ def _with_grad(contract: Contract) -> Contract:
 @given(contracts(), st.sampled_from(EXACT))
 def test_every_backend_equals_the_reference_forward_and_gradients(case, backend):
     q, k, v, contract = case
-    reason = kernels.dispatch._unsupported(backend, q, k, v, contract, 0.0) if backend != "auto" else None
+    reason = kernels.dispatch.unsupported(backend, q, k, v, contract, 0.0) if backend != "auto" else None
     if reason:  # a backend that cannot honour the contract says so, and computes nothing else
         with pytest.raises(ValueError, match="cannot run this call"):
             _run(backend, q, k, v, contract)

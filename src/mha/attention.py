@@ -52,23 +52,21 @@ def check_inputs(query, key, value, *, query_width: tuple[str, int],
     return batched
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, num_heads: int, *, num_kv_heads: int | None = None,
-           bias_k=None, bias_v=None, static_k=None, static_v=None, add_zero_attn=False, attn_mask=None,
-           key_padding_mask=None, is_causal=False, softcap=None, sinks=None, dropout_p=0.0,
-           need_weights=False, batched=True, backend="auto") -> tuple[Tensor, Tensor | None]:
-    """Attention over projected q (N, L, H*Dk), k (N, S, H_kv*Dk), v (N, S, H_kv*Dv).
+def attend(q: Tensor, k: Tensor, v: Tensor, *, bias_k=None, bias_v=None, static_k=None, static_v=None,
+           add_zero_attn=False, attn_mask=None, key_padding_mask=None, is_causal=False, softcap=None, sinks=None,
+           dropout_p=0.0, need_weights=False, batched=True, backend="auto") -> tuple[Tensor, Tensor | None]:
+    """Attention over per-head q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv).
 
     Masks follow torch.nn.MultiheadAttention (bool True = masked out); the appended keys
-    (bias_k/bias_v, zero attention) are visible to every query, causal or not. With
-    num_kv_heads < num_heads (GQA), query head h reads key/value head h // (H / H_kv).
-    Returns (output (N, H, L, Dv), weights (N, H, L, S + appended) or None).
+    (bias_k/bias_v (1, 1, Hkv*D), zero attention) are visible to every query, causal or not. With
+    Hkv < H (GQA), query head h reads key/value head h // (H / Hkv).
+    Returns (output (B, H, L, Dv), weights (B, H, L, S + appended) or None).
     """
-    q, k, v, appended = _heads(q, k, v, num_heads, num_kv_heads or num_heads, bias_k, bias_v,
-                               static_k, static_v, add_zero_attn)
-    k, v = (share_kv_heads(x, num_heads) for x in (k, v))
-    N, H, L, _ = q.shape
+    k, v, appended = _extra_keys(k, v, bias_k, bias_v, static_k, static_v, add_zero_attn)
+    B, H, L, _ = q.shape
+    k, v = share_kv_heads(k, H), share_kv_heads(v, H)
     S = k.shape[2] - appended  # the keys the caller's masks describe
-    mask, key_valid = masks.multihead(attn_mask, key_padding_mask, batch=N, num_heads=H, L=L, S=S,
+    mask, key_valid = masks.multihead(attn_mask, key_padding_mask, batch=B, num_heads=H, L=L, S=S,
                                       batched=batched, like=q)
     band = positions.band(is_causal)
     per_sequence = None
@@ -78,8 +76,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, num_heads: int, *, num_kv_heads: int
         if band is not None:
             key_positions = F.pad(torch.arange(S, device=q.device), (0, appended))  # (S + appended,)
             per_sequence = (torch.arange(L, device=q.device)[None], key_positions[None])  # (1, L), (1, S + appended)
-    contract = kernels.Contract(band=band, positions=per_sequence, key_valid=key_valid, mask=mask,
-                                softcap=softcap, sinks=sinks)
+    if band is None and mask is None and key_valid is None and softcap is None and sinks is None:
+        contract = kernels.contract.NONE  # the common case, without building a value
+    else:
+        contract = kernels.Contract(band=band, positions=per_sequence, key_valid=key_valid, mask=mask,
+                                    softcap=softcap, sinks=sinks)
     return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
 
 
@@ -144,30 +145,31 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_he
     return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
 
 
-def _heads(q, k, v, num_heads, num_kv_heads, bias_k, bias_v, static_k, static_v, add_zero_attn):
-    """Projected (N, T, H*D) tensors -> per-head (N, H, T, D), with the optional extra keys.
-
-    Returns (q, k, v, number of key columns appended after the caller's S keys).
-    """
-    N = q.shape[0]
+def _extra_keys(k, v, bias_k, bias_v, static_k, static_v, add_zero_attn):
+    """static_k/static_v in place of k (B, Hkv, S, D), v (B, Hkv, S, Dv), then bias_k/bias_v and a
+    zero key appended. Returns (k, v, number of key columns appended after the caller's S keys)."""
+    B, Hkv = k.shape[:2]
+    k = _static("static_k", static_k, k, B, Hkv)
+    v = _static("static_v", static_v, v, B, Hkv)
     if bias_k is not None:
-        k = torch.cat([k, bias_k.expand(N, 1, k.shape[-1])], dim=1)  # (N, S, H*Dk) -> (N, S+1, H*Dk)
-        v = torch.cat([v, bias_v.expand(N, 1, v.shape[-1])], dim=1)  # (N, S, H*Dv) -> (N, S+1, H*Dv)
-    q = split_heads(q, num_heads)  # (N, L, H*Dk) -> (N, H, L, Dk)
-    k, v = (split_heads(x, num_kv_heads) for x in (k, v))  # (N, S, H_kv*D) -> (N, H_kv, S, D)
-    k = _static("static_k", static_k, k, N, num_kv_heads)
-    v = _static("static_v", static_v, v, N, num_kv_heads)
+        k = torch.cat([k, bias_k.view(1, Hkv, 1, -1).expand(B, -1, -1, -1)], dim=2)  # (B, Hkv, S+1, D)
+        v = torch.cat([v, bias_v.view(1, Hkv, 1, -1).expand(B, -1, -1, -1)], dim=2)  # (B, Hkv, S+1, Dv)
     if add_zero_attn:
-        k = _append_zero_key(k)  # (N, H, S, D) -> (N, H, S+1, D)
+        k = _append_zero_key(k)  # (B, Hkv, S, D) -> (B, Hkv, S+1, D)
         v = _append_zero_key(v)
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"keys and values must have the same length, got {k.shape[2]} and "
                          f"{v.shape[2]} (check static_k / static_v)")
-    return q, k, v, int(bias_k is not None) + int(bool(add_zero_attn))
+    return k, v, int(bias_k is not None) + int(bool(add_zero_attn))
 
 
 def split_heads(x: Tensor, num_heads: int) -> Tensor:
-    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)  # (N, T, H*D) -> (N, T, H, D) -> (N, H, T, D)
+    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)  # (B, T, H*D) -> (B, T, H, D) -> (B, H, T, D)
+
+
+def split_packed_heads(x: Tensor, num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The packed projection (B, T, 3*H*D) of self-attention -> q, k, v (B, H, T, D) each."""
+    return x.unflatten(-1, (3, num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)  # -> (3, B, H, T, D)
 
 
 def _merge_heads(o: Tensor, seq_first: bool) -> Tensor:

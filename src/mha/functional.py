@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks, kernels, masks, positions
-from .attention import attend, check_inputs, finish, share_kv_heads
+from .attention import attend, check_inputs, finish, share_kv_heads, split_heads, split_packed_heads
 from .kernels._context import autocast_inputs
 
 __all__ = ["scaled_dot_product_attention", "multi_head_attention_forward"]
@@ -168,9 +168,9 @@ def multi_head_attention_forward(
                               static_k is not None or static_v is not None, embed_dim_to_check, query)
 
     x_q, x_k, x_v = (_to_batch_first(x, batched, batch_first) for x in (query, key, value))
-    q, k, v = proj.apply(x_q, x_k, x_v, is_self_attention)  # (N, L, E), (N, S, E), (N, S, E)
+    q, k, v = proj.heads(x_q, x_k, x_v, num_heads, is_self_attention)  # (B, H, L, D), (B, H, S, D) twice
     o, weights = attend(
-        q, k, v, num_heads, bias_k=bias_k, bias_v=bias_v, static_k=static_k, static_v=static_v,
+        q, k, v, bias_k=bias_k, bias_v=bias_v, static_k=static_k, static_v=static_v,
         add_zero_attn=add_zero_attn, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
         is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights, batched=batched,
         backend=backend,
@@ -218,7 +218,6 @@ class _ProjectionWeights:
 
     def __init__(self, packed, w_q, w_k, w_v, bias):
         self.packed, self.w, self.bias = packed, (w_q, w_k, w_v), bias
-        self.b = (None, None, None) if bias is None else bias.chunk(3)
 
     @classmethod
     def gather(cls, in_proj_weight, in_proj_bias, separate, q_w, k_w, v_w, E, Ek, Ev, like):
@@ -255,8 +254,9 @@ class _ProjectionWeights:
                                   k_proj_weight=k_w, v_proj_weight=v_w)
         return cls(packed, q_w, k_w, v_w, in_proj_bias)
 
-    def apply(self, x_q, x_k, x_v, is_self_attention):
-        """(N, L, E), (N, S, Ek), (N, S, Ev) -> q (N, L, E), k (N, S, E), v (N, S, E)."""
-        if self.packed is not None and is_self_attention:
-            return F.linear(x_q, self.packed, self.bias).chunk(3, dim=-1)  # one (3E, E) matmul
-        return tuple(F.linear(x, w, b) for x, w, b in zip((x_q, x_k, x_v), self.w, self.b))
+    def heads(self, x_q, x_k, x_v, num_heads, is_self_attention):
+        """(B, L, E), (B, S, Ek), (B, S, Ev) -> q (B, H, L, D), k (B, H, S, D), v (B, H, S, D)."""
+        if self.packed is not None and is_self_attention:  # one (3E, E) matmul
+            return split_packed_heads(F.linear(x_q, self.packed, self.bias), num_heads)
+        b = (None, None, None) if self.bias is None else self.bias.chunk(3)
+        return tuple(split_heads(F.linear(x, w, b_), num_heads) for x, w, b_ in zip((x_q, x_k, x_v), self.w, b))

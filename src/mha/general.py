@@ -218,8 +218,9 @@ class MultiHeadAttention(nn.Module):
                 key_padding_mask=key_padding_mask, is_causal=is_causal, dropout_p=dropout_p,
                 need_weights=need_weights, backend=backend)
         else:
-            o, weights = attend(
-                q, k, v, self.h, num_kv_heads=self.num_kv_heads, bias_k=self.bias_k, bias_v=self.bias_v,
+            q, k, v = split_heads(q, self.h), split_heads(k, self.num_kv_heads), split_heads(v, self.num_kv_heads)
+            o, weights = attend(  # per head: (B, h, L, dk), (B, Hkv, S, dk), (B, Hkv, S, dv)
+                q, k, v, bias_k=self.bias_k, bias_v=self.bias_v,
                 add_zero_attn=self.add_zero_attn, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
                 is_causal=is_causal, softcap=self.softcap, sinks=self.sinks, dropout_p=dropout_p,
                 need_weights=need_weights, batched=batched, backend=backend,

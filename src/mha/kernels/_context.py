@@ -35,6 +35,8 @@ def may_branch_on_values() -> bool:
 
 def forward_mode(*tensors: Tensor | None) -> bool:
     """Whether forward-mode derivatives are asked for: a dual tensor, or torch.func.jvp running."""
+    if forward_ad._current_level < 0 and not transforms_active():  # no dual level open: no dual tensor
+        return False
     if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
         return True
     return transforms_active() and any(i.key() == TransformType.Jvp for i in get_interpreter_stack() or ())

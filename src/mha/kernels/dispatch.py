@@ -28,50 +28,67 @@ from .sdpa import sdpa_attention
 BACKENDS = {"math": math_attention, "sdpa": sdpa_attention, "flash": flash_attention}
 
 log = logging.getLogger("mha.dispatch")
+_NAMES = ("auto", *BACKENDS)
 
 
-def _unsupported(name: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float) -> str | None:
+def unsupported(name: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float = 0.0) -> str | None:
+    """Why backend ``name`` cannot run this call, or None (math honours everything)."""
     if name == "sdpa":
         return sdpa.unsupported(q, k, v, contract, dropout_p)
     if name == "flash":
         return flash.unsupported(q, k, v, contract)
-    return None  # math honours everything
+    return None
 
 
 def choose_backend(requested: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, *,
                    need_weights: bool = False, dropout_p: float = 0.0) -> tuple[str, str]:
     """(the backend that will run, why). Raises ValueError for an unknown or unfit request."""
-    names = ("auto", *BACKENDS)
-    if requested not in names:
-        raise ValueError(f"backend must be one of {names}, got {requested!r}")
-    if need_weights:
-        if requested not in ("auto", "math"):
-            raise ValueError(f"backend={requested!r} does not return attention weights; "
-                             "use backend='math' or need_weights=False")
-        choice = ("math", "attention weights requested: only the math backend returns them")
-    elif requested != "auto":
-        reason = _unsupported(requested, q, k, v, contract, dropout_p)
-        if reason:
-            raise ValueError(f"backend={requested!r} cannot run this call: {reason}")
-        choice = (requested, "requested explicitly")
-    else:
-        no_sdpa = _unsupported("sdpa", q, k, v, contract, dropout_p)
-        no_flash = no_sdpa and _unsupported("flash", q, k, v, contract, dropout_p)
-        if not no_sdpa:
-            choice = ("sdpa", "torch's fused kernel takes the whole contract")
-        elif not no_flash:
-            choice = ("flash", f"not sdpa ({no_sdpa}): flash applies every term tile by tile")
-        else:
-            choice = ("math", f"not sdpa ({no_sdpa}), not flash ({no_flash})")
-    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):  # a graph break under compile
-        log.debug("backend %s: %s", *choice)
-    return choice
+    name, reason, _ = _choose(requested, q, k, v, contract, need_weights, dropout_p)
+    return name, reason
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p: float = 0.0,
               need_weights: bool = False, backend: str = "auto") -> tuple[Tensor, Tensor | None]:
     """Run the chosen backend on q (..., L, D), k (..., S, D), v (..., S, Dv): (output, weights or None)."""
-    name, _ = choose_backend(backend, q, k, v, contract, need_weights=need_weights, dropout_p=dropout_p)
+    name, _, sdpa_plan = _choose(backend, q, k, v, contract, need_weights, dropout_p)
+    if name == "sdpa":  # planned once, while choosing
+        return sdpa.run_planned(q, k, v, contract, dropout_p, sdpa_plan), None
     result = BACKENDS[name](q, k, v, contract, dropout_p=dropout_p)
     out, weights = result if name == "math" else (result, None)
     return out, (weights if need_weights else None)
+
+
+def _choose(requested, q, k, v, contract, need_weights, dropout_p):
+    """(name, reason, the sdpa plan when sdpa was considered)."""
+    if requested not in _NAMES:
+        raise ValueError(f"backend must be one of {_NAMES}, got {requested!r}")
+    sdpa_plan = None
+    if need_weights:
+        if requested not in ("auto", "math"):
+            raise ValueError(f"backend={requested!r} does not return attention weights; "
+                             "use backend='math' or need_weights=False")
+        choice = ("math", "attention weights requested: only the math backend returns them")
+    elif requested in ("auto", "sdpa"):
+        sdpa_plan = sdpa.plan(q, k, v, contract, dropout_p)
+        no_sdpa = sdpa_plan[1]
+        if requested == "sdpa" and no_sdpa:
+            raise ValueError(f"backend='sdpa' cannot run this call: {no_sdpa}")
+        no_flash = no_sdpa and flash.unsupported(q, k, v, contract)
+        if requested == "sdpa":
+            choice = ("sdpa", "requested explicitly")
+        elif not no_sdpa:
+            choice = ("sdpa", "torch's fused kernel takes the whole contract")
+        elif not no_flash:
+            choice = ("flash", f"not sdpa ({no_sdpa}): flash applies every term tile by tile")
+        else:
+            choice = ("math", f"not sdpa ({no_sdpa}), not flash ({no_flash})")
+    elif requested == "flash":
+        reason = flash.unsupported(q, k, v, contract)
+        if reason:
+            raise ValueError(f"backend='flash' cannot run this call: {reason}")
+        choice = ("flash", "requested explicitly")
+    else:
+        choice = ("math", "requested explicitly")
+    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):  # a graph break under compile
+        log.debug("backend %s: %s", *choice)
+    return (*choice, sdpa_plan)

@@ -47,22 +47,29 @@ _FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float = 0.0) -> str | None:
     """Why torch's kernel cannot take this call within the memory of q, k and v, or None."""
-    return _plan(q, k, v, contract, dropout_p)[1]
+    return plan(q, k, v, contract, dropout_p)[1]
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
                    dropout_p: float = 0.0) -> Tensor:
     contract = resolve(contract)
-    folded, reason = _plan(q, k, v, contract, dropout_p)
+    return run_planned(q, k, v, contract, dropout_p, plan(q, k, v, contract, dropout_p))
+
+
+def run_planned(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float, planned) -> Tensor:
+    """Run a call :func:`plan` has planned (dispatch plans once and runs the plan)."""
+    folded, reason = planned
     if reason:
         raise ValueError(f"the sdpa backend cannot run this call: {reason}; use backend='flash' or 'math'")
+    if q.dim() == k.dim() == v.dim() == 4:
+        return _run(q, k, v, contract, dropout_p, folded)
     batch = _batch(q, k, v)
     q, k, v = _as_4d(q, k, v)
     out = _run(q, k, v, contract, dropout_p, folded)
     return out.view(*batch, *out.shape[-2:])  # (..., L, Dv), the leading dims added for torch's kernel dropped
 
 
-def _plan(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float):
+def plan(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float):
     """(the shape of the one mask the contract folds into, or None when torch's kernel takes it as
     it is; why torch's kernel cannot take the call within the memory of q, k and v, or None)."""
     if contract.softcap is not None:
@@ -145,7 +152,9 @@ def _as_4d(*tensors: Tensor) -> tuple[Tensor, ...]:
 
 
 def _batch(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, ...]:
-    return tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    """The broadcast leading dims of q, k, v (..., T, D)."""
+    shapes = q.shape[:-2], k.shape[:-2], v.shape[:-2]
+    return tuple(shapes[0] if shapes[0] == shapes[1] == shapes[2] else torch.broadcast_shapes(*shapes))
 
 
 def _folded_shape(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> torch.Size:

@@ -157,17 +157,31 @@ def multi_head_attention_forward(
     no weights are computed when need_weights=False.
     Returns (output like query, weights (N, L, S) averaged or (N, H, L, S), or None).
     """
-    is_self_attention = query is key and key is value
     batched = _check_mha_inputs(query, key, value, embed_dim_to_check, num_heads, batch_first)
     dropout_p = _checks.probability("dropout_p", dropout_p) if training else 0.0
-    proj = _ProjectionWeights.gather(
+    proj = ProjectionWeights.gather(
         in_proj_weight, in_proj_bias, use_separate_proj_weight, q_proj_weight, k_proj_weight,
         v_proj_weight, embed_dim_to_check, key.shape[-1], value.shape[-1], like=query,
     )
     _check_output_and_kv_bias(out_proj_weight, out_proj_bias, bias_k, bias_v,
                               static_k is not None or static_v is not None, embed_dim_to_check, query)
+    return projected_attention(
+        query, key, value, proj, num_heads, bias_k=bias_k, bias_v=bias_v, static_k=static_k, static_v=static_v,
+        add_zero_attn=add_zero_attn, dropout_p=dropout_p, out_proj_weight=out_proj_weight,
+        out_proj_bias=out_proj_bias, key_padding_mask=key_padding_mask, need_weights=need_weights,
+        attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal,
+        batched=batched, batch_first=batch_first, backend=backend)
 
-    x_q, x_k, x_v = (_to_batch_first(x, batched, batch_first) for x in (query, key, value))
+
+def projected_attention(query, key, value, proj: ProjectionWeights, num_heads: int, *, bias_k, bias_v,
+                        add_zero_attn, dropout_p, out_proj_weight, out_proj_bias, key_padding_mask, need_weights,
+                        attn_mask, average_attn_weights, is_causal, batched, batch_first, backend,
+                        static_k=None, static_v=None) -> tuple[Tensor, Tensor | None]:
+    """The body of multi_head_attention_forward once its arguments are validated (the drop-in
+    module calls it directly: its parameters were shaped by its constructor)."""
+    is_self_attention = query is key and key is value
+    x_q = _to_batch_first(query, batched, batch_first)  # -> (B, L, E)
+    x_k, x_v = (x_q, x_q) if is_self_attention else (_to_batch_first(x, batched, batch_first) for x in (key, value))
     q, k, v = proj.heads(x_q, x_k, x_v, num_heads, is_self_attention)  # (B, H, L, D), (B, H, S, D) twice
     o, weights = attend(
         q, k, v, bias_k=bias_k, bias_v=bias_v, static_k=static_k, static_v=static_v,
@@ -176,7 +190,7 @@ def multi_head_attention_forward(
         backend=backend,
     )
     return finish(o, weights, out_proj_weight, out_proj_bias, average_attn_weights,
-                            batched=batched, seq_first=batched and not batch_first)
+                  batched=batched, seq_first=batched and not batch_first)
 
 
 def _check_mha_inputs(query, key, value, embed_dim, num_heads, batch_first) -> bool:
@@ -213,7 +227,7 @@ def _check_output_and_kv_bias(out_proj_weight, out_proj_bias, bias_k, bias_v, st
                               out_proj_bias=out_proj_bias, bias_k=bias_k, bias_v=bias_v)
 
 
-class _ProjectionWeights:
+class ProjectionWeights:
     """The input projections, packed (3E, E) or separate (E, E), (E, Ek), (E, Ev), validated."""
 
     def __init__(self, packed, w_q, w_k, w_v, bias):
@@ -244,7 +258,6 @@ class _ProjectionWeights:
                     f"{Ek} and {Ev}; use separate q/k/v_proj_weight for other widths"
                 )
             _checks.shape("in_proj_weight", packed, (3 * E, E), "(3*embed_dim, embed_dim)")
-            q_w, k_w, v_w = packed.chunk(3)
         if in_proj_bias is not None:
             _checks.shape("in_proj_bias", _checks.tensor("in_proj_bias", in_proj_bias), (3 * E,))
             if in_proj_bias.device != like.device:
@@ -258,5 +271,6 @@ class _ProjectionWeights:
         """(B, L, E), (B, S, Ek), (B, S, Ev) -> q (B, H, L, D), k (B, H, S, D), v (B, H, S, D)."""
         if self.packed is not None and is_self_attention:  # one (3E, E) matmul
             return split_packed_heads(F.linear(x_q, self.packed, self.bias), num_heads)
+        w = self.w if self.packed is None else self.packed.chunk(3)  # (3E, E) -> (E, E) three times
         b = (None, None, None) if self.bias is None else self.bias.chunk(3)
-        return tuple(split_heads(F.linear(x, w, b_), num_heads) for x, w, b_ in zip((x_q, x_k, x_v), self.w, b))
+        return tuple(split_heads(F.linear(x, w_, b_), num_heads) for x, w_, b_ in zip((x_q, x_k, x_v), w, b))

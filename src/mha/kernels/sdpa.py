@@ -78,7 +78,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float):
         return None, "torch's kernel has no attention sinks"
     if forward_mode(q, k, v):
         return None, "torch's kernel has no forward-mode AD (jvp)"
-    q, k, v = _as_4d(q, k, v)
+    if not q.dim() == k.dim() == v.dim() == 4:
+        q, k, v = _as_4d(q, k, v)
     budget = q.numel() + k.numel() + v.numel()
     why = _builds_weights(q, k, v, dropout_p)
     if why:
@@ -131,7 +132,7 @@ def _builds_weights(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> str | 
     """Why torch's CPU kernel would fall back to its math path, which builds the (B, H, L, S)
     weights, or None. Its fused kernel wants 4-D q, k, v of equal batch and heads, one head dim,
     a float dtype, contiguous rows, no dropout."""
-    if q.device.type != "cpu":
+    if not q.is_cpu:
         return None
     if dropout_p > 0.0:
         return "dropout"
@@ -141,7 +142,7 @@ def _builds_weights(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> str | 
         return "a value head dim unlike the query's"
     if not (q.dtype == k.dtype == v.dtype and q.dtype in _FUSED_DTYPES):
         return f"dtype {q.dtype}"
-    if any(t.stride(-1) != 1 for t in (q, k, v)):
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         return "rows that are not contiguous"
     return None
 

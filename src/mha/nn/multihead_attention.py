@@ -12,7 +12,8 @@ from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .. import _checks, capture, masks
-from .. import functional as mha_functional
+from ..attention import check_inputs
+from ..functional import ProjectionWeights, projected_attention
 
 __all__ = ["MultiheadAttention"]
 
@@ -119,19 +120,26 @@ class MultiheadAttention(nn.Module):
         heads, or (N, H, L, S) with average_attn_weights=False ((L, S) / (H, L, S) unbatched),
         taken after dropout as in torch.
         """
-        separate = not self._qkv_same_embed_dim
+        batched = check_inputs(query, key, value, query_width=("embed_dim", self.embed_dim),
+                               key_width=("kdim", self.kdim), value_width=("vdim", self.vdim),
+                               batch_first=self.batch_first)
+        params, out_params = self._parameters, self._modules["out_proj"]._parameters  # dict reads, not __getattr__
+        weight = out_params["weight"]
+        if query.dtype != weight.dtype or query.device != weight.device:
+            _checks.same_dtype_device("query", query, **{"the module's parameters": weight})
         capturing = capture.recording()  # mha.capture_attention: per-head weights are recorded
-        out, weights = mha_functional.multi_head_attention_forward(
-            query, key, value, self.embed_dim, self.num_heads,
-            self.in_proj_weight, self.in_proj_bias, self.bias_k, self.bias_v,
-            self.add_zero_attn, self.dropout, self.out_proj.weight, self.out_proj.bias,
-            training=self.training, key_padding_mask=key_padding_mask,
+        bias = params["in_proj_bias"]
+        if bias is not None and bias.dtype != query.dtype:
+            bias = bias.to(query.dtype)  # as torch: a bias of another dtype is added in the query's
+        proj = ProjectionWeights(params["in_proj_weight"], params["q_proj_weight"], params["k_proj_weight"],
+                                 params["v_proj_weight"], bias)  # shaped by the constructor: no per-call checks
+        out, weights = projected_attention(
+            query, key, value, proj, self.num_heads, bias_k=params.get("bias_k"), bias_v=params.get("bias_v"),
+            add_zero_attn=self.add_zero_attn, dropout_p=self.dropout if self.training else 0.0,
+            out_proj_weight=weight, out_proj_bias=out_params["bias"], key_padding_mask=key_padding_mask,
             need_weights=need_weights or capturing, attn_mask=attn_mask,
-            use_separate_proj_weight=separate, q_proj_weight=self.q_proj_weight,
-            k_proj_weight=self.k_proj_weight, v_proj_weight=self.v_proj_weight,
             average_attn_weights=average_attn_weights and not capturing, is_causal=is_causal,
-            batch_first=self.batch_first, backend=getattr(self, "backend", "auto"),
-        )
+            batched=batched, batch_first=self.batch_first, backend=getattr(self, "backend", "auto"))
         if capturing:
             batched = query.dim() == 3
             capture.record(self, weights, batched)

@@ -140,12 +140,13 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_he
     else:
         if L != S:
             raise ValueError(f"with a cache, query and key are the same new tokens: got lengths {L} and {S}")
-        q_pos = k_pos = cache.next_positions(N, L, q.device, key_valid)  # (N, L)
+        uniform = cache.uniform and key_valid is None  # every sequence at the same length: an offset suffices
+        # positions are needed by RoPE and by sequences of different lengths; a uniform decode step skips them
+        q_pos = k_pos = None if uniform and rope is None else cache.next_positions(N, L, q.device, key_valid)
     if rope is not None:
         q, k = rope(q, q_pos[..., None, :]), rope(k, k_pos[..., None, :])  # positions (N|1, 1, T) over the heads
     per_sequence = None
     if cache is not None:
-        uniform = cache.uniform and key_valid is None  # every sequence at the same length: an offset suffices
         k, v, k_pos, key_valid = cache.update(k, v, k_pos, key_valid)
         per_sequence = None if uniform else (q_pos, k_pos)  # (N, L), (N, S_all)
         key_valid = None if uniform else key_valid

@@ -31,10 +31,11 @@ class KVCache:
         self.window = None if window is None else _checks.positive_int("window", window)
         if self.max_length is not None and self.window is not None:
             raise ValueError("a rolling cache (window) needs no max_length; pass one or the other")
-        self.keys = self.values = self.positions = self.valid = None
+        self.keys = self.values = None  # (N, H_kv, slots, D): preallocated ones hold max_length slots
         self.size = 0  # filled slots along S
-        self.padded = False  # whether any step came with a key_padding_mask
-        self.lengths: Tensor | None = None  # (N,) tokens seen per sequence
+        self.seen = 0  # tokens each sequence has seen, while they all have the same (a rolling cache drops some)
+        # once a key_padding_mask arrives, sequences differ: per-slot positions and validity (N, slots), lengths (N,)
+        self.positions = self.valid = self._lengths = None
         self._owner = None  # a weak reference to the module whose keys this cache holds
 
     def attach(self, module, window: tuple[int, int] | None) -> None:
@@ -58,44 +59,75 @@ class KVCache:
                 f"max_length={self.max_length}" if self.max_length else "growing")
         return f"KVCache({kind}, size={self.size})"
 
+    @property
+    def uniform(self) -> bool:
+        """Every sequence at the same length with every key valid, so masks reduce to an offset band:
+        true until a key_padding_mask arrives. Kept in Python, so no step reads tensor values."""
+        return self.valid is None
+
+    @property
+    def lengths(self) -> Tensor | None:
+        """(N,) tokens seen per sequence (padding excluded), or None while empty."""
+        if self._lengths is not None or self.keys is None:
+            return self._lengths
+        return torch.full((self.keys.shape[0],), self.seen, dtype=torch.long, device=self.keys.device)
+
     def next_positions(self, batch: int, new: int, device, valid: Tensor | None = None) -> Tensor:
-        """(N, new) positions of the next tokens: each sequence continues where it stopped, and a
-        token's position counts the valid tokens before it (padding, left or right, takes none)."""
-        if self.lengths is not None and self.lengths.shape[0] != batch:
-            raise ValueError(f"the cache holds a batch of {self.lengths.shape[0]} sequences, got {batch}")
-        start = 0 if self.lengths is None else self.lengths[:, None]  # (N, 1)
+        """Positions of the next tokens, (1, new) while the cache is uniform and no padding comes, else
+        (N, new): each sequence continues where it stopped, and a token's position counts the valid
+        tokens before it (padding, left or right, takes none)."""
+        if self.keys is not None and self.keys.shape[0] != batch:
+            raise ValueError(f"the cache holds a batch of {self.keys.shape[0]} sequences, got {batch}")
+        if valid is None and self.uniform:
+            return torch.arange(self.seen, self.seen + new, device=device)[None]  # (1, new)
+        start = 0 if self.keys is None else self.lengths[:, None]  # (N, 1)
         if valid is None:
             return start + torch.arange(new, device=device).expand(batch, new)
         return start + valid.cumsum(dim=1) - valid.long()  # valid tokens before each one
 
-    @property
-    def uniform(self) -> bool:
-        """Every sequence at the same length with every key valid (masks reduce to an offset band):
-        true until a key_padding_mask arrives. Kept in Python, so no step reads tensor values."""
-        return not self.padded
-
-    def update(self, keys: Tensor, values: Tensor, positions: Tensor,
+    def update(self, keys: Tensor, values: Tensor, positions: Tensor | None,
                valid: Tensor | None = None) -> tuple[Tensor, ...]:
-        """Store new keys (N, H_kv, L, Dk), values (N, H_kv, L, Dv) with their positions and
-        validity (N, L) (None: all valid); returns everything attention sees now: (keys, values,
-        positions, valid) over the cached and the new tokens."""
+        """Store new keys (N, H_kv, L, Dk), values (N, H_kv, L, Dv) with their positions (N|1, L) and
+        validity (N, L) (None: all valid; positions may be None while the cache is uniform); returns everything attention sees now: (keys, values,
+        positions, valid) over the cached and the new tokens, positions and valid None while uniform."""
         if self.keys is not None:
             self._check_like_stored(keys, values)
-        if valid is not None and self.window is not None:
-            raise ValueError("a rolling cache (window) takes no key_padding_mask: give each sequence its own cache")
-        self.padded = self.padded or valid is not None
+        if valid is not None:
+            if self.window is not None:
+                raise ValueError("a rolling cache (window) takes no key_padding_mask: give each sequence its own cache")
+            self._track_each_sequence(keys.shape[0], keys.device)
+        L = keys.shape[2]
+        if self.uniform:
+            self.seen += L
+            return (*self._append(keys, values), None, None)
         if valid is None:
-            valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
-        new = (keys, values, positions, valid)
-        if self.max_length is not None:
-            seen = self._write_preallocated(new)
-        else:
-            stored = (self.keys, self.values, self.positions, self.valid)
-            seen = new if self.keys is None else tuple(_concat(old, t, self.size) for old, t in zip(stored, new))
-            self._store(seen)
-        added = valid.sum(dim=1)
-        self.lengths = added if self.lengths is None else self.lengths + added
-        return seen
+            valid = torch.ones(keys.shape[0], L, dtype=torch.bool, device=keys.device)
+        self._lengths = self._lengths + valid.sum(dim=1)
+        return self._append(keys, values, positions.expand(keys.shape[0], L), valid)
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` slots and forget the rest (rejected draft tokens of speculative
+        decoding, a rewound prompt): the next tokens continue from there."""
+        if self.window is not None:
+            raise ValueError("a rolling cache (window) cannot be cropped: it has dropped its oldest keys")
+        if not 0 <= length <= self.size:
+            raise ValueError(f"length must be in [0, {self.size}] (the filled slots), got {length}")
+        if self.max_length is None and self.keys is not None:
+            self.keys, self.values = (t.narrow(2, 0, length) for t in (self.keys, self.values))
+            if not self.uniform:
+                self.positions, self.valid = (t.narrow(1, 0, length) for t in (self.positions, self.valid))
+        if not self.uniform:
+            self._lengths = self.valid[:, :length].sum(dim=1)
+        self.size = self.seen = length
+
+    def _track_each_sequence(self, batch: int, device) -> None:
+        """From uniform to per-sequence bookkeeping: the stored slots get positions 0..size-1, all valid."""
+        if not self.uniform:
+            return
+        slots = self.size if self.max_length is None else self.max_length
+        self.positions = torch.arange(slots, device=device).expand(batch, slots).clone()  # (N, slots)
+        self.valid = torch.arange(slots, device=device).expand(batch, slots) < self.size  # (N, slots)
+        self._lengths = torch.full((batch,), self.seen, dtype=torch.long, device=device)
 
     def _check_like_stored(self, keys: Tensor, values: Tensor) -> None:
         for name, new, stored in (("keys", keys, self.keys), ("values", values, self.values)):
@@ -107,33 +139,38 @@ class KVCache:
                 raise ValueError(f"the cache holds {name} of dtype {stored.dtype} on {stored.device}, got "
                                  f"{new.dtype} on {new.device}")
 
-    def _store(self, seen) -> None:
-        """Keep what a growing or rolling cache retains (a rolling one: the last ``window`` slots)."""
-        if self.window is not None:
-            seen = tuple(t.narrow(_slots(t), max(0, t.shape[_slots(t)] - self.window),
-                                  min(self.window, t.shape[_slots(t)])) for t in seen)
-        self.keys, self.values, self.positions, self.valid = seen
-        self.size = self.keys.shape[2]
+    def _append(self, *new: Tensor) -> tuple[Tensor, ...]:
+        """Add the new slots to keys, values (and positions, valid once tracked); returns the filled part."""
+        stored = (self.keys, self.values, self.positions, self.valid)[:len(new)]
+        L = new[0].shape[2]
+        if self.max_length is not None:
+            if self.size + L > self.max_length:
+                raise ValueError(f"the cache holds max_length={self.max_length} tokens; {self.size} are stored "
+                                 f"and {L} more came")
+            if self.keys is None:
+                stored = tuple(_preallocate(t, self.max_length) for t in new)
+            for buffer, t in zip(stored, new):
+                buffer.narrow(_slots(t), self.size, L).copy_(t)  # into slots [size, size + L)
+            filled = self.size + L
+            seen = tuple(t.narrow(_slots(t), 0, filled) for t in stored)
+        else:
+            seen = new if self.keys is None else tuple(_concat(old, t, self.size) for old, t in zip(stored, new))
+            if self.window is not None:  # a rolling cache keeps the last `window` slots
+                stored = tuple(t.narrow(_slots(t), max(0, t.shape[_slots(t)] - self.window),
+                                        min(self.window, t.shape[_slots(t)])) for t in seen)
+            else:
+                stored = seen
+            filled = stored[0].shape[2]
+        self.keys, self.values = stored[:2]
+        if len(stored) == 4:
+            self.positions, self.valid = stored[2:]
+        self.size = filled
+        return seen
 
-    def _write_preallocated(self, new) -> tuple[Tensor, ...]:
-        keys, values, positions, valid = new
-        L = keys.shape[2]
-        if self.keys is None:
-            N, H = keys.shape[:2]
-            self.keys = keys.new_empty(N, H, self.max_length, keys.shape[-1])
-            self.values = values.new_empty(N, H, self.max_length, values.shape[-1])
-            self.positions = positions.new_empty(N, self.max_length)
-            self.valid = valid.new_zeros(N, self.max_length)
-        if self.size + L > self.max_length:
-            raise ValueError(f"the cache holds max_length={self.max_length} tokens; {self.size} are stored "
-                             f"and {L} more came")
-        end = self.size + L
-        self.keys[:, :, self.size:end] = keys  # (N, H_kv, L, Dk) into its slots
-        self.values[:, :, self.size:end] = values
-        self.positions[:, self.size:end] = positions
-        self.valid[:, self.size:end] = valid
-        self.size = end
-        return (self.keys[:, :, :end], self.values[:, :, :end], self.positions[:, :end], self.valid[:, :end])
+
+def _preallocate(t: Tensor, slots: int) -> Tensor:
+    axis = _slots(t)
+    return t.new_zeros(*t.shape[:axis], slots, *t.shape[axis + 1:])
 
 
 def _slots(t: Tensor) -> int:

@@ -190,8 +190,11 @@ class MultiHeadAttention(nn.Module):
                 need_weights, average_attn_weights=True) -> tuple[Tensor, Tensor | None]:
         batched = check_inputs(query, key, value, query_width=("cq", self.cq), key_width=("ck", self.ck),
                                value_width=("cv", self.cv), batch_first=True)
-        _checks.same_dtype_device("query", query, **{"the module's parameters": self.q_proj.weight})
+        weight = self.out_proj.weight
+        if query.dtype != weight.dtype or query.device != weight.device:
+            _checks.same_dtype_device("query", query, **{"the module's parameters": weight})
         x_q, x_k, x_v = (x if batched else x.unsqueeze(0) for x in (query, key, value))  # (T, c) -> (B=1, T, c)
+        # the submodules are called (not their weights read), so wrappers such as LoRA's keep working
         q, k, v = self.q_proj(x_q), self.k_proj(x_k), self.v_proj(x_v)  # (B, T, h*dk), (B, S, Hkv*dk|dv)
         if self.attention is not None:
             if attn_mask is not None or key_padding_mask is not None or cache is not None or need_weights:

@@ -96,3 +96,9 @@ def test_training_script_runs_a_tiny_budget(tmp_path):
     data = json.loads((tmp_path / "training.json").read_text())
     assert [r["variant"] for r in data["results"]] == ["exact", "nystrom m=32"]
     assert len(data["results"][0]["curve"]) == 13 and (tmp_path / "training.png").exists()
+
+
+def test_overhead_rows_time_the_drop_in_and_a_decode_step_against_torch():
+    rows = list(bench.overhead_rows(repeat=1, points=[(1, 1, 32, 4)], decode_lengths=[16]))
+    assert [r.point for r in rows] == ["drop-in B1 T1 E32 H4", "decode step S=16 E512 H8"]
+    assert rows[0].ratios["ours/torch-eval"] > 0 and rows[1].ratios["ours/torch step"] > 0

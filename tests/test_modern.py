@@ -194,3 +194,21 @@ def test_llama_layout_round_trip_with_fewer_kv_heads():
         layouts.from_general(module.state_dict(), "torch")
     with pytest.raises(ValueError, match="multiple"):
         layouts.general_module(llama, "llama", num_heads=1)  # 1 head cannot share 2 kv heads
+
+
+@pytest.mark.parametrize("kind", [dict(max_length=16), dict()], ids=["preallocated", "growing"])
+def test_a_cropped_cache_continues_as_if_the_dropped_tokens_never_came(kind):
+    torch.manual_seed(0)
+    module = mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, rope=mha.RotaryEmbedding(4)).eval()
+    prompt, draft, token = torch.randn(1, 5, 8), torch.randn(1, 3, 8), torch.randn(1, 1, 8)
+    cropped, clean = mha.KVCache(**kind), mha.KVCache(**kind)
+    with torch.no_grad():
+        for cache in (cropped, clean):
+            module(prompt, prompt, prompt, is_causal=True, cache=cache)
+        module(draft, draft, draft, is_causal=True, cache=cropped)  # rejected draft tokens
+        cropped.crop(5)
+        torch.testing.assert_close(module(token, token, token, is_causal=True, cache=cropped),
+                                   module(token, token, token, is_causal=True, cache=clean))
+    assert cropped.lengths.tolist() == [6]
+    with pytest.raises(ValueError, match=r"length must be in \[0, 6\]"):
+        cropped.crop(7)

@@ -91,6 +91,9 @@ class Band:
         return self.left is None and self.right == 0
 
 
+CAUSAL = Band(None, 0)  # keys at distance <= 0: the band of plain causality
+
+
 def band(is_causal: bool = False, window: tuple[int, int] | None = None) -> Band | None:
     """The Band of causality and/or a sliding window, or None when every key is visible.
 
@@ -100,7 +103,7 @@ def band(is_causal: bool = False, window: tuple[int, int] | None = None) -> Band
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__} ({is_causal!r})")
     if window is None:
-        return Band(None, 0) if is_causal else None
+        return CAUSAL if is_causal else None
     left, right = check_window(window)
     if is_causal:
         right = 0

@@ -1,6 +1,7 @@
 """Benchmark mha against torch (ratios in one run) and write JSON, CSV and a plot.
 
-Sections: module (forward vs torch's train and eval paths), causal, backends (sdpa, flash, math,
+Sections: module (forward vs torch's train and eval paths), causal, overhead (tiny shapes and a
+decode step, where per-call Python work shows), backends (sdpa, flash, math,
 numpy blocked; GFLOP/s beside a matmul's), training (forward + backward), contract (our SDPA vs
 torch's on causal, bottom-right, padding, windows, ALiBi), memory (peak RSS of every default path
 in fresh processes), modern (KV-cache decoding, sliding windows). See mha.bench for how each is
@@ -26,7 +27,7 @@ FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [25
 QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 2048, 256)],
              backends=[512, 1024], training=[(4, 512, 256)], contract=1024, memory=2048, decode=128,
              window=(4096, 128), variants=[256, 1024])
-SECTIONS = ("module", "causal", "backends", "training", "contract", "memory", "modern", "variants")
+SECTIONS = ("module", "causal", "overhead", "backends", "training", "contract", "memory", "modern", "variants")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +77,8 @@ def _jobs(grid, sections, repeat):
         jobs += [(f"module {p}", lambda p=p: list(bench.module_rows([p], repeat))) for p in grid["module"]]
     if "causal" in sections:
         jobs += [(f"causal {p}", lambda p=p: list(bench.module_rows([p], repeat, causal=True))) for p in grid["causal"]]
+    if "overhead" in sections:
+        jobs.append(("overhead", lambda: list(bench.overhead_rows(repeat))))
     if "backends" in sections:
         jobs += [(f"backends T{T}", lambda T=T: list(bench.backend_rows([T], repeat))) for T in grid["backends"]]
     if "training" in sections:
@@ -104,7 +107,7 @@ def _table(section: str, rows) -> Table:
     for c in ratio_columns + extra_columns:
         table.add_column(c, justify="right", style="bold" if c in ratio_columns else None)
     for r in rows:
-        cells = [f"{r.times_ms[c]:.1f}" if c in r.times_ms else "-" for c in columns]
+        cells = [f"{r.times_ms[c]:.3g}" if c in r.times_ms else "-" for c in columns]
         cells += [f"{r.ratios[c]:.2f}" if c in r.ratios else "-" for c in ratio_columns]
         cells += [f"{r.extra[c]:.3g}" if c in r.extra else "-" for c in extra_columns]
         table.add_row(r.point, *cells)

@@ -106,6 +106,77 @@ def module_rows(points, repeat: int, causal: bool = False) -> Iterator[Row]:
                   {f"ours/{name}": t["ours"] / t[name] for name in fns if name != "ours"})
 
 
+# -- per-call overhead: tiny shapes, where Python work shows --------------------------------------
+
+OVERHEAD_POINTS = [(1, 1, 256, 8), (1, 16, 256, 8), (4, 8, 128, 4)]  # (B, T, E, H)
+
+
+def overhead_rows(repeat: int, points=OVERHEAD_POINTS, decode_lengths=(1024, 8192)) -> Iterator[Row]:
+    """Eval forward (no_grad) of the drop-in against torch's eval path at tiny shapes, and one decode
+    step of the general module with a preallocated KVCache against a bare torch step over the same
+    cache (three linears, SDPA over the cached keys, one linear). Times are per call, the best of
+    ``repeat`` rounds of 200 calls each, the compared calls in turn."""
+    with torch.no_grad():
+        for B, T, E, H in points:
+            torch.manual_seed(0)
+            theirs = torch.nn.MultiheadAttention(E, H, batch_first=True).eval()
+            ours = MultiheadAttention(E, H, batch_first=True).eval()
+            ours.load_state_dict(theirs.state_dict())
+            x = torch.randn(B, T, E)
+            t = _per_call_times({"ours": lambda: ours(x, x, x, need_weights=False),
+                                 "torch-eval": lambda: theirs(x, x, x, need_weights=False),
+                                 "ours weights": lambda: ours(x, x, x),
+                                 "torch-eval weights": lambda: theirs(x, x, x)}, repeat)
+            yield Row("overhead", f"drop-in B{B} T{T} E{E} H{H}", t,
+                      {"ours/torch-eval": t["ours"] / t["torch-eval"],
+                       "weights: ours/torch-eval": t["ours weights"] / t["torch-eval weights"]})
+        for S in decode_lengths:
+            yield _decode_step_row(S, repeat)
+
+
+def _per_call_times(fns: dict[str, Callable[[], object]], repeat: int, calls: int = 200,
+                    before: Callable[[], object] | None = None) -> dict[str, float]:
+    """Best mean time per call in ms over ``repeat`` rounds of ``calls`` calls, functions in turn;
+    ``before`` runs ahead of each call, untimed."""
+    times = {name: float("inf") for name in fns}
+    for _ in range(repeat + 1):  # the first round warms up
+        for name, fn in fns.items():
+            total = 0.0
+            for _ in range(calls):
+                if before is not None:
+                    before()
+                start = time.perf_counter()
+                fn()
+                total += time.perf_counter() - start
+            times[name] = min(times[name], total / calls * 1e3)
+    return times
+
+
+def _decode_step_row(S: int, repeat: int, E: int = 512) -> Row:
+    torch.manual_seed(0)
+    D = E // HEADS
+    module = MultiHeadAttention(E, E, E, D, D, E, HEADS).eval()
+    cache = KVCache(max_length=S + 1)
+    prompt = torch.randn(1, S, E)
+    module(prompt, prompt, prompt, is_causal=True, cache=cache)  # S keys cached
+    keys, values = cache.keys.clone(), cache.values.clone()  # (1, H, S + 1, D): torch's own buffers
+    x = torch.randn(1, 1, E)
+    q_proj, k_proj, v_proj, out_proj = module.q_proj, module.k_proj, module.v_proj, module.out_proj
+
+    def heads(t):
+        return t.view(1, 1, HEADS, D).transpose(1, 2)  # (1, 1, E) -> (1, H, 1, D)
+
+    def bare():
+        keys[:, :, S:] = heads(k_proj(x))
+        values[:, :, S:] = heads(v_proj(x))
+        o = torch.nn.functional.scaled_dot_product_attention(heads(q_proj(x)), keys, values)
+        return out_proj(o.transpose(1, 2).reshape(1, 1, E))  # (1, H, 1, D) -> (1, 1, E)
+
+    t = _per_call_times({"ours": lambda: module(x, x, x, is_causal=True, cache=cache), "torch step": bare},
+                        repeat, calls=50, before=lambda: cache.crop(S))
+    return Row("overhead", f"decode step S={S} E{E} H{HEADS}", t, {"ours/torch step": t["ours"] / t["torch step"]})
+
+
 def matmul_gflops(n: int = 2048, repeat: int = 3) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
     t = best_times({"mm": lambda: a @ b}, repeat)["mm"]

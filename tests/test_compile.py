@@ -1,0 +1,93 @@
+"""torch.compile(fullgraph=True) traces every entry point in one graph, and torch.export exports
+the modules: break counts from torch._dynamo.explain, outputs against eager."""
+
+import pytest
+import torch
+import torch._dynamo
+
+import mha
+
+E, H = 32, 4
+
+
+def _breaks(fn, *args):
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fn)(*args)
+    return explained.graph_count, explained.graph_break_count, [str(r.reason)[:200] for r in explained.break_reasons]
+
+
+def _cases():
+    torch.manual_seed(0)
+    x = torch.randn(5, 2, E)  # (L, B, E): seq-first, torch's default
+    xb = x.transpose(0, 1).contiguous()  # (B, L, E)
+    drop_in = mha.nn.MultiheadAttention(E, H).eval()
+    general = mha.MultiHeadAttention(E, E, E, 8, 8, E, H, num_kv_heads=2, rope=mha.RotaryEmbedding(8)).eval()
+    encoder = mha.nn.TransformerEncoderLayer(E, H, 64, dropout=0.0).eval()
+    decoder = mha.nn.TransformerDecoderLayer(E, H, 64, dropout=0.0).eval()
+    q = torch.randn(2, H, 6, 8)
+    return {
+        "drop-in, weights": (lambda a: drop_in(a, a, a), x),
+        "drop-in, no weights, causal": (lambda a: drop_in(a, a, a, need_weights=False, is_causal=True), x),
+        "general, RoPE + GQA + causal": (lambda a: general(a, a, a, is_causal=True), xb),
+        "encoder layer": (lambda a: encoder(a), x),
+        "decoder layer": (lambda a: decoder(a, a, tgt_is_causal=False), x),
+        "functional SDPA, causal": (lambda a: mha.functional.scaled_dot_product_attention(a, a, a, is_causal=True), q),
+        "functional SDPA, bottom-right + window":
+            (lambda a: mha.functional.scaled_dot_product_attention(a[:, :, :3], a, a, is_causal=True,
+                                                                   causal_alignment="bottom_right", window=(2, 0)), q),
+    }
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_no_graph_breaks_and_equal_outputs(name):
+    fn, x = _cases()[name]
+    graphs, breaks, reasons = _breaks(fn, x)
+    assert (graphs, breaks) == (1, 0), reasons
+    with torch.no_grad():
+        want = fn(x)
+        got = torch.compile(fn, fullgraph=True, backend="eager")(x)
+    torch.testing.assert_close(got, want)  # tensors, or (output, weights) pairs
+
+
+@pytest.mark.parametrize("cache_kind", [dict(max_length=32), dict()])
+def test_a_cache_decode_step_has_no_graph_break(cache_kind):
+    torch.manual_seed(0)
+    module = mha.MultiHeadAttention(E, E, E, 8, 8, E, H, num_kv_heads=2, rope=mha.RotaryEmbedding(8)).eval()
+    prompt, token = torch.randn(2, 5, E), torch.randn(2, 1, E)
+    eager, traced = mha.KVCache(**cache_kind), mha.KVCache(**cache_kind)
+    with torch.no_grad():
+        for cache in (eager, traced):
+            module(prompt, prompt, prompt, is_causal=True, cache=cache)
+        want = module(token, token, token, is_causal=True, cache=eager)
+        graphs, breaks, reasons = _breaks(lambda t: module(t, t, t, is_causal=True, cache=traced), token)
+        assert (graphs, breaks) == (1, 0), reasons
+        torch.testing.assert_close(traced.keys[:, :, :6], eager.keys[:, :, :6])  # the traced step stored its key
+        traced.crop(5)
+        step = torch.compile(lambda t: module(t, t, t, is_causal=True, cache=traced), fullgraph=True, backend="eager")
+        torch.testing.assert_close(step(token), want)
+
+
+def test_inductor_compiles_the_drop_in_to_equal_outputs():
+    torch.manual_seed(0)
+    module = mha.nn.MultiheadAttention(E, H, batch_first=True).eval()
+    x = torch.randn(2, 7, E)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True)
+    with torch.no_grad():
+        for want, got in zip(module(x, x, x), compiled(x, x, x)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: (mha.nn.MultiheadAttention(E, H, batch_first=True), True),
+    lambda: (mha.MultiHeadAttention(E, E, E, 8, 8, E, H, num_kv_heads=2, rope=mha.RotaryEmbedding(8)), False),
+    lambda: (mha.nn.TransformerEncoderLayer(E, H, 64, dropout=0.0, batch_first=True), False),
+], ids=["drop-in", "general", "encoder layer"])
+def test_torch_export_gives_the_eager_outputs(build):
+    torch.manual_seed(0)
+    module, three_inputs = build()
+    module.eval()
+    x = torch.randn(2, 7, E)
+    args = (x, x, x) if three_inputs or isinstance(module, mha.MultiHeadAttention) else (x,)
+    exported = torch.export.export(module, args)
+    torch.testing.assert_close(exported.module()(*args), module(*args))

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from mha import cli
-from mha.tools import bench, bench_memory
 from mha.cli import bench as bench_cli
+from mha.tools import bench, bench_memory
 
 
 def test_best_times_keeps_the_minimum_of_each():

@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import mha
 from mha import cli, kernels
 
 
@@ -16,9 +18,26 @@ def test_verify_quick_passes_and_prints_the_table(capsys, tmp_path):
     assert cli.main(["verify", "--quick", "--json", str(report)]) == 0
     out = capsys.readouterr().out
     assert "all passed" in out and "fp32 grads" in out and "is_causal" in out
-    rows = json.loads(report.read_text())
+    report = json.loads(report.read_text())
+    rows = report["cases"]
     assert len(rows) == 48 and all(r["passed"] for r in rows)
+    assert report["summary"]["cases"] == 48 and report["summary"]["failed"] == 0
+    assert report["summary"]["versions"]["torch"] == torch.__version__
     assert {"fp64/output", "fp32/output"} <= set(rows[0]["errors"])
+
+
+def test_cli_version_and_a_closed_pipe(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"mha {mha.__version__}"
+    ran = subprocess.run(f"{sys.executable} -m mha explain --format markdown --length 16 --embed-dim 32 --batch 4 | head -1",
+                         shell=True, capture_output=True, text=True)
+    assert ran.stdout.startswith("# ") and "Traceback" not in ran.stderr
+
+
+def test_plot_refuses_text_without_a_checkpoint(tmp_path, capsys):
+    assert cli.main(["plot", "--text", "hello", "--out", str(tmp_path / "a.png")]) == 2
+    assert "--text needs --checkpoint" in capsys.readouterr().err
 
 
 def test_verify_exits_1_when_a_case_fails(monkeypatch, capsys):
@@ -144,7 +163,7 @@ def test_convert_refuses_missing_keys_and_writes_nothing(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, words", [
     (["--prefix", "nothing."], ["prefix"]),
-    (["--to", "per_head"], ["num_heads"]),
+    (["--to", "per_head"], ["--num-heads"]),
 ])
 def test_convert_errors(tmp_path, capsys, args, words):
     import torch

@@ -88,8 +88,9 @@ class KVCache:
     def update(self, keys: Tensor, values: Tensor, positions: Tensor | None,
                valid: Tensor | None = None) -> tuple[Tensor, ...]:
         """Store new keys (N, H_kv, L, Dk), values (N, H_kv, L, Dv) with their positions (N|1, L) and
-        validity (N, L) (None: all valid; positions may be None while the cache is uniform); returns everything attention sees now: (keys, values,
-        positions, valid) over the cached and the new tokens, positions and valid None while uniform."""
+        validity (N, L) (None: all valid; positions may be None while the cache is uniform); returns
+        everything attention sees now: (keys, values, positions, valid) over the cached and the new
+        tokens, positions and valid None while uniform."""
         if self.keys is not None:
             self._check_like_stored(keys, values)
         if valid is not None:

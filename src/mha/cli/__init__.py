@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
+from .. import __version__
 from . import bench, convert, explain, plot, verify
 
-COMMANDS = {"verify": verify, "convert": convert, "bench": bench, "explain": explain, "plot": plot}  # each module has add_arguments and run
+# each command module has add_arguments and run, and calls the mha.tools module of its name
+COMMANDS = {"verify": verify, "convert": convert, "bench": bench, "explain": explain, "plot": plot}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mha", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"mha {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, module in COMMANDS.items():
         module.add_arguments(commands.add_parser(name, help=module.__doc__.splitlines()[0],
@@ -20,4 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return COMMANDS[args.command].run(args)
+    try:
+        return COMMANDS[args.command].run(args)
+    except BrokenPipeError:  # `mha explain | head`: the reader left; end quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        return 0

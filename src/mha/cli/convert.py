@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
         written = convert.convert_file(args.input, args.output, source=args.source, target=args.target,
                                          num_heads=args.num_heads, prefix=args.prefix, out_prefix=args.out_prefix)
     except (ValueError, TypeError, OSError) as error:
-        print(f"mha convert: error: {error}", file=sys.stderr)
+        message = str(error).replace("num_heads", "--num-heads")  # the library's argument is this command's flag
+        print(f"mha convert: error: {message}", file=sys.stderr)
         return 2
     table = Table(title=f"{args.input} ({args.source}) -> {args.output} ({args.target})")
     table.add_column("key")

@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "markdown" or args.out:
         text = explain.render_markdown(steps)
         if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(text)
             print(f"wrote {args.out}")
         else:

@@ -16,7 +16,9 @@ from ..tools import plot
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", type=Path, default=None, help="a BERT-family checkpoint directory")
-    parser.add_argument("--text", default="The quick brown fox jumps over the lazy dog.")
+    parser.add_argument("--text", default=None,
+                        help="the sentence to run through --checkpoint (default: 'The quick brown fox jumps over the "
+                             "lazy dog.'); without a checkpoint the seed 003 example is drawn and --text is refused")
     parser.add_argument("--layer", type=int, default=0, help="which layer (default 0)")
     parser.add_argument("--heads", type=int, nargs="+", default=None, help="which heads (default all)")
     parser.add_argument("--out", type=Path, default=Path("attention.png"))
@@ -25,12 +27,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         if args.checkpoint is None:
+            if args.text is not None:
+                raise ValueError("--text needs --checkpoint (a model to run it through); without one the seed 003 "
+                                 "sentence 'Life is short, eat dessert first' is drawn")
             weights, tokens = plot.sentence_example()
             title = "seed 003: 'Life is short, eat dessert first', 3 heads (d_k=24, d_v=28)"
         else:
             from ..tools.bert import attention_maps
 
-            tokens, maps, _ = attention_maps(args.checkpoint, args.text)
+            text = "The quick brown fox jumps over the lazy dog." if args.text is None else args.text
+            tokens, maps, _ = attention_maps(args.checkpoint, text)
             if not 0 <= args.layer < len(maps):
                 raise ValueError(f"--layer {args.layer} does not exist: the model has layers 0..{len(maps) - 1}")
             weights = maps[args.layer]

@@ -61,14 +61,14 @@ def run(args: argparse.Namespace) -> int:
 def summary_table(results: list[verify.Result]) -> Table:
     columns = [f"{tag}/{q}" for tag in ("fp64", "fp32") for q in verify.QUANTITIES]
     table = Table(title="mha.nn.MultiheadAttention vs the float64 oracle (max abs error)")
-    table.add_column("group", no_wrap=True)
+    table.add_column("group", no_wrap=True, max_width=26)
+    table.add_column("result", no_wrap=True, min_width=6)  # second, so an 80-column terminal keeps it
     table.add_column("cases", justify="right", min_width=5)
     short = {"output": "out", "weights": "weights", "grads": "grads"}
     for c in columns:
         tag, quantity = c.split("/")
         table.add_column(f"{tag} {short[quantity]}", justify="right", no_wrap=True, min_width=7)
     table.add_column("torch fp32 out", justify="right", style="dim", no_wrap=True, min_width=7)
-    table.add_column("result", no_wrap=True)
     by_group = defaultdict(list)
     for r in results:
         by_group[r.case.group].append(r)
@@ -76,11 +76,9 @@ def summary_table(results: list[verify.Result]) -> Table:
         cells = [_max_cell(rs, c) for c in columns]
         failed = sum(not r.passed for r in rs)
         verdict = "[green]pass[/]" if not failed else f"[red]{failed} fail[/]"
-        table.add_row(group, str(len(rs)), *cells, _max_cell(rs, "torch-fp32/output"), verdict)
-    table.add_row("all", str(len(results)), *(_max_cell(results, c) for c in columns),
-                  _max_cell(results, "torch-fp32/output"),
-                  "[green]pass[/]" if all(r.passed for r in results) else "[red]fail[/]",
-                  style="bold")
+        table.add_row(group, verdict, str(len(rs)), *cells, _max_cell(rs, "torch-fp32/output"))
+    table.add_row("all", "[green]pass[/]" if all(r.passed for r in results) else "[red]fail[/]", str(len(results)),
+                  *(_max_cell(results, c) for c in columns), _max_cell(results, "torch-fp32/output"), style="bold")
     return table
 
 
@@ -90,7 +88,17 @@ def _max_cell(results, key: str) -> str:
 
 
 def write_json(path: str, results: list[verify.Result]) -> None:
+    """{"summary": counts and versions, "cases": every case's errors, limits and verdict}."""
+    import platform
+
+    import numpy
+
+    from .. import __version__
+
     rows = [{"case": r.case.__dict__, "errors": r.errors, "limits": r.limits,
              "passed": r.passed, "failures": r.failures} for r in results]
+    summary = {"cases": len(results), "failed": sum(not r.passed for r in results),
+               "versions": {"mha": __version__, "torch": torch.__version__, "numpy": numpy.__version__,
+                            "python": platform.python_version()}}
     with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump({"summary": summary, "cases": rows}, f, indent=1)

@@ -41,7 +41,8 @@ from ..kernels import BACKENDS, Contract, flash_attention
 from ..nn import MultiheadAttention
 from ..positions import Band
 from . import bench_memory, bench_variants
-from .bench_memory import HEADS, HEAD_DIM
+from .bench_memory import HEAD_DIM, HEADS
+
 _CAUSAL = Contract(band=Band(None, 0))
 
 
@@ -304,7 +305,7 @@ def run_worker(module: str, *args) -> dict:
     return json.loads(done.stdout)
 
 
-@functools.lru_cache(maxsize=None)  # a baseline is measured once per length
+@functools.cache  # a baseline is measured once per length
 def fresh_memory_case(name: str, T: int) -> tuple[float, float]:
     """(peak RSS growth MiB, seconds) of one memory case at length T, in a fresh process."""
     result = run_worker("mha.tools.bench_memory", name, T)

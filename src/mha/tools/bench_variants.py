@@ -19,7 +19,7 @@ import torch
 from .. import efficient
 from ..kernels import Contract, flash_attention
 from ..positions import Band
-from .bench_memory import HEADS, HEAD_DIM, peak_rss_mib
+from .bench_memory import HEAD_DIM, HEADS, peak_rss_mib
 
 
 class FlashCausal(torch.nn.Module):

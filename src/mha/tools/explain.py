@@ -105,7 +105,8 @@ def _steps(module, x, mask, calls, torch_out, torch_weights, E, h, d, L, N) -> l
     steps.append(Step("input, as (L, N, E)", "X = x.unsqueeze(1)  # unbatched (L, E) -> (L, 1, E)"
                       if x.dim() == 2 else "X = x  # (L, N, E)", X))
     proj = F.linear(X, W, b)
-    steps.append(Step("in-projection: X W^T + b, all of q, k, v at once", "proj = X @ in_proj_weight.T + in_proj_bias  # (L, N, 3E)",
+    steps.append(Step("in-projection: X W^T + b, all of q, k, v at once",
+                      "proj = X @ in_proj_weight.T + in_proj_bias  # (L, N, 3E)",
                       proj, _torch_in_projection(calls["linear"], E),
                       note=f"in_proj_weight packs W_q, W_k, W_v along dim 0; torch applies linear(), which "
                            f"multiplies by the TRANSPOSE. Head 0's W_0^Q (E x d) =\n{heads.W_q[0]}"))
@@ -182,9 +183,9 @@ def render_markdown(steps: list[Step]) -> str:
 
 
 def render_rich(steps: list[Step], console) -> None:
+    from rich.console import Group
     from rich.panel import Panel
     from rich.syntax import Syntax
-    from rich.console import Group
     from rich.text import Text
 
     for i, step in enumerate(steps, 1):

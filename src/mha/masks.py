@@ -20,6 +20,8 @@ from torch import Tensor
 
 from . import _checks
 
+__all__ = ["additive_dtype", "as_additive", "combined_additive", "key_valid", "multihead", "sdpa", "to_dtype"]
+
 _NEG_INF = float("-inf")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 

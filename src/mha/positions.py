@@ -38,6 +38,8 @@ from torch import Tensor
 
 from . import _checks
 
+__all__ = ["Band", "CAUSAL", "alibi_bias", "alibi_slopes", "aligned", "band", "check_window", "offset_of", "relative"]
+
 ALIGNMENTS = ("top_left", "bottom_right")
 
 

@@ -1,0 +1,31 @@
+"""The public surface is deliberate: what mha and its public subpackages export, and no more."""
+
+import subprocess
+import sys
+
+import mha
+
+
+def test_dir_of_mha_is_its_all():
+    assert sorted(dir(mha)) == sorted(mha.__all__)
+    assert {"layouts", "functional", "nn", "kernels", "efficient", "MultiHeadAttention", "KVCache",
+            "RotaryEmbedding"} <= set(mha.__all__)
+    assert not any(name.startswith("_") and name != "__version__" for name in dir(mha))
+
+
+def test_every_public_module_names_its_exports_and_they_exist():
+    for module in (mha, mha.nn, mha.kernels, mha.numpy, mha.functional, mha.efficient, mha.layouts, mha.masks,
+                   mha.positions):
+        assert module.__all__, module.__name__
+        assert all(hasattr(module, name) for name in module.__all__), module.__name__
+
+
+def test_mha_nn_holds_torch_drop_ins_only():
+    assert sorted(mha.nn.__all__) == ["MultiheadAttention", "TransformerDecoderLayer", "TransformerEncoderLayer"]
+    assert not hasattr(mha.nn, "MultiHeadAttention")
+
+
+def test_import_mha_loads_no_tool_dependency():
+    code = "import sys, mha; print(sorted(m for m in ('rich', 'matplotlib', 'safetensors', 'mha.tools') if m in sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]"

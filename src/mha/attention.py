@@ -10,6 +10,8 @@ width, E_out output width.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -95,17 +97,17 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias_k=None, bias_v=None, static_
     return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
 
 
-def finish(o: Tensor, weights: Tensor | None, out_weight: Tensor | None, out_bias: Tensor | None,
-           average_attn_weights: bool, *, batched: bool, seq_first: bool):
+def finish(o: Tensor, weights: Tensor | None, *, out_proj: Callable[[Tensor], Tensor] | None,
+           average_attn_weights: bool, batched: bool, seq_first: bool) -> tuple[Tensor, Tensor | None]:
     """Merge heads, project out, average weights, drop the batch dim of unbatched input.
 
-    o (N, H, L, Dv) -> (L, N, E_out) when seq_first, else (N, L, E_out) (unbatched: (L, E_out)).
-    ``out_weight=None`` means no output projection (the merged heads are the output).
+    o (B, H, L, Dv) -> (L, B, H*Dv) when seq_first, else (B, L, H*Dv) (unbatched: (L, H*Dv)), then
+    ``out_proj`` (None: the merged heads are the output); weights (B, H, L, S) -> (B, L, S) averaged.
     """
     merged = _merge_heads(o, seq_first)
-    out = merged if out_weight is None else F.linear(merged, out_weight, out_bias)
+    out = merged if out_proj is None else out_proj(merged)
     if weights is not None and average_attn_weights:
-        weights = weights.mean(dim=1)  # (N, H, L, S) -> (N, L, S)
+        weights = weights.mean(dim=1)  # (B, H, L, S) -> (B, L, S)
     if not batched:
         out = out.squeeze(0)  # (1, L, E_out) -> (L, E_out)
         weights = None if weights is None else weights.squeeze(0)
@@ -178,12 +180,14 @@ def _extra_keys(k, v, bias_k, bias_v, static_k, static_v, add_zero_attn):
 
 
 def split_heads(x: Tensor, num_heads: int) -> Tensor:
-    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)  # (B, T, H*D) -> (B, T, H, D) -> (B, H, T, D)
+    B, T, HD = x.shape
+    return x.reshape(B, T, num_heads, HD // num_heads).transpose(1, 2)  # (B, T, H*D) -> (B, T, H, D) -> (B, H, T, D)
 
 
 def split_packed_heads(x: Tensor, num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
     """The packed projection (B, T, 3*H*D) of self-attention -> q, k, v (B, H, T, D) each."""
-    return x.unflatten(-1, (3, num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)  # -> (3, B, H, T, D)
+    B, T, HD3 = x.shape
+    return x.reshape(B, T, 3, num_heads, HD3 // (3 * num_heads)).permute(2, 0, 3, 1, 4).unbind(0)  # -> (3, B, H, T, D)
 
 
 def _merge_heads(o: Tensor, seq_first: bool) -> Tensor:

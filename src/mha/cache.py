@@ -131,6 +131,11 @@ class KVCache:
         self._lengths = torch.full((batch,), self.seen, dtype=torch.long, device=device)
 
     def _check_like_stored(self, keys: Tensor, values: Tensor) -> None:
+        stored_k, stored_v = self.keys, self.values
+        if (keys.dtype == stored_k.dtype and values.dtype == stored_v.dtype and keys.device == stored_k.device
+                and keys.shape[:2] == stored_k.shape[:2] and values.shape[:2] == stored_v.shape[:2]
+                and keys.shape[3] == stored_k.shape[3] and values.shape[3] == stored_v.shape[3]):
+            return  # like the stored ones: the common case in one expression
         for name, new, stored in (("keys", keys, self.keys), ("values", values, self.values)):
             N, H, _, D = stored.shape
             if (new.shape[0], new.shape[1], new.shape[3]) != (N, H, D):
@@ -150,10 +155,12 @@ class KVCache:
                                  f"and {L} more came")
             if self.keys is None:
                 stored = tuple(_preallocate(t, self.max_length) for t in new)
-            for buffer, t in zip(stored, new):
-                buffer.narrow(_slots(t), self.size, L).copy_(t)  # into slots [size, size + L)
             filled = self.size + L
-            seen = tuple(t.narrow(_slots(t), 0, filled) for t in stored)
+            seen = []
+            for buffer, t in zip(stored, new):
+                axis = 2 if t.dim() == 4 else 1  # the slot axis (see _slots)
+                buffer.narrow(axis, self.size, L).copy_(t)  # into slots [size, size + L)
+                seen.append(buffer.narrow(axis, 0, filled))
         else:
             seen = new if self.keys is None else tuple(_concat(old, t, self.size) for old, t in zip(stored, new))
             if self.window is not None:  # a rolling cache keeps the last `window` slots
@@ -166,7 +173,7 @@ class KVCache:
         if len(stored) == 4:
             self.positions, self.valid = stored[2:]
         self.size = filled
-        return seen
+        return tuple(seen)
 
 
 def _preallocate(t: Tensor, slots: int) -> Tensor:

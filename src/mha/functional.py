@@ -12,6 +12,8 @@ Ek / Ev key / value input widths.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -189,8 +191,8 @@ def projected_attention(query, key, value, proj: ProjectionWeights, num_heads: i
         is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights, batched=batched,
         backend=backend,
     )
-    return finish(o, weights, out_proj_weight, out_proj_bias, average_attn_weights,
-                  batched=batched, seq_first=batched and not batch_first)
+    return finish(o, weights, out_proj=functools.partial(F.linear, weight=out_proj_weight, bias=out_proj_bias),
+                  average_attn_weights=average_attn_weights, batched=batched, seq_first=batched and not batch_first)
 
 
 def _check_mha_inputs(query, key, value, embed_dim, num_heads, batch_first) -> bool:

@@ -190,55 +190,55 @@ class MultiHeadAttention(nn.Module):
                 need_weights, average_attn_weights=True) -> tuple[Tensor, Tensor | None]:
         batched = check_inputs(query, key, value, query_width=("cq", self.cq), key_width=("ck", self.ck),
                                value_width=("cv", self.cv), batch_first=True)
-        weight = self.out_proj.weight
+        modules = self._modules  # one dict read each, not nn.Module.__getattr__
+        weight = modules["out_proj"].weight
         if query.dtype != weight.dtype or query.device != weight.device:
             _checks.same_dtype_device("query", query, **{"the module's parameters": weight})
         x_q, x_k, x_v = (x if batched else x.unsqueeze(0) for x in (query, key, value))  # (T, c) -> (B=1, T, c)
         # the submodules are called (not their weights read), so wrappers such as LoRA's keep working
-        q, k, v = self.q_proj(x_q), self.k_proj(x_k), self.v_proj(x_v)  # (B, T, h*dk), (B, S, Hkv*dk|dv)
+        q, k, v = modules["q_proj"](x_q), modules["k_proj"](x_k), modules["v_proj"](x_v)  # (B, T, h*dk), (B, S, Hkv*d)
         if self.attention is not None:
             if attn_mask is not None or key_padding_mask is not None or cache is not None or need_weights:
                 raise ValueError("an efficient attention variant takes is_causal only: no attn_mask, "
                                  "key_padding_mask, cache or weights (forward_with_weights)")
             return self._efficient(q, k, v, batched=batched, is_causal=is_causal), None
-        dropout_p = self.dropout if self.training else 0.0
         capturing = capture.recording()  # mha.capture_attention: per-head weights are recorded
-        wanted = need_weights
-        need_weights = need_weights or capturing
+        options = dict(is_causal=is_causal, key_padding_mask=key_padding_mask, need_weights=need_weights or capturing,
+                       dropout_p=self.dropout if self.training else 0.0, backend=backend)
+        if self.positional or cache is not None:
+            o, weights = self._positional(q, k, v, cache=cache, attn_mask=attn_mask, batched=batched, **options)
+        else:
+            q, k, v = split_heads(q, self.h), split_heads(k, self.num_kv_heads), split_heads(v, self.num_kv_heads)
+            o, weights = attend(  # per head: (B, h, L, dk), (B, Hkv, S, dk), (B, Hkv, S, dv)
+                q, k, v, bias_k=self.bias_k, bias_v=self.bias_v, add_zero_attn=self.add_zero_attn,
+                attn_mask=attn_mask, softcap=self.softcap, sinks=self.sinks, batched=batched, **options)
+        out, weights = finish(o, weights, out_proj=modules["out_proj"],
+                              average_attn_weights=average_attn_weights and not capturing, batched=batched,
+                              seq_first=False)
+        if capturing:
+            capture.record(self, weights, batched)
+            weights = capture.returned_weights(weights, need_weights, average_attn_weights, batched)
+        return out, weights
+
+    def _positional(self, q, k, v, *, cache, attn_mask, batched, key_padding_mask, **options):
+        """RoPE, ALiBi, windows or a cache: masks come from positions (mha.attention.attend_positional)."""
         if cache is not None:
             if not isinstance(cache, KVCache):
                 raise TypeError(f"cache must be an mha.KVCache, got {type(cache).__name__}")
             cache.attach(self, self.window)
-        if self.positional or cache is not None:
-            if attn_mask is not None:
-                raise ValueError("with rope, alibi, window or a cache the masks come from positions: "
-                                 "pass key_padding_mask / is_causal, not attn_mask")
-            if key_padding_mask is not None and not batched:
-                key_padding_mask = key_padding_mask.unsqueeze(0)  # (S,) -> (1, S)
-            o, weights = attend_positional(
-                q, k, v, self.h, self.num_kv_heads, rope=self.rope, window=self.window,
-                alibi_slopes=self.alibi_slopes, softcap=self.softcap, sinks=self.sinks, cache=cache,
-                key_padding_mask=key_padding_mask, is_causal=is_causal, dropout_p=dropout_p,
-                need_weights=need_weights, backend=backend)
-        else:
-            q, k, v = split_heads(q, self.h), split_heads(k, self.num_kv_heads), split_heads(v, self.num_kv_heads)
-            o, weights = attend(  # per head: (B, h, L, dk), (B, Hkv, S, dk), (B, Hkv, S, dv)
-                q, k, v, bias_k=self.bias_k, bias_v=self.bias_v,
-                add_zero_attn=self.add_zero_attn, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-                is_causal=is_causal, softcap=self.softcap, sinks=self.sinks, dropout_p=dropout_p,
-                need_weights=need_weights, batched=batched, backend=backend,
-            )
-        out, weights = finish(o, weights, self.out_proj.weight, self.out_proj.bias,
-                              average_attn_weights and not capturing, batched=batched, seq_first=False)
-        if capturing:
-            capture.record(self, weights, batched)
-            weights = capture.returned_weights(weights, wanted, average_attn_weights, batched)
-        return out, weights
+        if attn_mask is not None:
+            raise ValueError("with rope, alibi, window or a cache the masks come from positions: "
+                             "pass key_padding_mask / is_causal, not attn_mask")
+        if key_padding_mask is not None and not batched:
+            key_padding_mask = key_padding_mask.unsqueeze(0)  # (S,) -> (1, S)
+        return attend_positional(q, k, v, self.h, self.num_kv_heads, rope=self.rope, window=self.window,
+                                 alibi_slopes=self.alibi_slopes, softcap=self.softcap, sinks=self.sinks, cache=cache,
+                                 key_padding_mask=key_padding_mask, **options)
 
     def _efficient(self, q: Tensor, k: Tensor, v: Tensor, *, batched: bool, is_causal: bool) -> Tensor:
         """The selected mha.efficient variant on the projections q (B, L, h*dk), k, v (B, S, Hkv*d)."""
         q = split_heads(q, self.h)  # (B, L, h*dk) -> (B, h, L, dk)
         k, v = (share_kv_heads(split_heads(x, self.num_kv_heads), self.h) for x in (k, v))  # -> (B, h, S, d)
         o = self.attention(q, k, v, is_causal=is_causal)  # (B, h, L, dv)
-        out, _ = finish(o, None, self.out_proj.weight, self.out_proj.bias, True, batched=batched, seq_first=False)
+        out, _ = finish(o, None, out_proj=self.out_proj, average_attn_weights=True, batched=batched, seq_first=False)
         return out

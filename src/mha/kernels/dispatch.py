@@ -89,6 +89,6 @@ def _choose(requested, q, k, v, contract, need_weights, dropout_p):
         choice = ("flash", "requested explicitly")
     else:
         choice = ("math", "requested explicitly")
-    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):  # a graph break under compile
+    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):  # logging breaks a compiled graph
         log.debug("backend %s: %s", *choice)
     return (*choice, sdpa_plan)

@@ -9,10 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd import forward_ad
 
 from .. import masks
-from ._context import may_branch_on_values, transforms_active
+from ._context import forward_mode, may_branch_on_values, transforms_active
 from .contract import Contract, resolve
 
 
@@ -45,10 +44,9 @@ def _may_overwrite(*tensors: Tensor | None) -> bool:
     tangent, no torch.func transform (vmap, jvp, grad) active. Only then may we work in place."""
     if transforms_active():
         return False
-    grad_mode = torch.is_grad_enabled()
-    return not any(t is not None and ((grad_mode and t.requires_grad)
-                                      or forward_ad.unpack_dual(t).tangent is not None)
-                   for t in tensors)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return False
+    return not forward_mode(*tensors)
 
 
 def math_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,

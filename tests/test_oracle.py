@@ -110,7 +110,7 @@ def test_blocked_attention_equals_the_readable_one(mask_kind, is_causal, blocks)
     mask = {"none": None, "bool": rng.random((19, 23)) > 0.3, "float": rng.normal(size=(3, 19, 23))}[mask_kind]
     if mask_kind == "bool":
         mask[4] = False  # a row with nothing visible
-    out, lse = oracle.blocked_attention(q, k, v, mask, is_causal, None, *blocks)
+    out, lse = oracle.blocked_attention(q, k, v, mask, is_causal, None, block_q=blocks[0], block_k=blocks[1])
     want, _ = oracle.scaled_dot_product_attention(q, k, v, mask, is_causal)
     np.testing.assert_allclose(out, want, atol=1e-12, rtol=0)
     scores = q @ np.swapaxes(k, -1, -2) / 2.0 + oracle.attention._additive(mask, True, q.dtype)

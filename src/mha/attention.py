@@ -75,7 +75,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias_k=None, bias_v=None, static_
     Hkv < H (GQA), query head h reads key/value head h // (H / Hkv).
     Returns (output (B, H, L, Dv), weights (B, H, L, S + appended) or None).
     """
-    k, v, appended = _extra_keys(k, v, bias_k, bias_v, static_k, static_v, add_zero_attn)
+    k, v, appended = _extra_keys(k, v, bias_k=bias_k, bias_v=bias_v, static_k=static_k, static_v=static_v,
+                                 add_zero_attn=add_zero_attn)
     B, H, L, _ = q.shape
     k, v = share_kv_heads(k, H), share_kv_heads(v, H)
     S = k.shape[2] - appended  # the keys the caller's masks describe
@@ -159,14 +160,14 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_he
     return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
 
 
-def _extra_keys(k, v, bias_k, bias_v, static_k, static_v, add_zero_attn):
+def _extra_keys(k, v, *, bias_k, bias_v, static_k, static_v, add_zero_attn):
     """static_k/static_v in place of k (B, Hkv, S, D), v (B, Hkv, S, Dv), then bias_k/bias_v and a
     zero key appended. Returns (k, v, number of key columns appended after the caller's S keys)."""
     if static_k is None and static_v is None and bias_k is None and not add_zero_attn:
         return k, v, 0
     B, Hkv = k.shape[:2]
-    k = _static("static_k", static_k, k, B, Hkv)
-    v = _static("static_v", static_v, v, B, Hkv)
+    k = _static("static_k", static_k, like=k)
+    v = _static("static_v", static_v, like=v)
     if bias_k is not None:
         k = torch.cat([k, bias_k.view(1, Hkv, 1, -1).expand(B, -1, -1, -1)], dim=2)  # (B, Hkv, S+1, D)
         v = torch.cat([v, bias_v.view(1, Hkv, 1, -1).expand(B, -1, -1, -1)], dim=2)  # (B, Hkv, S+1, Dv)
@@ -201,15 +202,15 @@ def _append_zero_key(x: Tensor) -> Tensor:
     return torch.cat([x, zeros], dim=2)
 
 
-def _static(name: str, given: Tensor | None, projected: Tensor, N: int, H: int) -> Tensor:
-    """static_k / static_v (N*H, S, D) replace the projected keys / values."""
+def _static(name: str, given: Tensor | None, *, like: Tensor) -> Tensor:
+    """static_k / static_v (B*H, S, D) in place of the projected keys / values ``like`` (B, H, S', D)."""
     if given is None:
-        return projected
+        return like
     _checks.floating(name, given)
-    _checks.same_dtype_device("query", projected, **{name: given})
-    D = projected.shape[-1]
-    _checks.rank(name, given, (3,), "(N*num_heads, S, head_dim)")
-    if given.shape[0] != N * H or given.shape[2] != D:
-        raise ValueError(f"{name} must have shape ({N * H}, S, {D}) = (N*num_heads, S, head_dim), "
+    _checks.same_dtype_device("query", like, **{name: given})
+    B, H, _, D = like.shape
+    _checks.rank(name, given, (3,), "(N*num_heads, S, head_dim)")  # torch's letters, in torch's words
+    if given.shape[0] != B * H or given.shape[2] != D:
+        raise ValueError(f"{name} must have shape ({B * H}, S, {D}) = (N*num_heads, S, head_dim), "
                          f"got {tuple(given.shape)}")
-    return given.unflatten(0, (N, H))  # (N*H, S, D) -> (N, H, S, D)
+    return given.unflatten(0, (B, H))  # (B*H, S, D) -> (B, H, S, D)

@@ -159,14 +159,16 @@ def multi_head_attention_forward(
     no weights are computed when need_weights=False.
     Returns (output like query, weights (N, L, S) averaged or (N, H, L, S), or None).
     """
-    batched = _check_mha_inputs(query, key, value, embed_dim_to_check, num_heads, batch_first)
+    batched = _check_mha_inputs(query, key, value, embed_dim=embed_dim_to_check, num_heads=num_heads,
+                                batch_first=batch_first)
     dropout_p = _checks.probability("dropout_p", dropout_p) if training else 0.0
     proj = ProjectionWeights.gather(
-        in_proj_weight, in_proj_bias, use_separate_proj_weight, q_proj_weight, k_proj_weight,
-        v_proj_weight, embed_dim_to_check, key.shape[-1], value.shape[-1], like=query,
-    )
-    _check_output_and_kv_bias(out_proj_weight, out_proj_bias, bias_k, bias_v,
-                              static_k is not None or static_v is not None, embed_dim_to_check, query)
+        in_proj_weight=in_proj_weight, in_proj_bias=in_proj_bias, separate=use_separate_proj_weight,
+        q_w=q_proj_weight, k_w=k_proj_weight, v_w=v_proj_weight, E=embed_dim_to_check, Ek=key.shape[-1],
+        Ev=value.shape[-1], like=query)
+    _check_output_and_kv_bias(out_proj_weight=out_proj_weight, out_proj_bias=out_proj_bias, bias_k=bias_k,
+                              bias_v=bias_v, static_kv=static_k is not None or static_v is not None,
+                              E=embed_dim_to_check, like=query)
     return projected_attention(
         query, key, value, proj, num_heads, bias_k=bias_k, bias_v=bias_v, static_k=static_k, static_v=static_v,
         add_zero_attn=add_zero_attn, dropout_p=dropout_p, out_proj_weight=out_proj_weight,
@@ -195,7 +197,7 @@ def projected_attention(query, key, value, proj: ProjectionWeights, num_heads: i
                   average_attn_weights=average_attn_weights, batched=batched, seq_first=batched and not batch_first)
 
 
-def _check_mha_inputs(query, key, value, embed_dim, num_heads, batch_first) -> bool:
+def _check_mha_inputs(query, key, value, *, embed_dim, num_heads, batch_first) -> bool:
     """Validate query/key/value; returns whether the input is batched."""
     _checks.positive_int("num_heads", num_heads)
     _checks.positive_int("embed_dim", embed_dim)
@@ -211,7 +213,7 @@ def _to_batch_first(x: Tensor, batched: bool, batch_first: bool) -> Tensor:
     return x if batch_first else x.transpose(0, 1)  # (T, N, F) -> (N, T, F)
 
 
-def _check_output_and_kv_bias(out_proj_weight, out_proj_bias, bias_k, bias_v, static_kv, E, like):
+def _check_output_and_kv_bias(*, out_proj_weight, out_proj_bias, bias_k, bias_v, static_kv, E, like):
     _checks.tensor("out_proj_weight", out_proj_weight)
     _checks.shape("out_proj_weight", out_proj_weight, (E, E), "(embed_dim, embed_dim)")
     if out_proj_bias is not None:
@@ -236,7 +238,7 @@ class ProjectionWeights:
         self.packed, self.w, self.bias = packed, (w_q, w_k, w_v), bias
 
     @classmethod
-    def gather(cls, in_proj_weight, in_proj_bias, separate, q_w, k_w, v_w, E, Ek, Ev, like):
+    def gather(cls, *, in_proj_weight, in_proj_bias, separate, q_w, k_w, v_w, E, Ek, Ev, like):
         if separate:
             for name, w in (("q_proj_weight", q_w), ("k_proj_weight", k_w), ("v_proj_weight", v_w)):
                 if w is None:

@@ -431,8 +431,8 @@ def from_per_head(heads: PerHead) -> dict[str, Tensor]:
     return general
 
 
-def per_head_attention(query: Tensor, key: Tensor, value: Tensor, heads: PerHead,
-                       attn_mask: Tensor | None = None, add_zero_attn: bool = False, *,
+def per_head_attention(query: Tensor, key: Tensor, value: Tensor, heads: PerHead, *,
+                       attn_mask: Tensor | None = None, add_zero_attn: bool = False,
                        batch_first: bool | None = None) -> Tensor:
     """The paper's formula with a loop over heads: a readable reference, not a fast path.
 
@@ -448,7 +448,8 @@ def per_head_attention(query: Tensor, key: Tensor, value: Tensor, heads: PerHead
                              "for torch's default layout (L, N, E); 3-D input is ambiguous without it")
         if not batch_first:
             query, key, value = (x.transpose(0, 1) for x in (query, key, value))  # (T, N, E) -> (N, T, E)
-            out = per_head_attention(query, key, value, heads, attn_mask, add_zero_attn, batch_first=True)
+            out = per_head_attention(query, key, value, heads, attn_mask=attn_mask, add_zero_attn=add_zero_attn,
+                                     batch_first=True)
             return out.transpose(0, 1)  # (N, L, do) -> (L, N, do)
     outputs = []
     for i in range(heads.num_heads):

@@ -33,8 +33,8 @@ def run(args: argparse.Namespace) -> int:
     if args.batch < 0:
         raise SystemExit(f"mha explain: --batch must be >= 0, got {args.batch}")
     try:
-        steps = explain.trace(args.embed_dim, args.heads, args.length, args.batch, args.readable, args.causal,
-                              args.seed)
+        steps = explain.trace(embed_dim=args.embed_dim, num_heads=args.heads, length=args.length, batch=args.batch,
+                              readable=args.readable, causal=args.causal, seed=args.seed)
     except ValueError as error:
         raise SystemExit(f"mha explain: {error}") from None
     if args.format == "markdown" or args.out:

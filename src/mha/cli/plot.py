@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--layer {args.layer} does not exist: the model has layers 0..{len(maps) - 1}")
             weights = maps[args.layer]
             title = f"{args.checkpoint.name}, layer {args.layer}"
-        figure = plot.attention_figure(weights, tokens, tokens, title, args.heads)
+        figure = plot.attention_figure(weights, tokens, tokens, title=title, heads=args.heads)
     except (ValueError, OSError) as error:
         print(f"mha plot: error: {error}", file=sys.stderr)
         return 2

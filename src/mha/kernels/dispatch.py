@@ -43,22 +43,22 @@ def unsupported(name: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, 
 def choose_backend(requested: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, *,
                    need_weights: bool = False, dropout_p: float = 0.0) -> tuple[str, str]:
     """(the backend that will run, why). Raises ValueError for an unknown or unfit request."""
-    name, reason, _ = _choose(requested, q, k, v, contract, need_weights, dropout_p)
+    name, reason, _ = _choose(requested, q, k, v, contract, need_weights=need_weights, dropout_p=dropout_p)
     return name, reason
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p: float = 0.0,
               need_weights: bool = False, backend: str = "auto") -> tuple[Tensor, Tensor | None]:
     """Run the chosen backend on q (..., L, D), k (..., S, D), v (..., S, Dv): (output, weights or None)."""
-    name, _, sdpa_plan = _choose(backend, q, k, v, contract, need_weights, dropout_p)
+    name, _, sdpa_plan = _choose(backend, q, k, v, contract, need_weights=need_weights, dropout_p=dropout_p)
     if name == "sdpa":  # planned once, while choosing
-        return sdpa.run_planned(q, k, v, contract, dropout_p, sdpa_plan), None
+        return sdpa.run_planned(q, k, v, contract, dropout_p=dropout_p, planned=sdpa_plan), None
     result = BACKENDS[name](q, k, v, contract, dropout_p=dropout_p)
     out, weights = result if name == "math" else (result, None)
     return out, (weights if need_weights else None)
 
 
-def _choose(requested, q, k, v, contract, need_weights, dropout_p):
+def _choose(requested, q, k, v, contract, *, need_weights, dropout_p):
     """(name, reason, the sdpa plan when sdpa was considered)."""
     if requested not in _NAMES:
         raise ValueError(f"backend must be one of {_NAMES}, got {requested!r}")

@@ -53,19 +53,19 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
                    dropout_p: float = 0.0) -> Tensor:
     contract = resolve(contract)
-    return run_planned(q, k, v, contract, dropout_p, plan(q, k, v, contract, dropout_p))
+    return run_planned(q, k, v, contract, dropout_p=dropout_p, planned=plan(q, k, v, contract, dropout_p))
 
 
-def run_planned(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float, planned) -> Tensor:
+def run_planned(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p: float, planned) -> Tensor:
     """Run a call :func:`plan` has planned (dispatch plans once and runs the plan)."""
     folded, reason = planned
     if reason:
         raise ValueError(f"the sdpa backend cannot run this call: {reason}; use backend='flash' or 'math'")
     if q.dim() == k.dim() == v.dim() == 4:
-        return _run(q, k, v, contract, dropout_p, folded)
+        return _run(q, k, v, contract, dropout_p=dropout_p, folded=folded)
     batch = _batch(q, k, v)
     q, k, v = _as_4d(q, k, v)
-    out = _run(q, k, v, contract, dropout_p, folded)
+    out = _run(q, k, v, contract, dropout_p=dropout_p, folded=folded)
     return out.view(*batch, *out.shape[-2:])  # (..., L, Dv), the leading dims added for torch's kernel dropped
 
 
@@ -96,7 +96,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float):
     return shape, None
 
 
-def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float, folded) -> Tensor:
+def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p: float, folded) -> Tensor:
     L, S, scale = q.shape[-2], k.shape[-2], contract.scale
     if folded is not None:  # one dense mask within the memory of q, k and v
         mask = torch.zeros(folded, dtype=masks.additive_dtype(q.dtype), device=q.device)

@@ -58,7 +58,7 @@ class _FeedForwardLayer(nn.Module):
         if isinstance(layer_norm_eps, bool) or not isinstance(layer_norm_eps, numbers.Real) or layer_norm_eps < 0:
             raise ValueError(f"layer_norm_eps must be a non-negative float, got {layer_norm_eps!r}")
 
-    def _init_rest(self, sublayers, d_model, dim_feedforward, dropout, activation, layer_norm_eps, norm_first,
+    def _init_rest(self, sublayers, *, d_model, dim_feedforward, dropout, activation, layer_norm_eps, norm_first,
                    bias, factory):
         """Everything after the attention modules, in torch's order (so seeded weights match):
         linear1, dropout, linear2, norm_first, norm1..n, dropout1..n, activation."""
@@ -94,7 +94,8 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         factory = {"device": device, "dtype": dtype}
         self.self_attn = MultiheadAttention(d_model, nhead, dropout=dropout, bias=bias,
                                             batch_first=batch_first, **factory)
-        self._init_rest(2, d_model, dim_feedforward, dropout, activation, layer_norm_eps, norm_first, bias, factory)
+        self._init_rest(2, d_model=d_model, dim_feedforward=dim_feedforward, dropout=dropout, activation=activation,
+                        layer_norm_eps=layer_norm_eps, norm_first=norm_first, bias=bias, factory=factory)
         self.activation_relu_or_gelu = _relu_or_gelu(self.activation)  # as torch's layer records it
 
     def forward(self, src: Tensor, src_mask: Tensor | None = None,
@@ -123,7 +124,8 @@ class TransformerDecoderLayer(_FeedForwardLayer):
                                             bias=bias, **factory)
         self.multihead_attn = MultiheadAttention(d_model, nhead, dropout=dropout,
                                                  batch_first=batch_first, bias=bias, **factory)
-        self._init_rest(3, d_model, dim_feedforward, dropout, activation, layer_norm_eps, norm_first, bias, factory)
+        self._init_rest(3, d_model=d_model, dim_feedforward=dim_feedforward, dropout=dropout, activation=activation,
+                        layer_norm_eps=layer_norm_eps, norm_first=norm_first, bias=bias, factory=factory)
 
     def forward(self, tgt: Tensor, memory: Tensor, tgt_mask: Tensor | None = None,
                 memory_mask: Tensor | None = None, tgt_key_padding_mask: Tensor | None = None,

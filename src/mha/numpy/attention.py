@@ -135,7 +135,7 @@ def _from_batch_first(x: np.ndarray, batched: bool, batch_first: bool) -> np.nda
     return x if batch_first else np.swapaxes(x, 0, 1)  # (N, L, E) -> (L, N, E)
 
 
-def _mha_mask(N, H, L, S, attn_mask, key_padding_mask, is_causal, extra_columns, dtype):
+def _mha_mask(N, H, L, S, *, attn_mask, key_padding_mask, is_causal, extra_columns, dtype):
     """One additive mask (N|1, H|1, L, S + extra_columns) from torch.nn.MultiheadAttention's masks.
 
     Bool True = masked out. attn_mask is (L, S), (N*H, L, S) indexed n*H + h, or (H, L, S) when
@@ -186,7 +186,8 @@ def _mha_steps(query, key, value, params, num_heads, *, key_padding_mask=None, a
         v_h = np.concatenate([v_h, np.zeros((N, H, 1, Dv), dtype=v_h.dtype)], axis=2)
 
     extra = int(s.bias_kv) + int(add_zero_attn)
-    mask = _mha_mask(N, H, L, S0, attn_mask, key_padding_mask, is_causal, extra, q.dtype)
+    mask = _mha_mask(N, H, L, S0, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
+                     extra_columns=extra, dtype=q.dtype)
     s.scale = 1.0 / math.sqrt(Dk)
     scores = (q_h @ k_h.transpose(0, 1, 3, 2)) * s.scale + mask  # (N, H, L, S)
     s.P = softmax(scores, axis=-1)
@@ -270,7 +271,7 @@ def _merge(x: np.ndarray) -> np.ndarray:
     return x.transpose(0, 2, 1, 3).reshape(N, T, H * D)  # (N, H, T, D) -> (N, T, H*D)
 
 
-def blocked_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, block_q=256, block_k=256):
+def blocked_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, *, block_q=256, block_k=256):
     """scaled_dot_product_attention computed in tiles with an online softmax (never L x S at once).
 
     Same arguments and conventions as :func:`scaled_dot_product_attention` (bool mask: True =

@@ -77,13 +77,12 @@ def _readable_module(E: int, h: int) -> torch.nn.MultiheadAttention:
     return module
 
 
-def trace(embed_dim: int = 4, num_heads: int = 2, length: int = 2, batch: int = 0,
+def trace(*, embed_dim: int = 4, num_heads: int = 2, length: int = 2, batch: int = 0,
           readable: bool = False, causal: bool = False, seed: int = 0) -> list[Step]:
     """The steps of one self-attention forward (batch=0: unbatched input (L, E), as seed 000)."""
     E, h, L = embed_dim, num_heads, length
     if E % h:
         raise ValueError(f"embed_dim must be divisible by num_heads, got {E} and {h}")
-    d = E // h
     torch.manual_seed(seed)
     module = _readable_module(E, h) if readable else torch.nn.MultiheadAttention(E, h)
     module.train()  # with dropout 0: torch's explicit (bmm, softmax) path, not its fused eval kernel
@@ -93,10 +92,12 @@ def trace(embed_dim: int = 4, num_heads: int = 2, length: int = 2, batch: int = 
     mask = torch.ones(L, L, dtype=torch.bool).triu(1) if causal else None  # True = masked out
     with torch.no_grad(), _record_torch_calls() as calls:
         torch_out, torch_weights = module(x, x, x, attn_mask=mask, average_attn_weights=False)
-    return _steps(module, x, mask, calls, torch_out, torch_weights, E, h, d, L, max(batch, 1))
+    return _steps(module, x, mask=mask, calls=calls, torch_out=torch_out, torch_weights=torch_weights)
 
 
-def _steps(module, x, mask, calls, torch_out, torch_weights, E, h, d, L, N) -> list[Step]:
+def _steps(module, x, *, mask, calls, torch_out, torch_weights) -> list[Step]:
+    E, h = module.embed_dim, module.num_heads
+    d, L, N = E // h, x.shape[0], (x.shape[1] if x.dim() == 3 else 1)  # x: (L, N, E) or unbatched (L, E)
     W, b = module.in_proj_weight.detach(), module.in_proj_bias
     b = None if b is None else b.detach()
     heads = layouts.per_head(module.state_dict(), h, layout="torch")

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 
-def attention_figure(weights: Tensor, query_tokens: list[str], key_tokens: list[str], title: str,
+def attention_figure(weights: Tensor, query_tokens: list[str], key_tokens: list[str], *, title: str,
                      heads: list[int] | None = None):
     """A matplotlib Figure: the selected heads of ``weights`` (H, L, S) and their average."""
     import matplotlib

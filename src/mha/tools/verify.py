@@ -185,7 +185,7 @@ def _mask_for_torch(attn_mask, padding, case: Case):
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_module(module, inputs, attn_mask, padding, cotangents, case: Case, is_causal: bool, dtype):
+def _run_module(module, inputs, *, attn_mask, padding, cotangents, case: Case, is_causal: bool, dtype):
     """Forward (and backward) in ``dtype``; returns (output, weights, grads by name) in float64."""
     module = module.to(dtype)
     module.zero_grad(set_to_none=True)
@@ -221,7 +221,7 @@ def _float_to(dtype, mask):
     return mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)
 
 
-def _oracle(theirs, inputs, attn_mask, padding, cotangents, case: Case):
+def _oracle(theirs, inputs, *, attn_mask, padding, cotangents, case: Case):
     params = numpy_state(theirs)
     arrays = [t.numpy() for t in inputs]
     options = dict(key_padding_mask=None if padding is None else padding.numpy(),
@@ -274,14 +274,13 @@ def run_case(case: Case) -> Result:
     inputs, attn_mask, padding = _inputs(case)
     torch_mask = _mask_for_torch(attn_mask, padding, case)
     cotangents = _cotangents(case, inputs)
-    want = _oracle(theirs, inputs, attn_mask, padding, cotangents, case)
+    want = _oracle(theirs, inputs, attn_mask=attn_mask, padding=padding, cotangents=cotangents, case=case)
     magnitude = _magnitudes(want)
     result = Result(case)
     for dtype, tag in ((torch.float64, "fp64"), (torch.float32, "fp32")):
-        ours_err = _max_error(_run_module(ours, inputs, attn_mask, padding, cotangents, case,
-                                          case.is_causal, dtype), want)
-        torch_err = _max_error(_run_module(theirs, inputs, torch_mask, padding, cotangents, case,
-                                           False, dtype), want)
+        common = dict(padding=padding, cotangents=cotangents, case=case, dtype=dtype)
+        ours_err = _max_error(_run_module(ours, inputs, attn_mask=attn_mask, is_causal=case.is_causal, **common), want)
+        torch_err = _max_error(_run_module(theirs, inputs, attn_mask=torch_mask, is_causal=False, **common), want)
         for quantity, err in ours_err.items():
             key = f"{tag}/{quantity}"
             limit = (FP64_TOL if tag == "fp64"

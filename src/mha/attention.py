@@ -4,8 +4,8 @@ Both the drop-in (mha.nn.MultiheadAttention, through mha.functional) and the gen
 (mha.MultiHeadAttention) project their inputs their own way, then call :func:`attend` on the
 projections and :func:`finish` on its result.
 
-Shape legend: N batch, H heads, L query length, S key length, Dk / Dv per-head query-key / value
-width, E_out output width.
+Shapes follow the package legend (mha): B batch, H query heads, Hkv key/value heads, L query
+length, S key length, D / Dv per-head query-key / value width, E embedding (or output) width.
 """
 
 from __future__ import annotations
@@ -110,13 +110,13 @@ def finish(o: Tensor, weights: Tensor | None, *, out_proj: Callable[[Tensor], Te
     if weights is not None and average_attn_weights:
         weights = weights.mean(dim=1)  # (B, H, L, S) -> (B, L, S)
     if not batched:
-        out = out.squeeze(0)  # (1, L, E_out) -> (L, E_out)
+        out = out.squeeze(0)  # (1, L, E) -> (L, E)
         weights = None if weights is None else weights.squeeze(0)
     return out, weights
 
 
 def share_kv_heads(x: Tensor, num_heads: int) -> Tensor:
-    """GQA/MQA: (..., H_kv, S, D) -> (..., H, S, D), query head h reading kv head h // (H / H_kv)."""
+    """GQA/MQA: (..., Hkv, S, D) -> (..., H, S, D), query head h reading kv head h // (H / Hkv)."""
     if x.dim() < 3 or x.shape[-3] == num_heads:
         return x
     return x.repeat_interleave(num_heads // x.shape[-3], dim=-3)
@@ -127,17 +127,17 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_he
                       key_padding_mask=None, is_causal=False, dropout_p=0.0, need_weights=False, backend="auto"):
     """Attention whose masks come from token positions: RoPE, sliding windows, ALiBi, KV cache.
 
-    q (N, L, H*Dk), k (N, S, H_kv*Dk), v (N, S, H_kv*Dv) are the new tokens' projections. Without a
+    q (B, L, H*D), k (B, S, Hkv*D), v (B, S, Hkv*Dv) are the new tokens' projections. Without a
     cache, queries sit at positions 0..L-1 and keys at 0..S-1; with one, the new tokens continue
     each sequence, are appended to the cache, and the queries see the cached keys too (causal:
-    a new token sees every cached one). key_padding_mask (N, S), bool True = padding. RoPE, the
+    a new token sees every cached one). key_padding_mask (B, S), bool True = padding. RoPE, the
     causal band, the window (flash-attn's (left, right)) and ALiBi all read these positions
     (mha.positions); the kernels apply them tile by tile.
-    Returns (output (N, H, L, Dv), weights or None).
+    Returns (output (B, H, L, Dv), weights or None).
     """
-    N, L, S = q.shape[0], q.shape[1], k.shape[1]
+    B, L, S = q.shape[0], q.shape[1], k.shape[1]
     q, k, v = split_heads(q, num_heads), split_heads(k, num_kv_heads), split_heads(v, num_kv_heads)
-    key_valid = masks.key_valid(key_padding_mask, N, S)
+    key_valid = masks.key_valid(key_padding_mask, B, S)
     if cache is None:
         q_pos, k_pos = positions.aligned(range(L), range(S), 0, q.device)  # (L,), (S,)
     else:
@@ -145,13 +145,13 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_he
             raise ValueError(f"with a cache, query and key are the same new tokens: got lengths {L} and {S}")
         uniform = cache.uniform and key_valid is None  # every sequence at the same length: an offset suffices
         # positions are needed by RoPE and by sequences of different lengths; a uniform decode step skips them
-        q_pos = k_pos = None if uniform and rope is None else cache.next_positions(N, L, q.device, key_valid)
+        q_pos = k_pos = None if uniform and rope is None else cache.next_positions(B, L, q.device, key_valid)
     if rope is not None:
-        q, k = rope(q, q_pos[..., None, :]), rope(k, k_pos[..., None, :])  # positions (N|1, 1, T) over the heads
+        q, k = rope(q, q_pos[..., None, :]), rope(k, k_pos[..., None, :])  # positions (B|1, 1, T) over the heads
     per_sequence = None
     if cache is not None:
         k, v, k_pos, key_valid = cache.update(k, v, k_pos, key_valid)
-        per_sequence = None if uniform else (q_pos, k_pos)  # (N, L), (N, S_all)
+        per_sequence = None if uniform else (q_pos, k_pos)  # (B, L), (B, S_all)
         key_valid = None if uniform else key_valid
     k, v = share_kv_heads(k, num_heads), share_kv_heads(v, num_heads)
     contract = kernels.Contract(
@@ -193,12 +193,12 @@ def split_packed_heads(x: Tensor, num_heads: int) -> tuple[Tensor, Tensor, Tenso
 
 def _merge_heads(o: Tensor, seq_first: bool) -> Tensor:
     if seq_first:
-        return o.permute(2, 0, 1, 3).flatten(2)  # (N, H, L, D) -> (L, N, H, D) -> (L, N, H*D)
-    return o.transpose(1, 2).flatten(2)  # (N, H, L, D) -> (N, L, H, D) -> (N, L, H*D)
+        return o.permute(2, 0, 1, 3).flatten(2)  # (B, H, L, D) -> (L, B, H, D) -> (L, B, H*D)
+    return o.transpose(1, 2).flatten(2)  # (B, H, L, D) -> (B, L, H, D) -> (B, L, H*D)
 
 
 def _append_zero_key(x: Tensor) -> Tensor:
-    zeros = x.new_zeros(x.shape[0], x.shape[1], 1, x.shape[3])  # (N, H, 1, D)
+    zeros = x.new_zeros(x.shape[0], x.shape[1], 1, x.shape[3])  # (B, H, 1, D)
     return torch.cat([x, zeros], dim=2)
 
 

@@ -6,8 +6,8 @@
     out = attention(prompt, prompt, prompt, is_causal=True, cache=cache)   # prefill
     out = attention(token, token, token, is_causal=True, cache=cache)      # decode, step by step
 
-It stores, per layer, keys (N, H_kv, S, Dk) and values (N, H_kv, S, Dv) after projection and
-RoPE, with each key's position (N, S) and validity (N, S). Sequences of a batch may have
+It stores, per layer, keys (B, Hkv, S, D) and values (B, Hkv, S, Dv) after projection and
+RoPE, with each key's position (B, S) and validity (B, S). Sequences of a batch may have
 different lengths: prefill right-padded prompts with a key_padding_mask; each sequence then
 continues at its own position. Attention masks are derived from positions, so a new query at
 position p sees the cached keys at positions <= p (bottom-right causal alignment).
@@ -31,10 +31,10 @@ class KVCache:
         self.window = None if window is None else _checks.positive_int("window", window)
         if self.max_length is not None and self.window is not None:
             raise ValueError("a rolling cache (window) needs no max_length; pass one or the other")
-        self.keys = self.values = None  # (N, H_kv, slots, D): preallocated ones hold max_length slots
+        self.keys = self.values = None  # (B, Hkv, slots, D): preallocated ones hold max_length slots
         self.size = 0  # filled slots along S
         self.seen = 0  # tokens each sequence has seen, while they all have the same (a rolling cache drops some)
-        # once a key_padding_mask arrives, sequences differ: per-slot positions and validity (N, slots), lengths (N,)
+        # once a key_padding_mask arrives, sequences differ: per-slot positions and validity (B, slots), lengths (B,)
         self.positions = self.valid = self._lengths = None
         self._owner = None  # a weak reference to the module whose keys this cache holds
 
@@ -67,28 +67,28 @@ class KVCache:
 
     @property
     def lengths(self) -> Tensor | None:
-        """(N,) tokens seen per sequence (padding excluded), or None while empty."""
+        """(B,) tokens seen per sequence (padding excluded), or None while empty."""
         if self._lengths is not None or self.keys is None:
             return self._lengths
         return torch.full((self.keys.shape[0],), self.seen, dtype=torch.long, device=self.keys.device)
 
     def next_positions(self, batch: int, new: int, device, valid: Tensor | None = None) -> Tensor:
         """Positions of the next tokens, (1, new) while the cache is uniform and no padding comes, else
-        (N, new): each sequence continues where it stopped, and a token's position counts the valid
+        (B, new): each sequence continues where it stopped, and a token's position counts the valid
         tokens before it (padding, left or right, takes none)."""
         if self.keys is not None and self.keys.shape[0] != batch:
             raise ValueError(f"the cache holds a batch of {self.keys.shape[0]} sequences, got {batch}")
         if valid is None and self.uniform:
             return torch.arange(self.seen, self.seen + new, device=device)[None]  # (1, new)
-        start = 0 if self.keys is None else self.lengths[:, None]  # (N, 1)
+        start = 0 if self.keys is None else self.lengths[:, None]  # (B, 1)
         if valid is None:
             return start + torch.arange(new, device=device).expand(batch, new)
         return start + valid.cumsum(dim=1) - valid.long()  # valid tokens before each one
 
     def update(self, keys: Tensor, values: Tensor, positions: Tensor | None,
                valid: Tensor | None = None) -> tuple[Tensor, ...]:
-        """Store new keys (N, H_kv, L, Dk), values (N, H_kv, L, Dv) with their positions (N|1, L) and
-        validity (N, L) (None: all valid; positions may be None while the cache is uniform); returns
+        """Store new keys (B, Hkv, L, D), values (B, Hkv, L, Dv) with their positions (B|1, L) and
+        validity (B, L) (None: all valid; positions may be None while the cache is uniform); returns
         everything attention sees now: (keys, values, positions, valid) over the cached and the new
         tokens, positions and valid None while uniform."""
         if self.keys is not None:
@@ -126,8 +126,8 @@ class KVCache:
         if not self.uniform:
             return
         slots = self.size if self.max_length is None else self.max_length
-        self.positions = torch.arange(slots, device=device).expand(batch, slots).clone()  # (N, slots)
-        self.valid = torch.arange(slots, device=device).expand(batch, slots) < self.size  # (N, slots)
+        self.positions = torch.arange(slots, device=device).expand(batch, slots).clone()  # (B, slots)
+        self.valid = torch.arange(slots, device=device).expand(batch, slots) < self.size  # (B, slots)
         self._lengths = torch.full((batch,), self.seen, dtype=torch.long, device=device)
 
     def _check_like_stored(self, keys: Tensor, values: Tensor) -> None:
@@ -182,7 +182,7 @@ def _preallocate(t: Tensor, slots: int) -> Tensor:
 
 
 def _slots(t: Tensor) -> int:
-    """The slot (sequence) axis: 2 for keys/values (N, H, S, D), 1 for positions/validity (N, S)."""
+    """The slot (sequence) axis: 2 for keys/values (B, H, S, D), 1 for positions/validity (B, S)."""
     return 2 if t.dim() == 4 else 1
 
 

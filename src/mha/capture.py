@@ -2,7 +2,7 @@
 
     with mha.capture_attention(model) as maps:
         model(x)
-    maps["layers.0.self_attn"]  # [ (N, H, L, S) weights of each call, per head ]
+    maps["layers.0.self_attn"]  # [ (B, H, L, S) weights of each call, per head ]
 
 Any mha.nn.MultiheadAttention or mha.MultiHeadAttention inside ``model`` (transformer layers
 included) records its per-head weights while the block is active. Outside it the cost is one
@@ -46,7 +46,7 @@ def recording() -> bool:
 
 
 def record(module: nn.Module, weights: Tensor, batched: bool) -> None:
-    """Hand per-head weights (N, H, L, S) (unbatched: (H, L, S)) to every active capture."""
+    """Hand per-head weights (B, H, L, S) (unbatched: (H, L, S)) to every active capture."""
     weights = (weights if batched else weights.unsqueeze(0)).detach()
     for capture in _ACTIVE:
         capture._record(module, weights)
@@ -56,4 +56,4 @@ def returned_weights(weights: Tensor, need_weights: bool, average: bool, batched
     """What the caller asked for, from the per-head weights computed for the capture."""
     if not need_weights:
         return None
-    return weights.mean(dim=1 if batched else 0) if average else weights  # (N, L, S) / (L, S)
+    return weights.mean(dim=1 if batched else 0) if average else weights  # (B, L, S) / (L, S)

@@ -6,7 +6,7 @@
 Both run on the backends of :mod:`mha.kernels`, chosen by :func:`mha.kernels.choose_backend`
 (``backend="auto"``) or named with ``backend=``.
 
-Shape legend: N batch, H heads, L query length, S key length, E embed dim, D head dim (E / H),
+Shape legend (the package's): B batch, H heads, L query length, S key length, E embed dim, D head dim (E / H),
 Ek / Ev key / value input widths.
 """
 
@@ -43,7 +43,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     attn_mask: bool (True = attend) or float (added), broadcastable to (..., L, S).
     is_causal: causal mask (query i sees keys j <= i + offset), combined with attn_mask if both.
     enable_gqa: key/value may have fewer heads (dim -3) than query; query head h reads kv head
-    h // (H_q / H_kv). Dropout is applied whenever dropout_p > 0, as in torch.
+    h // (H_q / Hkv). Dropout is applied whenever dropout_p > 0, as in torch.
     A query row with every key masked gives zeros. backend: "auto", "sdpa", "flash" or "math".
 
     Beyond torch's signature (keyword-only; see mha.positions for the position rule):
@@ -150,14 +150,14 @@ def multi_head_attention_forward(
 ) -> tuple[Tensor, Tensor | None]:
     """torch.nn.functional.multi_head_attention_forward, with torch's arguments and shapes.
 
-    query (L, N, E), key (S, N, Ek), value (S, N, Ev); unbatched (L, E), (S, Ek), (S, Ev);
-    with the keyword-only ``batch_first=True``: (N, L, E), (N, S, Ek), (N, S, Ev).
-    Masks: bool True = masked OUT, float added; attn_mask (L, S) or (N*H, L, S) (unbatched:
-    (H, L, S)); key_padding_mask (N, S) (unbatched: (S,)).
+    query (L, B, E), key (S, B, Ek), value (S, B, Ev); unbatched (L, E), (S, Ek), (S, Ev);
+    with the keyword-only ``batch_first=True``: (B, L, E), (B, S, Ek), (B, S, Ev).
+    Masks: bool True = masked OUT, float added; attn_mask (L, S) or (B*H, L, S) (unbatched:
+    (H, L, S)); key_padding_mask (B, S) (unbatched: (S,)).
     Differences from torch: ``is_causal`` applies the causal mask (with attn_mask or without it,
     combined with it when both are given); a query row whose keys are all masked gives zeros;
     no weights are computed when need_weights=False.
-    Returns (output like query, weights (N, L, S) averaged or (N, H, L, S), or None).
+    Returns (output like query, weights (B, L, S) averaged or (B, H, L, S), or None).
     """
     batched = _check_mha_inputs(query, key, value, embed_dim=embed_dim_to_check, num_heads=num_heads,
                                 batch_first=batch_first)
@@ -207,10 +207,10 @@ def _check_mha_inputs(query, key, value, *, embed_dim, num_heads, batch_first) -
 
 
 def _to_batch_first(x: Tensor, batched: bool, batch_first: bool) -> Tensor:
-    """The caller's layout -> (N, T, features)."""
+    """The caller's layout -> (B, T, features)."""
     if not batched:
         return x.unsqueeze(0)  # (T, F) -> (1, T, F)
-    return x if batch_first else x.transpose(0, 1)  # (T, N, F) -> (N, T, F)
+    return x if batch_first else x.transpose(0, 1)  # (T, B, F) -> (B, T, F)
 
 
 def _check_output_and_kv_bias(*, out_proj_weight, out_proj_bias, bias_k, bias_v, static_kv, E, like):

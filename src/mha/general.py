@@ -2,8 +2,8 @@
 
     head_i = softmax(Q W_i^Q (K W_i^K)^T / sqrt(dk)) V W_i^V,   MHA = concat(head_1..head_h) W^O
 
-    query (N, L, cq) -> Q W^Q: (N, L, h*dk)       key (N, S, ck) -> K W^K: (N, S, h*dk)
-    value (N, S, cv) -> V W^V: (N, S, h*dv)       concat (N, L, h*dv) -> output (N, L, do)
+    query (B, L, cq) -> Q W^Q: (B, L, h*dk)       key (B, S, ck) -> K W^K: (B, S, h*dk)
+    value (B, S, cv) -> V W^V: (B, S, h*dv)       concat (B, L, h*dv) -> output (B, L, do)
 
 torch.nn.MultiheadAttention is the special case cq = do = h*dk = h*dv (with kdim = ck, vdim = cv).
 """
@@ -52,7 +52,7 @@ class MultiHeadAttention(nn.Module):
     ``out_proj`` (do, h*dv). Initialised as torch.nn.MultiheadAttention initialises its own.
 
     Masks follow torch.nn.MultiheadAttention: bool True = masked OUT, float masks are added;
-    attn_mask (L, S) or (N*h, L, S), key_padding_mask (N, S); is_causal applies the top-left
+    attn_mask (L, S) or (B*h, L, S), key_padding_mask (B, S); is_causal applies the top-left
     causal mask (with attn_mask or without it). A query row whose keys are all masked gives zeros.
     """
 

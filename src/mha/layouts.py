@@ -437,8 +437,8 @@ def per_head_attention(query: Tensor, key: Tensor, value: Tensor, heads: PerHead
     """The paper's formula with a loop over heads: a readable reference, not a fast path.
 
     Unbatched query (L, cq), key (S, ck), value (S, cv) -> (L, do). Batched input must say its
-    layout, as torch's module does: ``batch_first=True`` for (N, L, cq), ``False`` for torch's
-    default (L, N, cq) (more leading dims are read as (..., L, cq)).
+    layout, as torch's module does: ``batch_first=True`` for (B, L, cq), ``False`` for torch's
+    default (L, B, cq) (more leading dims are read as (..., L, cq)).
     attn_mask: bool (True = masked OUT, as torch.nn.MultiheadAttention) or float, broadcastable
     to (..., L, S); the extra keys (bias_k, zero attention) are always visible.
     """
@@ -447,10 +447,10 @@ def per_head_attention(query: Tensor, key: Tensor, value: Tensor, heads: PerHead
             raise ValueError("per_head_attention: pass batch_first=True for (N, L, E) input, or batch_first=False "
                              "for torch's default layout (L, N, E); 3-D input is ambiguous without it")
         if not batch_first:
-            query, key, value = (x.transpose(0, 1) for x in (query, key, value))  # (T, N, E) -> (N, T, E)
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))  # (T, B, E) -> (B, T, E)
             out = per_head_attention(query, key, value, heads, attn_mask=attn_mask, add_zero_attn=add_zero_attn,
                                      batch_first=True)
-            return out.transpose(0, 1)  # (N, L, do) -> (L, N, do)
+            return out.transpose(0, 1)  # (B, L, do) -> (L, B, do)
     outputs = []
     for i in range(heads.num_heads):
         q = query @ heads.W_q[i] + (0 if heads.b_q is None else heads.b_q[i])  # (..., L, dk)

@@ -114,10 +114,10 @@ class MultiheadAttention(nn.Module):
                 key_padding_mask: Tensor | None = None, need_weights: bool = True,
                 attn_mask: Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
-        """query (L, N, E) / (N, L, E) with batch_first / (L, E) unbatched; key, value (S, ...).
+        """query (L, B, E) / (B, L, E) with batch_first / (L, E) unbatched; key, value (S, ...).
 
-        Returns (output shaped like query, weights or None): weights are (N, L, S) averaged over
-        heads, or (N, H, L, S) with average_attn_weights=False ((L, S) / (H, L, S) unbatched),
+        Returns (output shaped like query, weights or None): weights are (B, L, S) averaged over
+        heads, or (B, H, L, S) with average_attn_weights=False ((L, S) / (H, L, S) unbatched),
         taken after dropout as in torch.
         """
         batched = check_inputs(query, key, value, query_width=("embed_dim", self.embed_dim),

@@ -100,7 +100,7 @@ class TransformerEncoderLayer(_FeedForwardLayer):
 
     def forward(self, src: Tensor, src_mask: Tensor | None = None,
                 src_key_padding_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
-        """src (S, N, E), (N, S, E) with batch_first, or (S, E); masks as torch's layer."""
+        """src (S, B, E), (B, S, E) with batch_first, or (S, E); masks as torch's layer."""
         def self_attention(x):
             out = self.self_attn(x, x, x, attn_mask=src_mask, key_padding_mask=src_key_padding_mask,
                                  need_weights=False, is_causal=is_causal)[0]
@@ -131,7 +131,7 @@ class TransformerDecoderLayer(_FeedForwardLayer):
                 memory_mask: Tensor | None = None, tgt_key_padding_mask: Tensor | None = None,
                 memory_key_padding_mask: Tensor | None = None, tgt_is_causal: bool = False,
                 memory_is_causal: bool = False) -> Tensor:
-        """tgt (T, N, E) and memory (S, N, E) (batch-first or unbatched likewise); masks as torch's layer."""
+        """tgt (T, B, E) and memory (S, B, E) (batch-first or unbatched likewise); masks as torch's layer."""
         def self_attention(x):
             out = self.self_attn(x, x, x, attn_mask=tgt_mask, key_padding_mask=tgt_key_padding_mask,
                                  need_weights=False, is_causal=tgt_is_causal)[0]

@@ -8,7 +8,7 @@ This is the project's oracle: every other implementation is tested against it in
 It is deliberately plain (no blocking, no fusion) so that each line can be checked by eye.
 
 Shape legend:
-    N batch, H heads, L query length, S key length,
+    B batch, H heads, L query length, S key length (the legend of the whole package, see mha),
     E embed dim (= H * D), D head dim, Ek / Ev key / value input widths.
 
 Mask conventions (the same as torch at the same entry point):
@@ -79,9 +79,9 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale
 # Multi-head attention in NumPy. `params` holds a module's state_dict as arrays, in either naming:
 #   torch.nn.MultiheadAttention: in_proj_weight (3E, E) or q_proj_weight (E, E), k_proj_weight
 #     (E, Ek), v_proj_weight (E, Ev); in_proj_bias (3E,); out_proj.weight (E, E), out_proj.bias
-#   mha.MultiHeadAttention: q_proj.weight (H*Dk, Eq), k_proj.weight (H*Dk, Ek), v_proj.weight
-#     (H*Dv, Ev), their .bias, out_proj.weight (E_out, H*Dv), out_proj.bias
-# and in both bias_k (1, 1, H*Dk), bias_v (1, 1, H*Dv). Missing optional entries mean "off".
+#   mha.MultiHeadAttention: q_proj.weight (H*D, Eq), k_proj.weight (H*D, Ek), v_proj.weight
+#     (H*Dv, Ev), their .bias, out_proj.weight (E, H*Dv), out_proj.bias
+# and in both bias_k (1, 1, H*D), bias_v (1, 1, H*Dv). Missing optional entries mean "off".
 # ---------------------------------------------------------------------------------------------
 
 _GENERAL = ("q_proj", "k_proj", "v_proj")
@@ -122,33 +122,33 @@ def _linear(x, w, b):
 
 
 def _to_batch_first(x: np.ndarray, batched: bool, batch_first: bool) -> np.ndarray:
-    """(L, E) | (L, N, E) | (N, L, E) -> (N, L, E)."""
+    """(L, E) | (L, B, E) | (B, L, E) -> (B, L, E)."""
     if not batched:
         return x[None]  # (L, E) -> (1, L, E)
-    return x if batch_first else np.swapaxes(x, 0, 1)  # (L, N, E) -> (N, L, E)
+    return x if batch_first else np.swapaxes(x, 0, 1)  # (L, B, E) -> (B, L, E)
 
 
 def _from_batch_first(x: np.ndarray, batched: bool, batch_first: bool) -> np.ndarray:
-    """(N, L, E) -> the caller's layout."""
+    """(B, L, E) -> the caller's layout."""
     if not batched:
         return x[0]  # (1, L, E) -> (L, E)
-    return x if batch_first else np.swapaxes(x, 0, 1)  # (N, L, E) -> (L, N, E)
+    return x if batch_first else np.swapaxes(x, 0, 1)  # (B, L, E) -> (L, B, E)
 
 
-def _mha_mask(N, H, L, S, *, attn_mask, key_padding_mask, is_causal, extra_columns, dtype):
-    """One additive mask (N|1, H|1, L, S + extra_columns) from torch.nn.MultiheadAttention's masks.
+def _mha_mask(B, H, L, S, *, attn_mask, key_padding_mask, is_causal, extra_columns, dtype):
+    """One additive mask (B|1, H|1, L, S + extra_columns) from torch.nn.MultiheadAttention's masks.
 
-    Bool True = masked out. attn_mask is (L, S), (N*H, L, S) indexed n*H + h, or (H, L, S) when
-    the input is unbatched (N == 1); key_padding_mask is (N, S). Appended keys (bias_k,
+    Bool True = masked out. attn_mask is (L, S), (B*H, L, S) indexed n*H + h, or (H, L, S) when
+    the input is unbatched (B == 1); key_padding_mask is (B, S). Appended keys (bias_k,
     zero attention) are always attended.
     """
     mask = np.zeros((1, 1, L, S), dtype=dtype)
     if attn_mask is not None:
         am = _additive(attn_mask, False, dtype)
-        mask = mask + (am.reshape(-1, H, L, S) if am.ndim == 3 else am)  # (N*H, L, S) -> (N, H, L, S)
+        mask = mask + (am.reshape(-1, H, L, S) if am.ndim == 3 else am)  # (B*H, L, S) -> (B, H, L, S)
     if key_padding_mask is not None:
         kpm = _additive(key_padding_mask, False, dtype)
-        mask = mask + kpm.reshape(N, 1, 1, S)  # (N, S) -> (N, 1, 1, S)
+        mask = mask + kpm.reshape(B, 1, 1, S)  # (B, S) -> (B, 1, 1, S)
     if is_causal:
         mask = mask + _additive(causal_mask(L, S), True, dtype)
     pad = [(0, 0)] * 3 + [(0, extra_columns)]
@@ -164,36 +164,36 @@ def _mha_steps(query, key, value, params, num_heads, *, key_padding_mask=None, a
     x_q, x_k, x_v = (_to_batch_first(x, s.batched, batch_first) for x in (query, key, value))
     if not s.batched and key_padding_mask is not None:
         key_padding_mask = key_padding_mask[None]  # (S,) -> (1, S)
-    N, L, _ = x_q.shape
+    B, L, _ = x_q.shape
     S0 = x_k.shape[1]
     w_o, b_o = params["out_proj.weight"], params.get("out_proj.bias")
     (w_q, w_k, w_v), (b_q, b_k, b_v) = _projection_weights(params)
     H = num_heads
-    Dk, Dv = w_q.shape[0] // H, w_v.shape[0] // H
-    q, k, v = _linear(x_q, w_q, b_q), _linear(x_k, w_k, b_k), _linear(x_v, w_v, b_v)  # (N, L|S, H*D)
+    D, Dv = w_q.shape[0] // H, w_v.shape[0] // H
+    q, k, v = _linear(x_q, w_q, b_q), _linear(x_k, w_k, b_k), _linear(x_v, w_v, b_v)  # (B, L|S, H*D)
 
     s.bias_kv = params.get("bias_k") is not None
     if s.bias_kv:
-        k = np.concatenate([k, np.broadcast_to(params["bias_k"], (N, 1, H * Dk))], axis=1)  # (N, S+1, H*Dk)
-        v = np.concatenate([v, np.broadcast_to(params["bias_v"], (N, 1, H * Dv))], axis=1)
+        k = np.concatenate([k, np.broadcast_to(params["bias_k"], (B, 1, H * D))], axis=1)  # (B, S+1, H*D)
+        v = np.concatenate([v, np.broadcast_to(params["bias_v"], (B, 1, H * Dv))], axis=1)
 
-    q_h = q.reshape(N, L, H, Dk).transpose(0, 2, 1, 3)  # (N, L, H*Dk) -> (N, H, L, Dk)
-    k_h = k.reshape(N, -1, H, Dk).transpose(0, 2, 1, 3)  # (N, S, H*Dk) -> (N, H, S, Dk)
-    v_h = v.reshape(N, -1, H, Dv).transpose(0, 2, 1, 3)  # (N, S, H*Dv) -> (N, H, S, Dv)
+    q_h = q.reshape(B, L, H, D).transpose(0, 2, 1, 3)  # (B, L, H*D) -> (B, H, L, D)
+    k_h = k.reshape(B, -1, H, D).transpose(0, 2, 1, 3)  # (B, S, H*D) -> (B, H, S, D)
+    v_h = v.reshape(B, -1, H, Dv).transpose(0, 2, 1, 3)  # (B, S, H*Dv) -> (B, H, S, Dv)
     s.zero_attn = add_zero_attn
     if add_zero_attn:
-        k_h = np.concatenate([k_h, np.zeros((N, H, 1, Dk), dtype=k_h.dtype)], axis=2)  # (N, H, S+1, Dk)
-        v_h = np.concatenate([v_h, np.zeros((N, H, 1, Dv), dtype=v_h.dtype)], axis=2)
+        k_h = np.concatenate([k_h, np.zeros((B, H, 1, D), dtype=k_h.dtype)], axis=2)  # (B, H, S+1, D)
+        v_h = np.concatenate([v_h, np.zeros((B, H, 1, Dv), dtype=v_h.dtype)], axis=2)
 
     extra = int(s.bias_kv) + int(add_zero_attn)
-    mask = _mha_mask(N, H, L, S0, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
+    mask = _mha_mask(B, H, L, S0, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
                      extra_columns=extra, dtype=q.dtype)
-    s.scale = 1.0 / math.sqrt(Dk)
-    scores = (q_h @ k_h.transpose(0, 1, 3, 2)) * s.scale + mask  # (N, H, L, S)
+    s.scale = 1.0 / math.sqrt(D)
+    scores = (q_h @ k_h.transpose(0, 1, 3, 2)) * s.scale + mask  # (B, H, L, S)
     s.P = softmax(scores, axis=-1)
-    o_h = s.P @ v_h  # (N, H, L, Dv)
-    s.o = _merge(o_h)  # (N, H, L, Dv) -> (N, L, H*Dv)
-    s.out = _linear(s.o, w_o, b_o)  # (N, L, E_out)
+    o_h = s.P @ v_h  # (B, H, L, Dv)
+    s.o = _merge(o_h)  # (B, H, L, Dv) -> (B, L, H*Dv)
+    s.out = _linear(s.o, w_o, b_o)  # (B, L, E)
     s.x = (x_q, x_k, x_v)
     s.w_in = (w_q, w_k, w_v)
     s.heads = (q_h, k_h, v_h)
@@ -206,10 +206,10 @@ def multi_head_attention(query, key, value, params, num_heads, *, key_padding_ma
                          average_attn_weights=True, batch_first=False):
     """The forward of torch.nn.MultiheadAttention (eval, no dropout) in NumPy.
 
-    query (L, N, E) or (N, L, E) with batch_first, or unbatched (L, E); key/value likewise with S.
+    query (L, B, E) or (B, L, E) with batch_first, or unbatched (L, E); key/value likewise with S.
     Masks as torch.nn.MultiheadAttention (bool True = masked out). ``is_causal`` applies the
     top-left causal mask in addition to ``attn_mask``.
-    Returns (output like query, weights (N, L, S) averaged or (N, H, L, S) per head, or None).
+    Returns (output like query, weights (B, L, S) averaged or (B, H, L, S) per head, or None).
     """
     s = _mha_steps(query, key, value, params, num_heads, key_padding_mask=key_padding_mask,
                    attn_mask=attn_mask, is_causal=is_causal, add_zero_attn=add_zero_attn,
@@ -217,7 +217,7 @@ def multi_head_attention(query, key, value, params, num_heads, *, key_padding_ma
     out = _from_batch_first(s.out, s.batched, batch_first)
     if not need_weights:
         return out, None
-    weights = s.P.mean(axis=1) if average_attn_weights else s.P  # (N, L, S) or (N, H, L, S)
+    weights = s.P.mean(axis=1) if average_attn_weights else s.P  # (B, L, S) or (B, H, L, S)
     return out, (weights if s.batched else weights[0])
 
 
@@ -231,30 +231,30 @@ def multi_head_attention_vjp(query, key, value, params, num_heads, grad_output, 
     s = _mha_steps(query, key, value, params, num_heads, **options)
     (x_q, x_k, x_v), (w_q, w_k, w_v) = s.x, s.w_in
     q_h, k_h, v_h = s.heads
-    N, H, L, _ = q_h.shape
+    B, H, L, _ = q_h.shape
     Dv = v_h.shape[-1]
-    g_out = _to_batch_first(grad_output, s.batched, s.batch_first)  # (N, L, E_out)
+    g_out = _to_batch_first(grad_output, s.batched, s.batch_first)  # (B, L, E)
     grads = {"out_proj.weight": np.einsum("nle,nlf->ef", g_out, s.o)}
     if params.get("out_proj.bias") is not None:
         grads["out_proj.bias"] = g_out.sum(axis=(0, 1))
 
-    g_o = (g_out @ s.w_o).reshape(N, L, H, Dv).transpose(0, 2, 1, 3)  # (N, L, H*Dv) -> (N, H, L, Dv)
-    g_P = g_o @ v_h.transpose(0, 1, 3, 2)  # (N, H, L, S)
+    g_o = (g_out @ s.w_o).reshape(B, L, H, Dv).transpose(0, 2, 1, 3)  # (B, L, H*Dv) -> (B, H, L, Dv)
+    g_P = g_o @ v_h.transpose(0, 1, 3, 2)  # (B, H, L, S)
     if grad_weights is not None:
         g_w = grad_weights if s.batched else grad_weights[None]
-        g_P = g_P + (g_w[:, None] / H if average_attn_weights else g_w)  # (N, L, S) -> (N, 1, L, S)
-    g_v_h = s.P.transpose(0, 1, 3, 2) @ g_o  # (N, H, S, Dv)
+        g_P = g_P + (g_w[:, None] / H if average_attn_weights else g_w)  # (B, L, S) -> (B, 1, L, S)
+    g_v_h = s.P.transpose(0, 1, 3, 2) @ g_o  # (B, H, S, Dv)
     g_scores = s.P * (g_P - np.sum(g_P * s.P, axis=-1, keepdims=True))  # softmax backward
-    g_q_h = (g_scores @ k_h) * s.scale  # (N, H, L, Dk)
-    g_k_h = (g_scores.transpose(0, 1, 3, 2) @ q_h) * s.scale  # (N, H, S, Dk)
+    g_q_h = (g_scores @ k_h) * s.scale  # (B, H, L, D)
+    g_k_h = (g_scores.transpose(0, 1, 3, 2) @ q_h) * s.scale  # (B, H, S, D)
     if s.zero_attn:
         g_k_h, g_v_h = g_k_h[:, :, :-1], g_v_h[:, :, :-1]  # the zero key has no parameters
 
-    g_q = _merge(g_q_h)  # (N, H, L, Dk) -> (N, L, H*Dk)
-    g_k = _merge(g_k_h)  # (N, H, S, Dk) -> (N, S, H*Dk)
-    g_v = _merge(g_v_h)  # (N, H, S, Dv) -> (N, S, H*Dv)
+    g_q = _merge(g_q_h)  # (B, H, L, D) -> (B, L, H*D)
+    g_k = _merge(g_k_h)  # (B, H, S, D) -> (B, S, H*D)
+    g_v = _merge(g_v_h)  # (B, H, S, Dv) -> (B, S, H*Dv)
     if s.bias_kv:
-        grads["bias_k"] = g_k[:, -1].sum(axis=0)[None, None]  # (H*Dk,) -> (1, 1, H*Dk)
+        grads["bias_k"] = g_k[:, -1].sum(axis=0)[None, None]  # (H*D,) -> (1, 1, H*D)
         grads["bias_v"] = g_v[:, -1].sum(axis=0)[None, None]
         g_k, g_v = g_k[:, :-1], g_v[:, :-1]
 
@@ -262,13 +262,13 @@ def multi_head_attention_vjp(query, key, value, params, num_heads, grad_output, 
     grads.update(_projection_grads(params, [np.einsum("nle,nlc->ec", g, x) for g, x in pairs],
                                    [g.sum(axis=(0, 1)) for g, _ in pairs]))
     for name, g, w in (("query", g_q, w_q), ("key", g_k, w_k), ("value", g_v, w_v)):
-        grads[name] = _from_batch_first(g @ w, s.batched, s.batch_first)  # (N, L|S, E_in)
+        grads[name] = _from_batch_first(g @ w, s.batched, s.batch_first)  # (B, L|S, E_in)
     return grads
 
 
 def _merge(x: np.ndarray) -> np.ndarray:
-    N, H, T, D = x.shape
-    return x.transpose(0, 2, 1, 3).reshape(N, T, H * D)  # (N, H, T, D) -> (N, T, H*D)
+    B, H, T, D = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B, T, H * D)  # (B, H, T, D) -> (B, T, H*D)
 
 
 def blocked_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, *, block_q=256, block_k=256):

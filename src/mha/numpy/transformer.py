@@ -46,7 +46,7 @@ def transformer_encoder_layer(src, params, num_heads, *, src_mask=None, src_key_
                               layer_norm_eps=1e-5, batch_first=False):
     """torch.nn.TransformerEncoderLayer's forward (eval) in NumPy.
 
-    src (S, N, E), or (N, S, E) with batch_first, or unbatched (S, E); masks as
+    src (S, B, E), or (B, S, E) with batch_first, or unbatched (S, E); masks as
     torch.nn.MultiheadAttention (bool True = masked out). ``activation``: "relu", "gelu" or a
     NumPy function.
     """

@@ -97,7 +97,7 @@ def trace(*, embed_dim: int = 4, num_heads: int = 2, length: int = 2, batch: int
 
 def _steps(module, x, *, mask, calls, torch_out, torch_weights) -> list[Step]:
     E, h = module.embed_dim, module.num_heads
-    d, L, N = E // h, x.shape[0], (x.shape[1] if x.dim() == 3 else 1)  # x: (L, N, E) or unbatched (L, E)
+    d, L, N = E // h, x.shape[0], (x.shape[1] if x.dim() == 3 else 1)  # x: (L, B, E) or unbatched (L, E)
     W, b = module.in_proj_weight.detach(), module.in_proj_bias
     b = None if b is None else b.detach()
     heads = layouts.per_head(module.state_dict(), h, layout="torch")
@@ -145,7 +145,7 @@ def _steps(module, x, *, mask, calls, torch_out, torch_weights) -> list[Step]:
     steps.append(Step("the output torch returns", "out.view(L, N, E)  # unbatched: (L, E)", final, torch_out))
     steps.append(Step("per-head weights torch returns", "weights.view(N, h, L, S)", weights.view(N, h, L, L).squeeze(0)
                       if x.dim() == 2 else weights.view(N, h, L, L), torch_weights))
-    per_head = layouts.per_head_attention(x, x, x, heads, attn_mask=mask, batch_first=False)  # x: (L, N, E) or (L, E)
+    per_head = layouts.per_head_attention(x, x, x, heads, attn_mask=mask, batch_first=False)  # x: (L, B, E) or (L, E)
     steps.append(Step("the paper's per-head formula, a loop over heads",
                       "concat_i softmax(X W_i^Q (X W_i^K)^T / sqrt(d)) X W_i^V  W^O", per_head, torch_out,
                       note="the same output from the per-head matrices W_i^Q, W_i^K, W_i^V"))
@@ -153,8 +153,8 @@ def _steps(module, x, *, mask, calls, torch_out, torch_weights) -> list[Step]:
 
 
 def _torch_in_projection(linear_calls: list[Tensor], E: int) -> Tensor:
-    """torch projects packed (one (L, N, 3E) call) when query, key and value are one tensor; after
-    unsqueezing unbatched input they are three tensors, so it makes three (L, N, E) calls."""
+    """torch projects packed (one (L, B, 3E) call) when query, key and value are one tensor; after
+    unsqueezing unbatched input they are three tensors, so it makes three (L, B, E) calls."""
     first = linear_calls[0]
     return first if first.shape[-1] == 3 * E else torch.cat(linear_calls[:3], dim=-1)
 

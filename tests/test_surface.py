@@ -29,3 +29,9 @@ def test_import_mha_loads_no_tool_dependency():
     code = "import sys, mha; print(sorted(m for m in ('rich', 'matplotlib', 'safetensors', 'mha.tools') if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "[]"
+
+
+def test_the_command_without_the_cli_extra_says_what_to_install():
+    code = "import sys; sys.modules['rich'] = None; from mha.cli import main"  # rich not installed
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert ran.returncode == 1 and "pip install 'mha[cli]'" in ran.stderr and "Traceback" not in ran.stderr

@@ -158,9 +158,12 @@ class KVCache:
             filled = self.size + L
             seen = []
             for buffer, t in zip(stored, new):
-                axis = 2 if t.dim() == 4 else 1  # the slot axis (see _slots)
-                buffer.narrow(axis, self.size, L).copy_(t)  # into slots [size, size + L)
-                seen.append(buffer.narrow(axis, 0, filled))
+                if t.dim() == 4:  # keys, values (N, H, slots, D)
+                    buffer[:, :, self.size:filled] = t
+                    seen.append(buffer[:, :, :filled])
+                else:  # positions, valid (N, slots)
+                    buffer[:, self.size:filled] = t
+                    seen.append(buffer[:, :filled])
         else:
             seen = new if self.keys is None else tuple(_concat(old, t, self.size) for old, t in zip(stored, new))
             if self.window is not None:  # a rolling cache keeps the last `window` slots

@@ -7,7 +7,14 @@ import os
 import sys
 
 from .. import __version__
-from . import bench, convert, explain, plot, verify
+
+try:
+    from . import bench, convert, explain, plot, verify
+except ModuleNotFoundError as missing:  # the command's tools need the cli extra
+    if (missing.name or "").split(".")[0] not in ("rich", "matplotlib", "safetensors"):
+        raise
+    raise SystemExit(f"mha: the command needs {missing.name.split('.')[0]}, which comes with the cli extra: "
+                     "pip install 'mha[cli]'") from None
 
 # each command module has add_arguments and run, and calls the mha.tools module of its name
 COMMANDS = {"verify": verify, "convert": convert, "bench": bench, "explain": explain, "plot": plot}

@@ -80,6 +80,12 @@ class Contract:
         return 1.0 / math.sqrt(head_dim) if self.scale is None else self.scale
 
     @property
+    def hides_keys(self) -> bool:
+        """Whether some key may be hidden from some query (a mask, a band or padding): only then
+        can a query row be left with no key."""
+        return self.mask is not None or self.band is not None or self.key_valid is not None
+
+    @property
     def needs_positions(self) -> bool:
         """Whether the scores depend on where queries and keys sit (band or ALiBi)."""
         return self.band is not None or self.alibi_slopes is not None

@@ -15,13 +15,16 @@ from ._context import forward_mode, may_branch_on_values, transforms_active
 from .contract import Contract, resolve
 
 
-def safe_softmax(scores: Tensor, *, inplace: bool = False) -> Tensor:
+def safe_softmax(scores: Tensor, *, inplace: bool = False, rows_may_be_empty: bool = True) -> Tensor:
     """softmax over the last axis; a row whose scores are all -inf gives zeros and zero gradients.
+
+    ``rows_may_be_empty=False`` (no mask, band or padding hides a key) skips looking for such rows.
 
     ``inplace=True`` (inference only: no autograd graph) overwrites ``scores``, which saves
     allocating (and page-faulting) a second L x S buffer: most of a large softmax's time on CPU.
     """
-    blocked = scores.amax(dim=-1, keepdim=True) == float("-inf") if scores.shape[-1] else None  # (..., L, 1)
+    empty_possible = rows_may_be_empty and scores.shape[-1] > 0
+    blocked = scores.amax(dim=-1, keepdim=True) == float("-inf") if empty_possible else None  # (..., L, 1)
     if blocked is not None and may_branch_on_values() and not bool(blocked.any()):
         blocked = None  # the common case, skipped (in eager mode only: a branch on values)
     if blocked is not None:  # finite row -> finite softmax and gradient
@@ -64,7 +67,7 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = 
     scores, _ = contract.cap(scores, inplace=inference)
     scores = contract.shape(scores, range(L), range(S), inplace=inference)
     if contract.sinks is None:
-        weights = safe_softmax(scores, inplace=inference)
+        weights = safe_softmax(scores, inplace=inference, rows_may_be_empty=contract.hides_keys)
     else:
         weights = _softmax_with_sinks(scores, contract.sinks)
     weights = weights.to(weights_dtype)

@@ -7,7 +7,9 @@
     out = attention(token, token, token, is_causal=True, cache=cache)      # decode, step by step
 
 It stores, per layer, keys (B, Hkv, S, D) and values (B, Hkv, S, Dv) after projection and
-RoPE, with each key's position (B, S) and validity (B, S). Sequences of a batch may have
+RoPE. While every sequence has the same length (no key_padding_mask so far) that is all: positions
+are the slot numbers, kept as one Python int. Once padding arrives it also keeps each key's
+position (B, S) and validity (B, S). Sequences of a batch may have
 different lengths: prefill right-padded prompts with a key_padding_mask; each sequence then
 continues at its own position. Attention masks are derived from positions, so a new query at
 position p sees the cached keys at positions <= p (bottom-right causal alignment).
@@ -137,9 +139,9 @@ class KVCache:
                 and keys.shape[3] == stored_k.shape[3] and values.shape[3] == stored_v.shape[3]):
             return  # like the stored ones: the common case in one expression
         for name, new, stored in (("keys", keys, self.keys), ("values", values, self.values)):
-            N, H, _, D = stored.shape
-            if (new.shape[0], new.shape[1], new.shape[3]) != (N, H, D):
-                raise ValueError(f"the cache holds {name} of shape (N, H_kv, S, D) = ({N}, {H}, S, {D}), got new "
+            B, Hkv, _, D = stored.shape
+            if (new.shape[0], new.shape[1], new.shape[3]) != (B, Hkv, D):
+                raise ValueError(f"the cache holds {name} of shape (B, Hkv, S, D) = ({B}, {Hkv}, S, {D}), got new "
                                  f"{name} of shape {tuple(new.shape)}: a cache serves one module and one batch")
             if new.dtype != stored.dtype or new.device != stored.device:
                 raise ValueError(f"the cache holds {name} of dtype {stored.dtype} on {stored.device}, got "
@@ -158,10 +160,10 @@ class KVCache:
             filled = self.size + L
             seen = []
             for buffer, t in zip(stored, new):
-                if t.dim() == 4:  # keys, values (N, H, slots, D)
+                if t.dim() == 4:  # keys, values (B, Hkv, slots, D)
                     buffer[:, :, self.size:filled] = t
                     seen.append(buffer[:, :, :filled])
-                else:  # positions, valid (N, slots)
+                else:  # positions, valid (B, slots)
                     buffer[:, self.size:filled] = t
                     seen.append(buffer[:, :filled])
         else:

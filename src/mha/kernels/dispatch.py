@@ -59,36 +59,29 @@ def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p:
 
 
 def _choose(requested, q, k, v, contract, *, need_weights, dropout_p):
-    """(name, reason, the sdpa plan when sdpa was considered)."""
+    """(name, reason, the sdpa plan when sdpa was considered: dispatch runs it without planning again)."""
     if requested not in _NAMES:
         raise ValueError(f"backend must be one of {_NAMES}, got {requested!r}")
-    sdpa_plan = None
+    sdpa_plan = sdpa.plan(q, k, v, contract, dropout_p) if not need_weights and requested in ("auto", "sdpa") else None
     if need_weights:
         if requested not in ("auto", "math"):
             raise ValueError(f"backend={requested!r} does not return attention weights; "
                              "use backend='math' or need_weights=False")
         choice = ("math", "attention weights requested: only the math backend returns them")
-    elif requested in ("auto", "sdpa"):
-        sdpa_plan = sdpa.plan(q, k, v, contract, dropout_p)
+    elif requested != "auto":
+        reason = sdpa_plan[1] if requested == "sdpa" else unsupported(requested, q, k, v, contract, dropout_p)
+        if reason:
+            raise ValueError(f"backend={requested!r} cannot run this call: {reason}")
+        choice = (requested, "requested explicitly")
+    else:
         no_sdpa = sdpa_plan[1]
-        if requested == "sdpa" and no_sdpa:
-            raise ValueError(f"backend='sdpa' cannot run this call: {no_sdpa}")
         no_flash = no_sdpa and flash.unsupported(q, k, v, contract)
-        if requested == "sdpa":
-            choice = ("sdpa", "requested explicitly")
-        elif not no_sdpa:
+        if not no_sdpa:
             choice = ("sdpa", "torch's fused kernel takes the whole contract")
         elif not no_flash:
             choice = ("flash", f"not sdpa ({no_sdpa}): flash applies every term tile by tile")
         else:
             choice = ("math", f"not sdpa ({no_sdpa}), not flash ({no_flash})")
-    elif requested == "flash":
-        reason = flash.unsupported(q, k, v, contract)
-        if reason:
-            raise ValueError(f"backend='flash' cannot run this call: {reason}")
-        choice = ("flash", "requested explicitly")
-    else:
-        choice = ("math", "requested explicitly")
     if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):  # logging breaks a compiled graph
         log.debug("backend %s: %s", *choice)
     return (*choice, sdpa_plan)

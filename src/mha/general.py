@@ -125,7 +125,9 @@ class MultiHeadAttention(nn.Module):
 
     @property
     def positional(self) -> bool:
-        return self.rope is not None or self.alibi_slopes is not None or self.window is not None
+        """Whether masks come from positions (RoPE, ALiBi or a window). Buffers and parameters are read
+        from their dicts here and on the call path: cheaper than nn.Module.__getattr__."""
+        return self.rope is not None or self.window is not None or self._buffers["alibi_slopes"] is not None
 
     def _reset_parameters(self) -> None:
         """torch.nn.MultiheadAttention's scheme: xavier_uniform_ on the input projections (on the
@@ -194,9 +196,10 @@ class MultiHeadAttention(nn.Module):
         weight = modules["out_proj"].weight
         if query.dtype != weight.dtype or query.device != weight.device:
             _checks.same_dtype_device("query", query, **{"the module's parameters": weight})
-        x_q, x_k, x_v = (x if batched else x.unsqueeze(0) for x in (query, key, value))  # (T, c) -> (B=1, T, c)
+        if not batched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)  # (T, c) -> (B=1, T, c)
         # the submodules are called (not their weights read), so wrappers such as LoRA's keep working
-        q, k, v = modules["q_proj"](x_q), modules["k_proj"](x_k), modules["v_proj"](x_v)  # (B, T, h*dk), (B, S, Hkv*d)
+        q, k, v = modules["q_proj"](query), modules["k_proj"](key), modules["v_proj"](value)  # (B, T, h*dk), (B, S, Hkv*d)
         if self.attention is not None:
             if attn_mask is not None or key_padding_mask is not None or cache is not None or need_weights:
                 raise ValueError("an efficient attention variant takes is_causal only: no attn_mask, "
@@ -232,8 +235,9 @@ class MultiHeadAttention(nn.Module):
         if key_padding_mask is not None and not batched:
             key_padding_mask = key_padding_mask.unsqueeze(0)  # (S,) -> (1, S)
         return attend_positional(q, k, v, self.h, self.num_kv_heads, rope=self.rope, window=self.window,
-                                 alibi_slopes=self.alibi_slopes, softcap=self.softcap, sinks=self.sinks, cache=cache,
-                                 key_padding_mask=key_padding_mask, **options)
+                                 alibi_slopes=self._buffers["alibi_slopes"], softcap=self.softcap,
+                                 sinks=self._parameters.get("sinks"), cache=cache, key_padding_mask=key_padding_mask,
+                                 **options)
 
     def _efficient(self, q: Tensor, k: Tensor, v: Tensor, *, batched: bool, is_causal: bool) -> Tensor:
         """The selected mha.efficient variant on the projections q (B, L, h*dk), k, v (B, S, Hkv*d)."""

@@ -136,9 +136,12 @@ def _builds_weights(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> str | 
         return None
     if dropout_p > 0.0:
         return "dropout"
-    if not (q.dim() == k.dim() == v.dim() == 4 and q.shape[:2] == k.shape[:2] == v.shape[:2]):
+    if not q.dim() == k.dim() == v.dim() == 4:
         return "q, k and v of different batch or head counts"
-    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+    qs, ks, vs = q.shape, k.shape, v.shape  # (B, H, T, D) each
+    if not (qs[0] == ks[0] == vs[0] and qs[1] == ks[1] == vs[1]):
+        return "q, k and v of different batch or head counts"
+    if not qs[3] == ks[3] == vs[3]:
         return "a value head dim unlike the query's"
     if not (q.dtype == k.dtype == v.dtype and q.dtype in _FUSED_DTYPES):
         return f"dtype {q.dtype}"

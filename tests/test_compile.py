@@ -91,3 +91,35 @@ def test_torch_export_gives_the_eager_outputs(build):
     args = (x, x, x) if three_inputs or isinstance(module, mha.MultiHeadAttention) else (x,)
     exported = torch.export.export(module, args)
     torch.testing.assert_close(exported.module()(*args), module(*args))
+
+
+@pytest.mark.parametrize("kind", [dict(max_length=32), dict(), dict(window=8)], ids=["preallocated", "growing", "rolling"])
+def test_a_compiled_decode_loop_stops_compiling(kind):
+    """The cache's length is a tensor shape, not a Python int: after one recompile it is a symbol,
+    so a loop of steps does not recompile at every length (nor hit the recompile limit)."""
+    torch.manual_seed(0)
+    window = (8, 0) if "window" in kind else None
+    module = mha.MultiHeadAttention(E, E, E, 8, 8, E, H, num_kv_heads=2, rope=mha.RotaryEmbedding(8),
+                                    window=window).eval()
+    prompt = torch.randn(2, 5, E)
+    eager, traced = mha.KVCache(**kind), mha.KVCache(**kind)
+    graphs = []
+
+    def count(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda t: module(t, t, t, is_causal=True, cache=traced), fullgraph=True, backend=count)
+    with torch.no_grad():
+        for cache in (eager, traced):
+            module(prompt, prompt, prompt, is_causal=True, cache=cache)
+        for steps in range(24):
+            token = torch.randn(2, 1, E)
+            torch.testing.assert_close(step(token), module(token, token, token, is_causal=True, cache=eager))
+            if steps == 11:
+                compiled_in_the_first_12 = len(graphs)
+    assert len(graphs) == compiled_in_the_first_12, "a later step compiled again"
+    # growing and preallocated: one recompile makes the length a symbol; a rolling cache also
+    # recompiles while it fills up to its window (its slots then keep one shape)
+    assert len(graphs) <= (2 if "window" not in kind else 5) and traced.size == eager.size

@@ -180,3 +180,32 @@ def test_low_precision_inputs_run_and_stay_close():
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(got_w.float(), want_w, atol=2e-2, rtol=2e-2)
+
+
+def test_pruned_and_parametrized_parameters_are_used():
+    """The call path reads parameters from their dicts for speed; wrapped ones still take effect."""
+    from torch.nn.utils import parametrize, prune
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 8)
+    m = mha.nn.MultiheadAttention(8, 2, add_bias_kv=True).eval()
+    reference = torch.nn.MultiheadAttention(8, 2, add_bias_kv=True).eval()
+    reference.load_state_dict(m.state_dict())
+    prune.l1_unstructured(m.out_proj, "weight", amount=0.5)
+    prune.l1_unstructured(reference.out_proj, "weight", amount=0.5)
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    for module in (m, reference):
+        parametrize.register_parametrization(module, "in_proj_weight", Double())
+        parametrize.register_parametrization(module, "bias_k", Double())
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, x, x)[0], reference(x, x, x)[0], atol=1e-6, rtol=1e-5)
+    general = mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, sinks=True, rope=mha.RotaryEmbedding(4)).eval()
+    with torch.no_grad():
+        plain = general(x.transpose(0, 1), x.transpose(0, 1), x.transpose(0, 1))
+        parametrize.register_parametrization(general, "sinks", Double())
+        torch.nn.init.constant_(general.parametrizations.sinks.original, 3.0)  # sinks = 6 now
+        assert not torch.allclose(general(x.transpose(0, 1), x.transpose(0, 1), x.transpose(0, 1)), plain)

@@ -5,8 +5,9 @@
     mha.nn                  torch's drop-ins: MultiheadAttention, TransformerEncoderLayer, TransformerDecoderLayer
     mha.MultiHeadAttention  the general module: widths cq, ck, cv, dk, dv, do and h heads (seed 002),
                             GQA (num_kv_heads), RoPE, ALiBi, sliding windows, softcap, sinks, a KV cache
-    mha.KVCache, mha.RotaryEmbedding
-    mha.layouts             weights between layouts (torch, general, per-head, Annotated, labml)
+    mha.KVCache, mha.RotaryEmbedding  (mha.rope.apply_rope: the rotation as a function)
+    mha.layouts             weights between layouts (torch, general, per-head, Annotated, labml, BERT,
+                            GPT-2, Llama)
     mha.efficient           approximate attention variants, one signature
     mha.kernels             the attention contract, exact backends and the dispatch between them
     mha.positions           the one position rule: distances, bands (causal, windows), alignment, ALiBi
@@ -21,7 +22,7 @@ keys, Dv per-head width of values. The general module's constructor keeps seed 0
 The tools the ``mha`` command runs (verify, bench, explain, plot, convert) live in mha.tools.
 """
 
-from . import efficient, functional, kernels, layouts, masks, nn, numpy, positions
+from . import efficient, functional, kernels, layouts, masks, nn, numpy, positions, rope
 from .cache import KVCache
 from .capture import capture_attention
 from .general import MultiHeadAttention
@@ -30,7 +31,7 @@ from .rope import RotaryEmbedding
 __version__ = "0.1.0"
 
 __all__ = ["KVCache", "MultiHeadAttention", "RotaryEmbedding", "capture_attention", "efficient", "functional",
-           "kernels", "layouts", "masks", "nn", "numpy", "positions", "__version__"]
+           "kernels", "layouts", "masks", "nn", "numpy", "positions", "rope", "__version__"]
 
 
 def __dir__() -> list[str]:

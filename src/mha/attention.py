@@ -2,7 +2,9 @@
 
 Both the drop-in (mha.nn.MultiheadAttention, through mha.functional) and the general module
 (mha.MultiHeadAttention) project their inputs their own way, then call :func:`attend` on the
-projections and :func:`finish` on its result.
+heads (masks in torch's conventions, extra keys), or, for the general module's RoPE, ALiBi,
+windows and KV cache, :func:`attend_positional` (masks from positions), and :func:`finish` on the
+result.
 
 Shapes follow the package legend (mha): B batch, H query heads, Hkv key/value heads, L query
 length, S key length, D / Dv per-head query-key / value width, E embedding (or output) width.
@@ -18,6 +20,22 @@ from torch import Tensor
 
 from . import _checks, kernels, masks, positions
 
+_ABSENT = object()
+
+
+def own_tensors(module, *names: str) -> tuple:
+    """``module.<name>`` for each name, read from the module's parameter and buffer dicts when it is
+    there (a dict read, not nn.Module.__getattr__: this is on every call's path), through getattr
+    otherwise (None, or a pruned or parametrized tensor that lives elsewhere)."""
+    params, buffers = module._parameters, module._buffers
+    found = []
+    for name in names:
+        value = params.get(name, _ABSENT)
+        if value is _ABSENT:
+            value = buffers.get(name, _ABSENT)
+        found.append(getattr(module, name) if value is _ABSENT else value)
+    return tuple(found)
+
 
 def check_inputs(query, key, value, *, query_width: tuple[str, int],
                  key_width: tuple[str, int] | None = None, value_width: tuple[str, int] | None = None,
@@ -31,7 +49,7 @@ def check_inputs(query, key, value, *, query_width: tuple[str, int],
     for name, x in (("query", query), ("key", key), ("value", value)):
         _checks.floating(name, x)
     _checks.same_dtype_device("query", query, key=key, value=value)
-    layout = "(N, L, E)" if batch_first else "(L, N, E)"
+    layout = "(B, L, E)" if batch_first else "(L, B, E)"
     _checks.rank("query", query, (2, 3), f"({layout} batched, (L, E) unbatched)")
     if key.dim() != query.dim() or value.dim() != query.dim():  # torch's words, and what we got
         raise _checks.ShapeError(

@@ -6,13 +6,17 @@
     out = attention(prompt, prompt, prompt, is_causal=True, cache=cache)   # prefill
     out = attention(token, token, token, is_causal=True, cache=cache)      # decode, step by step
 
-It stores, per layer, keys (B, Hkv, S, D) and values (B, Hkv, S, Dv) after projection and
-RoPE. While every sequence has the same length (no key_padding_mask so far) that is all: positions
-are the slot numbers, kept as one Python int. Once padding arrives it also keeps each key's
-position (B, S) and validity (B, S). Sequences of a batch may have
-different lengths: prefill right-padded prompts with a key_padding_mask; each sequence then
-continues at its own position. Attention masks are derived from positions, so a new query at
-position p sees the cached keys at positions <= p (bottom-right causal alignment).
+It stores, per layer, keys (B, Hkv, S, D) and values (B, Hkv, S, Dv) after projection and RoPE.
+While every sequence has the same length (no key_padding_mask so far) that is all: a key's
+position is its slot (plus the slots a rolling cache dropped). Once padding arrives it also keeps
+each key's position (B, S) and validity (B, S). Sequences of a batch may have different lengths:
+prefill right-padded prompts with a key_padding_mask; each sequence then continues at its own
+position. Attention masks are derived from positions, so a new query at position p sees the
+cached keys at positions <= p (bottom-right causal alignment).
+
+The filled length is read from the stored tensors' shapes, never kept as a Python int, so a
+decode step compiled with torch.compile traces the length as a symbol (one graph for every
+step after the first recompile) instead of recompiling at each new length.
 """
 
 from __future__ import annotations
@@ -33,11 +37,11 @@ class KVCache:
         self.window = None if window is None else _checks.positive_int("window", window)
         if self.max_length is not None and self.window is not None:
             raise ValueError("a rolling cache (window) needs no max_length; pass one or the other")
-        self.keys = self.values = None  # (B, Hkv, slots, D): preallocated ones hold max_length slots
-        self.size = 0  # filled slots along S
-        self.seen = 0  # tokens each sequence has seen, while they all have the same (a rolling cache drops some)
-        # once a key_padding_mask arrives, sequences differ: per-slot positions and validity (B, slots), lengths (B,)
+        self.keys = self.values = None  # the filled slots: (B, Hkv, S, D), (B, Hkv, S, Dv)
+        # once a key_padding_mask arrives, sequences differ: per-slot positions and validity (B, S), lengths (B,)
         self.positions = self.valid = self._lengths = None
+        self._buffers = None  # preallocated: (keys, values[, positions, valid]) with max_length slots
+        self._dropped = None  # rolling: (,) int64, the slots dropped so far (a tensor: no Python int to guard on)
         self._owner = None  # a weak reference to the module whose keys this cache holds
 
     def attach(self, module, window: tuple[int, int] | None) -> None:
@@ -62,6 +66,11 @@ class KVCache:
         return f"KVCache({kind}, size={self.size})"
 
     @property
+    def size(self) -> int:
+        """The filled slots along S."""
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
     def uniform(self) -> bool:
         """Every sequence at the same length with every key valid, so masks reduce to an offset band:
         true until a key_padding_mask arrives. Kept in Python, so no step reads tensor values."""
@@ -72,7 +81,12 @@ class KVCache:
         """(B,) tokens seen per sequence (padding excluded), or None while empty."""
         if self._lengths is not None or self.keys is None:
             return self._lengths
-        return torch.full((self.keys.shape[0],), self.seen, dtype=torch.long, device=self.keys.device)
+        return self._seen() + torch.zeros(self.keys.shape[0], dtype=torch.long, device=self.keys.device)
+
+    def _seen(self):
+        """Tokens each sequence has seen while the cache is uniform: the filled slots, plus the ones a
+        rolling cache dropped (an int, or a (,) tensor for a rolling cache)."""
+        return self.size if self._dropped is None else self._dropped + self.size
 
     def next_positions(self, batch: int, new: int, device, valid: Tensor | None = None) -> Tensor:
         """Positions of the next tokens, (1, new) while the cache is uniform and no padding comes, else
@@ -81,7 +95,7 @@ class KVCache:
         if self.keys is not None and self.keys.shape[0] != batch:
             raise ValueError(f"the cache holds a batch of {self.keys.shape[0]} sequences, got {batch}")
         if valid is None and self.uniform:
-            return torch.arange(self.seen, self.seen + new, device=device)[None]  # (1, new)
+            return (torch.arange(new, device=device) + self._seen())[None]  # (1, new)
         start = 0 if self.keys is None else self.lengths[:, None]  # (B, 1)
         if valid is None:
             return start + torch.arange(new, device=device).expand(batch, new)
@@ -93,44 +107,55 @@ class KVCache:
         validity (B, L) (None: all valid; positions may be None while the cache is uniform); returns
         everything attention sees now: (keys, values, positions, valid) over the cached and the new
         tokens, positions and valid None while uniform."""
+        L = keys.shape[2]
         if self.keys is not None:
             self._check_like_stored(keys, values)
+        if self.max_length is not None and self.size + L > self.max_length:
+            raise ValueError(f"the cache holds max_length={self.max_length} tokens; {self.size} are stored "
+                             f"and {L} more came")
         if valid is not None:
             if self.window is not None:
                 raise ValueError("a rolling cache (window) takes no key_padding_mask: give each sequence its own cache")
             self._track_each_sequence(keys.shape[0], keys.device)
-        L = keys.shape[2]
         if self.uniform:
-            self.seen += L
             return (*self._append(keys, values), None, None)
         if valid is None:
             valid = torch.ones(keys.shape[0], L, dtype=torch.bool, device=keys.device)
+        seen = self._append(keys, values, positions.expand(keys.shape[0], L), valid)
         self._lengths = self._lengths + valid.sum(dim=1)
-        return self._append(keys, values, positions.expand(keys.shape[0], L), valid)
+        return seen
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` slots and forget the rest (rejected draft tokens of speculative
         decoding, a rewound prompt): the next tokens continue from there."""
         if self.window is not None:
             raise ValueError("a rolling cache (window) cannot be cropped: it has dropped its oldest keys")
+        length = _checks.integer("length", length)
         if not 0 <= length <= self.size:
             raise ValueError(f"length must be in [0, {self.size}] (the filled slots), got {length}")
-        if self.max_length is None and self.keys is not None:
-            self.keys, self.values = (t.narrow(2, 0, length) for t in (self.keys, self.values))
-            if not self.uniform:
-                self.positions, self.valid = (t.narrow(1, 0, length) for t in (self.positions, self.valid))
+        if self.keys is None:
+            return
+        stored = (self.keys, self.values) if self.uniform else (self.keys, self.values, self.positions, self.valid)
+        cropped = tuple(t.narrow(_slots(t), 0, length) for t in stored)
+        self.keys, self.values = cropped[:2]
         if not self.uniform:
-            self._lengths = self.valid[:, :length].sum(dim=1)
-        self.size = self.seen = length
+            self.positions, self.valid = cropped[2:]
+            self._lengths = self.valid.sum(dim=1)
 
     def _track_each_sequence(self, batch: int, device) -> None:
         """From uniform to per-sequence bookkeeping: the stored slots get positions 0..size-1, all valid."""
         if not self.uniform:
             return
-        slots = self.size if self.max_length is None else self.max_length
-        self.positions = torch.arange(slots, device=device).expand(batch, slots).clone()  # (B, slots)
-        self.valid = torch.arange(slots, device=device).expand(batch, slots) < self.size  # (B, slots)
-        self._lengths = torch.full((batch,), self.seen, dtype=torch.long, device=device)
+        size = self.size
+        self.positions = torch.arange(size, device=device).expand(batch, size)  # (B, S)
+        self.valid = torch.ones(batch, size, dtype=torch.bool, device=device)  # (B, S)
+        self._lengths = torch.full((batch,), size, dtype=torch.long, device=device)
+        if self._buffers is not None:  # preallocated: per-slot buffers beside the keys' and values'
+            slots = self.max_length
+            self._buffers = (*self._buffers[:2], torch.zeros(batch, slots, dtype=torch.long, device=device),
+                             torch.zeros(batch, slots, dtype=torch.bool, device=device))
+            self._buffers[2][:, :size] = self.positions
+            self._buffers[3][:, :size] = True
 
     def _check_like_stored(self, keys: Tensor, values: Tensor) -> None:
         stored_k, stored_v = self.keys, self.values
@@ -148,37 +173,33 @@ class KVCache:
                                  f"{new.dtype} on {new.device}")
 
     def _append(self, *new: Tensor) -> tuple[Tensor, ...]:
-        """Add the new slots to keys, values (and positions, valid once tracked); returns the filled part."""
+        """Add the new slots to keys, values (and positions, valid once tracked); returns the filled parts."""
         stored = (self.keys, self.values, self.positions, self.valid)[:len(new)]
-        L = new[0].shape[2]
+        size, L = self.size, new[0].shape[2]
         if self.max_length is not None:
-            if self.size + L > self.max_length:
-                raise ValueError(f"the cache holds max_length={self.max_length} tokens; {self.size} are stored "
-                                 f"and {L} more came")
-            if self.keys is None:
-                stored = tuple(_preallocate(t, self.max_length) for t in new)
-            filled = self.size + L
+            if self._buffers is None:
+                self._buffers = tuple(_preallocate(t, self.max_length) for t in new)
             seen = []
-            for buffer, t in zip(stored, new):
+            for buffer, t in zip(self._buffers, new):
                 if t.dim() == 4:  # keys, values (B, Hkv, slots, D)
-                    buffer[:, :, self.size:filled] = t
-                    seen.append(buffer[:, :, :filled])
+                    buffer[:, :, size:size + L] = t
+                    seen.append(buffer[:, :, :size + L])
                 else:  # positions, valid (B, slots)
-                    buffer[:, self.size:filled] = t
-                    seen.append(buffer[:, :filled])
+                    buffer[:, size:size + L] = t
+                    seen.append(buffer[:, :size + L])
+            kept = seen = tuple(seen)
         else:
-            seen = new if self.keys is None else tuple(_concat(old, t, self.size) for old, t in zip(stored, new))
-            if self.window is not None:  # a rolling cache keeps the last `window` slots
-                stored = tuple(t.narrow(_slots(t), max(0, t.shape[_slots(t)] - self.window),
-                                        min(self.window, t.shape[_slots(t)])) for t in seen)
-            else:
-                stored = seen
-            filled = stored[0].shape[2]
-        self.keys, self.values = stored[:2]
-        if len(stored) == 4:
-            self.positions, self.valid = stored[2:]
-        self.size = filled
-        return tuple(seen)
+            seen = new if self.keys is None else tuple(_concat(old, t) for old, t in zip(stored, new))
+            kept = seen
+            if self.window is not None and size + L > self.window:  # a rolling cache keeps the last `window` slots
+                drop = size + L - self.window
+                kept = tuple(t.narrow(_slots(t), drop, self.window) for t in seen)
+                dropped = new[0].new_zeros((), dtype=torch.long) if self._dropped is None else self._dropped
+                self._dropped = dropped + drop
+        self.keys, self.values = kept[:2]
+        if len(kept) == 4:
+            self.positions, self.valid = kept[2:]
+        return seen
 
 
 def _preallocate(t: Tensor, slots: int) -> Tensor:
@@ -191,6 +212,5 @@ def _slots(t: Tensor) -> int:
     return 2 if t.dim() == 4 else 1
 
 
-def _concat(old: Tensor, new: Tensor, size: int) -> Tensor:
-    axis = _slots(new)
-    return torch.cat([old.narrow(axis, 0, size), new], dim=axis)
+def _concat(old: Tensor, new: Tensor) -> Tensor:
+    return torch.cat([old, new], dim=_slots(new))

@@ -29,9 +29,9 @@ from torch import Tensor, nn
 
 from . import _checks, positions
 from .kernels import Contract, flash_attention_with_lse, merge_attention, sdpa_attention
-from .positions import Band
+from .positions import CAUSAL, Band
 
-_CAUSAL = Contract(band=Band(None, 0))
+_CAUSAL = Contract(band=CAUSAL)
 
 __all__ = ["Exact", "Local", "Strided", "Fixed", "Linformer", "Nystrom", "LinearAttention", "Performer",
            "VARIANTS", "make"]

@@ -43,7 +43,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     attn_mask: bool (True = attend) or float (added), broadcastable to (..., L, S).
     is_causal: causal mask (query i sees keys j <= i + offset), combined with attn_mask if both.
     enable_gqa: key/value may have fewer heads (dim -3) than query; query head h reads kv head
-    h // (H_q / Hkv). Dropout is applied whenever dropout_p > 0, as in torch.
+    h // (H / Hkv). Dropout is applied whenever dropout_p > 0, as in torch.
     A query row with every key masked gives zeros. backend: "auto", "sdpa", "flash" or "math".
 
     Beyond torch's signature (keyword-only; see mha.positions for the position rule):

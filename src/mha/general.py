@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 
 from . import _checks, capture, efficient, positions
-from .attention import attend, attend_positional, check_inputs, finish, share_kv_heads, split_heads
+from .attention import attend, attend_positional, check_inputs, finish, own_tensors, share_kv_heads, split_heads
 from .cache import KVCache
 from .rope import RotaryEmbedding
 
@@ -125,9 +125,8 @@ class MultiHeadAttention(nn.Module):
 
     @property
     def positional(self) -> bool:
-        """Whether masks come from positions (RoPE, ALiBi or a window). Buffers and parameters are read
-        from their dicts here and on the call path: cheaper than nn.Module.__getattr__."""
-        return self.rope is not None or self.window is not None or self._buffers["alibi_slopes"] is not None
+        """Whether masks come from positions (RoPE, ALiBi or a window)."""
+        return self.rope is not None or self.window is not None or own_tensors(self, "alibi_slopes")[0] is not None
 
     def _reset_parameters(self) -> None:
         """torch.nn.MultiheadAttention's scheme: xavier_uniform_ on the input projections (on the
@@ -234,10 +233,10 @@ class MultiHeadAttention(nn.Module):
                              "pass key_padding_mask / is_causal, not attn_mask")
         if key_padding_mask is not None and not batched:
             key_padding_mask = key_padding_mask.unsqueeze(0)  # (S,) -> (1, S)
+        alibi_slopes, sinks = own_tensors(self, "alibi_slopes", "sinks")
         return attend_positional(q, k, v, self.h, self.num_kv_heads, rope=self.rope, window=self.window,
-                                 alibi_slopes=self._buffers["alibi_slopes"], softcap=self.softcap,
-                                 sinks=self._parameters.get("sinks"), cache=cache, key_padding_mask=key_padding_mask,
-                                 **options)
+                                 alibi_slopes=alibi_slopes, softcap=self.softcap, sinks=sinks, cache=cache,
+                                 key_padding_mask=key_padding_mask, **options)
 
     def _efficient(self, q: Tensor, k: Tensor, v: Tensor, *, batched: bool, is_causal: bool) -> Tensor:
         """The selected mha.efficient variant on the projections q (B, L, h*dk), k, v (B, S, Hkv*d)."""

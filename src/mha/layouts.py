@@ -16,7 +16,7 @@ Layouts (the names ``convert`` takes):
     gpt2       GPT-2: c_attn (Conv1D: (cq, 3*h*dk), transposed and packed), c_proj (Conv1D)
     annotated  The Annotated Transformer: linears.0..3 (q, k, v, out)
     labml      labml.ai: query.linear.*, key.linear.*, value.linear.*, output.*
-    llama      Llama-style: q_proj, k_proj, v_proj (h_kv heads for GQA), o_proj
+    llama      Llama-style: q_proj, k_proj, v_proj (Hkv heads for GQA), o_proj
     per_head   the paper's matrices: W_q.i (cq, dk), W_k.i (ck, dk), W_v.i (cv, dv) for each head
                i, W_o (h*dv, do), and b_q.i, b_k.i, b_v.i, b_o, bias_k.i, bias_v.i
 

@@ -10,6 +10,7 @@ from .. import __version__
 
 try:
     from . import bench, convert, explain, plot, verify
+    from ._common import UsageError
 except ModuleNotFoundError as missing:  # the command's tools need the cli extra
     if (missing.name or "").split(".")[0] not in ("rich", "matplotlib", "safetensors"):
         raise
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command].run(args)
+    except UsageError as error:
+        print(f"mha {args.command}: error: {error}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `mha explain | head`: the reader left; end quietly, as cat does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
         return 0

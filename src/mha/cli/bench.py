@@ -4,7 +4,7 @@ Sections: module (forward vs torch's train and eval paths), causal, overhead (ti
 decode step, where per-call Python work shows), backends (sdpa, flash, math,
 numpy blocked; GFLOP/s beside a matmul's), training (forward + backward), contract (our SDPA vs
 torch's on causal, bottom-right, padding, windows, ALiBi), memory (peak RSS of every default path
-in fresh processes), modern (KV-cache decoding, sliding windows). See mha.bench for how each is
+in fresh processes), modern (KV-cache decoding, sliding windows). See mha.tools.bench for how each is
 measured.
 """
 
@@ -14,18 +14,19 @@ import argparse
 import itertools
 
 import torch
-from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from ..tools import bench
+from . import _common
+from ._common import UsageError
 
 FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [256, 512])),
             causal=[(1, 4096, 512), (4, 4096, 256)], backends=[512, 1024, 2048, 4096],
-            training=[(4, 512, 512), (1, 2048, 512)], contract=4096, memory=8192, decode=1024,
+            training=[(4, 512, 512), (1, 2048, 512)], contract=4096, memory=8192, decode=1024, overhead_decode=[1024, 8192],
             window=(16384, 256), variants=[256, 1024, 4096, 16384])
 QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 2048, 256)],
-             backends=[512, 1024], training=[(4, 512, 256)], contract=1024, memory=2048, decode=128,
+             backends=[512, 1024], training=[(4, 512, 256)], contract=1024, memory=2048, decode=128, overhead_decode=[1024],
              window=(4096, 128), variants=[256, 1024])
 SECTIONS = ("module", "causal", "overhead", "backends", "training", "contract", "memory", "modern", "variants")
 
@@ -42,13 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.repeat <= 0:
-        raise SystemExit(f"mha bench: --repeat must be positive, got {args.repeat}")
+        raise UsageError(f"--repeat must be positive, got {args.repeat}")
     if args.threads:
         torch.set_num_threads(args.threads)
     grid = QUICK if args.quick else FULL
     if args.variants:
         args.sections = ["variants"]
-    console = Console()
+    console = _common.console()
     if not console.is_terminal:
         console.width = max(console.width, 140)
     info = bench.machine()
@@ -78,7 +79,7 @@ def _jobs(grid, sections, repeat):
     if "causal" in sections:
         jobs += [(f"causal {p}", lambda p=p: list(bench.module_rows([p], repeat, causal=True))) for p in grid["causal"]]
     if "overhead" in sections:
-        jobs.append(("overhead", lambda: list(bench.overhead_rows(repeat))))
+        jobs.append(("overhead", lambda: list(bench.overhead_rows(repeat, decode_lengths=grid["overhead_decode"]))))
     if "backends" in sections:
         jobs += [(f"backends T{T}", lambda T=T: list(bench.backend_rows([T], repeat))) for T in grid["backends"]]
     if "training" in sections:

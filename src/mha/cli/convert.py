@@ -8,14 +8,15 @@ written when a key is missing or mis-shaped. Layouts: see mha.layouts.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from .. import layouts
 from ..tools import convert
+from . import _common
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,12 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = _common.console()
     try:
         written = convert.convert_file(args.input, args.output, source=args.source, target=args.target,
                                          num_heads=args.num_heads, prefix=args.prefix, out_prefix=args.out_prefix)
     except (ValueError, TypeError, OSError) as error:
-        message = str(error).replace("num_heads", "--num-heads")  # the library's argument is this command's flag
+        message = re.sub(r"\bnum_heads\b", "--num-heads", str(error))  # the library's argument is this command's flag
         print(f"mha convert: error: {message}", file=sys.stderr)
         return 2
     table = Table(title=f"{args.input} ({args.source}) -> {args.output} ({args.target})")

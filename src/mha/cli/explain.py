@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rich.console import Console
-
 from ..tools import explain
+from . import _common
+from ._common import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,14 +29,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     for name in ("embed_dim", "heads", "length"):
         if getattr(args, name) <= 0:
-            raise SystemExit(f"mha explain: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.batch < 0:
-        raise SystemExit(f"mha explain: --batch must be >= 0, got {args.batch}")
+        raise UsageError(f"--batch must be >= 0, got {args.batch}")
     try:
         steps = explain.trace(embed_dim=args.embed_dim, num_heads=args.heads, length=args.length, batch=args.batch,
                               readable=args.readable, causal=args.causal, seed=args.seed)
     except ValueError as error:
-        raise SystemExit(f"mha explain: {error}") from None
+        raise UsageError(str(error)) from None
     if args.format == "markdown" or args.out:
         text = explain.render_markdown(steps)
         if args.out:
@@ -46,5 +46,5 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(text)
     else:
-        explain.render_rich(steps, Console())
+        explain.render_rich(steps, _common.console())
     return 0 if all(step.matches for step in steps) else 1

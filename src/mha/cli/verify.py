@@ -13,11 +13,12 @@ import json
 from collections import defaultdict
 
 import torch
-from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from ..tools import verify
+from . import _common
+from ._common import UsageError
 
 QUICK_PER_GROUP = 3
 
@@ -34,10 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.per_group <= 0:
-        raise SystemExit(f"mha verify: --per-group must be positive, got {args.per_group}")
+        raise UsageError(f"--per-group must be positive, got {args.per_group}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    console = Console()
+    console = _common.console()
     if not console.is_terminal:
         console.width = max(console.width, 160)  # keep the table whole in logs and CI
     cases = verify.default_grid(QUICK_PER_GROUP if args.quick else args.per_group, args.seed)

@@ -87,7 +87,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float):
         if weights > budget:
             return None, (f"torch's kernel would build the attention weights ({why}): {weights:,} elements, "
                           f"more than q, k and v hold ({budget:,})")
-    if _native(q, k, v, contract, builds_weights=why is not None):
+    if _native(q, k, v, contract, builds_weights=why is not None, dropout_p=dropout_p):
         return None, None
     shape = _folded_shape(q, k, v, contract)
     if math.prod(shape) > budget:
@@ -113,7 +113,7 @@ def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p: floa
     return _shifted_causal(q, k, v, contract.offset, contract.scale_for(q.shape[-1]))
 
 
-def _native(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, builds_weights: bool) -> bool:
+def _native(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, builds_weights: bool, dropout_p: float) -> bool:
     """Whether torch's kernel takes the contract as it is (no mask larger than the caller's)."""
     band, mask, key_valid = contract.band, contract.mask, contract.key_valid
     if contract.alibi_slopes is not None or contract.positions is not None:
@@ -124,8 +124,8 @@ def _native(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, builds_weigh
         return False
     if mask is not None:
         return tuple(mask.shape[-2:]) == (q.shape[-2], k.shape[-2])
-    # a shifted band is split into two calls of torch's CPU flash op, in an autograd.Function
-    return contract.offset == 0 or (not builds_weights and not transforms_active())
+    # a shifted band is split into two calls of torch's CPU flash op (no dropout), in an autograd.Function
+    return contract.offset == 0 or (q.is_cpu and dropout_p == 0.0 and not builds_weights and not transforms_active())
 
 
 def _builds_weights(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> str | None:

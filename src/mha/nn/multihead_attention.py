@@ -12,7 +12,7 @@ from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .. import _checks, capture, masks
-from ..attention import check_inputs
+from ..attention import check_inputs, own_tensors
 from ..functional import ProjectionWeights, projected_attention
 
 __all__ = ["MultiheadAttention"]
@@ -123,25 +123,23 @@ class MultiheadAttention(nn.Module):
         batched = check_inputs(query, key, value, query_width=("embed_dim", self.embed_dim),
                                key_width=("kdim", self.kdim), value_width=("vdim", self.vdim),
                                batch_first=self.batch_first)
-        params, out_params = self._parameters, self._modules["out_proj"]._parameters  # dict reads, not __getattr__
-        weight = out_params["weight"]
+        weight, out_bias = own_tensors(self._modules["out_proj"], "weight", "bias")
+        in_proj_weight, q_w, k_w, v_w, bias, bias_k, bias_v = own_tensors(
+            self, "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias", "bias_k", "bias_v")
         if query.dtype != weight.dtype or query.device != weight.device:
             _checks.same_dtype_device("query", query, **{"the module's parameters": weight})
         capturing = capture.recording()  # mha.capture_attention: per-head weights are recorded
-        bias = params["in_proj_bias"]
         if bias is not None and bias.dtype != query.dtype:
             bias = bias.to(query.dtype)  # as torch: a bias of another dtype is added in the query's
-        proj = ProjectionWeights(params["in_proj_weight"], params["q_proj_weight"], params["k_proj_weight"],
-                                 params["v_proj_weight"], bias)  # shaped by the constructor: no per-call checks
+        proj = ProjectionWeights(in_proj_weight, q_w, k_w, v_w, bias)  # shaped by the constructor: no per-call checks
         out, weights = projected_attention(
-            query, key, value, proj, self.num_heads, bias_k=params.get("bias_k"), bias_v=params.get("bias_v"),
+            query, key, value, proj, self.num_heads, bias_k=bias_k, bias_v=bias_v,
             add_zero_attn=self.add_zero_attn, dropout_p=self.dropout if self.training else 0.0,
-            out_proj_weight=weight, out_proj_bias=out_params["bias"], key_padding_mask=key_padding_mask,
+            out_proj_weight=weight, out_proj_bias=out_bias, key_padding_mask=key_padding_mask,
             need_weights=need_weights or capturing, attn_mask=attn_mask,
             average_attn_weights=average_attn_weights and not capturing, is_causal=is_causal,
             batched=batched, batch_first=self.batch_first, backend=getattr(self, "backend", "auto"))
         if capturing:
-            batched = query.dim() == 3
             capture.record(self, weights, batched)
             weights = capture.returned_weights(weights, need_weights, average_attn_weights, batched)
         return out, weights

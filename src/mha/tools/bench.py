@@ -6,20 +6,26 @@ drift in the machine's speed hits them alike). Sections:
     module    forward, need_weights=False, batch_first self-attention, fp32, no_grad:
               mha.nn.MultiheadAttention vs torch's training path and its default eval path
     causal    the same with a causal mask (ours: is_causal=True; torch: the causal attn_mask)
+    overhead  per call at tiny shapes (the drop-in against torch's eval path) and one decode step of
+              the general module on a preallocated KVCache against a bare torch step
     backends  the attention core (B=1, H=8, D=64): sdpa, flash, math, numpy blocked, in GFLOP/s
               (4*B*H*L*S*D / time, halved when causal) beside a matmul's GFLOP/s
     training  forward + backward of the module vs torch's
     memory    peak RSS growth of every default path (causal, bottom-right, padding, windows, ALiBi,
               softcap, sinks; the general module with RoPE / ALiBi / window / padding; the drop-in)
-              at T and T/2, each in a fresh process, against torch's causal SDPA on the same shape
+              at T and T/2, each in a fresh process (python -m mha.tools.bench_memory), against
+              torch's causal SDPA (functional cases) or torch's projections + causal SDPA pipeline
+              (module cases) on the same shape
     contract  time of mha's SDPA against torch's on the same call (torch given a dense mask where
               it has no fused form)
     modern    KV-cache decoding vs recomputation, per-token latency; sliding window vs dense causal
-    variants  the efficient variants against exact attention: time, peak memory, error
+    variants  the efficient variants against exact attention: time, peak memory, error (each in a
+              fresh process: python -m mha.tools.bench_variants)
 """
 
 from __future__ import annotations
 
+import csv
 import functools
 import json
 import os
@@ -39,11 +45,11 @@ from ..functional import scaled_dot_product_attention
 from ..general import MultiHeadAttention
 from ..kernels import BACKENDS, Contract, flash_attention
 from ..nn import MultiheadAttention
-from ..positions import Band
+from ..positions import CAUSAL, Band
 from . import bench_memory, bench_variants
 from .bench_memory import HEAD_DIM, HEADS
 
-_CAUSAL = Contract(band=Band(None, 0))
+_CAUSAL = Contract(band=CAUSAL)
 
 
 @dataclass
@@ -66,16 +72,26 @@ def machine() -> dict:
             "torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version()}
 
 
-def best_times(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
-    """Best wall time in ms of each function; one warm-up call each, then rounds in turn."""
+def best_times(fns: dict[str, Callable[[], object]], repeat: int, *, calls: int = 1,
+               before: Callable[[], object] | None = None) -> dict[str, float]:
+    """Best time in ms per call of each function: one warm-up call each, then ``repeat`` rounds in
+    turn, each timing ``calls`` calls and keeping their mean; ``before`` runs ahead of every call,
+    untimed (to reset state, such as a cache's length)."""
     for fn in fns.values():
+        if before is not None:
+            before()
         fn()
     times = {name: float("inf") for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name] = min(times[name], (time.perf_counter() - start) * 1e3)
+            total = 0.0
+            for _ in range(calls):
+                if before is not None:
+                    before()
+                start = time.perf_counter()
+                fn()
+                total += time.perf_counter() - start
+            times[name] = min(times[name], total / calls * 1e3)
     return times
 
 
@@ -112,7 +128,7 @@ def module_rows(points, repeat: int, causal: bool = False) -> Iterator[Row]:
 OVERHEAD_POINTS = [(1, 1, 256, 8), (1, 16, 256, 8), (4, 8, 128, 4)]  # (B, T, E, H)
 
 
-def overhead_rows(repeat: int, points=OVERHEAD_POINTS, decode_lengths=(1024, 8192)) -> Iterator[Row]:
+def overhead_rows(repeat: int, *, points=OVERHEAD_POINTS, decode_lengths=(1024, 8192)) -> Iterator[Row]:
     """Eval forward (no_grad) of the drop-in against torch's eval path at tiny shapes, and one decode
     step of the general module with a preallocated KVCache against a bare torch step over the same
     cache (three linears, SDPA over the cached keys, one linear). Times are per call, the best of
@@ -124,33 +140,15 @@ def overhead_rows(repeat: int, points=OVERHEAD_POINTS, decode_lengths=(1024, 819
             ours = MultiheadAttention(E, H, batch_first=True).eval()
             ours.load_state_dict(theirs.state_dict())
             x = torch.randn(B, T, E)
-            t = _per_call_times({"ours": lambda: ours(x, x, x, need_weights=False),
-                                 "torch-eval": lambda: theirs(x, x, x, need_weights=False),
-                                 "ours weights": lambda: ours(x, x, x),
-                                 "torch-eval weights": lambda: theirs(x, x, x)}, repeat)
+            t = best_times({"ours": lambda: ours(x, x, x, need_weights=False),
+                            "torch-eval": lambda: theirs(x, x, x, need_weights=False),
+                            "ours weights": lambda: ours(x, x, x),
+                            "torch-eval weights": lambda: theirs(x, x, x)}, repeat, calls=200)
             yield Row("overhead", f"drop-in B{B} T{T} E{E} H{H}", t,
                       {"ours/torch-eval": t["ours"] / t["torch-eval"],
                        "weights: ours/torch-eval": t["ours weights"] / t["torch-eval weights"]})
         for S in decode_lengths:
             yield _decode_step_row(S, repeat)
-
-
-def _per_call_times(fns: dict[str, Callable[[], object]], repeat: int, calls: int = 200,
-                    before: Callable[[], object] | None = None) -> dict[str, float]:
-    """Best mean time per call in ms over ``repeat`` rounds of ``calls`` calls, functions in turn;
-    ``before`` runs ahead of each call, untimed."""
-    times = {name: float("inf") for name in fns}
-    for _ in range(repeat + 1):  # the first round warms up
-        for name, fn in fns.items():
-            total = 0.0
-            for _ in range(calls):
-                if before is not None:
-                    before()
-                start = time.perf_counter()
-                fn()
-                total += time.perf_counter() - start
-            times[name] = min(times[name], total / calls * 1e3)
-    return times
 
 
 def _decode_step_row(S: int, repeat: int, E: int = 512) -> Row:
@@ -173,7 +171,7 @@ def _decode_step_row(S: int, repeat: int, E: int = 512) -> Row:
         o = torch.nn.functional.scaled_dot_product_attention(heads(q_proj(x)), keys, values)
         return out_proj(o.transpose(1, 2).reshape(1, 1, E))  # (1, H, 1, D) -> (1, 1, E)
 
-    t = _per_call_times({"ours": lambda: module(x, x, x, is_causal=True, cache=cache), "torch step": bare},
+    t = best_times({"ours": lambda: module(x, x, x, is_causal=True, cache=cache), "torch step": bare},
                         repeat, calls=50, before=lambda: cache.crop(S))
     return Row("overhead", f"decode step S={S} E{E} H{HEADS}", t, {"ours/torch step": t["ours"] / t["torch step"]})
 
@@ -409,12 +407,13 @@ def write(rows: list[Row], info: dict, directory: str) -> list[str]:
     paths = [os.path.join(directory, name) for name in ("results.json", "results.csv", "backends.png")]
     with open(paths[0], "w") as f:
         json.dump({"machine": info, "rows": [asdict(r) for r in rows]}, f, indent=1)
-    with open(paths[1], "w") as f:
-        f.write("section,point,measure,value\n")
+    with open(paths[1], "w", newline="") as f:
+        table = csv.writer(f)  # quotes the points and measures that hold commas
+        table.writerow(["section", "point", "measure", "value"])
         for r in rows:
             for kind, values in (("ms", r.times_ms), ("", r.ratios), ("", r.extra)):
                 for name, value in values.items():
-                    f.write(f"{r.section},{r.point},{name}{' ' + kind if kind else ''},{value:.6g}\n")
+                    table.writerow([r.section, r.point, f"{name}{' ' + kind if kind else ''}", f"{value:.6g}"])
     if any(r.section == "backends" for r in rows):
         plot_backends(rows, paths[2])
     else:

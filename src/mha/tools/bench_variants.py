@@ -18,7 +18,7 @@ import torch
 
 from .. import efficient
 from ..kernels import Contract, flash_attention
-from ..positions import Band
+from ..positions import CAUSAL
 from .bench_memory import HEAD_DIM, HEADS, peak_rss_mib
 
 
@@ -26,7 +26,7 @@ class FlashCausal(torch.nn.Module):
     """Exact causal attention on mha's flash kernel, with the variants' signature."""
 
     def forward(self, q, k, v, is_causal: bool = False):
-        return flash_attention(q, k, v, Contract(band=Band(None, 0) if is_causal else None))
+        return flash_attention(q, k, v, Contract(band=CAUSAL if is_causal else None))
 
 
 def _sqrt(T: int) -> int:

@@ -1,0 +1,20 @@
+"""What every command shares: its console and its usage errors."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+
+class UsageError(ValueError):
+    """A bad argument: ``mha`` prints ``mha <command>: error: <message>`` and exits with 2 (as
+    argparse does), keeping 1 for a result that failed (a verify case, an explain step)."""
+
+
+class _PipeConsole(Console):
+    def on_broken_pipe(self) -> None:  # rich would exit with 1; let mha.cli.main end quietly
+        raise BrokenPipeError
+
+
+def console() -> Console:
+    """A rich console whose closed pipe (``mha explain | head``) ends the command quietly."""
+    return _PipeConsole()

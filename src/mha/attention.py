@@ -157,7 +157,9 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_he
     q, k, v = split_heads(q, num_heads), split_heads(k, num_kv_heads), split_heads(v, num_kv_heads)
     key_valid = masks.key_valid(key_padding_mask, B, S)
     if cache is None:
-        q_pos, k_pos = positions.aligned(range(L), range(S), 0, q.device)  # (L,), (S,)
+        q_pos = k_pos = None
+        if rope is not None:
+            q_pos, k_pos = positions.aligned(range(L), range(S), 0, q.device)  # (L,), (S,)
     else:
         if L != S:
             raise ValueError(f"with a cache, query and key are the same new tokens: got lengths {L} and {S}")
@@ -172,9 +174,16 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_he
         per_sequence = None if uniform else (q_pos, k_pos)  # (B, L), (B, S_all)
         key_valid = None if uniform else key_valid
     k, v = share_kv_heads(k, num_heads), share_kv_heads(v, num_heads)
-    contract = kernels.Contract(
-        band=positions.band(is_causal, window), offset=k.shape[2] - L if cache is not None else 0,
-        positions=per_sequence, key_valid=key_valid, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
+    offset = k.shape[2] - L if cache is not None else 0
+    band = positions.band(is_causal, window)
+    if per_sequence is None:
+        band = positions.needed(band, L, k.shape[2], offset)
+    if band is None and per_sequence is None and key_valid is None and alibi_slopes is None and softcap is None \
+            and sinks is None:
+        contract = kernels.contract.NONE  # a plain decode step (or full attention): nothing to shape
+    else:
+        contract = kernels.Contract(band=band, offset=offset, positions=per_sequence, key_valid=key_valid,
+                                    alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
     return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
 
 

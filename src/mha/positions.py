@@ -38,7 +38,7 @@ from torch import Tensor
 
 from . import _checks
 
-__all__ = ["Band", "CAUSAL", "alibi_bias", "alibi_slopes", "aligned", "band", "check_window", "offset_of", "relative"]
+__all__ = ["Band", "CAUSAL", "alibi_bias", "alibi_slopes", "aligned", "band", "check_window", "needed", "offset_of", "relative"]
 
 ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -110,6 +110,14 @@ def band(is_causal: bool = False, window: tuple[int, int] | None = None) -> Band
     if is_causal:
         right = 0
     return None if left is None and right is None else Band(left, right)
+
+
+def needed(band: Band | None, L: int, S: int, offset: int = 0) -> Band | None:
+    """``band``, or None when it hides no key from queries offset..offset+L-1 over keys 0..S-1 (a
+    causal decode step sees every cached key: no band is left to apply)."""
+    if band is None or not band.covers(-(offset + L - 1), S - 1 - offset):
+        return band
+    return None
 
 
 def check_window(window) -> tuple[int | None, int | None]:

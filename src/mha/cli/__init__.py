@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
 from .. import __version__
 
-try:
-    from . import bench, convert, explain, plot, verify
-    from ._common import UsageError
-except ModuleNotFoundError as missing:  # the command's tools need the cli extra
-    if (missing.name or "").split(".")[0] not in ("rich", "matplotlib", "safetensors"):
-        raise
-    raise SystemExit(f"mha: the command needs {missing.name.split('.')[0]}, which comes with the cli extra: "
-                     "pip install 'mha[cli]'") from None
+_MISSING = [name for name in ("rich", "matplotlib", "safetensors") if importlib.util.find_spec(name) is None]
+if _MISSING:  # the command's tools need the cli extra (import mha does not)
+    raise SystemExit(f"mha: the command needs {', '.join(_MISSING)}, which come with the cli extra: "
+                     "pip install 'mha[cli]'")
+
+from . import bench, convert, explain, plot, verify  # noqa: E402  (after the check above)
+from ._common import UsageError  # noqa: E402
 
 # each command module has add_arguments and run, and calls the mha.tools module of its name
 COMMANDS = {"verify": verify, "convert": convert, "bench": bench, "explain": explain, "plot": plot}

@@ -152,13 +152,17 @@ def overhead_rows(repeat: int, *, points=OVERHEAD_POINTS, decode_lengths=(1024, 
 
 
 def _decode_step_row(S: int, repeat: int, E: int = 512) -> Row:
+    """One decode step at S cached keys: the general module on a KVCache(max_length=S + 1) against
+    the same layers written out in torch, with its own preallocated buffers of S + 1 slots: write
+    the new key and value into slot S, SDPA over the filled slots [:S + 1], out-projection."""
     torch.manual_seed(0)
     D = E // HEADS
     module = MultiHeadAttention(E, E, E, D, D, E, HEADS).eval()
     cache = KVCache(max_length=S + 1)
     prompt = torch.randn(1, S, E)
     module(prompt, prompt, prompt, is_causal=True, cache=cache)  # S keys cached
-    keys, values = cache.keys.clone(), cache.values.clone()  # (1, H, S + 1, D): torch's own buffers
+    keys, values = torch.zeros(1, HEADS, S + 1, D), torch.zeros(1, HEADS, S + 1, D)  # torch's own buffers
+    keys[:, :, :S], values[:, :, :S] = cache.keys, cache.values
     x = torch.randn(1, 1, E)
     q_proj, k_proj, v_proj, out_proj = module.q_proj, module.k_proj, module.v_proj, module.out_proj
 
@@ -166,13 +170,14 @@ def _decode_step_row(S: int, repeat: int, E: int = 512) -> Row:
         return t.view(1, 1, HEADS, D).transpose(1, 2)  # (1, 1, E) -> (1, H, 1, D)
 
     def bare():
-        keys[:, :, S:] = heads(k_proj(x))
-        values[:, :, S:] = heads(v_proj(x))
-        o = torch.nn.functional.scaled_dot_product_attention(heads(q_proj(x)), keys, values)
+        keys[:, :, S:S + 1] = heads(k_proj(x))
+        values[:, :, S:S + 1] = heads(v_proj(x))
+        o = torch.nn.functional.scaled_dot_product_attention(heads(q_proj(x)), keys[:, :, :S + 1],
+                                                             values[:, :, :S + 1])  # the filled slots
         return out_proj(o.transpose(1, 2).reshape(1, 1, E))  # (1, H, 1, D) -> (1, 1, E)
 
     t = best_times({"ours": lambda: module(x, x, x, is_causal=True, cache=cache), "torch step": bare},
-                        repeat, calls=50, before=lambda: cache.crop(S))
+                   repeat, calls=50, before=lambda: cache.crop(S))
     return Row("overhead", f"decode step S={S} E{E} H{HEADS}", t, {"ours/torch step": t["ours"] / t["torch step"]})
 
 

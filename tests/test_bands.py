@@ -123,3 +123,14 @@ def test_functional_sdpa_alignment_window_and_alibi(backend):
     np.testing.assert_allclose(got.numpy(), want, atol=1e-12, rtol=0)
     with pytest.raises(ValueError, match="alibi_slopes"):
         sdpa(q, k, v, alibi_slopes=torch.ones(5, dtype=torch.float64))
+
+
+def test_a_band_that_hides_nothing_is_not_needed():
+    from mha.positions import CAUSAL, needed
+
+    assert needed(CAUSAL, 1, 9, offset=8) is None  # a decode step: the new query sees every key
+    assert needed(CAUSAL, 2, 9, offset=7) is CAUSAL  # the first of two queries may not see the last key
+    assert needed(CAUSAL, 4, 4) is CAUSAL
+    assert needed(Band(3, 0), 1, 9, offset=8) == Band(3, 0)  # a window hides the oldest keys
+    assert needed(Band(8, 0), 1, 9, offset=8) is None
+    assert needed(None, 3, 3) is None

@@ -9,7 +9,6 @@ if any case fails.
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
 
 import torch
@@ -53,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     for r in failures[:20]:
         console.print(f"[red]FAIL[/] {r.case.group}: {r.case.describe()}\n      " + "; ".join(r.failures))
     if args.json:
-        write_json(args.json, results)
+        verify.write_report(args.json, results)
     verdict = "[green]all passed[/]" if not failures else f"[red]{len(failures)} failed[/]"
     console.print(f"{len(results)} configurations, {verdict} (torch {torch.__version__})")
     return 1 if failures else 0
@@ -86,20 +85,3 @@ def summary_table(results: list[verify.Result]) -> Table:
 def _max_cell(results, key: str) -> str:
     values = [r.errors[key] for r in results if key in r.errors]
     return f"{max(values):.1e}" if values else "-"
-
-
-def write_json(path: str, results: list[verify.Result]) -> None:
-    """{"summary": counts and versions, "cases": every case's errors, limits and verdict}."""
-    import platform
-
-    import numpy
-
-    from .. import __version__
-
-    rows = [{"case": r.case.__dict__, "errors": r.errors, "limits": r.limits,
-             "passed": r.passed, "failures": r.failures} for r in results]
-    summary = {"cases": len(results), "failed": sum(not r.passed for r in results),
-               "versions": {"mha": __version__, "torch": torch.__version__, "numpy": numpy.__version__,
-                            "python": platform.python_version()}}
-    with open(path, "w") as f:
-        json.dump({"summary": summary, "cases": rows}, f, indent=1)

@@ -16,6 +16,8 @@ The tests and ``mha verify`` both run cases through here.
 from __future__ import annotations
 
 import dataclasses
+import json
+import platform
 import random
 import warnings
 from collections.abc import Iterator
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .. import __version__
 from .. import numpy as oracle
 from ..nn import MultiheadAttention
 
@@ -370,3 +373,14 @@ def default_grid(per_group: int = 14, seed: int = 0) -> list[Case]:
 def run_grid(cases: list[Case]) -> Iterator[Result]:
     for case in cases:
         yield run_case(case)
+
+
+def write_report(path: str, results: list[Result]) -> None:
+    """Write {"summary": counts and versions, "cases": every case's errors, limits and verdict} as JSON."""
+    rows = [{"case": r.case.__dict__, "errors": r.errors, "limits": r.limits,
+             "passed": r.passed, "failures": r.failures} for r in results]
+    summary = {"cases": len(results), "failed": sum(not r.passed for r in results),
+               "versions": {"mha": __version__, "torch": torch.__version__, "numpy": np.__version__,
+                            "python": platform.python_version()}}
+    with open(path, "w") as f:
+        json.dump({"summary": summary, "cases": rows}, f, indent=1)

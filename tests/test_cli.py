@@ -184,3 +184,21 @@ def test_convert_missing_input_file(tmp_path, capsys):
     assert cli.main(["convert", str(tmp_path / "none.pt"), str(tmp_path / "o.pt"), "--from", "torch",
                      "--to", "bert"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_keeps_verify_failures_and_its_report(tmp_path):
+    """The outcome and the JSON report are settled before anything is printed."""
+    script = tmp_path / "failing_verify.py"
+    report = tmp_path / "deep" / "report.json"
+    script.write_text(
+        "import sys\n"
+        "from mha.cli import main\n"
+        "from mha.tools import verify\n"
+        "cases = verify.default_grid(1, 0)[:3]\n"
+        "verify.default_grid = lambda *args: cases\n"
+        "verify.run_grid = lambda cs: (verify.Result(c, failures=['x']) for c in cs)\n"
+        f"sys.exit(main(['verify', '--json', {str(report)!r}]))\n")
+    ran = subprocess.run(f"set -o pipefail; {sys.executable} {script} | head -c 1", shell=True,
+                         executable="/bin/bash", capture_output=True, text=True)
+    assert ran.returncode == 1 and "Traceback" not in ran.stderr
+    assert json.loads(report.read_text())["summary"]["failed"] == 3

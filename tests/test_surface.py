@@ -35,3 +35,8 @@ def test_the_command_without_the_cli_extra_says_what_to_install():
     code = "import sys; sys.modules['rich'] = None; from mha.cli import main"  # rich not installed
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert ran.returncode == 1 and "pip install 'mha[cli]'" in ran.stderr and "Traceback" not in ran.stderr
+    no_matplotlib = "import sys; sys.modules['matplotlib'] = None; from mha.cli import main; sys.exit(main({}))"
+    version = subprocess.run([sys.executable, "-c", no_matplotlib.format("['--version']")], capture_output=True, text=True)
+    assert version.returncode == 0 and "mha" in version.stdout  # a command that needs no plot still runs
+    plot = subprocess.run([sys.executable, "-c", no_matplotlib.format("['plot']")], capture_output=True, text=True)
+    assert plot.returncode == 1 and "needs matplotlib" in plot.stderr and "Traceback" not in plot.stderr

@@ -14,6 +14,9 @@ prefill right-padded prompts with a key_padding_mask; each sequence then continu
 position. Attention masks are derived from positions, so a new query at position p sees the
 cached keys at positions <= p (bottom-right causal alignment).
 
+Decode under torch.no_grad (or inference_mode): a preallocated cache writes each step into the
+same buffers, which autograd cannot differentiate through across steps.
+
 The filled length is read from the stored tensors' shapes, never kept as a Python int, so a
 decode step compiled with torch.compile traces the length as a symbol (one graph for every
 step after the first recompile) instead of recompiling at each new length.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from rich.console import Console
 
 
@@ -12,7 +14,14 @@ class UsageError(ValueError):
 
 class _PipeConsole(Console):
     def on_broken_pipe(self) -> None:  # rich would exit with 1; let mha.cli.main end quietly
+        self.quiet = True  # nothing more to print, as rich's own handler does
         raise BrokenPipeError
+
+
+def require(module: str, *, command: str) -> None:
+    """Exit with a message saying what to install when ``module`` (a cli extra) is missing."""
+    if importlib.util.find_spec(module) is None:
+        raise SystemExit(f"mha {command}: needs {module}, which comes with the cli extra: pip install 'mha[cli]'")
 
 
 def console() -> Console:

@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    _common.require("matplotlib", command="bench")  # for the plots it writes at the end
     if args.repeat <= 0:
         raise UsageError(f"--repeat must be positive, got {args.repeat}")
     if args.threads:

@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if any(path.suffix.lower() == ".safetensors" for path in (args.input, args.output)):
+        _common.require("safetensors", command="convert")
     console = _common.console()
     try:
         written = convert.convert_file(args.input, args.output, source=args.source, target=args.target,

@@ -32,11 +32,11 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.batch < 0:
         raise UsageError(f"--batch must be >= 0, got {args.batch}")
-    try:
-        steps = explain.trace(embed_dim=args.embed_dim, num_heads=args.heads, length=args.length, batch=args.batch,
-                              readable=args.readable, causal=args.causal, seed=args.seed)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    if args.embed_dim % args.heads:
+        raise UsageError(f"--embed-dim must be divisible by --heads, got {args.embed_dim} and {args.heads}")
+    steps = explain.trace(embed_dim=args.embed_dim, num_heads=args.heads, length=args.length, batch=args.batch,
+                          readable=args.readable, causal=args.causal, seed=args.seed)
+    args.status = 0 if all(step.matches for step in steps) else 1  # decided before printing
     if args.format == "markdown" or args.out:
         text = explain.render_markdown(steps)
         if args.out:
@@ -47,4 +47,4 @@ def run(args: argparse.Namespace) -> int:
             print(text)
     else:
         explain.render_rich(steps, _common.console())
-    return 0 if all(step.matches for step in steps) else 1
+    return args.status

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ..tools import plot
+from . import _common
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    _common.require("matplotlib", command="plot")
+    if args.checkpoint is not None:
+        _common.require("safetensors", command="plot")
     try:
         if args.checkpoint is None:
             if args.text is not None:

@@ -47,15 +47,16 @@ def run(args: argparse.Namespace) -> int:
         for result in verify.run_grid(cases):
             results.append(result)
             progress.advance(task)
-    console.print(summary_table(results))
     failures = [r for r in results if not r.passed]
-    for r in failures[:20]:
-        console.print(f"[red]FAIL[/] {r.case.group}: {r.case.describe()}\n      " + "; ".join(r.failures))
+    args.status = 1 if failures else 0  # decided before printing: a closed pipe keeps it (mha.cli.main)
     if args.json:
         verify.write_report(args.json, results)
+    console.print(summary_table(results))
+    for r in failures[:20]:
+        console.print(f"[red]FAIL[/] {r.case.group}: {r.case.describe()}\n      " + "; ".join(r.failures))
     verdict = "[green]all passed[/]" if not failures else f"[red]{len(failures)} failed[/]"
     console.print(f"{len(results)} configurations, {verdict} (torch {torch.__version__})")
-    return 1 if failures else 0
+    return args.status
 
 
 def summary_table(results: list[verify.Result]) -> Table:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import platform
 import random
 import warnings
@@ -258,7 +260,7 @@ def _max_error(got, want) -> dict[str, float]:
         missing = set(o_grads) ^ set(grads)
         if missing:
             raise AssertionError(f"gradients missing for {sorted(missing)}")
-        errors["grads"] = max(float(np.max(np.abs(grads[n].numpy() - o_grads[n]))) for n in o_grads)
+        errors["grads"] = float(np.max([np.max(np.abs(grads[n].numpy() - o_grads[n])) for n in o_grads]))  # NaN wins
     return errors
 
 
@@ -377,10 +379,16 @@ def run_grid(cases: list[Case]) -> Iterator[Result]:
 
 def write_report(path: str, results: list[Result]) -> None:
     """Write {"summary": counts and versions, "cases": every case's errors, limits and verdict} as JSON."""
-    rows = [{"case": r.case.__dict__, "errors": r.errors, "limits": r.limits,
+    rows = [{"case": r.case.__dict__, "errors": _json_numbers(r.errors), "limits": _json_numbers(r.limits),
              "passed": r.passed, "failures": r.failures} for r in results]
     summary = {"cases": len(results), "failed": sum(not r.passed for r in results),
                "versions": {"mha": __version__, "torch": torch.__version__, "numpy": np.__version__,
                             "python": platform.python_version()}}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"summary": summary, "cases": rows}, f, indent=1)
+        json.dump({"summary": summary, "cases": rows}, f, indent=1, allow_nan=False)
+
+
+def _json_numbers(values: dict[str, float]) -> dict[str, float | str]:
+    """Errors as JSON allows them: a NaN or infinite error (a failure) is written as a string."""
+    return {k: v if math.isfinite(v) else str(v) for k, v in values.items()}

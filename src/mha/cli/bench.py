@@ -32,7 +32,7 @@ SECTIONS = ("module", "causal", "overhead", "backends", "training", "contract", 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="a small grid (under a minute)")
+    parser.add_argument("--quick", action="store_true", help="a small grid (about a minute on 2 cores)")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=[s for s in SECTIONS if s != "variants"])
     parser.add_argument("--variants", action="store_true",
                         help="the efficient-attention study alone (same as --sections variants)")

@@ -196,9 +196,9 @@ class MultiHeadAttention(nn.Module):
         if query.dtype != weight.dtype or query.device != weight.device:
             _checks.same_dtype_device("query", query, **{"the module's parameters": weight})
         if not batched:
-            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)  # (T, c) -> (B=1, T, c)
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)  # (L|S, c) -> (1, L|S, c)
         # the submodules are called (not their weights read), so wrappers such as LoRA's keep working
-        q, k, v = modules["q_proj"](query), modules["k_proj"](key), modules["v_proj"](value)  # (B, T, h*dk), (B, S, Hkv*d)
+        q, k, v = modules["q_proj"](query), modules["k_proj"](key), modules["v_proj"](value)  # (B, L, h*dk), (B, S, Hkv*d)
         if self.attention is not None:
             if attn_mask is not None or key_padding_mask is not None or cache is not None or need_weights:
                 raise ValueError("an efficient attention variant takes is_causal only: no attn_mask, "

@@ -1,5 +1,7 @@
 """mha.efficient: exact limits, error falling with budget, causal variants never looking ahead."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -154,3 +156,55 @@ def test_selectable_on_the_general_module(name, options, causal):
 def test_errors(call, words):
     with pytest.raises(ValueError, match=words):
         call()
+
+
+@pytest.mark.parametrize("window", [1, 3])
+@pytest.mark.parametrize("causal", [True, False])
+def test_local_equals_its_band_mask_built_by_hand(window, causal):
+    """A window narrower than the sequence: key j is seen by query i when i - w <= j <= i (+ w both ways)."""
+    T = 12
+    q, k, v = _qkv(T)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    band = (j >= i - window) & ((j <= i) if causal else (j <= i + window))
+    torch.testing.assert_close(efficient.Local(window)(q, k, v, causal), F.scaled_dot_product_attention(q, k, v, band))
+
+
+def test_the_general_module_runs_its_variant_on_the_projected_heads():
+    """Wiring by value: the module's output is out_proj(merge(variant(heads of q_proj, k_proj, v_proj)))."""
+    torch.manual_seed(0)
+    m = mha.MultiHeadAttention(16, 16, 16, 8, 8, 16, 2, attention="local", attention_options=dict(window=3))
+    x = torch.randn(2, 10, 16)
+    heads = [p(x).unflatten(-1, (2, 8)).transpose(1, 2) for p in (m.q_proj, m.k_proj, m.v_proj)]  # (2, 2, 10, 8)
+    o = efficient.Local(3)(*heads, True)  # (2, 2, 10, 8)
+    want = m.out_proj(o.transpose(1, 2).flatten(2))  # (2, 10, 16)
+    torch.testing.assert_close(m(x, x, x, is_causal=True), want)
+
+
+def test_performer_features_estimate_the_softmax_kernel_without_bias():
+    """E[phi(q).phi(k)] = exp(q.k / sqrt(D)): the random features must be isotropic (a QR basis
+    without the sign fix points away from its first axis and biased the estimate by about 10%)."""
+    D = 8
+    features = efficient.Performer(D, 200_000, generator_seed=1)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        q, k = (0.4 * torch.randn(1, D, generator=g, dtype=torch.float64) for _ in range(2))
+        estimate = torch.exp(features._log_features(q) + features._log_features(k)).mean()
+        exact = torch.exp(q @ k.T / math.sqrt(D)).squeeze()
+        assert abs(estimate / exact - 1) < 0.01, (estimate.item(), exact.item())
+
+
+def test_performer_error_keeps_falling_with_many_features():
+    """No floor: at 16,384 features the output is within 2% of exact attention (1/sqrt(m) decay)."""
+    q, k, v = _qkv(64, D=8, B=1)
+    q, k = 0.4 * q, 0.4 * k
+    exact = _dense(q, k, v, False)
+    for seed in range(3):
+        out = efficient.Performer(8, 16_384, generator_seed=seed)(q, k, v, False)
+        assert (out - exact).norm() / exact.norm() < 0.02
+
+
+def test_iterative_pinv_converges_to_the_pseudo_inverse():
+    """Razavi et al.'s iteration, checked against torch.linalg.pinv on softmax-like matrices."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.softmax(torch.randn(3, 8, 8, generator=g, dtype=torch.float64), dim=-1)
+    torch.testing.assert_close(efficient.iterative_pinv(a, 20), torch.linalg.pinv(a), atol=1e-9, rtol=0)

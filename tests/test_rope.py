@@ -53,3 +53,15 @@ def test_per_sequence_positions_and_dtypes():
 def test_bad_rotary_dim(dim):
     with pytest.raises(ValueError, match="rotary_dim"):
         apply_rope(torch.randn(2, 8), torch.arange(2), rotary_dim=dim)
+
+
+def test_the_defaults_are_pinned_to_the_paper():
+    """base 10000 and half-split (GPT-NeoX / Llama) pairs unless asked otherwise: checked against the
+    formula written out, not against RoPE itself."""
+    rope = RotaryEmbedding(8)
+    assert (rope.base, rope.rotary_dim, rope.interleaved) == (10000.0, 8, False)
+    x = torch.randn(1, 2, 6, 8, dtype=torch.float64)
+    positions = torch.arange(6)
+    want = _by_hand(x, positions, 10000.0, 8, False)
+    torch.testing.assert_close(rope(x, positions), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(apply_rope(x, positions), want, atol=1e-6, rtol=0)

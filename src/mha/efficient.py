@@ -245,7 +245,11 @@ class Performer(nn.Module):
         blocks, d = [], self.head_dim
         for _ in range(math.ceil(self.features / d)):
             gaussian = torch.randn(d, d, generator=self.generator)
-            orthogonal, _ = torch.linalg.qr(gaussian)
+            orthogonal, r = torch.linalg.qr(gaussian)
+            # QR's sign convention ties each column's sign to the data (its first column always points
+            # away from the first axis); fixing R's diagonal positive makes the basis uniformly random,
+            # which the estimator's unbiasedness needs
+            orthogonal = orthogonal * torch.sign(torch.diagonal(r))  # (d, d) columns, Haar-distributed
             blocks.append(orthogonal.T)
         rows = torch.cat(blocks)[: self.features]
         norms = torch.randn(self.features, d, generator=self.generator).norm(dim=1, keepdim=True)

@@ -13,6 +13,7 @@ from mha.kernels import Contract, flash_attention, flash_attention_with_lse, mer
 from mha.positions import Band
 
 CAUSAL = Contract(band=Band(None, 0))
+CAUSAL_BOTTOM_RIGHT = Contract(band=Band(None, 0), offset=236)  # 64 queries, 300 keys
 
 SHAPES = [((2, 3, 37, 8), (2, 3, 53, 8), 5), ((1, 2, 64, 4), (1, 2, 64, 4), 4), ((3, 19, 6), (3, 7, 6), 6),
           ((2, 4, 70, 8), (1, 4, 30, 8), 3)]  # odd sizes, L != S, L > S, 3-D, key batch broadcast
@@ -151,3 +152,39 @@ def test_the_drop_in_module_takes_a_backend_attribute():
     ours.backend = "warp"
     with pytest.raises(ValueError, match="backend"):
         ours(x, x, x, need_weights=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_rounds_once_at_the_end(dtype):
+    """Computed in float32, rounded to the input dtype once: within one rounding step (half an ulp,
+    plus float32 noise) of the float32 result on the same rounded inputs. Computing the softmax
+    and the sums in float16/bfloat16 misses this by several ulps over 300 keys."""
+    q, k, v = (t.detach().to(dtype) for t in _inputs((1, 2, 64, 16), (1, 2, 300, 16), 16, torch.float32))
+    out = flash_attention(q, k, v, CAUSAL_BOTTOM_RIGHT)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                         attn_mask=torch.ones(64, 300, dtype=torch.bool).tril(236))
+    ulp = torch.finfo(dtype).eps * ref.abs().clamp_min(torch.finfo(dtype).tiny)  # one step at each value
+    assert ((out.float() - ref).abs() <= 0.5 * ulp + 1e-6).float().mean() > 0.99
+    assert ((out.float() - ref).abs() <= ulp + 1e-6).all()
+
+
+@pytest.mark.parametrize("window", [(64, 0), (32, 32)])
+def test_a_window_computes_o_t_w_scores(monkeypatch, window):
+    """The promise of windows is work, not only values: flash computes scores only in the tiles
+    the band reaches, about T·(w + tile) of them, not T²."""
+    from mha.kernels import flash
+
+    computed = []
+    scores = flash._Tiles.scores
+
+    def counting(self, rows, cols):
+        computed.append(len(rows) * len(cols))
+        return scores(self, rows, cols)
+
+    monkeypatch.setattr(flash._Tiles, "scores", counting)
+    T = 2048
+    q, k, v = (torch.randn(1, 1, T, 8) for _ in range(3))
+    contract = Contract(band=Band(window[0], window[1]))
+    flash_attention(q, k, v, contract)
+    width = window[0] + window[1] + 1
+    assert sum(computed) <= T * (width + 2 * 128), (sum(computed), T * T)  # tiles of up to 128 columns

@@ -33,7 +33,9 @@ def test_state_dict_keys_shapes_and_seeded_init_equal_torch(options):
         assert torch.equal(t[name], o[name]), f"{name}: same seed must give the same initial values"
     assert [n for n, _ in theirs.named_parameters()] == [n for n, _ in ours.named_parameters()]
     for attr in ("embed_dim", "kdim", "vdim", "num_heads", "head_dim", "dropout", "batch_first",
-                 "_qkv_same_embed_dim", "add_zero_attn", "in_proj_weight", "q_proj_weight"):
+                 "_qkv_same_embed_dim", "add_zero_attn"):
+        assert getattr(theirs, attr) == getattr(ours, attr), attr  # by value, not only presence
+    for attr in ("in_proj_weight", "q_proj_weight", "bias_k"):
         assert (getattr(theirs, attr) is None) == (getattr(ours, attr) is None), attr
 
 

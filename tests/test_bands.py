@@ -134,3 +134,21 @@ def test_a_band_that_hides_nothing_is_not_needed():
     assert needed(Band(3, 0), 1, 9, offset=8) == Band(3, 0)  # a window hides the oldest keys
     assert needed(Band(8, 0), 1, 9, offset=8) is None
     assert needed(None, 3, 3) is None
+
+
+def test_position_helpers_pin_their_edges():
+    """The edges mutation testing found unpinned: -1 means unbounded, no band when nothing is
+    bounded, positions on the caller's device, the default offset, the messages."""
+    from mha.positions import alibi_slopes, aligned, band, check_window, needed
+
+    assert check_window((-1, 0)) == (None, 0) and check_window((3, -1)) == (3, None)
+    assert band(False, (-1, -1)) is None and band(False, (3, -1)) == Band(3, None)
+    assert band(True, (-1, 5)) == Band(None, 0)
+    q_pos, k_pos = aligned(range(2, 5), range(0, 3), 1, torch.device("meta"))
+    assert q_pos.device.type == k_pos.device.type == "meta"
+    assert needed(Band(3, None), 4, 4) is None  # offset 0: query 3 reaches key 0 at distance -3
+    assert needed(Band(3, None), 4, 4, offset=1) == Band(3, None)
+    with pytest.raises(TypeError, match="is_causal must be a bool, got int"):
+        band(1)
+    with pytest.raises(ValueError, match=r"^num_heads must"):
+        alibi_slopes(0)

@@ -188,3 +188,16 @@ def test_a_window_computes_o_t_w_scores(monkeypatch, window):
     flash_attention(q, k, v, contract)
     width = window[0] + window[1] + 1
     assert sum(computed) <= T * (width + 2 * 128), (sum(computed), T * T)  # tiles of up to 128 columns
+
+
+def test_merge_keeps_the_outputs_dtype():
+    """Low-precision outputs merged with float32 log-sum-exps stay in their dtype (the weights are
+    cast to it), so a merged result can be merged again or returned as the caller's dtype."""
+    g = torch.Generator().manual_seed(0)
+    out_a, out_b = (torch.randn(2, 3, 4, generator=g).to(torch.bfloat16) for _ in range(2))
+    lse_a, lse_b = (torch.randn(2, 3, generator=g) for _ in range(2))
+    out, lse = merge_attention(out_a, lse_a, out_b, lse_b)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    w_a = torch.exp(lse_a - torch.logaddexp(lse_a, lse_b))[..., None]
+    want = out_a.float() * w_a + out_b.float() * (1 - w_a)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)

@@ -212,3 +212,50 @@ def test_a_cropped_cache_continues_as_if_the_dropped_tokens_never_came(kind):
     assert cropped.lengths.tolist() == [6]
     with pytest.raises(ValueError, match=r"length must be in \[0, 6\]"):
         cropped.crop(7)
+
+
+@pytest.mark.parametrize("kind", [dict(), dict(max_length=16)], ids=["growing", "preallocated"])
+def test_chunks_after_padding_continue_each_sequence(kind):
+    """After a padded prefill, a multi-token chunk without a mask continues each sequence at its own
+    length (positions start + 0, 1, 2: a single-token step cannot tell + from -)."""
+    m = _module(**VARIANTS["rope"])
+    x, chunk = torch.randn(2, 5, E), torch.randn(2, 3, E)
+    padding = torch.tensor([[False] * 5, [False] * 2 + [True] * 3])
+    cache = mha.KVCache(**kind)
+    with torch.no_grad():
+        m(x, x, x, key_padding_mask=padding, is_causal=True, cache=cache)
+        got = m(chunk, chunk, chunk, is_causal=True, cache=cache)
+        for n, length in enumerate([5, 2]):
+            alone = torch.cat([x[n:n + 1, :length], chunk[n:n + 1]], dim=1)
+            torch.testing.assert_close(got[n:n + 1], m(alone, alone, alone, is_causal=True)[:, length:],
+                                       atol=1e-5, rtol=0)
+    assert cache.lengths.tolist() == [8, 5]
+
+
+def test_cache_positions_and_messages_are_exact():
+    assert mha.KVCache().next_positions(2, 3, torch.device("meta")).device.type == "meta"  # the caller's device
+    m = _module(**VARIANTS["rope"])
+    cache = mha.KVCache()
+    x = torch.randn(2, 4, E)
+    with torch.no_grad():
+        m(x, x, x, is_causal=True, cache=cache)
+        with pytest.raises(ValueError, match=r"the cache holds a batch of 2 sequences, got 1$"):
+            cache.next_positions(1, 1, x.device)
+    rolling = mha.KVCache(window=4)
+    with pytest.raises(ValueError, match=r"^a rolling cache \(window\) takes no key_padding_mask"):
+        rolling.update(torch.zeros(1, 1, 2, D), torch.zeros(1, 1, 2, D), None, torch.ones(1, 2, dtype=torch.bool))
+
+
+def test_cache_bookkeeping_stays_on_the_keys_device():
+    """On the "meta" device (shapes only): every tensor the cache makes follows the keys' device,
+    so a CUDA cache never mixes in CPU tensors (a mixed step raises)."""
+    meta = torch.device("meta")
+    for kind in (dict(), dict(max_length=8)):
+        cache = mha.KVCache(**kind)
+        keys = torch.zeros(2, 1, 3, 4, device=meta)
+        cache.update(keys, keys, None)  # uniform first, then padding arrives
+        valid = torch.ones(2, 2, dtype=torch.bool, device=meta)
+        cache.update(keys[:, :, :2], keys[:, :, :2], cache.next_positions(2, 2, meta, valid), valid)
+        step = cache.next_positions(2, 1, meta)
+        k, v, positions, valid = cache.update(keys[:, :, :1], keys[:, :, :1], step)
+        assert {t.device.type for t in (step, k, v, positions, valid, cache.lengths)} == {"meta"}

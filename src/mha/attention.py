@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks, kernels, masks, positions
+from .kernels.contract import contract_of
 
 _ABSENT = object()
 
@@ -108,23 +109,20 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias_k=None, bias_v=None, static_
         if band is not None:
             key_positions = F.pad(torch.arange(S, device=q.device), (0, appended))  # (S + appended,)
             per_sequence = (torch.arange(L, device=q.device)[None], key_positions[None])  # (1, L), (1, S + appended)
-    if band is None and mask is None and key_valid is None and softcap is None and sinks is None:
-        contract = kernels.contract.NONE  # the common case, without building a value
-    else:
-        contract = kernels.Contract(band=band, positions=per_sequence, key_valid=key_valid, mask=mask,
-                                    softcap=softcap, sinks=sinks)
+    contract = contract_of(band=band, positions=per_sequence, key_valid=key_valid, mask=mask, softcap=softcap,
+                           sinks=sinks)
     return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
 
 
-def finish(o: Tensor, weights: Tensor | None, *, out_proj: Callable[[Tensor], Tensor] | None,
+def finish(o: Tensor, weights: Tensor | None, *, out_proj: Callable[[Tensor], Tensor],
            average_attn_weights: bool, batched: bool, seq_first: bool) -> tuple[Tensor, Tensor | None]:
     """Merge heads, project out, average weights, drop the batch dim of unbatched input.
 
     o (B, H, L, Dv) -> (L, B, H*Dv) when seq_first, else (B, L, H*Dv) (unbatched: (L, H*Dv)), then
-    ``out_proj`` (None: the merged heads are the output); weights (B, H, L, S) -> (B, L, S) averaged.
+    ``out_proj``; weights (B, H, L, S) -> (B, L, S) averaged.
     """
     merged = _merge_heads(o, seq_first)
-    out = merged if out_proj is None else out_proj(merged)
+    out = out_proj(merged)
     if weights is not None and average_attn_weights:
         weights = weights.mean(dim=1)  # (B, H, L, S) -> (B, L, S)
     if not batched:
@@ -178,12 +176,8 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_he
     band = positions.band(is_causal, window)
     if per_sequence is None:
         band = positions.needed(band, L, k.shape[2], offset)
-    if band is None and per_sequence is None and key_valid is None and alibi_slopes is None and softcap is None \
-            and sinks is None:
-        contract = kernels.contract.NONE  # a plain decode step (or full attention): nothing to shape
-    else:
-        contract = kernels.Contract(band=band, offset=offset, positions=per_sequence, key_valid=key_valid,
-                                    alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
+    contract = contract_of(band=band, offset=offset, positions=per_sequence, key_valid=key_valid,
+                           alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)  # a plain decode step: empty
     return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
 
 

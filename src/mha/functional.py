@@ -21,6 +21,7 @@ from torch import Tensor
 from . import _checks, kernels, masks, positions
 from .attention import attend, check_inputs, finish, share_kv_heads, split_heads, split_packed_heads
 from .kernels._context import autocast_inputs
+from .kernels.contract import contract_of
 
 __all__ = ["scaled_dot_product_attention", "multi_head_attention_forward"]
 
@@ -70,7 +71,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         key, value = (share_kv_heads(x, H) for x in (key, value))
     if causal_alignment is None:
         causal_alignment = "bottom_right" if window is not None or alibi_slopes is not None else "top_left"
-    contract = kernels.Contract(
+    contract = contract_of(
         band=positions.band(is_causal, window), offset=positions.offset_of(causal_alignment, L, S),
         mask=masks.sdpa(attn_mask, L=L, S=S, batch_shape=batch_shape, like=query),
         alibi_slopes=_per_head("alibi_slopes", alibi_slopes, H, query), scale=_checks.optional_real("scale", scale),

@@ -165,6 +165,14 @@ class Contract:
 NONE = Contract()
 
 
+def contract_of(**terms) -> Contract:
+    """A Contract of these terms, or the shared empty one when every term but the offset (which
+    only places a band or ALiBi) is None: the common call builds no value."""
+    if all(value is None for name, value in terms.items() if name != "offset"):
+        return NONE
+    return Contract(**terms)
+
+
 def resolve(contract: Contract | None) -> Contract:
     """A kernel's ``contract`` argument: None means the empty contract (no mask, no band)."""
     if contract is None:

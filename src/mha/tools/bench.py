@@ -95,12 +95,12 @@ def best_times(fns: dict[str, Callable[[], object]], repeat: int, *, calls: int 
     return times
 
 
-def _pair(E: int):
+def _pair(E: int, heads: int = HEADS):
     torch.manual_seed(0)
-    theirs = torch.nn.MultiheadAttention(E, HEADS, batch_first=True)
-    ours = MultiheadAttention(E, HEADS, batch_first=True).eval()
+    theirs = torch.nn.MultiheadAttention(E, heads, batch_first=True)
+    ours = MultiheadAttention(E, heads, batch_first=True).eval()
     ours.load_state_dict(theirs.state_dict())
-    theirs_eval = torch.nn.MultiheadAttention(E, HEADS, batch_first=True).eval()
+    theirs_eval = torch.nn.MultiheadAttention(E, heads, batch_first=True).eval()
     theirs_eval.load_state_dict(theirs.state_dict())
     return ours, theirs.train(), theirs_eval  # torch in train mode with dropout 0: its faster path
 
@@ -130,15 +130,12 @@ OVERHEAD_POINTS = [(1, 1, 256, 8), (1, 16, 256, 8), (4, 8, 128, 4)]  # (B, T, E,
 
 def overhead_rows(repeat: int, *, points=OVERHEAD_POINTS, decode_lengths=(1024, 8192)) -> Iterator[Row]:
     """Eval forward (no_grad) of the drop-in against torch's eval path at tiny shapes, and one decode
-    step of the general module with a preallocated KVCache against a bare torch step over the same
-    cache (three linears, SDPA over the cached keys, one linear). Times are per call, the best of
+    step of the general module with a preallocated KVCache against a bare torch step on its own
+    preallocated buffers (see _decode_step_row). Times are per call, the best of
     ``repeat`` rounds of 200 calls each, the compared calls in turn."""
     with torch.no_grad():
         for B, T, E, H in points:
-            torch.manual_seed(0)
-            theirs = torch.nn.MultiheadAttention(E, H, batch_first=True).eval()
-            ours = MultiheadAttention(E, H, batch_first=True).eval()
-            ours.load_state_dict(theirs.state_dict())
+            ours, _, theirs = _pair(E, H)  # theirs: torch's eval path
             x = torch.randn(B, T, E)
             t = best_times({"ours": lambda: ours(x, x, x, need_weights=False),
                             "torch-eval": lambda: theirs(x, x, x, need_weights=False),

@@ -45,6 +45,13 @@ def test_capture_of_the_general_module_with_a_cache():
     prefill, decode = maps["MultiHeadAttention"]
     assert prefill.shape == (1, 2, 3, 3) and decode.shape == (1, 2, 1, 4)
     assert torch.all(prefill[..., 0, 1:] == 0)  # causal
+    # the same weights as asking for them, on a fresh cache: the decode step sees the prefill's keys
+    fresh = mha.KVCache()
+    _, want_prefill = m.forward_with_weights(x, x, x, is_causal=True, cache=fresh, average_attn_weights=False)
+    _, want_decode = m.forward_with_weights(x[:, :1], x[:, :1], x[:, :1], is_causal=True, cache=fresh,
+                                            average_attn_weights=False)
+    torch.testing.assert_close(prefill, want_prefill)
+    torch.testing.assert_close(decode, want_decode)
 
 
 def test_modules_outside_the_watched_model_are_not_recorded():

@@ -93,13 +93,23 @@ def test_parameter_shapes_and_initialisation():
 
 
 def test_dropout_in_training_only():
-    m = mha.MultiHeadAttention(**WIDTHS, dropout=0.5)
-    x = (torch.randn(2, 4, 6), torch.randn(2, 5, 5), torch.randn(2, 5, 7))
+    """In training each weight is dropped with probability p and the survivors are scaled by
+    1 / (1 - p); the output is the dropped weights applied to the values."""
+    p = 0.25
+    m = mha.MultiHeadAttention(**WIDTHS, dropout=p, dtype=torch.float64)
+    x = tuple(torch.randn(4, n, c, dtype=torch.float64) for n, c in ((30, 6), (40, 5), (40, 7)))
     m.eval()
-    torch.testing.assert_close(m(*x), m(*x))
+    dense_out, dense = m.forward_with_weights(*x, average_attn_weights=False)
+    torch.testing.assert_close(m(*x), dense_out)
     m.train()
-    _, w = m.forward_with_weights(*x, average_attn_weights=False)
-    assert (w == 0).any()
+    torch.manual_seed(0)
+    out, w = m.forward_with_weights(*x, average_attn_weights=False)
+    kept = w != 0
+    assert 0.73 < kept.double().mean() < 0.77  # 1 - p of 9,600 weights
+    torch.testing.assert_close(w[kept], dense[kept] / (1 - p))
+    v = m.v_proj(x[2]).view(4, 40, 2, 4).transpose(1, 2)  # (B, S, H*Dv) -> (B, H, S, Dv)
+    heads = (w @ v).transpose(1, 2).reshape(4, 30, 8)  # (B, H, L, Dv) -> (B, L, H*Dv)
+    torch.testing.assert_close(out, m.out_proj(heads))
 
 
 @pytest.mark.parametrize("call, error, words", [

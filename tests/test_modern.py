@@ -259,3 +259,40 @@ def test_cache_bookkeeping_stays_on_the_keys_device():
         step = cache.next_positions(2, 1, meta)
         k, v, positions, valid = cache.update(keys[:, :, :1], keys[:, :, :1], step)
         assert {t.device.type for t in (step, k, v, positions, valid, cache.lengths)} == {"meta"}
+
+
+@pytest.mark.parametrize("kind", [dict(), dict(max_length=8)], ids=["growing", "preallocated"])
+def test_padding_after_a_uniform_prefix_tracks_each_sequence(kind):
+    """The cache's state, by value and dtype, when padding first arrives after uniform steps, and
+    after cropping a tracked cache: positions int64, validity bool, lengths per sequence."""
+    cache = mha.KVCache(**kind)
+    prefix, chunk = torch.randn(2, 1, 3, D), torch.randn(2, 1, 2, D)
+    cache.update(prefix, prefix, None)
+    valid = torch.tensor([[True, False], [True, True]])
+    keys, values, positions, seen_valid = cache.update(chunk, chunk, cache.next_positions(2, 2, "cpu", valid), valid)
+    assert torch.equal(keys, torch.cat([prefix, chunk], dim=2)) and torch.equal(values, keys)
+    assert positions.dtype == torch.long and seen_valid.dtype == torch.bool and cache.lengths.dtype == torch.long
+    assert positions.tolist() == [[0, 1, 2, 3, 4]] * 2  # a padded slot takes the next position, unseen
+    assert seen_valid.tolist() == [[True] * 4 + [False], [True] * 5]
+    assert cache.lengths.tolist() == [4, 5]
+    assert cache.next_positions(2, 1, "cpu").tolist() == [[4], [5]]
+    cache.crop(4)
+    assert (cache.size, cache.keys.shape, cache.values.shape) == (4, (2, 1, 4, D), (2, 1, 4, D))
+    assert cache.positions.tolist() == [[0, 1, 2, 3]] * 2 and cache.valid.tolist() == [[True] * 4] * 2
+    assert cache.lengths.tolist() == [4, 4] and cache.next_positions(2, 1, "cpu").tolist() == [[4], [4]]
+    cache.crop(4)  # the whole filled length is a valid crop
+    assert cache.size == 4
+    cache.crop(0)  # and nothing
+    assert cache.size == 0 and cache.lengths.tolist() == [0, 0]
+
+
+def test_cache_crop_and_repr_messages_are_exact():
+    assert repr(mha.KVCache()) == "KVCache(growing, size=0)"
+    assert repr(mha.KVCache(max_length=8)) == "KVCache(max_length=8, size=0)"
+    assert repr(mha.KVCache(window=4)) == "KVCache(window=4, size=0)"
+    with pytest.raises(ValueError, match=r"^a rolling cache \(window\) cannot be cropped: it has dropped its oldest keys$"):
+        mha.KVCache(window=4).crop(0)
+    with pytest.raises(TypeError, match=r"^length must be an int"):
+        mha.KVCache().crop(1.5)
+    with pytest.raises(ValueError, match=r"^length must be in \[0, 0\] \(the filled slots\), got -1$"):
+        mha.KVCache().crop(-1)

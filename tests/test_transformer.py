@@ -44,9 +44,25 @@ def test_encoder_layer_equals_torch(norm_first, activation, bias, training):
         want = theirs(x, src_mask=causal, src_key_padding_mask=padding)
     got = ours(x, src_mask=causal, src_key_padding_mask=padding)
     torch.testing.assert_close(got, want, equal_nan=True)
-    got.sum().backward()
-    assert torch.isfinite(x.grad).all()
+    _assert_same_gradients(theirs, ours, (x,), lambda layer, x: layer(x, src_mask=causal, src_key_padding_mask=padding))
     torch.testing.assert_close(ours(x, is_causal=True), theirs(x, src_mask=causal, is_causal=True))
+
+
+def _assert_same_gradients(theirs, ours, inputs, call):
+    """The gradients of every input and parameter equal torch's for the same upstream gradient
+    (rows torch leaves NaN, every key padded, are compared where torch is finite)."""
+    g = torch.Generator().manual_seed(1)
+    results = []
+    for layer in (theirs, ours):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        out = call(layer, *leaves)
+        upstream = torch.randn(out.shape, generator=g.manual_seed(1))
+        params = list(layer.parameters())
+        results.append(torch.autograd.grad((out.nan_to_num() * upstream).sum(), leaves + params, allow_unused=True))
+    for want, got in zip(*results):
+        assert got is not None and want is not None
+        finite = want.isfinite()
+        torch.testing.assert_close(got[finite], want[finite])
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
@@ -65,6 +81,7 @@ def test_decoder_layer_equals_torch(norm_first, training):
     torch.testing.assert_close(ours(tgt, memory, **kwargs), theirs(tgt, memory, **kwargs))
     torch.testing.assert_close(ours(tgt, memory, tgt_is_causal=True, memory_key_padding_mask=memory_padding),
                                theirs(tgt, memory, **kwargs, tgt_is_causal=True))
+    _assert_same_gradients(theirs, ours, (tgt, memory), lambda layer, tgt, memory: layer(tgt, memory, **kwargs))
 
 
 def test_layers_load_torch_state_dicts_and_stack_in_torch_containers():

@@ -149,3 +149,91 @@ def test_layer_constructor_errors(cls, kwargs, error, name):
 def test_numpy_block_unknown_activation():
     with pytest.raises(ValueError, match="activation"):
         oracle.transformer_encoder_layer(np.zeros((2, D)), {}, H, activation="tanh")
+
+
+LAYERS = [(torch.nn.TransformerEncoderLayer, mha.nn.TransformerEncoderLayer),
+          (torch.nn.TransformerDecoderLayer, mha.nn.TransformerDecoderLayer)]
+
+
+@pytest.mark.parametrize("theirs, ours", LAYERS, ids=["encoder", "decoder"])
+def test_layer_signatures_and_submodules_equal_torch(theirs, ours):
+    """The same defaults (constructor and forward), and every option reaches the submodule torch
+    gives it: dropout, layer_norm_eps, bias, batch_first, dtype."""
+    import inspect
+
+    for method in ("__init__", "forward"):
+        want = {n: p.default for n, p in inspect.signature(getattr(theirs, method)).parameters.items()}
+        got = {n: p.default for n, p in inspect.signature(getattr(ours, method)).parameters.items()}
+        assert got == want
+    options = dict(dropout=0.3, layer_norm_eps=1e-3, bias=False, batch_first=True, dtype=torch.float64)
+    t, o = theirs(D, H, FF, **options), ours(D, H, FF, **options)
+    described = lambda m: {name: (type(sub).__name__, getattr(sub, "p", None), getattr(sub, "eps", None),  # noqa: E731
+                                  getattr(sub, "batch_first", None), getattr(sub, "dropout", None))
+                           for name, sub in m.named_modules() if name}
+    assert described(o) == described(t)
+    assert {p.dtype for p in o.parameters()} == {torch.float64}
+    assert [(n, p.shape) for n, p in o.named_parameters()] == [(n, p.shape) for n, p in t.named_parameters()]
+    theirs(D, H, layer_norm_eps=0.0), ours(D, H, layer_norm_eps=0.0)  # torch accepts eps = 0
+
+
+@pytest.mark.parametrize("memory_is_causal", [False, True])
+def test_decoder_layer_honours_every_mask(memory_is_causal):
+    theirs, ours = _pair(torch.nn.TransformerDecoderLayer, mha.nn.TransformerDecoderLayer, dropout=0.0,
+                         batch_first=True)
+    tgt, memory = torch.randn(2, 5, D), torch.randn(2, 5, D)
+    causal, tgt_padding = _masks(5, 2)
+    memory_mask = torch.randn(5, 5)
+    memory_padding = torch.zeros(2, 5, dtype=torch.bool)
+    memory_padding[0, 0] = True
+    if memory_is_causal:  # torch takes the mask as given; is_causal is a hint that it is causal
+        memory_mask = causal
+    kwargs = dict(tgt_mask=causal, memory_mask=memory_mask, tgt_key_padding_mask=tgt_padding,
+                  memory_key_padding_mask=memory_padding)
+    with torch.no_grad():
+        want = theirs(tgt, memory, **kwargs, tgt_is_causal=True, memory_is_causal=memory_is_causal)
+        got = ours(tgt, memory, **kwargs, tgt_is_causal=True, memory_is_causal=memory_is_causal)
+    torch.testing.assert_close(got, want)
+    if memory_is_causal:  # ours honours the flag alone
+        torch.testing.assert_close(ours(tgt, memory, tgt_mask=causal, tgt_key_padding_mask=tgt_padding,
+                                        memory_key_padding_mask=memory_padding, tgt_is_causal=True,
+                                        memory_is_causal=True), want)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_layers_never_compute_attention_weights(monkeypatch, training):
+    from mha import kernels
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a layer computed attention weights it never returns")
+
+    monkeypatch.setitem(kernels.BACKENDS, "math", refuse)
+    x = torch.randn(2, 5, D)
+    encoder = mha.nn.TransformerEncoderLayer(D, H, FF, batch_first=True).train(training)
+    decoder = mha.nn.TransformerDecoderLayer(D, H, FF, batch_first=True).train(training)
+    causal, padding = _masks(5, 2)
+    encoder(x, src_mask=causal, src_key_padding_mask=padding)
+    decoder(x, x, tgt_mask=causal, memory_key_padding_mask=padding)
+
+
+def test_numpy_encoder_block_defaults_and_options_equal_torch():
+    """The oracle's defaults are torch's layer's; is_causal, a callable activation and
+    layer_norm_eps reach the computation."""
+    import inspect
+
+    defaults = {n: p.default for n, p in inspect.signature(oracle.transformer_encoder_layer).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    torch_defaults = {**{n: p.default for n, p in inspect.signature(torch.nn.TransformerEncoderLayer).parameters.items()},
+                      **{n: p.default for n, p in inspect.signature(torch.nn.TransformerEncoderLayer.forward).parameters.items()}}
+    assert defaults.pop("activation") == "relu" and torch_defaults["activation"] is torch.nn.functional.relu
+    assert all(torch_defaults[n] == value for n, value in defaults.items()), defaults
+    torch.manual_seed(3)
+    layer = torch.nn.TransformerEncoderLayer(D, H, FF, dropout=0.0, activation=torch.tanh, layer_norm_eps=0.5,
+                                             dtype=torch.float64).eval()
+    x = torch.randn(5, 2, D, dtype=torch.float64)
+    causal, _ = _masks(5, 2)
+    with torch.no_grad():
+        want = layer(x, src_mask=causal.double(), is_causal=True)
+    params = {k: v.numpy() for k, v in layer.state_dict().items()}
+    got = oracle.transformer_encoder_layer(x.numpy(), params, H, is_causal=True, activation=np.tanh, layer_norm_eps=0.5)
+    np.testing.assert_allclose(got, want.numpy(), atol=1e-12, rtol=0)
+    assert oracle.gelu(np.ones(3, dtype=np.float32)).dtype == np.float32

@@ -1,6 +1,7 @@
 """The flash backend (blocked online softmax) and the log-sum-exp merge, against the oracle."""
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -187,7 +188,7 @@ def test_a_window_computes_o_t_w_scores(monkeypatch, window):
     contract = Contract(band=Band(window[0], window[1]))
     flash_attention(q, k, v, contract)
     width = window[0] + window[1] + 1
-    assert sum(computed) <= T * (width + 2 * 128), (sum(computed), T * T)  # tiles of up to 128 columns
+    assert sum(computed) <= T * (width + 64), (sum(computed), T * T)  # blocks of 64 queries: 63 extra keys each
 
 
 def test_merge_keeps_the_outputs_dtype():
@@ -201,3 +202,118 @@ def test_merge_keeps_the_outputs_dtype():
     w_a = torch.exp(lse_a - torch.logaddexp(lse_a, lse_b))[..., None]
     want = out_a.float() * w_a + out_b.float() * (1 - w_a)
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_a_wide_two_sided_band_in_small_tiles_equals_its_mask():
+    """Edge tiles left and right of the diagonal (shifts -20 and +20) have different patterns;
+    flash caches each edge pattern by its shape and shift."""
+    q, k, v = _inputs((1, 2, 48, 4), (1, 2, 48, 4), 4)
+    i, j = torch.arange(48)[:, None], torch.arange(48)[None, :]
+    visible = (j - i >= -20) & (j - i <= 20)
+    out, _ = flash_attention_with_lse(q, k, v, Contract(band=Band(20, 20)), block_q=4, block_k=4)
+    want, _ = oracle.scaled_dot_product_attention(*(t.detach().numpy() for t in (q, k, v)), visible.numpy())
+    np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-12, rtol=0)
+
+
+def test_batch_dims_broadcast_across_queries_keys_and_values():
+    """q (2, 3, L, D), k (1, 3, S, D), v (3, S, Dv): the common (2, 3), and gradients summed back."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 3, 6, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 3, 7, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(3, 7, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    out, _ = flash_attention_with_lse(q, k, v, CAUSAL, block_q=4, block_k=4)
+    want = F.scaled_dot_product_attention(q, k.expand(2, 3, 7, 4), v.expand(2, 3, 7, 5), is_causal=True)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    upstream = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out * upstream).sum(), (q, k, v))
+    expected = torch.autograd.grad((want * upstream).sum(), (q, k, v))
+    for a, b in zip(got, expected):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_sinks_alibi_and_softcap_are_computed_in_float32(dtype):
+    """Every term of the contract in float32 for float16/bfloat16 inputs, forward and backward:
+    within a rounding step of flash on the float32 copies, gradients in the inputs' dtypes."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g).to(dtype).requires_grad_() for n in (40, 60, 60))
+    slopes, sinks = torch.tensor([0.5, 0.25]).to(dtype), torch.tensor([0.3, -1.0]).to(dtype).requires_grad_()
+    contract = Contract(band=Band(None, 0), offset=20, alibi_slopes=slopes, sinks=sinks, softcap=5.0)
+    out, lse = flash_attention_with_lse(q, k, v, contract, block_q=16, block_k=16)
+    wide = [t.detach().float().requires_grad_() for t in (q, k, v, sinks)]
+    wide_contract = Contract(band=Band(None, 0), offset=20, alibi_slopes=slopes.float(), sinks=wide[3], softcap=5.0)
+    ref, ref_lse = flash_attention_with_lse(*wide[:3], wide_contract, block_q=16, block_k=16)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    step = torch.finfo(dtype).eps
+    torch.testing.assert_close(out.float(), ref, atol=step, rtol=step)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=0)
+    upstream = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad((out.float() * upstream).sum(), (q, k, v, sinks))
+    ref_grads = torch.autograd.grad((ref * upstream).sum(), wide)
+    for got, want in zip(grads, ref_grads):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, atol=4 * step * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("tangent_on", [0, 1, 2])
+def test_flash_names_what_it_cannot_run(tangent_on):
+    """Each refusal is its own exact message, whichever input carries a forward-mode tangent."""
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = (t.detach() for t in _inputs((1, 1, 4, 3), (1, 1, 5, 3), 3))
+    prefix = "the flash backend cannot run this call: "
+    with fwAD.dual_level():
+        inputs = [q, k, v]
+        inputs[tangent_on] = fwAD.make_dual(inputs[tangent_on], torch.ones_like(inputs[tangent_on]))
+        no_jvp = prefix + "it has no forward-mode AD (jvp); use backend='math'"
+        with pytest.raises(ValueError, match="^" + re.escape(no_jvp) + "$"):
+            flash_attention(*inputs)
+    with pytest.raises(ValueError, match="^" + re.escape(prefix + "it does not run under torch.func transforms (vmap, "
+                                                         "grad, jvp, jacrev); use backend='math'") + "$"):
+        torch.func.vmap(flash_attention)(q, k, v)
+    mask = Contract(mask=torch.zeros(4, 5, dtype=torch.float64, requires_grad=True))
+    with pytest.raises(ValueError, match="^" + re.escape(prefix + "it does not differentiate through attn_mask; "
+                                                         "use backend='math'") + "$"):
+        flash_attention(q, k, v, mask)
+    with torch.no_grad():
+        flash_attention(q, k, v, mask)  # no gradient asked: the mask is only read
+    q.requires_grad_()
+    out = flash_attention(q, k, v)
+    with pytest.raises(RuntimeError, match="^" + re.escape("the flash backend has no double backward "
+                                                           "(create_graph=True); use backend='math' for higher "
+                                                           "derivatives") + "$"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+
+
+def test_dropout_draws_differ_between_calls_and_between_tiles():
+    """A fresh seed per call (130 calls: no two share a draw) and an independent draw per tile
+    (the 16 tiles of one call all differ). One-hot values make the output the dropped weights."""
+    v = torch.eye(16, dtype=torch.float64).expand(1, 1, 16, 16)
+    q, k = torch.zeros(1, 1, 16, 4, dtype=torch.float64), torch.zeros(1, 1, 16, 4, dtype=torch.float64)
+    draws = {tuple((flash_attention_with_lse(q, k, v, dropout_p=0.5, block_q=4, block_k=4)[0] != 0).flatten().tolist())
+             for _ in range(130)}
+    assert len(draws) == 130
+    kept = flash_attention_with_lse(q, k, v, dropout_p=0.5, block_q=4, block_k=4)[0][0, 0] != 0  # (16, 16)
+    tiles = {tuple(kept[r:r + 4, c:c + 4].flatten().tolist()) for r in range(0, 16, 4) for c in range(0, 16, 4)}
+    assert len(tiles) == 16
+
+
+@pytest.mark.parametrize("implementation", ["flash", "numpy blocked"])
+def test_very_negative_scores_after_a_hidden_tile_keep_their_softmax(implementation):
+    """A row whose first key tile is all hidden, then sees scores near -900: the running max must
+    stay -inf through the hidden tile, so the visible scores are shifted by their own max. (Found
+    by mutation testing: the max was stored as 0, and e^(-900 - 0) floored or underflowed to a
+    uniform average, or to nothing.)"""
+    q = torch.full((1, 1, 2, 1), -30.0, dtype=torch.float64)
+    k = torch.tensor([0.0] * 4 + [30.0, 30.1, 30.2, 30.3], dtype=torch.float64).view(1, 1, 8, 1)
+    v = torch.arange(8.0, dtype=torch.float64).view(1, 1, 8, 1)
+    seen = torch.tensor([[False] * 4 + [True] * 4])  # (1, S): the first tile hidden
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=1.0)
+    if implementation == "flash":
+        got, lse = flash_attention_with_lse(q, k, v, Contract(mask=seen, scale=1.0), block_q=1, block_k=4)
+    else:
+        got, lse = (torch.from_numpy(a) for a in oracle.blocked_attention(q.numpy(), k.numpy(), v.numpy(), seen.numpy(),
+                                                                           False, 1.0, block_q=1, block_k=4))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(lse, torch.logsumexp((q @ k.transpose(-1, -2))[..., 4:], dim=-1), atol=1e-9, rtol=0)

@@ -253,12 +253,13 @@ class _Running:
         """Merge one tile of scores (BH, r, c) with its values (BH, c, Dv) into the state."""
         m, m_new, alpha, l, acc = state
         torch.maximum(m, tile.s.amax(dim=-1, keepdim=True), out=m_new)
-        m_new.masked_fill_(m_new == _NEG_INF, 0.0)  # rows with nothing visible yet: shift by 0
+        nothing_yet = m_new == _NEG_INF  # rows with no visible key so far: shift by 0 (e^(-inf - 0) = 0)
+        m_new.masked_fill_(nothing_yet, 0.0)
         torch.sub(m, m_new, out=alpha).clamp_(min=tiles.floor).exp_()  # e^(m - m') rescales the past (floored)
         p = tiles.probabilities(tile, m_new)  # in place: P = e^(S - m')
         l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
         acc.mul_(alpha).baddbmm_(p if keep is None else p.mul_(keep), v_tile)
-        m.copy_(m_new)
+        m.copy_(m_new.masked_fill_(nothing_yet, _NEG_INF))  # they keep m = -inf: their first visible max shifts them
 
     @staticmethod
     def finish(state, out, lse):

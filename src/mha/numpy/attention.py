@@ -301,10 +301,10 @@ def blocked_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, *, b
                 s += np.broadcast_to(mask, (*mask.shape[:-2], L, S))[..., i0:i1, j0:j1]
             if is_causal and j1 - 1 > i0:
                 s = np.where(np.arange(j0, j1) > np.arange(i0, i1)[:, None], -np.inf, s)
-            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
-            m_new[m_new == -np.inf] = 0.0  # nothing visible yet: shift by 0
-            alpha = np.exp(m - m_new)
-            p = np.exp(s - m_new, out=s)
+            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))  # stays -inf while a row sees nothing
+            shift = np.where(m_new == -np.inf, 0.0, m_new)  # those rows shift by 0: exp(-inf - 0) = 0
+            alpha = np.exp(m - shift)
+            p = np.exp(s - shift, out=s)
             l = l * alpha + p.sum(axis=-1, keepdims=True)
             acc = acc * alpha + p @ v[..., j0:j1, :]
             m = m_new

@@ -317,3 +317,66 @@ def test_very_negative_scores_after_a_hidden_tile_keep_their_softmax(implementat
                                                                            False, 1.0, block_q=1, block_k=4))
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     torch.testing.assert_close(lse, torch.logsumexp((q @ k.transpose(-1, -2))[..., 4:], dim=-1), atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("batched", ["q", "k", "v"])
+def test_whichever_input_carries_the_batch_it_broadcasts(batched):
+    g = torch.Generator().manual_seed(6)
+    shapes = {"q": (1, 2, 5, 4), "k": (1, 2, 6, 4), "v": (1, 2, 6, 3)}
+    shapes[batched] = (3, *shapes[batched][1:])
+    q, k, v = (torch.randn(shapes[n], generator=g, dtype=torch.float64) for n in "qkv")
+    out, _ = flash_attention_with_lse(q, k, v, CAUSAL, block_q=2, block_k=4)
+    want = F.scaled_dot_product_attention(q.expand(3, 2, 5, 4), k.expand(3, 2, 6, 4), v.expand(3, 2, 6, 3),
+                                          is_causal=True)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+
+
+def test_per_head_terms_with_more_than_one_batch_dim():
+    """(B, X, H, L, D) inputs: ALiBi slopes and sinks belong to the last batch dim (heads), and
+    their gradients sum over the others."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 3, 2, 6, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.125], dtype=torch.float64, requires_grad=True)
+    sinks = torch.tensor([0.2, -0.7], dtype=torch.float64, requires_grad=True)
+    contract = Contract(band=Band(None, 0), alibi_slopes=slopes, sinks=sinks)
+    out, _ = flash_attention_with_lse(q, k, v, contract, block_q=4, block_k=4)
+    want, _ = mha.kernels.math_attention(q, k, v, contract)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    upstream = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out * upstream).sum(), (q, k, v, slopes, sinks))
+    expected = torch.autograd.grad((want * upstream).sum(), (q, k, v, slopes, sinks))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=0)
+
+
+def test_dropout_edges_zero_and_one():
+    """p = 0 draws nothing (the caller's random stream is untouched); p = 1 drops every weight."""
+    q, k, v = (t.detach() for t in _inputs((1, 2, 5, 4), (1, 2, 7, 4), 3))
+    state = torch.get_rng_state()
+    torch.testing.assert_close(flash_attention(q, k, v, CAUSAL, dropout_p=0.0),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-12, rtol=0)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(flash_attention(q, k, v, CAUSAL, dropout_p=1.0), torch.zeros(1, 2, 5, 3, dtype=torch.float64))
+
+
+def test_per_sequence_positions_in_small_tiles():
+    """Positions with gaps (padding, a cache): each tile's band pattern comes from its own
+    positions, not from another tile of the same shape and shift."""
+    pos = torch.tensor([[0, 1, 2, 3, 4, 6, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]])
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 24, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    contract = Contract(band=Band(2, 0), positions=(pos, pos))
+    out, _ = flash_attention_with_lse(q, k, v, contract, block_q=4, block_k=4)
+    rel = pos[0][None, :] - pos[0][:, None]  # key - query, by hand
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=(rel >= -2) & (rel <= 0))
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+
+
+def test_alibi_is_added_in_the_compute_dtype():
+    """float32 slopes on float64 inputs: the bias -slope·|i - j| is formed in float64."""
+    q, k, v = (t.detach() for t in _inputs((1, 2, 9, 4), (1, 2, 9, 4), 4))
+    slopes = torch.tensor([0.3, 0.7])  # not exact in binary: float32 products would differ
+    out = flash_attention(q, k, v, Contract(alibi_slopes=slopes))
+    i, j = torch.arange(9)[:, None], torch.arange(9)[None, :]
+    bias = -slopes.double()[:, None, None] * (j - i).abs()
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=bias), atol=1e-14, rtol=0)

@@ -2,6 +2,8 @@
 single position rule (mha.numpy.contract), forward and gradients, over random contracts; what
 padding and causality promise; the dispatch; flash's dropout."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -378,3 +380,206 @@ def test_decoding_in_chunks_equals_the_full_causal_forward(case, chunks):
             pieces.append(m(part, part, part, is_causal=True, cache=cache))
             start += size
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-10, rtol=0)
+
+
+# -- the dispatch decision, pinned: each choice and its reason, exactly ---------------------------------------
+
+
+def _f32(*shape):
+    return torch.randn(*shape)
+
+
+_QKV = (_f32(1, 2, 64, 4), _f32(1, 2, 64, 4), _f32(1, 2, 64, 4))
+_NOT_SDPA = "not sdpa ({}): flash applies every term tile by tile"
+_BUILDS = "torch's kernel would build the attention weights ({}): 8,192 elements, more than q, k and v hold ({})"
+DECISIONS = {  # name: (q, k, v, contract, options, (backend, reason))
+    "plain": (*_QKV, Contract(), {}, ("sdpa", "torch's fused kernel takes the whole contract")),
+    "3-D": (_f32(2, 64, 4), _f32(2, 64, 4), _f32(2, 64, 4), Contract(), {},
+            ("sdpa", "torch's fused kernel takes the whole contract")),
+    "shifted causal": (_f32(1, 2, 16, 4), *_QKV[1:], Contract(band=Band(None, 0), offset=48), {},
+                       ("sdpa", "torch's fused kernel takes the whole contract")),
+    "softcap": (*_QKV, Contract(softcap=5.0), {}, ("flash", _NOT_SDPA.format("torch's kernel has no softcap"))),
+    "sinks": (*_QKV, Contract(sinks=torch.zeros(2)), {},
+              ("flash", _NOT_SDPA.format("torch's kernel has no attention sinks"))),
+    "dropout": (*_QKV, Contract(), dict(dropout_p=0.1), ("flash", _NOT_SDPA.format(_BUILDS.format("dropout", "1,536")))),
+    "fewer kv heads": (_QKV[0], _f32(1, 1, 64, 4), _f32(1, 1, 64, 4), Contract(), {},
+                       ("flash", _NOT_SDPA.format(_BUILDS.format("q, k and v of different batch or head counts",
+                                                                 "1,024")))),
+    "5-D": (_f32(1, 1, 2, 64, 4), _f32(1, 1, 2, 64, 4), _f32(1, 1, 2, 64, 4), Contract(), {},
+            ("flash", _NOT_SDPA.format(_BUILDS.format("q, k and v of different batch or head counts", "1,536")))),
+    "value width": (*_QKV[:2], _f32(1, 2, 64, 8), Contract(), {},
+                    ("flash", _NOT_SDPA.format(_BUILDS.format("a value head dim unlike the query's", "2,048")))),
+    "mixed dtypes": (_QKV[0], _QKV[1].double(), _QKV[2], Contract(), {},
+                     ("flash", _NOT_SDPA.format(_BUILDS.format("dtype torch.float32", "1,536")))),
+    "strided rows": (_QKV[0], _f32(1, 2, 4, 64).transpose(-1, -2), _QKV[2], Contract(), {},
+                     ("flash", _NOT_SDPA.format(_BUILDS.format("rows that are not contiguous", "1,536")))),
+    "window": (*_QKV, Contract(band=Band(3, 0)), {},
+               ("flash", _NOT_SDPA.format("torch's kernel would need the band, ALiBi or padding as a (64, 64) mask, "
+                                          "more than q, k and v hold (1,536 elements)"))),
+    "weights": (*_QKV, Contract(), dict(need_weights=True),
+                ("math", "attention weights requested: only the math backend returns them")),
+}
+
+
+@pytest.mark.parametrize("name", list(DECISIONS))
+def test_dispatch_decisions_and_their_reasons(name, caplog):
+    q, k, v, contract, options, expected = DECISIONS[name]
+    with caplog.at_level("DEBUG", logger="mha.dispatch"):
+        assert kernels.choose_backend("auto", q, k, v, contract, **options) == expected
+    assert caplog.messages == [f"backend {expected[0]}: {expected[1]}"]
+    assert kernels.choose_backend(expected[0], q, k, v, contract, **options) == (
+        expected[0], expected[1] if options.get("need_weights") else "requested explicitly")
+
+
+@pytest.mark.parametrize("tangent_on", [0, 1, 2])
+def test_dispatch_under_forward_mode_ad_picks_math(tangent_on):
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        qkv = list(_QKV)
+        qkv[tangent_on] = fwAD.make_dual(qkv[tangent_on], torch.ones_like(qkv[tangent_on]))
+        assert kernels.choose_backend("auto", *qkv, Contract()) == (
+            "math", "not sdpa (torch's kernel has no forward-mode AD (jvp)), not flash (it has no forward-mode AD "
+                    "(jvp); use backend='math')")
+
+
+def test_dispatch_refusals_are_exact():
+    def refused(backend, reason, **options):
+        return pytest.raises(ValueError, match="^" + re.escape(f"backend={backend!r} {reason}") + "$")
+
+    with refused("flash", "does not return attention weights; use backend='math' or need_weights=False"):
+        kernels.choose_backend("flash", *_QKV, Contract(), need_weights=True)
+    with refused("sdpa", "cannot run this call: torch's kernel has no softcap"):
+        kernels.choose_backend("sdpa", *_QKV, Contract(softcap=1.0))
+    with pytest.raises(ValueError, match="^" + re.escape("backend must be one of ('auto', 'math', 'sdpa', 'flash'), "
+                                                         "got 'warp'") + "$"):
+        kernels.choose_backend("warp", *_QKV, Contract())
+    with pytest.raises(ValueError, match="^" + re.escape("the sdpa backend cannot run this call: torch's kernel has "
+                                                         "no softcap; use backend='flash' or 'math'") + "$"):
+        kernels.sdpa_attention(*_QKV, Contract(softcap=1.0))
+    with pytest.raises(TypeError, match="^" + re.escape("contract must be an mha.kernels.Contract or None, got "
+                                                        "dict") + "$"):
+        kernels.flash_attention(*_QKV, {})
+
+
+def test_the_memory_budget_is_inclusive():
+    """A folded mask, or torch's weights, exactly as large as q, k and v together is within budget."""
+    q = k = v = _f32(1, 1, 12, 4)  # budget 3 * 48 = 144 = 12 * 12
+    assert kernels.choose_backend("auto", q, k, v, Contract(band=Band(3, 0)))[0] == "sdpa"
+    assert kernels.choose_backend("auto", q, k, v, Contract(), dropout_p=0.1)[0] == "sdpa"
+    q = k = v = _f32(1, 1, 13, 4)  # 169 > 156
+    assert kernels.choose_backend("auto", q, k, v, Contract(band=Band(3, 0)))[0] == "flash"
+
+
+def test_contract_of_keeps_every_term_and_repr_shows_them():
+    from mha.kernels import contract as contract_module
+
+    slopes, sinks = torch.ones(2), torch.zeros(2)
+    valid, mask = torch.ones(1, 5, dtype=torch.bool), torch.zeros(3, 5)
+    pos = (torch.arange(3)[None], torch.arange(5)[None])
+    terms = dict(band=Band(2, 0), offset=2, positions=pos, key_valid=valid, mask=mask, alibi_slopes=slopes,
+                 scale=0.5, softcap=3.0, sinks=sinks)
+    contract = contract_module.contract_of(**terms)
+    assert all(getattr(contract, name) is value for name, value in terms.items())
+    assert contract_module.contract_of(offset=3) is contract_module.NONE  # an offset alone changes nothing
+    assert repr(contract) == ("Contract(band=Band(left=2, right=0), offset=2, positions=(<(1, 3)>, <(1, 5)>), "
+                              "key_valid=<(1, 5) torch.bool>, mask=<(3, 5) torch.float32>, "
+                              "alibi_slopes=<(2,) torch.float32>, scale=0.5, softcap=3.0, sinks=<(2,) torch.float32>)")
+    assert repr(Contract()) == "Contract()"
+
+
+SDPA_PATHS = {  # name: (L, S, contract terms): every way the sdpa backend hands a call to torch
+    "folded window": (6, 6, dict(band=Band(2, 0))),
+    "native mask": (5, 7, dict(mask=torch.randn(5, 7, dtype=torch.float64))),
+    "native causal": (6, 6, dict(band=Band(None, 0))),
+    "causal into a bool mask": (6, 6, dict(band=Band(None, 0), mask=torch.rand(6, 6) < 0.8)),
+    "causal into a float mask": (6, 6, dict(band=Band(None, 0), mask=torch.randn(6, 6, dtype=torch.float64))),
+    "every key visible": (3, 7, dict(band=Band(None, 0), offset=6)),
+    "first queries see nothing": (7, 4, dict(band=Band(None, 0), offset=-3)),
+    "prefix then causal": (4, 9, dict(band=Band(None, 0), offset=5)),
+}
+
+
+@pytest.mark.parametrize("rank", [3, 4])
+@pytest.mark.parametrize("name", list(SDPA_PATHS))
+def test_the_sdpa_backend_keeps_the_scale_on_every_path(name, rank):
+    """A scale other than 1/sqrt(D), forward and gradients, against math_attention in float64."""
+    L, S, terms = SDPA_PATHS[name]
+    g = torch.Generator().manual_seed(9)
+    lead = (2, 3) if rank == 4 else (3,)
+    q, k, v = (torch.randn(*lead, n, 4, generator=g, dtype=torch.float64, requires_grad=True) for n in (L, S, S))
+    contract = Contract(scale=0.37, **terms)
+    assert kernels.choose_backend("auto", q, k, v, contract)[0] == "sdpa"
+    out = kernels.sdpa_attention(q, k, v, contract)
+    want, _ = kernels.math_attention(q, k, v, contract)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    upstream = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((out * upstream).sum(), (q, k, v)),
+                    torch.autograd.grad((want * upstream).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["folded window", "native mask", "native causal"])
+def test_the_sdpa_backend_applies_dropout_on_every_path(name):
+    """With one-hot values each output row is its dropped weights: 0 or weight / (1 - p)."""
+    L, S, terms = SDPA_PATHS[name]
+    q, k = torch.randn(1, 1, L, 4, dtype=torch.float64), torch.randn(1, 1, S, 4, dtype=torch.float64)
+    v = torch.eye(S, dtype=torch.float64).expand(1, 1, S, S)
+    contract = Contract(**terms)
+    _, weights = kernels.math_attention(q, k, v, contract)
+    torch.manual_seed(3)
+    dropped = torch.stack([kernels.sdpa_attention(q, k, v, contract, dropout_p=0.5) for _ in range(20)])
+    kept = dropped != 0
+    assert kept.any() and (~kept & (weights > 0)).any()  # some weights dropped, some kept
+    torch.testing.assert_close(dropped[kept], (weights.expand_as(dropped) * 2)[kept], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("only", ["k", "mask", "slopes"])
+def test_math_gradients_reach_whichever_single_input_needs_them(only):
+    """The math backend works in place only when nothing differentiates through its inputs: a
+    gradient asked for k alone, or the mask alone, still flows (and equals torch's autograd)."""
+    g = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(1, 2, n, 4, generator=g, dtype=torch.float64) for n in (5, 6, 6))
+    mask, slopes = torch.randn(5, 6, generator=g, dtype=torch.float64), torch.tensor([0.5, 0.25], dtype=torch.float64)
+    leaf = {"k": k, "mask": mask, "slopes": slopes}[only].requires_grad_()
+    contract = Contract(mask=mask, alibi_slopes=slopes, softcap=4.0, band=Band(None, 0), offset=1)
+    out, _ = kernels.math_attention(q, k, v, contract)
+    (grad,) = torch.autograd.grad(out.sum(), leaf)
+    fresh = [t.detach().clone().requires_grad_(t is leaf) for t in (q, k, v, mask, slopes)]
+    i, j = torch.arange(5)[:, None], torch.arange(6)[None, :]
+    scores = 4.0 * torch.tanh(fresh[0] @ fresh[1].transpose(-1, -2) / 2 / 4.0)
+    scores = scores - fresh[4][:, None, None] * (j - i - 1).abs() + fresh[3]
+    want = torch.softmax(scores.masked_fill(j > i + 1, float("-inf")), dim=-1) @ fresh[2]
+    (want_grad,) = torch.autograd.grad(want.sum(), [t for t in fresh if t.requires_grad])
+    torch.testing.assert_close(out, want.detach(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(grad, want_grad, atol=1e-12, rtol=0)
+
+
+def test_math_rows_with_a_single_hidden_key_are_zero():
+    q, k, v = (torch.randn(1, 1, n, 4, dtype=torch.float64, requires_grad=True) for n in (3, 1, 1))
+    out, weights = kernels.math_attention(q, k, v, Contract(mask=torch.tensor([[True], [False], [True]])))
+    assert weights[0, 0, :, 0].tolist() == [1.0, 0.0, 1.0] and torch.equal(out[0, 0, 1], torch.zeros(4, dtype=torch.float64))
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_math_low_precision_is_shaped_and_normalised_in_float32(dtype):
+    """Scores rounded to the input dtype once, softmax in float32, weights and output cast back:
+    within a rounding step of the same steps on float32 copies."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g).to(dtype) for n in (32, 200, 200))
+    contract = Contract(band=Band(None, 0), offset=168, alibi_slopes=torch.tensor([0.1, 0.01]))
+    out, weights = kernels.math_attention(q, k, v, contract)
+    assert out.dtype == weights.dtype == dtype
+    scores = (q * 0.25 @ k.transpose(-1, -2)).float()  # the product rounded once, as in dtype matmul
+    wide = torch.softmax(contract.shape(scores, range(32), range(200), inplace=False), dim=-1)
+    ulp = torch.finfo(dtype).eps * wide.clamp_min(torch.finfo(dtype).tiny)  # one step at each weight
+    assert ((weights.float() - wide).abs() <= ulp / 2 + 1e-7).all()  # rounded once (half a step)
+    torch.testing.assert_close(out, weights @ v)  # the output from those weights, in dtype
+
+
+def test_math_without_dropout_draws_nothing():
+    state = torch.get_rng_state()
+    kernels.math_attention(*_QKV, Contract(), dropout_p=0.0)
+    assert torch.equal(torch.get_rng_state(), state)

@@ -304,7 +304,7 @@ def blocked_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, *, b
             m_new = np.maximum(m, s.max(axis=-1, keepdims=True))  # stays -inf while a row sees nothing
             shift = np.where(m_new == -np.inf, 0.0, m_new)  # those rows shift by 0: exp(-inf - 0) = 0
             alpha = np.exp(m - shift)
-            p = np.exp(s - shift, out=s)
+            p = np.exp(s - shift)  # (*batch, r, c): v may carry batch axes q and k broadcast
             l = l * alpha + p.sum(axis=-1, keepdims=True)
             acc = acc * alpha + p @ v[..., j0:j1, :]
             m = m_new

@@ -65,3 +65,44 @@ def test_the_defaults_are_pinned_to_the_paper():
     want = _by_hand(x, positions, 10000.0, 8, False)
     torch.testing.assert_close(rope(x, positions), want, atol=1e-6, rtol=0)
     torch.testing.assert_close(apply_rope(x, positions), want, atol=1e-6, rtol=0)
+
+
+def test_the_module_passes_its_settings():
+    rope = RotaryEmbedding(4, base=500.0, interleaved=True)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    positions = torch.arange(3, 8)
+    torch.testing.assert_close(rope(x, positions), _by_hand(x, positions, 500.0, 4, True), atol=1e-6, rtol=0)
+    assert repr(rope) == "RotaryEmbedding(rotary_dim=4, base=500.0, interleaved=True)"
+
+
+def test_angles_are_formed_in_float64_and_rounded_once():
+    """theta_i = base^(-2i/d) and p·theta_i in float64, then one rounding to float32 (at position
+    70,000 a float32 frequency would move the angle by about 1e-3 rad): bit for bit."""
+    x = torch.randn(3, 16)
+    positions = torch.tensor([5, 70_000, 123_457])
+    inv_freq = 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    angles = (positions.double()[:, None] * inv_freq).float()  # (L, 8)
+    cos, sin = angles.cos(), angles.sin()
+    a, b = x[:, :8], x[:, 8:]
+    want = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+    assert torch.equal(apply_rope(x, positions), want)
+
+
+def test_any_positive_finite_base_and_exact_messages():
+    x = torch.randn(2, 4, dtype=torch.float64)
+    torch.testing.assert_close(apply_rope(x, torch.arange(2), base=0.5), _by_hand(x, torch.arange(2), 0.5, 4, False),
+                               atol=1e-6, rtol=0)
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match=r"^base must be a finite number greater than 0 \(RoPE's frequencies are "
+                                             rf"base\^\(-2i/d\)\), got {bad}$"):
+            RotaryEmbedding(4, base=bad)
+    with pytest.raises(TypeError, match=r"^base must be a real number"):
+        apply_rope(x, torch.arange(2), base="big")
+    with pytest.raises(ValueError, match=r"^rotary_dim must be even, got 3$"):
+        RotaryEmbedding(3)
+    with pytest.raises(ValueError, match=r"^rotary_dim must be greater than 0, got 0$"):
+        RotaryEmbedding(0)
+    with pytest.raises(TypeError, match=r"^interleaved must be a bool, got int \(1\)$"):
+        RotaryEmbedding(4, interleaved=1)
+    with pytest.raises(ValueError, match=r"^rotary_dim must be even and in \(0, 4\], got 6$"):
+        apply_rope(x, torch.arange(2), rotary_dim=6)

@@ -1,5 +1,7 @@
 """GQA/MQA, RoPE, ALiBi, sliding windows and the KV cache in mha.MultiHeadAttention."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -296,3 +298,71 @@ def test_cache_crop_and_repr_messages_are_exact():
         mha.KVCache().crop(1.5)
     with pytest.raises(ValueError, match=r"^length must be in \[0, 0\] \(the filled slots\), got -1$"):
         mha.KVCache().crop(-1)
+
+
+def _refused(error, message):
+    return pytest.raises(error, match="^" + re.escape(message) + "$")
+
+
+@pytest.mark.parametrize("name, new_keys, new_values", [
+    ("keys", (2, 1, 1, 4, torch.float64), (2, 1, 1, 5, torch.float32)),
+    ("values", (2, 1, 1, 4, torch.float32), (2, 1, 1, 5, torch.float64)),
+    ("keys", (2, 2, 1, 4, torch.float32), (2, 1, 1, 5, torch.float32)),
+    ("values", (2, 1, 1, 4, torch.float32), (2, 2, 1, 5, torch.float32)),
+    ("keys", (2, 1, 1, 3, torch.float32), (2, 1, 1, 5, torch.float32)),
+    ("values", (2, 1, 1, 4, torch.float32), (2, 1, 1, 6, torch.float32)),
+])
+def test_a_cache_refuses_keys_or_values_unlike_the_stored_ones(name, new_keys, new_values):
+    """Keys and values are checked each on its own: one unlike the stored ones is named exactly."""
+    cache = mha.KVCache()
+    cache.update(torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 5), None)
+    keys, values = (torch.zeros(*shape[:4], dtype=shape[4]) for shape in (new_keys, new_values))
+    stored, new = (cache.keys, keys) if name == "keys" else (cache.values, values)
+    if new.dtype != stored.dtype:
+        message = f"the cache holds {name} of dtype torch.float32 on cpu, got torch.float64 on cpu"
+    else:
+        message = (f"the cache holds {name} of shape (B, Hkv, S, D) = (2, 1, S, {stored.shape[3]}), got new {name} "
+                   f"of shape {tuple(new.shape)}: a cache serves one module and one batch")
+    with _refused(ValueError, message):
+        cache.update(keys, values, None)
+    assert cache.size == 3
+
+
+def test_cache_construction_and_attachment_messages_are_exact():
+    with _refused(ValueError, "max_length must be greater than 0, got 0"):
+        mha.KVCache(max_length=0)
+    with _refused(ValueError, "window must be greater than 0, got -2"):
+        mha.KVCache(window=-2)
+    with _refused(ValueError, "a rolling cache (window) needs no max_length; pass one or the other"):
+        mha.KVCache(max_length=4, window=2)
+    x = torch.randn(1, 3, E)
+    cache, first = mha.KVCache(), _module()
+    with torch.no_grad():
+        first(x, x, x, is_causal=True, cache=cache)
+        with _refused(ValueError, "this KVCache holds the keys of another attention module; give each module "
+                                  "(each layer) its own KVCache"):
+            _module()(x, x, x, is_causal=True, cache=cache)
+    rolling = "KVCache(window=4) keeps the last 4 positions, but the module has {}: decoding would miss keys the " \
+              "cache dropped; use a growing cache or KVCache(window >= the module's left window)"
+    for window, seen in ((None, "no sliding window (it sees every past key)"), ((-1, 0), "no sliding window (it sees "
+                         "every past key)"), ((6, 0), "window=(6, 0)")):
+        with torch.no_grad(), _refused(ValueError, rolling.format(seen)):
+            _module(window=window)(x, x, x, is_causal=True, cache=mha.KVCache(window=4))
+
+
+def test_a_cropped_cache_counts_the_valid_tokens_it_keeps():
+    cache = mha.KVCache()
+    cache.update(torch.zeros(2, 1, 3, D), torch.zeros(2, 1, 3, D), None)
+    valid = torch.tensor([[True, False, False], [True, True, True]])
+    cache.update(torch.zeros(2, 1, 3, D), torch.zeros(2, 1, 3, D), cache.next_positions(2, 3, "cpu", valid), valid)
+    cache.crop(5)  # keeps the first padded slot of sequence 0
+    assert cache.lengths.tolist() == [4, 5] and cache.next_positions(2, 1, "cpu").tolist() == [[4], [5]]
+
+
+def test_a_rolling_cache_counts_what_it_dropped_in_int64():
+    cache = mha.KVCache(window=3)
+    for _ in range(3):
+        cache.update(torch.zeros(1, 1, 2, D), torch.zeros(1, 1, 2, D), None)
+    assert cache.size == 3 and cache.lengths.tolist() == [6] and cache.lengths.dtype == torch.long
+    positions = cache.next_positions(1, 2, "cpu")
+    assert positions.tolist() == [[6, 7]] and positions.dtype == torch.long

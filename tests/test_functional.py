@@ -78,6 +78,27 @@ def test_sdpa_grouped_query_attention_matches_torch(backend):
     torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
     # query head h reads kv head h // 3
     torch.testing.assert_close(got[:, 4], F.scaled_dot_product_attention(q[:, 4], k[:, 1], v[:, 1]))
+    mask = _mask("bool", (2, 6, 5, 7))  # one mask per (batch, query head): broadcast shape (B, H, L, S)
+    got = scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, backend=backend)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True),
+                               atol=1e-12, rtol=0)
+    q3, k3, v3 = q[0], k[0], v[0]  # 3-D (heads, length, dim): dim -3 is still the heads
+    got = scaled_dot_product_attention(q3, k3, v3, enable_gqa=True, backend=backend)
+    assert got.shape == (6, 5, 4)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q3, k3, v3, enable_gqa=True), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape_q, shape_k", [((2, 3, 6), (2, 5, 6)), ((3, 6), (5, 6))], ids=["3-D", "2-D"])
+@pytest.mark.parametrize("mask_kind, is_causal", [("float", False), ("bool", False), ("none", True)])
+def test_sdpa_three_and_two_dimensional_inputs_match_torch(backend, shape_q, shape_k, mask_kind, is_causal):
+    """(B, L, D) and unbatched (L, D) inputs (L, S and D all different), output of the same rank as torch's."""
+    q, k, v = _qkv(shape_q, shape_k, dv=7, seed=6)
+    mask = _mask(mask_kind, (3, 5))
+    got = scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, backend=backend)
+    want = F.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal)
+    assert got.shape == want.shape == (*shape_q[:-1], 7)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -119,7 +140,7 @@ def test_multi_head_attention_forward_matches_torch(separate, bias_kv, zero_attn
                    add_zero_attn=zero_attn, dropout_p=0.0, out_proj_weight=r(E, E), out_proj_bias=r(E))
     extra = dict(use_separate_proj_weight=separate, q_proj_weight=r(E, E), k_proj_weight=r(E, kd),
                  v_proj_weight=r(E, vd), key_padding_mask=torch.tensor([[False] * 5 + [True]] * N),
-                 average_attn_weights=False)
+                 attn_mask=torch.randn(L, S, generator=g, dtype=torch.float64), average_attn_weights=False)
     args = (query, key, value, E, H)
     got, got_w = multi_head_attention_forward(*args, **weights, **extra)
     want, want_w = F.multi_head_attention_forward(*args, **weights, **extra)
@@ -146,6 +167,93 @@ def test_multi_head_attention_forward_static_kv_matches_torch():
     want, want_w = F.multi_head_attention_forward(*args, **static)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     torch.testing.assert_close(got_w, want_w, atol=1e-12, rtol=0)
+
+
+def _mha_case(case):
+    """(args, kwargs) of one multi_head_attention_forward call, float64, seeded."""
+    E, H, L, S, N = 8, 2, 3, 5, 2
+    g = torch.Generator().manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    if case == "batch of one":
+        N = 1
+    if case == "query length one":
+        L = 1
+    query, key, value = r(L, N, E), r(S, N, E), r(S, N, E)
+    if case == "unbatched":
+        query, key, value = query[:, 0], key[:, 0], value[:, 0]
+    if case.startswith("self-attention"):
+        key = value = query
+    if case == "query is key, value differs":
+        key = query
+        value = r(L, N, E)
+    weights = [r(3 * E, E), r(3 * E), None, None, False, 0.0, r(E, E), r(E)]
+    kwargs = dict(average_attn_weights=False)
+    if case == "self-attention, separate weights":
+        weights[0] = None
+        kwargs.update(use_separate_proj_weight=True, q_proj_weight=r(E, E), k_proj_weight=r(E, E),
+                      v_proj_weight=r(E, E))
+    if case == "no biases":
+        weights[1] = weights[7] = None
+    if case.startswith("not training"):
+        weights[5] = 1.5 if "out of range" in case else 0.9
+        kwargs.update(training=False)
+    if case == "bool attn_mask per batch and head":
+        kwargs.update(attn_mask=torch.rand(N * H, L, S, generator=g) < 0.3, average_attn_weights=True)
+    return (query, key, value, E, H, *weights), kwargs
+
+
+@pytest.mark.parametrize("case", ["batch of one", "query length one", "unbatched", "self-attention, packed",
+                                  "self-attention, separate weights", "query is key, value differs", "no biases",
+                                  "not training: dropout_p unused", "not training: dropout_p unused, out of range",
+                                  "bool attn_mask per batch and head"])
+def test_multi_head_attention_forward_cases_match_torch(case):
+    """Output and weights, shapes included, against torch's functional with the same arguments (as
+    torch, dropout_p is ignored when training=False, even one outside [0, 1])."""
+    args, kwargs = _mha_case(case)
+    got, got_w = multi_head_attention_forward(*args, **kwargs)
+    want, want_w = F.multi_head_attention_forward(*args, **kwargs)
+    assert got.shape == want.shape and got_w.shape == want_w.shape
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(got_w, want_w, atol=1e-12, rtol=0)
+
+
+def test_self_attention_projects_query_key_and_value_with_one_packed_matmul():
+    """query is key is value with a packed in_proj_weight: one (3E, E) F.linear, as torch's
+    _in_projection_packed, then the (E, E) output projection; cross-attention: three (E, E) chunks."""
+    from torch.overrides import TorchFunctionMode
+
+    class LinearWeights(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.linear:
+                self.shapes.append(tuple((kwargs["weight"] if "weight" in kwargs else args[1]).shape))
+            return func(*args, **kwargs)
+
+    args, kwargs = _mha_case("self-attention, packed")
+    with LinearWeights() as seen:
+        multi_head_attention_forward(*args, **kwargs)
+    assert seen.shapes == [(24, 8), (8, 8)]
+    args, kwargs = _mha_case("query is key, value differs")
+    with LinearWeights() as seen:
+        multi_head_attention_forward(*args, **kwargs)
+    assert seen.shapes == [(8, 8)] * 4
+
+
+def test_in_proj_bias_of_another_dtype_is_added_in_the_query_dtype():
+    """A float64 in_proj_bias with float32 everything else: converted to float32 first (the reference
+    converts it by hand; torch's functional refuses the mix)."""
+    args, kwargs = _mha_case("batch of one")
+    args = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
+    wide_bias = args[6].double()
+    got, got_w = multi_head_attention_forward(*args[:6], wide_bias, *args[7:], **kwargs)
+    want, want_w = F.multi_head_attention_forward(*args[:6], wide_bias.float(), *args[7:], **kwargs)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_w, want_w)
 
 
 def test_multi_head_attention_forward_batch_first_equals_seq_first():

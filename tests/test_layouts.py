@@ -1,5 +1,8 @@
 """mha.layouts: lossless conversion both ways, equal outputs after conversion, the per-head form."""
 
+import dataclasses
+import re
+
 import pytest
 import torch
 
@@ -223,3 +226,340 @@ def test_per_head_attention_reads_the_layout_it_is_told():
                                                               batch_first=True), want.transpose(0, 1))
     with pytest.raises(ValueError, match="batch_first"):
         layouts.per_head_attention(x, x, x, heads)
+
+
+# --- exact messages and boundaries of the converters (mutation testing) -------------------------
+
+def _raises_exactly(exc, message):
+    return pytest.raises(exc, match=r"^" + re.escape(message) + r"$")
+
+
+def _weights(q, k, v, o, **extra):
+    """A general state of weights only: q_proj.weight q, k_proj.weight k, ... (shapes)."""
+    state = {"q_proj.weight": torch.zeros(q), "k_proj.weight": torch.zeros(k),
+             "v_proj.weight": torch.zeros(v), "out_proj.weight": torch.zeros(o)}
+    state.update({key: torch.zeros(shape) for key, shape in extra.items()})
+    return state
+
+
+def _four_head_per_head_state():
+    torch.manual_seed(0)
+    return layouts.per_head(mha.MultiHeadAttention(8, 8, 8, 2, 2, 8, 4).state_dict(), 4).as_state()
+
+
+@pytest.mark.parametrize("count, shown", [(12, "['k00', 'k01', 'k02', 'k03', 'k04', 'k05', 'k06', 'k07', "
+                                                "'k08', 'k09', 'k10', 'k11']"),
+                                          (13, "['k00', 'k01', 'k02', 'k03', 'k04', 'k05', 'k06', 'k07', "
+                                                "'k08', 'k09', 'k10', 'k11'] ...")])
+def test_missing_key_message_lists_at_most_twelve_keys_present(count, shown):
+    state = {f"k{i:02d}": torch.zeros(1) for i in reversed(range(count))}
+    message = f"layout 'bert' needs the key 'self.query.weight', which is missing (keys present: {shown})"
+    with _raises_exactly(ValueError, message):
+        layouts.to_general(state, "bert")
+
+
+def test_non_tensor_weights_are_named_with_their_type():
+    with _raises_exactly(TypeError, "'self.query.weight' must be a tensor, got list"):
+        layouts.to_general({"self.query.weight": [[1.0]]}, "bert")
+
+
+FRACTION = ("k_proj.weight ({} rows) and v_proj.weight ({} rows) must hold the same whole fraction of the query "
+            "heads as q_proj.weight ({}) and out_proj.weight ({} columns)")
+
+
+@pytest.mark.parametrize("state, num_heads, exc, message", [
+    (dict(q_proj__weight=(6, 4), v_proj__weight=(6, 4), out_proj__weight=(4, 6)), None, ValueError,
+     "layout 'general' needs the key 'k_proj.weight', which is missing "
+     "(keys present: ['out_proj.weight', 'q_proj.weight', 'v_proj.weight'])"),
+    (_weights((6, 4, 1), (6, 4), (6, 4), (4, 6)), None, ValueError, "'q_proj.weight' must be 2-D, got shape (6, 4, 1)"),
+    (_weights((6, 4), (0, 4), (0, 4), (4, 6)), None, ValueError, FRACTION.format(0, 0, 6, 6)),
+    (_weights((4, 4), (2, 4), (2, 4), (4, 5)), None, ValueError, FRACTION.format(2, 2, 4, 5)),  # only hdv % kv_hdv
+    (_weights((5, 4), (2, 4), (2, 4), (4, 4)), None, ValueError, FRACTION.format(2, 2, 5, 4)),  # only hdk % kv_hdk
+    (_weights((4, 4), (2, 4), (2, 4), (4, 6)), None, ValueError, FRACTION.format(2, 2, 4, 6)),  # only the ratios
+    (_weights((6, 4), (6, 4), (8, 4), (3, 8), **{"q_proj.bias": (5,)}), None, ValueError,
+     "q_proj.bias must have shape (6,) to match the projections, got (5,)"),
+    (_weights((6, 4), (6, 4), (8, 4), (3, 8), **{"k_proj.bias": (8,)}), None, ValueError,
+     "k_proj.bias must have shape (6,) to match the projections, got (8,)"),
+    (_weights((6, 4), (6, 4), (8, 4), (3, 8), **{"v_proj.bias": (6,)}), None, ValueError,
+     "v_proj.bias must have shape (8,) to match the projections, got (6,)"),
+    (_weights((6, 4), (6, 4), (8, 4), (3, 8), **{"out_proj.bias": (8,)}), None, ValueError,
+     "out_proj.bias must have shape (3,) to match the projections, got (8,)"),
+    (_weights((6, 4), (6, 4), (8, 4), (3, 8), bias_k=(1, 1, 8), bias_v=(1, 1, 8)), None, ValueError,
+     "bias_k must have shape (1, 1, 6) to match the projections, got (1, 1, 8)"),
+    (_weights((6, 4), (6, 4), (8, 4), (3, 8), bias_k=(1, 1, 6), bias_v=(1, 1, 6)), None, ValueError,
+     "bias_v must have shape (1, 1, 8) to match the projections, got (1, 1, 6)"),
+    (_weights((6, 4), (6, 4), (8, 4), (3, 8), bias_k=(1, 1, 6)), None, ValueError,
+     "bias_k and bias_v come together; only one of them is present"),
+    (_weights((6, 4), (6, 4), (8, 4), (3, 8), bias_v=(1, 1, 8)), None, ValueError,
+     "bias_k and bias_v come together; only one of them is present"),
+    (_weights((6, 4), (6, 4), (8, 4), (3, 8)), 0, ValueError, "num_heads must be greater than 0, got 0"),
+    (_weights((6, 4), (6, 4), (8, 4), (3, 8)), 3, ValueError,  # 3 divides h*dk, not h*dv
+     "num_heads=3 must divide the projection widths h*dk=6 and h*dv=8"),
+    (_weights((8, 4), (8, 4), (6, 4), (3, 6)), 3, ValueError,  # 3 divides h*dv, not h*dk
+     "num_heads=3 must divide the projection widths h*dk=8 and h*dv=6"),
+    (_weights((8, 4), (2, 4), (2, 4), (3, 8)), 2, ValueError,
+     "num_heads=2 is not a multiple of the 4 query heads that share each key/value head"),
+], ids=lambda x: "" if not isinstance(x, str) else x[:40])
+def test_widths_refuses_malformed_general_states_with_exact_messages(state, num_heads, exc, message):
+    state = {key.replace("__", "."): torch.zeros(v) if isinstance(v, tuple) else v for key, v in state.items()}
+    with _raises_exactly(exc, message):
+        layouts.widths(state, num_heads)
+
+
+@pytest.mark.parametrize("state, num_heads, want", [
+    (_weights((6, 10), (6, 5), (8, 7), (9, 8)), None, dict(cq=10, ck=5, cv=7, do=9, hdk=6, hdv=8, kv_groups=1)),
+    (_weights((6, 10), (6, 5), (8, 7), (9, 8)), 2,
+     dict(cq=10, ck=5, cv=7, do=9, hdk=6, hdv=8, kv_groups=1, h=2, dk=3, dv=4, num_kv_heads=2)),
+    # one key/value row: h=4 query heads of dk=1 share one key head (the boundary kv_hdk == 1)
+    (_weights((4, 8), (1, 8), (2, 8), (8, 8)), 4,
+     dict(cq=8, ck=8, cv=8, do=8, hdk=4, hdv=8, kv_groups=4, h=4, dk=1, dv=2, num_kv_heads=1)),
+])
+def test_widths_of_well_formed_states(state, num_heads, want):
+    assert layouts.widths(state, num_heads) == want
+
+
+def test_layout_table_names_and_descriptions():
+    assert {name: (layout.name, layout.description) for name, layout in layouts.LAYOUTS.items()} == {
+        "general": ("general", "mha.MultiHeadAttention"),
+        "torch": ("torch", "torch.nn.MultiheadAttention (packed in_proj or separate q/k/v_proj_weight)"),
+        "bert": ("bert", "HuggingFace BERT attention: self.query/key/value, output.dense"),
+        "gpt2": ("gpt2", "GPT-2 attention: c_attn, c_proj (Conv1D, transposed)"),
+        "annotated": ("annotated", "The Annotated Transformer: linears.0..3"),
+        "labml": ("labml", "labml.ai: query.linear, key.linear, value.linear, output"),
+        "llama": ("llama", "Llama-style q_proj, k_proj, v_proj (fewer kv heads allowed), o_proj"),
+        "per_head": ("per_head", "the paper's per-head matrices W_q.i, W_k.i, W_v.i, W_o"),
+    }
+
+
+def test_general_layout_keeps_every_key_including_bias_kv():
+    state = mha.MultiHeadAttention(6, 5, 7, 3, 4, 9, 2, add_bias_kv=True).state_dict()
+    for converted in (layouts.from_general(state, "general", 2), layouts.to_general(state, "general", 2)):
+        assert sorted(converted) == sorted(state)
+        assert all(converted[key] is state[key] for key in state)
+
+
+def test_renaming_layouts_name_their_keys():
+    state = _torch_module().state_dict()
+    general = layouts.to_general(state, "torch")
+    bert = layouts.from_general(general, "bert")
+    assert sorted(bert) == sorted(f"{p}.{w}" for p in ("self.query", "self.key", "self.value", "output.dense")
+                                  for w in ("weight", "bias"))
+    torch.testing.assert_close(bert["self.key.weight"], state["in_proj_weight"][E:2 * E])
+    torch.testing.assert_close(bert["output.dense.bias"], state["out_proj.bias"])
+    del bert["self.key.bias"]  # optional: a missing bias is simply absent
+    assert sorted(layouts.to_general(bert, "bert")) == sorted(set(general) - {"k_proj.bias"})
+    with _raises_exactly(ValueError, "layout 'labml' has no place for ['bias_k', 'bias_v']; converting would lose them"):
+        layouts.from_general(layouts.to_general(_torch_module(add_bias_kv=True).state_dict(), "torch"), "labml")
+
+
+def _general_of(**options):
+    torch.manual_seed(0)
+    return randomize_biases(mha.MultiHeadAttention(**options)).state_dict()
+
+
+@pytest.mark.parametrize("options, drop, layout, message", [
+    (dict(cq=8, ck=8, cv=8, dk=2, dv=2, do=8, h=4, num_kv_heads=2), None, "torch",
+     "torch.nn.MultiheadAttention has as many key/value heads as query heads (no GQA)"),
+    (dict(cq=6, ck=5, cv=7, dk=3, dv=4, do=9, h=2), None, "torch",
+     "torch.nn.MultiheadAttention needs h*dk = h*dv = do = query width (embed_dim); got h*dk=6, h*dv=8, do=9, cq=6"),
+    (dict(cq=8, ck=8, cv=8, dk=2, dv=2, do=8, h=4), "q_proj.bias", "torch",
+     "torch.nn.MultiheadAttention has biases on all four projections or on none"),
+    (dict(cq=6, ck=5, cv=6, dk=3, dv=3, do=9, h=2), None, "gpt2",  # only cq = ck = cv fails
+     "GPT-2's c_attn packs q, k, v of one input: needs cq = ck = cv, dk = dv, no GQA"),
+    (dict(cq=8, ck=8, cv=8, dk=2, dv=3, do=8, h=2), None, "gpt2",  # only dk = dv fails
+     "GPT-2's c_attn packs q, k, v of one input: needs cq = ck = cv, dk = dv, no GQA"),
+    (dict(cq=8, ck=8, cv=8, dk=2, dv=2, do=8, h=4, num_kv_heads=2), None, "gpt2",  # only GQA fails
+     "GPT-2's c_attn packs q, k, v of one input: needs cq = ck = cv, dk = dv, no GQA"),
+    (dict(cq=8, ck=8, cv=8, dk=2, dv=2, do=8, h=4, add_bias_kv=True), None, "gpt2", "GPT-2 has no bias_k / bias_v"),
+    (dict(cq=8, ck=8, cv=8, dk=2, dv=2, do=8, h=4, bias=False), None, "gpt2",
+     "GPT-2's Conv1D projections always have biases"),
+    (dict(cq=8, ck=8, cv=8, dk=2, dv=2, do=8, h=4), "out_proj.bias", "gpt2",
+     "GPT-2's Conv1D projections always have biases"),
+], ids=lambda x: x if isinstance(x, str) and len(x) < 20 else None)
+def test_layouts_refuse_weights_they_cannot_hold_with_exact_messages(options, drop, layout, message):
+    general = _general_of(**options)
+    general.pop(drop, None)
+    with _raises_exactly(ValueError, message):
+        layouts.from_general(general, layout)
+
+
+@pytest.mark.parametrize("layout, state, exc, message", [
+    ("torch", dict(in_proj_weight=(36,)), ValueError, "'in_proj_weight' must be 2-D, got shape (36,)"),
+    ("torch", dict(in_proj_weight=(8, 4)), ValueError, "in_proj_weight must have 3*E rows, got shape (8, 4)"),
+    ("torch", dict(out_proj__weight=(4, 4)), ValueError,
+     "layout 'torch' needs the key 'q_proj_weight', which is missing (keys present: ['out_proj.weight'])"),
+    ("torch", dict(q_proj_weight=(4, 4), k_proj_weight=(4, 3), v_proj_weight=(4, 2)), ValueError,
+     "layout 'torch' needs the key 'out_proj.weight', which is missing "
+     "(keys present: ['k_proj_weight', 'q_proj_weight', 'v_proj_weight'])"),
+    ("torch", dict(in_proj_weight=(12, 4)), ValueError,
+     "layout 'torch' needs the key 'out_proj.weight', which is missing (keys present: ['in_proj_weight'])"),
+    ("gpt2", dict(), ValueError, "layout 'gpt2' needs the key 'c_attn.weight', which is missing (keys present: [])"),
+    ("gpt2", dict(c_attn__weight=(4, 8)), ValueError, "c_attn.weight must have 3*h*d columns, got shape (4, 8)"),
+    ("gpt2", dict(c_attn__weight=(4, 12)), ValueError,
+     "layout 'gpt2' needs the key 'c_attn.bias', which is missing (keys present: ['c_attn.weight'])"),
+    ("gpt2", dict(c_attn__weight=(4, 12), c_attn__bias=(12,)), ValueError,
+     "layout 'gpt2' needs the key 'c_proj.weight', which is missing (keys present: ['c_attn.bias', 'c_attn.weight'])"),
+    ("gpt2", dict(c_attn__weight=(4, 12), c_attn__bias=(12,), c_proj__weight=(4,)), ValueError,
+     "'c_proj.weight' must be 2-D, got shape (4,)"),
+    ("gpt2", dict(c_attn__weight=(4, 12), c_attn__bias=(12,), c_proj__weight=(4, 4)), ValueError,
+     "layout 'gpt2' needs the key 'c_proj.bias', which is missing "
+     "(keys present: ['c_attn.bias', 'c_attn.weight', 'c_proj.weight'])"),
+    ("per_head", {"W_q.0": (4, 2), "W_q.2": (4, 2), "W_k.0": (4, 2), "W_v.0": (4, 2), "W_o": (2, 4)}, ValueError,
+     "per_head keys W_q.i must number the heads 0..h-1, got [0, 2]"),
+    ("per_head", {"W_q.0": (4, 2), "W_v.0": (4, 2), "W_o": (2, 4)}, ValueError,
+     "layout 'per_head' needs the keys W_k.0 .. W_k.(h-1), which are missing"),
+    ("per_head", {"W_q.0": (4, 2), "W_k.0": (4, 2), "W_v.0": (4, 2)}, ValueError,
+     "layout 'per_head' needs the key 'W_o', which is missing (keys present: ['W_k.0', 'W_q.0', 'W_v.0'])"),
+    ("per_head", {"W_q.0": (4, 2), "W_k.0": (4, 2), "W_v.0": (4, 2), "W_o": (4,)}, ValueError,
+     "'W_o' must be 2-D, got shape (4,)"),
+    ("per_head", {"W_q.0": (4, 2), "W_k.0": (4, 2), "W_v.0": (4, 2), "W_o": (2, 4), "bias_k.0": (2,)}, ValueError,
+     "per_head bias_k.i and bias_v.i come together; only one of them is present"),
+    # heads of unequal widths: h*dk=5 is no multiple of the 2 heads the keys number
+    ("per_head", {"W_q.0": (4, 2), "W_q.1": (4, 3), "W_k.0": (4, 2), "W_k.1": (4, 3), "W_v.0": (4, 2),
+                  "W_v.1": (4, 2), "W_o": (4, 4)}, ValueError,
+     "num_heads=2 must divide the projection widths h*dk=5 and h*dv=4"),
+], ids=lambda x: x if isinstance(x, str) and len(x) < 20 else None)
+def test_loading_malformed_layout_states_names_the_problem(layout, state, exc, message):
+    state = {key.replace("__", "."): torch.zeros(shape) for key, shape in state.items()}
+    with _raises_exactly(exc, message):
+        layouts.to_general(state, layout)
+
+
+def test_gpt2_layout_is_torch_packing_transposed():
+    """E=8 (not a multiple of 3): GPT-2's c_attn is in_proj_weight transposed, (E, 3E)."""
+    theirs = randomize_biases(torch.nn.MultiheadAttention(8, 2))
+    state = theirs.state_dict()
+    gpt2 = layouts.convert(state, "torch", "gpt2", num_heads=2)
+    assert sorted(gpt2) == ["c_attn.bias", "c_attn.weight", "c_proj.bias", "c_proj.weight"]
+    assert torch.equal(gpt2["c_attn.weight"], state["in_proj_weight"].t())
+    assert torch.equal(gpt2["c_attn.bias"], state["in_proj_bias"])
+    assert torch.equal(gpt2["c_proj.weight"], state["out_proj.weight"].t())
+    assert torch.equal(gpt2["c_proj.bias"], state["out_proj.bias"])
+    _assert_same_state(layouts.convert(gpt2, "gpt2", "torch", num_heads=2), state)
+
+
+def test_num_heads_is_checked_against_the_weights_on_every_path():
+    per_head_state = _four_head_per_head_state()  # 4 heads, h*dk = h*dv = 8: 2 would divide the widths
+    message = "the per_head weights hold 4 heads, but num_heads=2"
+    for call in (lambda: layouts.heads_in(per_head_state, "per_head", 2),
+                 lambda: layouts.convert(per_head_state, "per_head", "torch", num_heads=2),
+                 lambda: layouts.LAYOUTS["per_head"].load(per_head_state, 2),
+                 lambda: layouts.torch_module(per_head_state, "per_head", 2),
+                 lambda: layouts.per_head(per_head_state, 2, layout="per_head")):
+        with _raises_exactly(ValueError, message):
+            call()
+    bert = layouts.convert(_torch_module().state_dict(), "torch", "bert")
+    general = layouts.to_general(bert, "bert")
+    divide = "num_heads=5 must divide the projection widths h*dk=12 and h*dv=12"
+    for call in (lambda: layouts.to_general(bert, "bert", num_heads=5),
+                 lambda: layouts.from_general(general, "bert", num_heads=5)):
+        with _raises_exactly(ValueError, divide):
+            call()
+    with _raises_exactly(ValueError, "the per_head layout splits by head: pass num_heads"):
+        layouts.from_general(general, "per_head")
+
+
+def test_per_head_to_per_head_takes_the_head_count_from_the_weights():
+    state = _four_head_per_head_state()
+    _assert_same_state(layouts.convert(state, "per_head", "per_head"), state)
+
+
+def test_general_module_refuses_mixed_biases_and_passes_options():
+    general = _general_of(cq=8, ck=8, cv=8, dk=2, dv=2, do=8, h=4)
+    assert layouts.general_module(general, "general", 4, dropout=0.25).dropout == 0.25
+    del general["q_proj.bias"]
+    with _raises_exactly(ValueError, "mha.MultiHeadAttention has biases on all four projections or on none"):
+        layouts.general_module(general, "general", 4)
+
+
+def test_torch_module_builds_the_class_asked_for():
+    general = layouts.to_general(_torch_module().state_dict(), "torch")
+    assert type(layouts.torch_module(general, "general", H)) is torch.nn.MultiheadAttention
+    assert type(layouts.torch_module(general, "general", H, cls=mha.nn.MultiheadAttention)) is mha.nn.MultiheadAttention
+
+
+def test_per_head_refuses_grouped_query_weights():
+    general = _general_of(cq=8, ck=8, cv=8, dk=2, dv=2, do=8, h=4, num_kv_heads=2)
+    with _raises_exactly(ValueError, "the per-head form has one key/value matrix per head: "
+                                     "repeat GQA's shared ones first"):
+        layouts.per_head(general, 4)
+
+
+def test_from_per_head_refuses_bias_k_without_bias_v():
+    heads = layouts.per_head(_general_of(cq=8, ck=8, cv=8, dk=2, dv=2, do=8, h=4, add_bias_kv=True), 4)
+    with _raises_exactly(ValueError, "bias_k and bias_v come together; only one of them is given"):
+        layouts.from_per_head(dataclasses.replace(heads, bias_v=None))
+
+
+def test_per_head_of_a_single_one_wide_head_equals_torch():
+    """h = dk = 1: every bias is one number, which must stay a (1,) vector per head."""
+    torch.manual_seed(0)
+    theirs = randomize_biases(torch.nn.MultiheadAttention(1, 1, add_bias_kv=True, batch_first=True))
+    heads = layouts.per_head(theirs.state_dict(), 1, layout="torch")
+    assert [b.shape for b in heads.b_q + heads.b_k + heads.b_v + heads.bias_k + heads.bias_v] == [(1,)] * 5
+    x = torch.randn(2, 3, 1)
+    with torch.no_grad():
+        torch.testing.assert_close(layouts.per_head_attention(x, x, x, heads, batch_first=True), theirs(x, x, x)[0])
+
+
+def test_per_head_attention_demands_the_layout_of_3d_input():
+    heads = layouts.per_head(_torch_module().state_dict(), H, layout="torch")
+    x = torch.randn(2, 3, E)
+    with _raises_exactly(ValueError, "per_head_attention: pass batch_first=True for (N, L, E) input, or "
+                                     "batch_first=False for torch's default layout (L, N, E); 3-D input is "
+                                     "ambiguous without it"):
+        layouts.per_head_attention(x, x, x, heads)
+
+
+@pytest.mark.parametrize("options", [dict(add_zero_attn=True, add_bias_kv=True), dict(add_zero_attn=True, bias=False),
+                                     dict(add_zero_attn=True, kdim=1, vdim=1)], ids=str)
+@pytest.mark.parametrize("float_mask", [False, True], ids=["bool mask", "float mask"])
+def test_per_head_attention_seq_first_with_masks_and_extra_keys_equals_torch(options, float_mask):
+    torch.manual_seed(0)
+    theirs = randomize_biases(torch.nn.MultiheadAttention(E, H, **options))  # seq-first
+    heads = layouts.per_head(theirs.state_dict(), H, layout="torch")
+    q = torch.randn(4, 2, E)
+    k = torch.randn(6, 2, options.get("kdim", E))
+    v = torch.randn(6, 2, options.get("vdim", E))
+    if float_mask:
+        mask = torch.randn(4, 6)
+    else:
+        mask = torch.zeros(4, 6, dtype=torch.bool)
+        mask[1, 2:] = True
+        mask[3, :] = True  # a row with only the extra keys visible
+    with torch.no_grad():
+        want, _ = theirs(q, k, v, attn_mask=mask)
+        got = layouts.per_head_attention(q, k, v, heads, attn_mask=mask, add_zero_attn=True, batch_first=False)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: layouts.labml_mask_to_attn_mask(torch.ones(4, 4), num_heads=2),
+     "a labml mask is [T_q, T_k, B], got shape (4, 4)"),
+    (lambda: layouts.labml_mask_to_attn_mask(torch.ones(4, 4, 3), num_heads=2, batch=2),
+     "the labml mask [T_q, T_k, B] has 3 along batch, which neither equals batch=2 nor is 1"),
+    (lambda: layouts.labml_mask_to_attn_mask(torch.ones(3, 4, 1), num_heads=2, query_len=4),
+     "the labml mask [T_q, T_k, B] has 3 along query_len, which neither equals query_len=4 nor is 1"),
+    (lambda: layouts.annotated_mask_to_attn_mask(torch.ones(4, 4), num_heads=2),
+     "an Annotated Transformer mask is (B, 1 or T_q, T_k), got shape (4, 4)"),
+    (lambda: layouts.annotated_mask_to_attn_mask(torch.ones(2, 3, 4), num_heads=2, query_len=5),
+     "the Annotated Transformer mask (B, T_q, T_k) has 3 along query_len, which neither equals query_len=5 nor is 1"),
+    (lambda: layouts.annotated_mask_to_attn_mask(torch.ones(2, 1, 4), num_heads=2, batch=3),
+     "the Annotated Transformer mask (B, T_q, T_k) has 2 along batch, which neither equals batch=3 nor is 1"),
+    (lambda: layouts.annotated_mask_to_attn_mask(torch.ones(1, 1, 4), num_heads=0),
+     "num_heads must be greater than 0, got 0"),
+    (lambda: layouts.annotated_mask_to_attn_mask(torch.ones(1, 1, 4), num_heads=2, batch=0),
+     "batch must be greater than 0, got 0"),
+    (lambda: layouts.labml_mask_to_attn_mask(torch.ones(1, 4, 1), num_heads=2, query_len=0),
+     "query_len must be greater than 0, got 0"),
+])
+def test_mask_adapters_refuse_bad_shapes_with_exact_messages(call, message):
+    with _raises_exactly(ValueError, message):
+        call()
+
+
+def test_annotated_padding_mask_keeps_its_single_query_row():
+    padding = torch.tensor([[[1, 1, 0]], [[1, 1, 1]]])  # (B=2, 1, S=3): 1 = attend
+    attn_mask = layouts.annotated_mask_to_attn_mask(padding, num_heads=2)
+    want = torch.tensor([[[False, False, True]]] * 2 + [[[False, False, False]]] * 2)  # (B*H, 1, S), index b*H + h
+    assert torch.equal(attn_mask, want)

@@ -5,6 +5,7 @@ not with the reshapes and inversions under test.
 """
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -123,11 +124,41 @@ def test_sdpa_masks_keep_true_means_attend_and_gain_a_query_axis():
         masks.sdpa(_random_bool((3, S), 10), L=L, S=S, batch_shape=(B, H), like=torch.empty(1))
 
 
+def _raises(error, message):
+    return pytest.raises(error, match=r"^" + re.escape(message) + r"$")
+
+
 def test_key_valid_is_the_inverse_of_a_bool_padding_mask():
     padding = _random_bool((B, S), 11)
     assert torch.equal(masks.key_valid(padding, B, S), ~padding)
     assert masks.key_valid(None, B, S) is None
-    with pytest.raises(TypeError, match="key_padding_mask must be bool"):
+    with _raises(TypeError, "with RoPE, windows, ALiBi or a cache, key_padding_mask must be bool (True = padding)"):
         masks.key_valid(padding.float(), B, S)
-    with pytest.raises(ValueError, match="key_padding_mask"):
+    with _raises(TypeError, "key_padding_mask must be a bool or floating point tensor, got dtype torch.int64"):
+        masks.key_valid(padding.long(), B, S)
+    with _raises(ValueError, "key_padding_mask must have shape (2, 6) (N, S), got (2, 5)"):
         masks.key_valid(padding, B, S + 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_additive_masks_have_the_requested_dtype_and_the_mask_device(dtype):
+    """0 / -inf in exactly the dtype asked for (the accumulation dtype), on the mask's own device."""
+    seen = _random_bool((L, S), 12)  # contract convention: True = attend
+    key_valid = ~_random_bool((B, S), 13)
+    for got in (masks.as_additive(seen, True, dtype), masks.combined_additive(seen, None, dtype),
+                masks.combined_additive(seen, key_valid, dtype), masks.combined_additive(None, key_valid, dtype)):
+        assert got.dtype == dtype
+    assert torch.equal(masks.as_additive(seen, True, dtype), torch.where(seen, 0.0, float("-inf")).to(dtype))
+    on_meta = masks.as_additive(seen.to("meta"), False, dtype)
+    assert on_meta.device.type == "meta" and on_meta.dtype == dtype and on_meta.shape == (L, S)
+    both = masks.combined_additive(seen.to("meta"), key_valid.to("meta"), dtype)
+    assert both.device.type == "meta" and both.dtype == dtype and both.shape == (B, 1, L, S)
+
+
+def test_multihead_float_padding_alone_is_the_additive_mask():
+    padding = torch.randn(B, S, dtype=torch.float64)
+    mask, key_valid = masks.multihead(None, padding, batch=B, num_heads=H, L=L, S=S, batched=True,
+                                      like=torch.empty(B, L, 8, dtype=torch.float64))
+    assert key_valid is None and mask.dtype == torch.float64
+    want = _per_entry(lambda b, h, i, j: padding[b, j].item(), torch.float64)
+    torch.testing.assert_close(mask.expand(B, H, L, S), want, atol=0, rtol=0)

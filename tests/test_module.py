@@ -98,6 +98,81 @@ def test_device_and_dtype_arguments():
     assert out.dtype == torch.float64
 
 
+@pytest.mark.parametrize("options", [dict(kdim=5, vdim=7, add_bias_kv=True), dict(add_bias_kv=True, bias=False)],
+                         ids=str)
+@pytest.mark.parametrize("factory", [dict(dtype=torch.float64), dict(device="meta"),
+                                     dict(dtype=torch.float16, device="meta")], ids=str)
+def test_every_parameter_takes_the_dtype_and_device_arguments_as_torch(options, factory):
+    theirs = torch.nn.MultiheadAttention(12, 3, **options, **factory)
+    ours = mha.nn.MultiheadAttention(12, 3, **options, **factory)
+    want = [(name, p.shape, p.dtype, p.device) for name, p in theirs.named_parameters()]
+    assert [(name, p.shape, p.dtype, p.device) for name, p in ours.named_parameters()] == want
+    assert {p.dtype for p in ours.parameters()} == {factory.get("dtype", torch.float32)}
+
+
+def test_one_head_of_width_one_matches_torch():
+    """The smallest valid module: embed_dim=1, num_heads=1 (both > 0 is the only bound)."""
+    torch.manual_seed(3)
+    theirs = torch.nn.MultiheadAttention(1, 1)
+    torch.manual_seed(3)
+    ours = mha.nn.MultiheadAttention(1, 1)
+    q, kv = torch.randn(4, 2, 1), torch.randn(5, 2, 1)
+    want, want_w = theirs(q, kv, kv)
+    got, got_w = ours(q, kv, kv)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_w, want_w)
+
+
+def test_merge_masks_matches_torch():
+    """torch's helper for its layers' fused path: (mask, type); both masks given: one (B, H, L, L)
+    additive mask, -inf where torch's merged bool mask is True (masked out), else 0."""
+    theirs, ours = _pair()
+    B, L = 2, 4
+    query = torch.randn(B, L, 12)
+    attn = torch.rand(L, L, generator=torch.Generator().manual_seed(1)) < 0.3
+    padding = torch.tensor([[False, False, True, False], [False, True, True, False]])
+    assert ours.merge_masks(None, None, query) == theirs.merge_masks(None, None, query) == (None, None)
+    mask, kind = ours.merge_masks(None, padding, query)
+    assert kind == 1 and mask is padding
+    for attn_mask in (attn, attn[None].expand(B * 3, L, L).clone()):  # (L, L) and (B*H, L, L)
+        want, want_kind = theirs.merge_masks(attn_mask, padding, query)
+        got, got_kind = ours.merge_masks(attn_mask, padding, query)
+        assert got_kind == want_kind == 2 and got.shape == want.shape == (B, 3, L, L)
+        assert torch.equal(got, torch.zeros(B, 3, L, L).masked_fill(want, float("-inf")))
+
+
+def test_module_pickled_before_the_backend_setting_runs_on_auto():
+    """A module unpickled from a version without ``backend`` runs as backend="auto"."""
+    _, m = _pair()
+    x = torch.randn(3, 2, 12)
+    want, want_w = m(x, x, x)
+    state = dict(m.__dict__)
+    del state["backend"]
+    old = mha.nn.MultiheadAttention.__new__(mha.nn.MultiheadAttention)
+    old.__setstate__(state)
+    got, got_w = old(x, x, x)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(got_w, want_w, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("average", [True, False])
+def test_weights_returned_while_capturing_are_torch_weights(batched, average):
+    """Inside mha.capture_attention the module computes per-head weights; it still returns what
+    the caller asked for, as torch would."""
+    theirs, ours = _pair()
+    x = torch.randn(4, 2, 12) if batched else torch.randn(4, 12)
+    want, want_w = theirs(x, x, x, average_attn_weights=average)
+    with mha.capture_attention(ours) as maps:
+        got, got_w = ours(x, x, x, average_attn_weights=average)
+        _, no_w = ours(x, x, x, need_weights=False)
+    assert got_w.shape == want_w.shape and no_w is None
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_w, want_w)
+    per_head = theirs(x, x, x, average_attn_weights=False)[1]
+    torch.testing.assert_close(maps["MultiheadAttention"][0], per_head if batched else per_head[None])
+
+
 def test_pickle_deepcopy_and_old_state():
     _, m = _pair()
     buffer = io.BytesIO()

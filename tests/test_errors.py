@@ -55,10 +55,10 @@ MODULE_CALLS = {
     "dtype mismatch q/k": (dict(query=q, key=k.double(), value=v), TypeError,
                            "key has dtype torch.float64 but query has dtype torch.float32" + _DTYPE_HINT),
     "input dtype vs params": (dict(query=q.double(), key=k.double(), value=v.double()), TypeError,
-                              "the module's parameters has dtype torch.float32 but query has dtype torch.float64"
+                              "the module's weight has dtype torch.float32 but query has dtype torch.float64"
                               + _DTYPE_HINT),
     "input device vs params": (dict(query=_meta, key=_meta, value=_meta), ValueError,
-                               "the module's parameters is on device cpu but query is on meta; they must be on the "
+                               "the module's weight is on device cpu but query is on meta; they must be on the "
                                "same device"),
     "attn_mask wrong 2-D shape": (dict(query=q, key=k, value=v, attn_mask=torch.zeros(L, S + 1)), ValueError,
                                   "Expected `attn_mask` shape to be (3, 5) (L, S) but got (3, 6)"),

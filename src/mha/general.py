@@ -194,7 +194,7 @@ class MultiHeadAttention(nn.Module):
         modules = self._modules  # one dict read each, not nn.Module.__getattr__
         weight = modules["out_proj"].weight
         if query.dtype != weight.dtype or query.device != weight.device:
-            _checks.same_dtype_device("query", query, **{"the module's parameters": weight})
+            _checks.same_dtype_device("query", query, **{"the module's weight": weight})
         if not batched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)  # (L|S, c) -> (1, L|S, c)
         # the submodules are called (not their weights read), so wrappers such as LoRA's keep working

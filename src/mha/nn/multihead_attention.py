@@ -127,7 +127,7 @@ class MultiheadAttention(nn.Module):
         in_proj_weight, q_w, k_w, v_w, bias, bias_k, bias_v = own_tensors(
             self, "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias", "bias_k", "bias_v")
         if query.dtype != weight.dtype or query.device != weight.device:
-            _checks.same_dtype_device("query", query, **{"the module's parameters": weight})
+            _checks.same_dtype_device("query", query, **{"the module's weight": weight})
         capturing = capture.recording()  # mha.capture_attention: per-head weights are recorded
         if bias is not None and bias.dtype != query.dtype:
             bias = bias.to(query.dtype)  # as torch: a bias of another dtype is added in the query's

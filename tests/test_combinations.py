@@ -1,6 +1,8 @@
 """Where features combine: each defect found by random and adversarial testing, pinned by a test
 that failed before it was fixed (the contract's own properties are in test_contract.py)."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -288,3 +290,164 @@ def test_shapes_torch_would_compute_densely_go_to_flash(shapes):
         assert name == "flash" and "weights" in reason, reason
     torch.testing.assert_close(kernels.attention(q, k, v, Contract(band=Band(None, 0)))[0],
                                kernels.math_attention(q, k, v, Contract(band=Band(None, 0)))[0])
+
+
+# -- shared machinery: defaults, GQA, devices --------------------------------------------------------------------
+
+
+def test_gqa_with_three_dim_inputs_shares_key_heads_like_torch():
+    """(H, L, D) inputs: dim -3 holds the heads, and enable_gqa repeats key/value heads there."""
+    q = torch.randn(4, 3, 5, dtype=torch.float64)
+    k, v = torch.randn(2, 6, 5, dtype=torch.float64), torch.randn(2, 6, 7, dtype=torch.float64)
+    want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    for backend in ("auto", "math", "flash"):
+        torch.testing.assert_close(sdpa(q, k, v, enable_gqa=True, backend=backend), want, atol=1e-12, rtol=0)
+
+
+def test_attend_defaults_are_plain_batched_attention_without_weights():
+    """mha.attention.attend(q, k, v): no causal mask, no dropout, no extra key, no weights, batched masks."""
+    from mha.attention import attend
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 4, generator=g, dtype=torch.float64) for n in (5, 6, 6))
+    out, weights = attend(q, k, v)
+    assert weights is None
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), atol=1e-12, rtol=0)
+    masked_out = torch.rand(2 * 3, 5, 6, generator=g) < 0.3  # (B*H, L, S), torch.nn.MultiheadAttention's form
+    masked_out[..., 0] = False
+    out, _ = attend(q, k, v, attn_mask=masked_out)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=~masked_out.view(2, 3, 5, 6))
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+
+
+def test_attend_positional_defaults_are_plain_attention_without_weights():
+    """mha.attention.attend_positional on (B, T, H*D) projections: no causal band, no dropout, no weights."""
+    from mha.attention import attend_positional
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 3 * 4, generator=g, dtype=torch.float64) for n in (5, 6, 6))
+    out, weights = attend_positional(q, k, v, 3, 3)
+    assert weights is None
+    heads = [x.view(2, -1, 3, 4).transpose(1, 2) for x in (q, k, v)]
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(*heads), atol=1e-12, rtol=0)
+
+
+def test_attention_with_appended_keys_and_positions_runs_on_the_meta_device():
+    """Shape inference on the meta device: every tensor the machinery makes (key positions of the
+    appended keys, RoPE's positions, a cache's positions) is made on the query's device."""
+    from mha.attention import attend
+
+    q = torch.empty(2, 3, 4, 8, device="meta")
+    out, _ = attend(q, q, q, add_zero_attn=True, is_causal=True)
+    assert out.shape == (2, 3, 4, 8) and out.device.type == "meta"
+    m = mha.MultiHeadAttention(E, E, E, D, D, E, H, rope=mha.RotaryEmbedding(D), device="meta")
+    x = torch.empty(2, 3, E, device="meta")
+    assert m(x, x, x, is_causal=True).device.type == "meta"
+    cache = mha.KVCache()
+    m(x, x, x, is_causal=True, cache=cache)
+    step = m(x[:, :1], x[:, :1], x[:, :1], is_causal=True, cache=cache)
+    assert step.shape == (2, 1, E) and step.device.type == "meta" and cache.size == 4
+
+
+# -- the KV cache and the band ------------------------------------------------------------------------------------
+
+
+def _by_hand(m, x_q, x_kv, allowed):
+    """The module's formula written out: projections, heads, softmax over the keys ``allowed`` (L, S)
+    (True = visible), out-projection. No positional terms other than the mask."""
+    B, L, S = x_q.shape[0], x_q.shape[1], x_kv.shape[1]
+    q = (x_q @ m.q_proj.weight.T + m.q_proj.bias).view(B, L, m.h, m.dk).transpose(1, 2)
+    k = (x_kv @ m.k_proj.weight.T + m.k_proj.bias).view(B, S, m.num_kv_heads, m.dk).transpose(1, 2)
+    v = (x_kv @ m.v_proj.weight.T + m.v_proj.bias).view(B, S, m.num_kv_heads, m.dv).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    return o.transpose(1, 2).reshape(B, L, m.h * m.dv) @ m.out_proj.weight.T + m.out_proj.bias
+
+
+def test_a_window_wider_than_the_sequence_leaves_nothing_to_apply():
+    """A band that hides no key is dropped: torch's kernel takes the call (a (64, 64) band mask would
+    be larger than q, k and v, which backend='sdpa' refuses)."""
+    m = _module(window=(100, 100))
+    x = torch.randn(1, 64, E, dtype=torch.float64)
+    with torch.no_grad():
+        out = m(x, x, x, backend="sdpa")
+        want = _by_hand(m, x, x, torch.ones(64, 64, dtype=torch.bool))
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+
+
+def test_a_decode_step_keeps_a_window_that_looks_ahead():
+    """Non-causal window (1, 8): the new query at position 4 sees keys 3 and 4 only, although the
+    window's right side reaches past every key (the band sits at the cache's offset)."""
+    m = _module(window=(1, 8))
+    x = torch.randn(2, 5, E, dtype=torch.float64)
+    cache = mha.KVCache()
+    with torch.no_grad():
+        m(x[:, :4], x[:, :4], x[:, :4], cache=cache)
+        step = m(x[:, 4:], x[:, 4:], x[:, 4:], cache=cache)
+        i, j = torch.arange(5)[:, None], torch.arange(5)[None, :]
+        want = _by_hand(m, x, x, (j - i >= -1) & (j - i <= 8))[:, 4:]
+    torch.testing.assert_close(step, want, atol=1e-12, rtol=0)
+
+
+def test_a_cache_refuses_new_tokens_of_another_length_or_batch():
+    x = torch.randn(1, 3, E, dtype=torch.float64)
+    m = _module()
+    with torch.no_grad():
+        message = "with a cache, query and key are the same new tokens: got lengths 3 and 2"
+        with pytest.raises(ValueError, match=r"^" + re.escape(message) + r"$"):
+            m(x, x[:, :2], x[:, :2], is_causal=True, cache=mha.KVCache())
+        cache = mha.KVCache()
+        m(x, x, x, is_causal=True, cache=cache)
+        two = torch.randn(2, 1, E, dtype=torch.float64)
+        message = ("the cache holds keys of shape (B, Hkv, S, D) = (1, 4, S, 4), got new keys of shape (2, 4, 1, 4): "
+                   "a cache serves one module and one batch")
+        with pytest.raises(ValueError, match=r"^" + re.escape(message) + r"$"):
+            m(two, two, two, is_causal=True, cache=cache)
+    assert cache.size == 3
+
+
+# -- static keys and values (torch's multi_head_attention_forward) -----------------------------------------------
+
+
+def _static_call(fn, static_k=None, static_v=None, dtype=torch.float64):
+    """multi_head_attention_forward, B=2, H=2, E=8 (head_dim 4), L=3, S=5 (static tensors (B*H, S', 4))."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 2, 8, generator=g, dtype=dtype)
+    kv = torch.randn(5, 2, 8, generator=g, dtype=dtype)
+    w_in, b_in = torch.randn(24, 8, generator=g, dtype=dtype), torch.randn(24, generator=g, dtype=dtype)
+    w_out, b_out = torch.randn(8, 8, generator=g, dtype=dtype), torch.randn(8, generator=g, dtype=dtype)
+    return fn(q, kv, kv, 8, 2, w_in, b_in, None, None, False, 0.0, w_out, b_out, training=False,
+              static_k=static_k, static_v=static_v, average_attn_weights=False)
+
+
+@pytest.mark.parametrize("which", ["static_k", "static_v", "both"])
+def test_static_keys_or_values_alone_equal_torch(which):
+    g = torch.Generator().manual_seed(1)
+    given = {name: torch.randn(4, 5, 4, generator=g, dtype=torch.float64) for name in ("static_k", "static_v")
+             if which in (name, "both")}
+    out, w = _static_call(mha.functional.multi_head_attention_forward, **given)
+    want, want_w = _static_call(F.multi_head_attention_forward, **given)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(w, want_w, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("given, error, message", [
+    (dict(static_k=torch.zeros(4, 5, 4, dtype=torch.long)), TypeError,
+     "static_k must have a floating point dtype, got torch.int64"),
+    (dict(static_v=torch.zeros(4, 5, 4, dtype=torch.long)), TypeError,
+     "static_v must have a floating point dtype, got torch.int64"),
+    (dict(static_k=torch.zeros(4, 5, 4)), TypeError,
+     "static_k has dtype torch.float32 but query has dtype torch.float64; they must match (convert one with .to(dtype))"),
+    (dict(static_v=torch.zeros(4, 5, 4)), TypeError,
+     "static_v has dtype torch.float32 but query has dtype torch.float64; they must match (convert one with .to(dtype))"),
+    (dict(static_k=torch.zeros(5, 4, dtype=torch.float64)), ValueError,
+     "static_k must be 3-D (N*num_heads, S, head_dim), got 2-D with shape (5, 4)"),
+    (dict(static_v=torch.zeros(5, 4, dtype=torch.float64)), ValueError,
+     "static_v must be 3-D (N*num_heads, S, head_dim), got 2-D with shape (5, 4)"),
+    (dict(static_v=torch.zeros(2, 5, 4, dtype=torch.float64)), ValueError,
+     "static_v must have shape (4, S, 4) = (N*num_heads, S, head_dim), got (2, 5, 4)"),
+    (dict(static_k=torch.zeros(4, 3, 4, dtype=torch.float64), static_v=torch.zeros(4, 6, 4, dtype=torch.float64)),
+     ValueError, "keys and values must have the same length, got 3 and 6 (check static_k / static_v)"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_bad_static_keys_and_values_are_named(given, error, message):
+    with pytest.raises(error, match=r"^" + re.escape(message) + r"$"):
+        _static_call(mha.functional.multi_head_attention_forward, **given)

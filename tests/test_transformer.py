@@ -138,12 +138,20 @@ def test_encoder_records_activation_kind_like_torch(activation, code):
 
 
 @pytest.mark.parametrize("cls", [mha.nn.TransformerEncoderLayer, mha.nn.TransformerDecoderLayer])
-@pytest.mark.parametrize("kwargs, error, name", [(dict(dim_feedforward=-1), ValueError, "dim_feedforward"),
-                                                 (dict(layer_norm_eps="x"), ValueError, "layer_norm_eps"),
-                                                 (dict(dropout=2.0), ValueError, "dropout")])
-def test_layer_constructor_errors(cls, kwargs, error, name):
-    with pytest.raises(error, match=name):
-        cls(D, H, **kwargs)
+@pytest.mark.parametrize("args, kwargs, error, message", [
+    ((0, H), {}, ValueError, "d_model must be greater than 0, got 0"),
+    ((D, 0), {}, ValueError, "nhead must be greater than 0, got 0"),
+    ((D, H), dict(dim_feedforward=-1), ValueError, "dim_feedforward must be greater than 0, got -1"),
+    ((D, H), dict(layer_norm_eps="x"), ValueError, "layer_norm_eps must be a non-negative float, got 'x'"),
+    ((D, H), dict(dropout=2.0), ValueError, "dropout must be in [0, 1], got 2.0"),
+    ((D, H), dict(activation=3), TypeError, "activation must be 'relu', 'gelu' or a callable, got int"),
+    ((D, H), dict(activation="swish"), ValueError, "activation must be 'relu', 'gelu' or a callable, got 'swish'"),
+])
+def test_layer_constructor_errors(cls, args, kwargs, error, message):
+    import re
+
+    with pytest.raises(error, match="^" + re.escape(message) + "$"):
+        cls(*args, **kwargs)
 
 
 def test_numpy_block_unknown_activation():

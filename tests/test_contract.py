@@ -2,6 +2,7 @@
 single position rule (mha.numpy.contract), forward and gradients, over random contracts; what
 padding and causality promise; the dispatch; flash's dropout."""
 
+import math
 import re
 
 import numpy as np
@@ -583,3 +584,14 @@ def test_math_without_dropout_draws_nothing():
     state = torch.get_rng_state()
     kernels.math_attention(*_QKV, Contract(), dropout_p=0.0)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_safe_softmax_by_default_copies_and_zeroes_empty_rows():
+    from mha.kernels.math import safe_softmax
+
+    scores = torch.tensor([[0.0, 1.0], [float("-inf"), float("-inf")]], dtype=torch.float64)
+    kept = scores.clone()
+    weights = safe_softmax(scores)
+    torch.testing.assert_close(weights, torch.tensor([[1 / (1 + math.e), math.e / (1 + math.e)], [0.0, 0.0]],
+                                                     dtype=torch.float64), atol=1e-15, rtol=0)
+    assert torch.equal(scores, kept)  # not in place unless asked

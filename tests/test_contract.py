@@ -595,3 +595,20 @@ def test_safe_softmax_by_default_copies_and_zeroes_empty_rows():
     torch.testing.assert_close(weights, torch.tensor([[1 / (1 + math.e), math.e / (1 + math.e)], [0.0, 0.0]],
                                                      dtype=torch.float64), atol=1e-15, rtol=0)
     assert torch.equal(scores, kept)  # not in place unless asked
+
+
+@pytest.mark.parametrize("backend", ["math", "auto"])
+def test_vmap_over_attention_that_hides_keys(backend):
+    """Under torch.func transforms nothing branches on tensor values (the empty-row check of the
+    softmax included): vmap over a call with a mask and a band equals the per-sample loop."""
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(3, 2, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(5, 5, generator=g) < 0.7
+    mask[0] = False  # a row that sees nothing
+    contract = Contract(mask=mask, band=Band(None, 0))
+
+    def one(q, k, v):
+        return kernels.attention(q, k, v, contract, backend=backend)[0]
+
+    torch.testing.assert_close(torch.func.vmap(one)(q, k, v), torch.stack([one(*x) for x in zip(q, k, v)]),
+                               atol=1e-12, rtol=0)

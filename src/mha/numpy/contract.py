@@ -41,7 +41,8 @@ def _steps(q, k, v, *, band=None, offset=0, query_positions=None, key_positions=
         st.tanh = np.tanh(s / softcap)
         s = softcap * st.tanh
     if alibi_slopes is not None:
-        s = s + positions.alibi_bias(np.asarray(alibi_slopes, dtype=s.dtype), rel)  # (H, L, S) or (B, H, L, S)
+        distances = rel.astype(s.dtype)  # int64 distances would make a float32 bias float64
+        s = s + positions.alibi_bias(np.asarray(alibi_slopes, dtype=s.dtype), distances)  # (H, L, S) or (B, H, L, S)
     if mask is not None:
         s = np.where(mask, s, -np.inf) if mask.dtype == bool else s + mask
     hidden = np.zeros(st.rel.shape, dtype=bool) if band is None else ~band.allowed(st.rel)
@@ -82,7 +83,7 @@ def contract_attention_vjp(q, k, v, grad_output, **contract):
     if contract.get("sinks") is not None:
         grads["sinks"] = -np.sum(st.p_sink * delta[..., 0], axis=(0, 2))  # (H,)
     if contract.get("alibi_slopes") is not None:
-        distance = np.abs(st.rel)  # (L, S) or (B, 1, L, S)
+        distance = np.abs(st.rel).astype(d_s.dtype)  # (L, S) or (B, 1, L, S)
         grads["alibi_slopes"] = -np.sum(d_s * distance, axis=(-2, -1)).sum(axis=0)  # (B, H) -> (H,)
     if st.softcap is not None:
         d_s = d_s * (1.0 - st.tanh ** 2)

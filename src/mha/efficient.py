@@ -174,8 +174,10 @@ class Nystrom(nn.Module):
         return kernel_1 @ (inverse @ (kernel_3 @ v))
 
     def _segment_means(self, x: Tensor) -> Tensor:
-        m = min(self.landmarks, x.shape[-2])
-        return F.adaptive_avg_pool1d(x.transpose(-1, -2).flatten(0, -3), m).unflatten(0, x.shape[:-2]).transpose(-1, -2)
+        T, D = x.shape[-2:]
+        m = min(self.landmarks, T)
+        segments = x.transpose(-1, -2).reshape(-1, D, T)  # (..., T, D) -> (N, D, T), any number of leading dims
+        return F.adaptive_avg_pool1d(segments, m).reshape(*x.shape[:-2], D, m).transpose(-1, -2)  # (..., m, D)
 
 
 def _linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, is_causal: bool, chunk: int = 128,

@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -417,6 +418,10 @@ DECISIONS = {  # name: (q, k, v, contract, options, (backend, reason))
     "window": (*_QKV, Contract(band=Band(3, 0)), {},
                ("flash", _NOT_SDPA.format("torch's kernel would need the band, ALiBi or padding as a (64, 64) mask, "
                                           "more than q, k and v hold (1,536 elements)"))),
+    "keys carry the batch": (_f32(1, 1, 16, 4), _f32(4, 1, 16, 4), _f32(4, 1, 16, 4), Contract(), {},
+                             ("flash", _NOT_SDPA.format("torch's kernel would build the attention weights (q, k and v "
+                                                        "of different batch or head counts): 1,024 elements, more "
+                                                        "than q, k and v hold (576)"))),
     "weights": (*_QKV, Contract(), dict(need_weights=True),
                 ("math", "attention weights requested: only the math backend returns them")),
 }
@@ -489,6 +494,7 @@ def test_contract_of_keeps_every_term_and_repr_shows_them():
     assert repr(Contract()) == "Contract()"
 
 
+_VALID_2x7 = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
 SDPA_PATHS = {  # name: (L, S, contract terms): every way the sdpa backend hands a call to torch
     "folded window": (6, 6, dict(band=Band(2, 0))),
     "native mask": (5, 7, dict(mask=torch.randn(5, 7, dtype=torch.float64))),
@@ -498,16 +504,26 @@ SDPA_PATHS = {  # name: (L, S, contract terms): every way the sdpa backend hands
     "every key visible": (3, 7, dict(band=Band(None, 0), offset=6)),
     "first queries see nothing": (7, 4, dict(band=Band(None, 0), offset=-3)),
     "prefix then causal": (4, 9, dict(band=Band(None, 0), offset=5)),
+    "batched bool mask and padding": (5, 7, dict(mask=torch.rand(2, 1, 5, 7) < 0.8, key_valid=_VALID_2x7)),
+    "batched float mask and padding": (5, 7, dict(mask=torch.randn(2, 1, 5, 7, dtype=torch.float64),
+                                                  key_valid=_VALID_2x7)),
+    "mask and padding folded": (5, 7, dict(mask=torch.randn(5, 7, dtype=torch.float64), key_valid=_VALID_2x7)),
+    "batched mask folded with a window": (6, 6, dict(mask=torch.randn(2, 1, 6, 6, dtype=torch.float64),
+                                                     band=Band(2, 0))),
 }
+BATCH_OF_2 = {"batched bool mask and padding", "batched float mask and padding", "mask and padding folded",
+              "batched mask folded with a window"}
 
 
-@pytest.mark.parametrize("rank", [3, 4])
+@pytest.mark.parametrize("rank", [3, 4, 5])
 @pytest.mark.parametrize("name", list(SDPA_PATHS))
 def test_the_sdpa_backend_keeps_the_scale_on_every_path(name, rank):
     """A scale other than 1/sqrt(D), forward and gradients, against math_attention in float64."""
     L, S, terms = SDPA_PATHS[name]
+    if name in BATCH_OF_2 and rank == 3:
+        pytest.skip("a batch of 2 sequences needs a batch dim")
     g = torch.Generator().manual_seed(9)
-    lead = (2, 3) if rank == 4 else (3,)
+    lead = {3: (3,), 4: (2, 3), 5: (2, 2, 3)}[rank]
     q, k, v = (torch.randn(*lead, n, 4, generator=g, dtype=torch.float64, requires_grad=True) for n in (L, S, S))
     contract = Contract(scale=0.37, **terms)
     assert kernels.choose_backend("auto", q, k, v, contract)[0] == "sdpa"
@@ -520,12 +536,13 @@ def test_the_sdpa_backend_keeps_the_scale_on_every_path(name, rank):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["folded window", "native mask", "native causal"])
+@pytest.mark.parametrize("name", ["folded window", "native mask", "native causal", "batched float mask and padding"])
 def test_the_sdpa_backend_applies_dropout_on_every_path(name):
     """With one-hot values each output row is its dropped weights: 0 or weight / (1 - p)."""
     L, S, terms = SDPA_PATHS[name]
-    q, k = torch.randn(1, 1, L, 4, dtype=torch.float64), torch.randn(1, 1, S, 4, dtype=torch.float64)
-    v = torch.eye(S, dtype=torch.float64).expand(1, 1, S, S)
+    B = 2 if name in BATCH_OF_2 else 1
+    q, k = torch.randn(B, 1, L, 4, dtype=torch.float64), torch.randn(B, 1, S, 4, dtype=torch.float64)
+    v = torch.eye(S, dtype=torch.float64).expand(B, 1, S, S)
     contract = Contract(**terms)
     _, weights = kernels.math_attention(q, k, v, contract)
     torch.manual_seed(3)
@@ -612,3 +629,72 @@ def test_vmap_over_attention_that_hides_keys(backend):
 
     torch.testing.assert_close(torch.func.vmap(one)(q, k, v), torch.stack([one(*x) for x in zip(q, k, v)]),
                                atol=1e-12, rtol=0)
+
+
+SHIFTED = {  # (L, S, offset): causal bands too large to fold into a mask, on torch's fused kernels
+    "prefix then causal": (16, 80, 64),
+    "first queries see nothing": (40, 40, -5),
+    "every key visible": (16, 80, 79),
+}
+
+
+@pytest.mark.parametrize("name", list(SHIFTED))
+def test_shifted_causal_on_torchs_kernels_equals_the_reference(name):
+    L, S, offset = SHIFTED[name]
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(1, 1, n, 4, generator=g, dtype=torch.float64, requires_grad=True) for n in (L, S, S))
+    contract = Contract(band=Band(None, 0), offset=offset, scale=0.37)
+    assert kernels.choose_backend("auto", q, k, v, contract) == ("sdpa", "torch's fused kernel takes the whole contract")
+    out = kernels.sdpa_attention(q, k, v, contract)
+    i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=j <= i + offset, scale=0.37)
+    visible_rows = (j <= i + offset).any(-1)[:, None]
+    want = want * visible_rows  # a row that sees no key is zero
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    upstream = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((out * upstream).sum(), (q, k, v)),
+                    torch.autograd.grad((want * upstream).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_shifted_causal_on_torchs_kernels_keeps_a_low_precision_dtype(dtype):
+    """The two halves are merged in float32 and the result returned in the inputs' dtype."""
+    g = torch.Generator().manual_seed(14)
+    q, k, v = (torch.randn(1, 1, n, 4, generator=g).to(dtype) for n in (16, 80, 80))
+    contract = Contract(band=Band(None, 0), offset=64)
+    out = kernels.sdpa_attention(q, k, v, contract)
+    want = kernels.math_attention(q.float(), k.float(), v.float(), contract)[0]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), want, atol=2 * torch.finfo(dtype).eps, rtol=0)
+
+
+@pytest.mark.parametrize("tangent_on", [0, 1, 2])
+def test_an_explicit_flash_under_forward_mode_ad_is_refused_by_dispatch(tangent_on):
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        qkv = list(_QKV)
+        qkv[tangent_on] = fwAD.make_dual(qkv[tangent_on], torch.ones_like(qkv[tangent_on]))
+        with pytest.raises(ValueError, match="^" + re.escape("backend='flash' cannot run this call: it has no "
+                                                             "forward-mode AD (jvp); use backend='math'") + "$"):
+            kernels.attention(*qkv, Contract(), backend="flash")
+
+
+def test_weights_only_when_asked_even_from_math():
+    out, weights = kernels.attention(*_QKV, Contract(), backend="math")
+    assert weights is None
+    out_w, weights = kernels.attention(*_QKV, Contract(), backend="math", need_weights=True)
+    assert torch.equal(out, out_w) and weights.shape == (1, 2, 64, 64)
+
+
+def test_query_positions_shared_by_the_batch_fold_with_per_sequence_key_positions():
+    """Query positions (1, L) beside key positions (B, S): the folded mask takes the batch of
+    either (it took the queries' and failed)."""
+    g = torch.Generator().manual_seed(15)
+    q, k, v = (torch.randn(2, 1, n, 4, generator=g, dtype=torch.float64) for n in (5, 7, 7))
+    key_positions = torch.stack([torch.arange(7), 2 * torch.arange(7)])
+    contract = Contract(band=Band(None, 0), positions=(torch.arange(2, 7)[None], key_positions))
+    out = kernels.sdpa_attention(q, k, v, contract)
+    visible = key_positions[:, None, None, :] <= torch.arange(2, 7)[None, None, :, None]  # key <= query position
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=visible), atol=1e-12, rtol=0)

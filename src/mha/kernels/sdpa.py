@@ -170,7 +170,8 @@ def _folded_shape(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> torch.
     if contract.key_valid is not None:
         shapes.append((contract.key_valid.shape[0], 1, 1, S))  # (B, S) -> (B, 1, 1, S)
     if contract.positions is not None:
-        shapes.append((contract.positions[0].shape[0], 1, L, S))  # per sequence: (B, 1, L, S)
+        batch = max(p.shape[0] for p in contract.positions)  # query (B|1, L) and key (B|1, S) positions
+        shapes.append((batch, 1, L, S))  # per sequence: (B, 1, L, S)
     if contract.alibi_slopes is not None:
         shapes.append((contract.alibi_slopes.shape[0], 1, 1))  # per head: (H, 1, 1)
     return torch.broadcast_shapes(*shapes)

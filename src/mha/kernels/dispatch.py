@@ -31,15 +31,6 @@ log = logging.getLogger("mha.dispatch")
 _NAMES = ("auto", *BACKENDS)
 
 
-def unsupported(name: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float = 0.0) -> str | None:
-    """Why backend ``name`` cannot run this call, or None (math honours everything)."""
-    if name == "sdpa":
-        return sdpa.unsupported(q, k, v, contract, dropout_p)
-    if name == "flash":
-        return flash.unsupported(q, k, v, contract)
-    return None
-
-
 def choose_backend(requested: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, *,
                    need_weights: bool = False, dropout_p: float = 0.0) -> tuple[str, str]:
     """(the backend that will run, why). Raises ValueError for an unknown or unfit request."""
@@ -69,7 +60,7 @@ def _choose(requested, q, k, v, contract, *, need_weights, dropout_p):
                              "use backend='math' or need_weights=False")
         choice = ("math", "attention weights requested: only the math backend returns them")
     elif requested != "auto":
-        reason = sdpa_plan[1] if requested == "sdpa" else unsupported(requested, q, k, v, contract, dropout_p)
+        reason = sdpa_plan[1] if requested == "sdpa" else flash.unsupported(q, k, v, contract) if requested == "flash" else None
         if reason:
             raise ValueError(f"backend={requested!r} cannot run this call: {reason}")
         choice = (requested, "requested explicitly")

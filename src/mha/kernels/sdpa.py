@@ -45,11 +45,6 @@ _FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float = 0.0) -> str | None:
-    """Why torch's kernel cannot take this call within the memory of q, k and v, or None."""
-    return plan(q, k, v, contract, dropout_p)[1]
-
-
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
                    dropout_p: float = 0.0) -> Tensor:
     contract = resolve(contract)

@@ -6,7 +6,9 @@
 
 Reads mutmut's results (mutants/**/*.meta) and the mutated sources beside them, and
 scripts/mutation_equivalents.txt: one surviving mutant per line, ``name  # why it is equivalent``
-(or ``# [outside] test``: killed by a test the mutation run leaves out for speed, counted as killed).
+(or ``# [outside] test``: killed by a test the mutation run leaves out for speed, or ``# [import]``:
+run at import, where mutmut cannot switch it, and killed when applied with kill_check.py; both
+counted as killed).
 A documented name that mutmut no longer generates (the function changed) is reported as stale:
 check it again.
 """
@@ -32,7 +34,8 @@ def statuses() -> dict[str, str]:
     found = {}
     for meta in MUTANTS.rglob("*.meta"):
         for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
-            found[name] = "pending" if code is None else STATUS.get(code, f"suspicious (exit {code})")
+            found[name] = ("pending" if code is None else STATUS.get(code, "killed" if code < 0 else f"suspicious (exit {code})"))
+            # a negative exit is a signal: the mutant crashed the tests (mutmut shows it as suspicious)
     return found
 
 
@@ -65,7 +68,7 @@ def table(found: dict[str, str], documented: dict[str, str]) -> str:
     counts = collections.defaultdict(collections.Counter)
     for name, state in found.items():
         if state == "survived" and name in documented:
-            state = "killed" if documented[name].startswith("[outside") else "equivalent"
+            state = "killed" if documented[name].startswith(("[outside", "[import")) else "equivalent"
         counts[module_of(name)][state] += 1
     rows = ["| module | mutants | killed | equivalent | surviving | killed or equivalent |",
             "| --- | --- | --- | --- | --- | --- |"]

@@ -702,3 +702,28 @@ def test_query_positions_shared_by_the_batch_fold_with_per_sequence_key_position
     out = kernels.sdpa_attention(q, k, v, contract)
     visible = key_positions[:, None, None, :] <= torch.arange(2, 7)[None, None, :, None]  # key <= query position
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=visible), atol=1e-12, rtol=0)
+
+
+def test_contract_repr_skips_each_unset_term():
+    assert repr(Contract(band=Band(2, 0), softcap=3.0)) == "Contract(band=Band(left=2, right=0), softcap=3.0)"
+
+
+@pytest.mark.parametrize("mask_shape", [(9, 1), (1, 1, 9, 1), (1, 2, 9, 1), (1, 12), (1, 1, 1, 12)])
+def test_flash_broadcasts_a_mask_with_size_one_dims_across_tiles(mask_shape):
+    """A bool mask of one column (per query) or one row (per key), tile by tile."""
+    g = torch.Generator().manual_seed(16)
+    q, k, v = (torch.randn(1, 2, n, 4, generator=g, dtype=torch.float64) for n in (9, 12, 12))
+    mask = torch.rand(mask_shape, generator=g) < 0.6
+    out, _ = kernels.flash_attention_with_lse(q, k, v, Contract(mask=mask), block_q=4, block_k=4)
+    want, _ = kernels.math_attention(q, k, v, Contract(mask=mask))
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+
+
+def test_forward_mode_under_torch_func_jvp_equals_the_math_backend():
+    g = torch.Generator().manual_seed(17)
+    q, k, v, t = (torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(4))
+    contract = Contract(band=Band(None, 0))
+    auto = torch.func.jvp(lambda q: kernels.attention(q, k, v, contract)[0], (q,), (t,))
+    math_ = torch.func.jvp(lambda q: kernels.attention(q, k, v, contract, backend="math")[0], (q,), (t,))
+    for a, b in zip(auto, math_):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)

@@ -7,8 +7,9 @@
 Reads mutmut's results (mutants/**/*.meta) and the mutated sources beside them, and
 scripts/mutation_equivalents.txt: one surviving mutant per line, ``name  # why it is equivalent``
 (or ``# [outside] test``: killed by a test the mutation run leaves out for speed, or ``# [import]``:
-run at import, where mutmut cannot switch it, and killed when applied with kill_check.py; both
-counted as killed).
+run at import, where mutmut cannot switch it, or ``# [applied]``: a default argument, which a test
+reads through ``inspect`` and mutmut's trampoline hides; both killed when applied with kill_check.py;
+all three counted as killed).
 A documented name that mutmut no longer generates (the function changed) is reported as stale:
 check it again.
 """
@@ -68,7 +69,7 @@ def table(found: dict[str, str], documented: dict[str, str]) -> str:
     counts = collections.defaultdict(collections.Counter)
     for name, state in found.items():
         if state == "survived" and name in documented:
-            state = "killed" if documented[name].startswith(("[outside", "[import")) else "equivalent"
+            state = "killed" if documented[name].startswith(("[outside", "[import", "[applied")) else "equivalent"
         counts[module_of(name)][state] += 1
     rows = ["| module | mutants | killed | equivalent | surviving | killed or equivalent |",
             "| --- | --- | --- | --- | --- | --- |"]

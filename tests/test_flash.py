@@ -359,24 +359,26 @@ def test_dropout_edges_zero_and_one():
     assert torch.equal(flash_attention(q, k, v, CAUSAL, dropout_p=1.0), torch.zeros(1, 2, 5, 3, dtype=torch.float64))
 
 
-def test_per_sequence_positions_in_small_tiles():
+@pytest.mark.parametrize("band", [Band(2, 0), Band(8, 0)])
+def test_per_sequence_positions_in_small_tiles(band):
     """Positions with gaps (padding, a cache): each tile's band pattern comes from its own
     positions, not from another tile of the same shape and shift."""
     pos = torch.tensor([[0, 1, 2, 3, 4, 6, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]])
     g = torch.Generator().manual_seed(8)
     q, k, v = (torch.randn(1, 2, 24, 4, generator=g, dtype=torch.float64) for _ in range(3))
-    contract = Contract(band=Band(2, 0), positions=(pos, pos))
+    contract = Contract(band=band, positions=(pos, pos))
     out, _ = flash_attention_with_lse(q, k, v, contract, block_q=4, block_k=4)
     rel = pos[0][None, :] - pos[0][:, None]  # key - query, by hand
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=(rel >= -2) & (rel <= 0))
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=(rel >= -band.left) & (rel <= 0))
     torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
 
 
-def test_alibi_is_added_in_the_compute_dtype():
+@pytest.mark.parametrize("backend", ["flash", "math", "sdpa"])
+def test_alibi_is_added_in_the_compute_dtype(backend):
     """float32 slopes on float64 inputs: the bias -slope·|i - j| is formed in float64."""
     q, k, v = (t.detach() for t in _inputs((1, 2, 9, 4), (1, 2, 9, 4), 4))
     slopes = torch.tensor([0.3, 0.7])  # not exact in binary: float32 products would differ
-    out = flash_attention(q, k, v, Contract(alibi_slopes=slopes))
+    out = mha.kernels.attention(q, k, v, Contract(alibi_slopes=slopes), backend=backend)[0]
     i, j = torch.arange(9)[:, None], torch.arange(9)[None, :]
     bias = -slopes.double()[:, None, None] * (j - i).abs()
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=bias), atol=1e-14, rtol=0)

@@ -188,6 +188,7 @@ def test_contract_float32_with_alibi_runs_in_float32():
     slopes = np.array([0.5, 0.25], np.float32)
     out, weights = oracle.contract_attention(q, k, v, alibi_slopes=slopes)
     assert out.dtype == np.float32 and weights.dtype == np.float32
+    assert oracle.contract_attention(q, k, v, alibi_slopes=slopes.astype(np.float64))[0].dtype == np.float32
     grads = oracle.contract_attention_vjp(q, k, v, np.ones_like(out), alibi_slopes=slopes)
     assert {name: g.dtype for name, g in grads.items()} == {name: np.float32 for name in ("q", "k", "v", "alibi_slopes")}
     i, j = np.arange(3)[:, None], np.arange(3)[None, :]

@@ -60,7 +60,10 @@ def _choose(requested, q, k, v, contract, *, need_weights, dropout_p):
                              "use backend='math' or need_weights=False")
         choice = ("math", "attention weights requested: only the math backend returns them")
     elif requested != "auto":
-        reason = sdpa_plan[1] if requested == "sdpa" else flash.unsupported(q, k, v, contract) if requested == "flash" else None
+        if requested == "sdpa":
+            reason = sdpa_plan[1]
+        else:  # math honours every contract
+            reason = flash.unsupported(q, k, v, contract) if requested == "flash" else None
         if reason:
             raise ValueError(f"backend={requested!r} cannot run this call: {reason}")
         choice = (requested, "requested explicitly")

@@ -267,7 +267,7 @@ class ProjectionWeights:
             _checks.shape("in_proj_bias", _checks.tensor("in_proj_bias", in_proj_bias), (3 * E,))
             if in_proj_bias.device != like.device:
                 raise ValueError(f"in_proj_bias is on device {in_proj_bias.device} but query is on {like.device}")
-            in_proj_bias = in_proj_bias.to(like.dtype)  # as torch: a bias of another dtype is added in the query's
+            in_proj_bias = in_proj_bias.to(like.dtype)  # as torch's module (its functional form raises): in the query's dtype
         _checks.same_dtype_device("query", like, in_proj_weight=packed, q_proj_weight=q_w,
                                   k_proj_weight=k_w, v_proj_weight=v_w)
         return cls(packed, q_w, k_w, v_w, in_proj_bias)

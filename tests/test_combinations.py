@@ -1,13 +1,13 @@
 """Where features combine: each defect found by random and adversarial testing, pinned by a test
 that failed before it was fixed (the contract's own properties are in test_contract.py)."""
 
-import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import mha
+from exact import raises_exactly
 from mha import kernels, positions
 from mha.functional import scaled_dot_product_attention as sdpa
 from mha.kernels import Contract
@@ -155,7 +155,7 @@ def test_causal_alignment_applies_to_windows_and_alibi_too():
 # -- the KV cache: wrong uses are refused ----------------------------------------------------------------------
 
 
-def test_a_rolling_cache_narrower_than_the_window_is_refused():
+def test_a_rolling_cache_narrower_than_the_window_israises_exactly():
     x = torch.randn(1, 3, E, dtype=torch.float64)
     for options, words in ((dict(window=(5, 0)), ["window=4", "(5, 0)"]), (dict(), ["window=4", "no sliding window"])):
         with torch.no_grad(), pytest.raises(ValueError) as info:
@@ -393,14 +393,14 @@ def test_a_cache_refuses_new_tokens_of_another_length_or_batch():
     m = _module()
     with torch.no_grad():
         message = "with a cache, query and key are the same new tokens: got lengths 3 and 2"
-        with pytest.raises(ValueError, match=r"^" + re.escape(message) + r"$"):
+        with raises_exactly(ValueError, message):
             m(x, x[:, :2], x[:, :2], is_causal=True, cache=mha.KVCache())
         cache = mha.KVCache()
         m(x, x, x, is_causal=True, cache=cache)
         two = torch.randn(2, 1, E, dtype=torch.float64)
         message = ("the cache holds keys of shape (B, Hkv, S, D) = (1, 4, S, 4), got new keys of shape (2, 4, 1, 4): "
                    "a cache serves one module and one batch")
-        with pytest.raises(ValueError, match=r"^" + re.escape(message) + r"$"):
+        with raises_exactly(ValueError, message):
             m(two, two, two, is_causal=True, cache=cache)
     assert cache.size == 3
 
@@ -449,5 +449,5 @@ def test_static_keys_or_values_alone_equal_torch(which):
      ValueError, "keys and values must have the same length, got 3 and 6 (check static_k / static_v)"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_bad_static_keys_and_values_are_named(given, error, message):
-    with pytest.raises(error, match=r"^" + re.escape(message) + r"$"):
+    with raises_exactly(error, message):
         _static_call(mha.functional.multi_head_attention_forward, **given)

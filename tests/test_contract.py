@@ -3,7 +3,6 @@ single position rule (mha.numpy.contract), forward and gradients, over random co
 padding and causality promise; the dispatch; flash's dropout."""
 
 import math
-import re
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from exact import raises_exactly
 from mha import kernels, positions
 from mha import numpy as oracle
 from mha.kernels import Contract
@@ -455,20 +455,20 @@ def test_dispatch_under_forward_mode_ad_picks_math(tangent_on):
 
 def test_dispatch_refusals_are_exact():
     def refused(backend, reason, **options):
-        return pytest.raises(ValueError, match="^" + re.escape(f"backend={backend!r} {reason}") + "$")
+        return raises_exactly(ValueError, f"backend={backend!r} {reason}")
 
     with refused("flash", "does not return attention weights; use backend='math' or need_weights=False"):
         kernels.choose_backend("flash", *_QKV, Contract(), need_weights=True)
     with refused("sdpa", "cannot run this call: torch's kernel has no softcap"):
         kernels.choose_backend("sdpa", *_QKV, Contract(softcap=1.0))
-    with pytest.raises(ValueError, match="^" + re.escape("backend must be one of ('auto', 'math', 'sdpa', 'flash'), "
-                                                         "got 'warp'") + "$"):
+    with raises_exactly(ValueError, "backend must be one of ('auto', 'math', 'sdpa', 'flash'), "
+                                                         "got 'warp'"):
         kernels.choose_backend("warp", *_QKV, Contract())
-    with pytest.raises(ValueError, match="^" + re.escape("the sdpa backend cannot run this call: torch's kernel has "
-                                                         "no softcap; use backend='flash' or 'math'") + "$"):
+    with raises_exactly(ValueError, "the sdpa backend cannot run this call: torch's kernel has "
+                                                         "no softcap; use backend='flash' or 'math'"):
         kernels.sdpa_attention(*_QKV, Contract(softcap=1.0))
-    with pytest.raises(TypeError, match="^" + re.escape("contract must be an mha.kernels.Contract or None, got "
-                                                        "dict") + "$"):
+    with raises_exactly(TypeError, "contract must be an mha.kernels.Contract or None, got "
+                                                        "dict"):
         kernels.flash_attention(*_QKV, {})
 
 
@@ -678,8 +678,8 @@ def test_an_explicit_flash_under_forward_mode_ad_is_refused_by_dispatch(tangent_
     with fwAD.dual_level():
         qkv = list(_QKV)
         qkv[tangent_on] = fwAD.make_dual(qkv[tangent_on], torch.ones_like(qkv[tangent_on]))
-        with pytest.raises(ValueError, match="^" + re.escape("backend='flash' cannot run this call: it has no "
-                                                             "forward-mode AD (jvp); use backend='math'") + "$"):
+        with raises_exactly(ValueError, "backend='flash' cannot run this call: it has no "
+                                                             "forward-mode AD (jvp); use backend='math'"):
             kernels.attention(*qkv, Contract(), backend="flash")
 
 

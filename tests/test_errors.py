@@ -3,12 +3,12 @@
 Each table row is a bad call and the exact message it must raise: the message is the spec (it names
 the argument, what it got and what was expected)."""
 
-import re
 
 import pytest
 import torch
 
 import mha
+from exact import raises_exactly
 from mha.functional import multi_head_attention_forward, scaled_dot_product_attention
 
 E, H, L, S, N = 8, 2, 3, 5, 2
@@ -25,7 +25,7 @@ def _x(*shape, dtype=torch.float32, device="cpu"):
 
 
 def _raises(error, message):
-    return pytest.raises(error, match=r"^" + re.escape(message) + r"$")
+    return raises_exactly(error, message)
 
 
 q, k, v = _x(L, N, E), _x(S, N, E), _x(S, N, E)

@@ -1,7 +1,6 @@
 """mha.MultiHeadAttention (seed 002's general module) against the float64 oracle and torch."""
 
 import itertools
-import re
 import warnings
 
 import numpy as np
@@ -9,6 +8,7 @@ import pytest
 import torch
 
 import mha
+from exact import raises_exactly
 from mha import numpy as oracle
 from mha.tools.verify import numpy_state, randomize_biases
 
@@ -149,7 +149,7 @@ F32, F64, I64 = torch.float32, torch.float64, torch.int64
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_bad_input_is_refused_with_a_message_naming_it(inputs, options, error, message):
     m = mha.MultiHeadAttention(**WIDTHS)
-    with pytest.raises(error, match=r"^" + re.escape(message) + r"$"):
+    with raises_exactly(error, message):
         m(*inputs, **options)
 
 
@@ -160,7 +160,7 @@ def test_the_batch_first_layout_is_named_by_the_module_that_has_it():
                            (mha.nn.MultiheadAttention(8, 2), "(L, B, E)"),
                            (mha.nn.MultiheadAttention(8, 2, batch_first=True), "(B, L, E)")):
         want = f"query must be 2-D or 3-D ({layout} batched, (L, E) unbatched), got 4-D with shape (1, 2, 4, 8)"
-        with pytest.raises(ValueError, match=r"^" + re.escape(want) + r"$"):
+        with raises_exactly(ValueError, want):
             module(x, x.clone(), x.clone())
 
 
@@ -180,17 +180,17 @@ SELF_CASES = [  # self-attention (query is key is value): the same checks, the s
 @pytest.mark.parametrize("widths, x, error, message", SELF_CASES, ids=lambda x: x if isinstance(x, str) else "")
 def test_self_attention_input_is_checked_like_any_input(widths, x, error, message):
     m = mha.MultiHeadAttention(**{**WIDTHS, **widths})
-    with pytest.raises(error, match=r"^" + re.escape(message) + r"$"):
+    with raises_exactly(error, message):
         m(x, x, x)
 
 
-def test_nested_self_attention_input_is_refused():
+def test_nested_self_attention_input_israises_exactly():
     m = mha.MultiHeadAttention(6, 6, 6, 3, 3, 6, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch: nested tensors are a prototype
         x = torch.nested.nested_tensor([torch.randn(3, 6), torch.randn(4, 6)])
     message = "query is a nested tensor; mha expects dense tensors (pad and pass a mask)"
-    with pytest.raises(TypeError, match=r"^" + re.escape(message) + r"$"):
+    with raises_exactly(TypeError, message):
         m(x, x, x)
 
 
@@ -198,7 +198,7 @@ def test_a_module_on_another_device_is_named():
     m = mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, device="meta")
     x = torch.zeros(2, 3, 8)
     message = "the module's weight is on device meta but query is on cpu; they must be on the same device"
-    with pytest.raises(ValueError, match=r"^" + re.escape(message) + r"$"):
+    with raises_exactly(ValueError, message):
         m(x, x, x)
 
 
@@ -219,7 +219,7 @@ def test_a_module_on_another_device_is_named():
       for kv in (dict(add_bias_kv=True), dict(add_zero_attn=True))),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_constructor_names_the_bad_argument(options, error, message):
-    with pytest.raises(error, match=r"^" + re.escape(message) + r"$"):
+    with raises_exactly(error, message):
         mha.MultiHeadAttention(**{**WIDTHS, **options})
 
 
@@ -231,7 +231,7 @@ EFFICIENT_REFUSED = "an efficient attention variant does not combine with rope, 
                                     dict(softcap=2.0), dict(sinks=True), dict(add_bias_kv=True),
                                     dict(add_zero_attn=True)], ids=str)
 def test_an_efficient_variant_refuses_each_exact_only_feature(option):
-    with pytest.raises(ValueError, match=r"^" + re.escape(EFFICIENT_REFUSED) + r"$"):
+    with raises_exactly(ValueError, EFFICIENT_REFUSED):
         mha.MultiHeadAttention(**WIDTHS, attention="linear", **option)
 
 
@@ -247,7 +247,7 @@ EFFICIENT_CALL = "an efficient attention variant takes is_causal only: no attn_m
 ], ids=["attn_mask", "key_padding_mask", "cache", "weights"])
 def test_an_efficient_variant_refuses_masks_caches_and_weights(call):
     m = mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, attention="linear")
-    with pytest.raises(ValueError, match=r"^" + re.escape(EFFICIENT_CALL) + r"$"):
+    with raises_exactly(ValueError, EFFICIENT_CALL):
         call(m, torch.randn(2, 3, 8))
 
 
@@ -427,7 +427,7 @@ def test_the_backend_asked_for_is_the_one_that_runs(options):
     m = _module(**options)
     q, k, v = _inputs()
     message = "backend must be one of ('auto', 'math', 'sdpa', 'flash'), got 'fast'"
-    with pytest.raises(ValueError, match=r"^" + re.escape(message) + r"$"):
+    with raises_exactly(ValueError, message):
         m(q, k, v, backend="fast")
     with torch.no_grad():
         if options:
@@ -466,5 +466,5 @@ POSITIONS_NOT_MASKS = ("with rope, alibi, window or a cache the masks come from 
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_the_positional_path_names_what_it_refuses(options, call, error, message):
     m = mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, **options)
-    with pytest.raises(error, match=r"^" + re.escape(message) + r"$"):
+    with raises_exactly(error, message):
         call(m, torch.randn(2, 3, 8))

@@ -1,12 +1,12 @@
 """mha.layouts: lossless conversion both ways, equal outputs after conversion, the per-head form."""
 
 import dataclasses
-import re
 
 import pytest
 import torch
 
 import mha
+from exact import raises_exactly
 from mha import layouts
 from mha.tools.verify import randomize_biases
 
@@ -205,7 +205,7 @@ def test_annotated_subsequent_mask_broadcasts_over_a_batch():
     assert attn_mask.shape == (6, 4, 4) and attn_mask[5, 0, 1] and not attn_mask[5, 1, 0]
 
 
-def test_integer_weights_are_refused():
+def test_integer_weights_areraises_exactly():
     general = layouts.to_general(_torch_module().state_dict(), "torch")
     general["q_proj.weight"] = general["q_proj.weight"].long()
     with pytest.raises(TypeError, match="floating"):
@@ -230,10 +230,6 @@ def test_per_head_attention_reads_the_layout_it_is_told():
 
 # --- exact messages and boundaries of the converters (mutation testing) -------------------------
 
-def _raises_exactly(exc, message):
-    return pytest.raises(exc, match=r"^" + re.escape(message) + r"$")
-
-
 def _weights(q, k, v, o, **extra):
     """A general state of weights only: q_proj.weight q, k_proj.weight k, ... (shapes)."""
     state = {"q_proj.weight": torch.zeros(q), "k_proj.weight": torch.zeros(k),
@@ -254,12 +250,12 @@ def _four_head_per_head_state():
 def test_missing_key_message_lists_at_most_twelve_keys_present(count, shown):
     state = {f"k{i:02d}": torch.zeros(1) for i in reversed(range(count))}
     message = f"layout 'bert' needs the key 'self.query.weight', which is missing (keys present: {shown})"
-    with _raises_exactly(ValueError, message):
+    with raises_exactly(ValueError, message):
         layouts.to_general(state, "bert")
 
 
 def test_non_tensor_weights_are_named_with_their_type():
-    with _raises_exactly(TypeError, "'self.query.weight' must be a tensor, got list"):
+    with raises_exactly(TypeError, "'self.query.weight' must be a tensor, got list"):
         layouts.to_general({"self.query.weight": [[1.0]]}, "bert")
 
 
@@ -302,7 +298,7 @@ FRACTION = ("k_proj.weight ({} rows) and v_proj.weight ({} rows) must hold the s
 ], ids=lambda x: "" if not isinstance(x, str) else x[:40])
 def test_widths_refuses_malformed_general_states_with_exact_messages(state, num_heads, exc, message):
     state = {key.replace("__", "."): torch.zeros(v) if isinstance(v, tuple) else v for key, v in state.items()}
-    with _raises_exactly(exc, message):
+    with raises_exactly(exc, message):
         layouts.widths(state, num_heads)
 
 
@@ -348,7 +344,7 @@ def test_renaming_layouts_name_their_keys():
     torch.testing.assert_close(bert["output.dense.bias"], state["out_proj.bias"])
     del bert["self.key.bias"]  # optional: a missing bias is simply absent
     assert sorted(layouts.to_general(bert, "bert")) == sorted(set(general) - {"k_proj.bias"})
-    with _raises_exactly(ValueError, "layout 'labml' has no place for ['bias_k', 'bias_v']; converting would lose them"):
+    with raises_exactly(ValueError, "layout 'labml' has no place for ['bias_k', 'bias_v']; converting would lose them"):
         layouts.from_general(layouts.to_general(_torch_module(add_bias_kv=True).state_dict(), "torch"), "labml")
 
 
@@ -379,7 +375,7 @@ def _general_of(**options):
 def test_layouts_refuse_weights_they_cannot_hold_with_exact_messages(options, drop, layout, message):
     general = _general_of(**options)
     general.pop(drop, None)
-    with _raises_exactly(ValueError, message):
+    with raises_exactly(ValueError, message):
         layouts.from_general(general, layout)
 
 
@@ -421,7 +417,7 @@ def test_layouts_refuse_weights_they_cannot_hold_with_exact_messages(options, dr
 ], ids=lambda x: x if isinstance(x, str) and len(x) < 20 else None)
 def test_loading_malformed_layout_states_names_the_problem(layout, state, exc, message):
     state = {key.replace("__", "."): torch.zeros(shape) for key, shape in state.items()}
-    with _raises_exactly(exc, message):
+    with raises_exactly(exc, message):
         layouts.to_general(state, layout)
 
 
@@ -446,16 +442,16 @@ def test_num_heads_is_checked_against_the_weights_on_every_path():
                  lambda: layouts.LAYOUTS["per_head"].load(per_head_state, 2),
                  lambda: layouts.torch_module(per_head_state, "per_head", 2),
                  lambda: layouts.per_head(per_head_state, 2, layout="per_head")):
-        with _raises_exactly(ValueError, message):
+        with raises_exactly(ValueError, message):
             call()
     bert = layouts.convert(_torch_module().state_dict(), "torch", "bert")
     general = layouts.to_general(bert, "bert")
     divide = "num_heads=5 must divide the projection widths h*dk=12 and h*dv=12"
     for call in (lambda: layouts.to_general(bert, "bert", num_heads=5),
                  lambda: layouts.from_general(general, "bert", num_heads=5)):
-        with _raises_exactly(ValueError, divide):
+        with raises_exactly(ValueError, divide):
             call()
-    with _raises_exactly(ValueError, "the per_head layout splits by head: pass num_heads"):
+    with raises_exactly(ValueError, "the per_head layout splits by head: pass num_heads"):
         layouts.from_general(general, "per_head")
 
 
@@ -468,7 +464,7 @@ def test_general_module_refuses_mixed_biases_and_passes_options():
     general = _general_of(cq=8, ck=8, cv=8, dk=2, dv=2, do=8, h=4)
     assert layouts.general_module(general, "general", 4, dropout=0.25).dropout == 0.25
     del general["q_proj.bias"]
-    with _raises_exactly(ValueError, "mha.MultiHeadAttention has biases on all four projections or on none"):
+    with raises_exactly(ValueError, "mha.MultiHeadAttention has biases on all four projections or on none"):
         layouts.general_module(general, "general", 4)
 
 
@@ -480,14 +476,14 @@ def test_torch_module_builds_the_class_asked_for():
 
 def test_per_head_refuses_grouped_query_weights():
     general = _general_of(cq=8, ck=8, cv=8, dk=2, dv=2, do=8, h=4, num_kv_heads=2)
-    with _raises_exactly(ValueError, "the per-head form has one key/value matrix per head: "
+    with raises_exactly(ValueError, "the per-head form has one key/value matrix per head: "
                                      "repeat GQA's shared ones first"):
         layouts.per_head(general, 4)
 
 
 def test_from_per_head_refuses_bias_k_without_bias_v():
     heads = layouts.per_head(_general_of(cq=8, ck=8, cv=8, dk=2, dv=2, do=8, h=4, add_bias_kv=True), 4)
-    with _raises_exactly(ValueError, "bias_k and bias_v come together; only one of them is given"):
+    with raises_exactly(ValueError, "bias_k and bias_v come together; only one of them is given"):
         layouts.from_per_head(dataclasses.replace(heads, bias_v=None))
 
 
@@ -505,7 +501,7 @@ def test_per_head_of_a_single_one_wide_head_equals_torch():
 def test_per_head_attention_demands_the_layout_of_3d_input():
     heads = layouts.per_head(_torch_module().state_dict(), H, layout="torch")
     x = torch.randn(2, 3, E)
-    with _raises_exactly(ValueError, "per_head_attention: pass batch_first=True for (N, L, E) input, or "
+    with raises_exactly(ValueError, "per_head_attention: pass batch_first=True for (N, L, E) input, or "
                                      "batch_first=False for torch's default layout (L, N, E); 3-D input is "
                                      "ambiguous without it"):
         layouts.per_head_attention(x, x, x, heads)
@@ -554,7 +550,7 @@ def test_per_head_attention_seq_first_with_masks_and_extra_keys_equals_torch(opt
      "query_len must be greater than 0, got 0"),
 ])
 def test_mask_adapters_refuse_bad_shapes_with_exact_messages(call, message):
-    with _raises_exactly(ValueError, message):
+    with raises_exactly(ValueError, message):
         call()
 
 

@@ -5,11 +5,11 @@ not with the reshapes and inversions under test.
 """
 
 import itertools
-import re
 
 import pytest
 import torch
 
+from exact import raises_exactly
 from mha import masks
 
 B, H, L, S = 2, 3, 4, 5
@@ -125,7 +125,7 @@ def test_sdpa_masks_keep_true_means_attend_and_gain_a_query_axis():
 
 
 def _raises(error, message):
-    return pytest.raises(error, match=r"^" + re.escape(message) + r"$")
+    return raises_exactly(error, message)
 
 
 def test_key_valid_is_the_inverse_of_a_bool_padding_mask():

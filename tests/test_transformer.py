@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import mha
+from exact import raises_exactly
 from mha import numpy as oracle
 
 D, H, FF = 12, 3, 20
@@ -148,9 +149,8 @@ def test_encoder_records_activation_kind_like_torch(activation, code):
     ((D, H), dict(activation="swish"), ValueError, "activation must be 'relu', 'gelu' or a callable, got 'swish'"),
 ])
 def test_layer_constructor_errors(cls, args, kwargs, error, message):
-    import re
 
-    with pytest.raises(error, match="^" + re.escape(message) + "$"):
+    with raises_exactly(error, message):
         cls(*args, **kwargs)
 
 

@@ -24,12 +24,19 @@ import textwrap
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+def mutated_functions(module: str) -> tuple[str, dict[str, ast.FunctionDef]]:
+    """mutmut's rewrite of a module (mutants/src/...): its text, and every function in it by name
+    (``x_band__mutmut_3``, ``x_band__mutmut_orig``, ``xǁKVCacheǁcrop__mutmut_13``, ...)."""
+    text = (ROOT / "mutants" / "src" / pathlib.Path(*module.split("."))).with_suffix(".py").read_text()
+    return text, {n.name: n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)}
+
+
 def mutated_source(name: str) -> tuple[pathlib.Path, str]:
     """(the module's path under src/, its source with the mutant's function in place of the original)."""
     module, function = name.rsplit(".", 1)  # mha.cache, xǁKVCacheǁcrop__mutmut_13 or x_band__mutmut_3
     relative = pathlib.Path(*module.split(".")).with_suffix(".py")
-    mutants = (ROOT / "mutants" / "src" / relative).read_text()
-    node = next(n for n in ast.walk(ast.parse(mutants)) if isinstance(n, ast.FunctionDef) and n.name == function)
+    mutants, functions = mutated_functions(module)
+    node = functions[function]
     base = function.rsplit("__mutmut_", 1)[0]
     owner, method = base.split("ǁ")[1:] if "ǁ" in base else (None, base[2:])
     body = textwrap.dedent(ast.get_source_segment(mutants, node, padded=True)).replace(f"def {function}(", f"def {method}(", 1)

@@ -17,12 +17,13 @@ check it again.
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import difflib
 import json
 import pathlib
 import re
+
+from kill_check import mutated_functions  # scripts/ is on the path when run as a script
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MUTANTS = ROOT / "mutants" / "src"
@@ -56,8 +57,7 @@ def module_of(name: str) -> str:
 def diff_of(name: str) -> list[str]:
     """The mutant's changed lines against the original function (from mutmut's mutated source)."""
     module, function = name.rsplit(".", 1)
-    source = (MUTANTS / pathlib.Path(*module.split("."))).with_suffix(".py").read_text()
-    functions = {node.name: node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)}
+    source, functions = mutated_functions(module)
     original = functions[function.rsplit("__mutmut_", 1)[0] + "__mutmut_orig"]
     lines = source.splitlines()
     before, after = (lines[f.lineno:f.end_lineno] for f in (original, functions[function]))

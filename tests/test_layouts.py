@@ -559,3 +559,12 @@ def test_annotated_padding_mask_keeps_its_single_query_row():
     attn_mask = layouts.annotated_mask_to_attn_mask(padding, num_heads=2)
     want = torch.tensor([[[False, False, True]]] * 2 + [[[False, False, False]]] * 2)  # (B*H, 1, S), index b*H + h
     assert torch.equal(attn_mask, want)
+
+
+def test_per_head_checks_a_general_state_like_every_other_layout():
+    """A general state goes through to_general too (it skipped the checks, so an integer bias was
+    accepted here alone: found by mutation testing)."""
+    state = dict(mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2).state_dict())
+    state["q_proj.bias"] = state["q_proj.bias"].long()
+    with raises_exactly(TypeError, "'q_proj.bias' must be a floating point tensor, got dtype torch.int64"):
+        layouts.per_head(state, 2)

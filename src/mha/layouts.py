@@ -391,7 +391,7 @@ class PerHead:
 
 def per_head(state: Mapping[str, Tensor], num_heads: int, layout: str = "general") -> PerHead:
     """The paper's per-head matrices (transposed, split by head) of weights in any layout."""
-    general = to_general(state, layout, num_heads) if layout != "general" else state
+    general = to_general(state, layout, num_heads)  # validated like every other entry, the general layout too
     w = widths(general, num_heads)
     if w["kv_groups"] != 1:
         raise ValueError("the per-head form has one key/value matrix per head: repeat GQA's shared ones first")

@@ -1,0 +1,232 @@
+"""attn_implementation="mha": mha's exact attention inside HuggingFace transformers models.
+
+    import mha.integrations.transformers
+    mha.integrations.transformers.register()          # once per process
+    model = AutoModel.from_pretrained(path, attn_implementation="mha")
+    model.set_attn_implementation("mha")              # or switch a loaded model
+
+transformers (5.x) asks two functions of an attention implementation, both registered here:
+
+* a mask function, called once per forward (per mask type), that says which keys each query may
+  see. Ours describes the common patterns without building them: a :class:`KeyMask` holds the
+  band (causal, a sliding window, or none), where queries sit against keys (the cache's offset) and
+  which keys are padding, O(B * S) in all. Any other pattern (packed sequences, chunked attention,
+  a model's own mask functions) is built as transformers' dense (B, 1, L, S) bool mask, so that
+  nothing is ever computed under a mask other than the model's.
+* an attention function, called by every attention layer with q (B, H, L, D), k and v
+  (B, Hkv, S, D|Dv): it runs mha's dispatch (mha.kernels.attention) under one attention contract
+  built from the mask and the layer's arguments, and returns (B, L, H, Dv) as transformers expects.
+
+Honoured: the mask (ours, a dense 4-D bool or float mask, or none with ``is_causal``), scaling,
+dropout (in training mode only, as eager attention), GQA (num_key_value_groups), sliding windows
+and chunk-free causal or bidirectional patterns, logit soft-capping (``softcap``, Gemma 2),
+attention sinks (``s_aux``, GPT-OSS), a position bias (``position_bias``, added to the scores) and
+``output_attentions`` (the weights, from the math backend). A paged cache (continuous batching)
+raises a ValueError: it is not supported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .. import _checks, kernels, masks, positions
+from ..attention import share_kv_heads
+from ..kernels.contract import contract_of
+from ..positions import CAUSAL, Band
+
+try:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import (AttentionMaskInterface, bidirectional_mask_function,
+                                            causal_mask_function, prepare_padding_mask, sdpa_mask)
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise ImportError("mha.integrations.transformers needs transformers: "
+                      "python -m pip install -c constraints.txt -e '.[hf]'") from error
+
+__all__ = ["KeyMask", "attention_forward", "mask_forward", "register"]
+
+_VERIFY_ELEMENTS = 1 << 22  # the mask pattern is checked in blocks of at most this many (b, q, kv)
+
+
+@dataclass(frozen=True, eq=False)
+class KeyMask:
+    """Which keys each query sees, in O(B * S): what :func:`mask_forward` hands the layers.
+
+    band:       mha.positions.Band of visible distances (key position - query position), or None
+    offset:     query i sits at position i + offset, key j at j (transformers' q_offset - kv_offset)
+    key_valid:  (B, S) bool, False where a key is padding, or None
+    """
+    band: Band | None
+    offset: int
+    key_valid: Tensor | None
+
+    # generate() builds the masks of a static (compileable) cache ahead of the forward, calls
+    # .contiguous() on them and hands them back to the model, which passes on a prepared 4-D mask
+    # as it is (transformers reads .ndim to tell): a KeyMask does the same, unchanged.
+    ndim = 4
+
+    def contiguous(self) -> KeyMask:
+        return self
+
+    def __repr__(self) -> str:
+        valid = None if self.key_valid is None else f"<{tuple(self.key_valid.shape)} bool>"
+        return f"KeyMask(band={self.band}, offset={self.offset}, key_valid={valid})"
+
+
+def register(name: str = "mha") -> None:
+    """Register mha's attention and mask functions with transformers under ``name``; afterwards
+    ``from_pretrained(..., attn_implementation=name)`` and ``model.set_attn_implementation(name)``
+    use them. Registering again under the same name is harmless."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    own = AttentionInterface._global_mapping.get(name)
+    if own is not None and own is not attention_forward:
+        raise ValueError(f"name {name!r} is taken by transformers' own attention; choose another name")
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, mask_forward)
+
+
+# ---------------------------------------------------------------------------------------------
+# the mask function
+# ---------------------------------------------------------------------------------------------
+
+
+def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+                 mask_function=causal_mask_function, attention_mask: Tensor | None = None,
+                 local_size: int | None = None, use_vmap: bool = False, device="cpu", **kwargs):
+    """transformers' mask interface: a :class:`KeyMask` when the pattern is causal, bidirectional
+    or a sliding window (recognised, or checked exactly on every (query, key) pair), else
+    transformers' dense (B, 1, L, S) bool mask (True = attend): also under a static cache, where
+    generate() needs a tensor. ``attention_mask`` is the 2-D padding mask (B, past + L), True/1 =
+    a real token."""
+    # use_vmap: a model's own or/and mask functions, not index-broadcastable. Offsets as tensors:
+    # a static (compileable) cache, whose masks generate() builds ahead as tensors for torch.compile.
+    if isinstance(attention_mask, KeyMask):  # built ahead by generate() (see KeyMask.ndim)
+        return attention_mask
+    if not use_vmap and not isinstance(q_offset, Tensor) and not isinstance(kv_offset, Tensor):
+        band = _band_of(mask_function, local_size, batch_size, q_length, kv_length, q_offset, kv_offset, device)
+        if band is not _NO_BAND:
+            offset = q_offset - kv_offset
+            return KeyMask(positions.needed(band, q_length, kv_length, offset), offset,
+                           _key_valid(attention_mask, kv_length, kv_offset))
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                     local_size=local_size, use_vmap=use_vmap, device=device, **{
+                         **kwargs, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False})
+
+
+_NO_BAND = object()  # the pattern is not a band: build the dense mask
+
+
+def _band_of(mask_function, local_size, batch_size, q_length, kv_length, q_offset, kv_offset, device):
+    """The Band (or None: every key) that ``mask_function`` draws, or _NO_BAND. transformers'
+    two plain patterns are known by identity; anything else is compared, pair by pair, with the
+    bands it could be: causal or none, or with ``local_size`` W a causal window of W keys
+    (transformers' sliding_window_causal_mask_function) or |distance| <= W (its bidirectional one)."""
+    if mask_function is causal_mask_function:
+        return CAUSAL
+    if mask_function is bidirectional_mask_function:
+        return None
+    candidates = [CAUSAL, None] if local_size is None else [Band(local_size - 1, 0), Band(local_size, local_size)]
+    kv = torch.arange(kv_length, device=device) + kv_offset  # (S,) key positions
+    batch = torch.arange(batch_size, device=device)[:, None, None, None]  # (B, 1, 1, 1)
+    head = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    rows = max(1, _VERIFY_ELEMENTS // max(1, batch_size * kv_length))
+    for start in range(0, q_length, rows):
+        q = torch.arange(start, min(start + rows, q_length), device=device) + q_offset  # (r,) query positions
+        drawn = torch.as_tensor(mask_function(batch, head, q[None, None, :, None], kv[None, None, None, :]))
+        rel = kv[None, :] - q[:, None]  # (r, S): key position - query position
+        shape = (batch_size, 1, len(q), kv_length)
+        candidates = [band for band in candidates if torch.equal(
+            drawn.expand(shape), (rel == rel if band is None else band.allowed(rel)).expand(shape))]
+        if not candidates:
+            return _NO_BAND
+    return candidates[0]
+
+
+def _key_valid(attention_mask: Tensor | None, kv_length: int, kv_offset: int) -> Tensor | None:
+    """The 2-D padding mask's part for these keys as bool (B, S), or None when no key is padding."""
+    if attention_mask is None:
+        return None
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)  # (B, >= kv_offset + S)
+    valid = padding[:, kv_offset:kv_offset + kv_length].bool()  # (B, S)
+    return None if bool(valid.all()) else valid
+
+
+# ---------------------------------------------------------------------------------------------
+# the attention function
+# ---------------------------------------------------------------------------------------------
+
+
+def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                      attention_mask: KeyMask | Tensor | None, dropout: float = 0.0,
+                      scaling: float | None = None, is_causal: bool | None = None, *,
+                      softcap: float | None = None, s_aux: Tensor | None = None,
+                      position_bias: Tensor | None = None, output_attentions: bool = False,
+                      cache=None, **kwargs) -> tuple[Tensor, Tensor | None]:
+    """transformers' attention interface: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) ->
+    (output (B, L, H, Dv), weights (B, H, L, S) with output_attentions, else None).
+
+    The mask decides which keys each query sees (a sliding_window argument is already in it, as
+    for transformers' sdpa and eager); without a mask, ``is_causal`` (else ``module.is_causal``,
+    default True) makes it causal, top-left aligned as in transformers' sdpa. Other keyword
+    arguments (position_ids, cache_position, ...) carry nothing the attention needs.
+    """
+    if cache is not None:
+        raise ValueError("mha's attention does not support a paged cache (continuous batching); "
+                         "use attn_implementation='sdpa' or 'eager' with generate_batch")
+    _check_qkv(query, key, value)
+    B, H, L, S = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
+    key, value = share_kv_heads(key, H), share_kv_heads(value, H)  # (B, Hkv, S, D) -> (B, H, S, D)
+    contract = contract_of(
+        **_mask_terms(attention_mask, position_bias, module, is_causal, B=B, H=H, L=L, S=S, like=query),
+        scale=_checks.optional_real("scaling", scaling), softcap=_checks.optional_positive_real("softcap", softcap),
+        sinks=_sinks(s_aux, H, query))
+    dropout_p = _checks.probability("dropout", dropout) if module.training else 0.0
+    out, weights = kernels.attention(query, key, value, contract, dropout_p=dropout_p,
+                                     need_weights=bool(output_attentions))
+    return out.transpose(1, 2).contiguous(), weights  # (B, H, L, Dv) -> (B, L, H, Dv)
+
+
+def _check_qkv(query: Tensor, key: Tensor, value: Tensor) -> None:
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _checks.floating(name, x)
+        _checks.rank(name, x, (4,), "(batch, heads, length, head_dim)")
+    _checks.same_dtype_device("query", query, key=key, value=value)
+    if key.shape[:3] != value.shape[:3] or key.shape[0] != query.shape[0] or key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} do not fit query "
+                         f"{tuple(query.shape)}: expected key (B, Hkv, S, D) and value (B, Hkv, S, Dv)")
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"the query heads ({query.shape[1]}) must be a multiple of the key/value heads "
+                         f"({key.shape[1]})")
+
+
+def _mask_terms(attention_mask, position_bias, module, is_causal, *, B, H, L, S, like) -> dict:
+    """The contract's band, offset, key_valid and mask from transformers' mask and position bias."""
+    if isinstance(attention_mask, KeyMask):
+        if attention_mask.key_valid is not None:
+            _checks.shape("attention_mask.key_valid", attention_mask.key_valid, (B, S), "(batch, key length)")
+        terms = {"band": attention_mask.band, "offset": attention_mask.offset, "key_valid": attention_mask.key_valid}
+    elif attention_mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        terms = {"band": CAUSAL if causal and L > 1 else None}
+    elif isinstance(attention_mask, Tensor):
+        terms = {"mask": masks.sdpa(attention_mask, L=L, S=S, batch_shape=(B, H), like=like)}
+    else:
+        raise TypeError(f"attention_mask must be an mha KeyMask, a tensor or None, got {type(attention_mask).__name__}")
+    if position_bias is not None:
+        bias = masks.sdpa(_checks.floating("position_bias", position_bias), L=L, S=S, batch_shape=(B, H), like=like)
+        terms["mask"] = bias if terms.get("mask") is None else masks.as_additive(terms["mask"], True, bias.dtype) + bias
+    return terms
+
+
+def _sinks(s_aux: Tensor | None, H: int, like: Tensor) -> Tensor | None:
+    if s_aux is None:
+        return None
+    _checks.floating("s_aux", s_aux)
+    _checks.shape("s_aux", s_aux, (H,), "(num_heads,): one sink logit per query head")
+    if s_aux.device != like.device:
+        raise ValueError(f"s_aux is on device {s_aux.device} but query is on {like.device}")
+    return s_aux

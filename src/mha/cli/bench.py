@@ -4,8 +4,9 @@ Sections: module (forward vs torch's train and eval paths), causal, overhead (ti
 decode step, where per-call Python work shows), backends (sdpa, flash, math,
 numpy blocked; GFLOP/s beside a matmul's), training (forward + backward), contract (our SDPA vs
 torch's on causal, bottom-right, padding, windows, ALiBi), memory (peak RSS of every default path
-in fresh processes), modern (KV-cache decoding, sliding windows). See mha.tools.bench for how each is
-measured.
+in fresh processes), modern (KV-cache decoding, sliding windows), variants (the efficient
+variants) and hf (transformers models with attn_implementation="mha"; the hf extra). See
+mha.tools.bench for how each is measured.
 """
 
 from __future__ import annotations
@@ -24,16 +25,17 @@ from ._common import UsageError
 FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [256, 512])),
             causal=[(1, 4096, 512), (4, 4096, 256)], backends=[512, 1024, 2048, 4096],
             training=[(4, 512, 512), (1, 2048, 512)], contract=4096, memory=8192, decode=1024, overhead_decode=[1024, 8192],
-            window=(16384, 256), variants=[256, 1024, 4096, 16384])
+            window=(16384, 256), variants=[256, 1024, 4096, 16384], hf={"minilm": 128, "gpt-oss": 4096})
 QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 2048, 256)],
              backends=[512, 1024], training=[(4, 512, 256)], contract=1024, memory=2048, decode=128, overhead_decode=[1024],
-             window=(4096, 128), variants=[256, 1024])
-SECTIONS = ("module", "causal", "overhead", "backends", "training", "contract", "memory", "modern", "variants")
+             window=(4096, 128), variants=[256, 1024], hf={"minilm": 128, "gpt-oss": 1024})
+SECTIONS = ("module", "causal", "overhead", "backends", "training", "contract", "memory", "modern", "variants", "hf")
+OPT_IN = ("variants", "hf")  # not in the default run: the variants study is long, hf needs the hf extra
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a small grid (about a minute on 2 cores)")
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=[s for s in SECTIONS if s != "variants"])
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=[s for s in SECTIONS if s not in OPT_IN])
     parser.add_argument("--variants", action="store_true",
                         help="the efficient-attention study alone (same as --sections variants)")
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds per point (best is kept)")
@@ -43,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _common.require("matplotlib", command="bench")  # for the plots it writes at the end
+    if "hf" in args.sections:
+        _common.require("transformers", command="bench --sections hf", extra="hf")
     if args.repeat <= 0:
         raise UsageError(f"--repeat must be positive, got {args.repeat}")
     if args.threads:
@@ -92,6 +96,9 @@ def _jobs(grid, sections, repeat):
                  for name, (_, baseline) in bench.bench_memory.MEMORY_CASES.items() if baseline is not None]
     if "variants" in sections:
         jobs += [(f"variants T{T}", lambda T=T: list(bench.variant_rows([T], min(repeat, 3)))) for T in grid["variants"]]
+    if "hf" in sections:
+        jobs += [(f"hf {name} T{T}", lambda name=name, T=T: list(bench.hf_rows(name, T, min(repeat, 3))))
+                 for name, T in grid["hf"].items()]
     if "modern" in sections:
         jobs.append((f"decode {grid['decode']} tokens", lambda: [bench.decode_row(grid["decode"])]))
         jobs.append((f"window {grid['window']}", lambda: [bench.window_row(*grid["window"], repeat)]))

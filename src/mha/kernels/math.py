@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import masks
+from .. import masks, positions
 from ._context import forward_mode, may_branch_on_values, transforms_active
 from .contract import Contract, resolve
 
@@ -65,7 +65,7 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = 
     inference = _may_overwrite(q, k, v, contract.mask, contract.alibi_slopes, contract.sinks)
     scores = scores.to(masks.additive_dtype(weights_dtype))  # float16/bfloat16 -> a fresh float32 buffer
     scores, _ = contract.cap(scores, inplace=inference)
-    scores = contract.shape(scores, range(L), range(S), inplace=inference)
+    scores = contract.shape(scores, positions.whole(L), positions.whole(S), inplace=inference)
     if contract.sinks is None:
         weights = safe_softmax(scores, inplace=inference, rows_may_be_empty=contract.hides_keys)
     else:

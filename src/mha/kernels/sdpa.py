@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import masks
+from .. import masks, positions
 from ._context import autocast_inputs, forward_mode, transforms_active
 from .contract import Contract, resolve
 from .merge import merge_attention
@@ -95,12 +95,12 @@ def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p: floa
     L, S, scale = q.shape[-2], k.shape[-2], contract.scale
     if folded is not None:  # one dense mask within the memory of q, k and v
         mask = torch.zeros(folded, dtype=masks.additive_dtype(q.dtype), device=q.device)
-        mask = contract.shape(mask, range(L), range(S), inplace=True)
+        mask = contract.shape(mask, positions.whole(L), positions.whole(S), inplace=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
     mask = _with_padding(contract.mask, contract.key_valid)
     band = contract.band
     if band is not None and mask is not None:  # causality folded into a copy of the caller's (..., L, S) mask
-        hidden = ~band.allowed(contract.distances(range(L), range(S), q.device))  # (L, S)
+        hidden = ~band.allowed(contract.distances(positions.whole(L), positions.whole(S), q.device))  # (L, S)
         mask, band = (mask & ~hidden if mask.dtype == torch.bool else mask.masked_fill(hidden, float("-inf"))), None
     if band is None or contract.offset == 0:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,

@@ -21,6 +21,10 @@ drift in the machine's speed hits them alike). Sections:
     modern    KV-cache decoding vs recomputation, per-token latency; sliding window vs dense causal
     variants  the efficient variants against exact attention: time, peak memory, error (each in a
               fresh process: python -m mha.tools.bench_variants)
+    hf        transformers models, one forward with attn_implementation="mha" against "sdpa" and
+              "eager": the all-MiniLM-L6-v2 checkpoint (batch 32) and a tiny GPT-OSS (sinks, sliding
+              window); time interleaved here, peak memory each in a fresh process (python -m
+              mha.tools.bench_hf). Needs the hf extra.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from ..general import MultiHeadAttention
 from ..kernels import BACKENDS, Contract, flash_attention
 from ..nn import MultiheadAttention
 from ..positions import CAUSAL, Band
-from . import bench_memory, bench_variants
+from . import bench_hf, bench_memory, bench_variants
 from .bench_memory import HEAD_DIM, HEADS
 
 _CAUSAL = Contract(band=CAUSAL)
@@ -297,9 +301,11 @@ def plot_variants(rows: list[Row], path: str) -> None:
 
 # -- workers in fresh processes (peak memory is per process) ------------------------------------
 
-def run_worker(module: str, *args) -> dict:
-    """Run ``python -m module *args`` in a fresh process; returns the JSON it prints."""
-    done = subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True)
+def run_worker(module: str, *args, env: dict[str, str] | None = None) -> dict:
+    """Run ``python -m module *args`` in a fresh process (``env`` added to its environment);
+    returns the JSON it prints."""
+    done = subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
+                          env=None if env is None else {**os.environ, **env})
     if done.returncode != 0:
         raise RuntimeError(f"{module} {' '.join(map(str, args))} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout)
@@ -323,6 +329,23 @@ def memory_rows(T: int, names=None) -> Iterator[Row]:
         yield Row("memory", f"T{T} {name}", {"call": seconds * 1e3},
                   {"growth / torch": growth / max(baseline, 1.0), "growth T / growth T/2": growth / max(half, 1.0)},
                   {"peak RSS growth MiB": growth, f"at T{T // 2} MiB": half, "torch MiB": baseline})
+
+
+def hf_rows(name: str, T: int, repeat: int) -> Iterator[Row]:
+    """One transformers model (mha.tools.bench_hf.MODELS) at length T under each implementation:
+    best forward time (interleaved, the same inputs) and peak RSS growth (fresh processes)."""
+    load, inputs_at, implementations = bench_hf.MODELS[name]
+    models = {implementation: load(implementation) for implementation in implementations}
+    inputs = inputs_at(models["mha"], T)
+    times = best_times({i: functools.partial(bench_hf.forward, m, inputs) for i, m in models.items()}, repeat)
+    growth = {i: run_worker("mha.tools.bench_hf", name, i, T, env=bench_hf.WORKER_ENV)["growth_mib"]
+              for i in implementations}
+    ratios = {}
+    for other in implementations[1:]:
+        ratios[f"mha/{other} time"] = times["mha"] / times[other]
+        ratios[f"mha/{other} peak"] = growth["mha"] / max(growth[other], 1.0)
+    batch = inputs["input_ids"].shape[0]
+    yield Row("hf", f"{name} B{batch} T{T}", times, ratios, {f"{i} peak MiB": g for i, g in growth.items()})
 
 
 # -- the attention contract: time against torch on the same calls ---------------------------------

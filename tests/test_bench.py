@@ -54,7 +54,7 @@ def test_cli_writes_json_csv_and_plot(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench_memory, "MEMORY_CASES", few)
     assert cli.main(["bench", "--quick", "--repeat", "1", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    default = [s for s in bench_cli.SECTIONS if s != "variants"]  # the study runs with --variants
+    default = [s for s in bench_cli.SECTIONS if s not in bench_cli.OPT_IN]  # variants and hf: on request
     assert all(section in out for section in default) and "results.json" in out
     data = json.loads((tmp_path / "results.json").read_text())
     ratios = {k for r in data["rows"] for k in r["ratios"]}
@@ -62,6 +62,21 @@ def test_cli_writes_json_csv_and_plot(tmp_path, monkeypatch, capsys):
     assert data["machine"]["torch"] and {r["section"] for r in data["rows"]} == set(default)
     assert (tmp_path / "results.csv").read_text().startswith("section,point,measure,value")
     assert (tmp_path / "backends.png").stat().st_size > 10_000
+
+
+def test_hf_rows_time_and_measure_each_implementation():
+    pytest.importorskip("transformers")
+    (row,) = bench.hf_rows("gpt-oss", 64, repeat=1)
+    assert row.point == "gpt-oss B1 T64" and set(row.times_ms) == {"mha", "eager"}
+    assert row.ratios["mha/eager time"] == pytest.approx(row.times_ms["mha"] / row.times_ms["eager"])
+    assert row.extra["mha peak MiB"] >= 0 and row.extra["eager peak MiB"] > 0 and "mha/eager peak" in row.ratios
+
+
+def test_an_extra_that_is_missing_is_named():
+    from mha.cli import _common
+    with pytest.raises(SystemExit, match=r"mha bench --sections hf: needs no_such_module, which comes with the hf "
+                                         r"extra: pip install 'mha\[hf\]'"):
+        _common.require("no_such_module", command="bench --sections hf", extra="hf")
 
 
 def test_cli_rejects_bad_repeat():

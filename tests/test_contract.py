@@ -408,9 +408,12 @@ DECISIONS = {  # name: (q, k, v, contract, options, (backend, reason))
     "sinks": (*_QKV, Contract(sinks=torch.zeros(2)), {},
               ("flash", _NOT_SDPA.format("torch's kernel has no attention sinks"))),
     "dropout": (*_QKV, Contract(), dict(dropout_p=0.1), ("flash", _NOT_SDPA.format(_BUILDS.format("dropout", "1,536")))),
-    "fewer kv heads": (_QKV[0], _f32(1, 1, 64, 4), _f32(1, 1, 64, 4), Contract(), {},
-                       ("flash", _NOT_SDPA.format(_BUILDS.format("q, k and v of different batch or head counts",
-                                                                 "1,024")))),
+    "fewer kv heads (GQA)": (_QKV[0], _f32(1, 1, 64, 4), _f32(1, 1, 64, 4), Contract(), {},
+                             ("sdpa", "torch's fused kernel takes the whole contract")),
+    "broadcast batch": (_f32(2, 2, 64, 4), *_QKV[1:], Contract(), {},
+                        ("flash", _NOT_SDPA.format("torch's kernel would build the attention weights (q, k and v of "
+                                                   "different batch or head counts): 16,384 elements, more than q, "
+                                                   "k and v hold (2,048)"))),
     "5-D": (_f32(1, 1, 2, 64, 4), _f32(1, 1, 2, 64, 4), _f32(1, 1, 2, 64, 4), Contract(), {},
             ("flash", _NOT_SDPA.format(_BUILDS.format("q, k and v of different batch or head counts", "1,536")))),
     "value width": (*_QKV[:2], _f32(1, 2, 64, 8), Contract(), {},

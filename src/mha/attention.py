@@ -97,7 +97,6 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias_k=None, bias_v=None, static_
     k, v, appended = _extra_keys(k, v, bias_k=bias_k, bias_v=bias_v, static_k=static_k, static_v=static_v,
                                  add_zero_attn=add_zero_attn)
     B, H, L, _ = q.shape
-    k, v = share_kv_heads(k, H), share_kv_heads(v, H)
     S = k.shape[2] - appended  # the keys the caller's masks describe
     mask, key_valid = masks.multihead(attn_mask, key_padding_mask, batch=B, num_heads=H, L=L, S=S,
                                       batched=batched, like=q)
@@ -129,13 +128,6 @@ def finish(o: Tensor, weights: Tensor | None, *, out_proj: Callable[[Tensor], Te
         out = out.squeeze(0)  # (1, L, E) -> (L, E)
         weights = None if weights is None else weights.squeeze(0)
     return out, weights
-
-
-def share_kv_heads(x: Tensor, num_heads: int) -> Tensor:
-    """GQA/MQA: (..., Hkv, S, D) -> (..., H, S, D), query head h reading kv head h // (H / Hkv)."""
-    if x.dim() < 3 or x.shape[-3] == num_heads:
-        return x
-    return x.repeat_interleave(num_heads // x.shape[-3], dim=-3)
 
 
 def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_heads: int, *,
@@ -171,7 +163,6 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_he
         k, v, k_pos, key_valid = cache.update(k, v, k_pos, key_valid)
         per_sequence = None if uniform else (q_pos, k_pos)  # (B, L), (B, S_all)
         key_valid = None if uniform else key_valid
-    k, v = share_kv_heads(k, num_heads), share_kv_heads(v, num_heads)
     offset = k.shape[2] - L if cache is not None else 0
     band = positions.band(is_causal, window)
     if per_sequence is None:

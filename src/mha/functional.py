@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks, kernels, masks, positions
-from .attention import attend, check_inputs, finish, share_kv_heads, split_heads, split_packed_heads
+from .attention import attend, check_inputs, finish, split_heads, split_packed_heads
 from .kernels._context import autocast_inputs
 from .kernels.contract import contract_of
 
@@ -67,8 +67,6 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     batch_shape = _check_sdpa_inputs(query, key, value, enable_gqa)
     dropout_p = _checks.probability("dropout_p", dropout_p)
     L, S, H = query.shape[-2], key.shape[-2], query.shape[-3]
-    if enable_gqa:
-        key, value = (share_kv_heads(x, H) for x in (key, value))
     if causal_alignment is None:
         causal_alignment = "bottom_right" if window is not None or alibi_slopes is not None else "top_left"
     contract = contract_of(

@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 
 from . import _checks, capture, efficient, positions
-from .attention import attend, attend_positional, check_inputs, finish, own_tensors, share_kv_heads, split_heads
+from .attention import attend, attend_positional, check_inputs, finish, own_tensors, split_heads
+from .kernels.dispatch import share_kv_heads
 from .cache import KVCache
 from .rope import RotaryEmbedding
 

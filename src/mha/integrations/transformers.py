@@ -33,7 +33,6 @@ import torch
 from torch import Tensor
 
 from .. import _checks, kernels, masks, positions
-from ..attention import share_kv_heads
 from ..kernels.contract import contract_of
 from ..positions import CAUSAL, Band
 
@@ -179,7 +178,6 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                          "use attn_implementation='sdpa' or 'eager' with generate_batch")
     _check_qkv(query, key, value)
     B, H, L, S = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
-    key, value = share_kv_heads(key, H), share_kv_heads(value, H)  # (B, Hkv, S, D) -> (B, H, S, D)
     contract = contract_of(
         **_mask_terms(attention_mask, position_bias, module, is_causal, B=B, H=H, L=L, S=S, like=query),
         scale=_checks.optional_real("scaling", scaling), softcap=_checks.optional_positive_real("softcap", softcap),

@@ -40,13 +40,27 @@ def choose_backend(requested: str, q: Tensor, k: Tensor, v: Tensor, contract: Co
 
 def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p: float = 0.0,
               need_weights: bool = False, backend: str = "auto") -> tuple[Tensor, Tensor | None]:
-    """Run the chosen backend on q (..., L, D), k (..., S, D), v (..., S, Dv): (output, weights or None)."""
+    """Run the chosen backend on q (..., L, D), k (..., S, D), v (..., S, Dv): (output, weights or None).
+
+    k and v may have fewer heads than q (GQA/MQA: Hkv at dim -3 dividing H; query head h reads
+    key/value head h // (H / Hkv)): torch's fused kernel reads them as they are, the other
+    backends get them repeated (share_kv_heads).
+    """
     name, _, sdpa_plan = _choose(backend, q, k, v, contract, need_weights=need_weights, dropout_p=dropout_p)
     if name == "sdpa":  # planned once, while choosing
         return sdpa.run_planned(q, k, v, contract, dropout_p=dropout_p, planned=sdpa_plan), None
+    if q.dim() >= 3:
+        k, v = share_kv_heads(k, q.shape[-3]), share_kv_heads(v, q.shape[-3])  # (..., Hkv, S, D) -> (..., H, S, D)
     result = BACKENDS[name](q, k, v, contract, dropout_p=dropout_p)
     out, weights = result if name == "math" else (result, None)
     return out, (weights if need_weights else None)
+
+
+def share_kv_heads(x: Tensor, num_heads: int) -> Tensor:
+    """GQA/MQA: (..., Hkv, S, D) -> (..., H, S, D), query head h reading kv head h // (H / Hkv)."""
+    if x.dim() < 3 or x.shape[-3] == num_heads:
+        return x
+    return x.repeat_interleave(num_heads // x.shape[-3], dim=-3)
 
 
 def _choose(requested, q, k, v, contract, *, need_weights, dropout_p):

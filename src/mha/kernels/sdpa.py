@@ -96,7 +96,8 @@ def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p: floa
     if folded is not None:  # one dense mask within the memory of q, k and v
         mask = torch.zeros(folded, dtype=masks.additive_dtype(q.dtype), device=q.device)
         mask = contract.shape(mask, positions.whole(L), positions.whole(S), inplace=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=_grouped(q, k))
     mask = _with_padding(contract.mask, contract.key_valid)
     band = contract.band
     if band is not None and mask is not None:  # causality folded into a copy of the caller's (..., L, S) mask
@@ -104,7 +105,7 @@ def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p: floa
         mask, band = (mask & ~hidden if mask.dtype == torch.bool else mask.masked_fill(hidden, float("-inf"))), None
     if band is None or contract.offset == 0:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                              is_causal=band is not None, scale=scale)
+                                              is_causal=band is not None, scale=scale, enable_gqa=_grouped(q, k))
     return _shifted_causal(q, k, v, contract.offset, contract.scale_for(q.shape[-1]))
 
 
@@ -126,15 +127,15 @@ def _native(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, builds_weigh
 def _builds_weights(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> str | None:
     """Why torch's CPU kernel would fall back to its math path, which builds the (B, H, L, S)
     weights, or None. Its fused kernel wants 4-D q, k, v of equal batch and heads, one head dim,
-    a float dtype, contiguous rows, no dropout."""
+    a float dtype, contiguous rows, no dropout; key/value heads may divide the query's (GQA)."""
     if not q.is_cpu:
         return None
     if dropout_p > 0.0:
         return "dropout"
     if not q.dim() == k.dim() == v.dim() == 4:
         return "q, k and v of different batch or head counts"
-    qs, ks, vs = q.shape, k.shape, v.shape  # (B, H, T, D) each
-    if not (qs[0] == ks[0] == vs[0] and qs[1] == ks[1] == vs[1]):
+    qs, ks, vs = q.shape, k.shape, v.shape  # (B, H, L, D), (B, Hkv, S, D), (B, Hkv, S, Dv)
+    if not (qs[0] == ks[0] == vs[0] and ks[1] == vs[1] and qs[1] % ks[1] == 0):
         return "q, k and v of different batch or head counts"
     if not qs[3] == ks[3] == vs[3]:
         return "a value head dim unlike the query's"
@@ -145,15 +146,24 @@ def _builds_weights(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> str | 
     return None
 
 
+def _grouped(q: Tensor, k: Tensor) -> bool:
+    """Whether k (and v) have fewer heads than q (GQA): torch's kernel is told to share them."""
+    return k.dim() >= 3 and k.shape[-3] != q.shape[-3]
+
+
 def _as_4d(*tensors: Tensor) -> tuple[Tensor, ...]:
     """(..., T, D) with fewer than 4 dims as (1, ..., T, D): the 4-D torch's fused kernel takes."""
     return tuple(t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t for t in tensors)
 
 
 def _batch(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, ...]:
-    """The broadcast leading dims of q, k, v (..., T, D)."""
+    """The output's leading dims: those of q, k, v (..., T, D) broadcast, the heads q's under GQA."""
     shapes = q.shape[:-2], k.shape[:-2], v.shape[:-2]
-    return tuple(shapes[0] if shapes[0] == shapes[1] == shapes[2] else torch.broadcast_shapes(*shapes))
+    if shapes[0] == shapes[1] == shapes[2]:
+        return tuple(shapes[0])
+    if _grouped(q, k):
+        return (*torch.broadcast_shapes(*(shape[:-1] for shape in shapes)), q.shape[-3])
+    return tuple(torch.broadcast_shapes(*shapes))
 
 
 def _folded_shape(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> torch.Size:
@@ -191,10 +201,11 @@ def _shifted_causal(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float) 
     """Causal attention where query i sees keys j <= i + offset, on torch's fused kernels."""
     L, S = q.shape[-2], k.shape[-2]
     if offset >= S - 1:  # every query sees every key
-        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=_grouped(q, k))
     if offset < 0:  # the first -offset queries see nothing
         empty = min(-offset, L)
-        seen = F.scaled_dot_product_attention(q[..., empty:, :], k, v, is_causal=True, scale=scale)
+        seen = F.scaled_dot_product_attention(q[..., empty:, :], k, v, is_causal=True, scale=scale,
+                                              enable_gqa=_grouped(q, k))
         return F.pad(seen, (0, 0, empty, 0))  # (..., L + offset, Dv) -> (..., L, Dv), zeros first
     return _PrefixThenCausal.apply(*autocast_inputs(q, k, v), offset, scale)
 

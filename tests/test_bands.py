@@ -61,6 +61,11 @@ def test_band_equals_its_explicit_mask(backend, L, S, band, offset):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("L, S, band, offset", CASES + [(6, 9, Band(2, 2), -4), (3, 8, Band(1, 0), 20)], ids=str)
+def test_band_visible_draws_the_formula(L, S, band, offset):
+    np.testing.assert_array_equal(band.visible(L, S, offset).numpy(), _visible(L, S, band.left, band.right, offset))
+
+
 @pytest.mark.parametrize("blocks", [(4, 4), (7, 3), (64, 128)])
 def test_flash_window_with_small_blocks(blocks):
     L = S = 50

@@ -94,6 +94,16 @@ class Band:
         return ((self.left is None or first_rel >= -self.left)
                 and (self.right is None or last_rel <= self.right))
 
+    def visible(self, L: int, S: int, offset: int = 0, device=None) -> Tensor:
+        """(L, S) bool, True where query i (at i + offset) sees key j (at j): allowed(rel) as a
+        matrix, drawn with two diagonal cuts (cheaper than computing every distance)."""
+        visible = torch.ones(L, S, dtype=torch.bool, device=device)
+        if self.right is not None:
+            visible = visible.tril_(offset + self.right)  # rel = j - i - offset <= right
+        if self.left is not None:
+            visible = visible.triu_(offset - self.left)  # rel >= -left
+        return visible
+
     @property
     def is_causal(self) -> bool:
         return self.left is None and self.right == 0

@@ -136,13 +136,19 @@ def _band_of(mask_function, local_size, batch_size, q_length, kv_length, q_offse
     for start in range(0, q_length, rows):
         q = torch.arange(start, min(start + rows, q_length), device=device) + q_offset  # (r,) query positions
         drawn = torch.as_tensor(mask_function(batch, head, q[None, None, :, None], kv[None, None, None, :]))
-        rel = kv[None, :] - q[:, None]  # (r, S): key position - query position
-        shape = (batch_size, 1, len(q), kv_length)
-        candidates = [band for band in candidates if torch.equal(
-            drawn.expand(shape), (rel == rel if band is None else band.allowed(rel)).expand(shape))]
+        drawn = drawn.expand(batch_size, 1, len(q), kv_length)  # (B, 1, r, S)
+        offset = start + q_offset - kv_offset  # of this block's first query
+        candidates = [band for band in candidates if _draws(drawn, band, offset)]
         if not candidates:
             return _NO_BAND
     return candidates[0]
+
+
+def _draws(drawn: Tensor, band: Band | None, offset: int) -> bool:
+    """Whether the (B, 1, r, S) bool ``drawn`` is the band's pattern (None: every key)."""
+    if band is None:
+        return bool(drawn.all())
+    return torch.equal(drawn, band.visible(*drawn.shape[-2:], offset, drawn.device).expand(drawn.shape))
 
 
 def _key_valid(attention_mask: Tensor | None, kv_length: int, kv_offset: int) -> Tensor | None:

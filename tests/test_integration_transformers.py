@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+
 from exact import raises_exactly
 
 transformers = pytest.importorskip("transformers")
@@ -162,6 +163,42 @@ def test_tiny_decoder_output_attentions_equal_eager_on_real_queries(kind):
         torch.testing.assert_close(mine[0, :, 4:], theirs[0, :, 4:], atol=1e-6, rtol=0)
         torch.testing.assert_close(mine[1], theirs[1], atol=1e-6, rtol=0)
         assert not mine[0, :, :4].any()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_oss", "gemma2"])
+def test_tiny_decoder_gradients_equal_eager(kind):
+    """Fine-tuning through mha: every parameter's gradient (sinks included) as eager's. The
+    labels leave out every prediction made at a padding position: there the query sees no key,
+    which eager spreads over the masked keys and mha (like transformers' sdpa) answers with zeros."""
+    model = tiny_model(kind).train()
+    ids, attention_mask = left_padded_batch()
+    predicted_from_padding = torch.nn.functional.pad(attention_mask[:, :-1] == 0, (1, 0))  # (B, T)
+    labels = ids.masked_fill((attention_mask == 0) | predicted_from_padding, -100)
+    grads = {}
+    for implementation in ("eager", "mha"):
+        model.set_attn_implementation(implementation)
+        model.zero_grad()
+        model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss.backward()
+        grads[implementation] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["mha"].keys() == grads["eager"].keys()
+    for name, grad in grads["eager"].items():
+        torch.testing.assert_close(grads["mha"][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_llama_loss_and_gradients_equal_sdpa_even_on_padding_positions():
+    model = tiny_model("llama").train()
+    ids, attention_mask = left_padded_batch()
+    labels = ids.masked_fill(attention_mask == 0, -100)  # the last padding position predicts a real token
+    results = {}
+    for implementation in ("sdpa", "mha"):
+        model.set_attn_implementation(implementation)
+        model.zero_grad()
+        loss = model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
+        loss.backward()
+        results[implementation] = loss.detach(), [p.grad.clone() for p in model.parameters()]
+    torch.testing.assert_close(results["mha"][0], results["sdpa"][0], atol=1e-6, rtol=0)
+    for mine, theirs in zip(results["mha"][1], results["sdpa"][1], strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5)
 
 
 def test_training_dropout_is_applied_and_eval_ignores_it():

@@ -13,6 +13,8 @@
     mha.positions           the one position rule: distances, bands (causal, windows), alignment, ALiBi
     mha.masks               the one place the caller's masks are validated and canonicalised
     mha.capture_attention   record every attention module's weights during a forward
+    mha.integrations        other libraries, imported only on request: transformers (register():
+                            attn_implementation="mha"; the hf extra)
 
 Shape legend (the same letters everywhere): B batch, H query heads, Hkv key/value heads, L query
 length, S key length, T a length where L = S, E embedding width, D per-head width of queries and

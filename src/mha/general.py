@@ -16,8 +16,8 @@ from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 
 from . import _checks, capture, efficient, positions
 from .attention import attend, attend_positional, check_inputs, finish, own_tensors, split_heads
-from .kernels.dispatch import share_kv_heads
 from .cache import KVCache
+from .kernels.dispatch import share_kv_heads
 from .rope import RotaryEmbedding
 
 __all__ = ["MultiHeadAttention"]

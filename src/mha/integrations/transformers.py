@@ -38,8 +38,13 @@ from ..positions import CAUSAL, Band
 
 try:
     from transformers import AttentionInterface
-    from transformers.masking_utils import (AttentionMaskInterface, bidirectional_mask_function,
-                                            causal_mask_function, prepare_padding_mask, sdpa_mask)
+    from transformers.masking_utils import (
+        AttentionMaskInterface,
+        bidirectional_mask_function,
+        causal_mask_function,
+        prepare_padding_mask,
+        sdpa_mask,
+    )
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError("mha.integrations.transformers needs transformers: "
                       "python -m pip install -c constraints.txt -e '.[hf]'") from error

@@ -349,10 +349,81 @@ def test_errors_name_the_argument():
         hf.attention_forward(layer, q, k, v, [1, 0])
     with raises_exactly(ValueError, "softcap must be a finite number greater than 0, got -1.0"):
         hf.attention_forward(layer, q, k, v, None, softcap=-1.0)
-    with raises_exactly(ValueError, "name 'sdpa' is taken by transformers' own attention; choose another name"):
+    with raises_exactly(ValueError, "name 'sdpa' is already an attn_implementation of transformers "
+                                    "(sdpa_attention_forward); choose another name"):
         hf.register("sdpa")
+    with raises_exactly(TypeError, "compact_masks must be a bool, got str"):
+        hf.register("mha", compact_masks="no")
     with raises_exactly(TypeError, "name must be a non-empty str, got ''"):
         hf.register("")
+
+
+# ---------------------------------------------------------------------------------------------
+# models that use their masks themselves
+# ---------------------------------------------------------------------------------------------
+
+DENSE_ADVICE = ("register mha with dense masks for it: mha.integrations.transformers.register(name, "
+                "compact_masks=False)")
+hf.register("mha-dense", compact_masks=False)
+
+
+def test_a_model_that_wants_its_mask_materialised_gets_the_dense_one():
+    torch.manual_seed(0)  # Doge builds its masks with allow_is_causal_skip=False and reads them
+    config = transformers.DogeConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, keep_window_size=4)
+    model = transformers.DogeForCausalLM(config).eval()
+    ids, attention_mask = left_padded_batch()
+    ours = run(model, "mha", input_ids=ids, attention_mask=attention_mask).logits
+    theirs = run(model, "sdpa", input_ids=ids, attention_mask=attention_mask).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_a_model_that_reads_a_compact_mask_is_told_to_register_dense_masks():
+    torch.manual_seed(0)  # LASR's convolution module reads attention_mask.dtype
+    config = transformers.LasrEncoderConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                            intermediate_size=64, num_mel_bins=16)
+    model = transformers.LasrEncoder(config).eval()
+    features, frames = torch.randn(2, 64, 16), torch.ones(2, 64, dtype=torch.long)
+    frames[0, 40:] = 0
+    with raises_exactly(AttributeError, "this model uses its attention mask itself (.dtype), but mha's compact mask "
+                                        f"(KeyMask) is not a tensor; {DENSE_ADVICE}"):
+        run(model, "mha", input_features=features, attention_mask=frames)
+    ours = run(model, "mha-dense", input_features=features, attention_mask=frames).last_hidden_state
+    theirs = run(model, "sdpa", input_features=features, attention_mask=frames).last_hidden_state
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_a_model_that_extends_its_keys_is_refused_then_served_by_dense_masks():
+    torch.manual_seed(0)  # DeepSeek-V4 appends compressed key slots and extends a tensor mask for them
+    config = transformers.DeepseekV4Config(
+        vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=4,
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        mlp_layer_types=["moe", "moe"], sliding_window=4, o_groups=2, o_lora_rank=16, index_n_heads=2,
+        index_head_dim=16, index_topk=3, hc_mult=2, num_nextn_predict_layers=0, pad_token_id=0,
+        partial_rotary_factor=0.5)
+    model = transformers.DeepseekV4ForCausalLM(config).eval()
+    ids, attention_mask = left_padded_batch()
+    with raises_exactly(ValueError, "the mask describes 12 queries and 12 keys, the layer has 12 and 18: the model "
+                                    "changed them after building its mask, which mha's compact mask (KeyMask) "
+                                    f"cannot follow; {DENSE_ADVICE}"):
+        run(model, "mha", input_ids=ids)
+    for mask in (None, attention_mask):
+        ours = run(model, "mha-dense", input_ids=ids, attention_mask=mask).logits
+        theirs = run(model, "eager", input_ids=ids, attention_mask=mask).logits
+        real = slice(None) if mask is None else mask.bool()
+        torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=0)
+
+
+def test_key_mask_names_the_way_out_when_used_as_a_tensor():
+    mask = hf.mask_forward(batch_size=1, q_length=3, kv_length=3)
+    with raises_exactly(TypeError, f"this model uses its attention mask itself (indexing), but mha's compact mask "
+                                   f"(KeyMask) is not a tensor; {DENSE_ADVICE}"):
+        mask[:, :, :2]
+    assert not hasattr(mask, "shape") and mask.contiguous() is mask and mask.ndim == 4
+    materialised = hf.mask_forward(batch_size=1, q_length=3, kv_length=3, allow_is_causal_skip=False)
+    assert isinstance(materialised, torch.Tensor) and materialised.shape == (1, 1, 3, 3)
 
 
 def test_import_mha_does_not_import_transformers():

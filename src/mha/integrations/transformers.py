@@ -10,9 +10,11 @@ transformers (5.x) asks two functions of an attention implementation, both regis
 * a mask function, called once per forward (per mask type), that says which keys each query may
   see. Ours describes the common patterns without building them: a :class:`KeyMask` holds the
   band (causal, a sliding window, or none), where queries sit against keys (the cache's offset) and
-  which keys are padding, O(B * S) in all. Any other pattern (packed sequences, chunked attention,
-  a model's own mask functions) is built as transformers' dense (B, 1, L, S) bool mask, so that
-  nothing is ever computed under a mask other than the model's.
+  which keys are padding, O(B * S) memory. A pattern other than transformers' plain causal or
+  bidirectional one is checked pair by pair first (in blocks of rows: the work of building the
+  mask, not its memory). Any other pattern (packed sequences, chunked attention, a model's own mask
+  functions), and any model that wants its mask materialised, gets transformers' dense
+  (B, 1, L, S) bool mask, so that nothing is ever computed under a mask other than the model's.
 * an attention function, called by every attention layer with q (B, H, L, D), k and v
   (B, Hkv, S, D|Dv): it runs mha's dispatch (mha.kernels.attention) under one attention contract
   built from the mask and the layer's arguments, and returns (B, L, H, Dv) as transformers expects.
@@ -22,7 +24,9 @@ dropout (in training mode only, as eager attention), GQA (num_key_value_groups),
 and chunk-free causal or bidirectional patterns, logit soft-capping (``softcap``, Gemma 2),
 attention sinks (``s_aux``, GPT-OSS), a position bias (``position_bias``, added to the scores) and
 ``output_attentions`` (the weights, from the math backend). A paged cache (continuous batching)
-raises a ValueError: it is not supported.
+raises a ValueError: it is not supported. A model that reads or extends its mask itself (rare: a
+KeyMask then says so) runs with ``register(name, compact_masks=False)``: transformers' eager masks,
+mha's attention.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ try:
         AttentionMaskInterface,
         bidirectional_mask_function,
         causal_mask_function,
+        eager_mask,
         prepare_padding_mask,
         sdpa_mask,
     )
@@ -49,7 +54,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError("mha.integrations.transformers needs transformers: "
                       "python -m pip install -c constraints.txt -e '.[hf]'") from error
 
-__all__ = ["KeyMask", "attention_forward", "mask_forward", "register"]
+__all__ = ["KeyMask", "attention_forward", "eager_mask_forward", "mask_forward", "register"]
 
 _VERIFY_ELEMENTS = 1 << 22  # the mask pattern is checked in blocks of at most this many (b, q, kv)
 
@@ -61,10 +66,18 @@ class KeyMask:
     band:       mha.positions.Band of visible distances (key position - query position), or None
     offset:     query i sits at position i + offset, key j at j (transformers' q_offset - kv_offset)
     key_valid:  (B, S) bool, False where a key is padding, or None
+    L, S:       the query and key lengths it describes (the attention function checks them)
+
+    It is not a tensor: it goes only where transformers' sdpa may pass no mask at all (the model
+    allows the mask to be skipped), so only the attention function reads it. A model that reads
+    or extends its mask anyway is told so (AttributeError / TypeError naming the way out:
+    ``register(name, compact_masks=False)``).
     """
     band: Band | None
     offset: int
     key_valid: Tensor | None
+    L: int
+    S: int
 
     # generate() builds the masks of a static (compileable) cache ahead of the forward, calls
     # .contiguous() on them and hands them back to the model, which passes on a prepared 4-D mask
@@ -74,22 +87,43 @@ class KeyMask:
     def contiguous(self) -> KeyMask:
         return self
 
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # copy, pickle and friends probe for these
+            raise AttributeError(name)
+        raise AttributeError(_NOT_A_TENSOR.format(f".{name}"))
+
+    def __getitem__(self, index):
+        raise TypeError(_NOT_A_TENSOR.format("indexing"))
+
     def __repr__(self) -> str:
         valid = None if self.key_valid is None else f"<{tuple(self.key_valid.shape)} bool>"
-        return f"KeyMask(band={self.band}, offset={self.offset}, key_valid={valid})"
+        return f"KeyMask(band={self.band}, offset={self.offset}, key_valid={valid}, L={self.L}, S={self.S})"
 
 
-def register(name: str = "mha") -> None:
+_DENSE_ADVICE = "register mha with dense masks for it: mha.integrations.transformers.register(name, compact_masks=False)"
+_NOT_A_TENSOR = "this model uses its attention mask itself ({}), but mha's compact mask (KeyMask) is not a tensor; " \
+    + _DENSE_ADVICE
+
+
+def register(name: str = "mha", *, compact_masks: bool = True) -> None:
     """Register mha's attention and mask functions with transformers under ``name``; afterwards
     ``from_pretrained(..., attn_implementation=name)`` and ``model.set_attn_implementation(name)``
-    use them. Registering again under the same name is harmless."""
+    use them. Registering again under the same name replaces the choice of masks.
+
+    compact_masks: True, masks as :class:`KeyMask` (O(B * S)) wherever the model lets them be
+    skipped; False, always transformers' eager mask (dense (B, 1, L, S) float), for a model that
+    reads or extends its mask itself.
+    """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
-    own = AttentionInterface._global_mapping.get(name)
-    if own is not None and own is not attention_forward:
-        raise ValueError(f"name {name!r} is taken by transformers' own attention; choose another name")
+    if not isinstance(compact_masks, bool):
+        raise TypeError(f"compact_masks must be a bool, got {type(compact_masks).__name__}")
+    registered = AttentionInterface._global_mapping.get(name)
+    if registered is not None and registered is not attention_forward:
+        raise ValueError(f"name {name!r} is already an attn_implementation of transformers "
+                         f"({getattr(registered, '__name__', registered)}); choose another name")
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, mask_forward)
+    AttentionMaskInterface.register(name, mask_forward if compact_masks else eager_mask_forward)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,26 +133,34 @@ def register(name: str = "mha") -> None:
 
 def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
                  mask_function=causal_mask_function, attention_mask: Tensor | None = None,
-                 local_size: int | None = None, use_vmap: bool = False, device="cpu", **kwargs):
-    """transformers' mask interface: a :class:`KeyMask` when the pattern is causal, bidirectional
-    or a sliding window (recognised, or checked exactly on every (query, key) pair), else
-    transformers' dense (B, 1, L, S) bool mask (True = attend): also under a static cache, where
-    generate() needs a tensor. ``attention_mask`` is the 2-D padding mask (B, past + L), True/1 =
-    a real token."""
-    # use_vmap: a model's own or/and mask functions, not index-broadcastable. Offsets as tensors:
-    # a static (compileable) cache, whose masks generate() builds ahead as tensors for torch.compile.
+                 local_size: int | None = None, use_vmap: bool = False, allow_is_causal_skip: bool = True,
+                 allow_is_bidirectional_skip: bool = False, device="cpu", **kwargs):
+    """transformers' mask interface: a :class:`KeyMask` when the model lets its mask be skipped
+    and the pattern is causal, bidirectional or a sliding window (recognised, or checked exactly
+    on every (query, key) pair), else transformers' dense (B, 1, L, S) bool mask (True = attend).
+    ``attention_mask`` is the 2-D padding mask (B, past + L), True/1 = a real token."""
     if isinstance(attention_mask, KeyMask):  # built ahead by generate() (see KeyMask.ndim)
         return attention_mask
-    if not use_vmap and not isinstance(q_offset, Tensor) and not isinstance(kv_offset, Tensor):
+    # Not compact: a model that wants its mask materialised (to read or extend it), a model's own
+    # or/and mask functions (use_vmap: not index-broadcastable), offsets as tensors (compiled code).
+    if ((allow_is_causal_skip or allow_is_bidirectional_skip) and not use_vmap
+            and not isinstance(q_offset, Tensor) and not isinstance(kv_offset, Tensor)):
         band = _band_of(mask_function, local_size, batch_size, q_length, kv_length, q_offset, kv_offset, device)
         if band is not _NO_BAND:
             offset = q_offset - kv_offset
             return KeyMask(positions.needed(band, q_length, kv_length, offset), offset,
-                           _key_valid(attention_mask, kv_length, kv_offset))
+                           _key_valid(attention_mask, kv_length, kv_offset), q_length, kv_length)
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                     local_size=local_size, use_vmap=use_vmap, device=device, **{
-                         **kwargs, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False})
+                     local_size=local_size, use_vmap=use_vmap, allow_is_causal_skip=False,
+                     allow_is_bidirectional_skip=False, device=device, **kwargs)
+
+
+def eager_mask_forward(**arguments) -> Tensor:
+    """transformers' eager mask, always materialised: (B, 1, L, S) float, 0 = attend, the dtype's
+    minimum = not (the mask function of register(compact_masks=False): the form models that
+    extend their masks with biases of their own expect)."""
+    return eager_mask(**{**arguments, "allow_is_bidirectional_skip": False})
 
 
 _NO_BAND = object()  # the pattern is not a band: build the dense mask
@@ -215,8 +257,10 @@ def _check_qkv(query: Tensor, key: Tensor, value: Tensor) -> None:
 def _mask_terms(attention_mask, position_bias, module, is_causal, *, B, H, L, S, like) -> dict:
     """The contract's band, offset, key_valid and mask from transformers' mask and position bias."""
     if isinstance(attention_mask, KeyMask):
-        if attention_mask.key_valid is not None:
-            _checks.shape("attention_mask.key_valid", attention_mask.key_valid, (B, S), "(batch, key length)")
+        if (attention_mask.L, attention_mask.S) != (L, S):
+            raise ValueError(f"the mask describes {attention_mask.L} queries and {attention_mask.S} keys, the layer "
+                             f"has {L} and {S}: the model changed them after building its mask, which mha's compact "
+                             f"mask (KeyMask) cannot follow; {_DENSE_ADVICE}")
         terms = {"band": attention_mask.band, "offset": attention_mask.offset, "key_valid": attention_mask.key_valid}
     elif attention_mask is None:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)

@@ -43,9 +43,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p:
     """Run the chosen backend on q (..., L, D), k (..., S, D), v (..., S, Dv): (output, weights or None).
 
     k and v may have fewer heads than q (GQA/MQA: Hkv at dim -3 dividing H; query head h reads
-    key/value head h // (H / Hkv)): torch's fused kernel reads them as they are, the other
-    backends get them repeated (share_kv_heads).
+    key/value head h // (H / Hkv)): torch's fused CPU kernel reads them as they are (measured:
+    with a mask too); everywhere else they are repeated (share_kv_heads) first, as torch's CUDA
+    kernels may fall back to their math path for shared heads under a mask.
     """
+    if q.dim() >= 3 and not q.is_cpu:
+        k, v = share_kv_heads(k, q.shape[-3]), share_kv_heads(v, q.shape[-3])  # (..., Hkv, S, D) -> (..., H, S, D)
     name, _, sdpa_plan = _choose(backend, q, k, v, contract, need_weights=need_weights, dropout_p=dropout_p)
     if name == "sdpa":  # planned once, while choosing
         return sdpa.run_planned(q, k, v, contract, dropout_p=dropout_p, planned=sdpa_plan), None

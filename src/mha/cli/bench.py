@@ -97,7 +97,7 @@ def _jobs(grid, sections, repeat):
     if "variants" in sections:
         jobs += [(f"variants T{T}", lambda T=T: list(bench.variant_rows([T], min(repeat, 3)))) for T in grid["variants"]]
     if "hf" in sections:
-        jobs += [(f"hf {name} T{T}", lambda name=name, T=T: list(bench.hf_rows(name, T, min(repeat, 3))))
+        jobs += [(f"hf {name} T{T}", lambda name=name, T=T: list(bench.hf_rows(name, T, repeat)))
                  for name, T in grid["hf"].items()]
     if "modern" in sections:
         jobs.append((f"decode {grid['decode']} tokens", lambda: [bench.decode_row(grid["decode"])]))

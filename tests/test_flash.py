@@ -382,3 +382,40 @@ def test_alibi_is_added_in_the_compute_dtype(backend):
     i, j = torch.arange(9)[:, None], torch.arange(9)[None, :]
     bias = -slopes.double()[:, None, None] * (j - i).abs()
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=bias), atol=1e-14, rtol=0)
+
+
+GQA_CONTRACTS = {  # name: contract terms over H = 6 query heads; every term that reads a head or a row
+    "plain": {},
+    "causal, bottom-right": dict(band=Band(None, 0), offset=9),
+    "window, ALiBi, sinks, softcap": dict(band=Band(3, 1), alibi_slopes=torch.rand(6, dtype=torch.float64),
+                                          sinks=torch.randn(6, dtype=torch.float64), softcap=2.0),
+    "per-head mask, padding": dict(mask=torch.rand(2, 6, 7, 16) > 0.3,
+                                   key_valid=torch.arange(16)[None, :] < torch.tensor([[16], [11]])),
+    "per-sequence positions": dict(band=Band(None, 0), positions=(torch.tensor([[9, 10, 11, 12, 13, 14, 15]]),
+                                                                  torch.arange(16)[None])),
+}
+
+
+@pytest.mark.parametrize("name", GQA_CONTRACTS)
+@pytest.mark.parametrize("blocks", [(3, 5), (256, 256)])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_gqa_on_flash_equals_repeated_heads_without_repeating_them(name, blocks, dropout_p, monkeypatch):
+    """K and V with 2 heads for 6 query heads: the same output, log-sum-exp and gradients (of
+    q, k, v, slopes and sinks) as with the heads repeated, and no repeat is made."""
+    terms = {key: (value.clone().requires_grad_() if key in ("alibi_slopes", "sinks") else value)
+             for key, value in GQA_CONTRACTS[name].items()}
+    contract = Contract(**terms)
+    q, k, v = _inputs((2, 6, 7, 4), (2, 2, 16, 4), 5)
+    grad = torch.randn(2, 6, 7, 5, dtype=torch.float64)
+    wanted = [x for x in (q, k, v, terms.get("alibi_slopes"), terms.get("sinks")) if x is not None]
+    torch.manual_seed(1)  # the same dropout seed for both runs
+    repeated = flash_attention_with_lse(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), contract,
+                                        dropout_p=dropout_p, block_q=blocks[0], block_k=blocks[1])
+    expected = torch.autograd.grad(repeated[0], wanted, grad)
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", None)  # any repeat now fails
+    torch.manual_seed(1)
+    out, lse = flash_attention_with_lse(q, k, v, contract, dropout_p=dropout_p, block_q=blocks[0], block_k=blocks[1])
+    torch.testing.assert_close(out, repeated[0], atol=1e-12, rtol=0)
+    torch.testing.assert_close(lse, repeated[1], atol=1e-12, rtol=0)
+    for mine, theirs in zip(torch.autograd.grad(out, wanted, grad), expected, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-12, rtol=0)

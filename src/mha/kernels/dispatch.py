@@ -43,16 +43,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p:
     """Run the chosen backend on q (..., L, D), k (..., S, D), v (..., S, Dv): (output, weights or None).
 
     k and v may have fewer heads than q (GQA/MQA: Hkv at dim -3 dividing H; query head h reads
-    key/value head h // (H / Hkv)): torch's fused CPU kernel reads them as they are (measured:
-    with a mask too); everywhere else they are repeated (share_kv_heads) first, as torch's CUDA
-    kernels may fall back to their math path for shared heads under a mask.
+    key/value head h // (H / Hkv)): torch's fused CPU kernel (measured: with a mask too) and the
+    flash kernel read them as they are; the math backend, and every backend off the CPU, get them
+    repeated (share_kv_heads) first, as torch's CUDA kernels may fall back to their math path for
+    shared heads under a mask.
     """
     if q.dim() >= 3 and not q.is_cpu:
         k, v = share_kv_heads(k, q.shape[-3]), share_kv_heads(v, q.shape[-3])  # (..., Hkv, S, D) -> (..., H, S, D)
     name, _, sdpa_plan = _choose(backend, q, k, v, contract, need_weights=need_weights, dropout_p=dropout_p)
     if name == "sdpa":  # planned once, while choosing
         return sdpa.run_planned(q, k, v, contract, dropout_p=dropout_p, planned=sdpa_plan), None
-    if q.dim() >= 3:
+    if name == "math" and q.dim() >= 3:
         k, v = share_kv_heads(k, q.shape[-3]), share_kv_heads(v, q.shape[-3])  # (..., Hkv, S, D) -> (..., H, S, D)
     result = BACKENDS[name](q, k, v, contract, dropout_p=dropout_p)
     out, weights = result if name == "math" else (result, None)

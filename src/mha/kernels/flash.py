@@ -97,6 +97,17 @@ class _Flash(torch.autograd.Function):
         return (*_backward(tiles, (q, k, v), out, lse, grad_out, block_q, block_k), None)
 
 
+def _leads(q: Tensor, k: Tensor, v: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The common leading dims of the queries' side and of the keys' and values': (..., H) for
+    both, or (..., H) and (..., Hkv) when k and v have fewer heads (GQA: Hkv divides H)."""
+    if (q.dim() >= 3 and k.dim() >= 3 and v.dim() >= 3 and k.shape[-3] == v.shape[-3] != q.shape[-3]
+            and q.shape[-3] % k.shape[-3] == 0):
+        batch = tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
+        return (*batch, q.shape[-3]), (*batch, k.shape[-3])
+    lead = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    return lead, lead
+
+
 def _flat(x: Tensor, dtype, lead: tuple[int, ...]) -> Tensor:
     x = x.to(dtype).expand(*lead, *x.shape[-2:])  # batch dims broadcast to the common ones
     return x.reshape(math.prod(lead), x.shape[-2], x.shape[-1])  # (..., T, D) -> (B*H, T, D)
@@ -115,19 +126,28 @@ class _Tile(NamedTuple):
 
 
 class _Tiles:
-    """The inputs flattened to (B*H, T, D) in the compute dtype, and the scores of any tile of
-    (query rows, key cols) under the contract, computed on demand (nothing L x S ever exists)."""
+    """The inputs flattened to (B*H, L, D) and (B*Hkv, S, D|Dv) in the compute dtype, and the
+    scores of any tile of (query rows, key cols) under the contract, computed on demand (nothing
+    L x S ever exists).
+
+    GQA (Hkv < H, G = H / Hkv query heads per key/value head): a block of query rows is taken as
+    (B*Hkv, G*r, D), the G heads that share a key/value head side by side, so that one matmul per
+    key/value head serves them all and K, V are never repeated; the scores (B*Hkv, G*r, c) are
+    then the same memory as (B*H, r, c), where the contract shapes them.
+    """
 
     def __init__(self, q, k, v, contract: Contract, dropout_p: float, seed: int | None = None):
-        self.lead = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+        self.lead, self.kv_lead = _leads(q, k, v)  # (..., H), (..., Hkv)
+        self.groups = 1 if self.kv_lead == self.lead else self.lead[-1] // self.kv_lead[-1]
         self.L, self.S = q.shape[-2], k.shape[-2]
         self.dtype = masks.additive_dtype(q.dtype)  # float32 for float16/bfloat16
         self.out_dtype = v.dtype
         self.contract, self.dropout_p = contract, dropout_p
         self.scale = contract.scale_for(q.shape[-1])
         self.q = _flat(q, self.dtype, self.lead) * self.scale  # (BH, L, D), pre-scaled
-        self.k, self.v = _flat(k, self.dtype, self.lead), _flat(v, self.dtype, self.lead)  # (BH, S, D|Dv)
-        self.kT = self.k.transpose(1, 2)  # (BH, D, S)
+        self.k, self.v = _flat(k, self.dtype, self.kv_lead), _flat(v, self.dtype, self.kv_lead)  # (BHkv, S, D|Dv)
+        self.kT = self.k.transpose(1, 2)  # (BHkv, D, S)
+        self._block: tuple[range, Tensor] | None = None  # the query rows of the block being visited
         self.seed = seed if seed is not None or dropout_p == 0.0 else int(torch.randint(2 ** 62, ()).item())
         self._hidden: dict[tuple, Tensor] = {}  # band patterns of edge tiles by shape and shift
         info = torch.finfo(self.dtype)
@@ -149,9 +169,36 @@ class _Tiles:
         for j0 in range(lo - lo % block_k, hi, block_k):  # tiles start on multiples of block_k
             yield range(max(j0, lo), min(j0 + block_k, hi))
 
+    def query_rows(self, x: Tensor, rows: range) -> Tensor:
+        """Rows of a query-side (BH, L, X) tensor as (BHkv, G*r, X): a view without GQA, else a copy."""
+        if self.groups == 1:
+            return x[:, rows.start:rows.stop]
+        grouped = x.view(-1, self.groups, self.L, x.shape[-1])  # (BH, L, X) -> (BHkv, G, L, X)
+        return grouped[:, :, rows.start:rows.stop].reshape(-1, self.groups * len(rows), x.shape[-1])
+
+    def put_query_rows(self, x: Tensor, rows: range, block: Tensor) -> None:
+        """Write a (BHkv, G*r, X) block back into rows of x (BH, L, X) (a no-op where query_rows was a view)."""
+        if self.groups > 1:
+            x.view(-1, self.groups, self.L, x.shape[-1])[:, :, rows.start:rows.stop] = block.view(
+                -1, self.groups, len(rows), x.shape[-1])  # (BHkv, G*r, X) -> (BHkv, G, r, X)
+
+    def by_kv_head(self, t: Tensor) -> Tensor:
+        """A tile (BH, r, c) as (BHkv, G*r, c), the same memory."""
+        return t.view(-1, self.groups * t.shape[1], t.shape[2])
+
+    def add_weighted_values(self, acc: Tensor, p: Tensor, v_tile: Tensor) -> None:
+        """acc (BH, r, Dv) += p (BH, r, c) @ v_tile (BHkv, c, Dv)."""
+        if self.groups == 1:
+            acc.baddbmm_(p, v_tile)
+        else:
+            acc.add_(torch.bmm(self.by_kv_head(p), v_tile).view(acc.shape))  # (BHkv, G*r, Dv) -> (BH, r, Dv)
+
     def scores(self, rows: range, cols: range) -> _Tile:
         """The tile's scores (BH, r, c), ready for the softmax, and what its backward needs."""
-        s = torch.bmm(self.q[:, rows.start:rows.stop], self.kT[:, :, cols.start:cols.stop])  # (BH, r, c)
+        if self._block is None or self._block[0] != rows:
+            self._block = (rows, self.query_rows(self.q, rows))
+        s = torch.bmm(self._block[1], self.kT[:, :, cols.start:cols.stop])  # (BHkv, G*r, c)
+        s = s.view(-1, len(rows), len(cols))  # (BHkv, G*r, c) -> (BH, r, c)
         s, capped = self.contract.cap(s, inplace=True)  # capped: tanh(s / c), or None
         rel, bias, band_hidden = self._position_terms(rows, cols)
         hidden = self.contract.hidden(rows, cols, band_hidden)
@@ -213,7 +260,7 @@ def _forward(tiles: _Tiles, block_q: int, block_k: int):
     at m = sink, l = 1.
     """
     lead, L, dtype, v3 = tiles.lead, tiles.L, tiles.dtype, tiles.v
-    BH, Dv = v3.shape[0], v3.shape[-1]
+    BH, Dv = tiles.q.shape[0], v3.shape[-1]
     out = torch.zeros(BH, L, Dv, dtype=dtype, device=v3.device)
     lse = torch.full((BH, L), _NEG_INF, dtype=dtype, device=v3.device)
     sinks = tiles.contract.sinks
@@ -250,7 +297,7 @@ class _Running:
 
     @staticmethod
     def add(state, tiles, tile, v_tile, keep):
-        """Merge one tile of scores (BH, r, c) with its values (BH, c, Dv) into the state."""
+        """Merge one tile of scores (BH, r, c) with its values (BHkv, c, Dv) into the state."""
         m, m_new, alpha, l, acc = state
         torch.maximum(m, tile.s.amax(dim=-1, keepdim=True), out=m_new)
         nothing_yet = m_new == _NEG_INF  # rows with no visible key so far: shift by 0 (e^(-inf - 0) = 0)
@@ -258,7 +305,7 @@ class _Running:
         torch.sub(m, m_new, out=alpha).clamp_(min=tiles.floor).exp_()  # e^(m - m') rescales the past (floored)
         p = tiles.probabilities(tile, m_new)  # in place: P = e^(S - m')
         l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
-        acc.mul_(alpha).baddbmm_(p if keep is None else p.mul_(keep), v_tile)
+        tiles.add_weighted_values(acc.mul_(alpha), p if keep is None else p.mul_(keep), v_tile)
         m.copy_(m_new.masked_fill_(nothing_yet, _NEG_INF))  # they keep m = -inf: their first visible max shifts them
 
     @staticmethod
@@ -279,23 +326,29 @@ def _backward(tiles: _Tiles, inputs, out, lse, grad_out, block_q, block_k):
     d_slopes = None if contract.alibi_slopes is None else torch.zeros(dq.shape[0], dtype=dtype, device=dq.device)
     for rows in tiles.blocks(block_q):
         i0, i1 = rows.start, rows.stop
+        do_rows, q_rows = tiles.query_rows(do3, rows), tiles.query_rows(tiles.q, rows)  # (BHkv, G*r, Dv|D)
+        dq_rows = tiles.query_rows(dq, rows)
         for cols in tiles.key_tiles(rows, block_k):
             j0, j1 = cols.start, cols.stop
             tile = tiles.scores(rows, cols)
             p = tiles.probabilities(tile, lse3[:, i0:i1])  # (BH, r, c)
             keep = tiles.keep(rows, cols, p.shape)
-            dp = torch.bmm(do3[:, i0:i1], tiles.v[:, j0:j1].transpose(1, 2))  # dO V^T: (BH, r, c)
+            dp = torch.bmm(do_rows, tiles.v[:, j0:j1].transpose(1, 2)).view(p.shape)  # dO V^T: (BH, r, c)
             if keep is not None:
                 dp.mul_(keep)
-            dv[:, j0:j1].baddbmm_((p if keep is None else p * keep).transpose(1, 2), do3[:, i0:i1])  # (P Z)^T dO
+            kept = tiles.by_kv_head(p if keep is None else p * keep)  # (BHkv, G*r, c)
+            dv[:, j0:j1].baddbmm_(kept.transpose(1, 2), do_rows)  # (P Z)^T dO
             ds = p.mul_(dp.sub_(delta[:, i0:i1]))  # P * (dP - delta), reusing p's storage
             if tile.distance is not None:  # d/d slope of -slope |rel|
                 d_slopes -= (ds.view(*lead, len(rows), len(cols)) * tile.distance).sum((-2, -1)).reshape(-1)
             if tile.capped is not None:  # d/ds of c tanh(s / c)
                 ds.mul_(tile.capped.mul_(tile.capped).neg_().add_(1.0))
-            dq[:, i0:i1].baddbmm_(ds, tiles.k[:, j0:j1], alpha=tiles.scale)  # dS K * scale
-            dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), tiles.q[:, i0:i1])  # dS^T (Q * scale)
-    grads = [_unflat(grad, x, lead) for grad, x in zip((dq, dk, dv), inputs)]
+            ds = tiles.by_kv_head(ds)  # (BHkv, G*r, c)
+            dq_rows.baddbmm_(ds, tiles.k[:, j0:j1], alpha=tiles.scale)  # dS K * scale
+            dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), q_rows)  # dS^T (Q * scale)
+        tiles.put_query_rows(dq, rows, dq_rows)
+    leads = (lead, tiles.kv_lead, tiles.kv_lead)
+    grads = [_unflat(grad, x, shape) for grad, x, shape in zip((dq, dk, dv), inputs, leads)]
     grads.append(None if d_slopes is None else _per_head(d_slopes, contract.alibi_slopes, lead))
     if contract.sinks is None:
         grads.append(None)

@@ -16,8 +16,9 @@ dP by dP * Z, Z the tile's keep mask / (1 - p), redrawn from the same seed).
 
 Memory: O((L + S) * D) plus a few (B*H, block_q, block_k) tiles. Shapes: q (..., L, D),
 k (..., S, D), v (..., S, Dv), the leading dims broadcast together (the last one is the heads:
-ALiBi slopes and sinks are (H,)), except that k and v may have Hkv heads dividing q's H (GQA). float16/bfloat16 inputs are computed in float32; under
-torch.autocast the inputs are cast to the autocast dtype first, as torch's SDPA does.
+ALiBi slopes and sinks are (H,)), except that k and v may have Hkv heads dividing q's H (GQA).
+float16/bfloat16 inputs are computed in float32; under torch.autocast the inputs are cast to the
+autocast dtype first, as torch's SDPA does.
 """
 
 from __future__ import annotations

@@ -429,3 +429,37 @@ def test_key_mask_names_the_way_out_when_used_as_a_tensor():
 def test_import_mha_does_not_import_transformers():
     code = "import sys, mha; assert 'transformers' not in sys.modules and 'mha.integrations' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_pattern_check_spans_blocks_and_recognises_plain_patterns_it_does_not_know(monkeypatch):
+    monkeypatch.setattr(hf, "_VERIFY_ELEMENTS", 8)  # one query row per block: every block is checked
+    window = masking_utils.sliding_window_causal_mask_function(3)
+    mask = hf.mask_forward(batch_size=2, q_length=6, kv_length=6, mask_function=window, local_size=3)
+    assert mask.band == Band(2, 0) and (mask.L, mask.S) == (6, 6)
+    late = masking_utils.and_masks(window, lambda b, h, q, kv: q < 5)  # the last row differs: dense
+    assert isinstance(hf.mask_forward(batch_size=2, q_length=6, kv_length=6, mask_function=late, local_size=3),
+                      torch.Tensor)
+    everything = masking_utils.and_masks(masking_utils.bidirectional_mask_function)  # not known by identity
+    assert hf.mask_forward(batch_size=2, q_length=6, kv_length=6, mask_function=everything).band is None
+    causal = masking_utils.and_masks(masking_utils.causal_mask_function)
+    assert hf.mask_forward(batch_size=2, q_length=6, kv_length=6, mask_function=causal).band is CAUSAL
+    assert repr(hf.mask_forward(batch_size=2, q_length=3, kv_length=3, attention_mask=torch.tensor(
+        [[1, 1, 0], [1, 1, 1]]))) == ("KeyMask(band=Band(left=None, right=0), offset=0, key_valid=<(2, 3) bool>, "
+                                      "L=3, S=3)")
+
+
+def test_attention_function_input_errors():
+    q, k, v = qkv()
+    layer = Layer(groups=2).eval()
+    with raises_exactly(ValueError, "query must be 4-D (batch, heads, length, head_dim), got 3-D with shape (2, 4, 5)"):
+        hf.attention_forward(layer, q[:, :, :, 0], k, v, None)
+    with raises_exactly(ValueError, "key (2, 2, 5, 8) and value (2, 2, 4, 8) do not fit query (2, 4, 5, 8): "
+                                    "expected key (B, Hkv, S, D) and value (B, Hkv, S, Dv)"):
+        hf.attention_forward(layer, q, k, v[:, :, :4], None)
+    with raises_exactly(ValueError, "key (2, 2, 5, 6) and value (2, 2, 5, 8) do not fit query (2, 4, 5, 8): "
+                                    "expected key (B, Hkv, S, D) and value (B, Hkv, S, Dv)"):
+        hf.attention_forward(layer, q, k[..., :6], v, None)
+    with raises_exactly(TypeError, "scaling must be a real number, got str ('x')"):
+        hf.attention_forward(layer, q, k, v, None, scaling="x")
+    with raises_exactly(TypeError, "s_aux must have a floating point dtype, got torch.int64"):
+        hf.attention_forward(layer, q, k, v, None, s_aux=torch.zeros(4, dtype=torch.long))

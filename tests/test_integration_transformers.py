@@ -211,6 +211,7 @@ def test_training_dropout_is_applied_and_eval_ignores_it():
     kept, _ = hf.attention_forward(module, q, k, v, None, dropout=0.5)
     torch.testing.assert_close(kept, hf.attention_forward(module, q, k, v, None)[0])
     module.train()
+    torch.testing.assert_close(hf.attention_forward(module, q, k, v, None)[0], kept)  # no dropout given: none
     dropped, _ = hf.attention_forward(module, q, k, v, None, dropout=1.0)
     assert torch.equal(dropped, torch.zeros_like(dropped))
     halved, _ = hf.attention_forward(module, q, k, v, None, dropout=0.5)
@@ -463,3 +464,31 @@ def test_attention_function_input_errors():
         hf.attention_forward(layer, q, k, v, None, scaling="x")
     with raises_exactly(TypeError, "s_aux must have a floating point dtype, got torch.int64"):
         hf.attention_forward(layer, q, k, v, None, s_aux=torch.zeros(4, dtype=torch.long))
+
+
+class Bare(torch.nn.Module):
+    """A layer without is_causal or num_key_value_groups: transformers' sdpa takes it as causal."""
+
+
+@pytest.mark.parametrize("L", [1, 2, 5])
+def test_no_mask_on_a_bare_layer_and_a_single_query_as_sdpa(L):
+    q, k, v = qkv(L=L, S=5)
+    layer = Bare().eval()
+    ours, _ = hf.attention_forward(layer, q, k, v, None)
+    theirs, _ = sdpa_attention_forward(layer, q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), None)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_a_position_bias_beside_a_compact_mask_or_none():
+    q, k, v = qkv(S=5)
+    torch.manual_seed(5)
+    bias = torch.randn(1, 4, 5, 5)
+    layer = Layer(groups=2).eval()
+    padded = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])  # right padding: every query sees a key
+    compact = hf.mask_forward(batch_size=2, q_length=5, kv_length=5, attention_mask=padded)
+    dense = masking_utils.sdpa_mask(batch_size=2, q_length=5, kv_length=5, attention_mask=padded.bool(),
+                                    allow_is_causal_skip=False)
+    for ours_mask, their_mask in ((compact, dense), (None, None)):
+        ours, _ = hf.attention_forward(layer, q, k, v, ours_mask, position_bias=bias)
+        theirs, _ = sdpa_attention_forward(layer, q, k, v, their_mask, position_bias=bias)
+        torch.testing.assert_close(ours, theirs)

@@ -492,3 +492,41 @@ def test_a_position_bias_beside_a_compact_mask_or_none():
         ours, _ = hf.attention_forward(layer, q, k, v, ours_mask, position_bias=bias)
         theirs, _ = sdpa_attention_forward(layer, q, k, v, their_mask, position_bias=bias)
         torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_register_under_any_name_puts_both_functions_there(compact):
+    from transformers import AttentionInterface
+    name = f"mha-test-{compact}"
+    hf.register(name, compact_masks=compact)
+    assert AttentionInterface._global_mapping[name] is hf.attention_forward
+    mask = masking_utils.AttentionMaskInterface._global_mapping[name]
+    assert mask is (hf.mask_forward if compact else hf.eager_mask_forward)
+    hf.register(name, compact_masks=compact)  # again: harmless
+    model = tiny_model("llama")
+    ids, attention_mask = left_padded_batch()
+    ours = run(model, name, input_ids=ids, attention_mask=attention_mask).logits
+    theirs = run(model, "sdpa", input_ids=ids, attention_mask=attention_mask).logits
+    real = attention_mask.bool()
+    torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=0)
+    with raises_exactly(ValueError, "name 'flex_attention' is already an attn_implementation of transformers "
+                                    "(flex_attention_forward); choose another name"):
+        hf.register("flex_attention")
+
+
+def test_key_mask_copies_and_qkv_checks_name_each_tensor():
+    import copy
+    mask = hf.mask_forward(batch_size=2, q_length=3, kv_length=3, attention_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    copied = copy.copy(mask)
+    assert copied.band is mask.band and copied.key_valid is mask.key_valid
+    with pytest.raises(AttributeError, match="^__array__$"):
+        getattr(mask, "__array__")  # noqa: B009 - a dunder probe, as copy and numpy make
+    q, k, v = qkv()
+    layer = Layer(groups=2).eval()
+    with raises_exactly(TypeError, "key must have a floating point dtype, got torch.int64"):
+        hf.attention_forward(layer, q, k.long(), v, None)
+    with raises_exactly(TypeError, "value must have a floating point dtype, got torch.int64"):
+        hf.attention_forward(layer, q, k, v.long(), None)
+    for name, args in (("key", (q, k.double(), v)), ("value", (q, k, v.double()))):
+        with pytest.raises(TypeError, match=f"^{name} has dtype torch.float64 but query has dtype torch.float32"):
+            hf.attention_forward(layer, *args, None)

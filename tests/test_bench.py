@@ -79,6 +79,13 @@ def test_an_extra_that_is_missing_is_named():
         _common.require("no_such_module", command="bench --sections hf", extra="hf")
 
 
+def test_every_variant_has_a_colour_and_a_marker_of_its_own():
+    from mha.tools import bench_variants
+    styles = bench.variant_styles(list(bench_variants.VARIANTS))
+    assert len({colour for colour, _ in styles.values()}) == len(styles) == len(bench_variants.VARIANTS)
+    assert len({marker for _, marker in styles.values()}) == len(styles)
+
+
 def test_cli_rejects_bad_repeat():
     assert cli.main(["bench", "--repeat", "0"]) == 2
 

@@ -271,8 +271,21 @@ def variant_rows(lengths, repeat: int, names=None) -> Iterator[Row]:
                              "relative error (last 256 rows)": result["error"], "T": T})
 
 
+_MARKERS = "osD^v<>pP*Xhd"
+
+
+def variant_styles(names: list[str]) -> dict[str, tuple]:
+    """A colour and a marker of its own for each variant (matplotlib's default cycle has ten
+    colours: the eleventh variant would reuse the first's)."""
+    import matplotlib
+
+    tab20 = matplotlib.colormaps["tab20"].colors
+    colours = tab20[0::2] + tab20[1::2]  # the ten strong shades first, then their light twins
+    return {name: (colours[i % 20], _MARKERS[i % len(_MARKERS)]) for i, name in enumerate(names)}
+
+
 def plot_variants(rows: list[Row], path: str) -> None:
-    """Time and error against T per variant (log-log)."""
+    """Time and error against T per variant, both log-log (one outlier must not flatten the rest)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -280,15 +293,17 @@ def plot_variants(rows: list[Row], path: str) -> None:
 
     mine = [r for r in rows if r.section == "variants"]
     names = list(dict.fromkeys(r.point.split(" ", 1)[1] for r in mine))
+    styles = variant_styles(names)
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
     for name in names:
         points = [(r.extra["T"], r.times_ms["time"], r.extra["relative error (last 256 rows)"])
                   for r in mine if r.point.split(" ", 1)[1] == name]
         Ts, times, errors = zip(*points)
-        style = "-" if name.startswith("exact") else "--"
-        left.loglog(Ts, times, style, marker="o", label=name)
+        colour, marker = styles[name]
+        style = dict(linestyle="-" if name.startswith("exact") else "--", color=colour, marker=marker, label=name)
+        left.loglog(Ts, times, **style)
         if not name.startswith("exact"):
-            right.semilogx(Ts, errors, style, marker="o", label=name)
+            right.loglog(Ts, [max(e, 1e-12) for e in errors], **style)  # an exact 0 would leave the log axis
     left.set(title="time per forward (B=1, H=8, D=64)", xlabel="sequence length T", ylabel="ms")
     right.set(title="relative error vs exact attention", xlabel="sequence length T", ylabel="|out - exact| / |exact|")
     for ax in (left, right):

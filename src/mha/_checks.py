@@ -53,6 +53,18 @@ def shape(name: str, x: Tensor, expected: Sequence[int], meaning: str = "") -> T
     return x
 
 
+def per_head(name: str, x: Tensor | None, num_heads: int, like: Tensor,
+             meaning: str = "(num_heads,): one value per query head (dim -3 of query)") -> Tensor | None:
+    """ALiBi slopes, sinks: a floating (num_heads,) tensor on the query's (``like``'s) device, or None."""
+    if x is None:
+        return None
+    floating(name, x)
+    shape(name, x, (num_heads,), meaning)
+    if x.device != like.device:
+        raise ValueError(f"{name} is on device {x.device} but query is on {like.device}")
+    return x
+
+
 def same_dtype_device(reference_name: str, reference: Tensor, **others: Tensor | None) -> None:
     """Every tensor in ``others`` has the dtype and device of ``reference``."""
     for name, x in others.items():

@@ -72,8 +72,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     contract = contract_of(
         band=positions.band(is_causal, window), offset=positions.offset_of(causal_alignment, L, S),
         mask=masks.sdpa(attn_mask, L=L, S=S, batch_shape=batch_shape, like=query),
-        alibi_slopes=_per_head("alibi_slopes", alibi_slopes, H, query), scale=_checks.optional_real("scale", scale),
-        softcap=_checks.optional_positive_real("softcap", softcap), sinks=_per_head("sinks", sinks, H, query))
+        alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, H, query), scale=_checks.optional_real("scale", scale),
+        softcap=_checks.optional_positive_real("softcap", softcap), sinks=_checks.per_head("sinks", sinks, H, query))
     out, _ = kernels.attention(query, key, value, contract, dropout_p=dropout_p, backend=backend)
     return out[0] if unbatched else out
 
@@ -84,17 +84,6 @@ def _at_least_3d(query, key, value):
     unbatched = all(x.dim() == 2 for x in tensors)
     lifted = (x[None] if x.dim() == 2 else x for x in tensors)  # (T, D) -> (1, T, D)
     return (*lifted, unbatched)
-
-
-def _per_head(name: str, x: Tensor | None, H: int, like: Tensor) -> Tensor | None:
-    """alibi_slopes / sinks: a floating (H,) tensor on the query's device, or None."""
-    if x is None:
-        return None
-    _checks.floating(name, x)
-    _checks.shape(name, x, (H,), "(num_heads,): one value per query head (dim -3 of query)")
-    if x.device != like.device:
-        raise ValueError(f"{name} is on device {x.device} but query is on {like.device}")
-    return x
 
 
 def _check_sdpa_inputs(query, key, value, enable_gqa) -> tuple[int, ...]:

@@ -234,7 +234,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     contract = contract_of(
         **_mask_terms(attention_mask, position_bias, module, is_causal, B=B, H=H, L=L, S=S, like=query),
         scale=_checks.optional_real("scaling", scaling), softcap=_checks.optional_positive_real("softcap", softcap),
-        sinks=_sinks(s_aux, H, query))
+        sinks=_checks.per_head("s_aux", s_aux, H, query, "(num_heads,): one sink logit per query head"))
     dropout_p = _checks.probability("dropout", dropout) if module.training else 0.0
     out, weights = kernels.attention(query, key, value, contract, dropout_p=dropout_p,
                                      need_weights=bool(output_attentions))
@@ -273,13 +273,3 @@ def _mask_terms(attention_mask, position_bias, module, is_causal, *, B, H, L, S,
         bias = masks.sdpa(_checks.floating("position_bias", position_bias), L=L, S=S, batch_shape=(B, H), like=like)
         terms["mask"] = bias if terms.get("mask") is None else masks.as_additive(terms["mask"], True, bias.dtype) + bias
     return terms
-
-
-def _sinks(s_aux: Tensor | None, H: int, like: Tensor) -> Tensor | None:
-    if s_aux is None:
-        return None
-    _checks.floating("s_aux", s_aux)
-    _checks.shape("s_aux", s_aux, (H,), "(num_heads,): one sink logit per query head")
-    if s_aux.device != like.device:
-        raise ValueError(f"s_aux is on device {s_aux.device} but query is on {like.device}")
-    return s_aux

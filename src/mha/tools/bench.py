@@ -19,8 +19,9 @@ drift in the machine's speed hits them alike). Sections:
     contract  time of mha's SDPA against torch's on the same call (torch given a dense mask where
               it has no fused form)
     modern    KV-cache decoding vs recomputation, per-token latency; sliding window vs dense causal
-    variants  the efficient variants against exact attention: time, peak memory, error (each in a
-              fresh process: python -m mha.tools.bench_variants)
+    variants  the efficient variants: time and peak memory at each T (each in a fresh process:
+              python -m mha.tools.bench_variants), and with them their quality on all-MiniLM-L6-v2's
+              real attention (mha.tools.bench_quality: per-head error, embedding cosine, neighbours)
     hf        transformers models, one forward with attn_implementation="mha" against "sdpa" and
               "eager": the all-MiniLM-L6-v2 checkpoint (batch 32) and a tiny GPT-OSS (sinks, sliding
               window); time interleaved here, peak memory each in a fresh process (python -m
@@ -50,7 +51,7 @@ from ..general import MultiHeadAttention
 from ..kernels import BACKENDS, Contract, flash_attention
 from ..nn import MultiheadAttention
 from ..positions import CAUSAL, Band
-from . import bench_hf, bench_memory, bench_variants
+from . import bench_hf, bench_memory, bench_quality, bench_variants, plot_variants
 from .bench_memory import HEAD_DIM, HEADS
 
 _CAUSAL = Contract(band=CAUSAL)
@@ -63,6 +64,7 @@ class Row:
     times_ms: dict[str, float]  # implementation -> best time
     ratios: dict[str, float] = field(default_factory=dict)  # "ours/torch-train" -> value
     extra: dict[str, float] = field(default_factory=dict)  # GFLOP/s, MiB, errors ...
+    detail: dict = field(default_factory=dict)  # kept in results.json only (e.g. per-head errors)
 
 
 def machine() -> dict:
@@ -266,52 +268,22 @@ def variant_rows(lengths, repeat: int, names=None) -> Iterator[Row]:
     for T in lengths:
         for name in names or bench_variants.VARIANTS:
             result = run_worker("mha.tools.bench_variants", name, T, repeat)
+            if not result["finite"]:
+                raise RuntimeError(f"{name} at T={T} returned non-finite values")
             yield Row("variants", f"T{T} {name}", {"time": result["ms"]},
-                      extra={"peak RSS growth MiB": result["peak_mib"],
-                             "relative error (last 256 rows)": result["error"], "T": T})
+                      extra={"peak RSS growth MiB": result["peak_mib"], "T": T})
 
 
-_MARKERS = "osD^v<>pP*Xhd"
-
-
-def variant_styles(names: list[str]) -> dict[str, tuple]:
-    """A colour and a marker of its own for each variant (matplotlib's default cycle has ten
-    colours: the eleventh variant would reuse the first's)."""
-    import matplotlib
-
-    tab20 = matplotlib.colormaps["tab20"].colors
-    colours = tab20[0::2] + tab20[1::2]  # the ten strong shades first, then their light twins
-    return {name: (colours[i % 20], _MARKERS[i % len(_MARKERS)]) for i, name in enumerate(names)}
-
-
-def plot_variants(rows: list[Row], path: str) -> None:
-    """Time and error against T per variant, both log-log (one outlier must not flatten the rest)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    mine = [r for r in rows if r.section == "variants"]
-    names = list(dict.fromkeys(r.point.split(" ", 1)[1] for r in mine))
-    styles = variant_styles(names)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    for name in names:
-        points = [(r.extra["T"], r.times_ms["time"], r.extra["relative error (last 256 rows)"])
-                  for r in mine if r.point.split(" ", 1)[1] == name]
-        Ts, times, errors = zip(*points)
-        colour, marker = styles[name]
-        style = dict(linestyle="-" if name.startswith("exact") else "--", color=colour, marker=marker, label=name)
-        left.loglog(Ts, times, **style)
-        if not name.startswith("exact"):
-            right.loglog(Ts, [max(e, 1e-12) for e in errors], **style)  # an exact 0 would leave the log axis
-    left.set(title="time per forward (B=1, H=8, D=64)", xlabel="sequence length T", ylabel="ms")
-    right.set(title="relative error vs exact attention", xlabel="sequence length T", ylabel="|out - exact| / |exact|")
-    for ax in (left, right):
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def quality_rows(lengths, documents: int, repeat: int, names=None) -> Iterator[Row]:
+    """Every efficient variant on all-MiniLM-L6-v2's real attention (mha.tools.bench_quality)."""
+    model = bench_quality.checkpoint()
+    for T in lengths:
+        for q in bench_quality.measure(model, T, documents, names, repeat):
+            errors = torch.tensor(q.head_errors)  # (layers, heads)
+            yield Row("quality", f"T{T} {q.variant}", {"attention": q.attention_ms},
+                      extra={"T": T, "head error median": errors.median().item(), "head error max": errors.max().item(),
+                             "embedding cosine": q.cosine, "cosine min": q.cosine_min, "top-5 kept": q.neighbours_kept},
+                      detail={"head errors": q.head_errors})
 
 
 # -- workers in fresh processes (peak memory is per process) ------------------------------------
@@ -458,7 +430,24 @@ def write(rows: list[Row], info: dict, directory: str) -> list[str]:
         plot_backends(rows, paths[2])
     else:
         paths.pop()
-    if any(r.section == "variants" for r in rows):
-        paths.append(os.path.join(directory, "variants.png"))
-        plot_variants(rows, paths[-1])
+    if any(r.section in ("variants", "quality") for r in rows):
+        paths += plot_study(rows, directory)
+    return paths
+
+
+def plot_study(rows: list[Row], directory: str) -> list[str]:
+    """The efficient-attention study's figures; the trained task joins the Pareto plot when
+    ``directory`` holds benchmarks/train_variants.py's training.json."""
+    names = [r.point.split(" ", 1)[1] for r in rows if r.section in ("variants", "quality")]
+    training, training_path = None, os.path.join(directory, "training.json")
+    if os.path.exists(training_path):
+        with open(training_path) as f:
+            training = json.load(f)
+    styles = plot_variants.study_styles(names)
+    paths = [os.path.join(directory, "variants.png")]
+    plot_variants.plot_variants(rows, paths[0], styles)
+    if any(r.section == "quality" for r in rows):
+        paths += [os.path.join(directory, "quality.png"), os.path.join(directory, "pareto.png")]
+        plot_variants.plot_quality(rows, paths[1])
+        plot_variants.plot_pareto(rows, paths[2], styles, training)
     return paths

@@ -50,7 +50,7 @@ class BertCheckpoint:
         """[CLS] word pieces [SEP]; unknown words become [UNK]."""
         known = set(self.vocab)
         pieces = ["[CLS]"]
-        for word in re.findall(r"\w+|[^\w\s]", text.lower()):
+        for word in re.findall(r"[^\W_]+|\S", text.lower()):  # words of letters and digits; any other character alone
             pieces += _word_pieces(word, known)
         return pieces + ["[SEP]"]
 

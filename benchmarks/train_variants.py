@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import mha
-from mha.tools.plot_variants import study_styles
 from mha.tools.bench_variants import VARIANTS
+from mha.tools.plot_variants import study_styles
 
 DEFAULT_VARIANTS = ["exact (sdpa)", "exact causal (sdpa)", "local w=256", "strided c=sqrt(T)", "fixed c=sqrt(T)",
                     "linformer k=256", "nystrom m=64", "linear", "performer m=256"]

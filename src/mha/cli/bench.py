@@ -1,12 +1,12 @@
 """Benchmark mha against torch (ratios in one run) and write JSON, CSV and a plot.
 
 Sections: module (forward vs torch's train and eval paths), causal, overhead (tiny shapes and a
-decode step, where per-call Python work shows), backends (sdpa, flash, math,
-numpy blocked; GFLOP/s beside a matmul's), training (forward + backward), contract (our SDPA vs
-torch's on causal, bottom-right, padding, windows, ALiBi), memory (peak RSS of every default path
-in fresh processes), modern (KV-cache decoding, sliding windows), variants (the efficient
-variants: speed, and quality on all-MiniLM-L6-v2's real attention; the hf extra) and hf (transformers models with attn_implementation="mha"; the hf extra). See
-mha.tools.bench for how each is measured.
+decode step, where per-call Python work shows), backends (sdpa, flash, math, numpy blocked;
+GFLOP/s beside a matmul's), training (forward + backward), contract (our SDPA vs torch's on causal,
+bottom-right, padding, windows, ALiBi), memory (peak RSS of every default path in fresh
+processes), modern (KV-cache decoding, sliding windows), variants (the efficient variants: speed,
+and quality on all-MiniLM-L6-v2's real attention; the hf extra) and hf (transformers models with
+attn_implementation="mha"; the hf extra). See mha.tools.bench for how each is measured.
 """
 
 from __future__ import annotations

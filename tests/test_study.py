@@ -155,3 +155,20 @@ def test_the_whole_study_runs_small(tmp_path):
     paths = bench.write(rows, bench.machine(), str(tmp_path))
     assert {Path(p).name for p in paths} >= {"variants.png", "quality.png", "pareto.png"}
     assert "head errors" in json.loads((tmp_path / "results.json").read_text())["rows"][-1]["detail"]
+
+
+def test_mha_bench_variants_measures_speed_and_quality(tmp_path, monkeypatch, capsys):
+    from mha import cli
+    from mha.cli import bench as bench_cli
+
+    monkeypatch.setattr(bench_cli, "QUICK", {"variants": [64], "quality": ([32], 6)})
+    few = {name: bench_variants.VARIANTS[name] for name in ("exact (sdpa)", "local w=256", "performer m=256")}
+    monkeypatch.setattr(bench_variants, "VARIANTS", few)
+    monkeypatch.setattr(bench_quality, "VARIANTS", few)
+    assert cli.main(["bench", "--variants", "--quick", "--repeat", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "variants" in out and "quality" in out and "top-5 kept" in out
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["point"] for r in rows] == ["T64 exact (sdpa)", "T64 local w=256", "T64 performer m=256",
+                                          "T32 exact (sdpa)", "T32 local w=256", "T32 performer m=256"]
+    assert {p.name for p in tmp_path.iterdir()} >= {"variants.png", "quality.png", "pareto.png"}

@@ -94,13 +94,15 @@ def plot_quality(rows, path: str) -> None:
     from matplotlib.colors import LogNorm
 
     cols = min(4, len(quality))
-    fig, axes = plt.subplots(math.ceil(len(quality) / cols), cols, figsize=(4.2 * cols, 3 * math.ceil(len(quality) / cols)),
-                             squeeze=False)
+    fig, axes = plt.subplots(math.ceil(len(quality) / cols), cols, squeeze=False, layout="constrained",
+                             figsize=(4.2 * cols, 3.2 * math.ceil(len(quality) / cols)))
     norm = LogNorm(vmin=1e-3, vmax=10)
     for ax, (name, row) in zip(axes.flat, quality.items()):
         image = ax.imshow([[max(e, 1e-3) for e in layer] for layer in row.detail["head errors"]], norm=norm,
                           cmap="magma_r", aspect="auto")
-        ax.set(title=f"{name}, T={row.extra['T']}", xlabel="head", ylabel="layer")
+        layers, heads = len(row.detail["head errors"]), len(row.detail["head errors"][0])
+        ax.set(title=f"{name}, T={row.extra['T']}", xlabel="head", ylabel="layer", xticks=range(0, heads, 2),
+               yticks=range(layers))
     for ax in list(axes.flat)[len(quality):]:
         ax.axis("off")
     fig.colorbar(image, ax=axes, shrink=0.8, label="|out - exact| / |exact| on MiniLM's q, k, v")
@@ -119,23 +121,27 @@ def front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def plot_pareto(rows, path: str, styles: dict, training: dict | None = None) -> None:
-    """Speed against quality: MiniLM (every T) and, given training.json's content, the trained task."""
+    """Speed against quality: MiniLM (every T; the front at the largest) and, given training.json's
+    content, the trained task (each comparison)."""
     quality = by_variant(rows, "quality")
-    panels = [("embedding cosine", "sentence-embedding cosine to exact"),
-              ("top-5 kept", "fraction of top-5 neighbours kept")]
+    largest = max(r.extra["T"] for mine in quality.values() for r in mine)
+    panels = [("embedding cosine", "sentence-embedding cosine to exact"), ("top-5 kept", "fraction of top-5 neighbours kept")]
     comparisons = list((training or {}).get("summary", {}).items())
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(panels) + len(comparisons), figsize=(6.5 * (len(panels) + len(comparisons)), 5.5),
-                             squeeze=False)
-    for ax, (measure, label) in zip(axes[0], panels):
+    cols = 2
+    fig, axes = plt.subplots(math.ceil((len(panels) + len(comparisons)) / cols), cols, squeeze=False,
+                             figsize=(8 * cols, 6 * math.ceil((len(panels) + len(comparisons)) / cols)))
+    axes = list(axes.flat)
+    for ax, (measure, label) in zip(axes, panels):
         for name, mine in quality.items():
             ax.semilogx([r.times_ms["attention"] for r in mine], [r.extra[measure] for r in mine], **_style(name, styles))
             for r in mine:
                 ax.annotate(f"{r.extra['T']}", (r.times_ms["attention"], r.extra[measure]), fontsize=6, alpha=0.7)
-        _front(ax, [(r.times_ms["attention"], r.extra[measure]) for mine in quality.values() for r in mine])
-        ax.set(title="all-MiniLM-L6-v2, no retraining (labels: T)", xlabel="attention time, 6 layers (ms)",
-               ylabel=label)
-    for ax, (title, summary) in zip(axes[0][len(panels):], comparisons):
+        _front(ax, [(r.times_ms["attention"], r.extra[measure]) for mine in quality.values() for r in mine
+                    if r.extra["T"] == largest])
+        ax.set(title=f"all-MiniLM-L6-v2, no retraining (labels: T; grey: front at T={largest})",
+               xlabel="attention time, 6 layers (ms)", ylabel=label)
+    for ax, (title, summary) in zip(axes[len(panels):], comparisons):
         for name, s in summary.items():
             style = _style(name, styles)
             style.pop("linestyle")
@@ -143,11 +149,13 @@ def plot_pareto(rows, path: str, styles: dict, training: dict | None = None) -> 
                         capsize=3, **style)
         _front(ax, [(s["ms_per_step"], s["mean"]) for s in summary.values()])
         ax.set_xscale("log")
-        ax.set(title=f"trained task, {title} (bars: seed range)", xlabel="ms per training step",
+        ax.set(title=f"trained task, {title} (bars: seed range; grey: front)", xlabel="ms per training step",
                ylabel="held-out accuracy", ylim=(0, 1.02))
-    for ax in axes[0]:
+    for ax in axes[:len(panels) + len(comparisons)]:
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=7)
+    for ax in axes[len(panels) + len(comparisons):]:
+        ax.axis("off")
     _save(fig, path)
 
 

@@ -20,6 +20,7 @@ MiniLM has 512 learned positions, so T stops at 512.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -74,9 +75,10 @@ class Swapped(nn.Module):
         super().__init__()
         self.attention, self.variant, self.causal = attention, variant, causal
 
-    def forward(self, query, key, value, attn_mask=None, key_padding_mask=None, **_):
-        if attn_mask is not None or key_padding_mask is not None:
-            raise ValueError("the swapped attention takes unpadded, unmasked documents")
+    def forward(self, query, key, value, attn_mask=None, key_padding_mask=None, need_weights=False, is_causal=False):
+        if attn_mask is not None or key_padding_mask is not None or is_causal or need_weights:
+            raise ValueError("the swapped attention takes unpadded, unmasked documents and returns no weights "
+                             "(its causality is the variant's)")
         q, k, v = projections(self.attention, query)
         out = self.variant(q, k, v, is_causal=self.causal)  # (B, H, T, D)
         return self.attention.out_proj(out.transpose(1, 2).flatten(-2)), None  # (B, H, T, D) -> (B, T, E)
@@ -144,9 +146,9 @@ def measure(model: BertCheckpoint, length: int, count: int, names=None, repeat: 
 
 def _swap(layer: nn.Module, variant: nn.Module, causal: bool) -> nn.Module:
     """A shallow copy of ``layer`` whose self-attention runs ``variant``; ``layer`` is untouched."""
-    swapped = type(layer).__new__(type(layer))
-    swapped.__dict__ = {**layer.__dict__, "_modules": dict(layer._modules)}
-    swapped._modules["self_attn"] = Swapped(layer.self_attn, variant, causal)
+    swapped = copy.copy(layer)
+    swapped._modules = dict(layer._modules)  # copy.copy shares the submodule table
+    swapped.self_attn = Swapped(layer.self_attn, variant, causal)
     return swapped
 
 

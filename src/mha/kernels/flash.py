@@ -32,6 +32,7 @@ from torch import Tensor
 from .. import masks
 from ._context import autocast_inputs, forward_mode, transforms_active
 from .contract import Contract, mask_tile, resolve
+from .merge import sink_gradient
 
 BLOCK_Q = 256
 BLOCK_K = 256
@@ -54,14 +55,31 @@ def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract
     reason = unsupported(q, k, v, contract)
     if reason:
         raise ValueError(f"the flash backend cannot run this call: {reason}")
-    windowed = contract.band is not None and contract.band.left is not None
-    default_q, default_k = WINDOW_BLOCKS if windowed else (BLOCK_Q, BLOCK_K)
-    options = (contract, float(dropout_p), block_q or default_q, block_k or default_k)
+    options = (contract, float(dropout_p), *_block_sizes(contract, block_q, block_k))
     arguments = (contract.alibi_slopes, contract.sinks, options)
     if torch.is_autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):  # the tiles mix dtypes on purpose
             return _Flash.apply(*autocast_inputs(q, k, v), *arguments)
     return _Flash.apply(q, k, v, *arguments)
+
+
+def flash_attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
+                             contract: Contract | None = None) -> tuple[Tensor | None, ...]:
+    """(dq, dk, dv, d alibi_slopes or None, d sinks or None) of attention over these keys, given
+    the output ``out`` (..., L, Dv) and log-sum-exp ``lse`` (..., L) of the whole softmax, which may
+    span more keys than k and v hold (sequence-parallel attention's other blocks): P = e^(S - lse)
+    is then this block's share of the true probabilities, and the gradients are this block's exact
+    contributions, which add up over the blocks. No dropout. Gradients come in the inputs' dtypes."""
+    contract = resolve(contract)
+    block_q, block_k = _block_sizes(contract, None, None)
+    tiles = _Tiles(q, k, v, contract, 0.0)
+    return tuple(_backward(tiles, (q, k, v), out, lse, grad_out, block_q, block_k))
+
+
+def _block_sizes(contract: Contract, block_q: int | None, block_k: int | None) -> tuple[int, int]:
+    windowed = contract.band is not None and contract.band.left is not None
+    default_q, default_k = WINDOW_BLOCKS if windowed else (BLOCK_Q, BLOCK_K)
+    return block_q or default_q, block_k or default_k
 
 
 def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> str | None:
@@ -353,9 +371,8 @@ def _backward(tiles: _Tiles, inputs, out, lse, grad_out, block_q, block_k):
     grads.append(None if d_slopes is None else _per_head(d_slopes, contract.alibi_slopes, lead))
     if contract.sinks is None:
         grads.append(None)
-    else:  # d sink = -sum over rows of P_sink * delta, P_sink = e^(sink - lse)
-        p_sink = (_per_row(contract.sinks, lead, dtype)[:, :, 0] - lse3[..., 0]).exp()  # (BH, L)
-        grads.append(_per_head(-(p_sink * delta[..., 0]).sum(-1), contract.sinks, lead))
+    else:
+        grads.append(sink_gradient(contract.sinks, lse3.view(*lead, L), delta.view(*lead, L)))  # (BH, L, 1) -> (..., H, L)
     return grads
 
 

@@ -11,7 +11,10 @@ log-sum-exp so that this helper merges flash results over separate key sets (KV-
 sequence-parallel attention) exactly. An empty part (lse = -inf, e.g. a
 tile whose keys are all masked) contributes nothing; if both parts are empty the result is zeros.
 
-Shapes: out (..., L, Dv), lse (..., L) (float32 or wider).
+Attention sinks are such a part too: one key per head with logit sink_h and a zero value
+(out = 0, lse = sink_h), whose gradient is d sink_h = -sum_rows e^(sink_h - lse) rowsum(dO * O).
+
+Shapes: out (..., L, Dv), lse (..., L) (float32 or wider); sinks (H,) with H at dim -2 of lse.
 """
 
 from __future__ import annotations
@@ -31,3 +34,29 @@ def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) 
     """(out, lse) of the union of two key sets. Returns new tensors; the inputs are untouched."""
     lse, weight_a, weight_b = _weights(lse_a, lse_b)
     return out_a * weight_a.to(out_a.dtype) + out_b * weight_b.to(out_b.dtype), lse
+
+
+def merge_into(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """In place: (out, lse) becomes the merge of itself and (out_b, lse_b). ``out`` and ``lse`` may
+    be views (rows of a larger result); no temporary the size of ``out`` is made."""
+    merged, weight_a, weight_b = _weights(lse, lse_b)
+    out.mul_(weight_a.to(out.dtype)).addcmul_(out_b, weight_b.to(out.dtype))
+    lse.copy_(merged)
+
+
+def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> None:
+    """In place: the sinks (H,) join every row's softmax; out (..., H, L, Dv), lse (..., H, L)."""
+    sink_lse = sinks.to(lse.dtype)[:, None].expand_as(lse)  # (H,) -> (..., H, L)
+    merged, weight_a, _ = _weights(lse, sink_lse)
+    out.mul_(weight_a.to(out.dtype))  # the sink's value is zero: only the weight of the rest changes
+    lse.copy_(merged)
+
+
+def sink_gradient(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
+    """d sinks (H,) in sinks' dtype: -sum over rows (and batch) of e^(sink_h - lse) * delta, where
+    lse (..., H, L) is the whole softmax's (sinks included) and delta (..., H, L) = rowsum(dO * O).
+    A row with lse = -inf (it saw nothing, e.g. padding) contributes nothing."""
+    lse = torch.where(lse == float("-inf"), torch.full_like(lse, float("inf")), lse)  # e^(sink - inf) = 0
+    p_sink = (sinks.to(lse.dtype)[:, None] - lse).exp()  # (..., H, L)
+    per_head = -(p_sink * delta).sum(-1)  # (..., H)
+    return per_head.reshape(-1, per_head.shape[-1]).sum(0).to(sinks.dtype)  # (..., H) -> (B, H) -> (H,)

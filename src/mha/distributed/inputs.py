@@ -1,0 +1,55 @@
+"""The arguments ring_attention and ulysses_attention share, validated, and the score terms they
+carry (mha.kernels.Contract's, less the positions, which the layout gives).
+
+Shapes: q (B, H, T, D), k (B, Hkv, T, D), v (B, Hkv, T, Dv) with T = layout.local_length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from .. import _checks, positions
+from ..positions import Band
+from .layout import SequenceLayout
+
+
+@dataclass(frozen=True)
+class Terms:
+    """What shapes the scores besides positions: the band (causal, window), ALiBi slopes (H,),
+    scale, softcap and sinks (H,)."""
+    band: Band | None
+    alibi_slopes: Tensor | None
+    scale: float | None
+    softcap: float | None
+    sinks: Tensor | None
+
+
+def check(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, *, is_causal, scale, enable_gqa, window,
+          alibi_slopes, softcap, sinks) -> Terms:
+    if not isinstance(layout, SequenceLayout):
+        raise TypeError(f"layout must be an mha.distributed.SequenceLayout, got {type(layout).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _checks.floating(name, x)
+        _checks.rank(name, x, (4,), "(batch, heads, local length, head dim)")
+        if x.shape[2] != layout.local_length:
+            raise ValueError(f"{name} must hold this rank's {layout.local_length} slots of the sequence "
+                             f"(layout.local_length, dim 2), got shape {tuple(x.shape)}")
+    _checks.same_dtype_device("q", q, k=k, v=v)
+    if not (q.shape[0] == k.shape[0] == v.shape[0] and k.shape[1] == v.shape[1]):
+        raise ValueError(f"q, k and v must have the same batch size and k, v the same heads, got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k's head dim must equal q's ({q.shape[3]}), got shape {tuple(k.shape)}")
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__} ({enable_gqa!r})")
+    H, Hkv = q.shape[1], k.shape[1]
+    if Hkv != H and not (enable_gqa and H % Hkv == 0):
+        raise ValueError(f"k and v have {Hkv} heads and q has {H}: pass enable_gqa=True with key/value heads "
+                         f"that divide the query heads" if not enable_gqa else
+                         f"with enable_gqa the query heads ({H}) must be a multiple of the key/value heads ({Hkv})")
+    return Terms(band=positions.band(is_causal, window),
+                 alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, H, q),
+                 scale=_checks.optional_real("scale", scale), softcap=_checks.optional_positive_real("softcap", softcap),
+                 sinks=_checks.per_head("sinks", sinks, H, q))

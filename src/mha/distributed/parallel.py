@@ -1,0 +1,308 @@
+"""parallelize(module, mode): an mha attention module run across the ranks of a group.
+
+    "ring", "ulysses"  sequence-parallel: every rank holds the whole module and its part of the
+                       sequence (the inputs are shards, as SequenceLayout.shard gives them); the
+                       attention runs as ring_attention or ulysses_attention, RoPE at the
+                       sequence's positions. The parameters' gradients are summed over the group
+                       as they are computed, so each rank holds the single-process gradient.
+    "heads"            head-parallel (Megatron): every rank holds the whole sequence and 1/W of
+                       the heads: the q/k/v projections' rows of its heads (column-parallel), the
+                       output projection's columns of its heads (row-parallel: the partial outputs
+                       are summed over the group, then the bias is added). The input's gradient is
+                       summed over the group; each rank's parameters are its slices of the
+                       single-process module's, with their gradients.
+
+The module is changed in place (its class becomes a subclass that runs the parallel forward, as
+torch's fully_shard does) and returned. Sequence-parallel modules take ``layout=`` (a
+SequenceLayout) in forward; without it the sequence is W times the local length, unpadded.
+Masks, KV caches, attention weights and dropout are not taken in parallel (a clear error says so);
+causality, windows, ALiBi, softcap, sinks, RoPE and GQA are.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..attention import check_inputs, finish, own_tensors, split_heads
+from ..functional import ProjectionWeights, projected_attention
+from ..general import MultiHeadAttention
+from ..nn import MultiheadAttention
+from . import comm
+from .layout import BALANCES, SequenceLayout
+from .ring import ring_attention
+from .ulysses import ulysses_attention
+
+__all__ = ["MODES", "parallelize"]
+
+MODES = ("ring", "ulysses", "heads")
+_SEQUENCE_ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}
+
+
+def parallelize(module: nn.Module, mode: str = "ring", group=None, *, balance: str = "zigzag") -> nn.Module:
+    """``module`` (an mha.MultiHeadAttention or mha.nn.MultiheadAttention) made to run across the
+    ranks of ``group`` (default: the default group) in ``mode`` (see the module docstring); in
+    place, returned. ``balance``: the sequence layout when forward gets no ``layout``."""
+    if not isinstance(module, (MultiHeadAttention, MultiheadAttention)):
+        raise TypeError("parallelize takes an mha.MultiHeadAttention or mha.nn.MultiheadAttention, "
+                        f"got {type(module).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if balance not in BALANCES:
+        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+    if isinstance(module, _Parallel):
+        raise ValueError(f"the module is already parallelized ({module.parallel_mode!r})")
+    if isinstance(module, MultiHeadAttention) and module.attention is not None:
+        raise ValueError("an efficient attention variant is not parallelized: use attention='exact'")
+    size, rank = comm.world(group)
+    if mode == "heads":
+        _split_heads(module, size, rank, group)
+        mixin = _HeadParallelDropIn if isinstance(module, MultiheadAttention) else _HeadParallel
+    else:
+        comm.sum_gradients_over(module, group)
+        mixin = _SequenceParallelDropIn if isinstance(module, MultiheadAttention) else _SequenceParallel
+    module.__class__ = _subclass(mixin, type(module))
+    module.parallel_mode, module.parallel_group, module.parallel_balance = mode, group, balance
+    return module
+
+
+class _Parallel:
+    """What every parallelized module's class derives from (besides its own)."""
+    parallel_mode: str
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, parallel={self.parallel_mode!r}"
+
+    def _layout(self, layout: SequenceLayout | None, local_length: int) -> SequenceLayout:
+        if layout is None:
+            size, _ = comm.world(self.parallel_group)
+            return SequenceLayout(size * local_length, self.parallel_group, self.parallel_balance)
+        if not isinstance(layout, SequenceLayout):
+            raise TypeError(f"layout must be an mha.distributed.SequenceLayout or None, got {type(layout).__name__}")
+        return layout
+
+
+@functools.cache
+def _subclass(mixin: type, cls: type) -> type:
+    return type(f"{mixin.__name__.lstrip('_')}{cls.__name__}", (mixin, cls), {})
+
+
+def _refuse(mode: str, **given) -> None:
+    """A ValueError naming the first option given that parallel attention does not take."""
+    for name, value in given.items():
+        if value is not None and value is not False:
+            raise ValueError(f"a module parallelized with mode={mode!r} does not take {name} (got {value!r}); "
+                             "causality, windows, ALiBi, softcap, sinks, RoPE and GQA are supported")
+
+
+# -- sequence-parallel ----------------------------------------------------------------------------
+
+
+class _SequenceParallel(_Parallel):
+    """mha.MultiHeadAttention on sequence shards (B, T, c) -> (B, T, do)."""
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, *, key_padding_mask=None, attn_mask=None,
+                is_causal: bool = False, cache=None, backend: str = "auto", layout: SequenceLayout | None = None):
+        _refuse(self.parallel_mode, key_padding_mask=key_padding_mask, attn_mask=attn_mask, cache=cache,
+                add_bias_kv=self.bias_k is not None, add_zero_attn=self.add_zero_attn,
+                dropout=self.dropout if self.training and self.dropout > 0 else None,
+                backend=None if backend == "auto" else backend)
+        batched = check_inputs(query, key, value, query_width=("cq", self.cq), key_width=("ck", self.ck),
+                               value_width=("cv", self.cv), batch_first=True)
+        if not batched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)  # (T, c) -> (1, T, c)
+        layout = self._layout(layout, query.shape[1])
+        q = split_heads(self.q_proj(query), self.h)  # (B, T, h*dk) -> (B, h, T, dk)
+        k, v = split_heads(self.k_proj(key), self.num_kv_heads), split_heads(self.v_proj(value), self.num_kv_heads)
+        if self.rope is not None:  # at the sequence's positions, not the shard's
+            where = layout.positions(device=q.device)  # (T,)
+            q, k = self.rope(q, where), self.rope(k, where)
+        alibi_slopes, sinks = own_tensors(self, "alibi_slopes", "sinks")
+        o = _SEQUENCE_ATTENTION[self.parallel_mode](
+            q, k, v, layout, is_causal=is_causal, window=self.window, alibi_slopes=alibi_slopes,
+            softcap=self.softcap, sinks=sinks, enable_gqa=self.num_kv_heads != self.h)  # (B, h, T, dv)
+        out, _ = finish(o, None, out_proj=self.out_proj, average_attn_weights=True, batched=batched, seq_first=False)
+        return out
+
+
+class _SequenceParallelDropIn(_Parallel):
+    """mha.nn.MultiheadAttention on sequence shards, in its own layout (seq-first unless batch_first)."""
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask=None, need_weights: bool = True,
+                attn_mask=None, average_attn_weights: bool = True, is_causal: bool = False, *,
+                layout: SequenceLayout | None = None):
+        _refuse_weights(self.parallel_mode, need_weights)
+        _refuse(self.parallel_mode, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                add_bias_kv=self.bias_k is not None, add_zero_attn=self.add_zero_attn,
+                dropout=self.dropout if self.training and self.dropout > 0 else None)
+        batched = check_inputs(query, key, value, query_width=("embed_dim", self.embed_dim),
+                               key_width=("kdim", self.kdim), value_width=("vdim", self.vdim),
+                               batch_first=self.batch_first)
+        x_q, x_k, x_v = (_batch_first(x, batched, self.batch_first) for x in (query, key, value))  # (B, T, E)
+        layout = self._layout(layout, x_q.shape[1])
+        q, k, v = _projections(self).heads(x_q, x_k, x_v, self.num_heads, query is key and key is value)
+        o = _SEQUENCE_ATTENTION[self.parallel_mode](q, k, v, layout, is_causal=is_causal)  # (B, H, T, D)
+        weight, bias = own_tensors(self.out_proj, "weight", "bias")
+        out, _ = finish(o, None, out_proj=functools.partial(F.linear, weight=weight, bias=bias),
+                        average_attn_weights=True, batched=batched, seq_first=batched and not self.batch_first)
+        return out, None
+
+
+def _refuse_weights(mode: str, need_weights: bool) -> None:
+    if need_weights:
+        raise ValueError(f"a MultiheadAttention parallelized with mode={mode!r} returns no attention weights: "
+                         "call it with need_weights=False")
+
+
+def _batch_first(x: Tensor, batched: bool, batch_first: bool) -> Tensor:
+    if not batched:
+        return x.unsqueeze(0)  # (T, E) -> (1, T, E)
+    return x if batch_first else x.transpose(0, 1)  # (T, B, E) -> (B, T, E)
+
+
+def _projections(module: MultiheadAttention) -> ProjectionWeights:
+    packed, q_w, k_w, v_w, bias = own_tensors(module, "in_proj_weight", "q_proj_weight", "k_proj_weight",
+                                              "v_proj_weight", "in_proj_bias")
+    return ProjectionWeights(packed, q_w, k_w, v_w, bias)
+
+
+# -- head-parallel ----------------------------------------------------------------------------------
+
+
+class ColumnParallelLinear(nn.Module):
+    """This rank's rows of a Linear (its output features); the input's gradient is summed over the group."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, group) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+        self.group = group
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(comm.copy_to_group(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """This rank's columns of a Linear (its input features): the partial outputs are summed over the
+    group, then the (whole) bias is added."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, group) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+        self.group = group
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = comm.reduce_from_group(F.linear(x, self.weight), self.group)
+        return out if self.bias is None else out + self.bias
+
+
+class _HeadParallel(_Parallel):
+    """mha.MultiHeadAttention with this rank's heads: its own forward, on split projections."""
+
+    def forward_with_weights(self, *args, **kwargs):
+        raise ValueError("a module parallelized with mode='heads' returns no attention weights (each rank "
+                         "holds some of the heads): call forward")
+
+
+class _HeadParallelDropIn(_Parallel):
+    """mha.nn.MultiheadAttention with this rank's heads."""
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask=None, need_weights: bool = True,
+                attn_mask=None, average_attn_weights: bool = True, is_causal: bool = False):
+        _refuse_weights(self.parallel_mode, need_weights)
+        batched = check_inputs(query, key, value, query_width=("embed_dim", self.embed_dim),
+                               key_width=("kdim", self.kdim), value_width=("vdim", self.vdim),
+                               batch_first=self.batch_first)
+        same = query is key and key is value
+        query, key, value = (comm.copy_to_group(x, self.parallel_group) for x in (query, key, value))
+        if same:
+            key = value = query  # one packed projection, as before the split
+        weight, bias = own_tensors(self.out_proj, "weight", "bias")
+        bias_k, bias_v = own_tensors(self, "bias_k", "bias_v")
+        out, _ = projected_attention(
+            query, key, value, _projections(self), self.num_heads, bias_k=bias_k, bias_v=bias_v,
+            add_zero_attn=self.add_zero_attn, dropout_p=self.dropout if self.training else 0.0,
+            out_proj_weight=weight, out_proj_bias=None, key_padding_mask=key_padding_mask, need_weights=False,
+            attn_mask=self._my_heads(attn_mask, batched), average_attn_weights=True, is_causal=is_causal,
+            batched=batched, batch_first=self.batch_first, backend=getattr(self, "backend", "auto"))
+        out = comm.reduce_from_group(out, self.parallel_group)
+        return (out if bias is None else out + bias), None
+
+    def _my_heads(self, attn_mask: Tensor | None, batched: bool) -> Tensor | None:
+        """A per-head attn_mask (B*H, L, S) (unbatched (H, L, S)) cut to this rank's heads."""
+        if attn_mask is None or attn_mask.dim() != 3:
+            return attn_mask
+        size, rank = comm.world(self.parallel_group)
+        H = self.num_heads * size
+        per_head = attn_mask.unflatten(0, (-1, H)) if batched else attn_mask[None]  # (B*H, L, S) -> (B, H, L, S)
+        mine = per_head[:, rank * self.num_heads:(rank + 1) * self.num_heads]
+        return mine.flatten(0, 1) if batched else mine[0]  # (B, H / W, L, S) -> (B*H / W, L, S)
+
+
+def _split_heads(module: nn.Module, size: int, rank: int, group) -> None:
+    """Keep this rank's heads of every per-head parameter and buffer (in place)."""
+    H = module.h if isinstance(module, MultiHeadAttention) else module.num_heads
+    Hkv = module.num_kv_heads if isinstance(module, MultiHeadAttention) else H
+    if H % size or Hkv % size:
+        raise ValueError(f"mode='heads' splits the heads among the ranks: {H} query heads and {Hkv} key/value "
+                         f"heads must both divide among {size} ranks")
+    heads, kv_heads = _share(H, size, rank), _share(Hkv, size, rank)
+    with torch.no_grad():
+        if isinstance(module, MultiHeadAttention):
+            _split_general(module, heads, kv_heads, group)
+        else:
+            _split_drop_in(module, heads)
+
+
+def _share(count: int, size: int, rank: int) -> slice:
+    """Rank ``rank``'s part of ``count`` heads split evenly among ``size`` ranks."""
+    return slice(rank * count // size, (rank + 1) * count // size)
+
+
+def _features(heads: slice, width: int) -> slice:
+    """The features of ``heads`` in a (heads * width) dimension."""
+    return slice(heads.start * width, heads.stop * width)
+
+
+def _part(x: Tensor | None, dim: int, features: slice) -> Tensor | None:
+    return None if x is None else x.narrow(dim, features.start, features.stop - features.start).clone()
+
+
+def _split_general(module: MultiHeadAttention, heads: slice, kv_heads: slice, group) -> None:
+    qk, kv, vv = _features(heads, module.dk), _features(kv_heads, module.dk), _features(kv_heads, module.dv)
+    for name, rows in (("q_proj", qk), ("k_proj", kv), ("v_proj", vv)):
+        linear = getattr(module, name)
+        setattr(module, name, ColumnParallelLinear(_part(linear.weight, 0, rows), _part(linear.bias, 0, rows), group))
+    out = module.out_proj
+    module.out_proj = RowParallelLinear(_part(out.weight, 1, _features(heads, module.dv)),
+                                        None if out.bias is None else out.bias.detach().clone(), group)
+    if module.bias_k is not None:
+        module.bias_k = nn.Parameter(_part(module.bias_k, 2, kv))
+        module.bias_v = nn.Parameter(_part(module.bias_v, 2, vv))
+    if module.sinks is not None:
+        module.sinks = nn.Parameter(_part(module.sinks, 0, heads))
+    if module.alibi_slopes is not None:
+        module.alibi_slopes = _part(module.alibi_slopes, 0, heads)
+    module.h, module.num_kv_heads = heads.stop - heads.start, kv_heads.stop - kv_heads.start
+
+
+def _split_drop_in(module: MultiheadAttention, heads: slice) -> None:
+    features = _features(heads, module.head_dim)
+    E = module.embed_dim
+    thirds = [slice(i * E + features.start, i * E + features.stop) for i in range(3)]  # q, k, v rows
+    if module.in_proj_weight is not None:
+        module.in_proj_weight = nn.Parameter(torch.cat([module.in_proj_weight[rows] for rows in thirds]))
+    else:
+        for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+            setattr(module, name, nn.Parameter(_part(getattr(module, name), 0, features)))
+    if module.in_proj_bias is not None:
+        module.in_proj_bias = nn.Parameter(torch.cat([module.in_proj_bias[rows] for rows in thirds]))
+    module.out_proj.weight = nn.Parameter(_part(module.out_proj.weight, 1, features))
+    if module.bias_k is not None:
+        module.bias_k = nn.Parameter(_part(module.bias_k, 2, features))
+        module.bias_v = nn.Parameter(_part(module.bias_v, 2, features))
+    module.num_heads = heads.stop - heads.start

@@ -12,6 +12,7 @@ every process is killed and TimeoutError is raised.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -37,17 +38,20 @@ def backend_for(device: str | torch.device = "cpu") -> str:
     return "cpu:gloo,cuda:nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def spawn(fn, nprocs: int, *args, timeout: float = 120.0, threads: int | None = None, device: str = "cpu") -> list:
+def spawn(fn, nprocs: int, *args, timeout: float = 120.0, threads: int | None = None, device: str = "cpu",
+          env: dict[str, str] | None = None) -> list:
     """``[fn(*args) on rank r for r in range(nprocs)]``, each rank in its own process (see the module
     docstring). ``fn`` must be importable (a module-level function). ``threads``: torch's intra-op
-    threads per rank (default: this machine's cores shared out, at least 1)."""
+    threads per rank (default: this machine's cores shared out, at least 1). ``env``: added to the
+    processes' environment (read when they start, e.g. by the C library's malloc)."""
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
     threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
     with tempfile.TemporaryDirectory(prefix="mha-spawn-") as folder:
         setup = (f"tcp://127.0.0.1:{free_port()}", nprocs, threads, device, timeout, folder)
-        context = mp.start_processes(_run_rank, args=(setup, fn, args), nprocs=nprocs, join=False,
-                                     start_method="spawn")
+        with _environment(env or {}):
+            context = mp.start_processes(_run_rank, args=(setup, fn, args), nprocs=nprocs, join=False,
+                                         start_method="spawn")
         deadline = time.monotonic() + timeout
         try:
             while not context.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
@@ -58,6 +62,20 @@ def spawn(fn, nprocs: int, *args, timeout: float = 120.0, threads: int | None = 
                 if process.is_alive():
                     process.kill()
         return [torch.load(os.path.join(folder, f"{rank}.pt"), weights_only=False) for rank in range(nprocs)]
+
+
+@contextlib.contextmanager
+def _environment(changes: dict[str, str]):
+    saved = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def _run_rank(rank: int, setup, fn, args) -> None:

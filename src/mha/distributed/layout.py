@@ -45,6 +45,14 @@ class Piece:
         """The local slots that hold tokens."""
         return slice(self.local, self.local + self.valid)
 
+    def within(self, slots: range) -> Piece | None:
+        """The piece's tokens that sit in local ``slots`` (a run of them), or None if there are none."""
+        first, last = max(self.local, slots.start), min(self.local + self.valid, slots.stop)
+        if last <= first:
+            return None
+        count = last - first
+        return Piece(first, self.start + self.stride * (first - self.local), count, count, self.stride)
+
     def positions(self, device=None) -> Tensor:
         """(valid,) int64: the positions of the tokens."""
         return torch.arange(self.start, self.start + self.stride * self.valid, self.stride, device=device)

@@ -34,6 +34,7 @@ the one arriving, and one block's partial output; never the whole sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -48,7 +49,7 @@ from .layout import Piece, SequenceLayout
 
 __all__ = ["ring_attention"]
 
-_ACCUMULATORS = 2  # the tags of dK/dV in flight, apart from K/V's (0 and 1)
+_ACCUMULATORS = 4  # the tags of dK/dV in flight, apart from K/V's (0 to 3: two units of two tensors)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, *, is_causal: bool = False,
@@ -74,22 +75,27 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, *, i
 
 @dataclass(frozen=True)
 class Block:
-    """One pair of a step: query slots ``rows`` against the held block's key slots ``cols``."""
+    """One pair of a step: query slots ``rows`` against key slots ``cols`` of the keys held."""
     rows: slice
     cols: slice
     contract: Contract
 
 
-def blocks(layout: SequenceLayout, query_rank: int, key_rank: int, terms: Terms, device=None) -> list[Block]:
-    """The pairs of pieces rank ``query_rank`` computes against ``key_rank``'s keys, skipping the
-    pairs the band hides entirely."""
+def blocks(layout: SequenceLayout, query_rank: int, key_rank: int, terms: Terms, device=None,
+           key_slots: range | None = None) -> list[Block]:
+    """The pairs of pieces rank ``query_rank`` computes against ``key_rank``'s keys (those in
+    ``key_slots``, a run of its slots, by default all; ``cols`` count from its start), skipping
+    the pairs the band hides entirely."""
+    key_slots = key_slots or range(layout.local_length)
     found = []
     for qp in layout.pieces(query_rank):
         for kp in layout.pieces(key_rank):
-            if qp.valid and kp.valid:
+            kp = kp.within(key_slots)
+            if qp.valid and kp is not None:
                 contract = _pair_contract(qp, kp, terms, device)
                 if contract is not None:
-                    found.append(Block(qp.rows, kp.rows, contract))
+                    cols = slice(kp.local - key_slots.start, kp.local - key_slots.start + kp.valid)
+                    found.append(Block(qp.rows, cols, contract))
     return found
 
 
@@ -108,6 +114,26 @@ def _pair_contract(qp: Piece, kp: Piece, terms: Terms, device) -> Contract | Non
     return contract_of(band=band, offset=offset, **shaping)
 
 
+def visible_pairs(layout: SequenceLayout, query_rank: int, key_rank: int, terms: Terms) -> int:
+    """How many (query, key) scores rank ``query_rank`` computes against ``key_rank``'s keys: the
+    work of one step of the ring (a fully visible pair counts L * S, a causal diagonal about half)."""
+    total = 0
+    for b in blocks(layout, query_rank, key_rank, terms):
+        L, S, contract = b.rows.stop - b.rows.start, b.cols.stop - b.cols.start, b.contract
+        band = contract.band
+        if band is None:
+            total += L * S
+            continue
+        if contract.positions is None:
+            q_pos, k_pos = torch.arange(L) + contract.offset, torch.arange(S)
+        else:
+            q_pos, k_pos = contract.positions[0][0], contract.positions[1][0]  # (1, L), (1, S) -> (L,), (S,)
+        lo = torch.zeros(L, dtype=torch.long) if band.left is None else torch.searchsorted(k_pos, q_pos - band.left)
+        hi = torch.full((L,), S) if band.right is None else torch.searchsorted(k_pos, q_pos + band.right, right=True)
+        total += int((hi - lo).clamp_(min=0).sum())
+    return total
+
+
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, alibi_slopes, sinks, layout: SequenceLayout, terms: Terms):
@@ -116,11 +142,9 @@ class _Ring(torch.autograd.Function):
         out = torch.zeros(B, H, T, v.shape[-1], dtype=compute, device=q.device)
         lse = torch.full((B, H, T), float("-inf"), dtype=compute, device=q.device)
         qc = q.to(compute)
-        for owner, (kc, vc) in _around(layout, (k, v)):
-            kc, vc = kc.to(compute), vc.to(compute)
-            for b in blocks(layout, layout.rank, owner, terms, q.device):
-                part_out, part_lse = partial.forward(qc[:, :, b.rows], kc[:, :, b.cols], vc[:, :, b.cols], b.contract)
-                merge_into(out[:, :, b.rows], lse[:, :, b.rows], part_out, part_lse)
+        for unit in _around(layout, (k, v)):
+            _attend_unit(qc, unit, out, lse, layout, terms)
+            del unit  # let the unit go before the next one arrives
         if sinks is not None:
             add_sinks(out, lse, sinks)
         out = out.to(q.dtype)
@@ -137,27 +161,20 @@ class _Ring(torch.autograd.Function):
         dq = torch.zeros_like(qc)
         d_slopes = None if terms.alibi_slopes is None else torch.zeros_like(terms.alibi_slopes, dtype=compute)
         ring = comm.Ring(layout.group)
-        travelling = None  # the held block's dK/dV accumulator, on its way around the ring
-        for step, (owner, (kc, vc)) in enumerate(_around(layout, (k, v))):
-            kc, vc = kc.to(compute), vc.to(compute)
-            incoming = ring.pass_on(travelling, tag=_ACCUMULATORS) if step > 0 else None  # the accumulator of the block now held
-            dk, dv = torch.zeros_like(kc), torch.zeros_like(vc)
-            for b in blocks(layout, layout.rank, owner, terms, q.device):
-                rows, cols = b.rows, b.cols
-                grads = partial.backward(qc[:, :, rows], kc[:, :, cols], vc[:, :, cols], b.contract,
-                                         oc[:, :, rows], lse[:, :, rows], doc[:, :, rows])
-                dq[:, :, rows] += grads[0]
-                dk[:, :, cols] += grads[1]
-                dv[:, :, cols] += grads[2]
-                if grads[3] is not None:
-                    d_slopes += grads[3]
+        travelling = {}  # unit index -> the dK/dV accumulator of that unit of the block held, on its way around
+        for unit in _around(layout, (k, v)):
+            tag = _ACCUMULATORS + 2 * unit.index  # apart from K/V's tags, and per unit
+            incoming = ring.pass_on(travelling[unit.index], tag=tag) if unit.step > 0 else None
+            dk, dv = _differentiate_unit(qc, oc, doc, lse, unit, dq, d_slopes, layout, terms)
             if incoming is not None:
                 acc_k, acc_v = incoming.wait()
                 dk, dv = dk.add_(acc_k), dv.add_(acc_v)
-            travelling = (dk, dv)
+            travelling[unit.index] = (dk, dv)
+            del unit
         if layout.world_size > 1:  # the last holder sends each accumulator home
-            travelling = ring.pass_on(travelling, tag=_ACCUMULATORS).wait()
-        dk, dv = travelling
+            for index, acc in travelling.items():
+                travelling[index] = ring.pass_on(acc, tag=_ACCUMULATORS + 2 * index).wait()
+        dk, dv = (torch.cat([travelling[index][i] for index in sorted(travelling)], dim=2) for i in (0, 1))
         d_sinks = None
         if sinks is not None:
             d_sinks = sink_gradient(sinks, lse, (doc * oc).sum(-1))  # delta = rowsum(dO * O): (B, H, T)
@@ -165,14 +182,62 @@ class _Ring(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_slopes, d_sinks, None, None
 
 
+def _attend_unit(qc: Tensor, unit: Unit, out: Tensor, lse: Tensor, layout: SequenceLayout, terms: Terms) -> None:
+    """Merge the attention of the queries ``qc`` over one unit of keys into ``out`` and ``lse``."""
+    ku, vu = (x.to(qc.dtype) for x in unit.tensors)
+    for b in blocks(layout, layout.rank, unit.owner, terms, qc.device, unit.slots):
+        part_out, part_lse = partial.forward(qc[:, :, b.rows], ku[:, :, b.cols], vu[:, :, b.cols], b.contract)
+        merge_into(out[:, :, b.rows], lse[:, :, b.rows], part_out, part_lse)
+        del part_out, part_lse  # before the next part is made
+
+
+def _differentiate_unit(qc, oc, doc, lse, unit: Unit, dq: Tensor, d_slopes: Tensor | None,
+                        layout: SequenceLayout, terms: Terms) -> tuple[Tensor, Tensor]:
+    """This rank's queries' contributions to one unit's dK, dV (returned) and to dq and d_slopes
+    (added in place), from the whole softmax's output ``oc`` and ``lse``."""
+    ku, vu = (x.to(qc.dtype) for x in unit.tensors)
+    dk, dv = torch.zeros_like(ku), torch.zeros_like(vu)
+    for b in blocks(layout, layout.rank, unit.owner, terms, qc.device, unit.slots):
+        rows, cols = b.rows, b.cols
+        grads = partial.backward(qc[:, :, rows], ku[:, :, cols], vu[:, :, cols], b.contract,
+                                 oc[:, :, rows], lse[:, :, rows], doc[:, :, rows])
+        dq[:, :, rows] += grads[0]
+        dk[:, :, cols] += grads[1]
+        dv[:, :, cols] += grads[2]
+        if grads[3] is not None:
+            d_slopes += grads[3]
+    return dk, dv
+
+
+class Unit(NamedTuple):
+    """A run of slots of the block held at a step of the ring, with its K/V tensors."""
+    step: int
+    owner: int  # the rank whose block it is
+    index: int
+    slots: range
+    tensors: tuple[Tensor, ...]
+
+
+def units(local_length: int) -> list[range]:
+    """The runs of slots K/V travel in: two halves (one when there is a single slot)."""
+    half = (local_length + 1) // 2
+    return [range(0, half), range(half, local_length)] if local_length > 1 else [range(local_length)]
+
+
 def _around(layout: SequenceLayout, block: tuple[Tensor, ...]):
-    """(owner rank, block) for every step of the ring, starting with this rank's own block; the
-    next block is received while the current one is computed on."""
+    """Every unit of every step of the ring, starting with this rank's own block. A unit of the next block is received
+    while the same unit of this one is computed on (and sent on); once done, it is let go, so a
+    rank holds its own block, the one it computes on and one unit more."""
     ring = comm.Ring(layout.group)
+    parts = units(layout.local_length)
+    held = [tuple(t[:, :, slots] for t in block) for slots in parts]  # step 0: views of this rank's own
     owner = layout.rank
     for step in range(layout.world_size):
-        arriving = ring.pass_on(block) if step < layout.world_size - 1 else None
-        yield owner, block
-        if arriving is not None:
-            block = arriving.wait()
-            owner = (owner - 1) % layout.world_size
+        arrived = []
+        for i, slots in enumerate(parts):
+            flight = ring.pass_on(held[i], tag=2 * i) if step < layout.world_size - 1 else None
+            yield Unit(step, owner, i, slots, held[i])
+            held[i] = None  # computed on and (after the wait below) sent: let go
+            if flight is not None:
+                arrived.append(flight.wait())
+        held, owner = arrived, (owner - 1) % layout.world_size

@@ -130,11 +130,10 @@ def _contract(settings: Settings, offset: int = 0) -> Contract:
 
 def _scores(settings: Settings, layout: SequenceLayout) -> int:
     """The (query, key) scores this rank computes, per head and sequence."""
-    if settings.mode == "single":
-        return visible_pairs(layout, 0, 0, _terms(settings))
+    W, terms = layout.world_size, _terms(settings)
     if settings.mode == "ulysses":  # the whole sequence for 1/W of the heads
-        return visible_pairs(SequenceLayout(settings.length), 0, 0, _terms(settings)) // layout.world_size
-    return sum(visible_pairs(layout, layout.rank, r, _terms(settings)) for r in range(layout.world_size))
+        return sum(visible_pairs(layout, mine, theirs, terms) for mine in range(W) for theirs in range(W)) // W
+    return sum(visible_pairs(layout, layout.rank, theirs, terms) for theirs in range(W))
 
 
 def _terms(settings: Settings) -> Terms:

@@ -5,8 +5,9 @@ decode step, where per-call Python work shows), backends (sdpa, flash, math, num
 GFLOP/s beside a matmul's), training (forward + backward), contract (our SDPA vs torch's on causal,
 bottom-right, padding, windows, ALiBi), memory (peak RSS of every default path in fresh
 processes), modern (KV-cache decoding, sliding windows), variants (the efficient variants: speed,
-and quality on all-MiniLM-L6-v2's real attention; the hf extra) and hf (transformers models with
-attn_implementation="mha"; the hf extra). See mha.tools.bench for how each is measured.
+and quality on all-MiniLM-L6-v2's real attention; the hf extra), hf (transformers models with
+attn_implementation="mha"; the hf extra) and distributed (ring and Ulysses attention on spawned
+ranks against one process: memory per rank, balance). See mha.tools.bench for how each is measured.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [25
             causal=[(1, 4096, 512), (4, 4096, 256)], backends=[512, 1024, 2048, 4096],
             training=[(4, 512, 512), (1, 2048, 512)], contract=4096, memory=8192, decode=1024, overhead_decode=[1024, 8192],
             window=(16384, 256), variants=[256, 1024, 4096, 16384], quality=([128, 256, 512], 32),
-            hf={"minilm": 128, "gpt-oss": 4096})
+            hf={"minilm": 128, "gpt-oss": 4096}, distributed=(65536, 4))
 QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 2048, 256)],
              backends=[512, 1024], training=[(4, 512, 256)], contract=1024, memory=2048, decode=128, overhead_decode=[1024],
-             window=(4096, 128), variants=[256, 1024], quality=([64, 128], 16), hf={"minilm": 128, "gpt-oss": 1024})
-SECTIONS = ("module", "causal", "overhead", "backends", "training", "contract", "memory", "modern", "variants", "hf")
-OPT_IN = ("variants", "hf")  # not in the default run: the variants study is long, hf needs the hf extra
+             window=(4096, 128), variants=[256, 1024], quality=([64, 128], 16), hf={"minilm": 128, "gpt-oss": 1024}, distributed=(8192, 4))
+SECTIONS = ("module", "causal", "overhead", "backends", "training", "contract", "memory", "modern", "variants", "hf",
+            "distributed")
+OPT_IN = ("variants", "hf", "distributed")  # not in the default run: long (variants, distributed), or the hf extra
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +105,9 @@ def _jobs(grid, sections, repeat):
     if "hf" in sections:
         jobs += [(f"hf {name} T{T}", lambda name=name, T=T: list(bench.hf_rows(name, T, repeat)))
                  for name, T in grid["hf"].items()]
+    if "distributed" in sections:
+        T, nprocs = grid["distributed"]
+        jobs.append((f"distributed T{T} on {nprocs} ranks", lambda: list(bench.distributed_rows(T, nprocs))))
     if "modern" in sections:
         jobs.append((f"decode {grid['decode']} tokens", lambda: [bench.decode_row(grid["decode"])]))
         jobs.append((f"window {grid['window']}", lambda: [bench.window_row(*grid["window"], repeat)]))

@@ -98,8 +98,9 @@ def run_rank(settings: Settings) -> dict:
     wall, cpu = time.perf_counter(), time.thread_time()
     out, layout = _attend(settings)
     wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    steps = _step_scores(settings, layout)
     report = {"rank": layout.rank, "seconds": wall, "cpu_seconds": cpu, "peak_growth_mib": _rss_mib("VmHWM") - before,
-              "scores": _scores(settings, layout)}
+              "scores": sum(steps), "step_scores": steps}
     checked = _checked_rows(settings, layout, out)
     del out
     if comm.initialized() and layout.world_size > 1:
@@ -128,12 +129,13 @@ def _contract(settings: Settings, offset: int = 0) -> Contract:
     return Contract(band=positions.band(settings.causal), offset=offset)
 
 
-def _scores(settings: Settings, layout: SequenceLayout) -> int:
-    """The (query, key) scores this rank computes, per head and sequence."""
+def _step_scores(settings: Settings, layout: SequenceLayout) -> list[int]:
+    """The (query, key) scores this rank computes at each step of the ring (per head and sequence;
+    Ulysses and one process: a single step)."""
     W, terms = layout.world_size, _terms(settings)
     if settings.mode == "ulysses":  # the whole sequence for 1/W of the heads
-        return sum(visible_pairs(layout, mine, theirs, terms) for mine in range(W) for theirs in range(W)) // W
-    return sum(visible_pairs(layout, layout.rank, theirs, terms) for theirs in range(W))
+        return [sum(visible_pairs(layout, mine, theirs, terms) for mine in range(W) for theirs in range(W)) // W]
+    return [visible_pairs(layout, layout.rank, (layout.rank - step) % W, terms) for step in range(W)]
 
 
 def _terms(settings: Settings) -> Terms:

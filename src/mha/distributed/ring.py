@@ -43,6 +43,7 @@ from .. import masks, positions
 from ..kernels import partial
 from ..kernels.contract import Contract, contract_of
 from ..kernels.merge import add_sinks, merge_into, sink_gradient
+from ..positions import Band
 from . import comm
 from .inputs import Terms, check
 from .layout import Piece, SequenceLayout
@@ -102,11 +103,13 @@ def blocks(layout: SequenceLayout, query_rank: int, key_rank: int, terms: Terms,
 def _pair_contract(qp: Piece, kp: Piece, terms: Terms, device) -> Contract | None:
     """The contract of query piece ``qp`` against key piece ``kp``, or None when nothing is visible."""
     shaping = dict(alibi_slopes=terms.alibi_slopes, scale=terms.scale, softcap=terms.softcap)
-    if qp.stride != 1:  # striped: positions given one by one
-        q_pos, k_pos = qp.positions(device)[None], kp.positions(device)[None]  # (1, L), (1, S)
-        return contract_of(band=terms.band, positions=(q_pos, k_pos), **shaping)
-    offset = qp.start - kp.start  # query i at a + i, key j at b + j: rel = j - (i + a - b)
-    band = positions.needed(terms.band, qp.valid, kp.valid, offset)
+    band, offset = terms.band, qp.start - kp.start  # query i at a + i, key j at b + j: rel = j - (i + a - b)
+    if qp.stride != 1:  # striped: query i at a + W i, key j at b + W j
+        if terms.alibi_slopes is not None:  # |rel| = |W (j - i) + b - a|: the positions one by one
+            q_pos, k_pos = qp.positions(device)[None], kp.positions(device)[None]  # (1, L), (1, S)
+            return contract_of(band=band, positions=(q_pos, k_pos), **shaping)
+        band, offset = _strided_band(band, qp.stride, kp.start - qp.start), 0
+    band = positions.needed(band, qp.valid, kp.valid, offset)
     if band is not None:
         lo, hi = band.key_range(offset, offset + qp.valid - 1, kp.valid)
         if hi <= lo:
@@ -132,6 +135,16 @@ def visible_pairs(layout: SequenceLayout, query_rank: int, key_rank: int, terms:
         hi = torch.full((L,), S) if band.right is None else torch.searchsorted(k_pos, q_pos + band.right, right=True)
         total += int((hi - lo).clamp_(min=0).sum())
     return total
+
+
+def _strided_band(band: Band | None, stride: int, shift: int) -> Band | None:
+    """The band on key index j - query index i where rel = stride * (j - i) + shift:
+    -left <= rel <= right  <=>  ceil((-left - shift) / stride) <= j - i <= floor((right - shift) / stride)."""
+    if band is None:
+        return None
+    left = None if band.left is None else (band.left + shift) // stride  # -ceil(x) = floor(-x)
+    right = None if band.right is None else (band.right - shift) // stride
+    return Band(left, right)
 
 
 class _Ring(torch.autograd.Function):

@@ -22,6 +22,10 @@ drift in the machine's speed hits them alike). Sections:
     variants  the efficient variants: time and peak memory at each T (each in a fresh process:
               python -m mha.tools.bench_variants), and with them their quality on all-MiniLM-L6-v2's
               real attention (mha.tools.bench_quality: per-head error, embedding cosine, neighbours)
+    distributed  ring attention (zigzag, contiguous, striped) and Ulysses attention on W spawned ranks
+              against one process running flash over the whole causal sequence: peak memory per
+              rank, balance of the ranks' attention CPU time, scores per ring step, a check
+              (mha.tools.bench_distributed)
     hf        transformers models, one forward with attn_implementation="mha" against "sdpa" and
               "eager": the all-MiniLM-L6-v2 checkpoint (batch 32) and a tiny GPT-OSS (sinks, sliding
               window); time interleaved here, peak memory each in a fresh process (python -m
@@ -51,7 +55,8 @@ from ..general import MultiHeadAttention
 from ..kernels import BACKENDS, Contract, flash_attention
 from ..nn import MultiheadAttention
 from ..positions import CAUSAL, Band
-from . import bench_hf, bench_memory, bench_quality, bench_variants, plot_variants
+from ..distributed import demo
+from . import bench_distributed, bench_hf, bench_memory, bench_quality, bench_variants, plot_variants
 from .bench_memory import HEAD_DIM, HEADS
 
 _CAUSAL = Contract(band=CAUSAL)
@@ -335,6 +340,24 @@ def hf_rows(name: str, T: int, repeat: int) -> Iterator[Row]:
     yield Row("hf", f"{name} B{batch} T{T}", times, ratios, {f"{i} peak MiB": g for i, g in growth.items()})
 
 
+def distributed_rows(T: int, nprocs: int) -> Iterator[Row]:
+    """Ring (each balance) and Ulysses attention on ``nprocs`` spawned ranks against one process
+    running flash over the whole causal sequence (mha.tools.bench_distributed)."""
+    baseline = None
+    for mode, balance, reports in bench_distributed.runs(T, nprocs):
+        s = demo.summary(reports)
+        if mode == "single":
+            baseline = s["peak_growth_mib"]
+            yield Row("distributed", f"T{T} one process, flash", {"attention (wall)": s["seconds"] * 1e3}, {},
+                      {"peak growth MiB": baseline, "attention CPU s": reports[0]["cpu_seconds"]})
+            continue
+        yield Row("distributed", f"T{T} W{nprocs} {mode} {balance}", {"slowest rank (wall)": s["seconds"] * 1e3},
+                  {"peak per rank / one process": s["peak_growth_mib"] / baseline,
+                   "slowest / fastest rank CPU": s["cpu_balance"]},
+                  {"peak per rank MiB": s["peak_growth_mib"], "scores slowest / fastest": s["score_balance"],
+                   "check error": s["check_error"]}, detail={"ranks": reports})
+
+
 # -- the attention contract: time against torch on the same calls ---------------------------------
 
 def contract_rows(T: int, repeat: int) -> Iterator[Row]:
@@ -432,6 +455,9 @@ def write(rows: list[Row], info: dict, directory: str) -> list[str]:
         paths.pop()
     if any(r.section in ("variants", "quality") for r in rows):
         paths += plot_study(rows, directory)
+    if any(r.section == "distributed" for r in rows):
+        paths.append(os.path.join(directory, "distributed.png"))
+        bench_distributed.plot_distributed(rows, paths[-1])
     return paths
 
 

@@ -30,7 +30,8 @@ FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [25
             hf={"minilm": 128, "gpt-oss": 4096}, distributed=(65536, 4))
 QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 2048, 256)],
              backends=[512, 1024], training=[(4, 512, 256)], contract=1024, memory=2048, decode=128, overhead_decode=[1024],
-             window=(4096, 128), variants=[256, 1024], quality=([64, 128], 16), hf={"minilm": 128, "gpt-oss": 1024}, distributed=(8192, 4))
+             window=(4096, 128), variants=[256, 1024], quality=([64, 128], 16), hf={"minilm": 128, "gpt-oss": 1024},
+             distributed=(8192, 4))
 SECTIONS = ("module", "causal", "overhead", "backends", "training", "contract", "memory", "modern", "variants", "hf",
             "distributed")
 OPT_IN = ("variants", "hf", "distributed")  # not in the default run: long (variants, distributed), or the hf extra

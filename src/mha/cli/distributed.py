@@ -35,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(error)) from None
     reports = demo.spawn_run(settings, args.nproc, timeout=args.timeout)
     console = _common.console()
+    if not console.is_terminal:
+        console.width = max(console.width, 140)
     table = Table(title=f"{settings.mode} attention on {args.nproc} ranks ({settings.balance}), length "
                         f"{settings.length}{', causal' if settings.causal else ''}, B{settings.batch} H{settings.heads} "
                         f"D{settings.head_dim} {settings.dtype}")

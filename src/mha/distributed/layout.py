@@ -66,17 +66,29 @@ class SequenceLayout:
         group: a torch.distributed process group; None: the default group (or, when
             torch.distributed is not initialised, one process holding everything).
         balance: "zigzag" (default), "contiguous" or "striped" (see the module docstring).
+        world_size, rank: a layout of that many ranks seen from ``rank``, described without a
+            group (to plan, or to shard data ahead of time); its unshard needs the group.
 
     ``shard(x, dim)`` gives this rank's part of a whole tensor, ``unshard(x, dim)`` the whole
     tensor back, on every rank, in order and at its true length.
     """
 
-    def __init__(self, length: int, group=None, balance: str = "zigzag") -> None:
+    def __init__(self, length: int, group=None, balance: str = "zigzag", *, world_size: int | None = None,
+                 rank: int = 0) -> None:
         self.length = _checks.positive_int("length", length)
         if balance not in BALANCES:
             raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
         self.group, self.balance = group, balance
-        self.world_size, self.rank = comm.world(group)
+        if world_size is None:
+            self.world_size, self.rank = comm.world(group)
+        else:  # described, not joined: for planning and for sharding data without the group
+            if group is not None:
+                raise ValueError("pass group or world_size, not both (world_size describes a layout without a group)")
+            self.world_size = _checks.positive_int("world_size", world_size)
+            self.rank = _checks.integer("rank", rank)
+            if not 0 <= self.rank < self.world_size:
+                raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        self._joined = world_size is None
         chunks = 2 * self.world_size if balance == "zigzag" else self.world_size
         self.padded_length = -(-self.length // chunks) * chunks  # the next multiple of the chunk count
         self.local_length = self.padded_length // self.world_size
@@ -112,7 +124,10 @@ class SequenceLayout:
         dim = self._dim("x", x, dim, self.length, "the whole sequence (length)")
         parts = []
         for p in self.pieces():
-            part = x.narrow(dim, min(p.start, self.length), p.valid) if p.stride == 1 else x.index_select(dim, p.positions(x.device))
+            if p.stride == 1:
+                part = x.narrow(dim, min(p.start, self.length), p.valid)
+            else:
+                part = x.index_select(dim, p.positions(x.device))
             parts.append(_pad(part, dim, p.size - p.valid))
         return torch.cat(parts, dim) if len(parts) > 1 else parts[0]
 
@@ -121,6 +136,8 @@ class SequenceLayout:
         the order of positions and at the true length, on every rank (an all-gather; not
         differentiable: it is for results and checks)."""
         dim = self._dim("x", x, dim, self.local_length, "this rank's slots (local_length)")
+        if not self._joined and self.world_size > 1:
+            raise ValueError("unshard gathers from every rank: it needs a layout of the group, not one given world_size")
         gathered = comm.all_gather(x.detach(), self.group)
         whole = torch.cat(gathered, dim)  # (..., W * local_length, ...): the ranks' slots side by side
         return whole.index_select(dim, self.slots(x.device))

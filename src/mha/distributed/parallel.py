@@ -94,7 +94,7 @@ def _refuse(mode: str, **given) -> None:
     """A ValueError naming the first option given that parallel attention does not take."""
     for name, value in given.items():
         if value is not None and value is not False:
-            raise ValueError(f"a module parallelized with mode={mode!r} does not take {name} (got {value!r}); "
+            raise ValueError(f"a module parallelized with mode={mode!r} does not take {name}; "
                              "causality, windows, ALiBi, softcap, sinks, RoPE and GQA are supported")
 
 
@@ -108,8 +108,8 @@ class _SequenceParallel(_Parallel):
                 is_causal: bool = False, cache=None, backend: str = "auto", layout: SequenceLayout | None = None):
         _refuse(self.parallel_mode, key_padding_mask=key_padding_mask, attn_mask=attn_mask, cache=cache,
                 add_bias_kv=self.bias_k is not None, add_zero_attn=self.add_zero_attn,
-                dropout=self.dropout if self.training and self.dropout > 0 else None,
-                backend=None if backend == "auto" else backend)
+                **{"dropout in training": self.training and self.dropout > 0,
+                   "a backend other than 'auto'": backend != "auto"})
         batched = check_inputs(query, key, value, query_width=("cq", self.cq), key_width=("ck", self.ck),
                                value_width=("cv", self.cv), batch_first=True)
         if not batched:
@@ -137,7 +137,7 @@ class _SequenceParallelDropIn(_Parallel):
         _refuse_weights(self.parallel_mode, need_weights)
         _refuse(self.parallel_mode, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                 add_bias_kv=self.bias_k is not None, add_zero_attn=self.add_zero_attn,
-                dropout=self.dropout if self.training and self.dropout > 0 else None)
+                **{"dropout in training": self.training and self.dropout > 0})
         batched = check_inputs(query, key, value, query_width=("embed_dim", self.embed_dim),
                                key_width=("kdim", self.kdim), value_width=("vdim", self.vdim),
                                batch_first=self.batch_first)

@@ -52,14 +52,14 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, *
 
 
 def kv_repeats(H: int, Hkv: int, W: int) -> int:
-    """How many times each key/value head is repeated so that the heads divide among W ranks (1: none)."""
+    """How many times each key/value head is repeated so that the key/value heads divide among W
+    ranks and each query head's one stays with it: the least r with W | Hkv * r and r | H / Hkv
+    (r = H / Hkv, every query head its own, always does once W divides H)."""
     if H % W:
         raise ValueError(f"Ulysses attention splits the heads among the ranks: {H} query heads do not divide "
                          f"among {W} ranks (use ring attention, or a head count divisible by {W})")
-    for repeats in range(1, H // Hkv + 1):
-        if (Hkv * repeats) % W == 0 and H % (Hkv * repeats) == 0:
-            return repeats
-    raise ValueError(f"Ulysses attention cannot split {Hkv} key/value heads for {H} query heads among {W} ranks")
+    group = H // Hkv
+    return next(r for r in range(1, group + 1) if (Hkv * r) % W == 0 and group % r == 0)
 
 
 def _to_heads(x: Tensor, slots: Tensor, layout: SequenceLayout) -> Tensor:

@@ -93,3 +93,20 @@ def test_overhead_rows_time_the_drop_in_and_a_decode_step_against_torch():
     rows = list(bench.overhead_rows(repeat=1, points=[(1, 1, 32, 4)], decode_lengths=[16]))
     assert [r.point for r in rows] == ["drop-in B1 T1 E32 H4", "decode step S=16 E512 H8"]
     assert rows[0].ratios["ours/torch-eval"] > 0 and rows[1].ratios["ours/torch step"] > 0
+
+
+def test_distributed_rows_measure_every_run_against_one_process(tmp_path, monkeypatch):
+    """The distributed section: the one-process baseline, then ring with each balance and Ulysses,
+    each from fresh spawned ranks; and its figure."""
+    rows = list(bench.distributed_rows(384, 2))
+    assert [r.point for r in rows] == ["T384 one process, flash", "T384 W2 ring zigzag", "T384 W2 ring contiguous",
+                                       "T384 W2 ring striped", "T384 W2 ulysses zigzag"]
+    baseline = rows[0].extra["peak growth MiB"]
+    for row in rows[1:]:
+        assert row.ratios["peak per rank / one process"] == pytest.approx(row.extra["peak per rank MiB"] / baseline)
+        assert row.ratios["slowest / fastest rank CPU"] >= 1 and row.extra["check error"] < 1e-5
+        assert [r["rank"] for r in row.detail["ranks"]] == [0, 1]
+    assert rows[1].extra["scores slowest / fastest"] == 1.0  # zigzag: the same causal work on both ranks
+    assert rows[2].extra["scores slowest / fastest"] == pytest.approx((384 * 385 // 2 - 192 * 193 // 2) / (192 * 193 // 2))
+    paths = bench.write(rows, bench.machine(), str(tmp_path))
+    assert (tmp_path / "distributed.png").stat().st_size > 10_000 and str(tmp_path / "distributed.png") in paths

@@ -15,7 +15,7 @@ def test_dir_of_mha_is_its_all():
 
 def test_every_public_module_names_its_exports_and_they_exist():
     for module in (mha, mha.nn, mha.kernels, mha.numpy, mha.functional, mha.efficient, mha.layouts, mha.masks,
-                   mha.positions):
+                   mha.positions, mha.distributed):
         assert module.__all__, module.__name__
         assert all(hasattr(module, name) for name in module.__all__), module.__name__
 

@@ -13,6 +13,8 @@
     mha.positions           the one position rule: distances, bands (causal, windows), alignment, ALiBi
     mha.masks               the one place the caller's masks are validated and canonicalised
     mha.capture_attention   record every attention module's weights during a forward
+    mha.distributed         attention across processes on torch.distributed: SequenceLayout,
+                            ring_attention, ulysses_attention, parallelize (sequence or heads)
     mha.integrations        other libraries, imported only on request: transformers (register():
                             attn_implementation="mha"; the hf extra)
 
@@ -21,10 +23,11 @@ length, S key length, T a length where L = S, E embedding width, D per-head widt
 keys, Dv per-head width of values. The general module's constructor keeps seed 002's names
 (cq, ck, cv the input widths, dk = D, dv = Dv, do the output width, h = H).
 
-The tools the ``mha`` command runs (verify, bench, explain, plot, convert) live in mha.tools.
+The tools the ``mha`` command runs (verify, bench, explain, plot, convert) live in mha.tools;
+``mha distributed`` runs mha.distributed.demo.
 """
 
-from . import efficient, functional, kernels, layouts, masks, nn, numpy, positions, rope
+from . import distributed, efficient, functional, kernels, layouts, masks, nn, numpy, positions, rope
 from .cache import KVCache
 from .capture import capture_attention
 from .general import MultiHeadAttention
@@ -32,7 +35,7 @@ from .rope import RotaryEmbedding
 
 __version__ = "0.1.0"
 
-__all__ = ["KVCache", "MultiHeadAttention", "RotaryEmbedding", "capture_attention", "efficient", "functional",
+__all__ = ["KVCache", "MultiHeadAttention", "RotaryEmbedding", "capture_attention", "distributed", "efficient", "functional",
            "kernels", "layouts", "masks", "nn", "numpy", "positions", "rope", "__version__"]
 
 

@@ -86,13 +86,15 @@ def blocks(layout: SequenceLayout, query_rank: int, key_rank: int, terms: Terms,
            key_slots: range | None = None) -> list[Block]:
     """The pairs of pieces rank ``query_rank`` computes against ``key_rank``'s keys (those in
     ``key_slots``, a run of its slots, by default all; ``cols`` count from its start), skipping
-    the pairs the band hides entirely."""
+    the pairs the band hides entirely. Query pieces are cut at the units too, so that no block's
+    partial output is larger than half of this rank's."""
     key_slots = key_slots or range(layout.local_length)
+    query_pieces = [qp.within(rows) for rows in units(layout.local_length) for qp in layout.pieces(query_rank)]
     found = []
-    for qp in layout.pieces(query_rank):
+    for qp in filter(None, query_pieces):
         for kp in layout.pieces(key_rank):
             kp = kp.within(key_slots)
-            if qp.valid and kp is not None:
+            if kp is not None:
                 contract = _pair_contract(qp, kp, terms, device)
                 if contract is not None:
                     cols = slice(kp.local - key_slots.start, kp.local - key_slots.start + kp.valid)

@@ -82,6 +82,8 @@ def _run_rank(rank: int, setup, fn, args) -> None:
     init_method, world_size, threads, device, timeout, folder = setup
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
     torch.set_num_threads(threads)
+    if torch.device(device).type == "cuda":  # one GPU per rank, as torchrun's LOCAL_RANK would pick
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
     try:

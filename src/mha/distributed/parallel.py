@@ -172,28 +172,26 @@ def _projections(module: MultiheadAttention) -> ProjectionWeights:
 # -- head-parallel ----------------------------------------------------------------------------------
 
 
-class ColumnParallelLinear(nn.Module):
-    """This rank's rows of a Linear (its output features); the input's gradient is summed over the group."""
+class _SplitLinear(nn.Module):
+    """A rank's part of a Linear's weight (and a bias), and the group it was split over."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, group) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = None if bias is None else nn.Parameter(bias)
         self.group = group
+
+
+class ColumnParallelLinear(_SplitLinear):
+    """This rank's rows of a Linear (its output features); the input's gradient is summed over the group."""
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(comm.copy_to_group(x, self.group), self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_SplitLinear):
     """This rank's columns of a Linear (its input features): the partial outputs are summed over the
     group, then the (whole) bias is added."""
-
-    def __init__(self, weight: Tensor, bias: Tensor | None, group) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight)
-        self.bias = None if bias is None else nn.Parameter(bias)
-        self.group = group
 
     def forward(self, x: Tensor) -> Tensor:
         out = comm.reduce_from_group(F.linear(x, self.weight), self.group)

@@ -10,16 +10,14 @@ a run of consecutive positions, mha.distributed.layout). A pair's positions are 
 one position rule of mha.positions: query i of a piece starting at position a and key j of a
 piece starting at b are at distance j - (i + (a - b)), so causality, windows and ALiBi hold across
 the ring as in one process, and a pair the band hides entirely is never computed. With zigzag,
-every rank's causal work is the same at every step (two pairs' worth), so no rank waits:
+every rank's causal work is the same at every step, so no rank waits for another:
 
-    zigzag, W = 2 (chunks 0..3; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2)
-                 keys: 0  1  2  3
-        queries 0        \\
-                1     #  \\
-                2     #  #  \\
-                3     #  #  #  \\       rank 0's rows (chunks 0, 3): \\ + # # # \\ = 2 + 2 + ... per step
-                                       step 0 (own keys 0, 3): chunk 0 x 0 diagonal, chunk 3 x 0 full, chunk 3 x 3 diagonal
-                                       step 1 (keys 1, 2):     chunk 3 x 1 full, chunk 3 x 2 full
+    W = 2, chunks 0..3 (rank 0 holds 0 and 3, rank 1 holds 1 and 2); scores a rank computes, in
+    diagonals (a causal chunk x chunk block, d) and full blocks (f = 2 d):
+
+                   step 0 (own keys)                  step 1 (the other rank's keys)
+    rank 0         0x0 d, 3x0 f, 3x3 d    = 4 d       3x1 f, 3x2 f   = 4 d
+    rank 1         1x1 d, 2x1 f, 2x2 d    = 4 d       2x0 f, 1x0 f   = 4 d
 
 The backward passes each block's dK/dV accumulator (float32) around the ring behind its K/V:
 rank r adds its queries' contributions to the block it holds and sends the sum on; after W steps
@@ -27,8 +25,9 @@ each accumulator is back with its owner. Each block's contribution uses the whol
 log-sum-exp (mha.kernels.partial), so the gradients are exact. GQA: only the key/value heads
 travel. Sinks join every row once, after the merge.
 
-Memory per rank: its q, k, v and output (1/W of the sequence each), the block being computed and
-the one arriving, and one block's partial output; never the whole sequence.
+Memory per rank: its q, k, v and output (1/W of the sequence each), the block it computes on and
+half of the next one (K/V travel in two units, halves of the slots, each let go once computed on
+and sent), and one block's partial output (query pieces are cut at the halves too).
 """
 
 from __future__ import annotations
@@ -152,6 +151,7 @@ def _strided_band(band: Band | None, stride: int, shift: int) -> Band | None:
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, alibi_slopes, sinks, layout: SequenceLayout, terms: Terms):
+        # alibi_slopes and sinks (also in terms) are arguments so that autograd tracks them
         compute = masks.additive_dtype(q.dtype)  # float32 for half precision
         B, H, T, _ = q.shape
         out = torch.zeros(B, H, T, v.shape[-1], dtype=compute, device=q.device)
@@ -240,9 +240,9 @@ def units(local_length: int) -> list[range]:
 
 
 def _around(layout: SequenceLayout, block: tuple[Tensor, ...]):
-    """Every unit of every step of the ring, starting with this rank's own block. A unit of the next block is received
-    while the same unit of this one is computed on (and sent on); once done, it is let go, so a
-    rank holds its own block, the one it computes on and one unit more."""
+    """Every unit of every step of the ring, starting with this rank's own block. A unit of the
+    next block is received while the same unit of this one is computed on (and sent on); once
+    done, it is let go, so a rank holds its own block, the one it computes on and one unit more."""
     ring = comm.Ring(layout.group)
     parts = units(layout.local_length)
     held = [tuple(t[:, :, slots] for t in block) for slots in parts]  # step 0: views of this rank's own

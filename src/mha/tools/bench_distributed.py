@@ -31,7 +31,9 @@ def plot_distributed(rows, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.patches
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     runs = [r for r in rows if r.section == "distributed" and "ranks" in r.detail]
     fig, (steps_ax, cpu_ax) = plt.subplots(1, 2, figsize=(12, 4.4))
@@ -50,6 +52,10 @@ def plot_distributed(rows, path: str) -> None:
                 bottom += scores / 1e6
     steps_ax.set(title="scores per rank, one colour per ring step\n(solid: " + ", hatched: ".join(
         r.point.split(" ", 3)[3] for r in ring) + ")", xlabel="rank", ylabel="scores per head (millions)")
+    if ring:
+        W = len(ring[0].detail["ranks"])
+        steps_ax.legend(handles=[matplotlib.patches.Patch(color=plt.cm.viridis(t / max(1, W - 1)), label=f"step {t}")
+                                 for t in range(W)], fontsize=8)
     width = 0.8 / max(1, len(runs))
     for i, r in enumerate(runs):
         ranks = r.detail["ranks"]
@@ -59,6 +65,7 @@ def plot_distributed(rows, path: str) -> None:
     cpu_ax.legend(fontsize=8)
     for ax in (steps_ax, cpu_ax):
         ax.grid(True, axis="y", alpha=0.3)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

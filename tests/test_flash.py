@@ -419,3 +419,26 @@ def test_gqa_on_flash_equals_repeated_heads_without_repeating_them(name, blocks,
     torch.testing.assert_close(lse, repeated[1], atol=1e-12, rtol=0)
     for mine, theirs in zip(torch.autograd.grad(out, wanted, grad), expected, strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("shapes", [((2, 4, 7, 4), (1, 2, 9, 4), (1, 2, 9, 5)),  # G = 2; the batch from q
+                                    ((1, 4, 7, 4), (3, 2, 9, 4), (3, 2, 9, 5)),  # from k and v
+                                    ((1, 4, 7, 4), (3, 2, 9, 4), (1, 2, 9, 5)),  # from k alone
+                                    ((1, 4, 7, 4), (1, 2, 9, 4), (3, 2, 9, 5)),  # from v alone
+                                    ((7, 4), (9, 4), (9, 5)),  # no head dim at all
+                                    ((7, 4), (9, 4), (2, 9, 5)),  # v alone with a leading dim
+                                    ((2, 7, 4), (9, 4), (9, 5))])  # q alone with a leading dim
+def test_gqa_pairs_broadcast_batches_and_bare_matrices(shapes):
+    """Two query heads per key/value head, with the batch broadcast from any side, and inputs of
+    mixed ranks: output and gradients as with repeated heads on the math backend."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(*shape, dtype=torch.float64, requires_grad=True) for shape in shapes)
+    contract = Contract(band=Band(None, 0), offset=2)
+    grouped = q.dim() > 2 and k.dim() > 2 and k.shape[-3] != q.shape[-3]
+    repeat = (lambda x: x.repeat_interleave(2, -3)) if grouped else (lambda x: x)  # noqa: E731
+    expected_out, _ = mha.kernels.math_attention(q, repeat(k), repeat(v), contract)
+    grad = torch.randn_like(expected_out)
+    expected = torch.autograd.grad(expected_out, (q, k, v), grad)
+    out, _ = flash_attention_with_lse(q, k, v, contract, block_q=3, block_k=4)
+    for mine, theirs in zip(torch.autograd.grad(out, (q, k, v), grad), expected, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-12, rtol=0)

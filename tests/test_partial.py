@@ -130,3 +130,30 @@ def test_a_lagging_block_on_the_fused_kernel_equals_flash():
     math_attention(qr, kr, vr, contract)[0].backward(grad_out)
     for got, want in zip(ours[:3], (qr.grad, kr.grad, vr.grad)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_plain_causal_and_lagging_blocks_run_on_torchs_kernel_with_the_contracts_scale(monkeypatch):
+    """The fused path is taken (it is what makes the ring fast) and honours an explicit scale."""
+    calls = []
+    fused, fused_backward = partial._FUSED, partial._FUSED_BACKWARD
+    monkeypatch.setattr(partial, "_FUSED", lambda *a, **kw: calls.append("forward") or fused(*a, **kw))
+    monkeypatch.setattr(partial, "_FUSED_BACKWARD", lambda *a, **kw: calls.append("backward") or fused_backward(*a, **kw))
+    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64) for _ in range(3))
+    for contract in (Contract(scale=0.3), Contract(band=positions.CAUSAL, scale=0.3), Contract(band=Band(None, -2), scale=0.3)):
+        calls.clear()
+        out, lse = partial.forward(q, k, v, contract)
+        expected, _ = math_attention(q, k, v, contract)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        grad_out = torch.randn_like(out)
+        ours = partial.backward(q, k, v, contract, out, lse, grad_out)
+        qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+        math_attention(qr, kr, vr, contract)[0].backward(grad_out)
+        for got, want in zip(ours[:3], (qr.grad, kr.grad, vr.grad)):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        assert calls == ["forward", "backward"], contract
+
+
+def test_sink_gradient_comes_in_the_sinks_dtype():
+    sinks = torch.zeros(H, dtype=torch.float32)
+    lse, delta = torch.randn(B, H, L, dtype=torch.float64), torch.randn(B, H, L, dtype=torch.float64)
+    assert sink_gradient(sinks, lse, delta).dtype == torch.float32

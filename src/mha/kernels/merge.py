@@ -40,15 +40,14 @@ def merge_into(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
     """In place: (out, lse) becomes the merge of itself and (out_b, lse_b). ``out`` and ``lse`` may
     be views (rows of a larger result); no temporary the size of ``out`` is made."""
     merged, weight_a, weight_b = _weights(lse, lse_b)
-    out.mul_(weight_a.to(out.dtype)).addcmul_(out_b, weight_b.to(out.dtype))
+    out.mul_(weight_a).addcmul_(out_b, weight_b)
     lse.copy_(merged)
 
 
 def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> None:
     """In place: the sinks (H,) join every row's softmax; out (..., H, L, Dv), lse (..., H, L)."""
-    sink_lse = sinks.to(lse.dtype)[:, None].expand_as(lse)  # (H,) -> (..., H, L)
-    merged, weight_a, _ = _weights(lse, sink_lse)
-    out.mul_(weight_a.to(out.dtype))  # the sink's value is zero: only the weight of the rest changes
+    merged, weight_a, _ = _weights(lse, sinks[:, None].expand_as(lse))  # (H,) -> (..., H, L)
+    out.mul_(weight_a)  # the sink's value is zero: only the weight of the rest changes
     lse.copy_(merged)
 
 
@@ -57,6 +56,6 @@ def sink_gradient(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
     lse (..., H, L) is the whole softmax's (sinks included) and delta (..., H, L) = rowsum(dO * O).
     A row with lse = -inf (it saw nothing, e.g. padding) contributes nothing."""
     lse = torch.where(lse == float("-inf"), torch.full_like(lse, float("inf")), lse)  # e^(sink - inf) = 0
-    p_sink = (sinks.to(lse.dtype)[:, None] - lse).exp()  # (..., H, L)
+    p_sink = (sinks[:, None] - lse).exp()  # (..., H, L)
     per_head = -(p_sink * delta).sum(-1)  # (..., H)
     return per_head.reshape(-1, per_head.shape[-1]).sum(0).to(sinks.dtype)  # (..., H) -> (B, H) -> (H,)

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from .. import masks
 from ._context import autocast_inputs, forward_mode, transforms_active
+from ._shapes import leads, unflat
 from .contract import Contract, mask_tile, resolve
 from .merge import sink_gradient
 
@@ -116,17 +117,6 @@ class _Flash(torch.autograd.Function):
         return (*_backward(tiles, (q, k, v), out, lse, grad_out, block_q, block_k), None)
 
 
-def _leads(q: Tensor, k: Tensor, v: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The common leading dims of the queries' side and of the keys' and values': (..., H) for
-    both, or (..., H) and (..., Hkv) when k and v have fewer heads (GQA: Hkv divides H)."""
-    if (q.dim() >= 3 and k.dim() >= 3 and v.dim() >= 3 and k.shape[-3] == v.shape[-3] != q.shape[-3]
-            and q.shape[-3] % k.shape[-3] == 0):
-        batch = tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
-        return (*batch, q.shape[-3]), (*batch, k.shape[-3])
-    lead = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
-    return lead, lead
-
-
 def _flat(x: Tensor, dtype, lead: tuple[int, ...]) -> Tensor:
     x = x.to(dtype).expand(*lead, *x.shape[-2:])  # batch dims broadcast to the common ones
     return x.reshape(math.prod(lead), x.shape[-2], x.shape[-1])  # (..., T, D) -> (B*H, T, D)
@@ -156,7 +146,7 @@ class _Tiles:
     """
 
     def __init__(self, q, k, v, contract: Contract, dropout_p: float, seed: int | None = None):
-        self.lead, self.kv_lead = _leads(q, k, v)  # (..., H), (..., Hkv)
+        self.lead, self.kv_lead = leads(q, k, v)  # (..., H), (..., Hkv)
         self.groups = 1 if self.kv_lead == self.lead else self.lead[-1] // self.kv_lead[-1]
         self.L, self.S = q.shape[-2], k.shape[-2]
         self.dtype = masks.additive_dtype(q.dtype)  # float32 for float16/bfloat16
@@ -366,8 +356,8 @@ def _backward(tiles: _Tiles, inputs, out, lse, grad_out, block_q, block_k):
             dq_rows.baddbmm_(ds, tiles.k[:, j0:j1], alpha=tiles.scale)  # dS K * scale
             dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), q_rows)  # dS^T (Q * scale)
         tiles.put_query_rows(dq, rows, dq_rows)
-    leads = (lead, tiles.kv_lead, tiles.kv_lead)
-    grads = [_unflat(grad, x, shape) for grad, x, shape in zip((dq, dk, dv), inputs, leads)]
+    kinds = (lead, tiles.kv_lead, tiles.kv_lead)
+    grads = [unflat(grad, x, shape) for grad, x, shape in zip((dq, dk, dv), inputs, kinds)]
     grads.append(None if d_slopes is None else _per_head(d_slopes, contract.alibi_slopes, lead))
     if contract.sinks is None:
         grads.append(None)
@@ -379,9 +369,3 @@ def _backward(tiles: _Tiles, inputs, out, lse, grad_out, block_q, block_k):
 def _per_head(grad: Tensor, like: Tensor, lead: tuple[int, ...]) -> Tensor:
     """(B*H,) -> (H,) summed over the batch, in like's dtype."""
     return grad.view(*lead).reshape(-1, lead[-1]).sum(0).to(like.dtype)  # (B*H,) -> (B, H) -> (H,)
-
-
-def _unflat(grad: Tensor, like: Tensor, lead: tuple[int, ...]) -> Tensor:
-    """(B*H, T, D) -> the input's shape, summed over the dims the input was broadcast along."""
-    grad = grad.view(*lead, *grad.shape[-2:]).to(like.dtype)  # (B*H, T, D) -> (..., T, D)
-    return grad.sum_to_size(like.shape) if grad.shape != like.shape else grad

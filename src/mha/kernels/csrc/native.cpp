@@ -1,0 +1,526 @@
+// mha's native attention kernel: exact attention under the whole contract (mha.kernels.Contract),
+// in tiles, with float32 accumulation (float64 for float64), forward and backward.
+//
+//   forward(q, k, v, terms)                  -> out (B, H, L, Dv), lse (B, H, L)
+//   backward(q, k, v, out, lse, dout, delta) -> dq, dk, dv, d_slopes
+//
+// q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), contiguous; Hkv divides H (GQA: query
+// head h reads key/value head h / G, G = H / Hkv). The G query heads that share a key/value head
+// are one task's rows, stacked (row r = g * L + i), so K and V are read once for all of them: a
+// decoding step (L = 1) of GQA reads the cache once per kv head, not G times.
+//
+// The scores of a tile, as the contract defines them (written once, in shape_tile):
+//   s = (q * scale) . k                       the query is scaled once, when packed
+//   s = softcap * tanh(s / softcap)           softcap > 0
+//   s = s - slope_h * |rel|                   ALiBi, rel = key position - query position
+//   s = s + mask  /  -inf where a bool mask is false, a key is padding, or the band hides rel
+// Positions: query i at i + offset and key j at j, or given per sequence (B|1, L) and (B|1, S).
+// The band is -left <= rel <= right (kUnbounded: no bound on that side); tiles it hides entirely
+// are never computed. Sinks start each row's running softmax (max = sink, sum = 1). A row that sees
+// no key gives zeros and lse = -inf.
+//
+// Tile products run on torch's brgemm (oneDNN) for float32 and on plain loops otherwise; the
+// exponentials are vectorised with AVX-512 where the build has it (MHA_AVX512).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(MHA_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace mha_native {
+
+using at::Tensor;
+constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max();
+constexpr int64_t kBlockQ = 64;   // query rows per task block
+constexpr int64_t kBlockK = 128;  // keys per tile
+
+struct Shape {
+  int64_t B, H, Hkv, G, L, S, D, Dv;
+  int64_t rows() const { return G * L; }  // the stacked query rows of one key/value head
+};
+
+template <typename acc_t>
+struct Terms {
+  acc_t scale = 1, softcap = 0;
+  bool has_band = false;
+  int64_t left = kUnbounded, right = kUnbounded;
+  int64_t offset = 0;
+  const int64_t* q_pos = nullptr; int64_t q_pos_b = 0;  // (B|1, L), batch stride 0 or L
+  const int64_t* k_pos = nullptr; int64_t k_pos_b = 0;  // (B|1, S)
+  const bool* key_valid = nullptr; int64_t key_valid_b = 0;  // (B|1, S)
+  const acc_t* mask = nullptr;  // additive, strides (b, h, i, j), 0 where broadcast
+  const bool* bool_mask = nullptr;  // True = attend, same strides
+  int64_t mb = 0, mh = 0, ml = 0, ms = 0;
+  const acc_t* slopes = nullptr;  // (H,)
+  const acc_t* sinks = nullptr;  // (H,)
+
+  int64_t query_position(int64_t b, int64_t i) const { return q_pos ? q_pos[b * q_pos_b + i] : i + offset; }
+  int64_t key_position(int64_t b, int64_t j) const { return k_pos ? k_pos[b * k_pos_b + j] : j; }
+  bool allows(int64_t rel) const {
+    return (left == kUnbounded || rel >= -left) && (right == kUnbounded || rel <= right);
+  }
+  bool has_mask() const { return mask != nullptr || bool_mask != nullptr; }
+};
+
+// The rows of one block: their head, query index and position.
+struct Rows {
+  int64_t b = 0, count = 0;
+  std::vector<int64_t> head, index, position;
+};
+
+template <typename acc_t>
+Rows block_rows(const Shape& sh, const Terms<acc_t>& t, int64_t b, int64_t kv_head, int64_t r0, int64_t r1) {
+  Rows rows;
+  rows.b = b;
+  rows.count = r1 - r0;
+  rows.head.resize(rows.count);
+  rows.index.resize(rows.count);
+  rows.position.resize(rows.count);
+  for (int64_t r = 0; r < rows.count; ++r) {
+    const int64_t g = (r0 + r) / sh.L, i = (r0 + r) % sh.L;
+    rows.head[r] = kv_head * sh.G + g;
+    rows.index[r] = i;
+    rows.position[r] = t.query_position(b, i);
+  }
+  return rows;
+}
+
+// [lo, hi): the keys some row of the block may see (all of them with positions given one by one).
+template <typename acc_t>
+std::pair<int64_t, int64_t> key_range(const Terms<acc_t>& t, const Rows& rows, int64_t S) {
+  if (!t.has_band || t.k_pos != nullptr) return {0, S};
+  const auto [first, last] = std::minmax_element(rows.position.begin(), rows.position.end());
+  const int64_t lo = t.left == kUnbounded ? 0 : std::max<int64_t>(0, *first - t.left);
+  const int64_t hi = t.right == kUnbounded ? S : std::min<int64_t>(S, *last + t.right + 1);
+  return {lo, std::max(lo, hi)};
+}
+
+// Whether the band hides nothing in the tile (default positions only).
+template <typename acc_t>
+bool band_covers(const Terms<acc_t>& t, const Rows& rows, int64_t j0, int64_t n) {
+  if (!t.has_band) return true;
+  if (t.k_pos != nullptr) return false;
+  const auto [first, last] = std::minmax_element(rows.position.begin(), rows.position.end());
+  return t.allows(j0 - *last) && t.allows(j0 + n - 1 - *first);
+}
+
+// ---- tile products: C (M x N) (+)= A . B, three layouts ------------------------------------------
+
+template <typename acc_t>
+void gemm_nn(int64_t M, int64_t N, int64_t K, const acc_t* A, int64_t lda, const acc_t* B, int64_t ldb,
+             acc_t* C, int64_t ldc, bool accumulate) {  // C = A (M x K) B (K x N)
+  for (int64_t i = 0; i < M; ++i) {
+    acc_t* c = C + i * ldc;
+    if (!accumulate) std::fill(c, c + N, acc_t(0));
+    for (int64_t kk = 0; kk < K; ++kk) {
+      const acc_t a = A[i * lda + kk];
+      const acc_t* b = B + kk * ldb;
+      for (int64_t j = 0; j < N; ++j) c[j] += a * b[j];
+    }
+  }
+}
+
+template <>
+void gemm_nn<float>(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+                    float* C, int64_t ldc, bool accumulate) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    if (!accumulate) for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, 0.0f);
+    return;
+  }
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, false);
+}
+
+// B^T of a (rows x cols) block into out (cols x rows).
+template <typename acc_t>
+void transpose(int64_t rows, int64_t cols, const acc_t* in, int64_t ld, acc_t* out) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[c * rows + r] = in[r * ld + c];
+}
+
+// C = A (M x K) . B^T, B (N x K); scratch holds K * N.
+template <typename acc_t>
+void gemm_nt(int64_t M, int64_t N, int64_t K, const acc_t* A, int64_t lda, const acc_t* B, int64_t ldb,
+             acc_t* C, int64_t ldc, bool accumulate, acc_t* scratch) {
+  transpose(N, K, B, ldb, scratch);
+  gemm_nn(M, N, K, A, lda, scratch, N, C, ldc, accumulate);
+}
+
+// C += A^T . B, A (K x M), B (K x N); scratch holds M * K.
+template <typename acc_t>
+void gemm_tn(int64_t M, int64_t N, int64_t K, const acc_t* A, int64_t lda, const acc_t* B, int64_t ldb,
+             acc_t* C, int64_t ldc, acc_t* scratch) {
+  transpose(K, M, A, lda, scratch);
+  gemm_nn(M, N, K, scratch, K, B, ldb, C, ldc, true);
+}
+
+// ---- exponentials --------------------------------------------------------------------------------
+
+// out[j] = exp(x[j] - shift) (0 where x is -inf); returns their sum.
+template <typename acc_t>
+acc_t exp_shifted(int64_t n, acc_t* x, acc_t shift) {
+  acc_t sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const acc_t e = std::exp(x[j] - shift);
+    x[j] = e;
+    sum += e;
+  }
+  return sum;
+}
+
+#if defined(MHA_AVX512)
+// exp of 16 floats: 2^(x log2 e) split into an integer power and a degree-6 polynomial of the
+// fraction; below -87.3 the result is 0 (e^-87 is float32's smallest normal).
+static inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.7f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));  // x log2(e)
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);  // in [-0.5, 0.5]
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);  // 2^f, minimax on [-0.5, 0.5]
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512 r = _mm512_scalef_ps(p, n);  // p * 2^n
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), r);
+}
+
+template <>
+float exp_shifted<float>(int64_t n, float* x, float shift) {
+  const __m512 s = _mm512_set1_ps(shift);
+  __m512 total = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), s));
+    _mm512_storeu_ps(x + j, e);
+    total = _mm512_add_ps(total, e);
+  }
+  if (j < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - j)) - 1u);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + j), s)));
+    _mm512_mask_storeu_ps(x + j, m, e);
+    total = _mm512_add_ps(total, e);
+  }
+  return _mm512_reduce_add_ps(total);
+}
+#endif
+
+// ---- the scores of a tile ------------------------------------------------------------------------
+
+// Shape the scores s (rows x n, leading dim lds) of keys j0.. as the contract says; with softcap,
+// ``capped`` (same layout) receives tanh(raw / softcap) for the backward. ``covered``: the band
+// hides no key of the tile.
+template <typename acc_t>
+void shape_tile(const Terms<acc_t>& t, const Rows& rows, int64_t j0, int64_t n, acc_t* s, int64_t lds,
+                acc_t* capped, bool covered) {
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  const int64_t b = rows.b;
+  for (int64_t r = 0; r < rows.count; ++r) {
+    acc_t* row = s + r * lds;
+    if (t.softcap > 0) {
+      acc_t* th = capped ? capped + r * lds : nullptr;
+      for (int64_t j = 0; j < n; ++j) {
+        const acc_t h = std::tanh(row[j] / t.softcap);
+        if (th) th[j] = h;
+        row[j] = t.softcap * h;
+      }
+    }
+    const int64_t h = rows.head[r], i = rows.index[r], q_position = rows.position[r];
+    if (t.slopes != nullptr || !covered) {
+      const acc_t slope = t.slopes ? t.slopes[h] : acc_t(0);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t rel = t.key_position(b, j0 + j) - q_position;
+        if (t.slopes) row[j] -= slope * static_cast<acc_t>(rel < 0 ? -rel : rel);
+        if (!covered && !t.allows(rel)) row[j] = neg_inf;
+      }
+    }
+    if (t.has_mask()) {
+      const int64_t base = b * t.mb + h * t.mh + i * t.ml + j0 * t.ms;
+      for (int64_t j = 0; j < n; ++j) {
+        if (t.mask) row[j] += t.mask[base + j * t.ms];
+        else if (!t.bool_mask[base + j * t.ms]) row[j] = neg_inf;
+      }
+    }
+    if (t.key_valid) {
+      const bool* valid = t.key_valid + b * t.key_valid_b + j0;
+      for (int64_t j = 0; j < n; ++j)
+        if (!valid[j]) row[j] = neg_inf;
+    }
+  }
+}
+
+template <typename acc_t>
+bool plain_tile(const Terms<acc_t>& t, bool covered) {
+  return covered && t.softcap == 0 && t.slopes == nullptr && !t.has_mask() && t.key_valid == nullptr;
+}
+
+// ---- inputs in the accumulation dtype --------------------------------------------------------------
+
+// A view of n rows of width w starting at ``src`` as acc_t: the rows themselves when the types
+// agree, else converted into ``buffer``.
+template <typename scalar_t, typename acc_t>
+const acc_t* as_acc(const scalar_t* src, int64_t n, int64_t w, std::vector<acc_t>& buffer) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return src;
+  } else {
+    buffer.resize(n * w);
+    for (int64_t x = 0; x < n * w; ++x) buffer[x] = static_cast<acc_t>(src[x]);
+    return buffer.data();
+  }
+}
+
+// ---- forward ---------------------------------------------------------------------------------------
+
+template <typename scalar_t, typename acc_t>
+void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const scalar_t* k, const scalar_t* v,
+                    scalar_t* out, acc_t* lse) {
+  const int64_t blocks = (sh.rows() + kBlockQ - 1) / kBlockQ;
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  at::parallel_for(0, sh.B * sh.Hkv * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> qp(kBlockQ * sh.D), s(kBlockQ * kBlockK), acc(kBlockQ * sh.Dv), m(kBlockQ), l(kBlockQ);
+    std::vector<acc_t> scratch(kBlockK * std::max(sh.D, kBlockQ)), k_buffer, v_buffer;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t block = task % blocks, bh = task / blocks, b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
+      const int64_t r0 = block * kBlockQ, r1 = std::min(sh.rows(), r0 + kBlockQ), R = r1 - r0;
+      const Rows rows = block_rows(sh, t, b, kv_head, r0, r1);
+      for (int64_t r = 0; r < R; ++r) {  // pack the scaled queries; start each row's running softmax
+        const scalar_t* src = q + ((b * sh.H + rows.head[r]) * sh.L + rows.index[r]) * sh.D;
+        for (int64_t d = 0; d < sh.D; ++d) qp[r * sh.D + d] = static_cast<acc_t>(src[d]) * t.scale;
+        m[r] = t.sinks ? t.sinks[rows.head[r]] : neg_inf;
+        l[r] = t.sinks ? acc_t(1) : acc_t(0);
+      }
+      std::fill(acc.begin(), acc.begin() + R * sh.Dv, acc_t(0));
+      const auto [lo, hi] = key_range(t, rows, sh.S);
+      const scalar_t* k_head = k + (b * sh.Hkv + kv_head) * sh.S * sh.D;
+      const scalar_t* v_head = v + (b * sh.Hkv + kv_head) * sh.S * sh.Dv;
+      for (int64_t j0 = lo; j0 < hi; j0 += kBlockK) {
+        const int64_t n = std::min(kBlockK, hi - j0);
+        const acc_t* kt = as_acc(k_head + j0 * sh.D, n, sh.D, k_buffer);
+        const acc_t* vt = as_acc(v_head + j0 * sh.Dv, n, sh.Dv, v_buffer);
+        gemm_nt(R, n, sh.D, qp.data(), sh.D, kt, sh.D, s.data(), n, false, scratch.data());
+        const bool covered = band_covers(t, rows, j0, n);
+        if (!plain_tile(t, covered)) shape_tile(t, rows, j0, n, s.data(), n, static_cast<acc_t*>(nullptr), covered);
+        for (int64_t r = 0; r < R; ++r) {  // the running softmax, merged with this tile
+          acc_t* row = s.data() + r * n;
+          const acc_t m_new = std::max(m[r], *std::max_element(row, row + n));
+          if (m_new == neg_inf) {  // nothing visible yet: this tile adds nothing
+            std::fill(row, row + n, acc_t(0));
+            continue;
+          }
+          const acc_t alpha = std::exp(m[r] - m_new);  // 0 when m was -inf
+          const acc_t sum = exp_shifted(n, row, m_new);
+          l[r] = l[r] * alpha + sum;
+          m[r] = m_new;
+          if (alpha != acc_t(1)) for (int64_t d = 0; d < sh.Dv; ++d) acc[r * sh.Dv + d] *= alpha;
+        }
+        gemm_nn(R, sh.Dv, n, s.data(), n, vt, sh.Dv, acc.data(), sh.Dv, true);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
+        scalar_t* dst = out + row_index * sh.Dv;
+        const acc_t inv = l[r] > 0 ? acc_t(1) / l[r] : acc_t(0);
+        for (int64_t d = 0; d < sh.Dv; ++d) dst[d] = static_cast<scalar_t>(acc[r * sh.Dv + d] * inv);
+        lse[row_index] = l[r] > 0 ? m[r] + std::log(l[r]) : neg_inf;
+      }
+    }
+  });
+}
+
+// ---- backward --------------------------------------------------------------------------------------
+
+// One task per (batch, key/value head, key chunk): it owns dK and dV of its keys, adds to dQ of
+// every query row of its heads (in its chunk's dq buffer), and to its heads' slope gradients.
+template <typename scalar_t, typename acc_t>
+void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const scalar_t* k,
+                     const scalar_t* v, const scalar_t* dout, const acc_t* lse, const acc_t* delta,
+                     acc_t* dq_parts, int64_t chunks, acc_t* dk, acc_t* dv, acc_t* d_slopes_parts) {
+  const int64_t blocks = (sh.rows() + kBlockQ - 1) / kBlockQ;
+  const int64_t chunk_len = (sh.S + chunks - 1) / chunks;
+  const acc_t inf = std::numeric_limits<acc_t>::infinity();
+  at::parallel_for(0, sh.B * sh.Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> qp(kBlockQ * sh.D), dop(kBlockQ * sh.Dv), s(kBlockQ * kBlockK), dp(kBlockQ * kBlockK),
+        capped(kBlockQ * kBlockK), dqb(kBlockQ * sh.D), shift(kBlockQ), row_delta(kBlockQ);
+    std::vector<acc_t> scratch(kBlockK * std::max({sh.D, sh.Dv, kBlockQ})), k_buffer, v_buffer;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t chunk = task % chunks, bh = task / chunks, b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
+      const int64_t c0 = chunk * chunk_len, c1 = std::min(sh.S, c0 + chunk_len);
+      acc_t* dq_chunk = dq_parts + chunk * sh.B * sh.H * sh.L * sh.D;
+      acc_t* slopes_grad = d_slopes_parts + task * sh.G;
+      const scalar_t* k_head = k + (b * sh.Hkv + kv_head) * sh.S * sh.D;
+      const scalar_t* v_head = v + (b * sh.Hkv + kv_head) * sh.S * sh.Dv;
+      acc_t* dk_head = dk + (b * sh.Hkv + kv_head) * sh.S * sh.D;
+      acc_t* dv_head = dv + (b * sh.Hkv + kv_head) * sh.S * sh.Dv;
+      for (int64_t block = 0; block < blocks; ++block) {
+        const int64_t r0 = block * kBlockQ, r1 = std::min(sh.rows(), r0 + kBlockQ), R = r1 - r0;
+        const Rows rows = block_rows(sh, t, b, kv_head, r0, r1);
+        auto [lo, hi] = key_range(t, rows, sh.S);
+        lo = std::max(lo, c0);
+        hi = std::min(hi, c1);
+        if (hi <= lo) continue;
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
+          const scalar_t* qs = q + row_index * sh.D;
+          const scalar_t* ds = dout + row_index * sh.Dv;
+          for (int64_t d = 0; d < sh.D; ++d) qp[r * sh.D + d] = static_cast<acc_t>(qs[d]) * t.scale;
+          for (int64_t d = 0; d < sh.Dv; ++d) dop[r * sh.Dv + d] = static_cast<acc_t>(ds[d]);
+          shift[r] = lse[row_index] == -inf ? inf : lse[row_index];  // a row that saw nothing: P = 0
+          row_delta[r] = delta[row_index];
+        }
+        std::fill(dqb.begin(), dqb.begin() + R * sh.D, acc_t(0));
+        for (int64_t j0 = lo; j0 < hi; j0 += kBlockK) {
+          const int64_t n = std::min(kBlockK, hi - j0);
+          const acc_t* kt = as_acc(k_head + j0 * sh.D, n, sh.D, k_buffer);
+          const acc_t* vt = as_acc(v_head + j0 * sh.Dv, n, sh.Dv, v_buffer);
+          gemm_nt(R, n, sh.D, qp.data(), sh.D, kt, sh.D, s.data(), n, false, scratch.data());
+          const bool covered = band_covers(t, rows, j0, n);
+          if (!plain_tile(t, covered)) shape_tile(t, rows, j0, n, s.data(), n, capped.data(), covered);
+          for (int64_t r = 0; r < R; ++r) {  // P = e^(S - lse)
+            acc_t* row = s.data() + r * n;
+            for (int64_t j = 0; j < n; ++j) row[j] = std::exp(row[j] - shift[r]);
+          }
+          gemm_tn(n, sh.Dv, R, s.data(), n, dop.data(), sh.Dv, dv_head + j0 * sh.Dv, sh.Dv, scratch.data());  // dV += P^T dO
+          gemm_nt(R, n, sh.Dv, dop.data(), sh.Dv, vt, sh.Dv, dp.data(), n, false, scratch.data());  // dP = dO V^T
+          for (int64_t r = 0; r < R; ++r) {  // dS = P (dP - delta), into dp
+            acc_t* p = s.data() + r * n;
+            acc_t* g = dp.data() + r * n;
+            for (int64_t j = 0; j < n; ++j) g[j] = p[j] * (g[j] - row_delta[r]);
+            if (t.slopes) {  // d slope_h = -sum dS |rel|
+              acc_t total = 0;
+              for (int64_t j = 0; j < n; ++j) {
+                const int64_t rel = t.key_position(b, j0 + j) - rows.position[r];
+                total += g[j] * static_cast<acc_t>(rel < 0 ? -rel : rel);
+              }
+              slopes_grad[rows.head[r] - kv_head * sh.G] -= total;
+            }
+            if (t.softcap > 0) {  // d/ds of c tanh(s / c)
+              const acc_t* th = capped.data() + r * n;
+              for (int64_t j = 0; j < n; ++j) g[j] *= acc_t(1) - th[j] * th[j];
+            }
+          }
+          gemm_nn(R, sh.D, n, dp.data(), n, kt, sh.D, dqb.data(), sh.D, true);  // dQ += dS K
+          gemm_tn(n, sh.D, R, dp.data(), n, qp.data(), sh.D, dk_head + j0 * sh.D, sh.D, scratch.data());  // dK += dS^T (Q scale)
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          acc_t* dst = dq_chunk + ((b * sh.H + rows.head[r]) * sh.L + rows.index[r]) * sh.D;
+          for (int64_t d = 0; d < sh.D; ++d) dst[d] += dqb[r * sh.D + d] * t.scale;
+        }
+      }
+    }
+  });
+}
+
+// ---- the Python-facing functions -------------------------------------------------------------------
+
+using Optional = std::optional<Tensor>;
+
+template <typename acc_t>
+Terms<acc_t> terms_of(double scale, double softcap, bool has_band, int64_t left, int64_t right, int64_t offset,
+                      const Optional& q_pos_, const Optional& k_pos_, const Optional& key_valid_,
+                      const Optional& mask_, const Optional& slopes, const Optional& sinks) {
+  Terms<acc_t> t;
+  t.scale = static_cast<acc_t>(scale);
+  t.softcap = static_cast<acc_t>(softcap);
+  t.has_band = has_band;
+  t.left = left;
+  t.right = right;
+  t.offset = offset;
+  if (q_pos_) {
+    const Tensor &q_pos = *q_pos_, &k_pos = *k_pos_;
+    t.q_pos = q_pos.data_ptr<int64_t>(); t.q_pos_b = q_pos.size(0) == 1 ? 0 : q_pos.stride(0);
+    t.k_pos = k_pos.data_ptr<int64_t>(); t.k_pos_b = k_pos.size(0) == 1 ? 0 : k_pos.stride(0);
+  }
+  if (key_valid_) {
+    const Tensor& key_valid = *key_valid_;
+    t.key_valid = key_valid.data_ptr<bool>(); t.key_valid_b = key_valid.size(0) == 1 ? 0 : key_valid.stride(0);
+  }
+  if (mask_) {  // expanded to (B, H, L, S): broadcast dims have stride 0
+    const Tensor& mask = *mask_;
+    if (mask.scalar_type() == at::kBool) t.bool_mask = mask.data_ptr<bool>();
+    else t.mask = mask.data_ptr<acc_t>();
+    t.mb = mask.stride(0); t.mh = mask.stride(1); t.ml = mask.stride(2); t.ms = mask.stride(3);
+  }
+  if (slopes) t.slopes = slopes->data_ptr<acc_t>();
+  if (sinks) t.sinks = sinks->data_ptr<acc_t>();
+  return t;
+}
+
+Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "mha native: q, k, v must be 4-D");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "mha native: inputs must be contiguous");
+  Shape sh{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+  TORCH_CHECK(sh.Hkv > 0 && sh.H % sh.Hkv == 0, "mha native: key/value heads must divide query heads");
+  return sh;
+}
+
+std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, double softcap,
+                            bool has_band, int64_t left, int64_t right, int64_t offset, const Optional& q_pos,
+                            const Optional& k_pos, const Optional& key_valid, const Optional& mask,
+                            const Optional& slopes, const Optional& sinks) {
+  const Shape sh = shape_of(q, k, v);
+  auto out = at::empty({sh.B, sh.H, sh.L, sh.Dv}, q.options());
+  const bool wide = q.scalar_type() == at::kDouble;
+  auto lse = at::empty({sh.B, sh.H, sh.L}, q.options().dtype(wide ? at::kDouble : at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_native_forward", [&] {
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    const auto t = terms_of<acc_t>(scale, softcap, has_band, left, right, offset, q_pos, k_pos, key_valid, mask,
+                                   slopes, sinks);
+    forward_kernel<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                                    out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>());
+  });
+  return {out, lse};
+}
+
+std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout,
+                             const Tensor& lse, const Tensor& delta, double scale, double softcap, bool has_band,
+                             int64_t left, int64_t right, int64_t offset, const Optional& q_pos,
+                             const Optional& k_pos, const Optional& key_valid, const Optional& mask,
+                             const Optional& slopes) {
+  const Shape sh = shape_of(q, k, v);
+  const int64_t threads = at::get_num_threads();
+  const int64_t tasks = sh.B * sh.Hkv;  // split the keys when there are fewer (batch, kv head) tasks than threads
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((2 * threads + tasks - 1) / tasks, sh.S / kBlockK));
+  const auto acc_options = lse.options();
+  auto dq_parts = at::zeros({chunks, sh.B, sh.H, sh.L, sh.D}, acc_options);
+  auto dk = at::zeros({sh.B, sh.Hkv, sh.S, sh.D}, acc_options);
+  auto dv = at::zeros({sh.B, sh.Hkv, sh.S, sh.Dv}, acc_options);
+  auto d_slopes_parts = at::zeros({sh.B, sh.Hkv, chunks, sh.G}, acc_options);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_native_backward", [&] {
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    const auto t = terms_of<acc_t>(scale, softcap, has_band, left, right, offset, q_pos, k_pos, key_valid, mask,
+                                   slopes, std::nullopt);
+    backward_kernel<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                                     dout.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(), delta.data_ptr<acc_t>(),
+                                     dq_parts.data_ptr<acc_t>(), chunks, dk.data_ptr<acc_t>(), dv.data_ptr<acc_t>(),
+                                     d_slopes_parts.data_ptr<acc_t>());
+  });
+  auto d_slopes = d_slopes_parts.sum({0, 2}).reshape({sh.H});  // (B, Hkv, chunks, G) -> (Hkv, G) -> (H,)
+  return {dq_parts.sum(0), dk, dv, d_slopes};
+}
+
+std::string build_info() {
+#if defined(MHA_AVX512)
+  return "avx512";
+#else
+  return "portable";
+#endif
+}
+
+}  // namespace mha_native
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &mha_native::forward, "attention forward: (out, lse)");
+  m.def("backward", &mha_native::backward, "attention backward: (dq, dk, dv, d_slopes)");
+  m.def("build_info", &mha_native::build_info, "the instruction set this build was compiled for");
+}

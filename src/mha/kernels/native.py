@@ -1,0 +1,197 @@
+"""The native backend: mha's own compiled CPU kernel (kernels/csrc/native.cpp).
+
+It honours the whole contract (causality in both alignments, windows, ALiBi with slope gradients,
+additive and bool masks read tile by tile, key padding, per-sequence positions, GQA/MQA reading
+the shared heads without copying them, softcap, sinks, Dv != D, L != S, rows that see nothing),
+forward and backward, with float32 accumulation (float64 for float64), and returns the
+log-sum-exp like flash. It is compiled on first use with torch's extension tooling (ninja, the
+system's C++ compiler), once per user and machine (torch's extension cache), for the instruction
+set this CPU has:
+
+    avx512     AVX-512 (vectorised exponentials)        the CPU has AVX-512F
+    portable   plain C++, the compiler's own vectorisation   any other CPU
+
+MHA_NATIVE=off turns the backend off, MHA_NATIVE=portable forces the portable build. Where no
+compiler is found, native_available() is False, the dispatch says why once in its log
+("mha.dispatch") and every call runs on the other backends.
+
+Shapes: q (..., H, L, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv), the leading dims broadcast
+together (Hkv divides H); float64, float32, bfloat16 and float16.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from . import merge
+from ._context import autocast_inputs, forward_mode, transforms_active
+from ._shapes import leads, unflat
+from .contract import Contract, resolve
+
+__all__ = ["native_attention", "native_attention_with_lse", "native_available", "unsupported", "variant"]
+
+log = logging.getLogger("mha.dispatch")
+
+_SOURCE = Path(__file__).parent / "csrc" / "native.cpp"
+_FLAGS = {"avx512": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DMHA_AVX512"],
+          "portable": ["-O3"]}
+_UNBOUNDED = 2 ** 63 - 1  # the kernel's "no bound on this side of the band"
+
+
+def variant() -> str | None:
+    """The build this CPU gets ("avx512" or "portable"), or None when MHA_NATIVE=off."""
+    asked = os.environ.get("MHA_NATIVE", "auto").lower()
+    if asked == "off":
+        return None
+    if asked in _FLAGS:
+        return asked
+    return "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "portable"
+
+
+@functools.cache
+def _extension(build: str | None):
+    """The compiled kernel for ``build``, compiled on first use (then cached by torch per user), or
+    None when it cannot be built; the reason goes to the dispatch log once."""
+    if build is None:
+        log.info("native backend: off (MHA_NATIVE=off)")
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+        return load(name=f"mha_native_{build}", sources=[str(_SOURCE)], extra_cflags=_FLAGS[build],
+                    verbose=False)
+    except Exception as error:  # no compiler, no ninja, a failed build: the other backends run
+        log.info("native backend unavailable (%s: %s); calls run on the other backends",
+                 type(error).__name__, str(error).strip().splitlines()[-1] if str(error).strip() else "")
+        return None
+
+
+def native_available() -> bool:
+    """Whether the native kernel is built (building it on first use: about a minute, once)."""
+    return _extension(variant()) is not None
+
+
+def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float = 0.0) -> str | None:
+    """Why the native backend cannot run this call, or None."""
+    if not native_available():
+        return "the native kernel is not built here (see the mha.dispatch log)"
+    if not (q.device.type == k.device.type == v.device.type == "cpu"):
+        return "it runs on CPU tensors only"
+    if dropout_p > 0.0:
+        return "it has no dropout"
+    if transforms_active():
+        return "it does not run under torch.func transforms (vmap, grad, jvp, jacrev); use backend='math'"
+    if forward_mode(q, k, v):
+        return "it has no forward-mode AD (jvp); use backend='math'"
+    if contract.mask is not None and contract.mask.requires_grad and torch.is_grad_enabled():
+        return "it does not differentiate through attn_mask; use backend='math'"
+    lead, _ = leads(q, k, v)
+    if len(lead) > 2 and (contract.mask is not None or contract.positions is not None or contract.key_valid is not None):
+        return "a mask, padding or positions with more than one batch dim"
+    if contract.mask is not None and _mask_view(contract.mask, lead, q.shape[-2], k.shape[-2]) is None:
+        return "a mask that does not broadcast to (batch, heads, L, S) as a view"
+    return None
+
+
+def native_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
+                     dropout_p: float = 0.0) -> Tensor:
+    """The backend entry point: output (..., L, Dv)."""
+    return native_attention_with_lse(q, k, v, contract, dropout_p=dropout_p)[0]
+
+
+def native_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
+                              dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(output (..., L, Dv), log-sum-exp (..., L) in float32, float64 for float64 inputs)."""
+    contract = resolve(contract)
+    reason = unsupported(q, k, v, contract, dropout_p)
+    if reason:
+        raise ValueError(f"the native backend cannot run this call: {reason}")
+    if torch.is_autocast_enabled("cpu"):
+        q, k, v = autocast_inputs(q, k, v)
+        with torch.autocast("cpu", enabled=False):
+            return _Native.apply(q, k, v, contract.alibi_slopes, contract.sinks, contract)
+    return _Native.apply(q, k, v, contract.alibi_slopes, contract.sinks, contract)
+
+
+class _Native(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, alibi_slopes, sinks, contract: Contract):
+        inputs = _Inputs(q, k, v, contract)
+        out, lse = _extension(variant()).forward(*inputs.tensors(), *inputs.terms(with_sinks=True))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.contract = contract
+        ctx.mark_non_differentiable(lse)
+        return inputs.output(out), inputs.output(lse, rows_only=True)
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        contract = ctx.contract
+        inputs = _Inputs(q, k, v, contract)
+        grad4 = inputs.as_rows(grad_out, inputs.lead)  # (B, H, L, Dv)
+        delta = (grad4.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # rowsum(dO * O): (B, H, L)
+        dq, dk, dv, d_slopes = _extension(variant()).backward(*inputs.tensors(), grad4, lse, delta,
+                                                               *inputs.terms(with_sinks=False))
+        grads = [unflat(g.flatten(0, 1), x, lead) for g, x, lead in
+                 zip((dq, dk, dv), (q, k, v), (inputs.lead, inputs.kv_lead, inputs.kv_lead))]
+        d_slopes = None if contract.alibi_slopes is None else d_slopes.to(contract.alibi_slopes.dtype)
+        d_sinks = None if contract.sinks is None else merge.sink_gradient(contract.sinks, lse, delta)
+        return (*grads, d_slopes, d_sinks, None)
+
+
+class _Inputs:
+    """q, k, v as the kernel takes them, (B, H, L, D) contiguous, and the contract as its arguments."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, contract: Contract):
+        self.lead, self.kv_lead = leads(q, k, v)  # (..., H), (..., Hkv)
+        self.dtype = q.dtype
+        self.q, self.k, self.v = (self.as_rows(x, lead) for x, lead in
+                                  zip((q, k, v), (self.lead, self.kv_lead, self.kv_lead)))
+        self.contract = contract
+        self.L, self.S = q.shape[-2], k.shape[-2]
+
+    @staticmethod
+    def as_rows(x: Tensor, lead: tuple[int, ...]) -> Tensor:
+        """(..., T, X) -> (B, H, T, X) contiguous, the batch dims broadcast and flattened."""
+        x = x.expand(*lead, *x.shape[-2:])
+        return x.reshape(-1, lead[-1], *x.shape[-2:]).contiguous()  # (..., H, T, X) -> (B, H, T, X)
+
+    def output(self, x: Tensor, rows_only: bool = False) -> Tensor:
+        """(B, H, L, Dv) or (B, H, L) -> (..., L, Dv) or (..., L)."""
+        return x.view(*self.lead, *x.shape[2:]) if not rows_only else x.view(*self.lead, x.shape[-1])
+
+    def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.q, self.k, self.v
+
+    def terms(self, *, with_sinks: bool) -> tuple:
+        """The contract as the kernel's arguments: scale, softcap, band, positions, padding, mask, slopes (and sinks)."""
+        c, acc = self.contract, (torch.float64 if self.dtype == torch.float64 else torch.float32)
+        band = c.band
+        left = _UNBOUNDED if band is None or band.left is None else band.left
+        right = _UNBOUNDED if band is None or band.right is None else band.right
+        q_pos = k_pos = key_valid = mask = None
+        if c.positions is not None:
+            q_pos, k_pos = (p.to(torch.int64).contiguous() for p in c.positions)
+        if c.key_valid is not None:
+            key_valid = c.key_valid.to(torch.bool).contiguous()
+        if c.mask is not None:
+            mask = c.mask if c.mask.dtype == torch.bool else c.mask.to(acc)
+            mask = _mask_view(mask, self.lead, self.L, self.S)
+        per_head = [None if x is None else x.to(acc).contiguous() for x in (c.alibi_slopes, c.sinks)]
+        terms = (c.scale_for(self.q.shape[-1]), c.softcap or 0.0, band is not None, left, right, c.offset,
+                 q_pos, k_pos, key_valid, mask, per_head[0])
+        return (*terms, per_head[1]) if with_sinks else terms
+
+
+def _mask_view(mask: Tensor, lead: tuple[int, ...], L: int, S: int) -> Tensor | None:
+    """The mask broadcast to (B, H, L, S) as a view (strides 0 where it broadcasts), or None when
+    that needs a copy."""
+    try:
+        return mask.expand(*lead, L, S).view(-1, lead[-1], L, S)
+    except RuntimeError:
+        return None

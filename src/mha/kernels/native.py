@@ -39,8 +39,9 @@ __all__ = ["native_attention", "native_attention_with_lse", "native_available", 
 log = logging.getLogger("mha.dispatch")
 
 _SOURCE = Path(__file__).parent / "csrc" / "native.cpp"
-_FLAGS = {"avx512": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DMHA_AVX512"],
-          "portable": ["-O3"]}
+# -fopenmp: at::parallel_for is compiled into the extension, on torch's OpenMP runtime
+_FLAGS = {"avx512": ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DMHA_AVX512"],
+          "portable": ["-O3", "-fopenmp"]}
 _UNBOUNDED = 2 ** 63 - 1  # the kernel's "no bound on this side of the band"
 
 
@@ -64,7 +65,7 @@ def _extension(build: str | None):
     try:
         from torch.utils.cpp_extension import load
         return load(name=f"mha_native_{build}", sources=[str(_SOURCE)], extra_cflags=_FLAGS[build],
-                    verbose=False)
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the other backends run
         log.info("native backend unavailable (%s: %s); calls run on the other backends",
                  type(error).__name__, str(error).strip().splitlines()[-1] if str(error).strip() else "")

@@ -139,29 +139,6 @@ void gemm_nn<float>(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda
   at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, false);
 }
 
-// B^T of a (rows x cols) block into out (cols x rows).
-template <typename acc_t>
-void transpose(int64_t rows, int64_t cols, const acc_t* in, int64_t ld, acc_t* out) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) out[c * rows + r] = in[r * ld + c];
-}
-
-// C = A (M x K) . B^T, B (N x K); scratch holds K * N.
-template <typename acc_t>
-void gemm_nt(int64_t M, int64_t N, int64_t K, const acc_t* A, int64_t lda, const acc_t* B, int64_t ldb,
-             acc_t* C, int64_t ldc, bool accumulate, acc_t* scratch) {
-  transpose(N, K, B, ldb, scratch);
-  gemm_nn(M, N, K, A, lda, scratch, N, C, ldc, accumulate);
-}
-
-// C += A^T . B, A (K x M), B (K x N); scratch holds M * K.
-template <typename acc_t>
-void gemm_tn(int64_t M, int64_t N, int64_t K, const acc_t* A, int64_t lda, const acc_t* B, int64_t ldb,
-             acc_t* C, int64_t ldc, acc_t* scratch) {
-  transpose(K, M, A, lda, scratch);
-  gemm_nn(M, N, K, scratch, K, B, ldb, C, ldc, true);
-}
-
 // ---- exponentials --------------------------------------------------------------------------------
 
 // out[j] = exp(x[j] - shift) (0 where x is -inf); returns their sum.
@@ -217,6 +194,25 @@ float exp_shifted<float>(int64_t n, float* x, float shift) {
 }
 #endif
 
+template <typename acc_t>
+acc_t row_max(int64_t n, const acc_t* x) {
+  return *std::max_element(x, x + n);
+}
+
+#if defined(MHA_AVX512)
+template <>
+float row_max<float>(int64_t n, const float* x) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(x + j));
+  if (j < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - j)) - 1u);
+    best = _mm512_mask_max_ps(best, m, best, _mm512_maskz_loadu_ps(m, x + j));
+  }
+  return _mm512_reduce_max_ps(best);
+}
+#endif
+
 // ---- the scores of a tile ------------------------------------------------------------------------
 
 // Shape the scores s (rows x n, leading dim lds) of keys j0.. as the contract says; with softcap,
@@ -266,31 +262,55 @@ bool plain_tile(const Terms<acc_t>& t, bool covered) {
   return covered && t.softcap == 0 && t.slopes == nullptr && !t.has_mask() && t.key_valid == nullptr;
 }
 
-// ---- inputs in the accumulation dtype --------------------------------------------------------------
-
-// A view of n rows of width w starting at ``src`` as acc_t: the rows themselves when the types
-// agree, else converted into ``buffer``.
-template <typename scalar_t, typename acc_t>
-const acc_t* as_acc(const scalar_t* src, int64_t n, int64_t w, std::vector<acc_t>& buffer) {
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    return src;
-  } else {
-    buffer.resize(n * w);
-    for (int64_t x = 0; x < n * w; ++x) buffer[x] = static_cast<acc_t>(src[x]);
-    return buffer.data();
-  }
-}
-
 // ---- forward ---------------------------------------------------------------------------------------
 
+// The operands every tile product reads, laid out so that each is a plain A (M x K) . B (K x N)
+// over contiguous memory: q rows are packed per block (scaled); K^T is kept tile by tile,
+// (B, Hkv, S / kBlockK, D, kBlockK) (a tile's D rows of kBlockK keys side by side, so that no
+// product strides across the whole sequence), and V is (B, Hkv, S, Dv); all in acc_t.
+inline int64_t tiles_of(int64_t S) { return (S + kBlockK - 1) / kBlockK; }
+
+// x (B, Hkv, S, X) -> (B, Hkv, tiles, X, kBlockK) in ``acc``, the last tile padded with zeros.
+inline Tensor tile_major(const Tensor& x, at::ScalarType acc) {
+  const int64_t S = x.size(2), padded = tiles_of(S) * kBlockK;
+  Tensor y = at::constant_pad_nd(x.to(acc), {0, 0, 0, padded - S});  // (B, Hkv, padded, X)
+  return y.view({x.size(0), x.size(1), padded / kBlockK, kBlockK, x.size(3)}).transpose(3, 4).contiguous();
+}
+
+// The tile-major layout back to (B, Hkv, S, X).
+inline Tensor from_tile_major(const Tensor& y, int64_t S) {
+  const Tensor x = y.transpose(3, 4).reshape({y.size(0), y.size(1), y.size(2) * kBlockK, y.size(3)});
+  return x.narrow(2, 0, S).contiguous();
+}
+
+template <typename acc_t>
+struct Operands {
+  Tensor kt, v;  // kept alive while the kernel runs
+  const acc_t* kt_ptr;
+  const acc_t* v_ptr;
+};
+
+template <typename acc_t>
+Operands<acc_t> operands(const Tensor& k, const Tensor& v) {
+  const auto acc = c10::CppTypeToScalarType<acc_t>::value;
+  Tensor kt = tile_major(k, acc);
+  Tensor vv = v.to(acc).contiguous();
+  return {kt, vv, kt.data_ptr<acc_t>(), vv.data_ptr<acc_t>()};
+}
+
+// The D x n block of K^T for keys j0.. (within one tile), leading dimension kBlockK.
+template <typename pointer>
+pointer kt_block(pointer kt_head, int64_t D, int64_t j0) {
+  return kt_head + (j0 / kBlockK) * D * kBlockK + j0 % kBlockK;
+}
+
 template <typename scalar_t, typename acc_t>
-void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const scalar_t* k, const scalar_t* v,
+void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const Operands<acc_t>& ops,
                     scalar_t* out, acc_t* lse) {
   const int64_t blocks = (sh.rows() + kBlockQ - 1) / kBlockQ;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   at::parallel_for(0, sh.B * sh.Hkv * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> qp(kBlockQ * sh.D), s(kBlockQ * kBlockK), acc(kBlockQ * sh.Dv), m(kBlockQ), l(kBlockQ);
-    std::vector<acc_t> scratch(kBlockK * std::max(sh.D, kBlockQ)), k_buffer, v_buffer;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task % blocks, bh = task / blocks, b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
       const int64_t r0 = block * kBlockQ, r1 = std::min(sh.rows(), r0 + kBlockQ), R = r1 - r0;
@@ -303,18 +323,16 @@ void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, c
       }
       std::fill(acc.begin(), acc.begin() + R * sh.Dv, acc_t(0));
       const auto [lo, hi] = key_range(t, rows, sh.S);
-      const scalar_t* k_head = k + (b * sh.Hkv + kv_head) * sh.S * sh.D;
-      const scalar_t* v_head = v + (b * sh.Hkv + kv_head) * sh.S * sh.Dv;
-      for (int64_t j0 = lo; j0 < hi; j0 += kBlockK) {
-        const int64_t n = std::min(kBlockK, hi - j0);
-        const acc_t* kt = as_acc(k_head + j0 * sh.D, n, sh.D, k_buffer);
-        const acc_t* vt = as_acc(v_head + j0 * sh.Dv, n, sh.Dv, v_buffer);
-        gemm_nt(R, n, sh.D, qp.data(), sh.D, kt, sh.D, s.data(), n, false, scratch.data());
+      const acc_t* kt_head = ops.kt_ptr + bh * tiles_of(sh.S) * sh.D * kBlockK;
+      const acc_t* v_head = ops.v_ptr + bh * sh.S * sh.Dv;
+      for (int64_t j0 = lo; j0 < hi; j0 = (j0 / kBlockK + 1) * kBlockK) {  // the tiles over [lo, hi)
+        const int64_t n = std::min((j0 / kBlockK + 1) * kBlockK, hi) - j0;
+        gemm_nn(R, n, sh.D, qp.data(), sh.D, kt_block(kt_head, sh.D, j0), kBlockK, s.data(), n, false);  // S = Q K^T
         const bool covered = band_covers(t, rows, j0, n);
         if (!plain_tile(t, covered)) shape_tile(t, rows, j0, n, s.data(), n, static_cast<acc_t*>(nullptr), covered);
         for (int64_t r = 0; r < R; ++r) {  // the running softmax, merged with this tile
           acc_t* row = s.data() + r * n;
-          const acc_t m_new = std::max(m[r], *std::max_element(row, row + n));
+          const acc_t m_new = std::max(m[r], row_max(n, row));
           if (m_new == neg_inf) {  // nothing visible yet: this tile adds nothing
             std::fill(row, row + n, acc_t(0));
             continue;
@@ -325,7 +343,7 @@ void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, c
           m[r] = m_new;
           if (alpha != acc_t(1)) for (int64_t d = 0; d < sh.Dv; ++d) acc[r * sh.Dv + d] *= alpha;
         }
-        gemm_nn(R, sh.Dv, n, s.data(), n, vt, sh.Dv, acc.data(), sh.Dv, true);
+        gemm_nn(R, sh.Dv, n, s.data(), n, v_head + j0 * sh.Dv, sh.Dv, acc.data(), sh.Dv, true);  // O += P V
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
@@ -340,28 +358,32 @@ void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, c
 
 // ---- backward --------------------------------------------------------------------------------------
 
-// One task per (batch, key/value head, key chunk): it owns dK and dV of its keys, adds to dQ of
-// every query row of its heads (in its chunk's dq buffer), and to its heads' slope gradients.
+// One task per (batch, key/value head, key chunk): it owns dK and dV of its keys (accumulated
+// transposed and tile-major, like K^T, so that every product is a plain A . B), adds to dQ of every
+// query row of its heads (in its chunk's dq buffer), and to its heads' slope gradients. Chunks are
+// whole tiles.
 template <typename scalar_t, typename acc_t>
-void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const scalar_t* k,
-                     const scalar_t* v, const scalar_t* dout, const acc_t* lse, const acc_t* delta,
-                     acc_t* dq_parts, int64_t chunks, acc_t* dk, acc_t* dv, acc_t* d_slopes_parts) {
+void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const Operands<acc_t>& ops,
+                     const acc_t* k, const acc_t* vt, const scalar_t* dout, const acc_t* lse, const acc_t* delta,
+                     acc_t* dq_parts, int64_t chunks, acc_t* dkt, acc_t* dvt, acc_t* d_slopes_parts) {
   const int64_t blocks = (sh.rows() + kBlockQ - 1) / kBlockQ;
-  const int64_t chunk_len = (sh.S + chunks - 1) / chunks;
+  const int64_t chunk_len = (tiles_of(sh.S) + chunks - 1) / chunks * kBlockK;
   const acc_t inf = std::numeric_limits<acc_t>::infinity();
   at::parallel_for(0, sh.B * sh.Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> qp(kBlockQ * sh.D), dop(kBlockQ * sh.Dv), s(kBlockQ * kBlockK), dp(kBlockQ * kBlockK),
-        capped(kBlockQ * kBlockK), dqb(kBlockQ * sh.D), shift(kBlockQ), row_delta(kBlockQ);
-    std::vector<acc_t> scratch(kBlockK * std::max({sh.D, sh.Dv, kBlockQ})), k_buffer, v_buffer;
+    std::vector<acc_t> qp(kBlockQ * sh.D), qpt(sh.D * kBlockQ), dop(kBlockQ * sh.Dv), dopt(sh.Dv * kBlockQ),
+        p(kBlockQ * kBlockK), ds(kBlockQ * kBlockK), capped(kBlockQ * kBlockK), dqb(kBlockQ * sh.D),
+        shift(kBlockQ), row_delta(kBlockQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t chunk = task % chunks, bh = task / chunks, b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
       const int64_t c0 = chunk * chunk_len, c1 = std::min(sh.S, c0 + chunk_len);
       acc_t* dq_chunk = dq_parts + chunk * sh.B * sh.H * sh.L * sh.D;
       acc_t* slopes_grad = d_slopes_parts + task * sh.G;
-      const scalar_t* k_head = k + (b * sh.Hkv + kv_head) * sh.S * sh.D;
-      const scalar_t* v_head = v + (b * sh.Hkv + kv_head) * sh.S * sh.Dv;
-      acc_t* dk_head = dk + (b * sh.Hkv + kv_head) * sh.S * sh.D;
-      acc_t* dv_head = dv + (b * sh.Hkv + kv_head) * sh.S * sh.Dv;
+      const int64_t tiles = tiles_of(sh.S);
+      const acc_t* kt_head = ops.kt_ptr + bh * tiles * sh.D * kBlockK;
+      const acc_t* k_head = k + bh * sh.S * sh.D;
+      const acc_t* vt_head = vt + bh * tiles * sh.Dv * kBlockK;
+      acc_t* dkt_head = dkt + bh * tiles * sh.D * kBlockK;
+      acc_t* dvt_head = dvt + bh * tiles * sh.Dv * kBlockK;
       for (int64_t block = 0; block < blocks; ++block) {
         const int64_t r0 = block * kBlockQ, r1 = std::min(sh.rows(), r0 + kBlockQ), R = r1 - r0;
         const Rows rows = block_rows(sh, t, b, kv_head, r0, r1);
@@ -369,33 +391,31 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
         lo = std::max(lo, c0);
         hi = std::min(hi, c1);
         if (hi <= lo) continue;
-        for (int64_t r = 0; r < R; ++r) {
+        for (int64_t r = 0; r < R; ++r) {  // the block's rows, and their transposes
           const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
           const scalar_t* qs = q + row_index * sh.D;
-          const scalar_t* ds = dout + row_index * sh.Dv;
-          for (int64_t d = 0; d < sh.D; ++d) qp[r * sh.D + d] = static_cast<acc_t>(qs[d]) * t.scale;
-          for (int64_t d = 0; d < sh.Dv; ++d) dop[r * sh.Dv + d] = static_cast<acc_t>(ds[d]);
+          const scalar_t* gs = dout + row_index * sh.Dv;
+          for (int64_t d = 0; d < sh.D; ++d) qpt[d * R + r] = qp[r * sh.D + d] = static_cast<acc_t>(qs[d]) * t.scale;
+          for (int64_t d = 0; d < sh.Dv; ++d) dopt[d * R + r] = dop[r * sh.Dv + d] = static_cast<acc_t>(gs[d]);
           shift[r] = lse[row_index] == -inf ? inf : lse[row_index];  // a row that saw nothing: P = 0
           row_delta[r] = delta[row_index];
         }
         std::fill(dqb.begin(), dqb.begin() + R * sh.D, acc_t(0));
-        for (int64_t j0 = lo; j0 < hi; j0 += kBlockK) {
-          const int64_t n = std::min(kBlockK, hi - j0);
-          const acc_t* kt = as_acc(k_head + j0 * sh.D, n, sh.D, k_buffer);
-          const acc_t* vt = as_acc(v_head + j0 * sh.Dv, n, sh.Dv, v_buffer);
-          gemm_nt(R, n, sh.D, qp.data(), sh.D, kt, sh.D, s.data(), n, false, scratch.data());
+        for (int64_t j0 = lo; j0 < hi; j0 = (j0 / kBlockK + 1) * kBlockK) {  // the tiles over [lo, hi)
+          const int64_t n = std::min((j0 / kBlockK + 1) * kBlockK, hi) - j0;
+          gemm_nn(R, n, sh.D, qp.data(), sh.D, kt_block(kt_head, sh.D, j0), kBlockK, p.data(), n, false);  // S = Q K^T
           const bool covered = band_covers(t, rows, j0, n);
-          if (!plain_tile(t, covered)) shape_tile(t, rows, j0, n, s.data(), n, capped.data(), covered);
+          if (!plain_tile(t, covered)) shape_tile(t, rows, j0, n, p.data(), n, capped.data(), covered);
           for (int64_t r = 0; r < R; ++r) {  // P = e^(S - lse)
-            acc_t* row = s.data() + r * n;
-            for (int64_t j = 0; j < n; ++j) row[j] = std::exp(row[j] - shift[r]);
+            acc_t* row = p.data() + r * n;
+            exp_shifted(n, row, shift[r]);
           }
-          gemm_tn(n, sh.Dv, R, s.data(), n, dop.data(), sh.Dv, dv_head + j0 * sh.Dv, sh.Dv, scratch.data());  // dV += P^T dO
-          gemm_nt(R, n, sh.Dv, dop.data(), sh.Dv, vt, sh.Dv, dp.data(), n, false, scratch.data());  // dP = dO V^T
-          for (int64_t r = 0; r < R; ++r) {  // dS = P (dP - delta), into dp
-            acc_t* p = s.data() + r * n;
-            acc_t* g = dp.data() + r * n;
-            for (int64_t j = 0; j < n; ++j) g[j] = p[j] * (g[j] - row_delta[r]);
+          gemm_nn(sh.Dv, n, R, dopt.data(), R, p.data(), n, kt_block(dvt_head, sh.Dv, j0), kBlockK, true);  // dV^T += dO^T P
+          gemm_nn(R, n, sh.Dv, dop.data(), sh.Dv, kt_block(vt_head, sh.Dv, j0), kBlockK, ds.data(), n, false);  // dP = dO V^T
+          for (int64_t r = 0; r < R; ++r) {  // dS = P (dP - delta), in place of dP
+            const acc_t* pr = p.data() + r * n;
+            acc_t* g = ds.data() + r * n;
+            for (int64_t j = 0; j < n; ++j) g[j] = pr[j] * (g[j] - row_delta[r]);
             if (t.slopes) {  // d slope_h = -sum dS |rel|
               acc_t total = 0;
               for (int64_t j = 0; j < n; ++j) {
@@ -409,8 +429,8 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
               for (int64_t j = 0; j < n; ++j) g[j] *= acc_t(1) - th[j] * th[j];
             }
           }
-          gemm_nn(R, sh.D, n, dp.data(), n, kt, sh.D, dqb.data(), sh.D, true);  // dQ += dS K
-          gemm_tn(n, sh.D, R, dp.data(), n, qp.data(), sh.D, dk_head + j0 * sh.D, sh.D, scratch.data());  // dK += dS^T (Q scale)
+          gemm_nn(R, sh.D, n, ds.data(), n, k_head + j0 * sh.D, sh.D, dqb.data(), sh.D, true);  // dQ += dS K
+          gemm_nn(sh.D, n, R, qpt.data(), R, ds.data(), n, kt_block(dkt_head, sh.D, j0), kBlockK, true);  // dK^T += (Q scale)^T dS
         }
         for (int64_t r = 0; r < R; ++r) {
           acc_t* dst = dq_chunk + ((b * sh.H + rows.head[r]) * sh.L + rows.index[r]) * sh.D;
@@ -476,8 +496,8 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, d
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto t = terms_of<acc_t>(scale, softcap, has_band, left, right, offset, q_pos, k_pos, key_valid, mask,
                                    slopes, sinks);
-    forward_kernel<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                                    out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>());
+    const auto ops = operands<acc_t>(k, v);
+    forward_kernel<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), ops, out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>());
   });
   return {out, lse};
 }
@@ -490,22 +510,27 @@ std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, 
   const Shape sh = shape_of(q, k, v);
   const int64_t threads = at::get_num_threads();
   const int64_t tasks = sh.B * sh.Hkv;  // split the keys when there are fewer (batch, kv head) tasks than threads
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((2 * threads + tasks - 1) / tasks, sh.S / kBlockK));
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((2 * threads + tasks - 1) / tasks, tiles_of(sh.S)));
   const auto acc_options = lse.options();
   auto dq_parts = at::zeros({chunks, sh.B, sh.H, sh.L, sh.D}, acc_options);
-  auto dk = at::zeros({sh.B, sh.Hkv, sh.S, sh.D}, acc_options);
-  auto dv = at::zeros({sh.B, sh.Hkv, sh.S, sh.Dv}, acc_options);
+  const int64_t tiles = tiles_of(sh.S);
+  auto dkt = at::zeros({sh.B, sh.Hkv, tiles, sh.D, kBlockK}, acc_options);  // tile-major, as K^T
+  auto dvt = at::zeros({sh.B, sh.Hkv, tiles, sh.Dv, kBlockK}, acc_options);
   auto d_slopes_parts = at::zeros({sh.B, sh.Hkv, chunks, sh.G}, acc_options);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_native_backward", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto t = terms_of<acc_t>(scale, softcap, has_band, left, right, offset, q_pos, k_pos, key_valid, mask,
                                    slopes, std::nullopt);
-    backward_kernel<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+    const auto ops = operands<acc_t>(k, v);
+    const Tensor k_acc = k.to(lse.scalar_type()).contiguous();
+    const Tensor vt = tile_major(v, lse.scalar_type());
+    backward_kernel<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), ops, k_acc.data_ptr<acc_t>(), vt.data_ptr<acc_t>(),
                                      dout.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(), delta.data_ptr<acc_t>(),
-                                     dq_parts.data_ptr<acc_t>(), chunks, dk.data_ptr<acc_t>(), dv.data_ptr<acc_t>(),
+                                     dq_parts.data_ptr<acc_t>(), chunks, dkt.data_ptr<acc_t>(), dvt.data_ptr<acc_t>(),
                                      d_slopes_parts.data_ptr<acc_t>());
   });
   auto d_slopes = d_slopes_parts.sum({0, 2}).reshape({sh.H});  // (B, Hkv, chunks, G) -> (Hkv, G) -> (H,)
+  auto dk = from_tile_major(dkt, sh.S), dv = from_tile_major(dvt, sh.S);
   return {dq_parts.sum(0), dk, dv, d_slopes};
 }
 

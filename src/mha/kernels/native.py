@@ -8,8 +8,9 @@ log-sum-exp like flash. It is compiled on first use with torch's extension tooli
 system's C++ compiler), once per user and machine (torch's extension cache), for the instruction
 set this CPU has:
 
-    avx512     AVX-512 (vectorised exponentials)        the CPU has AVX-512F
-    portable   plain C++, the compiler's own vectorisation   any other CPU
+    avx512bf16  AVX-512 and its bfloat16 dot products       the CPU has AVX-512F and AVX512-BF16
+    avx512      AVX-512 (vectorised exponentials)             the CPU has AVX-512F
+    portable    plain C++, the compiler's own vectorisation   any other CPU
 
 MHA_NATIVE=off turns the backend off, MHA_NATIVE=portable forces the portable build. Where no
 compiler is found, native_available() is False, the dispatch says why once in its log
@@ -40,19 +41,21 @@ log = logging.getLogger("mha.dispatch")
 
 _SOURCE = Path(__file__).parent / "csrc" / "native.cpp"
 # -fopenmp: at::parallel_for is compiled into the extension, on torch's OpenMP runtime
-_FLAGS = {"avx512": ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DMHA_AVX512"],
-          "portable": ["-O3", "-fopenmp"]}
+_AVX512 = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DMHA_AVX512"]
+_FLAGS = {"avx512bf16": [*_AVX512, "-mavx512bf16", "-DMHA_AVX512_BF16"], "avx512": _AVX512, "portable": ["-O3", "-fopenmp"]}
 _UNBOUNDED = 2 ** 63 - 1  # the kernel's "no bound on this side of the band"
 
 
 def variant() -> str | None:
-    """The build this CPU gets ("avx512" or "portable"), or None when MHA_NATIVE=off."""
+    """The build this CPU gets ("avx512bf16", "avx512" or "portable"), or None when MHA_NATIVE=off."""
     asked = os.environ.get("MHA_NATIVE", "auto").lower()
     if asked == "off":
         return None
     if asked in _FLAGS:
         return asked
-    return "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "portable"
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return "portable"
+    return "avx512bf16" if torch.cpu._is_avx512_bf16_supported() else "avx512"
 
 
 @functools.cache

@@ -31,7 +31,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(MHA_AVX512)
+#if defined(MHA_AVX512) || defined(MHA_AVX512_BF16)
 #include <immintrin.h>
 #endif
 
@@ -213,6 +213,23 @@ float row_max<float>(int64_t n, const float* x) {
 }
 #endif
 
+// Merge a tile's scores ``row`` (n of them; in place they become the tile's weights) into a row's
+// running softmax (max m, sum l) and rescale its accumulated output ``acc`` (Dv values) to the new
+// max. A tile with no visible key, before any was seen, adds nothing (its weights are zeros).
+template <typename acc_t>
+void absorb(int64_t n, acc_t* row, acc_t& m, acc_t& l, acc_t* acc, int64_t Dv) {
+  const acc_t m_new = std::max(m, row_max(n, row));
+  if (m_new == -std::numeric_limits<acc_t>::infinity()) {
+    std::fill(row, row + n, acc_t(0));
+    return;
+  }
+  const acc_t alpha = std::exp(m - m_new);  // 0 when m was -inf
+  l = l * alpha + exp_shifted(n, row, m_new);
+  m = m_new;
+  if (alpha != acc_t(1))
+    for (int64_t d = 0; d < Dv; ++d) acc[d] *= alpha;
+}
+
 // ---- the scores of a tile ------------------------------------------------------------------------
 
 // Shape the scores s (rows x n, leading dim lds) of keys j0.. as the contract says; with softcap,
@@ -330,19 +347,7 @@ void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, c
         gemm_nn(R, n, sh.D, qp.data(), sh.D, kt_block(kt_head, sh.D, j0), kBlockK, s.data(), n, false);  // S = Q K^T
         const bool covered = band_covers(t, rows, j0, n);
         if (!plain_tile(t, covered)) shape_tile(t, rows, j0, n, s.data(), n, static_cast<acc_t*>(nullptr), covered);
-        for (int64_t r = 0; r < R; ++r) {  // the running softmax, merged with this tile
-          acc_t* row = s.data() + r * n;
-          const acc_t m_new = std::max(m[r], row_max(n, row));
-          if (m_new == neg_inf) {  // nothing visible yet: this tile adds nothing
-            std::fill(row, row + n, acc_t(0));
-            continue;
-          }
-          const acc_t alpha = std::exp(m[r] - m_new);  // 0 when m was -inf
-          const acc_t sum = exp_shifted(n, row, m_new);
-          l[r] = l[r] * alpha + sum;
-          m[r] = m_new;
-          if (alpha != acc_t(1)) for (int64_t d = 0; d < sh.Dv; ++d) acc[r * sh.Dv + d] *= alpha;
-        }
+        for (int64_t r = 0; r < R; ++r) absorb(n, s.data() + r * n, m[r], l[r], acc.data() + r * sh.Dv, sh.Dv);
         gemm_nn(R, sh.Dv, n, s.data(), n, v_head + j0 * sh.Dv, sh.Dv, acc.data(), sh.Dv, true);  // O += P V
       }
       for (int64_t r = 0; r < R; ++r) {
@@ -441,6 +446,195 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
   });
 }
 
+// ---- decoding: a few query rows against many keys -------------------------------------------------
+//
+// With G * L <= kDecodeRows rows per key/value head (a decoding step), the keys are read straight
+// from the cache's rows, once for the G heads that share them, and never repacked; the keys are
+// split among the threads when there are fewer (batch, kv head) tasks than threads, each split
+// keeping its own running softmax, merged by log-sum-exp at the end (flash-decoding).
+
+constexpr int64_t kDecodeRows = 16;
+constexpr int64_t kDecodeKeys = 64;
+
+// s[r * n + j] = scale * q_r . k_j for n keys, rows q_r (D values each, unscaled, the input dtype).
+template <typename scalar_t, typename acc_t>
+void decode_scores(int64_t R, int64_t n, int64_t D, const scalar_t* const* q_rows, const scalar_t* k, acc_t scale,
+                   acc_t* s) {
+  for (int64_t j = 0; j < n; ++j) {
+    const scalar_t* kj = k + j * D;
+    for (int64_t r = 0; r < R; ++r) {
+      acc_t total = 0;
+      for (int64_t d = 0; d < D; ++d) total += static_cast<acc_t>(q_rows[r][d]) * static_cast<acc_t>(kj[d]);
+      s[r * n + j] = total * scale;
+    }
+  }
+}
+
+// acc_r += sum_j p[r * n + j] v_j, v_j the Dv values of key j.
+template <typename scalar_t, typename acc_t>
+void decode_values(int64_t R, int64_t n, int64_t Dv, const acc_t* p, const scalar_t* v, acc_t* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const scalar_t* vj = v + j * Dv;
+    for (int64_t r = 0; r < R; ++r) {
+      const acc_t w = p[r * n + j];
+      if (w == acc_t(0)) continue;
+      acc_t* a = acc + r * Dv;
+      for (int64_t d = 0; d < Dv; ++d) a[d] += w * static_cast<acc_t>(vj[d]);
+    }
+  }
+}
+
+#if defined(MHA_AVX512)
+static inline __mmask16 tail_mask(int64_t count) { return static_cast<__mmask16>((1u << count) - 1u); }
+
+template <>
+void decode_scores<float, float>(int64_t R, int64_t n, int64_t D, const float* const* q_rows, const float* k,
+                                 float scale, float* s) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kj = k + j * D;
+    for (int64_t r = 0; r < R; ++r) {
+      __m512 a = _mm512_setzero_ps();
+      int64_t d = 0;
+      for (; d + 16 <= D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q_rows[r] + d), _mm512_loadu_ps(kj + d), a);
+      if (d < D) {
+        const __mmask16 m = tail_mask(D - d);
+        a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q_rows[r] + d), _mm512_maskz_loadu_ps(m, kj + d), a);
+      }
+      s[r * n + j] = _mm512_reduce_add_ps(a) * scale;
+    }
+  }
+}
+
+template <>
+void decode_values<float, float>(int64_t R, int64_t n, int64_t Dv, const float* p, const float* v, float* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + j * Dv;
+    for (int64_t r = 0; r < R; ++r) {
+      const float w = p[r * n + j];
+      if (w == 0.0f) continue;
+      const __m512 wv = _mm512_set1_ps(w);
+      float* a = acc + r * Dv;
+      int64_t d = 0;
+      for (; d + 16 <= Dv; d += 16) _mm512_storeu_ps(a + d, _mm512_fmadd_ps(wv, _mm512_loadu_ps(vj + d), _mm512_loadu_ps(a + d)));
+      if (d < Dv) {
+        const __mmask16 m = tail_mask(Dv - d);
+        _mm512_mask_storeu_ps(a + d, m, _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, vj + d), _mm512_maskz_loadu_ps(m, a + d)));
+      }
+    }
+  }
+}
+
+// 16 bfloat16 as 16 floats (a bfloat16 is the top half of a float).
+static inline __m512 bf16_to_float(__m256i x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+template <>
+void decode_values<at::BFloat16, float>(int64_t R, int64_t n, int64_t Dv, const float* p, const at::BFloat16* v,
+                                        float* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const at::BFloat16* vj = v + j * Dv;
+    for (int64_t r = 0; r < R; ++r) {
+      const float w = p[r * n + j];
+      if (w == 0.0f) continue;
+      const __m512 wv = _mm512_set1_ps(w);
+      float* a = acc + r * Dv;
+      int64_t d = 0;
+      for (; d + 16 <= Dv; d += 16) {
+        const __m512 vv = bf16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vj + d)));
+        _mm512_storeu_ps(a + d, _mm512_fmadd_ps(wv, vv, _mm512_loadu_ps(a + d)));
+      }
+      for (; d < Dv; ++d) a[d] += w * static_cast<float>(vj[d]);
+    }
+  }
+}
+#endif
+
+#if defined(MHA_AVX512_BF16)
+// bfloat16 dot products accumulated in float32 by pairs (vdpbf16ps): no score is rounded to bfloat16.
+template <>
+void decode_scores<at::BFloat16, float>(int64_t R, int64_t n, int64_t D, const at::BFloat16* const* q_rows,
+                                        const at::BFloat16* k, float scale, float* s) {
+  for (int64_t j = 0; j < n; ++j) {
+    const at::BFloat16* kj = k + j * D;
+    for (int64_t r = 0; r < R; ++r) {
+      __m512 a = _mm512_setzero_ps();
+      int64_t d = 0;
+      for (; d + 32 <= D; d += 32)
+        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q_rows[r] + d), (__m512bh)_mm512_loadu_si512(kj + d));
+      float total = _mm512_reduce_add_ps(a);
+      for (; d < D; ++d) total += static_cast<float>(q_rows[r][d]) * static_cast<float>(kj[d]);
+      s[r * n + j] = total * scale;
+    }
+  }
+}
+#endif
+
+template <typename scalar_t, typename acc_t>
+void decode_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const scalar_t* k, const scalar_t* v,
+                   scalar_t* out, acc_t* lse) {
+  const int64_t R = sh.rows(), tasks = sh.B * sh.Hkv;
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>((2 * at::get_num_threads() + tasks - 1) / tasks,
+                                                                (sh.S + 1023) / 1024));
+  const int64_t split_len = (sh.S + splits - 1) / splits;
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  std::vector<acc_t> part_acc(tasks * splits * R * sh.Dv), part_m(tasks * splits * R), part_l(tasks * splits * R);
+  at::parallel_for(0, tasks * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> s(R * kDecodeKeys);
+    std::vector<const scalar_t*> q_rows(R);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t split = task % splits, bh = task / splits, b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
+      const Rows rows = block_rows(sh, t, b, kv_head, 0, R);
+      acc_t* acc = part_acc.data() + task * R * sh.Dv;
+      acc_t* m = part_m.data() + task * R;
+      acc_t* l = part_l.data() + task * R;
+      for (int64_t r = 0; r < R; ++r) {
+        q_rows[r] = q + ((b * sh.H + rows.head[r]) * sh.L + rows.index[r]) * sh.D;
+        const bool sink = t.sinks != nullptr && split == 0;  // the sink joins once, in the first split
+        m[r] = sink ? t.sinks[rows.head[r]] : neg_inf;
+        l[r] = sink ? acc_t(1) : acc_t(0);
+      }
+      std::fill(acc, acc + R * sh.Dv, acc_t(0));
+      auto [lo, hi] = key_range(t, rows, sh.S);
+      lo = std::max(lo, split * split_len);
+      hi = std::min(hi, (split + 1) * split_len);
+      const scalar_t* k_head = k + bh * sh.S * sh.D;
+      const scalar_t* v_head = v + bh * sh.S * sh.Dv;
+      for (int64_t j0 = lo; j0 < hi; j0 += kDecodeKeys) {
+        const int64_t n = std::min(kDecodeKeys, hi - j0);
+        decode_scores<scalar_t, acc_t>(R, n, sh.D, q_rows.data(), k_head + j0 * sh.D, t.scale, s.data());
+        const bool covered = band_covers(t, rows, j0, n);
+        if (!plain_tile(t, covered)) shape_tile(t, rows, j0, n, s.data(), n, static_cast<acc_t*>(nullptr), covered);
+        for (int64_t r = 0; r < R; ++r) absorb(n, s.data() + r * n, m[r], l[r], acc + r * sh.Dv, sh.Dv);
+        decode_values<scalar_t, acc_t>(R, n, sh.Dv, s.data(), v_head + j0 * sh.Dv, acc);
+      }
+    }
+  });
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {  // merge the splits by log-sum-exp
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
+      const Rows rows = block_rows(sh, t, b, kv_head, 0, R);
+      for (int64_t r = 0; r < R; ++r) {
+        acc_t top = neg_inf, total = 0;
+        for (int64_t p = 0; p < splits; ++p) top = std::max(top, part_m[(bh * splits + p) * R + r]);
+        const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
+        std::vector<acc_t> merged(sh.Dv, acc_t(0));
+        if (top != neg_inf) {
+          for (int64_t p = 0; p < splits; ++p) {
+            const int64_t part = (bh * splits + p) * R + r;
+            const acc_t w = std::exp(part_m[part] - top);
+            total += part_l[part] * w;
+            for (int64_t d = 0; d < sh.Dv; ++d) merged[d] += part_acc[part * sh.Dv + d] * w;
+          }
+        }
+        const acc_t inv = total > 0 ? acc_t(1) / total : acc_t(0);
+        for (int64_t d = 0; d < sh.Dv; ++d) out[row_index * sh.Dv + d] = static_cast<scalar_t>(merged[d] * inv);
+        lse[row_index] = total > 0 ? top + std::log(total) : neg_inf;
+      }
+    }
+  });
+}
+
 // ---- the Python-facing functions -------------------------------------------------------------------
 
 using Optional = std::optional<Tensor>;
@@ -496,6 +690,11 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, d
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto t = terms_of<acc_t>(scale, softcap, has_band, left, right, offset, q_pos, k_pos, key_valid, mask,
                                    slopes, sinks);
+    if (sh.rows() <= kDecodeRows) {  // a decoding step: the cache is read as it is
+      decode_kernel<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                                     out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>());
+      return;
+    }
     const auto ops = operands<acc_t>(k, v);
     forward_kernel<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), ops, out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>());
   });

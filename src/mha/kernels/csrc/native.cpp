@@ -251,7 +251,12 @@ void shape_tile(const Terms<acc_t>& t, const Rows& rows, int64_t j0, int64_t n, 
       }
     }
     const int64_t h = rows.head[r], i = rows.index[r], q_position = rows.position[r];
-    if (t.slopes != nullptr || !covered) {
+    if (t.slopes == nullptr && !covered && t.k_pos == nullptr) {  // keys at j: the band is one run of columns
+      const int64_t first = t.left == kUnbounded ? 0 : std::clamp<int64_t>(q_position - t.left - j0, 0, n);
+      const int64_t last = t.right == kUnbounded ? n : std::clamp<int64_t>(q_position + t.right + 1 - j0, first, n);
+      std::fill(row, row + first, neg_inf);
+      std::fill(row + last, row + n, neg_inf);
+    } else if (t.slopes != nullptr || !covered) {
       const acc_t slope = t.slopes ? t.slopes[h] : acc_t(0);
       for (int64_t j = 0; j < n; ++j) {
         const int64_t rel = t.key_position(b, j0 + j) - q_position;
@@ -300,19 +305,53 @@ inline Tensor from_tile_major(const Tensor& y, int64_t S) {
   return x.narrow(2, 0, S).contiguous();
 }
 
-template <typename acc_t>
-struct Operands {
-  Tensor kt, v;  // kept alive while the kernel runs
-  const acc_t* kt_ptr;
-  const acc_t* v_ptr;
-};
+// Buffers kept from call to call (per thread, type and slot), so that packing writes into memory
+// already paged in rather than faulting in fresh pages on every call.
+template <typename T>
+T* workspace(int slot, int64_t count) {
+  thread_local std::vector<T> buffers[2];
+  auto& buffer = buffers[slot];
+  if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(count);
+  return buffer.data();
+}
+
+// x (BH, S, X) -> out (BH, tiles, X, kBlockK) in acc_t, the last tile padded with zeros: one pass.
+template <typename scalar_t, typename acc_t>
+void pack_tile_major(const scalar_t* x, int64_t BH, int64_t S, int64_t X, acc_t* out) {
+  const int64_t tiles = tiles_of(S);
+  at::parallel_for(0, BH * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / tiles, tile = task % tiles, n = std::min(kBlockK, S - tile * kBlockK);
+      const scalar_t* src = x + (bh * S + tile * kBlockK) * X;
+      acc_t* dst = out + task * X * kBlockK;
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < X; ++d) dst[d * kBlockK + j] = static_cast<acc_t>(src[j * X + d]);
+      if (n < kBlockK)
+        for (int64_t d = 0; d < X; ++d) std::fill(dst + d * kBlockK + n, dst + (d + 1) * kBlockK, acc_t(0));
+    }
+  });
+}
 
 template <typename acc_t>
-Operands<acc_t> operands(const Tensor& k, const Tensor& v) {
-  const auto acc = c10::CppTypeToScalarType<acc_t>::value;
-  Tensor kt = tile_major(k, acc);
-  Tensor vv = v.to(acc).contiguous();
-  return {kt, vv, kt.data_ptr<acc_t>(), vv.data_ptr<acc_t>()};
+struct Operands {
+  const acc_t* kt_ptr;  // (B, Hkv, tiles, D, kBlockK)
+  const acc_t* v_ptr;  // (B, Hkv, S, Dv)
+};
+
+template <typename scalar_t, typename acc_t>
+Operands<acc_t> operands(const Shape& sh, const scalar_t* k, const scalar_t* v) {
+  acc_t* kt = workspace<acc_t>(0, sh.B * sh.Hkv * tiles_of(sh.S) * sh.D * kBlockK);
+  pack_tile_major(k, sh.B * sh.Hkv, sh.S, sh.D, kt);
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return {kt, v};
+  } else {
+    const int64_t count = sh.B * sh.Hkv * sh.S * sh.Dv;
+    acc_t* converted = workspace<acc_t>(1, count);
+    at::parallel_for(0, count, 1 << 16, [&](int64_t begin, int64_t end) {
+      for (int64_t x = begin; x < end; ++x) converted[x] = static_cast<acc_t>(v[x]);
+    });
+    return {kt, converted};
+  }
 }
 
 // The D x n block of K^T for keys j0.. (within one tile), leading dimension kBlockK.
@@ -695,7 +734,7 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, d
                                      out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>());
       return;
     }
-    const auto ops = operands<acc_t>(k, v);
+    const auto ops = operands<scalar_t, acc_t>(sh, k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>());
     forward_kernel<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), ops, out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>());
   });
   return {out, lse};
@@ -720,7 +759,7 @@ std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, 
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto t = terms_of<acc_t>(scale, softcap, has_band, left, right, offset, q_pos, k_pos, key_valid, mask,
                                    slopes, std::nullopt);
-    const auto ops = operands<acc_t>(k, v);
+    const auto ops = operands<scalar_t, acc_t>(sh, k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>());
     const Tensor k_acc = k.to(lse.scalar_type()).contiguous();
     const Tensor vt = tile_major(v, lse.scalar_type());
     backward_kernel<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), ops, k_acc.data_ptr<acc_t>(), vt.data_ptr<acc_t>(),

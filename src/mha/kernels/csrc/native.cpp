@@ -360,34 +360,123 @@ pointer kt_block(pointer kt_head, int64_t D, int64_t j0) {
   return kt_head + (j0 / kBlockK) * D * kBlockK + j0 % kBlockK;
 }
 
+// The two tile products of the forward, on operands packed once per call:
+//   scores      s (R x n) = scale * (q rows) . K^T (keys j0 .. j0 + n)
+//   add_values  acc (R x Dv) += p (R x n) . V (keys j0 .. j0 + n)
+// PlainProducts work in acc_t (float32 on brgemm, float64 on loops). kAlign: the key offsets and
+// counts a product takes come in multiples of it.
 template <typename scalar_t, typename acc_t>
-void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const Operands<acc_t>& ops,
+struct PlainProducts {
+  static constexpr int64_t kAlign = 1;
+  const Shape& sh;
+  acc_t scale;
+  Operands<acc_t> ops;
+  std::vector<acc_t> qp = {};  // the block's scaled queries (per thread: each thread copies the products)
+
+  PlainProducts(const Shape& shape, acc_t scale_, const scalar_t* k, const scalar_t* v)
+      : sh(shape), scale(scale_), ops(operands<scalar_t, acc_t>(shape, k, v)) {}
+
+  void pack_row(int64_t r, const scalar_t* src) {
+    if (qp.empty()) qp.resize(kBlockQ * sh.D);
+    for (int64_t d = 0; d < sh.D; ++d) qp[r * sh.D + d] = static_cast<acc_t>(src[d]) * scale;
+  }
+  void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, acc_t* s) {
+    const acc_t* kt_head = ops.kt_ptr + bh * tiles_of(sh.S) * sh.D * kBlockK;
+    gemm_nn(R, n, sh.D, qp.data(), sh.D, kt_block(kt_head, sh.D, j0), kBlockK, s, n, false);
+  }
+  void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const acc_t* p, acc_t* acc) {
+    gemm_nn(R, sh.Dv, n, p, n, ops.v_ptr + (bh * sh.S + j0) * sh.Dv, sh.Dv, acc, sh.Dv, true);
+  }
+};
+
+#if defined(MHA_AVX512_BF16)
+// bfloat16 operands in VNNI pairs (two consecutive values of the product's inner dim side by side)
+// for brgemm's vdpbf16ps products, accumulated in float32: no score is rounded to bfloat16 (the
+// queries and keys are the inputs' own values); the weights p are rounded to bfloat16 for P . V.
+//   K^T (B, Hkv, tiles, D2 / 2, kBlockK, 2)   V (B, Hkv, tiles, kBlockK / 2, Dv, 2)   D2 = D rounded up to even
+struct Bf16Products {
+  static constexpr int64_t kAlign = 2;
+  using bf16 = at::BFloat16;
+  const Shape& sh;
+  float scale;
+  int64_t D2;
+  const bf16* kt;
+  const bf16* vv;
+  std::vector<bf16> qb = {}, pb = {};
+
+  Bf16Products(const Shape& shape, float scale_, const bf16* k, const bf16* v)
+      : sh(shape), scale(scale_), D2(shape.D + shape.D % 2) {
+    const int64_t tiles = tiles_of(sh.S), BH = sh.B * sh.Hkv;
+    bf16* kt_ = workspace<bf16>(0, BH * tiles * D2 * kBlockK);
+    bf16* vv_ = workspace<bf16>(1, BH * tiles * kBlockK * sh.Dv);
+    at::parallel_for(0, BH * tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t bh = task / tiles, tile = task % tiles, first = tile * kBlockK;
+        bf16* kd = kt_ + task * D2 * kBlockK;
+        bf16* vd = vv_ + task * kBlockK * sh.Dv;
+        for (int64_t j = 0; j < kBlockK; ++j) {
+          const bool real = first + j < sh.S;
+          const bf16* kr = k + (bh * sh.S + first + j) * sh.D;
+          const bf16* vr = v + (bh * sh.S + first + j) * sh.Dv;
+          for (int64_t d = 0; d < D2; ++d) kd[(d / 2) * kBlockK * 2 + j * 2 + d % 2] = real && d < sh.D ? kr[d] : bf16(0.0f);
+          for (int64_t e = 0; e < sh.Dv; ++e) vd[(j / 2) * sh.Dv * 2 + e * 2 + j % 2] = real ? vr[e] : bf16(0.0f);
+        }
+      }
+    });
+    kt = kt_;
+    vv = vv_;
+  }
+
+  void pack_row(int64_t r, const bf16* src) {
+    if (qb.empty()) qb.resize(kBlockQ * D2, bf16(0.0f));
+    std::copy(src, src + sh.D, qb.data() + r * D2);
+  }
+  void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, float* s) {
+    const bf16* tile = kt + (bh * tiles_of(sh.S) + j0 / kBlockK) * D2 * kBlockK;
+    at::native::cpublas::brgemm(R, n, D2, D2, kBlockK, n, false, qb.data(), tile + 2 * (j0 % kBlockK), s, true);
+    for (int64_t x = 0; x < R * n; ++x) s[x] *= scale;
+  }
+  void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const float* p, float* acc) {
+    if (pb.empty()) pb.resize(kBlockQ * kBlockK);
+    for (int64_t x = 0; x < R * n; ++x) pb[x] = bf16(p[x]);
+    const bf16* tile = vv + (bh * tiles_of(sh.S) + j0 / kBlockK) * kBlockK * sh.Dv;
+    at::native::cpublas::brgemm(R, sh.Dv, n, n, sh.Dv, sh.Dv, true, pb.data(), tile + (j0 % kBlockK) * sh.Dv, acc, true);
+  }
+};
+#endif
+
+template <typename scalar_t, typename acc_t, typename Products>
+void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const Products& shared,
                     scalar_t* out, acc_t* lse) {
   const int64_t blocks = (sh.rows() + kBlockQ - 1) / kBlockQ;
+  const int64_t align = Products::kAlign, padded = tiles_of(sh.S) * kBlockK;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   at::parallel_for(0, sh.B * sh.Hkv * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> qp(kBlockQ * sh.D), s(kBlockQ * kBlockK), acc(kBlockQ * sh.Dv), m(kBlockQ), l(kBlockQ);
+    Products products = shared;  // its per-thread buffers
+    std::vector<acc_t> s(kBlockQ * kBlockK), acc(kBlockQ * sh.Dv), m(kBlockQ), l(kBlockQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task % blocks, bh = task / blocks, b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
       const int64_t r0 = block * kBlockQ, r1 = std::min(sh.rows(), r0 + kBlockQ), R = r1 - r0;
       const Rows rows = block_rows(sh, t, b, kv_head, r0, r1);
-      for (int64_t r = 0; r < R; ++r) {  // pack the scaled queries; start each row's running softmax
-        const scalar_t* src = q + ((b * sh.H + rows.head[r]) * sh.L + rows.index[r]) * sh.D;
-        for (int64_t d = 0; d < sh.D; ++d) qp[r * sh.D + d] = static_cast<acc_t>(src[d]) * t.scale;
+      for (int64_t r = 0; r < R; ++r) {  // pack the queries; start each row's running softmax
+        products.pack_row(r, q + ((b * sh.H + rows.head[r]) * sh.L + rows.index[r]) * sh.D);
         m[r] = t.sinks ? t.sinks[rows.head[r]] : neg_inf;
         l[r] = t.sinks ? acc_t(1) : acc_t(0);
       }
       std::fill(acc.begin(), acc.begin() + R * sh.Dv, acc_t(0));
-      const auto [lo, hi] = key_range(t, rows, sh.S);
-      const acc_t* kt_head = ops.kt_ptr + bh * tiles_of(sh.S) * sh.D * kBlockK;
-      const acc_t* v_head = ops.v_ptr + bh * sh.S * sh.Dv;
+      auto [lo, hi] = key_range(t, rows, sh.S);
+      if (hi <= lo) lo = hi = 0;
+      lo -= lo % align;  // the band hides the keys added at either end, or they lie beyond S (masked below)
+      hi = std::min(padded, (hi + align - 1) / align * align);
       for (int64_t j0 = lo; j0 < hi; j0 = (j0 / kBlockK + 1) * kBlockK) {  // the tiles over [lo, hi)
         const int64_t n = std::min((j0 / kBlockK + 1) * kBlockK, hi) - j0;
-        gemm_nn(R, n, sh.D, qp.data(), sh.D, kt_block(kt_head, sh.D, j0), kBlockK, s.data(), n, false);  // S = Q K^T
+        products.scores(bh, R, j0, n, s.data());
+        if (j0 + n > sh.S)  // keys past the sequence (padding of the last tile)
+          for (int64_t r = 0; r < R; ++r) std::fill(s.data() + r * n + (sh.S - j0), s.data() + (r + 1) * n, neg_inf);
         const bool covered = band_covers(t, rows, j0, n);
         if (!plain_tile(t, covered)) shape_tile(t, rows, j0, n, s.data(), n, static_cast<acc_t*>(nullptr), covered);
         for (int64_t r = 0; r < R; ++r) absorb(n, s.data() + r * n, m[r], l[r], acc.data() + r * sh.Dv, sh.Dv);
-        gemm_nn(R, sh.Dv, n, s.data(), n, v_head + j0 * sh.Dv, sh.Dv, acc.data(), sh.Dv, true);  // O += P V
+        products.add_values(bh, R, j0, n, s.data(), acc.data());
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
@@ -674,6 +763,24 @@ void decode_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, co
   });
 }
 
+// The forward of one call: the decoding path for a few rows per key/value head, else the tiled
+// kernel on the products for the dtype.
+template <typename scalar_t, typename acc_t>
+void run_forward(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const scalar_t* k, const scalar_t* v,
+                 scalar_t* out, acc_t* lse) {
+  if (sh.rows() <= kDecodeRows) {  // a decoding step: the cache is read as it is
+    decode_kernel<scalar_t, acc_t>(sh, t, q, k, v, out, lse);
+    return;
+  }
+#if defined(MHA_AVX512_BF16)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    forward_kernel<scalar_t, acc_t>(sh, t, q, Bf16Products(sh, t.scale, k, v), out, lse);
+    return;
+  }
+#endif
+  forward_kernel<scalar_t, acc_t>(sh, t, q, PlainProducts<scalar_t, acc_t>(sh, t.scale, k, v), out, lse);
+}
+
 // ---- the Python-facing functions -------------------------------------------------------------------
 
 using Optional = std::optional<Tensor>;
@@ -729,13 +836,8 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, d
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto t = terms_of<acc_t>(scale, softcap, has_band, left, right, offset, q_pos, k_pos, key_valid, mask,
                                    slopes, sinks);
-    if (sh.rows() <= kDecodeRows) {  // a decoding step: the cache is read as it is
-      decode_kernel<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                                     out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>());
-      return;
-    }
-    const auto ops = operands<scalar_t, acc_t>(sh, k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>());
-    forward_kernel<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), ops, out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>());
+    run_forward<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                                 out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>());
   });
   return {out, lse};
 }

@@ -40,7 +40,7 @@ namespace mha_native {
 using at::Tensor;
 constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max();
 constexpr int64_t kBlockQ = 64;   // query rows per task block
-constexpr int64_t kBlockK = 128;  // keys per tile
+constexpr int64_t kBlockK = 256;  // keys per tile
 
 struct Shape {
   int64_t B, H, Hkv, G, L, S, D, Dv;
@@ -141,14 +141,14 @@ void gemm_nn<float>(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda
 
 // ---- exponentials --------------------------------------------------------------------------------
 
-// out[j] = exp(x[j] - shift) (0 where x is -inf); returns their sum.
-template <typename acc_t>
-acc_t exp_shifted(int64_t n, acc_t* x, acc_t shift) {
+// w[j] = exp(scale * x[j] - shift) (0 where x is -inf), in the weights' type W; returns their sum
+// (of the weights as stored: rounded ones sum to what the product with V will use).
+template <typename acc_t, typename W>
+acc_t exp_shifted(int64_t n, const acc_t* x, acc_t scale, acc_t shift, W* w) {
   acc_t sum = 0;
   for (int64_t j = 0; j < n; ++j) {
-    const acc_t e = std::exp(x[j] - shift);
-    x[j] = e;
-    sum += e;
+    w[j] = static_cast<W>(std::exp(scale * x[j] - shift));
+    sum += static_cast<acc_t>(w[j]);
   }
   return sum;
 }
@@ -174,21 +174,58 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), r);
 }
 
+static inline __mmask16 tail_mask(int64_t count) { return static_cast<__mmask16>((1u << count) - 1u); }
+
 template <>
-float exp_shifted<float>(int64_t n, float* x, float shift) {
-  const __m512 s = _mm512_set1_ps(shift);
+float exp_shifted<float, float>(int64_t n, const float* x, float scale, float shift, float* w) {
+  const __m512 a = _mm512_set1_ps(scale), b = _mm512_set1_ps(shift);
   __m512 total = _mm512_setzero_ps();
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), s));
-    _mm512_storeu_ps(x + j, e);
+    const __m512 e = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(x + j), a, b));
+    _mm512_storeu_ps(w + j, e);
     total = _mm512_add_ps(total, e);
   }
   if (j < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - j)) - 1u);
-    const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + j), s)));
-    _mm512_mask_storeu_ps(x + j, m, e);
+    const __mmask16 m = tail_mask(n - j);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, x + j), a, b)));
+    _mm512_mask_storeu_ps(w + j, m, e);
     total = _mm512_add_ps(total, e);
+  }
+  return _mm512_reduce_add_ps(total);
+}
+#endif
+
+#if defined(MHA_AVX512_BF16)
+// exp of 16 floats x <= 0 for weights that are rounded to bfloat16 next: 2^n 2^f with n the
+// nearest integer (rounded by adding 1.5 2^23) and 2^f a degree-4 polynomial (relative error 7e-6,
+// against bfloat16's 2e-3), 2^n added to the exponent bits; below -87 (and -inf) the result is 0.
+static inline __m512 exp16_for_bf16(__m512 x) {
+  const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  const __m512 magic = _mm512_set1_ps(12582912.0f);  // 1.5 2^23: adding it rounds to an integer
+  const __m512 shifted = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic);  // x log2(e) + magic
+  const __m512 n = _mm512_sub_ps(shifted, magic);
+  const __m512 f = _mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504088896341f), n);  // in [-0.5, 0.5]
+  __m512 p = _mm512_set1_ps(9.308694023e-3f);  // 2^f on [-0.5, 0.5]
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.587473826e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.403036753e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931282544e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999979119e-1f));
+  const __m512i power = _mm512_slli_epi32(_mm512_castps_si512(shifted), 23);  // n in the exponent's place
+  return _mm512_maskz_mov_ps(kept, _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), power)));
+}
+
+// The weights rounded to bfloat16 as they are made (the product with V takes them so).
+template <>
+float exp_shifted<float, at::BFloat16>(int64_t n, const float* x, float scale, float shift, at::BFloat16* w) {
+  const __m512 a = _mm512_set1_ps(scale), b = _mm512_set1_ps(shift);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - j);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp16_for_bf16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, x + j), a, b)));
+    const __m256bh rounded = _mm512_cvtneps_pbh(e);
+    _mm256_mask_storeu_epi16(w + j, m, (__m256i)rounded);
+    total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)rounded), 16)));
   }
   return _mm512_reduce_add_ps(total);
 }
@@ -213,18 +250,19 @@ float row_max<float>(int64_t n, const float* x) {
 }
 #endif
 
-// Merge a tile's scores ``row`` (n of them; in place they become the tile's weights) into a row's
-// running softmax (max m, sum l) and rescale its accumulated output ``acc`` (Dv values) to the new
-// max. A tile with no visible key, before any was seen, adds nothing (its weights are zeros).
-template <typename acc_t>
-void absorb(int64_t n, acc_t* row, acc_t& m, acc_t& l, acc_t* acc, int64_t Dv) {
-  const acc_t m_new = std::max(m, row_max(n, row));
+// Merge a tile's scores ``row`` (n of them, times ``scale``) into a row's running softmax (max m,
+// sum l), write the tile's weights to ``w`` and rescale the row's accumulated output ``acc`` (Dv
+// values) to the new max. A tile with no visible key, before any was seen, adds nothing (its
+// weights are zeros). scale > 0.
+template <typename acc_t, typename W>
+void absorb(int64_t n, const acc_t* row, acc_t scale, acc_t& m, acc_t& l, acc_t* acc, int64_t Dv, W* w) {
+  const acc_t m_new = std::max(m, scale * row_max(n, row));
   if (m_new == -std::numeric_limits<acc_t>::infinity()) {
-    std::fill(row, row + n, acc_t(0));
+    std::fill(w, w + n, static_cast<W>(0.0f));
     return;
   }
-  const acc_t alpha = std::exp(m - m_new);  // 0 when m was -inf
-  l = l * alpha + exp_shifted(n, row, m_new);
+  const acc_t alpha = m_new == m ? acc_t(1) : std::exp(m - m_new);  // 0 when m was -inf
+  l = l * alpha + exp_shifted(n, row, scale, m_new, w);
   m = m_new;
   if (alpha != acc_t(1))
     for (int64_t d = 0; d < Dv; ++d) acc[d] *= alpha;
@@ -368,6 +406,7 @@ pointer kt_block(pointer kt_head, int64_t D, int64_t j0) {
 template <typename scalar_t, typename acc_t>
 struct PlainProducts {
   static constexpr int64_t kAlign = 1;
+  static constexpr bool kScaled = true;  // the scores come scaled (the queries are packed scaled)
   const Shape& sh;
   acc_t scale;
   Operands<acc_t> ops;
@@ -384,8 +423,9 @@ struct PlainProducts {
     const acc_t* kt_head = ops.kt_ptr + bh * tiles_of(sh.S) * sh.D * kBlockK;
     gemm_nn(R, n, sh.D, qp.data(), sh.D, kt_block(kt_head, sh.D, j0), kBlockK, s, n, false);
   }
-  void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const acc_t* p, acc_t* acc) {
-    gemm_nn(R, sh.Dv, n, p, n, ops.v_ptr + (bh * sh.S + j0) * sh.Dv, sh.Dv, acc, sh.Dv, true);
+  acc_t* weights(acc_t* s) { return s; }  // in place of the scores
+  void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const acc_t* s, acc_t* acc) {
+    gemm_nn(R, sh.Dv, n, s, n, ops.v_ptr + (bh * sh.S + j0) * sh.Dv, sh.Dv, acc, sh.Dv, true);
   }
 };
 
@@ -396,6 +436,7 @@ struct PlainProducts {
 //   K^T (B, Hkv, tiles, D2 / 2, kBlockK, 2)   V (B, Hkv, tiles, kBlockK / 2, Dv, 2)   D2 = D rounded up to even
 struct Bf16Products {
   static constexpr int64_t kAlign = 2;
+  static constexpr bool kScaled = false;
   using bf16 = at::BFloat16;
   const Shape& sh;
   float scale;
@@ -431,14 +472,15 @@ struct Bf16Products {
     if (qb.empty()) qb.resize(kBlockQ * D2, bf16(0.0f));
     std::copy(src, src + sh.D, qb.data() + r * D2);
   }
-  void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, float* s) {
+  void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, float* s) {  // unscaled: the softmax scales them
     const bf16* tile = kt + (bh * tiles_of(sh.S) + j0 / kBlockK) * D2 * kBlockK;
     at::native::cpublas::brgemm(R, n, D2, D2, kBlockK, n, false, qb.data(), tile + 2 * (j0 % kBlockK), s, true);
-    for (int64_t x = 0; x < R * n; ++x) s[x] *= scale;
   }
-  void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const float* p, float* acc) {
+  bf16* weights(float*) {
     if (pb.empty()) pb.resize(kBlockQ * kBlockK);
-    for (int64_t x = 0; x < R * n; ++x) pb[x] = bf16(p[x]);
+    return pb.data();
+  }
+  void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const float*, float* acc) {
     const bf16* tile = vv + (bh * tiles_of(sh.S) + j0 / kBlockK) * kBlockK * sh.Dv;
     at::native::cpublas::brgemm(R, sh.Dv, n, n, sh.Dv, sh.Dv, true, pb.data(), tile + (j0 % kBlockK) * sh.Dv, acc, true);
   }
@@ -473,9 +515,15 @@ void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, c
         products.scores(bh, R, j0, n, s.data());
         if (j0 + n > sh.S)  // keys past the sequence (padding of the last tile)
           for (int64_t r = 0; r < R; ++r) std::fill(s.data() + r * n + (sh.S - j0), s.data() + (r + 1) * n, neg_inf);
-        const bool covered = band_covers(t, rows, j0, n);
-        if (!plain_tile(t, covered)) shape_tile(t, rows, j0, n, s.data(), n, static_cast<acc_t*>(nullptr), covered);
-        for (int64_t r = 0; r < R; ++r) absorb(n, s.data() + r * n, m[r], l[r], acc.data() + r * sh.Dv, sh.Dv);
+        const bool covered = band_covers(t, rows, j0, n), plain = plain_tile(t, covered);
+        acc_t scale = 1;  // the scale the softmax still applies
+        if (!Products::kScaled) {
+          if (plain && t.scale > 0) scale = t.scale;
+          else for (int64_t x = 0; x < R * n; ++x) s[x] *= t.scale;
+        }
+        if (!plain) shape_tile(t, rows, j0, n, s.data(), n, static_cast<acc_t*>(nullptr), covered);
+        auto* w = products.weights(s.data());
+        for (int64_t r = 0; r < R; ++r) absorb(n, s.data() + r * n, scale, m[r], l[r], acc.data() + r * sh.Dv, sh.Dv, w + r * n);
         products.add_values(bh, R, j0, n, s.data(), acc.data());
       }
       for (int64_t r = 0; r < R; ++r) {
@@ -541,7 +589,7 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
           if (!plain_tile(t, covered)) shape_tile(t, rows, j0, n, p.data(), n, capped.data(), covered);
           for (int64_t r = 0; r < R; ++r) {  // P = e^(S - lse)
             acc_t* row = p.data() + r * n;
-            exp_shifted(n, row, shift[r]);
+            exp_shifted(n, row, acc_t(1), shift[r], row);
           }
           gemm_nn(sh.Dv, n, R, dopt.data(), R, p.data(), n, kt_block(dvt_head, sh.Dv, j0), kBlockK, true);  // dV^T += dO^T P
           gemm_nn(R, n, sh.Dv, dop.data(), sh.Dv, kt_block(vt_head, sh.Dv, j0), kBlockK, ds.data(), n, false);  // dP = dO V^T
@@ -613,8 +661,6 @@ void decode_values(int64_t R, int64_t n, int64_t Dv, const acc_t* p, const scala
 }
 
 #if defined(MHA_AVX512)
-static inline __mmask16 tail_mask(int64_t count) { return static_cast<__mmask16>((1u << count) - 1u); }
-
 template <>
 void decode_scores<float, float>(int64_t R, int64_t n, int64_t D, const float* const* q_rows, const float* k,
                                  float scale, float* s) {
@@ -733,7 +779,7 @@ void decode_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, co
         decode_scores<scalar_t, acc_t>(R, n, sh.D, q_rows.data(), k_head + j0 * sh.D, t.scale, s.data());
         const bool covered = band_covers(t, rows, j0, n);
         if (!plain_tile(t, covered)) shape_tile(t, rows, j0, n, s.data(), n, static_cast<acc_t*>(nullptr), covered);
-        for (int64_t r = 0; r < R; ++r) absorb(n, s.data() + r * n, m[r], l[r], acc + r * sh.Dv, sh.Dv);
+        for (int64_t r = 0; r < R; ++r) absorb(n, s.data() + r * n, acc_t(1), m[r], l[r], acc + r * sh.Dv, sh.Dv, s.data() + r * n);
         decode_values<scalar_t, acc_t>(R, n, sh.Dv, s.data(), v_head + j0 * sh.Dv, acc);
       }
     }

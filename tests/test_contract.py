@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from backends import TILED, TILED_REASON
 from exact import raises_exactly
 from mha import kernels, positions
 from mha import numpy as oracle
@@ -238,13 +239,13 @@ DISPATCH = [  # (contract, need_weights, dropout_p, backend auto picks)
     (Contract(band=Band(None, 0), offset=-3), False, 0.0, "sdpa"),
     (Contract(key_valid=VALID), False, 0.0, "sdpa"),  # a (B, 1, 1, S) mask
     (Contract(mask=torch.ones(64, 64, dtype=torch.bool), band=Band(None, 0)), False, 0.0, "sdpa"),  # the caller's L x S
-    (Contract(mask=torch.ones(1, 64, dtype=torch.bool), band=Band(None, 0)), False, 0.0, "flash"),
-    (Contract(key_valid=VALID, band=Band(None, 0)), False, 0.0, "flash"),
-    (Contract(band=Band(3, 0)), False, 0.0, "flash"),
-    (Contract(alibi_slopes=torch.ones(2)), False, 0.0, "flash"),
-    (Contract(softcap=3.0), False, 0.0, "flash"),
-    (Contract(sinks=torch.zeros(2)), False, 0.0, "flash"),
-    (Contract(band=Band(None, 0), positions=(torch.zeros(1, 64, dtype=torch.long),) * 2), False, 0.0, "flash"),
+    (Contract(mask=torch.ones(1, 64, dtype=torch.bool), band=Band(None, 0)), False, 0.0, TILED),
+    (Contract(key_valid=VALID, band=Band(None, 0)), False, 0.0, TILED),
+    (Contract(band=Band(3, 0)), False, 0.0, TILED),
+    (Contract(alibi_slopes=torch.ones(2)), False, 0.0, TILED),
+    (Contract(softcap=3.0), False, 0.0, TILED),
+    (Contract(sinks=torch.zeros(2)), False, 0.0, TILED),
+    (Contract(band=Band(None, 0), positions=(torch.zeros(1, 64, dtype=torch.long),) * 2), False, 0.0, TILED),
     (Contract(), False, 0.1, "flash"),  # torch's CPU kernel builds the (B, H, L, S) weights for dropout
     (Contract(band=Band(3, 0)), True, 0.0, "math"),
 ]
@@ -396,7 +397,7 @@ def _f32(*shape):
 
 
 _QKV = (_f32(1, 2, 64, 4), _f32(1, 2, 64, 4), _f32(1, 2, 64, 4))
-_NOT_SDPA = "not sdpa ({}): flash applies every term tile by tile"
+_NOT_SDPA = "not sdpa ({}): " + TILED_REASON
 _BUILDS = "torch's kernel would build the attention weights ({}): 8,192 elements, more than q, k and v hold ({})"
 DECISIONS = {  # name: (q, k, v, contract, options, (backend, reason))
     "plain": (*_QKV, Contract(), {}, ("sdpa", "torch's fused kernel takes the whole contract")),
@@ -404,29 +405,30 @@ DECISIONS = {  # name: (q, k, v, contract, options, (backend, reason))
             ("sdpa", "torch's fused kernel takes the whole contract")),
     "shifted causal": (_f32(1, 2, 16, 4), *_QKV[1:], Contract(band=Band(None, 0), offset=48), {},
                        ("sdpa", "torch's fused kernel takes the whole contract")),
-    "softcap": (*_QKV, Contract(softcap=5.0), {}, ("flash", _NOT_SDPA.format("torch's kernel has no softcap"))),
+    "softcap": (*_QKV, Contract(softcap=5.0), {}, (TILED, _NOT_SDPA.format("torch's kernel has no softcap"))),
     "sinks": (*_QKV, Contract(sinks=torch.zeros(2)), {},
-              ("flash", _NOT_SDPA.format("torch's kernel has no attention sinks"))),
-    "dropout": (*_QKV, Contract(), dict(dropout_p=0.1), ("flash", _NOT_SDPA.format(_BUILDS.format("dropout", "1,536")))),
+              (TILED, _NOT_SDPA.format("torch's kernel has no attention sinks"))),
+    "dropout": (*_QKV, Contract(), dict(dropout_p=0.1),  # the native kernel has no dropout
+                ("flash", "not sdpa ({}): flash applies every term tile by tile".format(_BUILDS.format("dropout", "1,536")))),
     "fewer kv heads (GQA)": (_QKV[0], _f32(1, 1, 64, 4), _f32(1, 1, 64, 4), Contract(), {},
                              ("sdpa", "torch's fused kernel takes the whole contract")),
     "broadcast batch": (_f32(2, 2, 64, 4), *_QKV[1:], Contract(), {},
-                        ("flash", _NOT_SDPA.format("torch's kernel would build the attention weights (q, k and v of "
+                        (TILED, _NOT_SDPA.format("torch's kernel would build the attention weights (q, k and v of "
                                                    "different batch or head counts): 16,384 elements, more than q, "
                                                    "k and v hold (2,048)"))),
     "5-D": (_f32(1, 1, 2, 64, 4), _f32(1, 1, 2, 64, 4), _f32(1, 1, 2, 64, 4), Contract(), {},
-            ("flash", _NOT_SDPA.format(_BUILDS.format("q, k and v of different batch or head counts", "1,536")))),
+            (TILED, _NOT_SDPA.format(_BUILDS.format("q, k and v of different batch or head counts", "1,536")))),
     "value width": (*_QKV[:2], _f32(1, 2, 64, 8), Contract(), {},
-                    ("flash", _NOT_SDPA.format(_BUILDS.format("a value head dim unlike the query's", "2,048")))),
+                    (TILED, _NOT_SDPA.format(_BUILDS.format("a value head dim unlike the query's", "2,048")))),
     "mixed dtypes": (_QKV[0], _QKV[1].double(), _QKV[2], Contract(), {},
-                     ("flash", _NOT_SDPA.format(_BUILDS.format("dtype torch.float32", "1,536")))),
+                     (TILED, _NOT_SDPA.format(_BUILDS.format("dtype torch.float32", "1,536")))),
     "strided rows": (_QKV[0], _f32(1, 2, 4, 64).transpose(-1, -2), _QKV[2], Contract(), {},
-                     ("flash", _NOT_SDPA.format(_BUILDS.format("rows that are not contiguous", "1,536")))),
+                     (TILED, _NOT_SDPA.format(_BUILDS.format("rows that are not contiguous", "1,536")))),
     "window": (*_QKV, Contract(band=Band(3, 0)), {},
-               ("flash", _NOT_SDPA.format("torch's kernel would need the band, ALiBi or padding as a (64, 64) mask, "
+               (TILED, _NOT_SDPA.format("torch's kernel would need the band, ALiBi or padding as a (64, 64) mask, "
                                           "more than q, k and v hold (1,536 elements)"))),
     "keys carry the batch": (_f32(1, 1, 16, 4), _f32(4, 1, 16, 4), _f32(4, 1, 16, 4), Contract(), {},
-                             ("flash", _NOT_SDPA.format("torch's kernel would build the attention weights (q, k and v "
+                             (TILED, _NOT_SDPA.format("torch's kernel would build the attention weights (q, k and v "
                                                         "of different batch or head counts): 1,024 elements, more "
                                                         "than q, k and v hold (576)"))),
     "weights": (*_QKV, Contract(), dict(need_weights=True),
@@ -464,7 +466,7 @@ def test_dispatch_refusals_are_exact():
         kernels.choose_backend("flash", *_QKV, Contract(), need_weights=True)
     with refused("sdpa", "cannot run this call: torch's kernel has no softcap"):
         kernels.choose_backend("sdpa", *_QKV, Contract(softcap=1.0))
-    with raises_exactly(ValueError, "backend must be one of ('auto', 'math', 'sdpa', 'flash'), "
+    with raises_exactly(ValueError, "backend must be one of ('auto', 'math', 'sdpa', 'flash', 'native'), "
                                                          "got 'warp'"):
         kernels.choose_backend("warp", *_QKV, Contract())
     with raises_exactly(ValueError, "the sdpa backend cannot run this call: torch's kernel has "
@@ -481,7 +483,7 @@ def test_the_memory_budget_is_inclusive():
     assert kernels.choose_backend("auto", q, k, v, Contract(band=Band(3, 0)))[0] == "sdpa"
     assert kernels.choose_backend("auto", q, k, v, Contract(), dropout_p=0.1)[0] == "sdpa"
     q = k = v = _f32(1, 1, 13, 4)  # 169 > 156
-    assert kernels.choose_backend("auto", q, k, v, Contract(band=Band(3, 0)))[0] == "flash"
+    assert kernels.choose_backend("auto", q, k, v, Contract(band=Band(3, 0)))[0] == TILED
 
 
 def test_contract_of_keeps_every_term_and_repr_shows_them():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import mha
+from backends import ALL
 from exact import raises_exactly
 from mha import numpy as oracle
 from mha.tools.verify import numpy_state, randomize_biases
@@ -426,7 +427,7 @@ def test_unbatched_alibi_input_with_or_without_key_padding(padded):
 def test_the_backend_asked_for_is_the_one_that_runs(options):
     m = _module(**options)
     q, k, v = _inputs()
-    message = "backend must be one of ('auto', 'math', 'sdpa', 'flash'), got 'fast'"
+    message = "backend must be one of ('auto', 'math', 'sdpa', 'flash', 'native'), got 'fast'"
     with raises_exactly(ValueError, message):
         m(q, k, v, backend="fast")
     with torch.no_grad():
@@ -434,7 +435,7 @@ def test_the_backend_asked_for_is_the_one_that_runs(options):
             want = _alibi_by_hand(m, q, k, v, torch.zeros(3, 5, dtype=torch.bool)).numpy()
         else:
             want, _ = oracle.multi_head_attention(q.numpy(), k.numpy(), v.numpy(), numpy_state(m), 2, batch_first=True)
-        for backend in ("math", "sdpa", "flash"):
+        for backend in ALL:
             np.testing.assert_allclose(m(q, k, v, backend=backend).numpy(), want, atol=1e-12, rtol=0, err_msg=backend)
 
 

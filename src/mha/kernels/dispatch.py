@@ -2,11 +2,14 @@
 
     weights requested              -> math (the only backend that returns them)
     a backend named explicitly     -> that backend, or a ValueError saying why it cannot
-    otherwise (auto)               -> sdpa, torch's fused kernel, when it takes the whole contract
-                                      with no tensor larger than q, k and v together (or the
-                                      caller's mask); else flash, ours, which honours every term
-                                      tile by tile; else math (under torch.func transforms, or for
-                                      a mask that needs its gradient)
+    otherwise (auto)               -> native, mha's compiled kernel, when it is built and takes the
+                                      call, and the call is one it is measured faster on (see
+                                      native_pays; never while torch.compile traces); else sdpa,
+                                      torch's fused kernel, when it takes the whole contract with
+                                      no tensor larger than q, k and v together (or the caller's
+                                      mask); else native (when built), else flash, ours in torch
+                                      ops, both honouring every term tile by tile; else math (under
+                                      torch.func transforms, or for a mask that needs its gradient)
 
 The choice and its reason go to the debug log "mha.dispatch" (in eager mode; under torch.compile
 call choose_backend to ask).
@@ -19,13 +22,14 @@ import logging
 import torch
 from torch import Tensor
 
-from . import flash, sdpa
+from . import flash, native, sdpa
 from .contract import Contract
 from .flash import flash_attention
 from .math import math_attention
+from .native import native_attention
 from .sdpa import sdpa_attention
 
-BACKENDS = {"math": math_attention, "sdpa": sdpa_attention, "flash": flash_attention}
+BACKENDS = {"math": math_attention, "sdpa": sdpa_attention, "flash": flash_attention, "native": native_attention}
 
 log = logging.getLogger("mha.dispatch")
 _NAMES = ("auto", *BACKENDS)
@@ -78,22 +82,51 @@ def _choose(requested, q, k, v, contract, *, need_weights, dropout_p):
                              "use backend='math' or need_weights=False")
         choice = ("math", "attention weights requested: only the math backend returns them")
     elif requested != "auto":
-        if requested == "sdpa":
-            reason = sdpa_plan[1]
-        else:  # math honours every contract
-            reason = flash.unsupported(q, k, v, contract) if requested == "flash" else None
+        reason = {"sdpa": lambda: sdpa_plan[1], "flash": lambda: flash.unsupported(q, k, v, contract),
+                  "native": lambda: native.unsupported(q, k, v, contract, dropout_p),
+                  "math": lambda: None}[requested]()  # math honours every contract
         if reason:
             raise ValueError(f"backend={requested!r} cannot run this call: {reason}")
         choice = (requested, "requested explicitly")
     else:
         no_sdpa = sdpa_plan[1]
-        no_flash = no_sdpa and flash.unsupported(q, k, v, contract)
-        if not no_sdpa:
+        native_ok = _native_ready(q, k, v, contract, dropout_p)
+        if native_ok and not no_sdpa and native_pays(q, k):
+            choice = ("native", "mha's compiled kernel is faster than torch's on this call (native_pays)")
+        elif not no_sdpa:
             choice = ("sdpa", "torch's fused kernel takes the whole contract")
-        elif not no_flash:
+        elif native_ok:
+            choice = ("native", f"not sdpa ({no_sdpa}): native applies every term tile by tile, compiled")
+        elif not (no_flash := flash.unsupported(q, k, v, contract)):
             choice = ("flash", f"not sdpa ({no_sdpa}): flash applies every term tile by tile")
         else:
             choice = ("math", f"not sdpa ({no_sdpa}), not flash ({no_flash})")
     if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):  # logging breaks a compiled graph
         log.debug("backend %s: %s", *choice)
     return (*choice, sdpa_plan)
+
+
+# Where the native kernel beats torch's fused kernel on a call torch's kernel takes, as measured by
+# `mha bench --sections native` (benchmarks/README.md): a decoding step over a long cache, and
+# otherwise enough work per head for its per-call cost (about 60 us) not to show.
+NATIVE_DECODE_ROWS, NATIVE_DECODE_KEYS = 16, 1024  # query rows per kv head at most, keys at least
+NATIVE_WORK = {torch.float32: 512 * 512, torch.bfloat16: 256 * 256, torch.float16: 256 * 256}  # L * S at least
+
+
+def native_pays(q: Tensor, k: Tensor) -> bool:
+    """Whether the native kernel is faster than torch's on a call both can run (see NATIVE_WORK)."""
+    if q.dtype not in NATIVE_WORK:
+        return False
+    L, S = q.shape[-2], k.shape[-2]
+    rows_per_kv_head = L * (q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.dim() >= 3 else 1)
+    if rows_per_kv_head <= NATIVE_DECODE_ROWS and S >= NATIVE_DECODE_KEYS:
+        return True
+    return L * S >= NATIVE_WORK[q.dtype]
+
+
+def _native_ready(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float) -> bool:
+    """Whether auto may pick the native kernel: built (it is never built by a dispatch), not while
+    torch.compile traces (the compiled graph keeps torch's ops), and the call is one it takes."""
+    if torch.compiler.is_compiling() or q.dtype == torch.float64 or not native.ready():
+        return False
+    return native.unsupported(q, k, v, contract, dropout_p) is None

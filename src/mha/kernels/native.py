@@ -35,7 +35,7 @@ from ._context import autocast_inputs, forward_mode, transforms_active
 from ._shapes import leads, unflat
 from .contract import Contract, resolve
 
-__all__ = ["native_attention", "native_attention_with_lse", "native_available", "unsupported", "variant"]
+__all__ = ["native_attention", "native_attention_with_lse", "native_available", "ready", "unsupported", "variant"]
 
 log = logging.getLogger("mha.dispatch")
 
@@ -67,8 +67,10 @@ def _extension(build: str | None):
         return None
     try:
         from torch.utils.cpp_extension import load
+        folder = _build_folder(build)
+        folder.mkdir(parents=True, exist_ok=True)
         return load(name=f"mha_native_{build}", sources=[str(_SOURCE)], extra_cflags=_FLAGS[build],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+                    extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the other backends run
         log.info("native backend unavailable (%s: %s); calls run on the other backends",
                  type(error).__name__, str(error).strip().splitlines()[-1] if str(error).strip() else "")
@@ -78,6 +80,26 @@ def _extension(build: str | None):
 def native_available() -> bool:
     """Whether the native kernel is built (building it on first use: about a minute, once)."""
     return _extension(variant()) is not None
+
+
+def ready() -> bool:
+    """Whether the native kernel can run without building it now: loaded in this process, or built
+    before (torch's extension cache holds it for this user). The dispatch asks this, so that no
+    call ever waits for a compiler; native_available(), backend="native" or `mha verify` build it."""
+    build = variant()
+    if build is None:
+        return False
+    if _extension.cache_info().currsize:  # tried in this process: loaded, or failed
+        return _extension(build) is not None
+    return any(_build_folder(build).glob(f"mha_native_{build}*.so")) and native_available()
+
+
+def _build_folder(build: str) -> Path:
+    """Where the build lives: torch's extension cache (TORCH_EXTENSIONS_DIR, or ~/.cache/torch_extensions),
+    one folder per build and torch version."""
+    from torch.utils.cpp_extension import get_default_build_root
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(root) / f"mha_native_{build}_torch{torch.__version__.replace('+', '_')}"
 
 
 def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float = 0.0) -> str | None:
@@ -94,7 +116,12 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: 
         return "it has no forward-mode AD (jvp); use backend='math'"
     if contract.mask is not None and contract.mask.requires_grad and torch.is_grad_enabled():
         return "it does not differentiate through attn_mask; use backend='math'"
-    lead, _ = leads(q, k, v)
+    if q.dim() >= 3 and k.dim() >= 3 and v.dim() >= 3 and k.shape[-3] != v.shape[-3]:
+        return "keys and values with different head counts"
+    try:
+        lead, _ = leads(q, k, v)
+    except RuntimeError:
+        return "q, k and v whose batch dims do not broadcast"
     if len(lead) > 2 and (contract.mask is not None or contract.positions is not None or contract.key_valid is not None):
         return "a mask, padding or positions with more than one batch dim"
     if contract.mask is not None and _mask_view(contract.mask, lead, q.shape[-2], k.shape[-2]) is None:

@@ -8,11 +8,13 @@ log-sum-exp like flash. It is compiled on first use with torch's extension tooli
 system's C++ compiler), once per user and machine (torch's extension cache), for the instruction
 set this CPU has:
 
-    avx512bf16  AVX-512 and its bfloat16 dot products       the CPU has AVX-512F and AVX512-BF16
-    avx512      AVX-512 (vectorised exponentials)             the CPU has AVX-512F
-    portable    plain C++, the compiler's own vectorisation   any other CPU
+    avx512bf16  AVX-512 and its bfloat16 dot products         the CPU has AVX-512F and AVX512-BF16
+    avx512      AVX-512 (vectorised exponentials, dot products) the CPU has AVX-512F
+    avx2        AVX2 and FMA, the compiler's vectorisation      the CPU has AVX2
+    portable    plain C++, the compiler's own vectorisation     any other CPU
+The tile products run on torch's brgemm (oneDNN's, which picks its own instructions) in every build.
 
-MHA_NATIVE=off turns the backend off, MHA_NATIVE=portable forces the portable build. Where no
+MHA_NATIVE=off turns the backend off; MHA_NATIVE=avx512|avx2|portable forces a build. Where no
 compiler is found, native_available() is False, the dispatch says why once in its log
 ("mha.dispatch") and every call runs on the other backends.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -42,19 +45,21 @@ log = logging.getLogger("mha.dispatch")
 _SOURCE = Path(__file__).parent / "csrc" / "native.cpp"
 # -fopenmp: at::parallel_for is compiled into the extension, on torch's OpenMP runtime
 _AVX512 = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DMHA_AVX512"]
-_FLAGS = {"avx512bf16": [*_AVX512, "-mavx512bf16", "-DMHA_AVX512_BF16"], "avx512": _AVX512, "portable": ["-O3", "-fopenmp"]}
+_FLAGS = {"avx512bf16": [*_AVX512, "-mavx512bf16", "-DMHA_AVX512_BF16"], "avx512": _AVX512,
+          "avx2": ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"], "portable": ["-O3", "-fopenmp"]}
 _UNBOUNDED = 2 ** 63 - 1  # the kernel's "no bound on this side of the band"
 
 
 def variant() -> str | None:
-    """The build this CPU gets ("avx512bf16", "avx512" or "portable"), or None when MHA_NATIVE=off."""
+    """The build this CPU gets ("avx512bf16", "avx512", "avx2" or "portable"), or None when MHA_NATIVE=off."""
     asked = os.environ.get("MHA_NATIVE", "auto").lower()
     if asked == "off":
         return None
     if asked in _FLAGS:
         return asked
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return "portable"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX512":
+        return "avx2" if capability == "AVX2" else "portable"
     return "avx512bf16" if torch.cpu._is_avx512_bf16_supported() else "avx512"
 
 
@@ -190,7 +195,7 @@ class _Inputs:
     def as_rows(x: Tensor, lead: tuple[int, ...]) -> Tensor:
         """(..., T, X) -> (B, H, T, X) contiguous, the batch dims broadcast and flattened."""
         x = x.expand(*lead, *x.shape[-2:])
-        return x.reshape(-1, lead[-1], *x.shape[-2:]).contiguous()  # (..., H, T, X) -> (B, H, T, X)
+        return x.reshape(*_batch_heads(lead), *x.shape[-2:]).contiguous()  # (..., H, T, X) -> (B, H, T, X)
 
     def output(self, x: Tensor, rows_only: bool = False) -> Tensor:
         """(B, H, L, Dv) or (B, H, L) -> (..., L, Dv) or (..., L)."""
@@ -223,6 +228,11 @@ def _mask_view(mask: Tensor, lead: tuple[int, ...], L: int, S: int) -> Tensor | 
     """The mask broadcast to (B, H, L, S) as a view (strides 0 where it broadcasts), or None when
     that needs a copy."""
     try:
-        return mask.expand(*lead, L, S).view(-1, lead[-1], L, S)
+        return mask.expand(*lead, L, S).view(*_batch_heads(lead), L, S)
     except RuntimeError:
         return None
+
+
+def _batch_heads(lead: tuple[int, ...]) -> tuple[int, int]:
+    """(B, H) of the leading dims (..., H): the batch dims flattened; no dims at all: one of each."""
+    return (math.prod(lead[:-1]), lead[-1]) if lead else (1, 1)

@@ -249,9 +249,10 @@ logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 from mha.kernels import native, Contract
 q, k, v = (torch.randn(1, 2, 70, 8, dtype=torch.float64) for _ in range(3))
 print("available", native.native_available(), native.variant())
+contract = Contract(band=mha.positions.CAUSAL, softcap=3.0)
 if native.native_available():
-    out = native.native_attention(q, k, v, Contract(band=mha.positions.CAUSAL, softcap=3.0))
-    print("error", float((out - mha.kernels.math_attention(q, k, v, Contract(band=mha.positions.CAUSAL, softcap=3.0))[0]).abs().max()))
+    out = native.native_attention(q, k, v, contract)
+    print("error", float((out - mha.kernels.math_attention(q, k, v, contract)[0]).abs().max()))
 print("auto", mha.kernels.choose_backend("auto", q, k, v, Contract(softcap=3.0))[0])
 """
 

@@ -9,6 +9,7 @@ if any case fails.
 from __future__ import annotations
 
 import argparse
+import time
 from collections import defaultdict
 
 import torch
@@ -40,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     console = _common.console()
     if not console.is_terminal:
         console.width = max(console.width, 160)  # keep the table whole in logs and CI
+    console.print(native_status())
     cases = verify.default_grid(QUICK_PER_GROUP if args.quick else args.per_group, args.seed)
     results = []
     with Progress(console=console, transient=True) as progress:
@@ -57,6 +59,20 @@ def run(args: argparse.Namespace) -> int:
     verdict = "[green]all passed[/]" if not failures else f"[red]{len(failures)} failed[/]"
     console.print(f"{len(results)} configurations, {verdict} (torch {torch.__version__})")
     return args.status
+
+
+def native_status() -> str:
+    """A line on the native kernel: its build and whether it was compiled just now (the first use
+    compiles it; it is then cached for this user), or why it is not built here."""
+    from ..kernels import native
+    start = time.perf_counter()
+    available = native.native_available()
+    seconds = time.perf_counter() - start
+    if not available:
+        return (f"native kernel: not built here ({native.variant() or 'MHA_NATIVE=off'}; the mha.dispatch log says "
+                "why): the native group is left out, every call runs on the other backends")
+    compiled = f", compiled now in {seconds:.0f} s" if seconds > 2 else ""
+    return f"native kernel: {native.variant()} build ready{compiled}; the native backend group runs"
 
 
 def summary_table(results: list[verify.Result]) -> Table:

@@ -62,6 +62,7 @@ class Case:
     average_attn_weights: bool = True
     training: bool = False
     grad: bool = True
+    backend: str = "auto"  # our module's backend attribute (mha.kernels)
     seed: int = 0
 
     def __post_init__(self):
@@ -87,6 +88,7 @@ class Case:
         on = [name for name in ("bias", "add_bias_kv", "add_zero_attn", "batch_first", "batched",
                                 "self_attention", "is_causal", "need_weights",
                                 "average_attn_weights", "training", "grad") if getattr(self, name)]
+        on += [f"backend={self.backend}"] if self.backend != "auto" else []
         return (f"E={self.embed_dim} H={self.num_heads} kdim={self.kdim} vdim={self.vdim} N={self.batch} "
                 f"L={self.L} S={self.S} attn_mask={self.attn_mask} key_padding_mask={self.key_padding_mask} "
                 f"seed={self.seed} on={','.join(on)}")
@@ -131,6 +133,7 @@ def _modules(case: Case):
     theirs = randomize_biases(torch.nn.MultiheadAttention(case.embed_dim, case.num_heads, **options))
     ours = MultiheadAttention(case.embed_dim, case.num_heads, **options)
     ours.load_state_dict(theirs.state_dict())
+    ours.backend = case.backend
     for m in (theirs, ours):
         m.train(case.training)
     return theirs, ours
@@ -332,7 +335,15 @@ GROUPS: dict[str, dict] = {
     "train mode": dict(training=True),
     "no_grad": dict(grad=False),
     "batch 1 / length 1": dict(batch=1, L=1),
+    "native backend": dict(backend="native", need_weights=False),  # run where the native kernel is built
 }
+
+
+def groups() -> list[str]:
+    """The groups this machine runs: all of GROUPS, the native backend's only where its kernel is
+    built (building it on first use)."""
+    from ..kernels import native
+    return [g for g in GROUPS if GROUPS[g].get("backend") != "native" or native.native_available()]
 
 
 def sample_case(rng: random.Random, group: str, seed: int) -> Case:
@@ -352,8 +363,8 @@ def sample_case(rng: random.Random, group: str, seed: int) -> Case:
         grad=rng.random() < 0.8,
     )
     for name, setting in GROUPS[group].items():
-        if setting == "any":
-            continue  # already drawn
+        if setting == "any" or name == "backend":
+            continue  # already drawn; the backend is set below
         if setting == "odd":
             drawn[name] = pick((1, 3, 5, 7, 11))
         elif isinstance(setting, tuple):
@@ -362,14 +373,14 @@ def sample_case(rng: random.Random, group: str, seed: int) -> Case:
             drawn[name] = setting
     if group == "cross-attention L!=S" and drawn["L"] == drawn["S"]:
         drawn["S"] += 1
-    return Case(group=group, seed=seed, **drawn).consistent()
+    return Case(group=group, seed=seed, backend=GROUPS[group].get("backend", "auto"), **drawn).consistent()
 
 
 def default_grid(per_group: int = 14, seed: int = 0) -> list[Case]:
     """The fixed, seeded grid of ``mha verify``: per_group cases in each of GROUPS."""
     rng = random.Random(seed)
     return [sample_case(rng, group, seed * 100_000 + i * 100 + j)
-            for j, group in enumerate(GROUPS) for i in range(per_group)]
+            for j, group in enumerate(groups()) for i in range(per_group)]
 
 
 def run_grid(cases: list[Case]) -> Iterator[Result]:

@@ -27,13 +27,15 @@ FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [25
             causal=[(1, 4096, 512), (4, 4096, 256)], backends=[512, 1024, 2048, 4096],
             training=[(4, 512, 512), (1, 2048, 512)], contract=4096, memory=8192, decode=1024, overhead_decode=[1024, 8192],
             window=(16384, 256), variants=[256, 1024, 4096, 16384], quality=([128, 256, 512], 32),
-            hf={"minilm": 128, "gpt-oss": 4096}, distributed=(65536, 4))
+            hf={"minilm": 128, "gpt-oss": 4096}, distributed=(65536, 4),
+            native=dict(forward=[1024, 4096], training=2048, decode=16384, window=(16384, 256), accuracy=1024))
 QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 2048, 256)],
              backends=[512, 1024], training=[(4, 512, 256)], contract=1024, memory=2048, decode=128, overhead_decode=[1024],
              window=(4096, 128), variants=[256, 1024], quality=([64, 128], 16), hf={"minilm": 128, "gpt-oss": 1024},
-             distributed=(8192, 4))
-SECTIONS = ("module", "causal", "overhead", "backends", "training", "contract", "memory", "modern", "variants", "hf",
-            "distributed")
+             distributed=(8192, 4),
+             native=dict(forward=[512, 1024], training=512, decode=4096, window=(4096, 128), accuracy=256))
+SECTIONS = ("module", "causal", "overhead", "backends", "training", "contract", "memory", "modern", "native",
+            "variants", "hf", "distributed")
 OPT_IN = ("variants", "hf", "distributed")  # not in the default run: long (variants, distributed), or the hf extra
 
 
@@ -106,6 +108,12 @@ def _jobs(grid, sections, repeat):
     if "hf" in sections:
         jobs += [(f"hf {name} T{T}", lambda name=name, T=T: list(bench.hf_rows(name, T, repeat)))
                  for name, T in grid["hf"].items()]
+    if "native" in sections:
+        from ..kernels import native
+        if native.native_available():
+            jobs.append(("native kernel", lambda: list(bench.native_rows(grid["native"], repeat))))
+        else:
+            print("mha bench: the native section is left out: the native kernel is not built here (mha.dispatch log)")
     if "distributed" in sections:
         T, nprocs = grid["distributed"]
         jobs.append((f"distributed T{T} on {nprocs} ranks", lambda: list(bench.distributed_rows(T, nprocs))))

@@ -22,6 +22,9 @@ drift in the machine's speed hits them alike). Sections:
     variants  the efficient variants: time and peak memory at each T (each in a fresh process:
               python -m mha.tools.bench_variants), and with them their quality on all-MiniLM-L6-v2's
               real attention (mha.tools.bench_quality: per-head error, embedding cosine, neighbours)
+    native    the native kernel (mha.kernels.native) against torch's SDPA: forward and forward +
+              backward in fp32 and bf16, a decoding step, a sliding window, accuracy; GFLOP/s
+              beside a same-run matmul (mha.tools.bench_native)
     distributed  ring attention (zigzag, contiguous, striped) and Ulysses attention on W spawned ranks
               against one process running flash over the whole causal sequence: peak memory per
               rank, balance of the ranks' attention CPU time, scores per ring step, a check
@@ -56,7 +59,7 @@ from ..general import MultiHeadAttention
 from ..kernels import BACKENDS, Contract, flash_attention
 from ..nn import MultiheadAttention
 from ..positions import CAUSAL, Band
-from . import bench_distributed, bench_hf, bench_memory, bench_quality, bench_variants, plot_variants
+from . import bench_distributed, bench_hf, bench_memory, bench_native, bench_quality, bench_variants, plot_variants
 from .bench_memory import HEAD_DIM, HEADS
 
 _CAUSAL = Contract(band=CAUSAL)
@@ -358,6 +361,72 @@ def distributed_rows(T: int, nprocs: int) -> Iterator[Row]:
                    "check error": s["check_error"]}, detail={"ranks": reports})
 
 
+def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
+    """The native kernel against torch's SDPA (mha.tools.bench_native): forward, forward +
+    backward, decoding, a sliding window, accuracy; GFLOP/s beside a same-run matmul."""
+    times = functools.partial(best_times, repeat=repeat)
+    matmul = {name: bench_native.matmul_gflops(dtype) for name, dtype in bench_native.DTYPES.items()}
+
+    def timed(point: str, ms: dict, work: float, dtype: str) -> Row:
+        return Row("native", point, {"native": ms["native"], "sdpa": ms["sdpa"]}, {"native/sdpa": ms["native"] / ms["sdpa"]},
+                   {"native GFLOP/s": work / ms["native"] / 1e6, "sdpa GFLOP/s": work / ms["sdpa"] / 1e6,
+                    f"{dtype} matmul GFLOP/s": matmul[dtype]})
+
+    for dtype in bench_native.DTYPES:
+        for T in grid["forward"]:
+            for causal in (False, True):
+                p = bench_native.forward_point(dtype, T, causal, times)
+                yield timed(f"forward {dtype} T{T}{' causal' if causal else ''}", p, p["flops"], dtype)
+        p = bench_native.training_point(dtype, grid["training"], times)
+        yield timed(f"forward+backward {dtype} T{grid['training']} causal", p, p["flops"], dtype)
+        p = bench_native.decode_point(dtype, grid["decode"], times)
+        yield Row("native", f"decode {dtype} L1 S{grid['decode']} Hq32/Hkv8 D128", {"native": p["native"], "sdpa": p["sdpa"]},
+                  {"native/sdpa": p["native"] / p["sdpa"]},
+                  {"native GB/s (K, V read)": p["bytes"] / p["native"] / 1e6, "sdpa GB/s": p["bytes"] / p["sdpa"] / 1e6})
+    T, window = grid["window"]
+    ms = bench_native.window_point(T, window, times)
+    yield Row("native", f"window ({window}, 0) fp32 T{T}", ms,
+              {"dense causal/window": ms["sdpa dense causal"] / ms["native window"]})
+    for dtype in bench_native.DTYPES:
+        errors = bench_native.accuracy_point(dtype, grid["accuracy"])
+        yield Row("native", f"accuracy {dtype} T{grid['accuracy']} causal", {},
+                  {"native/sdpa error": errors["native"] / errors["sdpa"]},
+                  {"native error": errors["native"], "sdpa error": errors["sdpa"]})
+
+
+def plot_native(rows: list[Row], path: str) -> None:
+    """The native kernel's time over torch's SDPA's at each point (below 1: faster), and its GFLOP/s
+    beside torch's and the same-run matmul's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in rows if r.section == "native" and "native/sdpa" in r.ratios]
+    fig, (ratio_ax, speed_ax) = plt.subplots(1, 2, figsize=(13, 5))
+    names = [r.point for r in timed]
+    ratio_ax.barh(names, [r.ratios["native/sdpa"] for r in timed], color="tab:green")
+    ratio_ax.axvline(1.0, color="black", linewidth=1)
+    ratio_ax.set(title="native time / torch SDPA time (same run)", xlabel="ratio (below 1: native faster)")
+    ratio_ax.invert_yaxis()
+    flops = [r for r in timed if "native GFLOP/s" in r.extra]
+    y = range(len(flops))
+    speed_ax.barh([i - 0.2 for i in y], [r.extra["native GFLOP/s"] for r in flops], height=0.4, label="native")
+    speed_ax.barh([i + 0.2 for i in y], [r.extra["sdpa GFLOP/s"] for r in flops], height=0.4, label="torch SDPA")
+    for i, r in enumerate(flops):
+        matmul = next(v for k, v in r.extra.items() if k.endswith("matmul GFLOP/s"))
+        speed_ax.plot([matmul, matmul], [i - 0.45, i + 0.45], color="black", linewidth=2)
+    speed_ax.set_yticks(list(y), [r.point for r in flops])
+    speed_ax.invert_yaxis()
+    speed_ax.set(title="GFLOP/s (black: a 2048^3 matmul of the dtype, same run)", xlabel="GFLOP/s")
+    speed_ax.legend()
+    for ax in (ratio_ax, speed_ax):
+        ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # -- the attention contract: time against torch on the same calls ---------------------------------
 
 def contract_rows(T: int, repeat: int) -> Iterator[Row]:
@@ -455,6 +524,9 @@ def write(rows: list[Row], info: dict, directory: str) -> list[str]:
         paths.pop()
     if any(r.section in ("variants", "quality") for r in rows):
         paths += plot_study(rows, directory)
+    if any(r.section == "native" for r in rows):
+        paths.append(os.path.join(directory, "native.png"))
+        plot_native(rows, paths[-1])
     if any(r.section == "distributed" for r in rows):
         paths.append(os.path.join(directory, "distributed.png"))
         bench_distributed.plot_distributed(rows, paths[-1])

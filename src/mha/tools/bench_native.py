@@ -1,0 +1,92 @@
+"""``mha bench --sections native``: the native kernel against torch's SDPA, in one run.
+
+Every point times the native kernel and torch's fused kernel on the same inputs, interleaved
+(mha.tools.bench.best_times), B=1 H=8 D=64 unless said; GFLOP/s (4 B H L S D, halved when causal;
+3.5x that for forward + backward) sit beside a same-run 2048^3 matmul of the same dtype. Points:
+
+    forward        fp32 and bf16, T = 1024 and 4096, causal and not
+    training       forward + backward, T = 2048, causal, fp32 and bf16
+    decode         one query, S = 16384 cached keys, 32 query heads on 8 kv heads, D = 128
+    window         a sliding window of 256 keys at T = 16384 against dense causal SDPA
+    accuracy       error against float64 of both, fp32 and bf16 (T = 1024, causal)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import Contract, native
+from ..positions import CAUSAL, Band
+
+HEADS, HEAD_DIM = 8, 64
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def matmul_gflops(dtype: torch.dtype, n: int = 2048, repeat: int = 3) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    best = min(_seconds(lambda: a @ b) for _ in range(repeat))
+    return 2 * n ** 3 / best / 1e9
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _inputs(dtype, L, S=None, heads=HEADS, kv_heads=None, head_dim=HEAD_DIM, grad=False):
+    g = torch.Generator().manual_seed(0)
+    shapes = ((1, heads, L, head_dim), (1, kv_heads or heads, S or L, head_dim), (1, kv_heads or heads, S or L, head_dim))
+    return tuple(torch.randn(s, generator=g).to(dtype).requires_grad_(grad) for s in shapes)
+
+
+def forward_point(dtype: str, T: int, causal: bool, times) -> dict:
+    """{"native": ms, "sdpa": ms, "flops": ...} of one no-grad forward at length T."""
+    q, k, v = _inputs(DTYPES[dtype], T)
+    contract = Contract(band=CAUSAL) if causal else Contract()
+    with torch.no_grad():
+        ms = times({"native": lambda: native.native_attention(q, k, v, contract),
+                    "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)})
+    return {**ms, "flops": 4 * HEADS * T * T * HEAD_DIM / (2 if causal else 1)}
+
+
+def training_point(dtype: str, T: int, times) -> dict:
+    """Forward + backward, causal: the backward costs about 2.5 forwards (3.5x the flops in all)."""
+    q, k, v = _inputs(DTYPES[dtype], T, grad=True)
+    grad = torch.randn_like(q)
+    ms = times({"native": lambda: native.native_attention(q, k, v, Contract(band=CAUSAL)).backward(grad),
+                "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)})
+    return {**ms, "flops": 3.5 * 4 * HEADS * T * T * HEAD_DIM / 2}
+
+
+def decode_point(dtype: str, S: int, times) -> dict:
+    """One new query over S cached keys, GQA 32 / 8 heads, D = 128; the K/V bytes read per call."""
+    q, k, v = _inputs(DTYPES[dtype], 1, S, heads=32, kv_heads=8, head_dim=128)
+    with torch.no_grad():
+        ms = times({"native": lambda: native.native_attention(q, k, v),
+                    "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)})
+    return {**ms, "bytes": 2 * k.numel() * k.element_size()}
+
+
+def window_point(T: int, window: int, times) -> dict:
+    """A causal sliding window (flash-attn's (window, 0)) on native against dense causal SDPA, fp32."""
+    q, k, v = _inputs(torch.float32, T)
+    with torch.no_grad():
+        return times({"native window": lambda: native.native_attention(q, k, v, Contract(band=Band(window, 0))),
+                      "sdpa dense causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)})
+
+
+def accuracy_point(dtype: str, T: int) -> dict:
+    """Largest |output - float64 output| of native and of torch's SDPA in ``dtype``, causal."""
+    q, k, v = _inputs(torch.float64, T)
+    exact = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    low = [x.to(DTYPES[dtype]) for x in (q, k, v)]
+    with torch.no_grad():
+        ours = native.native_attention(*low, Contract(band=CAUSAL)).double()
+        theirs = F.scaled_dot_product_attention(*low, is_causal=True).double()
+    return {"native": float((ours - exact).abs().max()), "sdpa": float((theirs - exact).abs().max())}

@@ -347,7 +347,7 @@ inline Tensor from_tile_major(const Tensor& y, int64_t S) {
 // already paged in rather than faulting in fresh pages on every call.
 template <typename T>
 T* workspace(int slot, int64_t count) {
-  thread_local std::vector<T> buffers[2];
+  thread_local std::vector<T> buffers[3];
   auto& buffer = buffers[slot];
   if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(count);
   return buffer.data();
@@ -539,60 +539,221 @@ void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, c
 
 // ---- backward --------------------------------------------------------------------------------------
 
+// The five tile products of the backward, on operands packed once per call (K^T, K, V^T) and per
+// query block (q and dO, and their transposes):
+//   scores     s = q . K^T             dvalues   dV^T += dO^T . P      dprobs  dP = dO . V^T
+//   dqueries   dQ += dS . K            dkeys     dK^T += q^T . dS
+// weights(P) and gradients(dS) let a products object prepare its own forms of them. kScaled: q is
+// packed scaled (the scores come scaled and dK^T needs no scaling), else the caller scales both.
+template <typename scalar_t, typename acc_t>
+struct PlainBackward {
+  static constexpr int64_t kAlign = 1;
+  static constexpr bool kScaled = true;
+  const Shape& sh;
+  acc_t scale;
+  Tensor kt_, k_, vt_;  // (BH, tiles, D, kBlockK), (BH, S, D), (BH, tiles, Dv, kBlockK)
+  const acc_t *kt, *k, *vt;
+  std::vector<acc_t> qp = {}, qpt = {}, dop = {}, dopt = {};
+
+  PlainBackward(const Shape& shape, acc_t scale_, const Tensor& keys, const Tensor& values)
+      : sh(shape), scale(scale_) {
+    const auto acc = c10::CppTypeToScalarType<acc_t>::value;
+    kt_ = tile_major(keys, acc), k_ = keys.to(acc).contiguous(), vt_ = tile_major(values, acc);
+    kt = kt_.data_ptr<acc_t>(), k = k_.data_ptr<acc_t>(), vt = vt_.data_ptr<acc_t>();
+  }
+
+  void pack_row(int64_t r, int64_t R, const scalar_t* q, const scalar_t* dout) {  // and the transposes
+    if (qp.empty()) qp.resize(kBlockQ * sh.D), qpt.resize(sh.D * kBlockQ), dop.resize(kBlockQ * sh.Dv), dopt.resize(sh.Dv * kBlockQ);
+    for (int64_t d = 0; d < sh.D; ++d) qpt[d * R + r] = qp[r * sh.D + d] = static_cast<acc_t>(q[d]) * scale;
+    for (int64_t d = 0; d < sh.Dv; ++d) dopt[d * R + r] = dop[r * sh.Dv + d] = static_cast<acc_t>(dout[d]);
+  }
+  const acc_t* head(const acc_t* base, int64_t bh, int64_t width) const { return base + bh * tiles_of(sh.S) * width * kBlockK; }
+  void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, acc_t* s) {
+    gemm_nn(R, n, sh.D, qp.data(), sh.D, kt_block(head(kt, bh, sh.D), sh.D, j0), kBlockK, s, n, false);
+  }
+  void weights(int64_t, int64_t, const acc_t*) {}
+  void gradients(int64_t, int64_t, const acc_t*) {}
+  void dvalues(int64_t R, int64_t n, const acc_t* p, acc_t* dvt) {
+    gemm_nn(sh.Dv, n, R, dopt.data(), R, p, n, dvt, kBlockK, true);
+  }
+  void dprobs(int64_t bh, int64_t R, int64_t j0, int64_t n, acc_t* dp) {
+    gemm_nn(R, n, sh.Dv, dop.data(), sh.Dv, kt_block(head(vt, bh, sh.Dv), sh.Dv, j0), kBlockK, dp, n, false);
+  }
+  void dqueries(int64_t bh, int64_t R, int64_t j0, int64_t n, const acc_t* ds, acc_t* dq) {
+    gemm_nn(R, sh.D, n, ds, n, k + (bh * sh.S + j0) * sh.D, sh.D, dq, sh.D, true);
+  }
+  void dkeys(int64_t R, int64_t n, const acc_t* ds, acc_t* dkt) {
+    gemm_nn(sh.D, n, R, qpt.data(), R, ds, n, dkt, kBlockK, true);
+  }
+};
+
+#if defined(MHA_AVX512_BF16)
+// The backward's products on bfloat16 operands in VNNI pairs (brgemm's vdpbf16ps, float32
+// accumulation): the inputs' own q, k, v and dO; P and dS rounded to bfloat16 for the products
+// that take them (as torch's bfloat16 backward does). Rows of P and dS pair up for dV^T and dK^T.
+//   K^T (BH, tiles, D2 / 2, kBlockK, 2)   K (BH, tiles, kBlockK / 2, D, 2)   V^T (BH, tiles, Dv2 / 2, kBlockK, 2)
+struct Bf16Backward {
+  static constexpr int64_t kAlign = 2;
+  static constexpr bool kScaled = false;
+  using bf16 = at::BFloat16;
+  const Shape& sh;
+  float scale;
+  int64_t D2, Dv2;
+  const bf16 *kt, *k, *vt;
+  std::vector<bf16> qb = {}, qt = {}, db = {}, dt = {}, pv = {}, sb = {}, sv = {};
+  int64_t rows2 = 0;
+
+  Bf16Backward(const Shape& shape, float scale_, const Tensor& keys, const Tensor& values)
+      : sh(shape), scale(scale_), D2(shape.D + shape.D % 2), Dv2(shape.Dv + shape.Dv % 2) {
+    const int64_t tiles = tiles_of(sh.S), BH = sh.B * sh.Hkv;
+    bf16* kt_ = workspace<bf16>(0, BH * tiles * D2 * kBlockK);
+    bf16* k_ = workspace<bf16>(1, BH * tiles * kBlockK * sh.D);
+    bf16* vt_ = workspace<bf16>(2, BH * tiles * Dv2 * kBlockK);
+    const bf16* key = keys.data_ptr<bf16>();
+    const bf16* value = values.data_ptr<bf16>();
+    at::parallel_for(0, BH * tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t bh = task / tiles, first = (task % tiles) * kBlockK;
+        for (int64_t j = 0; j < kBlockK; ++j) {
+          const bool real = first + j < sh.S;
+          const bf16* kr = key + (bh * sh.S + first + j) * sh.D;
+          const bf16* vr = value + (bh * sh.S + first + j) * sh.Dv;
+          for (int64_t d = 0; d < D2; ++d)
+            kt_[task * D2 * kBlockK + (d / 2) * kBlockK * 2 + j * 2 + d % 2] = real && d < sh.D ? kr[d] : bf16(0.0f);
+          for (int64_t d = 0; d < sh.D; ++d)
+            k_[task * kBlockK * sh.D + (j / 2) * sh.D * 2 + d * 2 + j % 2] = real ? kr[d] : bf16(0.0f);
+          for (int64_t d = 0; d < Dv2; ++d)
+            vt_[task * Dv2 * kBlockK + (d / 2) * kBlockK * 2 + j * 2 + d % 2] = real && d < sh.Dv ? vr[d] : bf16(0.0f);
+        }
+      }
+    });
+    kt = kt_, k = k_, vt = vt_;
+  }
+
+  // Rows r and r + 1 of a (R x n) float block side by side, rounded to bfloat16:
+  // out[(r / 2) n 2 + j 2 + r % 2] (R rounded up to even, the padding row zero). 16 columns at a
+  // time: each 32-bit lane takes row r's value in its low half and row r + 1's in its high half.
+  static void pair_rows(int64_t R, int64_t n, const float* in, std::vector<bf16>& out) {
+    out.resize((R + R % 2) * n);
+    for (int64_t r = 0; r < R; r += 2) {
+      const float* a = in + r * n;
+      const float* b = r + 1 < R ? in + (r + 1) * n : nullptr;
+      int32_t* dst = reinterpret_cast<int32_t*>(out.data() + r * n);
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - j);
+        const __m512i low = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, a + j)));
+        const __m512i high = b ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, b + j)))
+                               : _mm512_setzero_si512();
+        _mm512_mask_storeu_epi32(dst + j, m, _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+      }
+    }
+  }
+  // A float block rounded to bfloat16, in place of its layout.
+  static void round_all(int64_t count, const float* in, std::vector<bf16>& out) {
+    out.resize(count);
+    for (int64_t j = 0; j < count; j += 16) {
+      const __mmask16 m = count - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(count - j);
+      _mm256_mask_storeu_epi16(out.data() + j, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, in + j)));
+    }
+  }
+
+  void pack_row(int64_t r, int64_t R, const bf16* q, const bf16* dout) {  // the transposes: zero-padded to even R
+    rows2 = R + R % 2;
+    if (qb.empty()) {
+      qb.assign(kBlockQ * D2, bf16(0.0f)), db.assign(kBlockQ * Dv2, bf16(0.0f));
+      qt.assign(sh.D * (kBlockQ + 1), bf16(0.0f)), dt.assign(sh.Dv * (kBlockQ + 1), bf16(0.0f));
+    }
+    std::copy(q, q + sh.D, qb.data() + r * D2);
+    std::copy(dout, dout + sh.Dv, db.data() + r * Dv2);
+    for (int64_t d = 0; d < sh.D; ++d) qt[d * rows2 + r] = q[d];
+    for (int64_t d = 0; d < sh.Dv; ++d) dt[d * rows2 + r] = dout[d];
+    if (r == R - 1 && R % 2) {  // the padding column of the transposes
+      for (int64_t d = 0; d < sh.D; ++d) qt[d * rows2 + R] = bf16(0.0f);
+      for (int64_t d = 0; d < sh.Dv; ++d) dt[d * rows2 + R] = bf16(0.0f);
+    }
+  }
+  const bf16* tile(const bf16* base, int64_t bh, int64_t j0, int64_t size) const {
+    return base + (bh * tiles_of(sh.S) + j0 / kBlockK) * size * kBlockK;
+  }
+  void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, float* s) {  // unscaled
+    at::native::cpublas::brgemm(R, n, D2, D2, kBlockK, n, false, qb.data(), tile(kt, bh, j0, D2) + 2 * (j0 % kBlockK), s, true);
+  }
+  void weights(int64_t R, int64_t n, const float* p) { pair_rows(R, n, p, pv); }
+  void gradients(int64_t R, int64_t n, const float* ds) {
+    round_all(R * n, ds, sb);
+    pair_rows(R, n, ds, sv);
+  }
+  void dvalues(int64_t, int64_t n, const float*, float* dvt) {
+    at::native::cpublas::brgemm(sh.Dv, n, rows2, rows2, n, kBlockK, true, dt.data(), pv.data(), dvt, true);
+  }
+  void dprobs(int64_t bh, int64_t R, int64_t j0, int64_t n, float* dp) {
+    at::native::cpublas::brgemm(R, n, Dv2, Dv2, kBlockK, n, false, db.data(), tile(vt, bh, j0, Dv2) + 2 * (j0 % kBlockK), dp, true);
+  }
+  void dqueries(int64_t bh, int64_t R, int64_t j0, int64_t n, const float*, float* dq) {
+    at::native::cpublas::brgemm(R, sh.D, n, n, sh.D, sh.D, true, sb.data(), tile(k, bh, j0, sh.D) + (j0 % kBlockK) * sh.D, dq, true);
+  }
+  void dkeys(int64_t, int64_t n, const float*, float* dkt) {
+    at::native::cpublas::brgemm(sh.D, n, rows2, rows2, n, kBlockK, true, qt.data(), sv.data(), dkt, true);
+  }
+};
+#endif
+
 // One task per (batch, key/value head, key chunk): it owns dK and dV of its keys (accumulated
 // transposed and tile-major, like K^T, so that every product is a plain A . B), adds to dQ of every
 // query row of its heads (in its chunk's dq buffer), and to its heads' slope gradients. Chunks are
 // whole tiles.
-template <typename scalar_t, typename acc_t>
-void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const Operands<acc_t>& ops,
-                     const acc_t* k, const acc_t* vt, const scalar_t* dout, const acc_t* lse, const acc_t* delta,
+template <typename scalar_t, typename acc_t, typename Products>
+void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const Products& shared,
+                     const scalar_t* dout, const acc_t* lse, const acc_t* delta,
                      acc_t* dq_parts, int64_t chunks, acc_t* dkt, acc_t* dvt, acc_t* d_slopes_parts) {
   const int64_t blocks = (sh.rows() + kBlockQ - 1) / kBlockQ;
   const int64_t chunk_len = (tiles_of(sh.S) + chunks - 1) / chunks * kBlockK;
+  const int64_t align = Products::kAlign, padded = tiles_of(sh.S) * kBlockK;
   const acc_t inf = std::numeric_limits<acc_t>::infinity();
   at::parallel_for(0, sh.B * sh.Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> qp(kBlockQ * sh.D), qpt(sh.D * kBlockQ), dop(kBlockQ * sh.Dv), dopt(sh.Dv * kBlockQ),
-        p(kBlockQ * kBlockK), ds(kBlockQ * kBlockK), capped(kBlockQ * kBlockK), dqb(kBlockQ * sh.D),
+    Products products = shared;  // its per-thread buffers
+    std::vector<acc_t> p(kBlockQ * kBlockK), ds(kBlockQ * kBlockK), capped(kBlockQ * kBlockK), dqb(kBlockQ * sh.D),
         shift(kBlockQ), row_delta(kBlockQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t chunk = task % chunks, bh = task / chunks, b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
-      const int64_t c0 = chunk * chunk_len, c1 = std::min(sh.S, c0 + chunk_len);
+      const int64_t c0 = chunk * chunk_len, c1 = std::min(padded, c0 + chunk_len);
       acc_t* dq_chunk = dq_parts + chunk * sh.B * sh.H * sh.L * sh.D;
       acc_t* slopes_grad = d_slopes_parts + task * sh.G;
-      const int64_t tiles = tiles_of(sh.S);
-      const acc_t* kt_head = ops.kt_ptr + bh * tiles * sh.D * kBlockK;
-      const acc_t* k_head = k + bh * sh.S * sh.D;
-      const acc_t* vt_head = vt + bh * tiles * sh.Dv * kBlockK;
-      acc_t* dkt_head = dkt + bh * tiles * sh.D * kBlockK;
-      acc_t* dvt_head = dvt + bh * tiles * sh.Dv * kBlockK;
+      acc_t* dkt_head = dkt + bh * tiles_of(sh.S) * sh.D * kBlockK;
+      acc_t* dvt_head = dvt + bh * tiles_of(sh.S) * sh.Dv * kBlockK;
       for (int64_t block = 0; block < blocks; ++block) {
         const int64_t r0 = block * kBlockQ, r1 = std::min(sh.rows(), r0 + kBlockQ), R = r1 - r0;
         const Rows rows = block_rows(sh, t, b, kv_head, r0, r1);
         auto [lo, hi] = key_range(t, rows, sh.S);
+        if (hi <= lo) continue;
+        lo -= lo % align;  // as in the forward: the band hides the keys added, or they lie beyond S
+        hi = std::min(padded, (hi + align - 1) / align * align);
         lo = std::max(lo, c0);
         hi = std::min(hi, c1);
         if (hi <= lo) continue;
-        for (int64_t r = 0; r < R; ++r) {  // the block's rows, and their transposes
+        for (int64_t r = 0; r < R; ++r) {  // the block's rows
           const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
-          const scalar_t* qs = q + row_index * sh.D;
-          const scalar_t* gs = dout + row_index * sh.Dv;
-          for (int64_t d = 0; d < sh.D; ++d) qpt[d * R + r] = qp[r * sh.D + d] = static_cast<acc_t>(qs[d]) * t.scale;
-          for (int64_t d = 0; d < sh.Dv; ++d) dopt[d * R + r] = dop[r * sh.Dv + d] = static_cast<acc_t>(gs[d]);
+          products.pack_row(r, R, q + row_index * sh.D, dout + row_index * sh.Dv);
           shift[r] = lse[row_index] == -inf ? inf : lse[row_index];  // a row that saw nothing: P = 0
           row_delta[r] = delta[row_index];
         }
         std::fill(dqb.begin(), dqb.begin() + R * sh.D, acc_t(0));
         for (int64_t j0 = lo; j0 < hi; j0 = (j0 / kBlockK + 1) * kBlockK) {  // the tiles over [lo, hi)
           const int64_t n = std::min((j0 / kBlockK + 1) * kBlockK, hi) - j0;
-          gemm_nn(R, n, sh.D, qp.data(), sh.D, kt_block(kt_head, sh.D, j0), kBlockK, p.data(), n, false);  // S = Q K^T
-          const bool covered = band_covers(t, rows, j0, n);
-          if (!plain_tile(t, covered)) shape_tile(t, rows, j0, n, p.data(), n, capped.data(), covered);
-          for (int64_t r = 0; r < R; ++r) {  // P = e^(S - lse)
-            acc_t* row = p.data() + r * n;
-            exp_shifted(n, row, acc_t(1), shift[r], row);
+          products.scores(bh, R, j0, n, p.data());
+          if (j0 + n > sh.S)  // keys past the sequence (padding of the last tile)
+            for (int64_t r = 0; r < R; ++r) std::fill(p.data() + r * n + (sh.S - j0), p.data() + (r + 1) * n, -inf);
+          const bool covered = band_covers(t, rows, j0, n), plain = plain_tile(t, covered);
+          acc_t scale = 1;  // the scale the exponential still applies
+          if (!Products::kScaled) {
+            if (plain && t.scale > 0) scale = t.scale;
+            else for (int64_t x = 0; x < R * n; ++x) p[x] *= t.scale;
           }
-          gemm_nn(sh.Dv, n, R, dopt.data(), R, p.data(), n, kt_block(dvt_head, sh.Dv, j0), kBlockK, true);  // dV^T += dO^T P
-          gemm_nn(R, n, sh.Dv, dop.data(), sh.Dv, kt_block(vt_head, sh.Dv, j0), kBlockK, ds.data(), n, false);  // dP = dO V^T
+          if (!plain) shape_tile(t, rows, j0, n, p.data(), n, capped.data(), covered);
+          for (int64_t r = 0; r < R; ++r) exp_shifted(n, p.data() + r * n, scale, shift[r], p.data() + r * n);  // P = e^(S - lse)
+          products.weights(R, n, p.data());
+          products.dvalues(R, n, p.data(), kt_block(dvt_head, sh.Dv, j0));  // dV^T += dO^T P
+          products.dprobs(bh, R, j0, n, ds.data());  // dP = dO V^T
           for (int64_t r = 0; r < R; ++r) {  // dS = P (dP - delta), in place of dP
             const acc_t* pr = p.data() + r * n;
             acc_t* g = ds.data() + r * n;
@@ -610,8 +771,9 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
               for (int64_t j = 0; j < n; ++j) g[j] *= acc_t(1) - th[j] * th[j];
             }
           }
-          gemm_nn(R, sh.D, n, ds.data(), n, k_head + j0 * sh.D, sh.D, dqb.data(), sh.D, true);  // dQ += dS K
-          gemm_nn(sh.D, n, R, qpt.data(), R, ds.data(), n, kt_block(dkt_head, sh.D, j0), kBlockK, true);  // dK^T += (Q scale)^T dS
+          products.gradients(R, n, ds.data());
+          products.dqueries(bh, R, j0, n, ds.data(), dqb.data());  // dQ += dS K
+          products.dkeys(R, n, ds.data(), kt_block(dkt_head, sh.D, j0));  // dK^T += q^T dS
         }
         for (int64_t r = 0; r < R; ++r) {
           acc_t* dst = dq_chunk + ((b * sh.H + rows.head[r]) * sh.L + rows.index[r]) * sh.D;
@@ -827,6 +989,23 @@ void run_forward(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, cons
   forward_kernel<scalar_t, acc_t>(sh, t, q, PlainProducts<scalar_t, acc_t>(sh, t.scale, k, v), out, lse);
 }
 
+// The backward of one call, on the products for the dtype; dK^T comes out scaled either way.
+template <typename scalar_t, typename acc_t>
+void run_backward(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const Tensor& k, const Tensor& v,
+                  const scalar_t* dout, const acc_t* lse, const acc_t* delta, acc_t* dq_parts, int64_t chunks,
+                  Tensor& dkt, Tensor& dvt, acc_t* d_slopes_parts) {
+#if defined(MHA_AVX512_BF16)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    backward_kernel<scalar_t, acc_t>(sh, t, q, Bf16Backward(sh, t.scale, k, v), dout, lse, delta, dq_parts, chunks,
+                                     dkt.data_ptr<acc_t>(), dvt.data_ptr<acc_t>(), d_slopes_parts);
+    dkt.mul_(t.scale);  // q entered the products unscaled
+    return;
+  }
+#endif
+  backward_kernel<scalar_t, acc_t>(sh, t, q, PlainBackward<scalar_t, acc_t>(sh, t.scale, k, v), dout, lse, delta,
+                                   dq_parts, chunks, dkt.data_ptr<acc_t>(), dvt.data_ptr<acc_t>(), d_slopes_parts);
+}
+
 // ---- the Python-facing functions -------------------------------------------------------------------
 
 using Optional = std::optional<Tensor>;
@@ -907,13 +1086,9 @@ std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, 
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto t = terms_of<acc_t>(scale, softcap, has_band, left, right, offset, q_pos, k_pos, key_valid, mask,
                                    slopes, std::nullopt);
-    const auto ops = operands<scalar_t, acc_t>(sh, k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>());
-    const Tensor k_acc = k.to(lse.scalar_type()).contiguous();
-    const Tensor vt = tile_major(v, lse.scalar_type());
-    backward_kernel<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), ops, k_acc.data_ptr<acc_t>(), vt.data_ptr<acc_t>(),
-                                     dout.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(), delta.data_ptr<acc_t>(),
-                                     dq_parts.data_ptr<acc_t>(), chunks, dkt.data_ptr<acc_t>(), dvt.data_ptr<acc_t>(),
-                                     d_slopes_parts.data_ptr<acc_t>());
+    run_backward<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), k, v, dout.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(),
+                                  delta.data_ptr<acc_t>(), dq_parts.data_ptr<acc_t>(), chunks, dkt, dvt,
+                                  d_slopes_parts.data_ptr<acc_t>());
   });
   auto d_slopes = d_slopes_parts.sum({0, 2}).reshape({sh.H});  // (B, Hkv, chunks, G) -> (Hkv, G) -> (H,)
   auto dk = from_tile_major(dkt, sh.S), dv = from_tile_major(dvt, sh.S);

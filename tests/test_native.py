@@ -282,3 +282,18 @@ def test_the_builds_for_other_cpus_compute_the_same(build):
     assert f"available True {build}" in ran.stdout
     error = float(ran.stdout.split("error ")[1].split()[0])
     assert error < 1e-12
+
+
+@pytest.mark.parametrize("terms", [dict(softcap=5.0), dict(softcap=0.5, band=CAUSAL), dict(alibi_slopes=torch.rand(4)),
+                                   dict(sinks=torch.randn(4), band=Band(40, 0))], ids=repr)
+def test_float32_terms_within_twice_the_math_backends_error(terms):
+    """The vectorised terms (tanh of softcap, ...) in float32: error against float64 within twice that
+    of the math backend in float32 (plus 1e-6)."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 4, 300, 32, generator=g, dtype=torch.float64) * 3 for _ in range(3))
+    contract64 = Contract(**{n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in terms.items()})
+    exact = mha.kernels.math_attention(q, k, v, contract64)[0]
+    low = [x.float() for x in (q, k, v)]
+    ours = native.native_attention(*low, Contract(**terms)).double()
+    theirs = mha.kernels.math_attention(*low, Contract(**terms))[0].double()
+    assert (ours - exact).abs().max() <= 2 * (theirs - exact).abs().max() + 1e-6

@@ -150,19 +150,31 @@ def native_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contrac
     if torch.is_autocast_enabled("cpu"):
         q, k, v = autocast_inputs(q, k, v)
         with torch.autocast("cpu", enabled=False):
-            return _Native.apply(q, k, v, contract.alibi_slopes, contract.sinks, contract)
-    return _Native.apply(q, k, v, contract.alibi_slopes, contract.sinks, contract)
+            return _run(q, k, v, contract)
+    return _run(q, k, v, contract)
+
+
+def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> tuple[Tensor, Tensor]:
+    learned = (q, k, v, contract.alibi_slopes, contract.sinks)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in learned):
+        return _Native.apply(*learned, contract)
+    return _forward(_Inputs(q, k, v, contract))[:2]  # nothing to differentiate: no autograd node
+
+
+def _forward(inputs: _Inputs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(output (..., L, Dv), lse (..., L)) and the kernel's own (B, H, L, Dv) and (B, H, L)."""
+    out, lse = _extension(variant()).forward(*inputs.tensors(), *inputs.terms(with_sinks=True))
+    return inputs.output(out), inputs.output(lse, rows_only=True), out, lse
 
 
 class _Native(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, alibi_slopes, sinks, contract: Contract):
-        inputs = _Inputs(q, k, v, contract)
-        out, lse = _extension(variant()).forward(*inputs.tensors(), *inputs.terms(with_sinks=True))
+        output, lse_out, out, lse = _forward(_Inputs(q, k, v, contract))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.contract = contract
-        ctx.mark_non_differentiable(lse)
-        return inputs.output(out), inputs.output(lse, rows_only=True)
+        ctx.mark_non_differentiable(lse_out)
+        return output, lse_out
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
@@ -194,6 +206,8 @@ class _Inputs:
     @staticmethod
     def as_rows(x: Tensor, lead: tuple[int, ...]) -> Tensor:
         """(..., T, X) -> (B, H, T, X) contiguous, the batch dims broadcast and flattened."""
+        if x.dim() == 4 and x.shape[:2] == lead and x.is_contiguous():
+            return x  # already (B, H, T, X)
         x = x.expand(*lead, *x.shape[-2:])
         return x.reshape(*_batch_heads(lead), *x.shape[-2:]).contiguous()  # (..., H, T, X) -> (B, H, T, X)
 

@@ -297,3 +297,47 @@ def test_float32_terms_within_twice_the_math_backends_error(terms):
     ours = native.native_attention(*low, Contract(**terms)).double()
     theirs = mha.kernels.math_attention(*low, Contract(**terms))[0].double()
     assert (ours - exact).abs().max() <= 2 * (theirs - exact).abs().max() + 1e-6
+
+
+def _packed(lengths, heads, dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return torch.randn(sum(lengths), heads, dim, generator=g, dtype=torch.float64, requires_grad=True), offsets
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (3, 0)), (False, (4, 2))])
+def test_varlen_equals_each_sequence_alone(causal, window):
+    """The packed layout (flash-attn's varlen): every sequence as if attended alone (bottom-right
+    alignment), GQA, ALiBi, sinks, an empty sequence; gradients too."""
+    lens_q, lens_k = [5, 1, 17, 0, 9], [7, 3, 17, 4, 30]
+    q, cu_q = _packed(lens_q, 4, 8, 0)
+    k, cu_k = _packed(lens_k, 2, 8, 1)
+    v, _ = _packed(lens_k, 2, 6, 2)
+    slopes, sinks = torch.rand(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    out = native.varlen_attention(q, k, v, cu_q, cu_k, is_causal=causal, window=window, alibi_slopes=slopes, sinks=sinks)
+    assert out.shape == (sum(lens_q), 4, 6)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    expected = []
+    for b in range(len(lens_q)):
+        rows = [x[c[b]:c[b + 1]].transpose(0, 1) for x, c in ((q, cu_q), (k, cu_k), (v, cu_k))]  # (T_b, H, D) -> (H, T_b, D)
+        expected.append(mha.functional.scaled_dot_product_attention(
+            *rows, is_causal=causal, window=window, causal_alignment="bottom_right", alibi_slopes=slopes, sinks=sinks,
+            enable_gqa=True, backend="math").transpose(0, 1))  # (H, T_b, Dv) -> (T_b, H, Dv)
+    expected = torch.cat(expected)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    for mine, theirs in zip(got, torch.autograd.grad(expected, (q, k, v), grad)):
+        torch.testing.assert_close(mine, theirs, atol=1e-12, rtol=0)
+
+
+def test_varlen_refuses_offsets_that_do_not_describe_the_batch():
+    q, k = torch.zeros(10, 2, 4), torch.zeros(12, 2, 4)
+    with raises_exactly(ValueError, "cu_seqlens_q must rise from 0 to the 10 rows of its tensor, got [0, 4, 9]"):
+        native.varlen_attention(q, k, k, torch.tensor([0, 4, 9]), torch.tensor([0, 5, 12]))
+    with raises_exactly(ValueError, "cu_seqlens_q and cu_seqlens_k must describe as many sequences, got 2 and 1"):
+        native.varlen_attention(q, k, k, torch.tensor([0, 4, 10]), torch.tensor([0, 12]))
+    with raises_exactly(TypeError, "cu_seqlens_k must be a 1-D integer tensor of B + 1 offsets, got torch.float32 "
+                                   "of shape (2,)"):
+        native.varlen_attention(q, k, k, torch.tensor([0, 10]), torch.tensor([0.0, 12.0]))
+    with raises_exactly(ValueError, "q must be 3-D (total tokens, heads, head dim), got 4-D with shape (1, 10, 2, 4)"):
+        native.varlen_attention(q[None], k, k, torch.tensor([0, 10]), torch.tensor([0, 12]))

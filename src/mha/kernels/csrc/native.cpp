@@ -55,6 +55,7 @@ struct Terms {
   int64_t offset = 0;
   const int64_t* q_pos = nullptr; int64_t q_pos_b = 0;  // (B|1, L), batch stride 0 or L
   const int64_t* k_pos = nullptr; int64_t k_pos_b = 0;  // (B|1, S)
+  bool k_sorted = true;  // the keys' positions never decrease along a sequence: bands skip tiles
   const bool* key_valid = nullptr; int64_t key_valid_b = 0;  // (B|1, S)
   const acc_t* mask = nullptr;  // additive, strides (b, h, i, j), 0 where broadcast
   const bool* bool_mask = nullptr;  // True = attend, same strides
@@ -93,23 +94,33 @@ Rows block_rows(const Shape& sh, const Terms<acc_t>& t, int64_t b, int64_t kv_he
   return rows;
 }
 
-// [lo, hi): the keys some row of the block may see (all of them with positions given one by one).
+// The first of keys 0..S-1 whose position is >= p (S if none): keys in position order, the default
+// positions or given ones that never decrease along a sequence (Terms::k_sorted).
+template <typename acc_t>
+int64_t first_key_from(const Terms<acc_t>& t, int64_t b, int64_t S, int64_t p) {
+  if (t.k_pos == nullptr) return std::clamp<int64_t>(p, 0, S);
+  const int64_t* kp = t.k_pos + b * t.k_pos_b;
+  return std::lower_bound(kp, kp + S, p) - kp;
+}
+
+// [lo, hi): the keys some row of the block may see (all of them when the keys' positions are given
+// out of order).
 template <typename acc_t>
 std::pair<int64_t, int64_t> key_range(const Terms<acc_t>& t, const Rows& rows, int64_t S) {
-  if (!t.has_band || t.k_pos != nullptr) return {0, S};
+  if (!t.has_band || (t.k_pos != nullptr && !t.k_sorted)) return {0, S};
   const auto [first, last] = std::minmax_element(rows.position.begin(), rows.position.end());
-  const int64_t lo = t.left == kUnbounded ? 0 : std::max<int64_t>(0, *first - t.left);
-  const int64_t hi = t.right == kUnbounded ? S : std::min<int64_t>(S, *last + t.right + 1);
+  const int64_t lo = t.left == kUnbounded ? 0 : first_key_from(t, rows.b, S, *first - t.left);
+  const int64_t hi = t.right == kUnbounded ? S : first_key_from(t, rows.b, S, *last + t.right + 1);
   return {lo, std::max(lo, hi)};
 }
 
-// Whether the band hides nothing in the tile (default positions only).
+// Whether the band hides nothing in the tile (keys in position order).
 template <typename acc_t>
 bool band_covers(const Terms<acc_t>& t, const Rows& rows, int64_t j0, int64_t n) {
   if (!t.has_band) return true;
-  if (t.k_pos != nullptr) return false;
+  if (t.k_pos != nullptr && !t.k_sorted) return false;
   const auto [first, last] = std::minmax_element(rows.position.begin(), rows.position.end());
-  return t.allows(j0 - *last) && t.allows(j0 + n - 1 - *first);
+  return t.allows(t.key_position(rows.b, j0) - *last) && t.allows(t.key_position(rows.b, j0 + n - 1) - *first);
 }
 
 // ---- tile products: C (M x N) (+)= A . B, three layouts ------------------------------------------
@@ -308,9 +319,10 @@ void shape_tile(const Terms<acc_t>& t, const Rows& rows, int64_t j0, int64_t n, 
     acc_t* row = s + r * lds;
     if (t.softcap > 0) softcap_row(n, row, t.softcap, capped ? capped + r * lds : nullptr);
     const int64_t h = rows.head[r], i = rows.index[r], q_position = rows.position[r];
-    if (t.slopes == nullptr && !covered && t.k_pos == nullptr) {  // keys at j: the band is one run of columns
-      const int64_t first = t.left == kUnbounded ? 0 : std::clamp<int64_t>(q_position - t.left - j0, 0, n);
-      const int64_t last = t.right == kUnbounded ? n : std::clamp<int64_t>(q_position + t.right + 1 - j0, first, n);
+    if (t.slopes == nullptr && !covered && (t.k_pos == nullptr || t.k_sorted)) {  // the band is one run of columns
+      const auto column = [&](int64_t p) { return std::clamp<int64_t>(first_key_from(t, b, j0 + n, p) - j0, 0, n); };
+      const int64_t first = t.left == kUnbounded ? 0 : column(q_position - t.left);
+      const int64_t last = t.right == kUnbounded ? n : std::max(first, column(q_position + t.right + 1));
       std::fill(row, row + first, neg_inf);
       std::fill(row + last, row + n, neg_inf);
     } else if (t.slopes != nullptr || !covered) {
@@ -1044,6 +1056,8 @@ Terms<acc_t> terms_of(double scale, double softcap, bool has_band, int64_t left,
     const Tensor &q_pos = *q_pos_, &k_pos = *k_pos_;
     t.q_pos = q_pos.data_ptr<int64_t>(); t.q_pos_b = q_pos.size(0) == 1 ? 0 : q_pos.stride(0);
     t.k_pos = k_pos.data_ptr<int64_t>(); t.k_pos_b = k_pos.size(0) == 1 ? 0 : k_pos.stride(0);
+    for (int64_t b = 0; b < k_pos.size(0) && t.k_sorted; ++b)
+      t.k_sorted = std::is_sorted(t.k_pos + b * k_pos.stride(0), t.k_pos + b * k_pos.stride(0) + k_pos.size(1));
   }
   if (key_valid_) {
     const Tensor& key_valid = *key_valid_;

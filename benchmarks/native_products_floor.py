@@ -31,9 +31,9 @@ double products_ms(int64_t T, int repeat) {
       std::vector<float> s(BQ * BK), acc(BQ * D);
       for (int64_t task = begin; task < end; ++task)
         for (int64_t tile = 0; tile < tiles; ++tile) {
-          const int64_t at = (task / blocks * tiles + tile) * D * BK;  // this head's tile
-          at::native::cpublas::brgemm(BQ, BK, D, D, BK, BK, false, q.data(), kt.data() + at, s.data(), true);
-          at::native::cpublas::brgemm(BQ, D, BK, BK, D, D, true, p.data(), vv.data() + at, acc.data(), true);
+          const int64_t offset = (task / blocks * tiles + tile) * D * BK;  // this head's tile
+          at::native::cpublas::brgemm(BQ, BK, D, D, BK, BK, false, q.data(), kt.data() + offset, s.data(), true);
+          at::native::cpublas::brgemm(BQ, D, BK, BK, D, D, true, p.data(), vv.data() + offset, acc.data(), true);
         }
     });
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());

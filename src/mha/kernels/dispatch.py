@@ -110,7 +110,7 @@ def _choose(requested, q, k, v, contract, *, need_weights, dropout_p):
 # `mha bench --sections native` (benchmarks/README.md): a decoding step over a long cache, and
 # otherwise enough work per head for its per-call cost (about 60 us) not to show.
 NATIVE_DECODE_ROWS, NATIVE_DECODE_KEYS = 16, 1024  # query rows per kv head at most, keys at least
-NATIVE_WORK = {torch.float32: 512 * 512, torch.bfloat16: 256 * 256, torch.float16: 256 * 256}  # L * S at least
+NATIVE_WORK = {torch.float32: 512 * 512, torch.bfloat16: 128 * 128, torch.float16: 256 * 256}  # L * S at least
 
 
 def native_pays(q: Tensor, k: Tensor) -> bool:

@@ -383,6 +383,11 @@ def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
         yield Row("native", f"decode {dtype} L1 S{grid['decode']} Hq32/Hkv8 D128", {"native": p["native"], "sdpa": p["sdpa"]},
                   {"native/sdpa": p["native"] / p["sdpa"]},
                   {"native GB/s (K, V read)": p["bytes"] / p["native"] / 1e6, "sdpa GB/s": p["bytes"] / p["sdpa"] / 1e6})
+    calls = functools.partial(best_times, repeat=repeat, calls=10)  # short calls: several per timing
+    for dtype in bench_native.DTYPES:  # where the dispatch starts to pick it (mha.kernels.dispatch.native_pays)
+        for T in grid["short"]:
+            p = bench_native.forward_point(dtype, T, False, calls)
+            yield timed(f"short forward {dtype} T{T}", p, p["flops"], dtype)
     T, window = grid["window"]
     ms = bench_native.window_point(T, window, times)
     yield Row("native", f"window ({window}, 0) fp32 T{T}", ms,

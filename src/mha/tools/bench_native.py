@@ -5,6 +5,7 @@ Every point times the native kernel and torch's fused kernel on the same inputs,
 3.5x that for forward + backward) sit beside a same-run 2048^3 matmul of the same dtype. Points:
 
     forward        fp32 and bf16, T = 1024 and 4096, causal and not
+    short          forward at T = 16 .. 512: where the native kernel's per-call cost stops showing
     training       forward + backward, T = 2048, causal, fp32 and bf16
     decode         one query, S = 16384 cached keys, 32 query heads on 8 kv heads, D = 128
     window         a sliding window of 256 keys at T = 16384 against dense causal SDPA

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     console = _common.console()
     if not console.is_terminal:
         console.width = max(console.width, 160)  # keep the table whole in logs and CI
-    console.print(native_status())
+    native_line = native_status()  # printed with the results: nothing is printed before the outcome is settled
     cases = verify.default_grid(QUICK_PER_GROUP if args.quick else args.per_group, args.seed)
     results = []
     with Progress(console=console, transient=True) as progress:
@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     args.status = 1 if failures else 0  # decided before printing: a closed pipe keeps it (mha.cli.main)
     if args.json:
         verify.write_report(args.json, results)
+    console.print(native_line)
     console.print(summary_table(results))
     for r in failures[:20]:
         console.print(f"[red]FAIL[/] {r.case.group}: {r.case.describe()}\n      " + "; ".join(r.failures))

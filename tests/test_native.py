@@ -341,3 +341,19 @@ def test_varlen_refuses_offsets_that_do_not_describe_the_batch():
         native.varlen_attention(q, k, k, torch.tensor([0, 10]), torch.tensor([0.0, 12.0]))
     with raises_exactly(ValueError, "q must be 3-D (total tokens, heads, head dim), got 4-D with shape (1, 10, 2, 4)"):
         native.varlen_attention(q[None], k, k, torch.tensor([0, 10]), torch.tensor([0, 12]))
+
+
+def test_a_kv_cache_decoding_step_runs_on_native(caplog):
+    """KVCache paths reach the kernel through the dispatch: a decoding step over a long cache."""
+    torch.manual_seed(0)
+    module = mha.MultiHeadAttention(64, 64, 64, 16, 16, 64, 4, num_kv_heads=2).eval()
+    cache = mha.KVCache(max_length=1100)
+    prompt, step = torch.randn(1, 1050, 64), torch.randn(1, 1, 64)
+    with torch.no_grad():
+        module(prompt, prompt, prompt, is_causal=True, cache=cache)
+        with caplog.at_level("DEBUG", logger="mha.dispatch"):
+            out = module(step, step, step, is_causal=True, cache=cache)
+        everything = torch.cat([prompt, step], dim=1)
+        expected = module(everything, everything, everything, is_causal=True, backend="math")[:, -1:]
+    assert caplog.messages == ["backend native: mha's compiled kernel is faster than torch's on this call (native_pays)"]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)

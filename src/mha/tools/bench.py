@@ -366,6 +366,7 @@ def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
     backward, decoding, a sliding window, accuracy; GFLOP/s beside a same-run matmul."""
     times = functools.partial(best_times, repeat=repeat)
     matmul = {name: bench_native.matmul_gflops(dtype) for name, dtype in bench_native.DTYPES.items()}
+    memory = bench_native.read_gbytes_per_second()
 
     def timed(point: str, ms: dict, work: float, dtype: str) -> Row:
         return Row("native", point, {"native": ms["native"], "sdpa": ms["sdpa"]}, {"native/sdpa": ms["native"] / ms["sdpa"]},
@@ -382,7 +383,8 @@ def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
         p = bench_native.decode_point(dtype, grid["decode"], times)
         yield Row("native", f"decode {dtype} L1 S{grid['decode']} Hq32/Hkv8 D128", {"native": p["native"], "sdpa": p["sdpa"]},
                   {"native/sdpa": p["native"] / p["sdpa"]},
-                  {"native GB/s (K, V read)": p["bytes"] / p["native"] / 1e6, "sdpa GB/s": p["bytes"] / p["sdpa"] / 1e6})
+                  {"native GB/s (K, V read)": p["bytes"] / p["native"] / 1e6, "sdpa GB/s": p["bytes"] / p["sdpa"] / 1e6,
+                   "memory read GB/s (sum)": memory})
     calls = functools.partial(best_times, repeat=repeat, calls=10)  # short calls: several per timing
     for dtype in bench_native.DTYPES:  # where the dispatch starts to pick it (mha.kernels.dispatch.native_pays)
         for T in grid["short"]:

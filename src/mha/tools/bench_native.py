@@ -7,7 +7,8 @@ Every point times the native kernel and torch's fused kernel on the same inputs,
     forward        fp32 and bf16, T = 1024 and 4096, causal and not
     short          forward at T = 16 .. 512: where the native kernel's per-call cost stops showing
     training       forward + backward, T = 2048, causal, fp32 and bf16
-    decode         one query, S = 16384 cached keys, 32 query heads on 8 kv heads, D = 128
+    decode         one query, S = 16384 cached keys, 32 query heads on 8 kv heads, D = 128; the
+                   K/V bytes read per second beside a same-run sum over 256 MiB (memory speed)
     window         a sliding window of 256 keys at T = 16384 against dense causal SDPA
     accuracy       error against float64 of both, fp32 and bf16 (T = 1024, causal)
 """
@@ -32,6 +33,13 @@ def matmul_gflops(dtype: torch.dtype, n: int = 2048, repeat: int = 3) -> float:
     a @ b
     best = min(_seconds(lambda: a @ b) for _ in range(repeat))
     return 2 * n ** 3 / best / 1e9
+
+
+def read_gbytes_per_second(mib: int = 256, repeat: int = 4) -> float:
+    """This machine's memory read speed now: a sum over a ``mib`` MiB tensor, best of ``repeat``."""
+    x = torch.randn(mib * 2 ** 18)  # float32: mib MiB
+    best = min(_seconds(x.sum) for _ in range(repeat))
+    return x.numel() * 4 / best / 1e9
 
 
 def _seconds(fn: Callable[[], object]) -> float:

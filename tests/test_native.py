@@ -233,6 +233,9 @@ def test_refusals_name_what_the_native_kernel_does_not_take():
     with raises_exactly(ValueError, "the native backend cannot run this call: it does not differentiate through "
                                     "attn_mask; use backend='math'"):
         native.native_attention(q, q, q, Contract(mask=torch.zeros(8, 8, requires_grad=True)))
+    with raises_exactly(ValueError, "the native backend cannot run this call: q, k and v of one floating dtype (got "
+                                    "torch.float32, torch.float64, torch.float32)"):
+        native.native_attention(q, q.double(), q)
     with raises_exactly(ValueError, "the native backend cannot run this call: keys and values with different head "
                                     "counts"):
         native.native_attention(torch.randn(1, 4, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 1, 8, 4))

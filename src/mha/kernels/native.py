@@ -84,7 +84,7 @@ def _extension(build: str | None):
 
 
 def native_available() -> bool:
-    """Whether the native kernel is built (building it on first use: about a minute, once)."""
+    """Whether the native kernel is built (building it on first use: about 30 s, once per user)."""
     return _extension(variant()) is not None
 
 
@@ -116,6 +116,8 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: 
         return "it runs on CPU tensors only"
     if dropout_p > 0.0:
         return "it has no dropout"
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        return f"q, k and v of one floating dtype (got {q.dtype}, {k.dtype}, {v.dtype})"
     if transforms_active():
         return "it does not run under torch.func transforms (vmap, grad, jvp, jacrev); use backend='math'"
     if forward_mode(q, k, v):

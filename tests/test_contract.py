@@ -420,8 +420,9 @@ DECISIONS = {  # name: (q, k, v, contract, options, (backend, reason))
             (TILED, _NOT_SDPA.format(_BUILDS.format("q, k and v of different batch or head counts", "1,536")))),
     "value width": (*_QKV[:2], _f32(1, 2, 64, 8), Contract(), {},
                     (TILED, _NOT_SDPA.format(_BUILDS.format("a value head dim unlike the query's", "2,048")))),
-    "mixed dtypes": (_QKV[0], _QKV[1].double(), _QKV[2], Contract(), {},
-                     (TILED, _NOT_SDPA.format(_BUILDS.format("dtype torch.float32", "1,536")))),
+    "mixed dtypes": (_QKV[0], _QKV[1].double(), _QKV[2], Contract(), {},  # the native kernel takes one dtype
+                     ("flash", "not sdpa ({}): flash applies every term tile by tile".format(
+                         _BUILDS.format("dtype torch.float32", "1,536")))),
     "strided rows": (_QKV[0], _f32(1, 2, 4, 64).transpose(-1, -2), _QKV[2], Contract(), {},
                      (TILED, _NOT_SDPA.format(_BUILDS.format("rows that are not contiguous", "1,536")))),
     "window": (*_QKV, Contract(band=Band(3, 0)), {},

@@ -360,3 +360,24 @@ def test_a_kv_cache_decoding_step_runs_on_native(caplog):
         expected = module(everything, everything, everything, is_causal=True, backend="math")[:, -1:]
     assert caplog.messages == ["backend native: mha's compiled kernel is faster than torch's on this call (native_pays)"]
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("q_shape, k_shape, dtype, pays", [
+    ((1, 8, 512, 64), (1, 8, 512, 64), torch.float32, True),  # L * S = 512^2: the float32 threshold
+    ((1, 8, 511, 64), (1, 8, 512, 64), torch.float32, False),
+    ((1, 8, 128, 64), (1, 8, 128, 64), torch.bfloat16, True),  # 128^2 in bfloat16
+    ((1, 8, 127, 64), (1, 8, 128, 64), torch.bfloat16, False),
+    ((1, 8, 256, 64), (1, 8, 256, 64), torch.float16, True),  # 256^2 in float16
+    ((1, 8, 255, 64), (1, 8, 256, 64), torch.float16, False),
+    ((1, 8, 4096, 64), (1, 8, 4096, 64), torch.float64, False),  # never float64
+    ((1, 32, 4, 64), (1, 8, 1024, 64), torch.float32, True),  # decoding: 4 rows x 4 heads = 16 rows per kv head
+    ((1, 32, 5, 64), (1, 8, 1024, 64), torch.float32, False),  # 20 rows per kv head, L * S = 5120
+    ((1, 32, 4, 64), (1, 8, 1023, 64), torch.float32, False),  # too few keys
+    ((1, 16, 1024, 64), (1, 16, 1, 64), torch.float32, False),  # a long query over one key: 1024 rows, L * S = 1024
+    ((16, 2000, 64), (16, 2000, 64), torch.float32, True),  # 3-D: heads at dim -3
+    ((1, 1024, 64), (1, 1024, 64), torch.float32, True),  # one head: 1024 rows, L * S = 1024^2
+    ((1, 64), (1024, 64), torch.float32, True),  # 2-D: a single row over 1024 keys decodes
+])
+def test_where_the_native_kernel_pays(q_shape, k_shape, dtype, pays):
+    """mha.kernels.dispatch.native_pays: the measured thresholds, decoding counted per kv head."""
+    assert mha.kernels.dispatch.native_pays(torch.empty(q_shape, dtype=dtype), torch.empty(k_shape, dtype=dtype)) == pays

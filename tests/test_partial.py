@@ -117,19 +117,24 @@ def test_torchs_fused_kernel_takes_plain_and_causal_blocks_and_lagging_ones():
     assert fused(Contract(band=positions.CAUSAL), torch.randn(1, 2, 9, 4)) is None  # not square
 
 
-def test_a_lagging_block_on_the_fused_kernel_equals_flash():
-    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64) for _ in range(3))
-    contract = Contract(band=Band(None, -2))  # query i sees keys j <= i - 2; rows 0 and 1 see nothing
+def _one_part_equals_math(q, k, v, contract):
+    """A single part (all the keys): its output and gradients are the math backend's; returns its lse."""
     out, lse = partial.forward(q, k, v, contract)
     expected, _ = math_attention(q, k, v, contract)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
-    assert torch.isinf(lse[..., :2]).all() and torch.isfinite(lse[..., 2:]).all()
     grad_out = torch.randn_like(out)
     ours = partial.backward(q, k, v, contract, out, lse, grad_out)
     qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
     math_attention(qr, kr, vr, contract)[0].backward(grad_out)
     for got, want in zip(ours[:3], (qr.grad, kr.grad, vr.grad)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    return lse
+
+
+def test_a_lagging_block_on_the_fused_kernel_equals_flash():
+    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64) for _ in range(3))
+    lse = _one_part_equals_math(q, k, v, Contract(band=Band(None, -2)))  # query i sees keys j <= i - 2
+    assert torch.isinf(lse[..., :2]).all() and torch.isfinite(lse[..., 2:]).all()  # rows 0 and 1 see nothing
 
 
 def test_plain_causal_and_lagging_blocks_run_on_torchs_kernel_with_the_contracts_scale(monkeypatch):
@@ -141,15 +146,7 @@ def test_plain_causal_and_lagging_blocks_run_on_torchs_kernel_with_the_contracts
     q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64) for _ in range(3))
     for contract in (Contract(scale=0.3), Contract(band=positions.CAUSAL, scale=0.3), Contract(band=Band(None, -2), scale=0.3)):
         calls.clear()
-        out, lse = partial.forward(q, k, v, contract)
-        expected, _ = math_attention(q, k, v, contract)
-        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
-        grad_out = torch.randn_like(out)
-        ours = partial.backward(q, k, v, contract, out, lse, grad_out)
-        qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
-        math_attention(qr, kr, vr, contract)[0].backward(grad_out)
-        for got, want in zip(ours[:3], (qr.grad, kr.grad, vr.grad)):
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        _one_part_equals_math(q, k, v, contract)
         assert calls == ["forward", "backward"], contract
 
 

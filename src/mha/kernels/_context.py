@@ -27,6 +27,18 @@ def transforms_active() -> bool:
     return torch._C._are_functorch_transforms_active()
 
 
+def autograd_function_refusal(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> str | None:
+    """Why a kernel written as a torch.autograd.Function (flash, native) cannot run a call, or None:
+    torch.func transforms, forward-mode AD, and a mask that needs its gradient are beyond it."""
+    if transforms_active():
+        return "it does not run under torch.func transforms (vmap, grad, jvp, jacrev); use backend='math'"
+    if forward_mode(q, k, v):
+        return "it has no forward-mode AD (jvp); use backend='math'"
+    if mask is not None and mask.requires_grad and torch.is_grad_enabled():
+        return "it does not differentiate through attn_mask; use backend='math'"
+    return None
+
+
 def may_branch_on_values() -> bool:
     """Whether Python may branch on a tensor's values (``bool(t.any())``): not while torch.func
     transforms run (vmap cannot) nor while torch.compile traces (it would break the graph)."""

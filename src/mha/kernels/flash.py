@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .. import masks
-from ._context import autocast_inputs, forward_mode, transforms_active
+from ._context import autocast_inputs, autograd_function_refusal
 from ._shapes import leads, unflat
 from .contract import Contract, mask_tile, resolve
 from .merge import sink_gradient
@@ -85,13 +85,7 @@ def _block_sizes(contract: Contract, block_q: int | None, block_k: int | None) -
 
 def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> str | None:
     """Why flash cannot run this call, or None. (It honours every term of the contract.)"""
-    if transforms_active():
-        return "it does not run under torch.func transforms (vmap, grad, jvp, jacrev); use backend='math'"
-    if forward_mode(q, k, v):
-        return "it has no forward-mode AD (jvp); use backend='math'"
-    if contract.mask is not None and contract.mask.requires_grad and torch.is_grad_enabled():
-        return "it does not differentiate through attn_mask; use backend='math'"
-    return None
+    return autograd_function_refusal(q, k, v, contract.mask)
 
 
 class _Flash(torch.autograd.Function):

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from . import merge
-from ._context import autocast_inputs, forward_mode, transforms_active
+from ._context import autocast_inputs, autograd_function_refusal
 from ._shapes import leads, unflat
 from .contract import Contract, resolve
 
@@ -118,12 +118,8 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: 
         return "it has no dropout"
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
         return f"q, k and v of one floating dtype (got {q.dtype}, {k.dtype}, {v.dtype})"
-    if transforms_active():
-        return "it does not run under torch.func transforms (vmap, grad, jvp, jacrev); use backend='math'"
-    if forward_mode(q, k, v):
-        return "it has no forward-mode AD (jvp); use backend='math'"
-    if contract.mask is not None and contract.mask.requires_grad and torch.is_grad_enabled():
-        return "it does not differentiate through attn_mask; use backend='math'"
+    if reason := autograd_function_refusal(q, k, v, contract.mask):
+        return reason
     if q.dim() >= 3 and k.dim() >= 3 and v.dim() >= 3 and k.shape[-3] != v.shape[-3]:
         return "keys and values with different head counts"
     try:

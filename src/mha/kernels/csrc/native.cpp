@@ -461,6 +461,28 @@ struct PlainProducts {
 };
 
 #if defined(MHA_AVX512_BF16)
+// VNNI pairs, tile by tile, of x (BH, S, X) in bfloat16, zero-padded (past S, and to an even width):
+//   transposed: (BH, tiles, X2 / 2, kBlockK, 2), pairs along X (K^T, V^T: the B of products over X)
+//   by rows:    (BH, tiles, kBlockK / 2, X, 2), pairs of keys (V, K: the B of products over keys)
+inline void pack_pairs(const at::BFloat16* x, int64_t BH, int64_t S, int64_t X, bool transposed, at::BFloat16* out) {
+  const int64_t tiles = tiles_of(S), X2 = X + X % 2;
+  at::parallel_for(0, BH * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / tiles, first = (task % tiles) * kBlockK;
+      at::BFloat16* dst = out + task * (transposed ? X2 : X) * kBlockK;
+      for (int64_t j = 0; j < kBlockK; ++j) {
+        const bool real = first + j < S;
+        const at::BFloat16* row = x + (bh * S + first + j) * X;
+        if (transposed)
+          for (int64_t d = 0; d < X2; ++d)
+            dst[(d / 2) * kBlockK * 2 + j * 2 + d % 2] = real && d < X ? row[d] : at::BFloat16(0.0f);
+        else
+          for (int64_t d = 0; d < X; ++d) dst[(j / 2) * X * 2 + d * 2 + j % 2] = real ? row[d] : at::BFloat16(0.0f);
+      }
+    }
+  });
+}
+
 // bfloat16 operands in VNNI pairs (two consecutive values of the product's inner dim side by side)
 // for brgemm's vdpbf16ps products, accumulated in float32: no score is rounded to bfloat16 (the
 // queries and keys are the inputs' own values); the weights p are rounded to bfloat16 for P . V.
@@ -481,20 +503,8 @@ struct Bf16Products {
     const int64_t tiles = tiles_of(sh.S), BH = sh.B * sh.Hkv;
     bf16* kt_ = workspace<bf16>(0, BH * tiles * D2 * kBlockK);
     bf16* vv_ = workspace<bf16>(1, BH * tiles * kBlockK * sh.Dv);
-    at::parallel_for(0, BH * tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t bh = task / tiles, tile = task % tiles, first = tile * kBlockK;
-        bf16* kd = kt_ + task * D2 * kBlockK;
-        bf16* vd = vv_ + task * kBlockK * sh.Dv;
-        for (int64_t j = 0; j < kBlockK; ++j) {
-          const bool real = first + j < sh.S;
-          const bf16* kr = k + (bh * sh.S + first + j) * sh.D;
-          const bf16* vr = v + (bh * sh.S + first + j) * sh.Dv;
-          for (int64_t d = 0; d < D2; ++d) kd[(d / 2) * kBlockK * 2 + j * 2 + d % 2] = real && d < sh.D ? kr[d] : bf16(0.0f);
-          for (int64_t e = 0; e < sh.Dv; ++e) vd[(j / 2) * sh.Dv * 2 + e * 2 + j % 2] = real ? vr[e] : bf16(0.0f);
-        }
-      }
-    });
+    pack_pairs(k, BH, sh.S, sh.D, true, kt_);
+    pack_pairs(v, BH, sh.S, sh.Dv, false, vv_);
     kt = kt_;
     vv = vv_;
   }
@@ -640,24 +650,9 @@ struct Bf16Backward {
     bf16* kt_ = workspace<bf16>(0, BH * tiles * D2 * kBlockK);
     bf16* k_ = workspace<bf16>(1, BH * tiles * kBlockK * sh.D);
     bf16* vt_ = workspace<bf16>(2, BH * tiles * Dv2 * kBlockK);
-    const bf16* key = keys.data_ptr<bf16>();
-    const bf16* value = values.data_ptr<bf16>();
-    at::parallel_for(0, BH * tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t bh = task / tiles, first = (task % tiles) * kBlockK;
-        for (int64_t j = 0; j < kBlockK; ++j) {
-          const bool real = first + j < sh.S;
-          const bf16* kr = key + (bh * sh.S + first + j) * sh.D;
-          const bf16* vr = value + (bh * sh.S + first + j) * sh.Dv;
-          for (int64_t d = 0; d < D2; ++d)
-            kt_[task * D2 * kBlockK + (d / 2) * kBlockK * 2 + j * 2 + d % 2] = real && d < sh.D ? kr[d] : bf16(0.0f);
-          for (int64_t d = 0; d < sh.D; ++d)
-            k_[task * kBlockK * sh.D + (j / 2) * sh.D * 2 + d * 2 + j % 2] = real ? kr[d] : bf16(0.0f);
-          for (int64_t d = 0; d < Dv2; ++d)
-            vt_[task * Dv2 * kBlockK + (d / 2) * kBlockK * 2 + j * 2 + d % 2] = real && d < sh.Dv ? vr[d] : bf16(0.0f);
-        }
-      }
-    });
+    pack_pairs(keys.data_ptr<bf16>(), BH, sh.S, sh.D, true, kt_);
+    pack_pairs(keys.data_ptr<bf16>(), BH, sh.S, sh.D, false, k_);
+    pack_pairs(values.data_ptr<bf16>(), BH, sh.S, sh.Dv, true, vt_);
     kt = kt_, k = k_, vt = vt_;
   }
 

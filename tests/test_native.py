@@ -308,6 +308,16 @@ def _packed(lengths, heads, dim, seed):
     return torch.randn(sum(lengths), heads, dim, generator=g, dtype=torch.float64, requires_grad=True), offsets
 
 
+def _each_alone(q, k, v, cu_q, cu_k, **options):
+    """The reference for the packed layout: every sequence attended alone by the math backend."""
+    expected = []
+    for b in range(len(cu_q) - 1):
+        rows = [x[c[b]:c[b + 1]].transpose(0, 1) for x, c in ((q, cu_q), (k, cu_k), (v, cu_k))]  # (T_b, H, D) -> (H, T_b, D)
+        expected.append(mha.functional.scaled_dot_product_attention(
+            *rows, causal_alignment="bottom_right", enable_gqa=True, backend="math", **options).transpose(0, 1))
+    return torch.cat(expected)  # (H, T_b, Dv) -> (T_b, H, Dv), side by side
+
+
 @pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (3, 0)), (False, (4, 2))])
 def test_varlen_equals_each_sequence_alone(causal, window):
     """The packed layout (flash-attn's varlen): every sequence as if attended alone (bottom-right
@@ -316,34 +326,89 @@ def test_varlen_equals_each_sequence_alone(causal, window):
     q, cu_q = _packed(lens_q, 4, 8, 0)
     k, cu_k = _packed(lens_k, 2, 8, 1)
     v, _ = _packed(lens_k, 2, 6, 2)
-    slopes, sinks = torch.rand(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
-    out = native.varlen_attention(q, k, v, cu_q, cu_k, is_causal=causal, window=window, alibi_slopes=slopes, sinks=sinks)
+    options = dict(is_causal=causal, window=window, alibi_slopes=torch.rand(4, dtype=torch.float64),
+                   sinks=torch.randn(4, dtype=torch.float64))
+    out = native.varlen_attention(q, k, v, cu_q, cu_k, **options)
     assert out.shape == (sum(lens_q), 4, 6)
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
-    expected = []
-    for b in range(len(lens_q)):
-        rows = [x[c[b]:c[b + 1]].transpose(0, 1) for x, c in ((q, cu_q), (k, cu_k), (v, cu_k))]  # (T_b, H, D) -> (H, T_b, D)
-        expected.append(mha.functional.scaled_dot_product_attention(
-            *rows, is_causal=causal, window=window, causal_alignment="bottom_right", alibi_slopes=slopes, sinks=sinks,
-            enable_gqa=True, backend="math").transpose(0, 1))  # (H, T_b, Dv) -> (T_b, H, Dv)
-    expected = torch.cat(expected)
+    expected = _each_alone(q, k, v, cu_q, cu_k, **options)
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
     for mine, theirs in zip(got, torch.autograd.grad(expected, (q, k, v), grad)):
         torch.testing.assert_close(mine, theirs, atol=1e-12, rtol=0)
 
 
-def test_varlen_refuses_offsets_that_do_not_describe_the_batch():
-    q, k = torch.zeros(10, 2, 4), torch.zeros(12, 2, 4)
-    with raises_exactly(ValueError, "cu_seqlens_q must rise from 0 to the 10 rows of its tensor, got [0, 4, 9]"):
-        native.varlen_attention(q, k, k, torch.tensor([0, 4, 9]), torch.tensor([0, 5, 12]))
-    with raises_exactly(ValueError, "cu_seqlens_q and cu_seqlens_k must describe as many sequences, got 2 and 1"):
-        native.varlen_attention(q, k, k, torch.tensor([0, 4, 10]), torch.tensor([0, 12]))
-    with raises_exactly(TypeError, "cu_seqlens_k must be a 1-D integer tensor of B + 1 offsets, got torch.float32 "
-                                   "of shape (2,)"):
-        native.varlen_attention(q, k, k, torch.tensor([0, 10]), torch.tensor([0.0, 12.0]))
-    with raises_exactly(ValueError, "q must be 3-D (total tokens, heads, head dim), got 4-D with shape (1, 10, 2, 4)"):
-        native.varlen_attention(q[None], k, k, torch.tensor([0, 10]), torch.tensor([0, 12]))
+@pytest.mark.parametrize("options", [{}, dict(scale=0.3), dict(softcap=2.0)], ids=repr)
+def test_varlen_defaults_scale_softcap_and_int32_offsets(options):
+    """No causality unless asked; scale and softcap as in scaled_dot_product_attention; int32 offsets
+    (flash-attn's); a sequence with no keys gives zero rows."""
+    lens_q, lens_k = [3, 2, 8], [6, 0, 8]
+    q, cu_q = _packed(lens_q, 2, 8, 3)
+    k, cu_k = _packed(lens_k, 2, 8, 4)
+    v, _ = _packed(lens_k, 2, 8, 5)
+    out = native.varlen_attention(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), **options)
+    torch.testing.assert_close(out, _each_alone(q, k, v, cu_q, cu_k, **options), atol=1e-12, rtol=0)
+    assert not out[3:5].any()
+
+
+@pytest.mark.parametrize("lens_q, lens_k", [([], []), ([0, 0], [3, 4])])
+def test_varlen_with_no_queries_gives_an_empty_output(lens_q, lens_k):
+    q, cu_q = _packed(lens_q, 2, 8, 6) if lens_q else (torch.zeros(0, 2, 8, requires_grad=True), torch.tensor([0]))
+    k, cu_k = _packed(lens_k, 2, 8, 7) if lens_k else (torch.zeros(0, 2, 8), torch.tensor([0]))
+    out = native.varlen_attention(q, k.to(q.dtype), k.to(q.dtype), cu_q, cu_k, is_causal=True, window=(2, 0))
+    assert out.shape == (0, 2, 8)
+    assert torch.autograd.grad(out.sum(), q)[0].shape == q.shape
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(cu_q=torch.tensor([0, 4, 9])), ValueError, "cu_seqlens_q must rise from 0 to the 10 rows of its tensor, got [0, 4, 9]"),
+    (dict(cu_q=torch.tensor([1, 10])), ValueError, "cu_seqlens_q must rise from 0 to the 10 rows of its tensor, got [1, 10]"),
+    (dict(cu_q=torch.tensor([0, 6, 4, 10]), cu_k=torch.tensor([0, 2, 4, 12])), ValueError,
+     "cu_seqlens_q must rise from 0 to the 10 rows of its tensor, got [0, 6, 4, 10]"),
+    (dict(cu_q=torch.tensor([0, 4, 10])), ValueError,
+     "cu_seqlens_q and cu_seqlens_k must describe as many sequences, got 2 and 1"),
+    (dict(cu_k=torch.tensor([0.0, 12.0])), TypeError,
+     "cu_seqlens_k must be a 1-D integer tensor of B + 1 offsets, got torch.float32 of shape (2,)"),
+    (dict(cu_k=torch.tensor([True, False])), TypeError,
+     "cu_seqlens_k must be a 1-D integer tensor of B + 1 offsets, got torch.bool of shape (2,)"),
+    (dict(cu_k=torch.tensor([], dtype=torch.long)), TypeError,
+     "cu_seqlens_k must be a 1-D integer tensor of B + 1 offsets, got torch.int64 of shape (0,)"),
+    (dict(cu_k=torch.tensor([[0, 12]])), TypeError,
+     "cu_seqlens_k must be a 1-D integer tensor of B + 1 offsets, got torch.int64 of shape (1, 2)"),
+    (dict(cu_k=[0, 12]), TypeError, "cu_seqlens_k must be a 1-D integer tensor of B + 1 offsets, got list"),
+    (dict(q=torch.zeros(1, 10, 2, 4)), ValueError,
+     "q must be 3-D (total tokens, heads, head dim), got 4-D with shape (1, 10, 2, 4)"),
+    (dict(k=torch.zeros(12, 2, 4, dtype=torch.long)), TypeError, "k must have a floating point dtype, got torch.int64"),
+    (dict(v=torch.zeros(12, 2, 4, dtype=torch.float64)), TypeError,
+     "v has dtype torch.float64 but q has dtype torch.float32; they must match (convert one with .to(dtype))"),
+    (dict(v=torch.zeros(11, 2, 4)), ValueError, "v must have k's tokens and heads (12, 2), got shape (11, 2, 4)"),
+    (dict(v=torch.zeros(12, 1, 4)), ValueError, "v must have k's tokens and heads (12, 2), got shape (12, 1, 4)"),
+    (dict(k=torch.zeros(12, 2, 5), v=torch.zeros(12, 2, 5)), ValueError, "k must have q's head dim (4), got shape (12, 2, 5)"),
+    (dict(q=torch.zeros(10, 3, 4)), ValueError, "q's heads (dim 1: 3) must be a multiple of k's (2), got shape (12, 2, 4)"),
+    (dict(alibi_slopes=torch.zeros(3)), ValueError, "alibi_slopes must have shape (2,) (num_heads,): one value per query head "
+                                                    "(dim 1 of q), got (3,)"),
+    (dict(sinks=torch.zeros(2, 1)), ValueError, "sinks must have shape (2,) (num_heads,): one value per query head (dim 1 of q), "
+                                                "got (2, 1)"),
+    (dict(scale="x"), TypeError, "scale must be a real number, got str ('x')"),
+    (dict(softcap=0.0), ValueError, "softcap must be a finite number greater than 0, got 0.0"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_varlen_refuses_what_does_not_describe_a_packed_batch(change, error, message):
+    args = dict(q=torch.zeros(10, 2, 4), k=torch.zeros(12, 2, 4), v=torch.zeros(12, 2, 4), cu_q=torch.tensor([0, 10]),
+                cu_k=torch.tensor([0, 12]))
+    options = {name: x for name, x in change.items() if name not in args}
+    args.update({name: x for name, x in change.items() if name in args})
+    with raises_exactly(error, message):
+        native.varlen_attention(args["q"], args["k"], args["v"], args["cu_q"], args["cu_k"], **options)
+
+
+def test_the_kernel_refuses_shapes_it_cannot_read():
+    """Behind the Python checks, the kernel itself raises rather than reading past a tensor."""
+    q = torch.zeros(1, 2, 3, 4)
+    for k, v, message in [(torch.zeros(1, 2, 5, 5), torch.zeros(1, 2, 5, 5), "k must have q's head dim"),
+                          (torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 6, 4), "v must have k's heads and length"),
+                          (torch.zeros(1, 3, 5, 4), torch.zeros(1, 3, 5, 4), "key/value heads must divide query heads")]:
+        with pytest.raises(RuntimeError, match=message):
+            native._extension(native.variant()).forward(q, k, v, *native._Inputs(q, q, q, Contract()).terms(with_sinks=True))
 
 
 def test_a_kv_cache_decoding_step_runs_on_native(caplog):

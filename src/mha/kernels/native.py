@@ -189,8 +189,13 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     if len(lengths[0]) != len(lengths[1]):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got {len(lengths[0])} "
                          f"and {len(lengths[1])}")
+    _checks.same_dtype_device("q", q, k=k, v=v)
     if v.shape[:2] != k.shape[:2]:
         raise ValueError(f"v must have k's tokens and heads {tuple(k.shape[:2])}, got shape {tuple(v.shape)}")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"k must have q's head dim ({q.shape[2]}), got shape {tuple(k.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q's heads (dim 1: {q.shape[1]}) must be a multiple of k's ({k.shape[1]}), got shape {tuple(k.shape)}")
     L, S = lengths[0].to(torch.long), lengths[1].to(torch.long)
     longest_q, longest_k = (int(x.max()) if len(x) else 0 for x in (L, S))
     gap = 2 * (longest_q + longest_k) + 1  # between sequences' positions: beyond any band below
@@ -202,11 +207,14 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     band = positions.Band(min(left, longest_k) if left is not None else longest_k,  # within a sequence
                           min(right, longest_q) if right is not None else longest_q)
     contract = Contract(band=band, positions=(q_pos[None].to(q.device), k_pos[None].to(q.device)),
-                        alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, q.shape[1], q),
+                        alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, q.shape[1], q, _PER_HEAD),
                         scale=_checks.optional_real("scale", scale), softcap=_checks.optional_positive_real("softcap", softcap),
-                        sinks=_checks.per_head("sinks", sinks, q.shape[1], q))
+                        sinks=_checks.per_head("sinks", sinks, q.shape[1], q, _PER_HEAD))
     rows = [x.transpose(0, 1)[None] for x in (q, k, v)]  # (T, H, D) -> (1, H, T, D)
     return native_attention(*rows, contract)[0].transpose(0, 1)  # (1, H, T, Dv) -> (T, H, Dv)
+
+
+_PER_HEAD = "(num_heads,): one value per query head (dim 1 of q)"
 
 
 def _offsets(name: str, cu: Tensor, total: int) -> Tensor:

@@ -1049,6 +1049,8 @@ Terms<acc_t> terms_of(double scale, double softcap, bool has_band, int64_t left,
   t.offset = offset;
   if (q_pos_) {
     const Tensor &q_pos = *q_pos_, &k_pos = *k_pos_;
+    TORCH_CHECK(q_pos.dim() == 2 && k_pos.dim() == 2 && q_pos.stride(1) == 1 && k_pos.stride(1) == 1,
+                "mha native: positions must be (B|1, length) with unit row stride");
     t.q_pos = q_pos.data_ptr<int64_t>(); t.q_pos_b = q_pos.size(0) == 1 ? 0 : q_pos.stride(0);
     t.k_pos = k_pos.data_ptr<int64_t>(); t.k_pos_b = k_pos.size(0) == 1 ? 0 : k_pos.stride(0);
     for (int64_t b = 0; b < k_pos.size(0) && t.k_sorted; ++b)
@@ -1072,7 +1074,11 @@ Terms<acc_t> terms_of(double scale, double softcap, bool has_band, int64_t left,
 Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "mha native: q, k, v must be 4-D");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "mha native: inputs must be contiguous");
-  Shape sh{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), "mha native: q, k, v must have one batch size");
+  TORCH_CHECK(v.size(1) == k.size(1) && v.size(2) == k.size(2), "mha native: v must have k's heads and length");
+  TORCH_CHECK(k.size(3) == q.size(3), "mha native: k must have q's head dim");
+  Shape sh{q.size(0), q.size(1), k.size(1), k.size(1) > 0 ? q.size(1) / k.size(1) : 0, q.size(2), k.size(2), q.size(3),
+           v.size(3)};
   TORCH_CHECK(sh.Hkv > 0 && sh.H % sh.Hkv == 0, "mha native: key/value heads must divide query heads");
   return sh;
 }
@@ -1085,6 +1091,7 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, d
   auto out = at::empty({sh.B, sh.H, sh.L, sh.Dv}, q.options());
   const bool wide = q.scalar_type() == at::kDouble;
   auto lse = at::empty({sh.B, sh.H, sh.L}, q.options().dtype(wide ? at::kDouble : at::kFloat));
+  if (sh.B * sh.H * sh.L == 0) return {out, lse};  // no rows: nothing to compute (and no row to take a band's range of)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_native_forward", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto t = terms_of<acc_t>(scale, softcap, has_band, left, right, offset, q_pos, k_pos, key_valid, mask,
@@ -1110,7 +1117,7 @@ std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, 
   auto dkt = at::zeros({sh.B, sh.Hkv, tiles, sh.D, kBlockK}, acc_options);  // tile-major, as K^T
   auto dvt = at::zeros({sh.B, sh.Hkv, tiles, sh.Dv, kBlockK}, acc_options);
   auto d_slopes_parts = at::zeros({sh.B, sh.Hkv, chunks, sh.G}, acc_options);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_native_backward", [&] {
+  if (sh.B * sh.H * sh.L > 0) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_native_backward", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto t = terms_of<acc_t>(scale, softcap, has_band, left, right, offset, q_pos, k_pos, key_valid, mask,
                                    slopes, std::nullopt);

@@ -3,6 +3,8 @@ single position rule (mha.numpy.contract), forward and gradients, over random co
 padding and causality promise; the dispatch; flash's dropout."""
 
 import math
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -19,6 +21,14 @@ from mha.kernels import Contract
 from mha.positions import Band
 
 EXACT = ["math", "flash", "sdpa", "auto"]
+
+
+def test_the_native_kernel_builds_wherever_a_compiler_is_found():
+    """Where torch's extension tooling finds a C++ compiler (CXX, else c++), the native backend is
+    there: its tests skip only where nothing could build it, never because a build broke."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None or os.environ.get("MHA_NATIVE", "").lower() == "off":
+        pytest.skip("no C++ compiler here (or MHA_NATIVE=off)")
+    assert kernels.native_available()
 
 
 def _tensor(shape, g, dtype=torch.float64):

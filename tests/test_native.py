@@ -239,6 +239,62 @@ def test_refusals_name_what_the_native_kernel_does_not_take():
     with raises_exactly(ValueError, "the native backend cannot run this call: keys and values with different head "
                                     "counts"):
         native.native_attention(torch.randn(1, 4, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 1, 8, 4))
+    with raises_exactly(ValueError, "the native backend cannot run this call: it has no dropout"):
+        native.native_attention(q, q, q, dropout_p=0.5)
+
+
+def _bare(*shapes, **contract):
+    return native.unsupported(*(torch.zeros(shape) for shape in shapes), Contract(**contract))
+
+
+@pytest.mark.parametrize("shapes, contract, reason", [
+    (((4, 8, 4), (2, 8, 4), (1, 8, 4)), {}, "keys and values with different head counts"),  # 3-D as 4-D
+    (((2, 2, 8, 4), (3, 2, 8, 4), (3, 2, 8, 4)), {}, "q, k and v whose batch dims do not broadcast"),
+    (((2, 3, 2, 8, 4),) * 3, dict(mask=torch.zeros(8, 8)), "a mask, padding or positions with more than one batch dim"),
+    (((2, 3, 2, 8, 4),) * 3, dict(positions=(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))),
+     "a mask, padding or positions with more than one batch dim"),
+    (((2, 3, 2, 8, 4),) * 3, dict(key_valid=torch.ones(1, 8, dtype=torch.bool)),
+     "a mask, padding or positions with more than one batch dim"),
+    (((2, 2, 8, 4), (2, 2, 9, 4), (2, 2, 9, 4)), dict(mask=torch.zeros(3, 9)),
+     "a mask that does not broadcast to (batch, heads, L, S) as a view"),
+    (((2, 2, 8, 4), (2, 2, 9, 4), (2, 2, 9, 4)), dict(mask=torch.zeros(8, 5)),
+     "a mask that does not broadcast to (batch, heads, L, S) as a view"),
+    (((2, 3, 8, 4), (2, 3, 9, 4), (2, 3, 9, 4)), dict(mask=torch.zeros(2, 1, 8, 9)), None),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_what_the_native_kernel_takes(shapes, contract, reason):
+    assert _bare(*shapes, **contract) == reason
+
+
+def test_it_runs_on_cpu_tensors_only():
+    q = torch.zeros(1, 2, 8, 4, device="meta")
+    assert native.unsupported(q, q, q, Contract()) == "it runs on CPU tensors only"
+
+
+def test_under_autocast_it_runs_in_the_autocast_dtype():
+    """As torch's kernel under torch.autocast("cpu"): the inputs cast to bfloat16, the output in
+    bfloat16, gradients back to the float32 inputs."""
+    q, k, v = (torch.randn(2, 4, 70, 16, requires_grad=True) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, lse = native.native_attention_with_lse(q, k, v, Contract(band=CAUSAL))
+    expected, expected_lse = native.native_attention_with_lse(*(x.detach().bfloat16() for x in (q, k, v)),
+                                                               Contract(band=CAUSAL))
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    torch.testing.assert_close(lse, expected_lse, atol=0, rtol=0)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert all(g.dtype == torch.float32 and g.shape == x.shape for g, x in zip(grads, (q, k, v)))
+
+
+def test_bfloat16_masks_and_int32_positions_are_read_as_the_kernel_reads_them():
+    """An additive mask in the inputs' bfloat16 is read in float32; int32 positions as int64."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 40, 8, generator=g, dtype=torch.bfloat16) for _ in range(3))
+    mask = torch.randn(2, 1, 40, 40, generator=g).bfloat16()
+    positions = (torch.arange(40)[None] + 3, torch.arange(40)[None])
+    expected = native.native_attention(q, k, v, Contract(mask=mask.float(), band=Band(5, 0), positions=positions))
+    got = native.native_attention(q, k, v, Contract(mask=mask, band=Band(5, 0),
+                                                    positions=tuple(p.to(torch.int32) for p in positions)))
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
 def _run_elsewhere(code: str, env: dict) -> subprocess.CompletedProcess:
@@ -250,6 +306,7 @@ CHECK = """
 import logging, torch, mha
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 from mha.kernels import native, Contract
+print("ready", native.ready())
 q, k, v = (torch.randn(1, 2, 70, 8, dtype=torch.float64) for _ in range(3))
 print("available", native.native_available(), native.variant())
 contract = Contract(band=mha.positions.CAUSAL, softcap=3.0)
@@ -266,15 +323,30 @@ def test_without_a_compiler_the_library_says_so_once_and_runs_on_flash(tmp_path)
     ran = _run_elsewhere(CHECK, {"PATH": str(tmp_path), "CXX": str(tmp_path / "no-compiler"),
                                  "TORCH_EXTENSIONS_DIR": str(tmp_path / "cache")})
     assert ran.returncode == 0, ran.stderr
-    assert "available False" in ran.stdout and "auto flash" in ran.stdout
+    assert "ready False" in ran.stdout and "available False" in ran.stdout and "auto flash" in ran.stdout
     assert ran.stderr.count("mha.dispatch: native backend unavailable") == 1, ran.stderr
 
 
 def test_off_means_off():
     ran = _run_elsewhere(CHECK, {"MHA_NATIVE": "off"})
     assert ran.returncode == 0, ran.stderr
-    assert "available False None" in ran.stdout and "auto flash" in ran.stdout
+    assert "ready False" in ran.stdout and "available False None" in ran.stdout and "auto flash" in ran.stdout
     assert "native backend: off (MHA_NATIVE=off)" in ran.stderr
+
+
+READY = """
+from pathlib import Path
+from mha.kernels import native
+print(native.ready(), sorted(p.name for p in Path(native._build_folder(native.variant())).glob("*.so")))
+"""
+
+
+def test_the_dispatch_never_waits_for_a_compiler(tmp_path):
+    """ready() (what the dispatch asks) is True where this user's cache holds the build, and False
+    without building it where the cache is empty (TORCH_EXTENSIONS_DIR), a compiler at hand."""
+    assert _run_elsewhere(READY, {}).stdout.startswith("True ['mha_native_")
+    ran = _run_elsewhere(READY, {"TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert ran.returncode == 0 and ran.stdout == "False []\n", ran.stderr
 
 
 @pytest.mark.parametrize("build", ["avx2", "portable"])

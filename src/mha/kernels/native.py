@@ -163,7 +163,7 @@ def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> tuple[Tensor, T
 def _forward(inputs: _Inputs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(output (..., L, Dv), lse (..., L)) and the kernel's own (B, H, L, Dv) and (B, H, L)."""
     out, lse = _extension(variant()).forward(*inputs.tensors(), *inputs.terms(with_sinks=True))
-    return inputs.output(out), inputs.output(lse, rows_only=True), out, lse
+    return inputs.output(out), inputs.output(lse), out, lse
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
@@ -280,9 +280,9 @@ class _Inputs:
         x = x.expand(*lead, *x.shape[-2:])
         return x.reshape(*_batch_heads(lead), *x.shape[-2:]).contiguous()  # (..., H, T, X) -> (B, H, T, X)
 
-    def output(self, x: Tensor, rows_only: bool = False) -> Tensor:
+    def output(self, x: Tensor) -> Tensor:
         """(B, H, L, Dv) or (B, H, L) -> (..., L, Dv) or (..., L)."""
-        return x.view(*self.lead, *x.shape[2:]) if not rows_only else x.view(*self.lead, x.shape[-1])
+        return x.view(*self.lead, *x.shape[2:])
 
     def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
         return self.q, self.k, self.v
@@ -297,7 +297,7 @@ class _Inputs:
         if c.positions is not None:
             q_pos, k_pos = (p.to(torch.int64).contiguous() for p in c.positions)
         if c.key_valid is not None:
-            key_valid = c.key_valid.to(torch.bool).contiguous()
+            key_valid = c.key_valid.contiguous()  # bool (the contract's)
         if c.mask is not None:
             mask = c.mask if c.mask.dtype == torch.bool else c.mask.to(acc)
             mask = _mask_view(mask, self.lead, self.L, self.S)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from backends import TILED, TILED_REASON
+from backends import ALL, TILED, TILED_REASON
 from exact import raises_exactly
 from mha import kernels, positions
 from mha import numpy as oracle
@@ -21,6 +21,23 @@ from mha.kernels import Contract
 from mha.positions import Band
 
 EXACT = ["math", "flash", "sdpa", "auto"]
+
+
+@pytest.mark.parametrize("backend", [name for name in ALL if name != "sdpa"])  # sdpa: where torch keeps O(T) memory
+@pytest.mark.parametrize("shapes", [((7, 4), (9, 4), (9, 5)),  # bare matrices
+                                    ((3, 7, 4), (9, 4), (9, 5)),  # heads on q alone
+                                    ((4, 7, 4), (2, 9, 4), (2, 9, 5)),  # two query heads per kv head, 3-D
+                                    ((2, 4, 7, 4), (1, 2, 9, 4), (2, 2, 9, 5))])  # and a batch
+def test_every_backend_takes_bare_matrices_mixed_ranks_and_shared_heads(backend, shapes):
+    """mha.kernels.attention, the public dispatch, on any rank: as the math kernel on heads repeated by hand."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (_tensor(shape, g) for shape in shapes)
+    contract = Contract(band=Band(None, 0), offset=2)
+    grouped = k.dim() > 2 and k.shape[-3] != q.shape[-3]
+    repeat = (lambda x: x.repeat_interleave(2, -3)) if grouped else (lambda x: x)  # noqa: E731
+    expected, _ = kernels.math_attention(q, repeat(k), repeat(v), contract)
+    out, _ = kernels.attention(q, k, v, contract, backend=backend)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
 
 
 def test_the_native_kernel_builds_wherever_a_compiler_is_found():

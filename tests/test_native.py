@@ -260,9 +260,16 @@ def _bare(*shapes, **contract):
     (((2, 2, 8, 4), (2, 2, 9, 4), (2, 2, 9, 4)), dict(mask=torch.zeros(8, 5)),
      "a mask that does not broadcast to (batch, heads, L, S) as a view"),
     (((2, 3, 8, 4), (2, 3, 9, 4), (2, 3, 9, 4)), dict(mask=torch.zeros(2, 1, 8, 9)), None),
+    (((3, 8, 4), (3, 9, 4), (3, 9, 4)), dict(mask=torch.zeros(8, 9)), None),  # 3-D: heads, L, D
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_what_the_native_kernel_takes(shapes, contract, reason):
     assert _bare(*shapes, **contract) == reason
+
+
+def test_without_the_kernel_it_says_so(monkeypatch):
+    monkeypatch.setattr(native, "native_available", lambda: False)
+    q = torch.zeros(1, 2, 8, 4)
+    assert native.unsupported(q, q, q, Contract()) == "the native kernel is not built here (see the mha.dispatch log)"
 
 
 def test_it_runs_on_cpu_tensors_only():
@@ -334,19 +341,39 @@ def test_off_means_off():
     assert "native backend: off (MHA_NATIVE=off)" in ran.stderr
 
 
+@pytest.mark.parametrize("asked, capability, bf16, build", [
+    (None, "AVX512", True, "avx512bf16"), (None, "AVX512", False, "avx512"), (None, "AVX2", True, "avx2"),
+    (None, "DEFAULT", False, "portable"), ("auto", "AVX2", False, "avx2"), ("Off", "AVX512", True, None),
+    ("AVX2", "AVX512", True, "avx2"), ("portable", "AVX512", True, "portable"), ("avx512", "DEFAULT", False, "avx512"),
+])
+def test_each_cpu_gets_its_build(monkeypatch, asked, capability, bf16, build):
+    """The build for the CPU torch reports (its capability, AVX512-BF16), or the one MHA_NATIVE names."""
+    if asked is None:
+        monkeypatch.delenv("MHA_NATIVE", raising=False)
+    else:
+        monkeypatch.setenv("MHA_NATIVE", asked)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    assert native.variant() == build
+
+
 READY = """
 from pathlib import Path
-from mha.kernels import native
-print(native.ready(), sorted(p.name for p in Path(native._build_folder(native.variant())).glob("*.so")))
+import torch, mha
+from mha.kernels import native, Contract
+ready, long = native.ready(), torch.randn(1, 2, 1024, 64)  # a call the kernel pays on
+chosen = mha.kernels.choose_backend("auto", long, long, long, Contract())[0]
+print(ready, chosen, sorted(p.name for p in Path(native._build_folder(native.variant())).glob("*.so")))
 """
 
 
 def test_the_dispatch_never_waits_for_a_compiler(tmp_path):
     """ready() (what the dispatch asks) is True where this user's cache holds the build, and False
-    without building it where the cache is empty (TORCH_EXTENSIONS_DIR), a compiler at hand."""
-    assert _run_elsewhere(READY, {}).stdout.startswith("True ['mha_native_")
+    where the cache is empty (TORCH_EXTENSIONS_DIR), a compiler at hand: auto then picks torch's
+    kernel and builds nothing."""
+    assert _run_elsewhere(READY, {}).stdout.startswith("True native ['mha_native_")
     ran = _run_elsewhere(READY, {"TORCH_EXTENSIONS_DIR": str(tmp_path)})
-    assert ran.returncode == 0 and ran.stdout == "False []\n", ran.stderr
+    assert ran.returncode == 0 and ran.stdout == "False sdpa []\n", ran.stderr
 
 
 @pytest.mark.parametrize("build", ["avx2", "portable"])
@@ -413,11 +440,11 @@ def test_varlen_equals_each_sequence_alone(causal, window):
 @pytest.mark.parametrize("options", [{}, dict(scale=0.3), dict(softcap=2.0)], ids=repr)
 def test_varlen_defaults_scale_softcap_and_int32_offsets(options):
     """No causality unless asked; scale and softcap as in scaled_dot_product_attention; int32 offsets
-    (flash-attn's); a sequence with no keys gives zero rows."""
+    (flash-attn's); one kv head; a sequence with no keys gives zero rows."""
     lens_q, lens_k = [3, 2, 8], [6, 0, 8]
     q, cu_q = _packed(lens_q, 2, 8, 3)
-    k, cu_k = _packed(lens_k, 2, 8, 4)
-    v, _ = _packed(lens_k, 2, 8, 5)
+    k, cu_k = _packed(lens_k, 1, 8, 4)  # one kv head: MQA
+    v, _ = _packed(lens_k, 1, 8, 5)
     out = native.varlen_attention(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), **options)
     torch.testing.assert_close(out, _each_alone(q, k, v, cu_q, cu_k, **options), atol=1e-12, rtol=0)
     assert not out[3:5].any()
@@ -453,6 +480,11 @@ def test_varlen_with_no_queries_gives_an_empty_output(lens_q, lens_k):
     (dict(k=torch.zeros(12, 2, 4, dtype=torch.long)), TypeError, "k must have a floating point dtype, got torch.int64"),
     (dict(v=torch.zeros(12, 2, 4, dtype=torch.float64)), TypeError,
      "v has dtype torch.float64 but q has dtype torch.float32; they must match (convert one with .to(dtype))"),
+    (dict(v=torch.zeros(12, 8)), ValueError, "v must be 3-D (total tokens, heads, head dim), got 2-D with shape (12, 8)"),
+    (dict(k=torch.zeros(12, 2, 4, dtype=torch.float64)), TypeError,
+     "k has dtype torch.float64 but q has dtype torch.float32; they must match (convert one with .to(dtype))"),
+    (dict(k=torch.zeros(12, 0, 4), v=torch.zeros(12, 0, 4)), ValueError,
+     "q's heads (dim 1: 2) must be a multiple of k's (0), got shape (12, 0, 4)"),
     (dict(v=torch.zeros(11, 2, 4)), ValueError, "v must have k's tokens and heads (12, 2), got shape (11, 2, 4)"),
     (dict(v=torch.zeros(12, 1, 4)), ValueError, "v must have k's tokens and heads (12, 2), got shape (12, 1, 4)"),
     (dict(k=torch.zeros(12, 2, 5), v=torch.zeros(12, 2, 5)), ValueError, "k must have q's head dim (4), got shape (12, 2, 5)"),
@@ -514,6 +546,9 @@ def test_a_kv_cache_decoding_step_runs_on_native(caplog):
     ((16, 2000, 64), (16, 2000, 64), torch.float32, True),  # 3-D: heads at dim -3
     ((1, 1024, 64), (1, 1024, 64), torch.float32, True),  # one head: 1024 rows, L * S = 1024^2
     ((1, 64), (1024, 64), torch.float32, True),  # 2-D: a single row over 1024 keys decodes
+    ((9, 64), (1024, 64), torch.float32, True),  # 9 rows over one kv head
+    ((4, 64), (8, 1024, 64), torch.float32, True),  # q shared by 8 heads of keys: 4 rows per head
+    ((32, 5, 64), (8, 1024, 64), torch.float32, False),  # 3-D, 4 query heads per kv head: 20 rows
 ])
 def test_where_the_native_kernel_pays(q_shape, k_shape, dtype, pays):
     """mha.kernels.dispatch.native_pays: the measured thresholds, decoding counted per kv head."""

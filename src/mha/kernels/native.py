@@ -146,10 +146,7 @@ def native_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contrac
     reason = unsupported(q, k, v, contract, dropout_p)
     if reason:
         raise ValueError(f"the native backend cannot run this call: {reason}")
-    if torch.is_autocast_enabled("cpu"):
-        q, k, v = autocast_inputs(q, k, v)
-        with torch.autocast("cpu", enabled=False):
-            return _run(q, k, v, contract)
+    q, k, v = autocast_inputs(q, k, v)  # as torch's kernel: in the autocast dtype (nothing after is an autocast op)
     return _run(q, k, v, contract)
 
 

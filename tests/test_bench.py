@@ -49,7 +49,7 @@ def test_contract_rows_time_ours_against_torch():
 def test_cli_writes_json_csv_and_plot(tmp_path, monkeypatch, capsys):
     tiny = dict(module=[(1, 16, 32)], causal=[(1, 16, 32)], backends=[32, 64], training=[(1, 16, 32)], contract=64,
                 memory=512, decode=8, window=(256, 16), overhead_decode=[16],
-                native=dict(forward=[32], training=32, decode=64, window=(128, 8), accuracy=16, short=[16]))
+                native=dict(forward=[32], training=32, decode=64, window=(128, 8), accuracy=16, short=[16], matmul=128))
     monkeypatch.setattr(bench_cli, "QUICK", tiny)
     few = {name: bench_memory.MEMORY_CASES[name] for name in ("torch causal SDPA", "causal", "window (256, 0)")}
     monkeypatch.setattr(bench_memory, "MEMORY_CASES", few)
@@ -117,7 +117,7 @@ def test_native_rows_time_it_against_torch_beside_a_matmul(tmp_path):
     from backends import NATIVE
     if not NATIVE:
         pytest.skip("the native kernel does not build here")
-    grid = dict(forward=[64], training=64, decode=256, window=(256, 16), accuracy=32, short=[16])
+    grid = dict(forward=[64], training=64, decode=256, window=(256, 16), accuracy=32, short=[16], matmul=128)
     rows = list(bench.native_rows(grid, repeat=1))
     assert [r.point for r in rows] == [
         "forward fp32 T64", "forward fp32 T64 causal", "forward+backward fp32 T64 causal", "decode fp32 L1 S256 Hq32/Hkv8 D128",

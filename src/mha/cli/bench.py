@@ -29,13 +29,13 @@ FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [25
             window=(16384, 256), variants=[256, 1024, 4096, 16384], quality=([128, 256, 512], 32),
             hf={"minilm": 128, "gpt-oss": 4096}, distributed=(65536, 4),
             native=dict(forward=[1024, 4096], training=2048, decode=16384, window=(16384, 256), accuracy=1024,
-                        short=[16, 64, 128, 256, 512]))
+                        short=[16, 64, 128, 256, 512], matmul=2048))
 QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 2048, 256)],
              backends=[512, 1024], training=[(4, 512, 256)], contract=1024, memory=2048, decode=128, overhead_decode=[1024],
              window=(4096, 128), variants=[256, 1024], quality=([64, 128], 16), hf={"minilm": 128, "gpt-oss": 1024},
              distributed=(8192, 4),
              native=dict(forward=[512, 1024], training=512, decode=4096, window=(4096, 128), accuracy=256,
-                         short=[64, 256]))
+                         short=[64, 256], matmul=1024))
 SECTIONS = ("module", "causal", "overhead", "backends", "training", "contract", "memory", "modern", "native",
             "variants", "hf", "distributed")
 OPT_IN = ("variants", "hf", "distributed")  # not in the default run: long (variants, distributed), or the hf extra

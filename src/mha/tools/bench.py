@@ -363,9 +363,11 @@ def distributed_rows(T: int, nprocs: int) -> Iterator[Row]:
 
 def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
     """The native kernel against torch's SDPA (mha.tools.bench_native): forward, forward +
-    backward, decoding, a sliding window, accuracy; GFLOP/s beside a same-run matmul."""
+    backward, decoding, a sliding window, accuracy; GFLOP/s beside a same-run square matmul of
+    side grid["matmul"] (a CPU without bfloat16 instructions runs torch's bfloat16 matmul at well
+    under 1 GFLOP/s: keep it small in quick grids)."""
     times = functools.partial(best_times, repeat=repeat)
-    matmul = {name: bench_native.matmul_gflops(dtype) for name, dtype in bench_native.DTYPES.items()}
+    matmul = {name: bench_native.matmul_gflops(dtype, grid["matmul"]) for name, dtype in bench_native.DTYPES.items()}
     memory = bench_native.read_gbytes_per_second()
 
     def timed(point: str, ms: dict, work: float, dtype: str) -> Row:

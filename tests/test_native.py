@@ -377,13 +377,34 @@ def test_the_dispatch_never_waits_for_a_compiler(tmp_path):
 
 
 @pytest.mark.parametrize("build", ["avx2", "portable"])
-def test_the_builds_for_other_cpus_compute_the_same(build):
-    """The builds for CPUs without AVX-512 (AVX2, or plain C++): built here too, and as exact."""
-    ran = _run_elsewhere(CHECK, {"MHA_NATIVE": build})
+def test_the_builds_for_other_cpus_compute_the_same(build, tmp_path, monkeypatch):
+    """The builds for CPUs without AVX-512 (AVX2, or plain C++): built here too, and as exact. The
+    portable one is built afresh, in a folder where a stopped build left torch's lock file behind."""
+    env = {"MHA_NATIVE": build}
+    if build == "portable":
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+        env["TORCH_EXTENSIONS_DIR"] = str(tmp_path)
+        native._build_folder(build).mkdir()
+        (native._build_folder(build) / "lock").touch()
+    ran = _run_elsewhere(CHECK, env)
     assert ran.returncode == 0, ran.stderr
     assert f"available True {build}" in ran.stdout
+    assert ("left behind by a build that was stopped" in ran.stderr) == (build == "portable"), ran.stderr
     error = float(ran.stdout.split("error ")[1].split()[0])
     assert error < 1e-12
+
+
+def test_one_process_builds_at_a_time_and_a_stale_torch_lock_is_removed(tmp_path):
+    """While one process holds the build folder another waits (flock), and torch's lock file found
+    under the kernel's own lock is one a stopped build left: removed, where torch would wait forever."""
+    import fcntl
+    (tmp_path / "lock").touch()
+    with native._one_process_at_a_time(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        with open(tmp_path / "mha.lock") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(tmp_path / "mha.lock") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with the build
 
 
 @pytest.mark.parametrize("terms", [dict(softcap=5.0), dict(softcap=0.5, band=CAUSAL), dict(alibi_slopes=torch.rand(4)),

@@ -24,6 +24,7 @@ together (Hkv divides H); float64, float32, bfloat16 and float16.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -75,12 +76,33 @@ def _extension(build: str | None):
         from torch.utils.cpp_extension import load
         folder = _build_folder(build)
         folder.mkdir(parents=True, exist_ok=True)
-        return load(name=f"mha_native_{build}", sources=[str(_SOURCE)], extra_cflags=_FLAGS[build],
-                    extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+        with _one_process_at_a_time(folder):
+            return load(name=f"mha_native_{build}", sources=[str(_SOURCE)], extra_cflags=_FLAGS[build],
+                        extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the other backends run
         log.info("native backend unavailable (%s: %s); calls run on the other backends",
                  type(error).__name__, str(error).strip().splitlines()[-1] if str(error).strip() else "")
         return None
+
+
+@contextlib.contextmanager
+def _one_process_at_a_time(folder: Path):
+    """Held while torch loads or builds into ``folder``. torch's own lock is a file named "lock" that
+    it creates and deletes; a process killed mid-build leaves it behind, and every later load then
+    waits for it forever. This lock is the kernel's (flock: released when its process dies), so while
+    it is held no other process is building and a "lock" file found is a stale one: removed."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's lock alone
+        yield
+        return
+    with open(folder / "mha.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another process builds
+        stale = folder / "lock"
+        if stale.exists():
+            log.info("native backend: removing %s, left behind by a build that was stopped", stale)
+            stale.unlink(missing_ok=True)
+        yield  # the lock goes with the file's closing
 
 
 def native_available() -> bool:

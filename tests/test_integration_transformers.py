@@ -345,8 +345,10 @@ def test_errors_name_the_argument():
     with raises_exactly(ValueError, "s_aux must have shape (4,) (num_heads,): one sink logit per query head, "
                                     "got (2,)"):
         hf.attention_forward(layer, q, k, v, None, s_aux=torch.zeros(2))
-    with raises_exactly(ValueError, "the query heads (4) must be a multiple of the key/value heads (3)"):
+    with raises_exactly(ValueError, "the query heads (dim 1: 4) must be a multiple of key's heads (3)"):
         hf.attention_forward(layer, q, k[:, :1].expand(-1, 3, -1, -1), v[:, :1].expand(-1, 3, -1, -1), None)
+    with raises_exactly(ValueError, "the query heads (dim 1: 4) must be a multiple of key's heads (0)"):
+        hf.attention_forward(layer, q, k[:, :0], v[:, :0], None)  # was a ZeroDivisionError
     with raises_exactly(TypeError, "attention_mask must be an mha KeyMask, a tensor or None, got list"):
         hf.attention_forward(layer, q, k, v, [1, 0])
     with raises_exactly(ValueError, "softcap must be a finite number greater than 0, got -1.0"):

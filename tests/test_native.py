@@ -505,11 +505,11 @@ def test_varlen_with_no_queries_gives_an_empty_output(lens_q, lens_k):
     (dict(k=torch.zeros(12, 2, 4, dtype=torch.float64)), TypeError,
      "k has dtype torch.float64 but q has dtype torch.float32; they must match (convert one with .to(dtype))"),
     (dict(k=torch.zeros(12, 0, 4), v=torch.zeros(12, 0, 4)), ValueError,
-     "q's heads (dim 1: 2) must be a multiple of k's (0), got shape (12, 0, 4)"),
+     "the query heads (dim 1: 2) must be a multiple of k's heads (0)"),
     (dict(v=torch.zeros(11, 2, 4)), ValueError, "v must have k's tokens and heads (12, 2), got shape (11, 2, 4)"),
     (dict(v=torch.zeros(12, 1, 4)), ValueError, "v must have k's tokens and heads (12, 2), got shape (12, 1, 4)"),
     (dict(k=torch.zeros(12, 2, 5), v=torch.zeros(12, 2, 5)), ValueError, "k must have q's head dim (4), got shape (12, 2, 5)"),
-    (dict(q=torch.zeros(10, 3, 4)), ValueError, "q's heads (dim 1: 3) must be a multiple of k's (2), got shape (12, 2, 4)"),
+    (dict(q=torch.zeros(10, 3, 4)), ValueError, "the query heads (dim 1: 3) must be a multiple of k's heads (2)"),
     (dict(alibi_slopes=torch.zeros(3)), ValueError, "alibi_slopes must have shape (2,) (num_heads,): one value per query head "
                                                     "(dim 1 of q), got (3,)"),
     (dict(sinks=torch.zeros(2, 1)), ValueError, "sinks must have shape (2,) (num_heads,): one value per query head (dim 1 of q), "

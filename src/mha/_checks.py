@@ -65,6 +65,13 @@ def per_head(name: str, x: Tensor | None, num_heads: int, like: Tensor,
     return x
 
 
+def shared_heads(query_heads: int, name: str, heads: int, *, dim: int) -> None:
+    """Key/value heads shared by groups of query heads (GQA/MQA): ``heads`` (of ``name``) divides the
+    query heads (dim ``dim`` of the query)."""
+    if heads == 0 or query_heads % heads:
+        raise ValueError(f"the query heads (dim {dim}: {query_heads}) must be a multiple of {name}'s heads ({heads})")
+
+
 def same_dtype_device(reference_name: str, reference: Tensor, **others: Tensor | None) -> None:
     """Every tensor in ``others`` has the dtype and device of ``reference``."""
     for name, x in others.items():

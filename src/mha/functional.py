@@ -107,9 +107,7 @@ def _check_sdpa_inputs(query, key, value, enable_gqa) -> tuple[int, ...]:
     if enable_gqa and min(x.dim() for x in (query, key, value)) >= 3:
         heads = (query.shape[-3],)
         for name, x in (("key", key), ("value", value)):
-            if x.shape[-3] == 0 or query.shape[-3] % x.shape[-3]:
-                raise ValueError(f"with enable_gqa the query heads (dim -3: {query.shape[-3]}) must be a "
-                                 f"multiple of {name}'s heads ({x.shape[-3]})")
+            _checks.shared_heads(query.shape[-3], name, x.shape[-3], dim=-3)
         batches = [b[:-1] for b in batches]  # heads checked: the rest must broadcast
     try:
         return (*torch.broadcast_shapes(*batches), *heads)

@@ -45,10 +45,10 @@ def check(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, *, is_causal,
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__} ({enable_gqa!r})")
     H, Hkv = q.shape[1], k.shape[1]
-    if Hkv != H and not (enable_gqa and H % Hkv == 0):
+    if Hkv != H and not enable_gqa:
         raise ValueError(f"k and v have {Hkv} heads and q has {H}: pass enable_gqa=True with key/value heads "
-                         f"that divide the query heads" if not enable_gqa else
-                         f"with enable_gqa the query heads ({H}) must be a multiple of the key/value heads ({Hkv})")
+                         f"that divide the query heads")
+    _checks.shared_heads(H, "k", Hkv, dim=1)
     return Terms(band=positions.band(is_causal, window),
                  alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, H, q),
                  scale=_checks.optional_real("scale", scale), softcap=_checks.optional_positive_real("softcap", softcap),

@@ -249,9 +249,7 @@ def _check_qkv(query: Tensor, key: Tensor, value: Tensor) -> None:
     if key.shape[:3] != value.shape[:3] or key.shape[0] != query.shape[0] or key.shape[-1] != query.shape[-1]:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} do not fit query "
                          f"{tuple(query.shape)}: expected key (B, Hkv, S, D) and value (B, Hkv, S, Dv)")
-    if query.shape[1] % key.shape[1]:
-        raise ValueError(f"the query heads ({query.shape[1]}) must be a multiple of the key/value heads "
-                         f"({key.shape[1]})")
+    _checks.shared_heads(query.shape[1], "key", key.shape[1], dim=1)
 
 
 def _mask_terms(attention_mask, position_bias, module, is_causal, *, B, H, L, S, like) -> dict:

@@ -89,7 +89,7 @@ def _extension(build: str | None):
 def _one_process_at_a_time(folder: Path):
     """Held while torch loads or builds into ``folder``. torch's own lock is a file named "lock" that
     it creates and deletes; a process killed mid-build leaves it behind, and every later load then
-    waits for it forever. This lock is the kernel's (flock: released when its process dies), so while
+    waits for it forever. This lock is mha's (flock: the OS releases it when its process ends), so while
     it is held no other process is building and a "lock" file found is a stale one: removed."""
     try:
         import fcntl
@@ -185,6 +185,9 @@ def _forward(inputs: _Inputs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return inputs.output(out), inputs.output(lse), out, lse
 
 
+_PER_HEAD = "(num_heads,): one value per query head (dim 1 of q)"
+
+
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
                      is_causal: bool = False, scale: float | None = None, window: tuple[int, int] | None = None,
                      alibi_slopes: Tensor | None = None, softcap: float | None = None,
@@ -213,8 +216,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         raise ValueError(f"v must have k's tokens and heads {tuple(k.shape[:2])}, got shape {tuple(v.shape)}")
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"k must have q's head dim ({q.shape[2]}), got shape {tuple(k.shape)}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q's heads (dim 1: {q.shape[1]}) must be a multiple of k's ({k.shape[1]}), got shape {tuple(k.shape)}")
+    _checks.shared_heads(q.shape[1], "k", k.shape[1], dim=1)
     L, S = lengths[0].to(torch.long), lengths[1].to(torch.long)
     longest_q, longest_k = (int(x.max()) if len(x) else 0 for x in (L, S))
     gap = 2 * (longest_q + longest_k) + 1  # between sequences' positions: beyond any band below
@@ -231,9 +233,6 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                         sinks=_checks.per_head("sinks", sinks, q.shape[1], q, _PER_HEAD))
     rows = [x.transpose(0, 1)[None] for x in (q, k, v)]  # (T, H, D) -> (1, H, T, D)
     return native_attention(*rows, contract)[0].transpose(0, 1)  # (1, H, T, Dv) -> (T, H, Dv)
-
-
-_PER_HEAD = "(num_heads,): one value per query head (dim 1 of q)"
 
 
 def _offsets(name: str, cu: Tensor, total: int) -> Tensor:

@@ -383,9 +383,9 @@ def test_argument_errors():
     with raises_exactly(ValueError, "k and v have 2 heads and q has 4: pass enable_gqa=True with key/value heads "
                                     "that divide the query heads"):
         ulysses_attention(q, q[:, :2], q[:, :2], layout)
-    with raises_exactly(ValueError, "the query heads (dim 1: 4) must be a multiple of k's heads (3)"):
+    with raises_exactly(ValueError, "with enable_gqa the query heads (dim 1: 4) must be a multiple of k's heads (3)"):
         ring_attention(q, q[:, :3], q[:, :3], layout, enable_gqa=True)
-    with raises_exactly(ValueError, "the query heads (dim 1: 4) must be a multiple of k's heads (0)"):
+    with raises_exactly(ValueError, "with enable_gqa the query heads (dim 1: 4) must be a multiple of k's heads (0)"):
         ring_attention(q, q[:, :0], q[:, :0], layout, enable_gqa=True)  # was a ZeroDivisionError
     with raises_exactly(ValueError, "k's head dim must equal q's (16), got shape (1, 4, 8, 15)"):
         ring_attention(q, q[..., :15], q, layout)

@@ -175,11 +175,12 @@ SDPA_CALLS = {
     "gqa batch mismatch": (_sdpa((2, 4, L, 4), (3, 2, S, 4), enable_gqa=True), ValueError,
                            "the batch dims of query (2,), key (3,) and value (3,) do not broadcast together"),
     "gqa not divisible": (_sdpa((4, 5, L, 6), (4, 2, S, 6), enable_gqa=True), ValueError,
-                          "the query heads (dim -3: 5) must be a multiple of key's heads (2)"),
+                          "with enable_gqa the query heads (dim -3: 5) must be a multiple of key's heads (2)"),
     "gqa value heads not divisible": (_sdpa((1, 4, L, 4), (1, 2, S, 4), (1, 3, S, 4), enable_gqa=True), ValueError,
-                                      "the query heads (dim -3: 4) must be a multiple of value's heads (3)"),
+                                      "with enable_gqa the query heads (dim -3: 4) must be a multiple of value's "
+                                      "heads (3)"),
     "gqa zero key heads": (_sdpa((1, 4, L, 4), (1, 0, S, 4), enable_gqa=True), ValueError,
-                           "the query heads (dim -3: 4) must be a multiple of key's heads (0)"),
+                           "with enable_gqa the query heads (dim -3: 4) must be a multiple of key's heads (0)"),
     "gqa not enabled": (_sdpa((1, 4, L, 4), (1, 2, S, 4)), ValueError,
                         "the batch dims of query (1, 4), key (1, 2) and value (1, 2) do not broadcast together "
                         "(pass enable_gqa=True for fewer key/value heads)"),

@@ -65,11 +65,12 @@ def per_head(name: str, x: Tensor | None, num_heads: int, like: Tensor,
     return x
 
 
-def shared_heads(query_heads: int, name: str, heads: int, *, dim: int) -> None:
+def shared_heads(query_heads: int, name: str, heads: int, *, dim: int, option: str = "") -> None:
     """Key/value heads shared by groups of query heads (GQA/MQA): ``heads`` (of ``name``) divides the
-    query heads (dim ``dim`` of the query)."""
+    query heads (dim ``dim`` of the query); ``option`` names the argument that asked for sharing."""
     if heads == 0 or query_heads % heads:
-        raise ValueError(f"the query heads (dim {dim}: {query_heads}) must be a multiple of {name}'s heads ({heads})")
+        asked = f"with {option} " if option else ""
+        raise ValueError(f"{asked}the query heads (dim {dim}: {query_heads}) must be a multiple of {name}'s heads ({heads})")
 
 
 def same_dtype_device(reference_name: str, reference: Tensor, **others: Tensor | None) -> None:

@@ -107,7 +107,7 @@ def _check_sdpa_inputs(query, key, value, enable_gqa) -> tuple[int, ...]:
     if enable_gqa and min(x.dim() for x in (query, key, value)) >= 3:
         heads = (query.shape[-3],)
         for name, x in (("key", key), ("value", value)):
-            _checks.shared_heads(query.shape[-3], name, x.shape[-3], dim=-3)
+            _checks.shared_heads(query.shape[-3], name, x.shape[-3], dim=-3, option="enable_gqa")
         batches = [b[:-1] for b in batches]  # heads checked: the rest must broadcast
     try:
         return (*torch.broadcast_shapes(*batches), *heads)

@@ -48,7 +48,7 @@ def check(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, *, is_causal,
     if Hkv != H and not enable_gqa:
         raise ValueError(f"k and v have {Hkv} heads and q has {H}: pass enable_gqa=True with key/value heads "
                          f"that divide the query heads")
-    _checks.shared_heads(H, "k", Hkv, dim=1)
+    _checks.shared_heads(H, "k", Hkv, dim=1, option="enable_gqa")
     return Terms(band=positions.band(is_causal, window),
                  alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, H, q),
                  scale=_checks.optional_real("scale", scale), softcap=_checks.optional_positive_real("softcap", softcap),

@@ -428,8 +428,10 @@ _NOT_SDPA = "not sdpa ({}): " + TILED_REASON
 _BUILDS = "torch's kernel would build the attention weights ({}): 8,192 elements, more than q, k and v hold ({})"
 DECISIONS = {  # name: (q, k, v, contract, options, (backend, reason))
     "plain": (*_QKV, Contract(), {}, ("sdpa", "torch's fused kernel takes the whole contract")),
-    "3-D": (_f32(2, 64, 4), _f32(2, 64, 4), _f32(2, 64, 4), Contract(), {},
-            ("sdpa", "torch's fused kernel takes the whole contract")),
+    "3-D": (_f32(2, 64, 4), _f32(2, 64, 4), _f32(2, 64, 4), Contract(), {},  # torch's math path, as torch runs 3-D
+            (TILED, _NOT_SDPA.format(_BUILDS.format("q, k and v that are not all 4-D", "1,536")))),
+    "short 3-D": (_f32(2, 8, 4), _f32(2, 8, 4), _f32(2, 8, 4), Contract(), {},  # its weights fit in q, k, v
+                  ("sdpa", "torch's fused kernel takes the whole contract")),
     "shifted causal": (_f32(1, 2, 16, 4), *_QKV[1:], Contract(band=Band(None, 0), offset=48), {},
                        ("sdpa", "torch's fused kernel takes the whole contract")),
     "softcap": (*_QKV, Contract(softcap=5.0), {}, (TILED, _NOT_SDPA.format("torch's kernel has no softcap"))),
@@ -444,7 +446,7 @@ DECISIONS = {  # name: (q, k, v, contract, options, (backend, reason))
                                                    "different batch or head counts): 16,384 elements, more than q, "
                                                    "k and v hold (2,048)"))),
     "5-D": (_f32(1, 1, 2, 64, 4), _f32(1, 1, 2, 64, 4), _f32(1, 1, 2, 64, 4), Contract(), {},
-            (TILED, _NOT_SDPA.format(_BUILDS.format("q, k and v of different batch or head counts", "1,536")))),
+            (TILED, _NOT_SDPA.format(_BUILDS.format("q, k and v that are not all 4-D", "1,536")))),
     "value width": (*_QKV[:2], _f32(1, 2, 64, 8), Contract(), {},
                     (TILED, _NOT_SDPA.format(_BUILDS.format("a value head dim unlike the query's", "2,048")))),
     "mixed dtypes": (_QKV[0], _QKV[1].double(), _QKV[2], Contract(), {},  # the native kernel takes one dtype
@@ -617,19 +619,19 @@ def test_math_rows_with_a_single_hidden_key_are_zero():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_math_low_precision_is_shaped_and_normalised_in_float32(dtype):
-    """Scores rounded to the input dtype once, softmax in float32, weights and output cast back:
-    within a rounding step of the same steps on float32 copies."""
+def test_math_low_precision_is_computed_in_float32(dtype):
+    """float16/bfloat16: q k^T, the shaping, the softmax and the weights' product with v in float32
+    (as torch's math path on CPU), the weights and the output rounded once, at the end."""
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(1, 2, n, 16, generator=g).to(dtype) for n in (32, 200, 200))
     contract = Contract(band=Band(None, 0), offset=168, alibi_slopes=torch.tensor([0.1, 0.01]))
     out, weights = kernels.math_attention(q, k, v, contract)
     assert out.dtype == weights.dtype == dtype
-    scores = (q * 0.25 @ k.transpose(-1, -2)).float()  # the product rounded once, as in dtype matmul
+    scores = q.float() * 0.25 @ k.float().transpose(-1, -2)  # no rounding to dtype on the way
     wide = torch.softmax(contract.shape(scores, range(32), range(200), inplace=False), dim=-1)
-    ulp = torch.finfo(dtype).eps * wide.clamp_min(torch.finfo(dtype).tiny)  # one step at each weight
-    assert ((weights.float() - wide).abs() <= ulp / 2 + 1e-7).all()  # rounded once (half a step)
-    torch.testing.assert_close(out, weights @ v)  # the output from those weights, in dtype
+    for ours, exact in ((weights, wide), (out, wide @ v.float())):
+        ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(torch.finfo(dtype).tiny)  # one step at each value
+        assert ((ours.float() - exact).abs() <= ulp / 2 + 1e-7).all()  # rounded once (half a step)
 
 
 def test_math_without_dropout_draws_nothing():

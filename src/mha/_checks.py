@@ -6,6 +6,7 @@ that names the argument, says what it got and what was expected.
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 from collections.abc import Sequence
@@ -115,6 +116,23 @@ def real(name: str, value) -> float:
 
 def optional_real(name: str, value) -> float | None:
     return None if value is None else real(name, value)
+
+
+def optional_finite_real(name: str, value) -> float | None:
+    """A real number that is not NaN or infinite (zero and negative are valid: attention's scale), or None."""
+    if value is None:
+        return None
+    value = real(name, value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def flag(name: str, value) -> bool:
+    """A bool, and only a bool: a truthy string such as "no" is refused."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
+    return value
 
 
 def optional_positive_real(name: str, value) -> float | None:

@@ -72,7 +72,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     contract = contract_of(
         band=positions.band(is_causal, window), offset=positions.offset_of(causal_alignment, L, S),
         mask=masks.sdpa(attn_mask, L=L, S=S, batch_shape=batch_shape, like=query),
-        alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, H, query), scale=_checks.optional_real("scale", scale),
+        alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, H, query), scale=_checks.optional_finite_real("scale", scale),
         softcap=_checks.optional_positive_real("softcap", softcap), sinks=_checks.per_head("sinks", sinks, H, query))
     out, _ = kernels.attention(query, key, value, contract, dropout_p=dropout_p, backend=backend)
     return out[0] if unbatched else out
@@ -102,8 +102,7 @@ def _check_sdpa_inputs(query, key, value, enable_gqa) -> tuple[int, ...]:
         )
     batches = [tuple(x.shape[:-2]) for x in (query, key, value)]
     heads = ()
-    if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__} ({enable_gqa!r})")
+    _checks.flag("enable_gqa", enable_gqa)
     if enable_gqa and min(x.dim() for x in (query, key, value)) >= 3:
         heads = (query.shape[-3],)
         for name, x in (("key", key), ("value", value)):

@@ -118,8 +118,7 @@ def band(is_causal: bool = False, window: tuple[int, int] | None = None) -> Band
     window: flash-attn's window_size (left, right), -1 = unbounded on that side; with is_causal
     the right side is 0.
     """
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__} ({is_causal!r})")
+    _checks.flag("is_causal", is_causal)
     if window is None:
         return CAUSAL if is_causal else None
     left, right = check_window(window)

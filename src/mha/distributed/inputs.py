@@ -42,8 +42,7 @@ def check(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, *, is_causal,
                          f"{tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[3] != q.shape[3]:
         raise ValueError(f"k's head dim must equal q's ({q.shape[3]}), got shape {tuple(k.shape)}")
-    if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__} ({enable_gqa!r})")
+    _checks.flag("enable_gqa", enable_gqa)
     H, Hkv = q.shape[1], k.shape[1]
     if Hkv != H and not enable_gqa:
         raise ValueError(f"k and v have {Hkv} heads and q has {H}: pass enable_gqa=True with key/value heads "
@@ -51,5 +50,5 @@ def check(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, *, is_causal,
     _checks.shared_heads(H, "k", Hkv, dim=1, option="enable_gqa")
     return Terms(band=positions.band(is_causal, window),
                  alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, H, q),
-                 scale=_checks.optional_real("scale", scale), softcap=_checks.optional_positive_real("softcap", softcap),
+                 scale=_checks.optional_finite_real("scale", scale), softcap=_checks.optional_positive_real("softcap", softcap),
                  sinks=_checks.per_head("sinks", sinks, H, q))

@@ -233,7 +233,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     B, H, L, S = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
     contract = contract_of(
         **_mask_terms(attention_mask, position_bias, module, is_causal, B=B, H=H, L=L, S=S, like=query),
-        scale=_checks.optional_real("scaling", scaling), softcap=_checks.optional_positive_real("softcap", softcap),
+        scale=_checks.optional_finite_real("scaling", scaling), softcap=_checks.optional_positive_real("softcap", softcap),
         sinks=_checks.per_head("s_aux", s_aux, H, query, "(num_heads,): one sink logit per query head"))
     dropout_p = _checks.probability("dropout", dropout) if module.training else 0.0
     out, weights = kernels.attention(query, key, value, contract, dropout_p=dropout_p,

@@ -16,10 +16,16 @@ def autocast_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
     """The floating tensors in the autocast dtype when autocast is on for their device (as torch's
     SDPA casts its inputs), else unchanged."""
     device = tensors[0].device.type
-    if not torch.is_autocast_enabled(device):
+    if not autocast_enabled(device):
         return tensors
     dtype = torch.get_autocast_dtype(device)
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """Whether torch.autocast is on for the device type; False for one autocast does not know (the
+    meta device, where shapes are inferred: torch raises when asked about it)."""
+    return device_type != "meta" and torch.is_autocast_enabled(device_type)
 
 
 def transforms_active() -> bool:

@@ -6,6 +6,8 @@ and v may have fewer heads than q (GQA: Hkv divides H).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -25,3 +27,27 @@ def unflat(grad: Tensor, like: Tensor, lead: tuple[int, ...]) -> Tensor:
     """(B*H, T, D) -> the input's shape, summed over the dims the input was broadcast along."""
     grad = grad.view(*lead, *grad.shape[-2:]).to(like.dtype)  # (B*H, T, D) -> (..., T, D)
     return grad.sum_to_size(like.shape) if grad.shape != like.shape else grad
+
+
+def matched_kv_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """k and v with one head count. torch's enable_gqa lets k and v share heads separately (k's Hk
+    and v's Hv each divide the query's H); the kernels take one count: the least common multiple,
+    each repeated to it (query head h still reads key head h // (H / Hk) and value head h // (H / Hv)).
+    Anything else is returned as it is (for the broadcast rule to judge)."""
+    if q.dim() < 3 or k.dim() < 3 or v.dim() < 3:
+        return k, v
+    H, Hk, Hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    if Hk == Hv or 0 in (Hk, Hv) or H % Hk or H % Hv:
+        return k, v
+    heads = math.lcm(Hk, Hv)  # (..., Hk|Hv, S, D) -> (..., lcm, S, D)
+    return k.repeat_interleave(heads // Hk, dim=-3), v.repeat_interleave(heads // Hv, dim=-3)
+
+
+def attached_zeros(shape: tuple[int, ...], *inputs: Tensor) -> Tensor:
+    """Zeros of ``shape`` in the inputs' dtype and device, in their autograd graph (their gradients
+    are zeros): the result of attention with no rows to compute or no key to see."""
+    out = inputs[0].new_zeros(shape)
+    for x in inputs:
+        if x.requires_grad:
+            out = out + x.narrow(-1, 0, 0).sum()  # an empty sum: exactly 0, never NaN, and a gradient path
+    return out

@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from .. import masks, positions
+from .. import _checks, masks, positions
 from ..positions import Band
 
 _NEG_INF = float("-inf")
@@ -73,17 +73,19 @@ class Contract:
             shown.append(f"{f.name}={value}")
         return f"Contract({', '.join(shown)})"
 
+    def __post_init__(self):
+        _checks.optional_finite_real("scale", self.scale)  # NaN or inf would make every score NaN
+
     def replace(self, **changes) -> Contract:
         return dataclasses.replace(self, **changes)
 
     def scale_for(self, head_dim: int) -> float:
-        return 1.0 / math.sqrt(head_dim) if self.scale is None else self.scale
-
-    @property
-    def hides_keys(self) -> bool:
-        """Whether some key may be hidden from some query (a mask, a band or padding): only then
-        can a query row be left with no key."""
-        return self.mask is not None or self.band is not None or self.key_valid is not None
+        """The scale, 1 / sqrt(D) by default; with D = 0 every score is an empty sum, 0, whatever
+        multiplies it: 1 then (torch's 1 / sqrt(0) = inf would make them NaN; its kernels give the
+        uniform weights of scores 0)."""
+        if self.scale is not None:
+            return self.scale
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
 
     @property
     def needs_positions(self) -> bool:

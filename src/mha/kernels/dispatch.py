@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from . import flash, native, sdpa
+from ._shapes import matched_kv_heads
 from .contract import Contract
 from .flash import flash_attention
 from .math import math_attention
@@ -52,6 +53,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p:
     repeated (share_kv_heads) first, as torch's CUDA kernels may fall back to their math path for
     shared heads under a mask.
     """
+    k, v = matched_kv_heads(q, k, v)  # one head count for k and v (torch's enable_gqa shares them separately)
     if q.dim() >= 3 and not q.is_cpu:
         k, v = share_kv_heads(k, q.shape[-3]), share_kv_heads(v, q.shape[-3])  # (..., Hkv, S, D) -> (..., H, S, D)
     name, _, sdpa_plan = _choose(backend, q, k, v, contract, need_weights=need_weights, dropout_p=dropout_p)
@@ -118,7 +120,7 @@ def native_pays(q: Tensor, k: Tensor) -> bool:
     if q.dtype not in NATIVE_WORK:
         return False
     L, S = q.shape[-2], k.shape[-2]
-    rows_per_kv_head = L * (q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.dim() >= 3 else 1)
+    rows_per_kv_head = L * (q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] else 1)
     if rows_per_kv_head <= NATIVE_DECODE_ROWS and S >= NATIVE_DECODE_KEYS:
         return True
     return L * S >= NATIVE_WORK[q.dtype]

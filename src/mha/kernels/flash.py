@@ -8,7 +8,7 @@ contract (mha.kernels.Contract) is applied tile by tile: tiles the band hides ar
 Attention sinks start each row's running softmax (a key with logit sink_h and a zero value).
 The backward pass recomputes each tile's probabilities from the saved log-sum-exp:
 
-    P = exp(S - lse),  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dO * O)),
+    P = exp(S - m) / l,  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dO * O)),
     dQ = dS K * scale,  dK = dS^T Q * scale,  d slope_h = -sum dS |rel|,  d sink_h = -sum P_sink rowsum(dO * O)
 
 (with softcap, dS is multiplied by 1 - tanh^2; with dropout, P is replaced by P * Z in dV and
@@ -30,9 +30,9 @@ import torch
 from torch import Tensor
 
 from .. import masks
-from ._context import autocast_inputs, autograd_function_refusal
-from ._shapes import leads, unflat
-from .contract import Contract, mask_tile, resolve
+from ._context import autocast_enabled, autocast_inputs, autograd_function_refusal
+from ._shapes import leads, matched_kv_heads, unflat
+from .contract import Contract, resolve
 from .merge import sink_gradient
 
 BLOCK_Q = 256
@@ -53,12 +53,13 @@ def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract
     """(output (..., L, Dv), log-sum-exp (..., L) in float32 or wider: log of the softmax's
     denominator, sinks included; -inf for a row that sees no key and has no sink)."""
     contract = resolve(contract)
+    k, v = matched_kv_heads(q, k, v)
     reason = unsupported(q, k, v, contract)
     if reason:
         raise ValueError(f"the flash backend cannot run this call: {reason}")
     options = (contract, float(dropout_p), *_block_sizes(contract, block_q, block_k))
     arguments = (contract.alibi_slopes, contract.sinks, options)
-    if torch.is_autocast_enabled(q.device.type):
+    if autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):  # the tiles mix dtypes on purpose
             return _Flash.apply(*autocast_inputs(q, k, v), *arguments)
     return _Flash.apply(q, k, v, *arguments)
@@ -74,7 +75,7 @@ def flash_attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
     contract = resolve(contract)
     block_q, block_k = _block_sizes(contract, None, None)
     tiles = _Tiles(q, k, v, contract, 0.0)
-    return tuple(_backward(tiles, (q, k, v), out, lse, grad_out, block_q, block_k))
+    return tuple(_backward(tiles, (q, k, v), out, grad_out, block_q, block_k, shift=lse))
 
 
 def _block_sizes(contract: Contract, block_q: int | None, block_k: int | None) -> tuple[int, int]:
@@ -93,8 +94,8 @@ class _Flash(torch.autograd.Function):
     def forward(ctx, q, k, v, alibi_slopes, sinks, options):
         contract, dropout_p, block_q, block_k = options
         tiles = _Tiles(q, k, v, contract, dropout_p)
-        out, lse = _forward(tiles, block_q, block_k)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, row_max, row_sum = _forward(tiles, block_q, block_k)
+        ctx.save_for_backward(q, k, v, out, row_max, row_sum)
         ctx.options = options
         ctx.seed = tiles.seed
         ctx.mark_non_differentiable(lse)
@@ -105,10 +106,10 @@ class _Flash(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("the flash backend has no double backward (create_graph=True); "
                                "use backend='math' for higher derivatives")
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, row_max, row_sum = ctx.saved_tensors
         contract, dropout_p, block_q, block_k = ctx.options
         tiles = _Tiles(q, k, v, contract, dropout_p, seed=ctx.seed)
-        return (*_backward(tiles, (q, k, v), out, lse, grad_out, block_q, block_k), None)
+        return (*_backward(tiles, (q, k, v), out, grad_out, block_q, block_k, shift=row_max, norm=row_sum), None)
 
 
 def _flat(x: Tensor, dtype, lead: tuple[int, ...]) -> Tensor:
@@ -118,12 +119,12 @@ def _flat(x: Tensor, dtype, lead: tuple[int, ...]) -> Tensor:
 
 def _per_row(x: Tensor, lead: tuple[int, ...], dtype) -> Tensor:
     """A per-head (H,) tensor as (B*H, 1, 1), for the flattened rows."""
-    return x.to(dtype).expand(lead).reshape(-1, 1, 1)  # (H,) -> (..., H) -> (B*H, 1, 1)
+    return x.to(dtype).expand(lead).reshape(math.prod(lead), 1, 1)  # (H,) -> (..., H) -> (B*H, 1, 1)
 
 
 class _Tile(NamedTuple):
     s: Tensor  # (BH, r, c) scores, -inf where hidden
-    hidden: list[Tensor]  # bool masks (True = hidden) broadcasting to (..., H, r, c)
+    hidden: Tensor  # (BH, r, c) bool, True where the score is -inf: a hidden key, or a visible one scored -inf
     capped: Tensor | None  # tanh(raw / softcap), for the backward
     distance: Tensor | None  # |rel|, for the ALiBi slopes' gradient
 
@@ -142,6 +143,7 @@ class _Tiles:
     def __init__(self, q, k, v, contract: Contract, dropout_p: float, seed: int | None = None):
         self.lead, self.kv_lead = leads(q, k, v)  # (..., H), (..., Hkv)
         self.groups = 1 if self.kv_lead == self.lead else self.lead[-1] // self.kv_lead[-1]
+        self.BH, self.BHkv = math.prod(self.lead), math.prod(self.kv_lead)
         self.L, self.S = q.shape[-2], k.shape[-2]
         self.dtype = masks.additive_dtype(q.dtype)  # float32 for float16/bfloat16
         self.out_dtype = v.dtype
@@ -176,18 +178,21 @@ class _Tiles:
         """Rows of a query-side (BH, L, X) tensor as (BHkv, G*r, X): a view without GQA, else a copy."""
         if self.groups == 1:
             return x[:, rows.start:rows.stop]
-        grouped = x.view(-1, self.groups, self.L, x.shape[-1])  # (BH, L, X) -> (BHkv, G, L, X)
-        return grouped[:, :, rows.start:rows.stop].reshape(-1, self.groups * len(rows), x.shape[-1])
+        grouped = x.view(self.BHkv, self.groups, self.L, x.shape[-1])  # (BH, L, X) -> (BHkv, G, L, X)
+        return grouped[:, :, rows.start:rows.stop].reshape(self.BHkv, self.groups * len(rows), x.shape[-1])
 
     def put_query_rows(self, x: Tensor, rows: range, block: Tensor) -> None:
-        """Write a (BHkv, G*r, X) block back into rows of x (BH, L, X) (a no-op where query_rows was a view)."""
-        if self.groups > 1:
-            x.view(-1, self.groups, self.L, x.shape[-1])[:, :, rows.start:rows.stop] = block.view(
-                -1, self.groups, len(rows), x.shape[-1])  # (BHkv, G*r, X) -> (BHkv, G, r, X)
+        """Write a (BHkv, G*r, X) block back into rows of x (BH, L, X): a no-op where query_rows gave a
+        view (no GQA, or one row per head, as the last block of L = 257 has): the block is x's memory."""
+        if self.groups == 1:
+            return
+        target = x.view(self.BHkv, self.groups, self.L, x.shape[-1])[:, :, rows.start:rows.stop]  # (BH, L, X) -> (BHkv, G, r, X)
+        if block.data_ptr() != target.data_ptr():
+            target.copy_(block.view(target.shape))  # (BHkv, G*r, X) -> (BHkv, G, r, X)
 
     def by_kv_head(self, t: Tensor) -> Tensor:
         """A tile (BH, r, c) as (BHkv, G*r, c), the same memory."""
-        return t.view(-1, self.groups * t.shape[1], t.shape[2])
+        return t.view(self.BHkv, self.groups * t.shape[1], t.shape[2])
 
     def add_weighted_values(self, acc: Tensor, p: Tensor, v_tile: Tensor) -> None:
         """acc (BH, r, Dv) += p (BH, r, c) @ v_tile (BHkv, c, Dv)."""
@@ -201,17 +206,14 @@ class _Tiles:
         if self._block is None or self._block[0] != rows:
             self._block = (rows, self.query_rows(self.q, rows))
         s = torch.bmm(self._block[1], self.kT[:, :, cols.start:cols.stop])  # (BHkv, G*r, c)
-        s = s.view(-1, len(rows), len(cols))  # (BHkv, G*r, c) -> (BH, r, c)
+        s = s.view(self.BH, len(rows), len(cols))  # (BHkv, G*r, c) -> (BH, r, c)
         s, capped = self.contract.cap(s, inplace=True)  # capped: tanh(s / c), or None
         rel, bias, band_hidden = self._position_terms(rows, cols)
         hidden = self.contract.hidden(rows, cols, band_hidden)
         self.contract.shape(s.view(*self.lead, len(rows), len(cols)), rows, cols, inplace=True, bias=bias,
                             hidden=hidden)
-        mask = self.contract.mask
-        if mask is not None and mask.dtype != torch.bool:  # a float mask may hide keys with -inf too
-            hidden.append(mask_tile(mask, rows, cols) == _NEG_INF)
         distance = None if rel is None or bias is None else rel.abs()
-        return _Tile(s, hidden, capped, distance)
+        return _Tile(s, s == _NEG_INF, capped, distance)  # the band, padding, masks and -inf scores alike
 
     def _position_terms(self, rows: range, cols: range):
         """(rel or None, ALiBi bias or None, band-hidden or None) of the tile; band edges cached."""
@@ -236,12 +238,10 @@ class _Tiles:
         arguments below about -87 (80x slower on this project's CPUs), and denormal weights, or
         their products with the values, slow the following matmul by 100x or more. A key that far
         below the row's maximum weighs less than the float's resolution of the sum either way.
-        Hidden keys are zeroed after the exp, so they weigh exactly nothing.
+        Keys scored -inf (hidden, or scored so) are zeroed after the exp: they weigh exactly nothing,
+        and a row with nothing else gets nothing (not e^floor, normalised to 1).
         """
-        p = tile.s.sub_(shift).clamp_(min=self.floor).exp_()
-        for h in tile.hidden:
-            p.view(*self.lead, *p.shape[-2:]).masked_fill_(h, 0.0)
-        return p
+        return tile.s.sub_(shift).clamp_(min=self.floor).exp_().masked_fill_(tile.hidden, 0.0)
 
     def keep(self, rows: range, cols: range, shape) -> Tensor | None:
         """Dropout's scaled keep mask Z of a tile (the same draw in forward and backward), or None."""
@@ -265,7 +265,8 @@ def _forward(tiles: _Tiles, block_q: int, block_k: int):
     lead, L, dtype, v3 = tiles.lead, tiles.L, tiles.dtype, tiles.v
     BH, Dv = tiles.q.shape[0], v3.shape[-1]
     out = torch.zeros(BH, L, Dv, dtype=dtype, device=v3.device)
-    lse = torch.full((BH, L), _NEG_INF, dtype=dtype, device=v3.device)
+    row_max = torch.full((BH, L), _NEG_INF, dtype=dtype, device=v3.device)
+    row_sum = torch.zeros(BH, L, dtype=dtype, device=v3.device)
     sinks = tiles.contract.sinks
     running = _Running(BH, min(block_q, L), Dv, dtype, v3.device,
                        None if sinks is None else _per_row(sinks, lead, dtype))
@@ -274,8 +275,10 @@ def _forward(tiles: _Tiles, block_q: int, block_k: int):
         for cols in tiles.key_tiles(rows, block_k):
             tile = tiles.scores(rows, cols)
             running.add(state, tiles, tile, tiles.v[:, cols.start:cols.stop], tiles.keep(rows, cols, tile.s.shape))
-        running.finish(state, out[:, rows.start:rows.stop], lse[:, rows.start:rows.stop])
-    return out.view(*lead, L, Dv).to(tiles.out_dtype), lse.view(*lead, L)  # lse stays float32 (or float64)
+        block = slice(rows.start, rows.stop)
+        running.finish(state, out[:, block], row_max[:, block], row_sum[:, block])
+    lse = (row_max + row_sum.log()).view(*lead, L)  # float32 (or float64); -inf where l = 0
+    return out.view(*lead, L, Dv).to(tiles.out_dtype), lse, row_max, row_sum
 
 
 class _Running:
@@ -312,18 +315,23 @@ class _Running:
         m.copy_(m_new.masked_fill_(nothing_yet, _NEG_INF))  # they keep m = -inf: their first visible max shifts them
 
     @staticmethod
-    def finish(state, out, lse):
+    def finish(state, out, row_max, row_sum):
         m, _, _, l, acc = state
         torch.div(acc, l.clamp_min(torch.finfo(l.dtype).tiny), out=out)  # rows that saw nothing: 0
-        torch.add(m, l.log(), out=lse.unsqueeze(-1))  # -inf where l = 0
+        row_max.copy_(m.squeeze(-1))
+        row_sum.copy_(l.squeeze(-1))
 
 
-def _backward(tiles: _Tiles, inputs, out, lse, grad_out, block_q, block_k):
-    """(dq, dk, dv, d alibi_slopes or None, d sinks or None), each shaped like its input."""
+def _backward(tiles: _Tiles, inputs, out, grad_out, block_q, block_k, *, shift: Tensor, norm: Tensor | None = None):
+    """(dq, dk, dv, d alibi_slopes or None, d sinks or None), each shaped like its input. The
+    probabilities are P = e^(S - shift) / norm: the rows' max and sum from this forward (exact at
+    large logits), or the log-sum-exp and no norm (another forward's: sequence parallelism)."""
     lead, L, dtype, contract = tiles.lead, tiles.L, tiles.dtype, tiles.contract
     do3, o3 = _flat(grad_out, dtype, lead), _flat(out, dtype, lead)
-    lse3 = lse.reshape(tiles.q.shape[0], L, 1).to(dtype)  # (..., L) -> (BH, L, 1)
-    lse3 = torch.where(lse3 == _NEG_INF, torch.full_like(lse3, float("inf")), lse3)  # empty rows: P = 0
+    shift3 = shift.reshape(tiles.BH, L, 1).to(dtype)  # (..., L) -> (BH, L, 1)
+    empty = shift3 == _NEG_INF if norm is None else norm.reshape(tiles.BH, L, 1) == 0
+    shift3 = torch.where(empty, torch.full_like(shift3, float("inf")), shift3)  # rows that saw nothing: P = 0
+    inv_norm = None if norm is None else torch.where(empty, 1.0, norm.reshape(tiles.BH, L, 1).to(dtype)).reciprocal()
     delta = (do3 * o3).sum(dim=-1, keepdim=True)  # (BH, L, 1) = rowsum(dO * O)
     dq, dk, dv = torch.zeros_like(tiles.q), torch.zeros_like(tiles.k), torch.zeros_like(tiles.v)
     d_slopes = None if contract.alibi_slopes is None else torch.zeros(dq.shape[0], dtype=dtype, device=dq.device)
@@ -334,7 +342,9 @@ def _backward(tiles: _Tiles, inputs, out, lse, grad_out, block_q, block_k):
         for cols in tiles.key_tiles(rows, block_k):
             j0, j1 = cols.start, cols.stop
             tile = tiles.scores(rows, cols)
-            p = tiles.probabilities(tile, lse3[:, i0:i1])  # (BH, r, c)
+            p = tiles.probabilities(tile, shift3[:, i0:i1])  # (BH, r, c)
+            if inv_norm is not None:
+                p.mul_(inv_norm[:, i0:i1])
             keep = tiles.keep(rows, cols, p.shape)
             dp = torch.bmm(do_rows, tiles.v[:, j0:j1].transpose(1, 2)).view(p.shape)  # dO V^T: (BH, r, c)
             if keep is not None:
@@ -356,10 +366,11 @@ def _backward(tiles: _Tiles, inputs, out, lse, grad_out, block_q, block_k):
     if contract.sinks is None:
         grads.append(None)
     else:
-        grads.append(sink_gradient(contract.sinks, lse3.view(*lead, L), delta.view(*lead, L)))  # (BH, L, 1) -> (..., H, L)
+        per_row = [None if x is None else x.reshape(*lead, L).to(dtype) for x in (shift, delta, norm)]  # -> (..., H, L)
+        grads.append(sink_gradient(contract.sinks, *per_row))
     return grads
 
 
 def _per_head(grad: Tensor, like: Tensor, lead: tuple[int, ...]) -> Tensor:
     """(B*H,) -> (H,) summed over the batch, in like's dtype."""
-    return grad.view(*lead).reshape(-1, lead[-1]).sum(0).to(like.dtype)  # (B*H,) -> (B, H) -> (H,)
+    return grad.view(math.prod(lead[:-1]), lead[-1]).sum(0).to(like.dtype)  # (B*H,) -> (B, H) -> (H,)

@@ -6,25 +6,26 @@ it must hold anyway to return the weights. Shapes: q (..., L, D), k (..., S, D),
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .. import masks, positions
-from ._context import forward_mode, may_branch_on_values, transforms_active
+from ._context import autocast_enabled, autocast_inputs, forward_mode, may_branch_on_values, transforms_active
+from ._shapes import matched_kv_heads
 from .contract import Contract, resolve
 
 
-def safe_softmax(scores: Tensor, *, inplace: bool = False, rows_may_be_empty: bool = True) -> Tensor:
-    """softmax over the last axis; a row whose scores are all -inf gives zeros and zero gradients.
-
-    ``rows_may_be_empty=False`` (no mask, band or padding hides a key) skips looking for such rows.
+def safe_softmax(scores: Tensor, *, inplace: bool = False) -> Tensor:
+    """softmax over the last axis; a row whose scores are all -inf gives zeros and zero gradients
+    (a mask, the band or padding hid every key, or the scores themselves are -inf: an infinite q).
 
     ``inplace=True`` (inference only: no autograd graph) overwrites ``scores``, which saves
     allocating (and page-faulting) a second L x S buffer: most of a large softmax's time on CPU.
     """
-    empty_possible = rows_may_be_empty and scores.shape[-1] > 0
-    blocked = scores.amax(dim=-1, keepdim=True) == float("-inf") if empty_possible else None  # (..., L, 1)
+    blocked = scores.amax(dim=-1, keepdim=True) == float("-inf") if scores.shape[-1] > 0 else None  # (..., L, 1)
     if blocked is not None and may_branch_on_values() and not bool(blocked.any()):
         blocked = None  # the common case, skipped (in eager mode only: a branch on values)
     if blocked is not None:  # finite row -> finite softmax and gradient
@@ -56,21 +57,36 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = 
                    dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
     """Returns (output (..., L, Dv), weights (..., L, S)); weights are taken after dropout.
 
-    float16/bfloat16 scores are shaped and normalised in float32, the weights cast back.
+    float16/bfloat16 inputs are computed in float32 from the start (q k^T, the score shaping, the
+    softmax and the weights' product with v), as torch's math path does on CPU; the output and the
+    weights are rounded back once. Under torch.autocast the inputs are in the autocast dtype first.
     """
     contract = resolve(contract)
-    L, S = q.shape[-2], k.shape[-2]
-    scores = (q * contract.scale_for(q.shape[-1])) @ k.transpose(-2, -1)  # (..., L, D) @ (..., D, S) -> (..., L, S)
-    weights_dtype = scores.dtype  # under autocast, not necessarily q's
+    k, v = matched_kv_heads(q, k, v)
+    q, k, v = autocast_inputs(q, k, v)  # as torch's SDPA; no op below is autocast's to change
+    with _autocast_off(q.device.type):
+        return _math(q, k, v, contract, dropout_p)
+
+
+def _math(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float) -> tuple[Tensor, Tensor]:
+    L, S, out_dtype = q.shape[-2], k.shape[-2], q.dtype
+    work = masks.additive_dtype(out_dtype)  # float32 for float16/bfloat16
     inference = _may_overwrite(q, k, v, contract.mask, contract.alibi_slopes, contract.sinks)
-    scores = scores.to(masks.additive_dtype(weights_dtype))  # float16/bfloat16 -> a fresh float32 buffer
+    q, k, v = q.to(work), k.to(work), v.to(work)
+    scores = (q * contract.scale_for(q.shape[-1])) @ k.transpose(-2, -1)  # (..., L, D) @ (..., D, S) -> (..., L, S)
     scores, _ = contract.cap(scores, inplace=inference)
     scores = contract.shape(scores, positions.whole(L), positions.whole(S), inplace=inference)
     if contract.sinks is None:
-        weights = safe_softmax(scores, inplace=inference, rows_may_be_empty=contract.hides_keys)
+        weights = safe_softmax(scores, inplace=inference)
     else:
         weights = _softmax_with_sinks(scores, contract.sinks)
-    weights = weights.to(weights_dtype)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
-    return weights @ v, weights
+    return (weights @ v).to(out_dtype), weights.to(out_dtype)
+
+
+def _autocast_off(device_type: str):
+    """A context with autocast off on the device when it is on (the float32 products must stay so)."""
+    if autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()

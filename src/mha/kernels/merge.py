@@ -19,6 +19,8 @@ Shapes: out (..., L, Dv), lse (..., L) (float32 or wider); sinks (H,) with H at 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -51,11 +53,17 @@ def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> None:
     lse.copy_(merged)
 
 
-def sink_gradient(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
-    """d sinks (H,) in sinks' dtype: -sum over rows (and batch) of e^(sink_h - lse) * delta, where
-    lse (..., H, L) is the whole softmax's (sinks included) and delta (..., H, L) = rowsum(dO * O).
-    A row with lse = -inf (it saw nothing, e.g. padding) contributes nothing."""
-    lse = torch.where(lse == float("-inf"), torch.full_like(lse, float("inf")), lse)  # e^(sink - inf) = 0
+def sink_gradient(sinks: Tensor, lse: Tensor, delta: Tensor, row_sum: Tensor | None = None) -> Tensor:
+    """d sinks (H,) in sinks' dtype: -sum over rows (and batch) of p_sink * delta, p_sink =
+    e^(sink_h - lse), where lse (..., H, L) is the whole softmax's (sinks included) and delta
+    (..., H, L) = rowsum(dO * O). With ``row_sum`` (..., H, L), ``lse`` is the rows' max m instead and
+    p_sink = e^(sink_h - m) / sum (exact at large logits, where lse's rounding is |m| eps). A row
+    that saw nothing (lse = -inf, or sum 0) contributes nothing."""
+    empty = lse == float("-inf") if row_sum is None else row_sum == 0
+    lse = torch.where(empty, torch.full_like(lse, float("inf")), lse)  # e^(sink - inf) = 0
     p_sink = (sinks[:, None] - lse).exp()  # (..., H, L)
+    if row_sum is not None:
+        p_sink = p_sink / torch.where(empty, torch.ones_like(row_sum), row_sum)
     per_head = -(p_sink * delta).sum(-1)  # (..., H)
-    return per_head.reshape(-1, per_head.shape[-1]).sum(0).to(sinks.dtype)  # (..., H) -> (B, H) -> (H,)
+    per_head = per_head.reshape(math.prod(per_head.shape[:-1]), per_head.shape[-1])  # (..., H) -> (B, H)
+    return per_head.sum(0).to(sinks.dtype)  # (B, H) -> (H,)

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from . import merge
 from ._context import autocast_inputs, autograd_function_refusal
-from ._shapes import leads, unflat
+from ._shapes import leads, matched_kv_heads, unflat
 from .contract import Contract, resolve
 
 __all__ = ["native_attention", "native_attention_with_lse", "native_available", "ready", "unsupported", "variant",
@@ -135,7 +135,7 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: 
     if not native_available():
         return "the native kernel is not built here (see the mha.dispatch log)"
     if not (q.device.type == k.device.type == v.device.type == "cpu"):
-        return "it runs on CPU tensors only"
+        return f"it runs on CPU tensors only (got {q.device.type})"
     if dropout_p > 0.0:
         return "it has no dropout"
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
@@ -165,6 +165,7 @@ def native_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contrac
                               dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
     """(output (..., L, Dv), log-sum-exp (..., L) in float32, float64 for float64 inputs)."""
     contract = resolve(contract)
+    k, v = matched_kv_heads(q, k, v)
     reason = unsupported(q, k, v, contract, dropout_p)
     if reason:
         raise ValueError(f"the native backend cannot run this call: {reason}")
@@ -176,13 +177,16 @@ def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> tuple[Tensor, T
     learned = (q, k, v, contract.alibi_slopes, contract.sinks)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in learned):
         return _Native.apply(*learned, contract)
-    return _forward(_Inputs(q, k, v, contract))[:2]  # nothing to differentiate: no autograd node
+    return _forward(_Inputs(q, k, v, contract), for_backward=False)[:2]  # nothing to differentiate: no autograd node
 
 
-def _forward(inputs: _Inputs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(output (..., L, Dv), lse (..., L)) and the kernel's own (B, H, L, Dv) and (B, H, L)."""
-    out, lse = _extension(variant()).forward(*inputs.tensors(), *inputs.terms(with_sinks=True))
-    return inputs.output(out), inputs.output(lse), out, lse
+def _forward(inputs: _Inputs, *, for_backward: bool) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """(output (..., L, Dv), lse (..., L)) and what the backward needs: the kernel's own output
+    (B, H, L, Dv) and each row's softmax max and sum (B, H, L) (csrc/native.cpp: the backward's
+    P = e^(s - max) / sum). The backward's forward takes the tiled kernel always (run_forward)."""
+    out, row_max, row_sum = _extension(variant()).forward(*inputs.tensors(), *inputs.terms(with_sinks=True), for_backward)
+    lse = row_max + row_sum.log()  # -inf for a row that saw nothing, NaN for a NaN row
+    return inputs.output(out), inputs.output(lse), (out, row_max, row_sum)
 
 
 _PER_HEAD = "(num_heads,): one value per query head (dim 1 of q)"
@@ -217,6 +221,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"k must have q's head dim ({q.shape[2]}), got shape {tuple(k.shape)}")
     _checks.shared_heads(q.shape[1], "k", k.shape[1], dim=1)
+    _checks.flag("is_causal", is_causal)
     L, S = lengths[0].to(torch.long), lengths[1].to(torch.long)
     longest_q, longest_k = (int(x.max()) if len(x) else 0 for x in (L, S))
     gap = 2 * (longest_q + longest_k) + 1  # between sequences' positions: beyond any band below
@@ -229,7 +234,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                           min(right, longest_q) if right is not None else longest_q)
     contract = Contract(band=band, positions=(q_pos[None].to(q.device), k_pos[None].to(q.device)),
                         alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, q.shape[1], q, _PER_HEAD),
-                        scale=_checks.optional_real("scale", scale), softcap=_checks.optional_positive_real("softcap", softcap),
+                        scale=_checks.optional_finite_real("scale", scale),
+                        softcap=_checks.optional_positive_real("softcap", softcap),
                         sinks=_checks.per_head("sinks", sinks, q.shape[1], q, _PER_HEAD))
     rows = [x.transpose(0, 1)[None] for x in (q, k, v)]  # (T, H, D) -> (1, H, T, D)
     return native_attention(*rows, contract)[0].transpose(0, 1)  # (1, H, T, Dv) -> (T, H, Dv)
@@ -257,25 +263,29 @@ def _ranks(lengths: Tensor) -> Tensor:
 class _Native(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, alibi_slopes, sinks, contract: Contract):
-        output, lse_out, out, lse = _forward(_Inputs(q, k, v, contract))
-        ctx.save_for_backward(q, k, v, out, lse)
+        output, lse, kept = _forward(_Inputs(q, k, v, contract), for_backward=True)
+        ctx.save_for_backward(q, k, v, *kept)
         ctx.contract = contract
-        ctx.mark_non_differentiable(lse_out)
-        return output, lse_out
+        ctx.mark_non_differentiable(lse)
+        return output, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            raise RuntimeError("the native backend has no double backward (create_graph=True); "
+                               "use backend='math' for higher derivatives")
+        q, k, v, out, row_max, row_sum = ctx.saved_tensors
         contract = ctx.contract
         inputs = _Inputs(q, k, v, contract)
-        grad4 = inputs.as_rows(grad_out, inputs.lead)  # (B, H, L, Dv)
-        delta = (grad4.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # rowsum(dO * O): (B, H, L)
-        dq, dk, dv, d_slopes = _extension(variant()).backward(*inputs.tensors(), grad4, lse, delta,
+        grad4 = _at_least_one_column(inputs.as_rows(grad_out, inputs.lead))  # (B, H, L, Dv)
+        delta = (grad4.to(row_max.dtype) * out.to(row_max.dtype)).sum(-1)  # rowsum(dO * O): (B, H, L)
+        dq, dk, dv, d_slopes = _extension(variant()).backward(*inputs.tensors(), grad4, row_max, row_sum, delta,
                                                                *inputs.terms(with_sinks=False))
-        grads = [unflat(g.flatten(0, 1), x, lead) for g, x, lead in
+        grads = [unflat(g.flatten(0, 1)[..., :x.shape[-1]], x, lead) for g, x, lead in  # padded head dims dropped
                  zip((dq, dk, dv), (q, k, v), (inputs.lead, inputs.kv_lead, inputs.kv_lead))]
         d_slopes = None if contract.alibi_slopes is None else d_slopes.to(contract.alibi_slopes.dtype)
-        d_sinks = None if contract.sinks is None else merge.sink_gradient(contract.sinks, lse, delta)
+        d_sinks = None if contract.sinks is None else merge.sink_gradient(
+            contract.sinks, inputs.output(row_max), inputs.output(delta), inputs.output(row_sum))
         return (*grads, d_slopes, d_sinks, None)
 
 
@@ -285,10 +295,10 @@ class _Inputs:
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, contract: Contract):
         self.lead, self.kv_lead = leads(q, k, v)  # (..., H), (..., Hkv)
         self.dtype = q.dtype
-        self.q, self.k, self.v = (self.as_rows(x, lead) for x, lead in
+        self.q, self.k, self.v = (_at_least_one_column(self.as_rows(x, lead)) for x, lead in
                                   zip((q, k, v), (self.lead, self.kv_lead, self.kv_lead)))
         self.contract = contract
-        self.L, self.S = q.shape[-2], k.shape[-2]
+        self.L, self.S, self.D, self.Dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
 
     @staticmethod
     def as_rows(x: Tensor, lead: tuple[int, ...]) -> Tensor:
@@ -300,6 +310,8 @@ class _Inputs:
 
     def output(self, x: Tensor) -> Tensor:
         """(B, H, L, Dv) or (B, H, L) -> (..., L, Dv) or (..., L)."""
+        if x.dim() == 4 and self.Dv == 0:
+            x = x[..., :0]  # the padded column of an empty value head dim
         return x.view(*self.lead, *x.shape[2:])
 
     def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -320,9 +332,15 @@ class _Inputs:
             mask = c.mask if c.mask.dtype == torch.bool else c.mask.to(acc)
             mask = _mask_view(mask, self.lead, self.L, self.S)
         per_head = [None if x is None else x.to(acc).contiguous() for x in (c.alibi_slopes, c.sinks)]
-        terms = (c.scale_for(self.q.shape[-1]), c.softcap or 0.0, band is not None, left, right, c.offset,
+        terms = (c.scale_for(self.D), c.softcap or 0.0, band is not None, left, right, c.offset,
                  q_pos, k_pos, key_valid, mask, per_head[0])
         return (*terms, per_head[1]) if with_sinks else terms
+
+
+def _at_least_one_column(x: Tensor) -> Tensor:
+    """An empty head dim (..., T, 0) as one column of zeros: the kernel's products need one, and a
+    zero adds nothing to a score (D = 0: every score 0) or an output (Dv = 0: dropped after)."""
+    return x if x.shape[-1] > 0 else x.new_zeros(*x.shape[:-1], 1)
 
 
 def _mask_view(mask: Tensor, lead: tuple[int, ...], L: int, S: int) -> Tensor | None:

@@ -23,6 +23,13 @@ only when those weights are no larger than q, k and v. A causal band shifted by 
     offset < 0 (bottom-right, L > S): queries [0, -offset) see no key (zeros); the rest are a
         top-left causal block.
 
+Inputs with fewer than 4 dims run on torch's math path, as torch's own scaled_dot_product_attention
+runs them (its fused CPU kernel takes 4-D only): the same numbers as torch's (NaN where its math
+path puts them, gradients without the log-sum-exp's rounding), taken when the (..., L, S) weights
+are no larger than q, k and v. A causal call with a scale <= 0 reaches torch with a positive one
+(k negated, or q zeroed): torch's causal kernel scales after masking, and -inf times 0 is NaN.
+No rows, or no keys, give zeros without a call (torch's answers vary there: see run_planned).
+
 On CPU torch's kernels return zeros (not NaN) for a query row whose keys are all masked.
 Shapes: q (..., L, D), k (..., S, D), v (..., S, Dv).
 """
@@ -34,9 +41,11 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import masks, positions
 from ._context import autocast_inputs, forward_mode, transforms_active
+from ._shapes import attached_zeros, matched_kv_heads
 from .contract import Contract, resolve
 from .merge import merge_attention
 
@@ -48,6 +57,7 @@ _FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
                    dropout_p: float = 0.0) -> Tensor:
     contract = resolve(contract)
+    k, v = matched_kv_heads(q, k, v)
     return run_planned(q, k, v, contract, dropout_p=dropout_p, planned=plan(q, k, v, contract, dropout_p))
 
 
@@ -56,12 +66,16 @@ def run_planned(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_
     folded, reason = planned
     if reason:
         raise ValueError(f"the sdpa backend cannot run this call: {reason}; use backend='flash' or 'math'")
+    batch = _batch(q, k, v)
+    if 0 in (math.prod(batch), q.shape[-2], k.shape[-2], v.shape[-1]):
+        # no output, or rows that see nothing: zeros. torch's own answers vary (measured: L = 0 or Dv = 0
+        # keep the query's batch dims, a batch dim of 1 against 0 gives 1, S = 0 with a NaN query gives NaN)
+        return attached_zeros((*batch, q.shape[-2], v.shape[-1]), q, k, v)
     if q.dim() == k.dim() == v.dim() == 4:
         return _run(q, k, v, contract, dropout_p=dropout_p, folded=folded)
-    batch = _batch(q, k, v)
-    q, k, v = _as_4d(q, k, v)
-    out = _run(q, k, v, contract, dropout_p=dropout_p, folded=folded)
-    return out.view(*batch, *out.shape[-2:])  # (..., L, Dv), the leading dims added for torch's kernel dropped
+    with sdpa_kernel(SDPBackend.MATH):  # torch's own choice for fewer dims (its fused kernel takes 4-D only)
+        out = _run(*_as_4d(q, k, v), contract, dropout_p=dropout_p, folded=folded)
+    return out.view(*batch, *out.shape[-2:])  # (..., L, Dv), the leading dims added as 4-D views dropped
 
 
 def plan(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float):
@@ -73,10 +87,10 @@ def plan(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float):
         return None, "torch's kernel has no attention sinks"
     if forward_mode(q, k, v):
         return None, "torch's kernel has no forward-mode AD (jvp)"
+    why = _builds_weights(q, k, v, dropout_p)
     if not q.dim() == k.dim() == v.dim() == 4:
         q, k, v = _as_4d(q, k, v)
     budget = q.numel() + k.numel() + v.numel()
-    why = _builds_weights(q, k, v, dropout_p)
     if why:
         weights = math.prod(_batch(q, k, v)) * q.shape[-2] * k.shape[-2]
         if weights > budget:
@@ -103,10 +117,26 @@ def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p: floa
     if band is not None and mask is not None:  # causality folded into a copy of the caller's (..., L, S) mask
         hidden = ~band.allowed(contract.distances(positions.whole(L), positions.whole(S), q.device))  # (L, S)
         mask, band = (mask & ~hidden if mask.dtype == torch.bool else mask.masked_fill(hidden, float("-inf"))), None
-    if band is None or contract.offset == 0:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                              is_causal=band is not None, scale=scale, enable_gqa=_grouped(q, k))
-    return _shifted_causal(q, k, v, contract.offset, contract.scale_for(q.shape[-1]))
+    if band is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=_grouped(q, k))
+    q, k, scale = _positive_scale(q, k, contract.scale_for(q.shape[-1]))
+    if contract.offset == 0:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                              enable_gqa=_grouped(q, k))
+    return _shifted_causal(q, k, v, contract.offset, scale)
+
+
+def _positive_scale(q: Tensor, k: Tensor, scale: float) -> tuple[Tensor, Tensor, float]:
+    """The same scores with a scale > 0: torch's causal kernel scales after masking, so that a scale
+    <= 0 turns the hidden keys' -inf into NaN or +inf (measured, torch 2.13: NaN outputs at scale 0,
+    -1 and -0.5). A negative scale moves to k, negated (exact in every dtype); scale 0 makes every
+    score 0, as q * 0 does (a NaN in q stays NaN)."""
+    if scale > 0:
+        return q, k, scale
+    if scale < 0:
+        return q, -k, -scale
+    return q * 0.0, k, 1.0
 
 
 def _native(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, builds_weights: bool, dropout_p: float) -> bool:
@@ -133,9 +163,9 @@ def _builds_weights(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> str | 
     if dropout_p > 0.0:
         return "dropout"
     if not q.dim() == k.dim() == v.dim() == 4:
-        return "q, k and v of different batch or head counts"
+        return "q, k and v that are not all 4-D"
     qs, ks, vs = q.shape, k.shape, v.shape  # (B, H, L, D), (B, Hkv, S, D), (B, Hkv, S, Dv)
-    if not (qs[0] == ks[0] == vs[0] and ks[1] == vs[1] and qs[1] % ks[1] == 0):
+    if not (qs[0] == ks[0] == vs[0] and ks[1] == vs[1] and (qs[1] % ks[1] == 0 if ks[1] else qs[1] == 0)):
         return "q, k and v of different batch or head counts"
     if not qs[3] == ks[3] == vs[3]:
         return "a value head dim unlike the query's"
@@ -152,7 +182,7 @@ def _grouped(q: Tensor, k: Tensor) -> bool:
 
 
 def _as_4d(*tensors: Tensor) -> tuple[Tensor, ...]:
-    """(..., T, D) with fewer than 4 dims as (1, ..., T, D): the 4-D torch's fused kernel takes."""
+    """(..., T, D) with fewer than 4 dims as (1, ..., T, D) views: one shape for the masks folded in."""
     return tuple(t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t for t in tensors)
 
 

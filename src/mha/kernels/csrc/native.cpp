@@ -1,8 +1,12 @@
 // mha's native attention kernel: exact attention under the whole contract (mha.kernels.Contract),
 // in tiles, with float32 accumulation (float64 for float64), forward and backward.
 //
-//   forward(q, k, v, terms)                  -> out (B, H, L, Dv), lse (B, H, L)
-//   backward(q, k, v, out, lse, dout, delta) -> dq, dk, dv, d_slopes
+//   forward(q, k, v, terms)                                -> out (B, H, L, Dv), row max, row sum (B, H, L)
+//   backward(q, k, v, dout, row max, row sum, delta, terms) -> dq, dk, dv, d_slopes
+//
+// A row's softmax is kept as its max m and its sum l of e^(s - m) (log-sum-exp = m + log l, made
+// by the caller): the backward's P = e^(s - m) / l is then as exact as the forward's, where
+// e^(s - lse) would carry lse's rounding, |m| eps, into every weight at large logits.
 //
 // q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), contiguous; Hkv divides H (GQA: query
 // head h reads key/value head h / G, G = H / Hkv). The G query heads that share a key/value head
@@ -17,7 +21,7 @@
 // Positions: query i at i + offset and key j at j, or given per sequence (B|1, L) and (B|1, S).
 // The band is -left <= rel <= right (kUnbounded: no bound on that side); tiles it hides entirely
 // are never computed. Sinks start each row's running softmax (max = sink, sum = 1). A row that sees
-// no key gives zeros and lse = -inf.
+// no key gives zeros (max -inf, sum 0); a row with a NaN or +inf score (or sink) gives NaN.
 //
 // Tile products run on torch's brgemm (oneDNN) for float32 and on plain loops otherwise; the
 // exponentials are vectorised with AVX-512 where the build has it (MHA_AVX512).
@@ -165,24 +169,28 @@ acc_t exp_shifted(int64_t n, const acc_t* x, acc_t scale, acc_t shift, W* w) {
 }
 
 #if defined(MHA_AVX512)
-// exp of 16 floats: 2^(x log2 e) split into an integer power and a degree-6 polynomial of the
-// fraction; below -87.3 the result is 0 (e^-87 is float32's smallest normal).
+// exp of 16 floats to about 2 ulp: x = n ln2 + r, |r| <= ln2 / 2, with n ln2 taken off in two parts
+// (ln2's float and the rest: r stays exact where x is large, as a softmax's exponents are when its
+// logits are), e^r a degree-6 polynomial (near-minimax on [-ln2/2, ln2/2], 1.6 ulp), times 2^n.
+// Below -87.3 the result is 0 (e^-87 is float32's smallest normal); NaN stays NaN.
 static inline __m512 exp16(__m512 x) {
   const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.7f);
   const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));  // x log2(e)
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);  // in [-0.5, 0.5]
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);  // 2^f, minimax on [-0.5, 0.5]
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512 r = _mm512_scalef_ps(p, n);  // p * 2^n
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), r);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const __m512 c = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), c);  // c - n ln2 (ln2's first 16 bits: exact)
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.4286068202862268e-06f), r);   // the rest of ln2
+  __m512 p = _mm512_set1_ps(1.3948580815544224e-3f);  // e^r
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.375128890169071e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666218274417265e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666415477239332e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.000000107749400e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0000000377274472f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.9999999999595482f));
+  const __m512 result = _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, n));  // p 2^n
+  return _mm512_mask_mov_ps(result, nan, x);
 }
 
 static inline __mmask16 tail_mask(int64_t count) { return static_cast<__mmask16>((1u << count) - 1u); }
@@ -204,6 +212,23 @@ float exp_shifted<float, float>(int64_t n, const float* x, float scale, float sh
     total = _mm512_add_ps(total, e);
   }
   return _mm512_reduce_add_ps(total);
+}
+#endif
+
+// w[j] = exp(scale * x[j] - shift) * factor (the backward's P = e^(s - m) / l).
+template <typename acc_t>
+void exp_times(int64_t n, const acc_t* x, acc_t scale, acc_t shift, acc_t factor, acc_t* w) {
+  for (int64_t j = 0; j < n; ++j) w[j] = std::exp(scale * x[j] - shift) * factor;
+}
+
+#if defined(MHA_AVX512)
+template <>
+void exp_times<float>(int64_t n, const float* x, float scale, float shift, float factor, float* w) {
+  const __m512 a = _mm512_set1_ps(scale), b = _mm512_set1_ps(shift), f = _mm512_set1_ps(factor);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - j);
+    _mm512_mask_storeu_ps(w + j, m, _mm512_mul_ps(exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, x + j), a, b)), f));
+  }
 }
 #endif
 
@@ -242,32 +267,51 @@ float exp_shifted<float, at::BFloat16>(int64_t n, const float* x, float scale, f
 }
 #endif
 
+// The largest of x[0..n), NaN if any is NaN (a NaN score makes its row NaN, as in torch).
 template <typename acc_t>
 acc_t row_max(int64_t n, const acc_t* x) {
-  return *std::max_element(x, x + n);
+  acc_t best = -std::numeric_limits<acc_t>::infinity();
+  for (int64_t j = 0; j < n; ++j) {
+    if (std::isnan(x[j])) return x[j];
+    best = std::max(best, x[j]);
+  }
+  return best;
 }
 
 #if defined(MHA_AVX512)
 template <>
 float row_max<float>(int64_t n, const float* x) {
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(x + j));
-  if (j < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - j)) - 1u);
-    best = _mm512_mask_max_ps(best, m, best, _mm512_maskz_loadu_ps(m, x + j));
+  __mmask16 nan = 0;
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - j);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + j);
+    best = _mm512_mask_max_ps(best, m, best, v);
+    nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
   }
-  return _mm512_reduce_max_ps(best);
+  return nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(best);
 }
 #endif
+
+// Whether a running max or a tile's max is NaN or +inf: the row's softmax is NaN (torch's is:
+// e^(inf - inf)), and so are its output and log-sum-exp.
+template <typename acc_t>
+bool poisons(acc_t max) { return !(max < std::numeric_limits<acc_t>::infinity()); }
 
 // Merge a tile's scores ``row`` (n of them, times ``scale``) into a row's running softmax (max m,
 // sum l), write the tile's weights to ``w`` and rescale the row's accumulated output ``acc`` (Dv
 // values) to the new max. A tile with no visible key, before any was seen, adds nothing (its
-// weights are zeros). scale > 0.
+// weights are zeros). A NaN or +inf score (or sink) makes the row NaN: m, l and acc. scale > 0.
 template <typename acc_t, typename W>
 void absorb(int64_t n, const acc_t* row, acc_t scale, acc_t& m, acc_t& l, acc_t* acc, int64_t Dv, W* w) {
-  const acc_t m_new = std::max(m, scale * row_max(n, row));
+  const acc_t top = scale * row_max(n, row);
+  if (poisons(m) || poisons(top)) {
+    m = l = std::numeric_limits<acc_t>::quiet_NaN();
+    std::fill(acc, acc + Dv, m);
+    std::fill(w, w + n, static_cast<W>(0.0f));
+    return;
+  }
+  const acc_t m_new = std::max(m, top);
   if (m_new == -std::numeric_limits<acc_t>::infinity()) {
     std::fill(w, w + n, static_cast<W>(0.0f));
     return;
@@ -277,6 +321,29 @@ void absorb(int64_t n, const acc_t* row, acc_t scale, acc_t& m, acc_t& l, acc_t*
   m = m_new;
   if (alpha != acc_t(1))
     for (int64_t d = 0; d < Dv; ++d) acc[d] *= alpha;
+}
+
+// Where a kernel leaves each row's softmax: its max m and its sum l (B, H, L) each.
+template <typename acc_t>
+struct RowStats {
+  acc_t* max;
+  acc_t* sum;
+};
+
+// A row's output acc / l (Dv values) and its (m, l): zeros, -inf and 0 for a row that saw nothing,
+// NaN for a row made NaN (see absorb).
+template <typename scalar_t, typename acc_t>
+void finish_row(acc_t m, acc_t l, const acc_t* acc, int64_t Dv, scalar_t* out, const RowStats<acc_t>& stats,
+                int64_t row) {
+  if (poisons(m) || std::isnan(l)) {
+    std::fill(out, out + Dv, static_cast<scalar_t>(std::numeric_limits<acc_t>::quiet_NaN()));
+    stats.max[row] = stats.sum[row] = std::numeric_limits<acc_t>::quiet_NaN();
+    return;
+  }
+  const acc_t inv = l > 0 ? acc_t(1) / l : acc_t(0);
+  for (int64_t d = 0; d < Dv; ++d) out[d] = static_cast<scalar_t>(acc[d] * inv);
+  stats.max[row] = l > 0 ? m : -std::numeric_limits<acc_t>::infinity();
+  stats.sum[row] = l;
 }
 
 // row[j] = c tanh(row[j] / c), and th[j] = tanh(row[j] / c) when th is given (the backward's).
@@ -290,15 +357,29 @@ void softcap_row(int64_t n, acc_t* row, acc_t c, acc_t* th) {
 }
 
 #if defined(MHA_AVX512)
-// tanh(y) = 1 - 2 / (e^(2y) + 1), 16 at a time (absolute error about float32's epsilon; e^(2y)
-// saturates for |y| > 44, where tanh is +-1 in float32).
+// tanh of 16 floats to about 2 ulp: y + y^3 Q(y^2) below |y| = 0.5 (Q near-minimax, degree 4: no
+// cancellation where tanh(y) ~ y, which is where a large cap puts every score), else
+// sign(y) (1 - 2 / (e^(2|y|) + 1)); +-1 past |y| = 44; NaN stays NaN.
+static inline __m512 tanh16(__m512 y) {
+  const __m512 a = _mm512_abs_ps(y), u = _mm512_mul_ps(y, y), one = _mm512_set1_ps(1.0f);
+  __m512 q = _mm512_set1_ps(-6.9470273608254005e-3f);
+  q = _mm512_fmadd_ps(q, u, _mm512_set1_ps(2.147273461642313e-2f));
+  q = _mm512_fmadd_ps(q, u, _mm512_set1_ps(-5.3933791806369494e-2f));
+  q = _mm512_fmadd_ps(q, u, _mm512_set1_ps(1.3333227407799145e-1f));
+  q = _mm512_fmadd_ps(q, u, _mm512_set1_ps(-3.3333332809864824e-1f));
+  const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(y, u), q, y);
+  const __m512 e = exp16(_mm512_add_ps(a, a));  // e^(2|y|)
+  const __m512 large = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
+  const __m512 sign = _mm512_and_ps(y, _mm512_set1_ps(-0.0f));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.5f), _CMP_LT_OQ), _mm512_or_ps(large, sign), small);
+}
+
 template <>
 void softcap_row<float>(int64_t n, float* row, float c, float* th) {
-  const __m512 inv = _mm512_set1_ps(2.0f / c), one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f), cap = _mm512_set1_ps(c);
+  const __m512 inv = _mm512_set1_ps(1.0f / c), cap = _mm512_set1_ps(c);
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - j);
-    const __m512 e = exp16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), inv));  // e^(2 x / c)
-    const __m512 h = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
+    const __m512 h = tanh16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), inv));
     if (th) _mm512_mask_storeu_ps(th + j, m, h);
     _mm512_mask_storeu_ps(row + j, m, _mm512_mul_ps(cap, h));
   }
@@ -528,9 +609,18 @@ struct Bf16Products {
 };
 #endif
 
+// A tile of n keys from j0 whose last n - keys lie past S (the zero padding of the last tile, or of
+// an odd count for the bf16 pairs): their scores are -inf. Only the first ``keys`` columns are
+// ever shaped (a position, a mask or a padding flag exists for those alone).
+template <typename acc_t>
+void hide_padding(int64_t R, int64_t n, int64_t keys, acc_t* s) {
+  if (keys < n)
+    for (int64_t r = 0; r < R; ++r) std::fill(s + r * n + keys, s + (r + 1) * n, -std::numeric_limits<acc_t>::infinity());
+}
+
 template <typename scalar_t, typename acc_t, typename Products>
 void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const Products& shared,
-                    scalar_t* out, acc_t* lse) {
+                    scalar_t* out, const RowStats<acc_t>& stats) {
   const int64_t blocks = (sh.rows() + kBlockQ - 1) / kBlockQ;
   const int64_t align = Products::kAlign, padded = tiles_of(sh.S) * kBlockK;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
@@ -552,27 +642,23 @@ void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, c
       lo -= lo % align;  // the band hides the keys added at either end, or they lie beyond S (masked below)
       hi = std::min(padded, (hi + align - 1) / align * align);
       for (int64_t j0 = lo; j0 < hi; j0 = (j0 / kBlockK + 1) * kBlockK) {  // the tiles over [lo, hi)
-        const int64_t n = std::min((j0 / kBlockK + 1) * kBlockK, hi) - j0;
+        const int64_t n = std::min((j0 / kBlockK + 1) * kBlockK, hi) - j0, keys = std::min(n, sh.S - j0);
         products.scores(bh, R, j0, n, s.data());
-        if (j0 + n > sh.S)  // keys past the sequence (padding of the last tile)
-          for (int64_t r = 0; r < R; ++r) std::fill(s.data() + r * n + (sh.S - j0), s.data() + (r + 1) * n, neg_inf);
-        const bool covered = band_covers(t, rows, j0, n), plain = plain_tile(t, covered);
+        const bool covered = band_covers(t, rows, j0, keys), plain = plain_tile(t, covered);
         acc_t scale = 1;  // the scale the softmax still applies
         if (!Products::kScaled) {
           if (plain && t.scale > 0) scale = t.scale;
           else for (int64_t x = 0; x < R * n; ++x) s[x] *= t.scale;
         }
-        if (!plain) shape_tile(t, rows, j0, n, s.data(), n, static_cast<acc_t*>(nullptr), covered);
+        hide_padding(R, n, keys, s.data());  // after the scale: -inf times a scale <= 0 is NaN or +inf
+        if (!plain) shape_tile(t, rows, j0, keys, s.data(), n, static_cast<acc_t*>(nullptr), covered);
         auto* w = products.weights(s.data());
         for (int64_t r = 0; r < R; ++r) absorb(n, s.data() + r * n, scale, m[r], l[r], acc.data() + r * sh.Dv, sh.Dv, w + r * n);
         products.add_values(bh, R, j0, n, s.data(), acc.data());
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
-        scalar_t* dst = out + row_index * sh.Dv;
-        const acc_t inv = l[r] > 0 ? acc_t(1) / l[r] : acc_t(0);
-        for (int64_t d = 0; d < sh.Dv; ++d) dst[d] = static_cast<scalar_t>(acc[r * sh.Dv + d] * inv);
-        lse[row_index] = l[r] > 0 ? m[r] + std::log(l[r]) : neg_inf;
+        finish_row(m[r], l[r], acc.data() + r * sh.Dv, sh.Dv, out + row_index * sh.Dv, stats, row_index);
       }
     }
   });
@@ -730,7 +816,7 @@ struct Bf16Backward {
 // whole tiles.
 template <typename scalar_t, typename acc_t, typename Products>
 void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const Products& shared,
-                     const scalar_t* dout, const acc_t* lse, const acc_t* delta,
+                     const scalar_t* dout, const RowStats<const acc_t>& stats, const acc_t* delta,
                      acc_t* dq_parts, int64_t chunks, acc_t* dkt, acc_t* dvt, acc_t* d_slopes_parts) {
   const int64_t blocks = (sh.rows() + kBlockQ - 1) / kBlockQ;
   const int64_t chunk_len = (tiles_of(sh.S) + chunks - 1) / chunks * kBlockK;
@@ -739,7 +825,7 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
   at::parallel_for(0, sh.B * sh.Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
     Products products = shared;  // its per-thread buffers
     std::vector<acc_t> p(kBlockQ * kBlockK), ds(kBlockQ * kBlockK), capped(kBlockQ * kBlockK), dqb(kBlockQ * sh.D),
-        shift(kBlockQ), row_delta(kBlockQ);
+        shift(kBlockQ), inv_sum(kBlockQ), row_delta(kBlockQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t chunk = task % chunks, bh = task / chunks, b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
       const int64_t c0 = chunk * chunk_len, c1 = std::min(padded, c0 + chunk_len);
@@ -760,23 +846,24 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
         for (int64_t r = 0; r < R; ++r) {  // the block's rows
           const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
           products.pack_row(r, R, q + row_index * sh.D, dout + row_index * sh.Dv);
-          shift[r] = lse[row_index] == -inf ? inf : lse[row_index];  // a row that saw nothing: P = 0
+          const bool empty = stats.sum[row_index] == acc_t(0);  // a row that saw nothing: P = 0
+          shift[r] = empty ? inf : stats.max[row_index];
+          inv_sum[r] = empty ? acc_t(1) : acc_t(1) / stats.sum[row_index];
           row_delta[r] = delta[row_index];
         }
         std::fill(dqb.begin(), dqb.begin() + R * sh.D, acc_t(0));
         for (int64_t j0 = lo; j0 < hi; j0 = (j0 / kBlockK + 1) * kBlockK) {  // the tiles over [lo, hi)
-          const int64_t n = std::min((j0 / kBlockK + 1) * kBlockK, hi) - j0;
+          const int64_t n = std::min((j0 / kBlockK + 1) * kBlockK, hi) - j0, keys = std::min(n, sh.S - j0);
           products.scores(bh, R, j0, n, p.data());
-          if (j0 + n > sh.S)  // keys past the sequence (padding of the last tile)
-            for (int64_t r = 0; r < R; ++r) std::fill(p.data() + r * n + (sh.S - j0), p.data() + (r + 1) * n, -inf);
-          const bool covered = band_covers(t, rows, j0, n), plain = plain_tile(t, covered);
+          const bool covered = band_covers(t, rows, j0, keys), plain = plain_tile(t, covered);
           acc_t scale = 1;  // the scale the exponential still applies
           if (!Products::kScaled) {
             if (plain && t.scale > 0) scale = t.scale;
             else for (int64_t x = 0; x < R * n; ++x) p[x] *= t.scale;
           }
-          if (!plain) shape_tile(t, rows, j0, n, p.data(), n, capped.data(), covered);
-          for (int64_t r = 0; r < R; ++r) exp_shifted(n, p.data() + r * n, scale, shift[r], p.data() + r * n);  // P = e^(S - lse)
+          hide_padding(R, n, keys, p.data());  // after the scale: -inf times a scale <= 0 is NaN or +inf
+          if (!plain) shape_tile(t, rows, j0, keys, p.data(), n, capped.data(), covered);
+          for (int64_t r = 0; r < R; ++r) exp_times(n, p.data() + r * n, scale, shift[r], inv_sum[r], p.data() + r * n);  // P = e^(S - m) / l
           products.weights(R, n, p.data());
           products.dvalues(R, n, p.data(), kt_block(dvt_head, sh.Dv, j0));  // dV^T += dO^T P
           products.dprobs(bh, R, j0, n, ds.data());  // dP = dO V^T
@@ -786,7 +873,7 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
             for (int64_t j = 0; j < n; ++j) g[j] = pr[j] * (g[j] - row_delta[r]);
             if (t.slopes) {  // d slope_h = -sum dS |rel|
               acc_t total = 0;
-              for (int64_t j = 0; j < n; ++j) {
+              for (int64_t j = 0; j < keys; ++j) {
                 const int64_t rel = t.key_position(b, j0 + j) - rows.position[r];
                 total += g[j] * static_cast<acc_t>(rel < 0 ? -rel : rel);
               }
@@ -794,7 +881,7 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
             }
             if (t.softcap > 0) {  // d/ds of c tanh(s / c)
               const acc_t* th = capped.data() + r * n;
-              for (int64_t j = 0; j < n; ++j) g[j] *= acc_t(1) - th[j] * th[j];
+              for (int64_t j = 0; j < keys; ++j) g[j] *= acc_t(1) - th[j] * th[j];
             }
           }
           products.gradients(R, n, ds.data());
@@ -841,7 +928,6 @@ void decode_values(int64_t R, int64_t n, int64_t Dv, const acc_t* p, const scala
     const scalar_t* vj = v + j * Dv;
     for (int64_t r = 0; r < R; ++r) {
       const acc_t w = p[r * n + j];
-      if (w == acc_t(0)) continue;
       acc_t* a = acc + r * Dv;
       for (int64_t d = 0; d < Dv; ++d) a[d] += w * static_cast<acc_t>(vj[d]);
     }
@@ -873,7 +959,6 @@ void decode_values<float, float>(int64_t R, int64_t n, int64_t Dv, const float* 
     const float* vj = v + j * Dv;
     for (int64_t r = 0; r < R; ++r) {
       const float w = p[r * n + j];
-      if (w == 0.0f) continue;
       const __m512 wv = _mm512_set1_ps(w);
       float* a = acc + r * Dv;
       int64_t d = 0;
@@ -898,7 +983,6 @@ void decode_values<at::BFloat16, float>(int64_t R, int64_t n, int64_t Dv, const 
     const at::BFloat16* vj = v + j * Dv;
     for (int64_t r = 0; r < R; ++r) {
       const float w = p[r * n + j];
-      if (w == 0.0f) continue;
       const __m512 wv = _mm512_set1_ps(w);
       float* a = acc + r * Dv;
       int64_t d = 0;
@@ -934,7 +1018,7 @@ void decode_scores<at::BFloat16, float>(int64_t R, int64_t n, int64_t D, const a
 
 template <typename scalar_t, typename acc_t>
 void decode_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const scalar_t* k, const scalar_t* v,
-                   scalar_t* out, acc_t* lse) {
+                   scalar_t* out, const RowStats<acc_t>& stats) {
   const int64_t R = sh.rows(), tasks = sh.B * sh.Hkv;
   const int64_t splits = std::max<int64_t>(1, std::min<int64_t>((2 * at::get_num_threads() + tasks - 1) / tasks,
                                                                 (sh.S + 1023) / 1024));
@@ -973,15 +1057,17 @@ void decode_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, co
     }
   });
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {  // merge the splits by log-sum-exp
+    std::vector<acc_t> merged(sh.Dv);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
       const Rows rows = block_rows(sh, t, b, kv_head, 0, R);
       for (int64_t r = 0; r < R; ++r) {
         acc_t top = neg_inf, total = 0;
-        for (int64_t p = 0; p < splits; ++p) top = std::max(top, part_m[(bh * splits + p) * R + r]);
-        const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
-        std::vector<acc_t> merged(sh.Dv, acc_t(0));
-        if (top != neg_inf) {
+        for (int64_t p = 0; p < splits && !poisons(top); ++p)  // a split made NaN makes the row NaN (finish_row)
+          top = poisons(part_m[(bh * splits + p) * R + r]) ? part_m[(bh * splits + p) * R + r]
+                                                            : std::max(top, part_m[(bh * splits + p) * R + r]);
+        std::fill(merged.begin(), merged.end(), acc_t(0));
+        if (top != neg_inf && !poisons(top)) {
           for (int64_t p = 0; p < splits; ++p) {
             const int64_t part = (bh * splits + p) * R + r;
             const acc_t w = std::exp(part_m[part] - top);
@@ -989,46 +1075,48 @@ void decode_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, co
             for (int64_t d = 0; d < sh.Dv; ++d) merged[d] += part_acc[part * sh.Dv + d] * w;
           }
         }
-        const acc_t inv = total > 0 ? acc_t(1) / total : acc_t(0);
-        for (int64_t d = 0; d < sh.Dv; ++d) out[row_index * sh.Dv + d] = static_cast<scalar_t>(merged[d] * inv);
-        lse[row_index] = total > 0 ? top + std::log(total) : neg_inf;
+        const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
+        finish_row(top, total, merged.data(), sh.Dv, out + row_index * sh.Dv, stats, row_index);
       }
     }
   });
 }
 
 // The forward of one call: the decoding path for a few rows per key/value head, else the tiled
-// kernel on the products for the dtype.
+// kernel on the products for the dtype. A forward whose log-sum-exp the backward will use
+// (``for_backward``) takes the tiled kernel always: the backward recomputes the scores with the
+// tiled kernel's products, and P = e^(s - m) / l is exact only when s is the same float both times
+// (at large logits one rounding apart is a relative error of |s| eps in P).
 template <typename scalar_t, typename acc_t>
 void run_forward(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const scalar_t* k, const scalar_t* v,
-                 scalar_t* out, acc_t* lse) {
-  if (sh.rows() <= kDecodeRows) {  // a decoding step: the cache is read as it is
-    decode_kernel<scalar_t, acc_t>(sh, t, q, k, v, out, lse);
+                 scalar_t* out, const RowStats<acc_t>& stats, bool for_backward) {
+  if (sh.rows() <= kDecodeRows && !for_backward) {  // a decoding step: the cache is read as it is
+    decode_kernel<scalar_t, acc_t>(sh, t, q, k, v, out, stats);
     return;
   }
 #if defined(MHA_AVX512_BF16)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    forward_kernel<scalar_t, acc_t>(sh, t, q, Bf16Products(sh, t.scale, k, v), out, lse);
+    forward_kernel<scalar_t, acc_t>(sh, t, q, Bf16Products(sh, t.scale, k, v), out, stats);
     return;
   }
 #endif
-  forward_kernel<scalar_t, acc_t>(sh, t, q, PlainProducts<scalar_t, acc_t>(sh, t.scale, k, v), out, lse);
+  forward_kernel<scalar_t, acc_t>(sh, t, q, PlainProducts<scalar_t, acc_t>(sh, t.scale, k, v), out, stats);
 }
 
 // The backward of one call, on the products for the dtype; dK^T comes out scaled either way.
 template <typename scalar_t, typename acc_t>
 void run_backward(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const Tensor& k, const Tensor& v,
-                  const scalar_t* dout, const acc_t* lse, const acc_t* delta, acc_t* dq_parts, int64_t chunks,
+                  const scalar_t* dout, const RowStats<const acc_t>& stats, const acc_t* delta, acc_t* dq_parts, int64_t chunks,
                   Tensor& dkt, Tensor& dvt, acc_t* d_slopes_parts) {
 #if defined(MHA_AVX512_BF16)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    backward_kernel<scalar_t, acc_t>(sh, t, q, Bf16Backward(sh, t.scale, k, v), dout, lse, delta, dq_parts, chunks,
+    backward_kernel<scalar_t, acc_t>(sh, t, q, Bf16Backward(sh, t.scale, k, v), dout, stats, delta, dq_parts, chunks,
                                      dkt.data_ptr<acc_t>(), dvt.data_ptr<acc_t>(), d_slopes_parts);
     dkt.mul_(t.scale);  // q entered the products unscaled
     return;
   }
 #endif
-  backward_kernel<scalar_t, acc_t>(sh, t, q, PlainBackward<scalar_t, acc_t>(sh, t.scale, k, v), dout, lse, delta,
+  backward_kernel<scalar_t, acc_t>(sh, t, q, PlainBackward<scalar_t, acc_t>(sh, t.scale, k, v), dout, stats, delta,
                                    dq_parts, chunks, dkt.data_ptr<acc_t>(), dvt.data_ptr<acc_t>(), d_slopes_parts);
 }
 
@@ -1077,51 +1165,57 @@ Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v) {
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), "mha native: q, k, v must have one batch size");
   TORCH_CHECK(v.size(1) == k.size(1) && v.size(2) == k.size(2), "mha native: v must have k's heads and length");
   TORCH_CHECK(k.size(3) == q.size(3), "mha native: k must have q's head dim");
+  TORCH_CHECK(q.size(3) > 0 && v.size(3) > 0, "mha native: head dims must be at least 1 (mha.kernels.native pads empty ones)");
+  TORCH_CHECK(k.size(1) > 0 ? q.size(1) % k.size(1) == 0 : q.size(1) == 0, "mha native: key/value heads must divide query heads");
   Shape sh{q.size(0), q.size(1), k.size(1), k.size(1) > 0 ? q.size(1) / k.size(1) : 0, q.size(2), k.size(2), q.size(3),
            v.size(3)};
-  TORCH_CHECK(sh.Hkv > 0 && sh.H % sh.Hkv == 0, "mha native: key/value heads must divide query heads");
   return sh;
 }
 
 std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, double softcap,
                             bool has_band, int64_t left, int64_t right, int64_t offset, const Optional& q_pos,
                             const Optional& k_pos, const Optional& key_valid, const Optional& mask,
-                            const Optional& slopes, const Optional& sinks) {
+                            const Optional& slopes, const Optional& sinks, bool for_backward) {
   const Shape sh = shape_of(q, k, v);
   auto out = at::empty({sh.B, sh.H, sh.L, sh.Dv}, q.options());
   const bool wide = q.scalar_type() == at::kDouble;
-  auto lse = at::empty({sh.B, sh.H, sh.L}, q.options().dtype(wide ? at::kDouble : at::kFloat));
-  if (sh.B * sh.H * sh.L == 0) return {out, lse};  // no rows: nothing to compute (and no row to take a band's range of)
+  const auto stats_options = q.options().dtype(wide ? at::kDouble : at::kFloat);
+  auto row_max = at::empty({sh.B, sh.H, sh.L}, stats_options), row_sum = at::empty({sh.B, sh.H, sh.L}, stats_options);
+  if (sh.B * sh.H * sh.L == 0) return {out, row_max, row_sum};  // no rows: nothing to compute (and no row to take a band's range of)
+  if (sh.S == 0 && sinks == std::nullopt)  // rows that see nothing
+    return {out.zero_(), row_max.fill_(-std::numeric_limits<double>::infinity()), row_sum.zero_()};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_native_forward", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto t = terms_of<acc_t>(scale, softcap, has_band, left, right, offset, q_pos, k_pos, key_valid, mask,
                                    slopes, sinks);
     run_forward<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                                 out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>());
+                                 out.data_ptr<scalar_t>(), {row_max.data_ptr<acc_t>(), row_sum.data_ptr<acc_t>()},
+                                 for_backward);
   });
-  return {out, lse};
+  return {out, row_max, row_sum};
 }
 
-std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout,
-                             const Tensor& lse, const Tensor& delta, double scale, double softcap, bool has_band,
+std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout, const Tensor& row_max,
+                             const Tensor& row_sum, const Tensor& delta, double scale, double softcap, bool has_band,
                              int64_t left, int64_t right, int64_t offset, const Optional& q_pos,
                              const Optional& k_pos, const Optional& key_valid, const Optional& mask,
                              const Optional& slopes) {
   const Shape sh = shape_of(q, k, v);
   const int64_t threads = at::get_num_threads();
-  const int64_t tasks = sh.B * sh.Hkv;  // split the keys when there are fewer (batch, kv head) tasks than threads
+  const int64_t tasks = std::max<int64_t>(1, sh.B * sh.Hkv);  // split the keys when there are fewer (batch, kv head) tasks than threads
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((2 * threads + tasks - 1) / tasks, tiles_of(sh.S)));
-  const auto acc_options = lse.options();
+  const auto acc_options = row_max.options();
   auto dq_parts = at::zeros({chunks, sh.B, sh.H, sh.L, sh.D}, acc_options);
   const int64_t tiles = tiles_of(sh.S);
   auto dkt = at::zeros({sh.B, sh.Hkv, tiles, sh.D, kBlockK}, acc_options);  // tile-major, as K^T
   auto dvt = at::zeros({sh.B, sh.Hkv, tiles, sh.Dv, kBlockK}, acc_options);
   auto d_slopes_parts = at::zeros({sh.B, sh.Hkv, chunks, sh.G}, acc_options);
-  if (sh.B * sh.H * sh.L > 0) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_native_backward", [&] {
+  if (sh.B * sh.H * sh.L > 0 && sh.S > 0) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_native_backward", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto t = terms_of<acc_t>(scale, softcap, has_band, left, right, offset, q_pos, k_pos, key_valid, mask,
                                    slopes, std::nullopt);
-    run_backward<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), k, v, dout.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(),
+    const RowStats<const acc_t> stats{row_max.data_ptr<acc_t>(), row_sum.data_ptr<acc_t>()};
+    run_backward<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), k, v, dout.data_ptr<scalar_t>(), stats,
                                   delta.data_ptr<acc_t>(), dq_parts.data_ptr<acc_t>(), chunks, dkt, dvt,
                                   d_slopes_parts.data_ptr<acc_t>());
   });
@@ -1141,7 +1235,7 @@ std::string build_info() {
 }  // namespace mha_native
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &mha_native::forward, "attention forward: (out, lse)");
+  m.def("forward", &mha_native::forward, "attention forward: (out, row max, row sum)");
   m.def("backward", &mha_native::backward, "attention backward: (dq, dk, dv, d_slopes)");
   m.def("build_info", &mha_native::build_info, "the instruction set this build was compiled for");
 }

@@ -26,7 +26,7 @@ def safe_softmax(scores: Tensor, *, inplace: bool = False) -> Tensor:
     allocating (and page-faulting) a second L x S buffer: most of a large softmax's time on CPU.
     """
     blocked = scores.amax(dim=-1, keepdim=True) == float("-inf") if scores.shape[-1] > 0 else None  # (..., L, 1)
-    if blocked is not None and may_branch_on_values() and not bool(blocked.any()):
+    if blocked is not None and may_branch_on_values() and not scores.is_meta and not bool(blocked.any()):
         blocked = None  # the common case, skipped (in eager mode only: a branch on values)
     if blocked is not None:  # finite row -> finite softmax and gradient
         scores = scores.masked_fill_(blocked, 0.0) if inplace else scores.masked_fill(blocked, 0.0)

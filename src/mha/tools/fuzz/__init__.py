@@ -6,12 +6,13 @@
     cases      Case (every choice of one call) and draw(rng)
     reference  the float64 reference and torch's own computation, written with torch's plain ops,
                and the tolerance rule (2x torch's own error in the dtype, plus a rounding floor)
-    check      check(case): the properties every backend must have, and what breaks them
+    properties check(case): the properties every backend must have, and what breaks them
     driver     child processes (a crash or a hang is a finding, not the end of the run), findings
                reported once each with their smallest case, the command line
 """
 
+from . import driver, properties
 from .cases import Case, draw
-from .check import Finding, check
+from .properties import Finding, check
 
-__all__ = ["Case", "Finding", "check", "draw"]
+__all__ = ["Case", "Finding", "check", "draw", "driver", "properties"]

@@ -98,10 +98,11 @@ def _serve(connection) -> None:
 # -- one case, in the child ----------------------------------------------------------------------------
 
 
-def signatures(case_json: str) -> list[tuple[str, str]]:
-    """(signature, detail) of every finding of the case (runs in the child)."""
-    from .check import check
-    return [(f.signature, f.detail) for f in check(Case.from_json(case_json))]
+def signatures(case_json: str, properties: tuple[str, ...] | None = None) -> list[tuple[str, str]]:
+    """(signature, detail) of every finding of the case (runs in the child); all properties, or these."""
+    from .properties import check
+    chosen = {} if properties is None else {"properties": tuple(properties)}
+    return [(f.signature, f.detail) for f in check(Case.from_json(case_json), **chosen)]
 
 
 def _checked(worker: Isolated, case: Case) -> list[tuple[str, str]]:
@@ -226,7 +227,7 @@ def run(cases: int, seed: int, *, workers: int = 1, kinds: tuple[str, ...] | Non
             if len(batch) == len(pool):
                 _run_batch(pool, batch, report, shrink_tries, log)
                 batch = []
-            if report.cases and report.cases % 500 == 0:
+            if batch == [] and report.cases % 500 < len(pool):
                 log(f"{report.cases} cases, {len(report.findings)} findings, {time.time() - started:.0f} s")
         if batch:
             _run_batch(pool, batch, report, shrink_tries, log)
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _replay(case: Case) -> int:
     """Run one case here (not in a child): what is wrong with it, and the traceback of any exception."""
-    from .check import check
+    from .properties import check
     print(case.to_json())
     try:
         found = check(case)
@@ -300,7 +301,7 @@ def _replay(case: Case) -> int:
 
 def _traceback_of(case: Case) -> None:
     from .cases import generator, tensor
-    from .check import _call, _run, _varlen, backends
+    from .properties import _call, _run, _varlen, backends
     setup = (_varlen if case.kind == "varlen" else _call)(case)
     cotangent = tensor(setup.out_shape, "contiguous", setup.inputs[0].dtype, generator(case, 4)) if case.grad else None
     for backend in ("varlen",) if case.kind == "varlen" else backends():

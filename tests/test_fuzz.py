@@ -26,13 +26,13 @@ def _die(how: str):
 
 
 def test_a_crash_or_a_hang_in_the_child_is_reported_and_the_next_call_gets_a_fresh_child():
-    child = Isolated(timeout=5)
+    child = Isolated(timeout=3)
     try:
         first = child(_die, "none")
         with pytest.raises(Crash, match="the child process died: signal SIGSEGV"):
             child(_die, "segv")
         assert child(_die, "none") != first  # a new process
-        with pytest.raises(Crash, match="no answer in 5 s"):
+        with pytest.raises(Crash, match="no answer in 3 s"):
             child(_die, "hang")
         with pytest.raises(RuntimeError, match="KeyError: 'inside'"):  # the child's traceback comes back
             child(_die, "raise")

@@ -34,10 +34,10 @@ def matched_kv_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     and v's Hv each divide the query's H); the kernels take one count: the least common multiple,
     each repeated to it (query head h still reads key head h // (H / Hk) and value head h // (H / Hv)).
     Anything else is returned as it is (for the broadcast rule to judge)."""
-    if q.dim() < 3 or k.dim() < 3 or v.dim() < 3:
+    if k.dim() < 3 or v.dim() < 3 or k.shape[-3] == v.shape[-3] or q.dim() < 3:
         return k, v
     H, Hk, Hv = q.shape[-3], k.shape[-3], v.shape[-3]
-    if Hk == Hv or 0 in (Hk, Hv) or H % Hk or H % Hv:
+    if 0 in (Hk, Hv) or H % Hk or H % Hv:
         return k, v
     heads = math.lcm(Hk, Hv)  # (..., Hk|Hv, S, D) -> (..., lcm, S, D)
     return k.repeat_interleave(heads // Hk, dim=-3), v.repeat_interleave(heads // Hv, dim=-3)

@@ -53,15 +53,15 @@ def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> None:
     lse.copy_(merged)
 
 
-def sink_gradient(sinks: Tensor, lse: Tensor, delta: Tensor, row_sum: Tensor | None = None) -> Tensor:
-    """d sinks (H,) in sinks' dtype: -sum over rows (and batch) of p_sink * delta, p_sink =
-    e^(sink_h - lse), where lse (..., H, L) is the whole softmax's (sinks included) and delta
-    (..., H, L) = rowsum(dO * O). With ``row_sum`` (..., H, L), ``lse`` is the rows' max m instead and
-    p_sink = e^(sink_h - m) / sum (exact at large logits, where lse's rounding is |m| eps). A row
-    that saw nothing (lse = -inf, or sum 0) contributes nothing."""
-    empty = lse == float("-inf") if row_sum is None else row_sum == 0
-    lse = torch.where(empty, torch.full_like(lse, float("inf")), lse)  # e^(sink - inf) = 0
-    p_sink = (sinks[:, None] - lse).exp()  # (..., H, L)
+def sink_gradient(sinks: Tensor, shift: Tensor, delta: Tensor, row_sum: Tensor | None = None) -> Tensor:
+    """d sinks (H,) in sinks' dtype: -sum over rows (and batch) of p_sink * delta, where delta
+    (..., H, L) = rowsum(dO * O) and p_sink = e^(sink_h - shift) / row_sum: ``shift`` (..., H, L) the
+    whole softmax's log-sum-exp (sinks included) and no row_sum, or each row's max m and its sum
+    (exact at large logits, where the log-sum-exp's rounding is |m| eps). A row that saw nothing
+    (shift -inf, or sum 0) contributes nothing."""
+    empty = shift == float("-inf") if row_sum is None else row_sum == 0
+    shift = torch.where(empty, torch.full_like(shift, float("inf")), shift)  # e^(sink - inf) = 0
+    p_sink = (sinks[:, None] - shift).exp()  # (..., H, L)
     if row_sum is not None:
         p_sink = p_sink / torch.where(empty, torch.ones_like(row_sum), row_sum)
     per_head = -(p_sink * delta).sum(-1)  # (..., H)

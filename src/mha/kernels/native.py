@@ -14,7 +14,8 @@ set this CPU has:
     portable    plain C++, the compiler's own vectorisation     any other CPU
 The tile products run on torch's brgemm (oneDNN's, which picks its own instructions) in every build.
 
-MHA_NATIVE=off turns the backend off; MHA_NATIVE=avx512|avx2|portable forces a build. Where no
+MHA_NATIVE=off turns the backend off; MHA_NATIVE=avx512|avx2|portable forces a build;
+MHA_NATIVE_SANITIZE=1 builds (and uses) one with AddressSanitizer and UBSan (docs/testing.md). Where no
 compiler is found, native_available() is False, the dispatch says why once in its log
 ("mha.dispatch") and every call runs on the other backends.
 
@@ -39,7 +40,7 @@ from ._context import autocast_inputs, autograd_function_refusal
 from ._shapes import leads, matched_kv_heads, unflat
 from .contract import Contract, resolve
 
-__all__ = ["native_attention", "native_attention_with_lse", "native_available", "ready", "unsupported", "variant",
+__all__ = ["native_attention", "native_attention_with_lse", "native_available", "ready", "sanitized", "unsupported", "variant",
            "varlen_attention"]
 
 log = logging.getLogger("mha.dispatch")
@@ -49,6 +50,9 @@ _SOURCE = Path(__file__).parent / "csrc" / "native.cpp"
 _AVX512 = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DMHA_AVX512"]
 _FLAGS = {"avx512bf16": [*_AVX512, "-mavx512bf16", "-DMHA_AVX512_BF16"], "avx512": _AVX512,
           "avx2": ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"], "portable": ["-O3", "-fopenmp"]}
+# MHA_NATIVE_SANITIZE=1: a build of its own with AddressSanitizer and UBSan (docs/testing.md)
+_SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g", "-O1",
+             "-D_GLIBCXX_ASSERTIONS", "-D_GLIBCXX_SANITIZE_VECTOR"]
 _UNBOUNDED = 2 ** 63 - 1  # the kernel's "no bound on this side of the band"
 
 
@@ -66,19 +70,37 @@ def variant() -> str | None:
 
 
 @functools.cache
-def _extension(build: str | None):
-    """The compiled kernel for ``build``, compiled on first use (then cached by torch per user), or
-    None when it cannot be built; the reason goes to the dispatch log once."""
+def sanitized() -> bool:
+    """Whether MHA_NATIVE_SANITIZE asks for the build with AddressSanitizer and UBSan (run it with the
+    sanitizer's runtime preloaded: docs/testing.md); read once, when the process first asks."""
+    return os.environ.get("MHA_NATIVE_SANITIZE", "0") not in ("", "0")
+
+
+def _kernel():
+    """The compiled kernel this process uses (see _extension)."""
+    return _extension(variant(), sanitized())
+
+
+@functools.cache
+def _extension(build: str | None, sanitize: bool = False):
+    """The compiled kernel for ``build`` (sanitized or not), compiled on first use (then cached by
+    torch per user), or None when it cannot be built; the reason goes to the dispatch log once."""
     if build is None:
         log.info("native backend: off (MHA_NATIVE=off)")
         return None
+    if sanitize and "libasan" not in os.environ.get("LD_PRELOAD", ""):  # loading it would abort the process
+        raise RuntimeError("MHA_NATIVE_SANITIZE=1 needs AddressSanitizer's runtime loaded first: run with "
+                           "LD_PRELOAD=\"$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)\" "
+                           "ASAN_OPTIONS=detect_leaks=0, as scripts/sanitize.sh does (docs/testing.md)")
     try:
         from torch.utils.cpp_extension import load
-        folder = _build_folder(build)
+        folder = _build_folder(build, sanitize)
         folder.mkdir(parents=True, exist_ok=True)
         with _one_process_at_a_time(folder):
-            return load(name=f"mha_native_{build}", sources=[str(_SOURCE)], extra_cflags=_FLAGS[build],
-                        extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+            return load(name=_module_name(build, sanitize), sources=[str(_SOURCE)],
+                        extra_cflags=[*_FLAGS[build], *(_SANITIZE if sanitize else [])],
+                        extra_ldflags=["-fopenmp", *(_SANITIZE[:1] if sanitize else [])], build_directory=str(folder),
+                        verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the other backends run
         log.info("native backend unavailable (%s: %s); calls run on the other backends",
                  type(error).__name__, str(error).strip().splitlines()[-1] if str(error).strip() else "")
@@ -107,27 +129,31 @@ def _one_process_at_a_time(folder: Path):
 
 def native_available() -> bool:
     """Whether the native kernel is built (building it on first use: about 30 s, once per user)."""
-    return _extension(variant()) is not None
+    return _kernel() is not None
 
 
 def ready() -> bool:
     """Whether the native kernel can run without building it now: loaded in this process, or built
     before (torch's extension cache holds it for this user). The dispatch asks this, so that no
     call ever waits for a compiler; native_available(), backend="native" or `mha verify` build it."""
-    build = variant()
+    build, sanitize = variant(), sanitized()
     if build is None:
         return False
     if _extension.cache_info().currsize:  # tried in this process: loaded, or failed
-        return _extension(build) is not None
-    return any(_build_folder(build).glob(f"mha_native_{build}*.so")) and native_available()
+        return _extension(build, sanitize) is not None
+    return any(_build_folder(build, sanitize).glob(f"{_module_name(build, sanitize)}*.so")) and native_available()
 
 
-def _build_folder(build: str) -> Path:
+def _module_name(build: str, sanitize: bool = False) -> str:
+    return f"mha_native_{build}" + ("_sanitized" if sanitize else "")
+
+
+def _build_folder(build: str, sanitize: bool = False) -> Path:
     """Where the build lives: torch's extension cache (TORCH_EXTENSIONS_DIR, or ~/.cache/torch_extensions),
     one folder per build and torch version."""
     from torch.utils.cpp_extension import get_default_build_root
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    return Path(root) / f"mha_native_{build}_torch{torch.__version__.replace('+', '_')}"
+    return Path(root) / f"{_module_name(build, sanitize)}_torch{torch.__version__.replace('+', '_')}"
 
 
 def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float = 0.0) -> str | None:
@@ -158,35 +184,42 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: 
 def native_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
                      dropout_p: float = 0.0) -> Tensor:
     """The backend entry point: output (..., L, Dv)."""
-    return native_attention_with_lse(q, k, v, contract, dropout_p=dropout_p)[0]
+    return _checked_run(q, k, v, contract, dropout_p, with_lse=False)
 
 
 def native_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
                               dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
     """(output (..., L, Dv), log-sum-exp (..., L) in float32, float64 for float64 inputs)."""
+    return _checked_run(q, k, v, contract, dropout_p, with_lse=True)
+
+
+def _checked_run(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None, dropout_p: float, *, with_lse: bool):
     contract = resolve(contract)
     k, v = matched_kv_heads(q, k, v)
     reason = unsupported(q, k, v, contract, dropout_p)
     if reason:
         raise ValueError(f"the native backend cannot run this call: {reason}")
     q, k, v = autocast_inputs(q, k, v)  # as torch's kernel: in the autocast dtype (nothing after is an autocast op)
-    return _run(q, k, v, contract)
-
-
-def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> tuple[Tensor, Tensor]:
     learned = (q, k, v, contract.alibi_slopes, contract.sinks)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in learned):
-        return _Native.apply(*learned, contract)
-    return _forward(_Inputs(q, k, v, contract), for_backward=False)[:2]  # nothing to differentiate: no autograd node
+        out, lse = _Native.apply(*learned, contract)
+        return (out, lse) if with_lse else out
+    inputs = _Inputs(q, k, v, contract)  # nothing to differentiate: no autograd node
+    out, kept = _forward(inputs, for_backward=False)
+    return (out, _lse(inputs, *kept[1:])) if with_lse else out
 
 
-def _forward(inputs: _Inputs, *, for_backward: bool) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
-    """(output (..., L, Dv), lse (..., L)) and what the backward needs: the kernel's own output
-    (B, H, L, Dv) and each row's softmax max and sum (B, H, L) (csrc/native.cpp: the backward's
-    P = e^(s - max) / sum). The backward's forward takes the tiled kernel always (run_forward)."""
-    out, row_max, row_sum = _extension(variant()).forward(*inputs.tensors(), *inputs.terms(with_sinks=True), for_backward)
-    lse = row_max + row_sum.log()  # -inf for a row that saw nothing, NaN for a NaN row
-    return inputs.output(out), inputs.output(lse), (out, row_max, row_sum)
+def _forward(inputs: _Inputs, *, for_backward: bool) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """(output (..., L, Dv), and what the backward needs: the kernel's own output (B, H, L, Dv) and
+    each row's softmax max and sum (B, H, L); csrc/native.cpp: the backward's P = e^(s - max) / sum).
+    The backward's forward takes the tiled kernel always (run_forward)."""
+    out, row_max, row_sum = _kernel().forward(*inputs.tensors(), *inputs.terms(with_sinks=True), for_backward)
+    return inputs.output(out), (out, row_max, row_sum)
+
+
+def _lse(inputs: _Inputs, row_max: Tensor, row_sum: Tensor) -> Tensor:
+    """The log-sum-exp (..., L): -inf for a row that saw nothing, NaN for a NaN row."""
+    return inputs.output(row_max + row_sum.log())
 
 
 _PER_HEAD = "(num_heads,): one value per query head (dim 1 of q)"
@@ -263,7 +296,9 @@ def _ranks(lengths: Tensor) -> Tensor:
 class _Native(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, alibi_slopes, sinks, contract: Contract):
-        output, lse, kept = _forward(_Inputs(q, k, v, contract), for_backward=True)
+        inputs = _Inputs(q, k, v, contract)
+        output, kept = _forward(inputs, for_backward=True)
+        lse = _lse(inputs, *kept[1:])
         ctx.save_for_backward(q, k, v, *kept)
         ctx.contract = contract
         ctx.mark_non_differentiable(lse)
@@ -279,7 +314,7 @@ class _Native(torch.autograd.Function):
         inputs = _Inputs(q, k, v, contract)
         grad4 = _at_least_one_column(inputs.as_rows(grad_out, inputs.lead))  # (B, H, L, Dv)
         delta = (grad4.to(row_max.dtype) * out.to(row_max.dtype)).sum(-1)  # rowsum(dO * O): (B, H, L)
-        dq, dk, dv, d_slopes = _extension(variant()).backward(*inputs.tensors(), grad4, row_max, row_sum, delta,
+        dq, dk, dv, d_slopes = _kernel().backward(*inputs.tensors(), grad4, row_max, row_sum, delta,
                                                                *inputs.terms(with_sinks=False))
         grads = [unflat(g.flatten(0, 1)[..., :x.shape[-1]], x, lead) for g, x, lead in  # padded head dims dropped
                  zip((dq, dk, dv), (q, k, v), (inputs.lead, inputs.kv_lead, inputs.kv_lead))]

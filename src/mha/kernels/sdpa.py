@@ -66,13 +66,15 @@ def run_planned(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_
     folded, reason = planned
     if reason:
         raise ValueError(f"the sdpa backend cannot run this call: {reason}; use backend='flash' or 'math'")
-    batch = _batch(q, k, v)
-    if 0 in (math.prod(batch), q.shape[-2], k.shape[-2], v.shape[-1]):
-        # no output, or rows that see nothing: zeros. torch's own answers vary (measured: L = 0 or Dv = 0
-        # keep the query's batch dims, a batch dim of 1 against 0 gives 1, S = 0 with a NaN query gives NaN)
-        return attached_zeros((*batch, q.shape[-2], v.shape[-1]), q, k, v)
+    if not (q.numel() and k.numel() and v.numel()):
+        batch = _batch(q, k, v)
+        if 0 in (math.prod(batch), q.shape[-2], k.shape[-2], v.shape[-1]):
+            # no output, or rows that see nothing: zeros. torch's own answers vary (measured: L = 0 or Dv = 0
+            # keep the query's batch dims, a batch dim of 1 against 0 gives 1, S = 0 with a NaN query gives NaN)
+            return attached_zeros((*batch, q.shape[-2], v.shape[-1]), q, k, v)
     if q.dim() == k.dim() == v.dim() == 4:
         return _run(q, k, v, contract, dropout_p=dropout_p, folded=folded)
+    batch = _batch(q, k, v)
     with sdpa_kernel(SDPBackend.MATH):  # torch's own choice for fewer dims (its fused kernel takes 4-D only)
         out = _run(*_as_4d(q, k, v), contract, dropout_p=dropout_p, folded=folded)
     return out.view(*batch, *out.shape[-2:])  # (..., L, Dv), the leading dims added as 4-D views dropped

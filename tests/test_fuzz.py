@@ -105,9 +105,10 @@ def test_the_checker_finds_a_wrong_answer():
 
 
 def test_the_tolerance_is_twice_torchs_error_plus_a_floor():
-    assert tolerance(1e-6, 0.0, torch.float32, 0) == pytest.approx(2e-6, abs=1e-20)
-    floor = tolerance(0.0, 1.0, torch.float32, 254) - tolerance(0.0, 0.0, torch.float32, 254)
-    assert floor == pytest.approx(2 * torch.finfo(torch.float32).eps * 8)
+    assert tolerance(1e-6, (0.0, 0.0), torch.float32, 0) == 2e-6
+    assert tolerance(0.0, (1.0, 0.0), torch.float32, 254) == pytest.approx(2 * torch.finfo(torch.float32).eps * 8)
+    f32 = torch.finfo(torch.float32)
+    assert tolerance(0.0, (0.0, 1.0), torch.bfloat16, 0) == pytest.approx(2 * f32.tiny / f32.eps)  # bf16 runs in f32
 
 
 def test_the_reference_hides_a_nan_behind_a_mask_and_zeroes_a_row_that_sees_nothing():

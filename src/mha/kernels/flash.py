@@ -6,7 +6,8 @@ flash results over separate key sets merge exactly with merge_attention. Every t
 contract (mha.kernels.Contract) is applied tile by tile: tiles the band hides are never computed
 (a sliding window w costs O(L * w)), masks are sliced, ALiBi and padding come from positions.
 Attention sinks start each row's running softmax (a key with logit sink_h and a zero value).
-The backward pass recomputes each tile's probabilities from the saved log-sum-exp:
+The backward pass recomputes each tile's probabilities from each row's saved max m and sum l (not
+the log-sum-exp, whose rounding, |m| eps, would reach every weight at large logits):
 
     P = exp(S - m) / l,  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dO * O)),
     dQ = dS K * scale,  dK = dS^T Q * scale,  d slope_h = -sum dS |rel|,  d sink_h = -sum P_sink rowsum(dO * O)

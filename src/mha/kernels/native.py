@@ -315,7 +315,7 @@ class _Native(torch.autograd.Function):
         grad4 = _at_least_one_column(inputs.as_rows(grad_out, inputs.lead))  # (B, H, L, Dv)
         delta = (grad4.to(row_max.dtype) * out.to(row_max.dtype)).sum(-1)  # rowsum(dO * O): (B, H, L)
         dq, dk, dv, d_slopes = _kernel().backward(*inputs.tensors(), grad4, row_max, row_sum, delta,
-                                                               *inputs.terms(with_sinks=False))
+                                                  *inputs.terms(with_sinks=False))
         grads = [unflat(g.flatten(0, 1)[..., :x.shape[-1]], x, lead) for g, x, lead in  # padded head dims dropped
                  zip((dq, dk, dv), (q, k, v), (inputs.lead, inputs.kv_lead, inputs.kv_lead))]
         d_slopes = None if contract.alibi_slopes is None else d_slopes.to(contract.alibi_slopes.dtype)

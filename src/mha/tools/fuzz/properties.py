@@ -105,11 +105,11 @@ def _one_backend(case, backend, setup: Setup, cotangent, ref: Outcome, own: list
     if "nan" in properties:
         found += _nan(case, backend, out, ref, [o.out for o in own])
     if "equal" in properties:
-        found += _equal(case, backend, "out", out, ref.out, [o.out for o in own], ref.bounds.get("out", 0.0))
+        found += _equal(case, backend, "out", out, ref.out, [o.out for o in own], ref.bounds.get("out", (0.0, 0.0)))
         for name in GRADIENTS:
             if name in ref.grads and name in grads:
                 owns = [o.grads[name] for o in own if name in o.grads]
-                found += _equal(case, backend, name, grads[name], ref.grads[name], owns, ref.bounds.get(name, 0.0))
+                found += _equal(case, backend, name, grads[name], ref.grads[name], owns, ref.bounds.get(name, (0.0, 0.0)))
     if "repeat" in properties:
         second = _run(call, backend, inputs, cotangent)
         if not all(_identical(a, b) for a, b in zip((out, *grads.values()), (second[0], *second[1].values()))):
@@ -129,7 +129,7 @@ def _run(call, backend: str, inputs, cotangent) -> tuple[Tensor, dict[str, Tenso
     return out.detach(), grads
 
 
-def _equal(case, backend, name, ours: Tensor, ref: Tensor, owns: list[Tensor], bound: float) -> list[Finding]:
+def _equal(case, backend, name, ours: Tensor, ref: Tensor, owns: list[Tensor], bound: tuple[float, float]) -> list[Finding]:
     if ours.shape != ref.shape:
         return [Finding(_sig(case, backend, f"shape:{name}"), f"{name} {tuple(ours.shape)}, expected {tuple(ref.shape)}")]
     torch_error = max((error(own, ref) for own in owns), default=0.0)
@@ -137,7 +137,7 @@ def _equal(case, backend, name, ours: Tensor, ref: Tensor, owns: list[Tensor], b
     ours_error, allowed = error(ours, ref), tolerance(torch_error, bound, ours.dtype, terms)
     if ours_error > allowed or math.isnan(ours_error):
         return [Finding(_sig(case, backend, f"equal:{name}"), f"{name} error {ours_error:.3g} > {allowed:.3g} "
-                                                              f"(torch's {torch_error:.3g}, bound {bound:.3g})")]
+                                                              f"(torch's {torch_error:.3g}, size {bound[0]:.3g})")]
     unexpected = ~ours.isfinite() & ref.isfinite()
     if unexpected.any() and name != "out" and not any(_same_nan(ours, own) for own in owns):  # out: see _nan
         return [Finding(_sig(case, backend, f"nan:{name}"), f"{int(unexpected.sum())} non-finite values in {name} "
@@ -264,9 +264,9 @@ def _packed(outcomes: list[Outcome], q: Tensor, k: Tensor, v: Tensor) -> Outcome
             if name in outcomes[0].grads:
                 packed.grads[name] = sum(o.grads[name] for o in outcomes)
     for name in ("out", "dq", "dk", "dv"):
-        packed.bounds[name] = max((o.bounds.get(name, 0.0) for o in outcomes), default=0.0)
+        packed.bounds[name] = tuple(max((o.bounds.get(name, (0.0, 0.0))[i] for o in outcomes), default=0.0) for i in (0, 1))
     for name in ("d_alibi", "d_sinks"):
-        packed.bounds[name] = sum(o.bounds.get(name, 0.0) for o in outcomes)
+        packed.bounds[name] = tuple(sum(o.bounds.get(name, (0.0, 0.0))[i] for o in outcomes) for i in (0, 1))
     return packed
 
 

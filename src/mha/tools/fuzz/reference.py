@@ -56,7 +56,7 @@ class Terms:
 class Outcome:
     out: Tensor
     grads: dict[str, Tensor] = field(default_factory=dict)  # dq, dk, dv, d_alibi, d_sinks
-    bounds: dict[str, float] = field(default_factory=dict)  # the size of what was summed, per quantity
+    bounds: dict[str, tuple[float, float]] = field(default_factory=dict)  # (size, flush) per quantity: _Sizes
     certain: Tensor | None = None  # bool like out: NaN for sure (see the module docstring)
     possible: Tensor | None = None  # bool like out: NaN allowed
 
@@ -186,12 +186,14 @@ def _nan_zones(s: Tensor, visible: Tensor, p: Tensor, v_nan: Tensor) -> tuple[Te
 
 
 class _Sizes:
-    """The size of what each result sums, as a float: ``plain`` (the sums in absolute values: P |V|
-    for the output, P^T |dO| for dV, |scale| A |K| for dQ with A = P (|dO| |V|^T + |delta|), ...)
-    plus ``conditioning``: how far the result moves when every score moves by one rounding of its
-    own size (s_abs = |scale| |q| |k| + |s|), to first order and with the softmax's cancellations
-    (a saturated softmax does not move: its one weight is 1 whatever its score).
-    Summed back over broadcast dims and shared heads as the gradients are (autograd of the expansion)."""
+    """The size of what each result sums, as (size, flush) floats. size: ``plain`` (the sums in
+    absolute values: P |V| for the output, P^T |dO| for dV, |scale| A |K| for dQ with A = P (|dO|
+    |V|^T + |dO| |O|), ...) plus ``conditioning``: how far the result moves when every score moves by
+    one rounding of its own size (s_abs = |scale| |q| |k| + |s|), to first order and with the
+    softmax's cancellations (a saturated softmax does not move: its one weight is 1 whatever its
+    score). flush: the plain sums with every weight 1, for the weights a kernel flushes below
+    tiny/eps of a row's largest. Summed back over broadcast dims and shared heads as the gradients
+    are (autograd of the expansion)."""
 
     def __init__(self, q4, k4, v4, out4, p, p_sink, s, t: Terms, leaves):
         finite = (lambda x: torch.nan_to_num(x.detach(), nan=0.0, posinf=0.0, neginf=0.0))  # noqa: E731
@@ -204,38 +206,52 @@ class _Sizes:
         ps = self.p * self.s_abs
         self.r = (self.s_abs + ps.sum(-1, keepdim=True) - 2 * ps).clamp_min(0)  # a weight's relative move, in roundings
 
-    def output(self) -> float:
-        plain = self.p @ self.v.abs()
+    def output(self) -> tuple[float, float]:
+        plain, flush = self.p @ self.v.abs(), self.v.abs().sum(-2)
         if self.p.numel() == 0 or self.v.shape[-1] == 0:
-            return _max(plain)
+            return _max(plain), _max(flush)
         N, H, L, Dv = self.out.shape  # sum_j p_ij s_abs_ij |v_j - out_i|: the move of out_i
         S = self.v.shape[-2]
         spread = torch.cdist(self.out.reshape(N * H, L, Dv), self.v.reshape(N * H, S, Dv), p=math.inf).view(self.p.shape)
-        return _max(plain) + _max((self.p * self.s_abs * spread).sum(-1))
+        return _max(plain) + _max((self.p * self.s_abs * spread).sum(-1)), _max(flush)
 
-    def gradients(self, g: Tensor) -> dict[str, float]:
-        p, r, scale = self.p, self.r, self.scale
-        g_abs = g.abs()
+    def gradients(self, g: Tensor) -> dict[str, tuple[float, float]]:
+        p, r = self.p, self.r
         dp = g @ self.v.transpose(-1, -2)  # (N, H, L, S)
         delta = (g * self.out).sum(-1, keepdim=True)  # (N, H, L, 1)
-        plain_a = p * (g_abs @ self.v.abs().transpose(-1, -2) + delta.abs())
         moved = p * r * (dp - delta).abs()
         cond_a = moved + p * moved.sum(-1, keepdim=True)  # the move of dS = P (dP - delta)
+        plain, flush = self._plain(p, g), self._plain(torch.ones_like(p), g)
+        conditioning = {**self._products(cond_a, (p * r).transpose(-1, -2) @ g.abs()),
+                        "d_alibi": (cond_a * self._distances()).sum((0, 2, 3))}
+        if self.p_sink is not None:  # p_sink moves by sum_j P_j s_abs_j roundings, delta by its terms'
+            moved_sink = (plain["delta"] * (p * self.s_abs).sum(-1, keepdim=True)
+                          + (p * r * (dp - delta).abs()).sum(-1, keepdim=True))  # (N, H, L, 1)
+            conditioning["d_sinks"] = (self.p_sink * moved_sink).sum((0, 2, 3))
         sizes = {}
-        for name, plain, cond in (
-                ("dq", scale * plain_a @ self.k.abs(), scale * cond_a @ self.k.abs()),
-                ("dk", scale * plain_a.transpose(-1, -2) @ self.q.abs(), scale * cond_a.transpose(-1, -2) @ self.q.abs()),
-                ("dv", p.transpose(-1, -2) @ g_abs, (p * r).transpose(-1, -2) @ g_abs)):
-            back = [torch.autograd.grad(self.expanded[name], self.leaves[name], x, retain_graph=True)[0] for x in (plain, cond)]
-            sizes[name] = _max(back[0]) + _max(back[1])  # summed back to the input's shape
-        if self.t.slopes is not None:
-            rel = self._distances()
-            sizes["d_alibi"] = _max(((plain_a + cond_a) * rel).sum((0, 2, 3)))
-        if self.p_sink is not None:  # d sink = -sum p_sink delta; p_sink moves by sum_j P_j s_abs_j roundings
-            moved = (delta.abs() * (1 + (p * self.s_abs).sum(-1, keepdim=True))
-                     + (p * r * (dp - delta).abs()).sum(-1, keepdim=True))  # (N, H, L, 1)
-            sizes["d_sinks"] = _max((self.p_sink * moved).sum((0, 2, 3)))
+        for name in ("dq", "dk", "dv", "d_alibi", "d_sinks"):
+            if name == "d_alibi" and self.t.slopes is None or name == "d_sinks" and self.p_sink is None:
+                continue
+            size, cond, flushed = (self._summed(name, x[name]) for x in (plain, conditioning, flush))
+            sizes[name] = (size + cond, flushed)
         return sizes
+
+    def _plain(self, p: Tensor, g: Tensor) -> dict[str, Tensor]:
+        """The gradients' sums in absolute values for weights p (N, H, L, S), before summing back."""
+        delta_abs = (g.abs() * (p @ self.v.abs())).sum(-1, keepdim=True)  # rowsum(|dO| |O|) at most: (N, H, L, 1)
+        a = p * (g.abs() @ self.v.abs().transpose(-1, -2) + delta_abs)
+        sinks = torch.ones_like(delta_abs) if p is not self.p else self.p_sink
+        return {**self._products(a, p.transpose(-1, -2) @ g.abs()), "delta": delta_abs,
+                "d_alibi": (a * self._distances()).sum((0, 2, 3)),
+                "d_sinks": None if sinks is None else (sinks * delta_abs).sum((0, 2, 3))}
+
+    def _products(self, a: Tensor, dv: Tensor) -> dict[str, Tensor]:
+        return {"dq": self.scale * a @ self.k.abs(), "dk": self.scale * a.transpose(-1, -2) @ self.q.abs(), "dv": dv}
+
+    def _summed(self, name: str, x: Tensor) -> float:
+        if name in self.expanded:  # summed back to the input's shape
+            x = torch.autograd.grad(self.expanded[name], self.leaves[name], x, retain_graph=True)[0]
+        return _max(x)
 
     def _distances(self) -> Tensor:
         L, S = self.p.shape[-2:]
@@ -325,11 +341,11 @@ def error(x: Tensor, ref: Tensor) -> float:
     return float((x.to(torch.float64)[both] - ref.to(torch.float64)[both]).abs().max())
 
 
-def tolerance(torch_error: float, bound: float, dtype: torch.dtype, terms: int) -> float:
+def tolerance(torch_error: float, bound: tuple[float, float], dtype: torch.dtype, terms: int) -> float:
     """2x torch's own error plus the rounding floor (see the module docstring) for sums of ``terms``,
-    and an absolute 1000 tiny / eps of the dtype computed in (float32 for the half types): weights
-    below e^-71 of a row's largest are flushed by design (mha.kernels.flash: exp's slow path and
-    denormals), so differences that small are no error."""
+    and twice the flush term: tiny / eps of the dtype computed in (float32 for the half types) times
+    the sums with every weight 1 (weights below that fraction of a row's largest are flushed by
+    design: mha.kernels.flash, exp's slow path and denormals)."""
+    size, flush = bound
     wide = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32)
-    return (2.0 * torch_error + FLOOR * torch.finfo(dtype).eps * bound * math.log2(2 + terms)
-            + 1e3 * wide.tiny / wide.eps)
+    return 2.0 * torch_error + FLOOR * torch.finfo(dtype).eps * size * math.log2(2 + terms) + 2 * wide.tiny / wide.eps * flush

@@ -279,7 +279,9 @@ def torch_own(q: Tensor, k: Tensor, v: Tensor, t: Terms, cotangent: Tensor | Non
                          answers (its causal kernel gives NaN at scale <= 0; no rows keep the
                          query's batch dims)
         fused            torch's fused kernel on (N, H, L, D) contiguous copies, the band, padding and
-                         masks folded into one mask: every call without ALiBi, softcap or sinks
+                         masks folded into one mask: every call without ALiBi, softcap or sinks; under
+                         enable_gqa also with the heads shared (torch's GQA path: measured, its dV at
+                         large logits differs from the one with repeated heads at short S)
     """
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     outcomes = [_torch_run(q, k, v, t, cotangent, lambda qq, kk, vv, tt: dense(qq, kk, vv, tt, work=work)[0])]
@@ -290,12 +292,18 @@ def torch_own(q: Tensor, k: Tensor, v: Tensor, t: Terms, cotangent: Tensor | Non
         outcomes.append(_torch_run(q, k, v, t, cotangent, as_given))
     if t.slopes is None and t.softcap is None and t.sinks is None:
         outcomes.append(_torch_run(q, k, v, t, cotangent, _fused))
+        if t.enable_gqa:  # torch told to share the heads (its kernel differs from repeated heads at short S)
+            outcomes.append(_torch_run(q, k, v, t, cotangent, lambda *args: _fused(*args, shared=True)))
     return [o for o in outcomes if o is not None]
 
 
-def _fused(q: Tensor, k: Tensor, v: Tensor, t: Terms) -> Tensor:
-    """torch's fused kernel on contiguous (N, H, L, D) copies, every hidden key in one mask."""
+def _fused(q: Tensor, k: Tensor, v: Tensor, t: Terms, *, shared: bool = False) -> Tensor:
+    """torch's fused kernel on contiguous (N, H, L, D) copies, every hidden key in one mask; with
+    ``shared``, k and v keep their shared heads (one count for both) and torch is told enable_gqa."""
     q4, k4, v4, lead = as_4d(q, k, v, t.enable_gqa)
+    step = 1
+    if shared and q.dim() >= 3 and k.dim() >= 3 and v.dim() >= 3 and k.shape[-3] and v.shape[-3]:
+        step = q4.shape[1] // math.lcm(k.shape[-3], v.shape[-3])  # query heads per shared head
     empty = q4.new_zeros(q4.shape[:-1] + (0,))
     visible = _scores_and_visible(empty, k4[..., :0], Terms(**{**t.__dict__, "mask": None, "scale": 1.0}), lead,
                                   q4.dtype)[1] if q4.numel() or k4.numel() else None
@@ -303,7 +311,9 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, t: Terms) -> Tensor:
     if t.mask is not None:
         user = t.mask.expand(*lead, *q4.shape[-2:-1], k4.shape[-2]).reshape(*q4.shape[:-1], k4.shape[-2])  # -> (N, H, L, S)
         mask = user & visible if user.dtype == torch.bool else user.masked_fill(~visible, -math.inf)
-    out = F.scaled_dot_product_attention(q4.contiguous(), k4.contiguous(), v4.contiguous(), attn_mask=mask, scale=t.scale)
+    k4, v4 = k4[:, ::step], v4[:, ::step]  # (N, H, S, X) -> (N, H / step, S, X): the heads each group shares
+    out = F.scaled_dot_product_attention(q4.contiguous(), k4.contiguous(), v4.contiguous(), attn_mask=mask, scale=t.scale,
+                                         enable_gqa=step > 1)
     return out.reshape(*lead, *out.shape[-2:])
 
 

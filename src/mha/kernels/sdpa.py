@@ -16,10 +16,11 @@ It takes a contract when torch's kernel can run it with no tensor larger than th
 Torch's CPU kernel builds the (B, H, L, S) weights when dropout_p > 0: that call, too, is taken
 only when those weights are no larger than q, k and v. A causal band shifted by an offset:
 
-    offset > 0 (bottom-right, L < S): keys [0, offset) are seen by every query (no mask), keys
-        [offset, S) form a top-left causal block; the two parts merge by their log-sum-exp
-        (mha.kernels.merge), and the backward runs torch's backward on each part with the merged
-        output and log-sum-exp, which gives the exact gradients.
+    0 < offset <= L (bottom-right, L < S <= 2L): `offset` zero queries put before q make it a
+        top-left causal call of offset + L rows, whose first `offset` outputs are dropped (at most
+        a third more work; a split of the keys merged by their log-sum-exp would lose |score| x eps
+        of precision, the rounding of torch's float32 log-sum-exp: 1e-4 at scores near 1e4).
+    offset > L: folded into one dense mask, like a window, when it fits.
     offset < 0 (bottom-right, L > S): queries [0, -offset) see no key (zeros); the rest are a
         top-left causal block.
 
@@ -44,14 +45,11 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import masks, positions
-from ._context import autocast_inputs, forward_mode, transforms_active
+from ._context import forward_mode
 from ._shapes import attached_zeros, matched_kv_heads
 from .contract import Contract, resolve
-from .merge import merge_attention
 
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
@@ -98,7 +96,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float):
         if weights > budget:
             return None, (f"torch's kernel would build the attention weights ({why}): {weights:,} elements, "
                           f"more than q, k and v hold ({budget:,})")
-    if _native(q, k, v, contract, builds_weights=why is not None, dropout_p=dropout_p):
+    if _native(q, k, v, contract, builds_weights=why is not None):
         return None, None
     shape = _folded_shape(q, k, v, contract)
     if math.prod(shape) > budget:
@@ -141,7 +139,7 @@ def _positive_scale(q: Tensor, k: Tensor, scale: float) -> tuple[Tensor, Tensor,
     return q * 0.0, k, 1.0
 
 
-def _native(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, builds_weights: bool, dropout_p: float) -> bool:
+def _native(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, builds_weights: bool) -> bool:
     """Whether torch's kernel takes the contract as it is (no mask larger than the caller's)."""
     band, mask, key_valid = contract.band, contract.mask, contract.key_valid
     if contract.alibi_slopes is not None or contract.positions is not None:
@@ -152,8 +150,8 @@ def _native(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, builds_weigh
         return False
     if mask is not None:
         return tuple(mask.shape[-2:]) == (q.shape[-2], k.shape[-2])
-    # a shifted band is split into two calls of torch's CPU flash op (no dropout), in an autograd.Function
-    return contract.offset == 0 or (q.is_cpu and dropout_p == 0.0 and not builds_weights and not transforms_active())
+    # a shifted band: see _shifted_causal (padded queries cost at most a third more, and build no larger weights)
+    return contract.offset <= 0 or contract.offset >= k.shape[-2] - 1 or (contract.offset <= q.shape[-2] and not builds_weights)
 
 
 def _builds_weights(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> str | None:
@@ -239,28 +237,6 @@ def _shifted_causal(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float) 
         seen = F.scaled_dot_product_attention(q[..., empty:, :], k, v, is_causal=True, scale=scale,
                                               enable_gqa=_grouped(q, k))
         return F.pad(seen, (0, 0, empty, 0))  # (..., L + offset, Dv) -> (..., L, Dv), zeros first
-    return _PrefixThenCausal.apply(*autocast_inputs(q, k, v), offset, scale)
-
-
-class _PrefixThenCausal(torch.autograd.Function):
-    """Keys [0, prefix) seen by every query, keys [prefix, S) top-left causal; q, k, v (B, H, T, D)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, prefix, scale):
-        parts = [_FUSED(q, k[..., :prefix, :], v[..., :prefix, :], 0.0, False, scale=scale),
-                 _FUSED(q, k[..., prefix:, :], v[..., prefix:, :], 0.0, True, scale=scale)]
-        (out_a, lse_a), (out_b, lse_b) = parts
-        out, lse = merge_attention(out_a.to(lse_a.dtype), lse_a, out_b.to(lse_b.dtype), lse_b)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.prefix, ctx.scale = prefix, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        p, scale = ctx.prefix, ctx.scale
-        grad_out = grad_out.contiguous()
-        dq_a, dk_a, dv_a = _FUSED_BACKWARD(grad_out, q, k[..., :p, :], v[..., :p, :], out, lse, 0.0, False, scale=scale)
-        dq_b, dk_b, dv_b = _FUSED_BACKWARD(grad_out, q, k[..., p:, :], v[..., p:, :], out, lse, 0.0, True, scale=scale)
-        return dq_a + dq_b, torch.cat([dk_a, dk_b], dim=-2), torch.cat([dv_a, dv_b], dim=-2), None, None
+    padded = F.pad(q, (0, 0, offset, 0))  # (..., L, D) -> (..., offset + L, D): row offset + i sees keys <= offset + i
+    out = F.scaled_dot_product_attention(padded, k, v, is_causal=True, scale=scale, enable_gqa=_grouped(q, k))
+    return out[..., offset:, :]  # (..., offset + L, Dv) -> (..., L, Dv)

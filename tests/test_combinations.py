@@ -306,7 +306,7 @@ def test_gqa_with_three_dim_inputs_shares_key_heads_like_torch():
 GQA_CALLS = {  # name: keyword arguments of sdpa; every one runs on torch's kernel
     "plain": {},
     "causal": dict(is_causal=True),
-    "causal bottom-right (two fused calls merged)": dict(is_causal=True, causal_alignment="bottom_right"),
+    "causal bottom-right (zero queries put first)": dict(is_causal=True, causal_alignment="bottom_right"),
     "padding mask": dict(attn_mask=torch.tensor([True] * 9 + [False] * 3)),
     "window (folded into one mask)": dict(window=(2, 0)),
 }
@@ -318,14 +318,13 @@ def test_gqa_on_torchs_kernel_reads_the_shared_heads_as_they_are(name, monkeypat
     repeating them."""
     options = GQA_CALLS[name]
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 6, 5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(2, 6, 7, 4, generator=g, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, 2, 12, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
     heads_seen = []  # the key heads each call of torch's kernels receives
 
     def spy(kernel):
         return lambda *args, **kwargs: heads_seen.append(args[1].shape[-3]) or kernel(*args, **kwargs)
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy(F.scaled_dot_product_attention))
-    monkeypatch.setattr(mha.kernels.sdpa, "_FUSED", spy(mha.kernels.sdpa._FUSED))
     out = sdpa(q, k, v, enable_gqa=True, backend="sdpa", **options)
     assert heads_seen and set(heads_seen) == {2}
     want = sdpa(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), backend="math", **options)

@@ -494,3 +494,29 @@ def test_numpy_encoder_block_asks_attention_for_no_weights(monkeypatch):
         want = layer(src)
     np.testing.assert_allclose(got, want.numpy(), atol=TOL, rtol=0)
     assert len(asked) == 1 and asked[0] is False
+
+
+def test_the_oracle_imports_nothing_from_mha():
+    """A reference that shared code with what it checks could not see a bug in that code."""
+    import ast
+    from pathlib import Path
+
+    for path in Path(oracle.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level <= 1 and not (node.module or "").startswith("mha"), f"{path.name}: from {node.module}"
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.split(".")[0] == "mha" for a in node.names), f"{path.name}: import mha"
+
+
+@pytest.mark.parametrize("left, right", [(None, 0), (3, 0), (2, 1), (None, None), (0, 0), (4, None)])
+@pytest.mark.parametrize("L, S, offset", [(5, 5, 0), (3, 8, 5), (8, 3, -5), (6, 7, 2)])
+def test_the_oracles_band_equals_the_librarys(left, right, L, S, offset):
+    """The oracle writes the band rule again; the two must agree on every (query, key)."""
+    from mha.positions import Band
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1, n, 4)) for n in (L, S, S))
+    _, weights = oracle.contract_attention(q, k, v, band=(left, right), offset=offset)
+    visible = Band(left, right).visible(L, S, offset).numpy()
+    np.testing.assert_array_equal(weights[0, 0] > 0, visible & visible.any(-1, keepdims=True))

@@ -8,9 +8,12 @@
     P   = softmax over the keys and one sink logit per head (optional), the sink then dropped
     out = P v
 
-rel = key position - query position comes from the one position rule, mha.positions.relative;
-the band's test from mha.positions.Band. Positions default to query i at i + offset, key j at j,
-or are given per sequence. Shapes: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv).
+The rule of positions is written here again, on purpose: the oracle imports nothing from mha,
+so a bug in mha.positions cannot hide in the reference the tests compare against. A query at
+position p_q sees the key at p_k when its distance rel = p_k - p_q lies in the band:
+-left <= rel <= right (None: unbounded on that side; causal is (None, 0)). Positions default to
+query i at i + offset, key j at j, or are given per sequence.
+Shapes: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv).
 """
 
 from __future__ import annotations
@@ -20,10 +23,27 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .. import positions
 from .attention import softmax
 
 __all__ = ["contract_attention", "contract_attention_vjp"]
+
+
+def _band_edges(band) -> tuple[int | None, int | None]:
+    """(left, right) of a band given as a pair or as any object with .left and .right."""
+    if isinstance(band, (tuple, list)):
+        return band[0], band[1]
+    return band.left, band.right
+
+
+def _hidden_by_band(band, rel: np.ndarray) -> np.ndarray:
+    """True where the distance rel = key position - query position lies outside the band."""
+    left, right = _band_edges(band)
+    hidden = np.zeros(rel.shape, dtype=bool)
+    if left is not None:
+        hidden |= rel < -left
+    if right is not None:
+        hidden |= rel > right
+    return hidden
 
 
 def _steps(q, k, v, *, band=None, offset=0, query_positions=None, key_positions=None, key_valid=None,
@@ -34,7 +54,7 @@ def _steps(q, k, v, *, band=None, offset=0, query_positions=None, key_positions=
     st = SimpleNamespace(scale=1.0 / math.sqrt(D) if scale is None else scale, softcap=softcap)
     if query_positions is None:
         query_positions, key_positions = np.arange(L) + offset, np.arange(S)  # (L,), (S,)
-    rel = positions.relative(np.asarray(query_positions), np.asarray(key_positions))  # (B|., L, S)
+    rel = np.asarray(key_positions)[..., None, :] - np.asarray(query_positions)[..., :, None]  # (B|., L, S)
     st.rel = rel if rel.ndim == 2 else rel[:, None]  # (L, S) or (B, 1, L, S)
     s = (q @ np.swapaxes(k, -1, -2)) * st.scale  # (B, H, L, S)
     if softcap is not None:
@@ -42,10 +62,11 @@ def _steps(q, k, v, *, band=None, offset=0, query_positions=None, key_positions=
         s = softcap * st.tanh
     if alibi_slopes is not None:
         distances = rel.astype(s.dtype)  # int64 distances would make a float32 bias float64
-        s = s + positions.alibi_bias(np.asarray(alibi_slopes, dtype=s.dtype), distances)  # (H, L, S) or (B, H, L, S)
+        slopes = np.asarray(alibi_slopes, dtype=s.dtype)[:, None, None]  # (H,) -> (H, 1, 1)
+        s = s - slopes * np.abs(distances[..., None, :, :])  # ALiBi: (H, L, S) or (B, H, L, S)
     if mask is not None:
         s = np.where(mask, s, -np.inf) if mask.dtype == bool else s + mask
-    hidden = np.zeros(st.rel.shape, dtype=bool) if band is None else ~band.allowed(st.rel)
+    hidden = np.zeros(st.rel.shape, dtype=bool) if band is None else _hidden_by_band(band, st.rel)
     if key_valid is not None:
         hidden = hidden | ~np.asarray(key_valid)[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
     s = np.where(hidden, -np.inf, s)
@@ -61,8 +82,9 @@ def _steps(q, k, v, *, band=None, offset=0, query_positions=None, key_positions=
 
 def contract_attention(q, k, v, **contract):
     """(output (B, H, L, Dv), weights (B, H, L, S)) under the contract's keyword arguments:
-    band (mha.positions.Band), offset, query_positions (B, L) and key_positions (B, S),
-    key_valid (B, S), mask, alibi_slopes (H,), scale, softcap, sinks (H,)."""
+    band ((left, right), or an object with .left and .right such as mha.positions.Band), offset,
+    query_positions (B, L) and key_positions (B, S), key_valid (B, S), mask, alibi_slopes (H,),
+    scale, softcap, sinks (H,)."""
     st = _steps(q, k, v, **contract)
     return st.out, st.P
 

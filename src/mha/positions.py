@@ -82,27 +82,44 @@ class Band:
             ok = ok & (rel <= self.right)
         return ok
 
+    def interval(self, query_position, keys):
+        """The key-interval rule, the only one in Python (csrc/native.cpp's key_interval mirrors it; a
+        test checks the two agree): [first, stop), the keys a query at ``query_position`` sees.
+        ``keys``: S (keys 0..S-1 at positions 0..S-1) or their positions (S,), never decreasing.
+        query_position: an int, or a tensor of them (first and stop then tensors of its shape).
+        Every query's visible keys are one interval; first and stop never decrease as the
+        query's position grows, so a block of queries sees [first of its first, stop of its last)."""
+        if isinstance(keys, int):
+            first = 0 if self.left is None else _clamp(query_position - self.left, 0, keys)
+            stop = keys if self.right is None else _clamp(query_position + self.right + 1, 0, keys)
+        else:
+            S = keys.shape[-1]
+            first = 0 if self.left is None else torch.searchsorted(keys, query_position - self.left)
+            stop = S if self.right is None else torch.searchsorted(keys, query_position + self.right, right=True)
+        if not isinstance(query_position, Tensor):
+            return first, max(first, stop)
+        first = torch.as_tensor(first, device=query_position.device).expand_as(query_position)
+        stop = torch.as_tensor(stop, device=query_position.device).expand_as(query_position)
+        return first, torch.maximum(first, stop)
+
     def key_range(self, first_query: int, last_query: int, S: int) -> tuple[int, int]:
         """[lo, hi): the keys 0..S-1 that a query at some position in [first_query, last_query]
         may see, with keys at positions 0..S-1 (the flash kernel skips tiles outside)."""
-        lo = 0 if self.left is None else max(0, first_query - self.left)
-        hi = S if self.right is None else min(S, last_query + self.right + 1)
-        return lo, max(lo, hi)
+        lo = self.interval(first_query, S)[0]
+        return lo, max(lo, self.interval(last_query, S)[1])
 
-    def covers(self, first_rel: int, last_rel: int) -> bool:
-        """Whether every distance in [first_rel, last_rel] is visible."""
-        return ((self.left is None or first_rel >= -self.left)
-                and (self.right is None or last_rel <= self.right))
+    def covers(self, first_query: int, last_query: int, cols: range) -> bool:
+        """Whether queries at positions first_query..last_query all see every key of ``cols``
+        (keys at positions 0..S-1): the last query's interval starts at or before the tile, the
+        first query's ends at or after it."""
+        return (self.interval(last_query, cols.stop)[0] <= cols.start
+                and self.interval(first_query, cols.stop)[1] >= cols.stop)
 
     def visible(self, L: int, S: int, offset: int = 0, device=None) -> Tensor:
-        """(L, S) bool, True where query i (at i + offset) sees key j (at j): allowed(rel) as a
-        matrix, drawn with two diagonal cuts (cheaper than computing every distance)."""
-        visible = torch.ones(L, S, dtype=torch.bool, device=device)
-        if self.right is not None:
-            visible = visible.tril_(offset + self.right)  # rel = j - i - offset <= right
-        if self.left is not None:
-            visible = visible.triu_(offset - self.left)  # rel >= -left
-        return visible
+        """(L, S) bool, True where query i (at i + offset) sees key j (at j): each row's interval."""
+        first, stop = self.interval(torch.arange(L, device=device) + offset, S)  # (L,), (L,)
+        keys = torch.arange(S, device=device)
+        return (keys >= first[:, None]) & (keys < stop[:, None])  # (L, S)
 
     @property
     def is_causal(self) -> bool:
@@ -130,9 +147,9 @@ def band(is_causal: bool = False, window: tuple[int, int] | None = None) -> Band
 def needed(band: Band | None, L: int, S: int, offset: int = 0) -> Band | None:
     """``band``, or None when it hides no key from queries offset..offset+L-1 over keys 0..S-1 (a
     causal decode step sees every cached key: no band is left to apply)."""
-    if band is None or not band.covers(-(offset + L - 1), S - 1 - offset):
-        return band
-    return None
+    if band is None or (L > 0 and S > 0 and band.covers(offset, offset + L - 1, range(0, S))):
+        return None
+    return band
 
 
 def check_window(window) -> tuple[int | None, int | None]:
@@ -158,6 +175,11 @@ def alibi_slopes(num_heads: int) -> Tensor:
     if closest < num_heads:
         slopes += powers(2 * closest)[0::2][: num_heads - closest]
     return torch.tensor(slopes)
+
+
+def _clamp(x: int, lo: int, hi: int):
+    """x within [lo, hi], for an int or a tensor."""
+    return min(max(x, lo), hi) if isinstance(x, int) else x.clamp(lo, hi)
 
 
 def alibi_bias(slopes, rel):

@@ -132,9 +132,8 @@ def visible_pairs(layout: SequenceLayout, query_rank: int, key_rank: int, terms:
             q_pos, k_pos = torch.arange(L) + contract.offset, torch.arange(S)
         else:
             q_pos, k_pos = contract.positions[0][0], contract.positions[1][0]  # (1, L), (1, S) -> (L,), (S,)
-        lo = torch.zeros(L, dtype=torch.long) if band.left is None else torch.searchsorted(k_pos, q_pos - band.left)
-        hi = torch.full((L,), S) if band.right is None else torch.searchsorted(k_pos, q_pos + band.right, right=True)
-        total += int((hi - lo).clamp_(min=0).sum())
+        first, stop = band.interval(q_pos, k_pos)  # (L,) each
+        total += int((stop - first).sum())
     return total
 
 

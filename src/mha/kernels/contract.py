@@ -161,7 +161,7 @@ class Contract:
             return True
         if self.positions is not None:
             return False
-        return self.band.covers(cols.start - (rows.stop - 1 + self.offset), cols.stop - 1 - (rows.start + self.offset))
+        return self.band.covers(rows.start + self.offset, rows.stop - 1 + self.offset, cols)
 
 
 NONE = Contract()

@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #if defined(MHA_AVX512) || defined(MHA_AVX512_BF16)
@@ -107,24 +108,35 @@ int64_t first_key_from(const Terms<acc_t>& t, int64_t b, int64_t S, int64_t p) {
   return std::lower_bound(kp, kp + S, p) - kp;
 }
 
+// The key-interval rule, the only one in C++ (mirrors mha.positions.Band.interval; a test checks the
+// two agree): [first, stop), the keys 0..S-1 that a query at ``q_position`` may see, keys in
+// position order. Every query's keys are one interval; a block's and a tile's follow from it.
+template <typename acc_t>
+std::pair<int64_t, int64_t> key_interval(const Terms<acc_t>& t, int64_t b, int64_t S, int64_t q_position) {
+  if (!t.has_band) return {0, S};
+  const int64_t first = t.left == kUnbounded ? 0 : first_key_from(t, b, S, q_position - t.left);
+  const int64_t stop = t.right == kUnbounded ? S : first_key_from(t, b, S, q_position + t.right + 1);
+  return {first, std::max(first, stop)};
+}
+
 // [lo, hi): the keys some row of the block may see (all of them when the keys' positions are given
-// out of order).
+// out of order). The first and stop of a query's interval never decrease with its position.
 template <typename acc_t>
 std::pair<int64_t, int64_t> key_range(const Terms<acc_t>& t, const Rows& rows, int64_t S) {
   if (!t.has_band || (t.k_pos != nullptr && !t.k_sorted)) return {0, S};
   const auto [first, last] = std::minmax_element(rows.position.begin(), rows.position.end());
-  const int64_t lo = t.left == kUnbounded ? 0 : first_key_from(t, rows.b, S, *first - t.left);
-  const int64_t hi = t.right == kUnbounded ? S : first_key_from(t, rows.b, S, *last + t.right + 1);
-  return {lo, std::max(lo, hi)};
+  const int64_t lo = key_interval(t, rows.b, S, *first).first;
+  return {lo, std::max(lo, key_interval(t, rows.b, S, *last).second)};
 }
 
-// Whether the band hides nothing in the tile (keys in position order).
+// Whether the band hides nothing in the tile of keys j0..j0+n-1 (keys in position order): the
+// interval of the block's last query starts at or before j0, its first query's ends at or after.
 template <typename acc_t>
 bool band_covers(const Terms<acc_t>& t, const Rows& rows, int64_t j0, int64_t n) {
   if (!t.has_band) return true;
   if (t.k_pos != nullptr && !t.k_sorted) return false;
   const auto [first, last] = std::minmax_element(rows.position.begin(), rows.position.end());
-  return t.allows(t.key_position(rows.b, j0) - *last) && t.allows(t.key_position(rows.b, j0 + n - 1) - *first);
+  return key_interval(t, rows.b, j0 + n, *last).first <= j0 && key_interval(t, rows.b, j0 + n, *first).second >= j0 + n;
 }
 
 // ---- tile products: C (M x N) (+)= A . B, three layouts ------------------------------------------
@@ -401,9 +413,8 @@ void shape_tile(const Terms<acc_t>& t, const Rows& rows, int64_t j0, int64_t n, 
     if (t.softcap > 0) softcap_row(n, row, t.softcap, capped ? capped + r * lds : nullptr);
     const int64_t h = rows.head[r], i = rows.index[r], q_position = rows.position[r];
     if (t.slopes == nullptr && !covered && (t.k_pos == nullptr || t.k_sorted)) {  // the band is one run of columns
-      const auto column = [&](int64_t p) { return std::clamp<int64_t>(first_key_from(t, b, j0 + n, p) - j0, 0, n); };
-      const int64_t first = t.left == kUnbounded ? 0 : column(q_position - t.left);
-      const int64_t last = t.right == kUnbounded ? n : std::max(first, column(q_position + t.right + 1));
+      const auto [first_key, stop_key] = key_interval(t, b, j0 + n, q_position);
+      const int64_t first = std::clamp<int64_t>(first_key - j0, 0, n), last = std::clamp<int64_t>(stop_key - j0, 0, n);
       std::fill(row, row + first, neg_inf);
       std::fill(row + last, row + n, neg_inf);
     } else if (t.slopes != nullptr || !covered) {
@@ -1224,6 +1235,18 @@ std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, 
   return {dq_parts.sum(0), dk, dv, d_slopes};
 }
 
+// Each query's key interval [first, stop) under a band (kUnbounded: no bound on that side), for the test
+// that checks this rule against mha.positions.Band.interval: default positions (query i at i + offset,
+// keys 0..S-1) or given ones, q_pos (1, L) and k_pos (1, S) in order.
+std::vector<Tensor> key_intervals(int64_t left, int64_t right, int64_t offset, int64_t L, int64_t S,
+                                  const Optional& q_pos, const Optional& k_pos) {
+  const auto t = terms_of<float>(1.0, 0.0, true, left, right, offset, q_pos, k_pos, {}, {}, {}, {});
+  Tensor first = at::empty({L}, at::kLong), stop = at::empty({L}, at::kLong);
+  int64_t *f = first.data_ptr<int64_t>(), *e = stop.data_ptr<int64_t>();
+  for (int64_t i = 0; i < L; ++i) std::tie(f[i], e[i]) = key_interval(t, 0, S, t.query_position(0, i));
+  return {first, stop};
+}
+
 std::string build_info() {
 #if defined(MHA_AVX512)
   return "avx512";
@@ -1237,5 +1260,6 @@ std::string build_info() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &mha_native::forward, "attention forward: (out, row max, row sum)");
   m.def("backward", &mha_native::backward, "attention backward: (dq, dk, dv, d_slopes)");
+  m.def("key_intervals", &mha_native::key_intervals, "each query's key interval [first, stop) under a band (tests)");
   m.def("build_info", &mha_native::build_info, "the instruction set this build was compiled for");
 }

@@ -27,9 +27,9 @@ from exact import raises_exactly
 from mha import numpy as mnp
 from mha import positions
 from mha.distributed import SequenceLayout, parallelize, ring_attention, ulysses_attention
-from mha.distributed.inputs import Terms
 from mha.distributed.launch import spawn
 from mha.distributed.ring import blocks, units, visible_pairs
+from mha.kernels import Contract
 
 WORLD_SIZES = (1, 2, 3, 4)
 FUNCTIONS = {"ring": ring_attention, "ulysses": ulysses_attention}
@@ -330,7 +330,7 @@ def test_zigzag_gives_every_rank_and_step_the_same_causal_work():
     """Scores per (rank, step) of a causal ring on 4 ranks, from the schedule (layouts described
     without processes): zigzag the same everywhere, contiguous from a quarter to seven quarters
     of the mean; striped covers the causal triangle too."""
-    terms = Terms(band=positions.CAUSAL, alibi_slopes=None, scale=None, softcap=None, sinks=None)
+    terms = Contract(band=positions.CAUSAL)
     assert visible_pairs(SequenceLayout(64), 0, 0, terms) == 64 * 65 // 2
 
     def work(balance):
@@ -366,7 +366,7 @@ def test_one_process_without_torch_distributed():
         torch.testing.assert_close(fn(q, k, v, layout, is_causal=True), expected, rtol=0, atol=1e-12)
     assert torch.equal(layout.unshard(layout.shard(q)), q)
     assert units(10) == [range(0, 5), range(5, 10)] and units(1) == [range(1)]
-    found = blocks(layout, 0, 0, Terms(positions.CAUSAL, None, None, None, None))  # zigzag: chunks 0 and 1
+    found = blocks(layout, 0, 0, Contract(band=positions.CAUSAL))  # zigzag: chunks 0 and 1
     assert [(b.rows, b.cols, b.contract.band, b.contract.offset) for b in found] == [
         (slice(0, 5), slice(0, 5), positions.CAUSAL, 0), (slice(5, 10), slice(0, 5), None, 0),  # chunk 1 sees chunk 0
         (slice(5, 10), slice(5, 10), positions.CAUSAL, 0)]  # chunk 0 never sees chunk 1: skipped

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from .. import positions
 from ..kernels import Contract, flash_attention
+from ..kernels.contract import contract_of
 from . import comm, launch
-from .inputs import Terms
 from .layout import BALANCES, SequenceLayout
 from .ring import ring_attention, visible_pairs
 from .ulysses import ulysses_attention
@@ -138,8 +138,8 @@ def _step_scores(settings: Settings, layout: SequenceLayout) -> list[int]:
     return [visible_pairs(layout, layout.rank, (layout.rank - step) % W, terms) for step in range(W)]
 
 
-def _terms(settings: Settings) -> Terms:
-    return Terms(band=positions.band(settings.causal), alibi_slopes=None, scale=None, softcap=None, sinks=None)
+def _terms(settings: Settings) -> Contract:
+    return contract_of(band=positions.band(settings.causal))
 
 
 def check_positions(settings: Settings) -> list[range]:

@@ -1,33 +1,21 @@
 """The arguments ring_attention and ulysses_attention share, validated, and the score terms they
-carry (mha.kernels.Contract's, less the positions, which the layout gives).
+carry: an mha.kernels.Contract (built as every other caller builds one) holding the band, ALiBi,
+scale, softcap and sinks; the positions come from the layout.
 
 Shapes: q (B, H, T, D), k (B, Hkv, T, D), v (B, Hkv, T, Dv) with T = layout.local_length.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from torch import Tensor
 
 from .. import _checks, positions
-from ..positions import Band
+from ..kernels.contract import Contract, contract_of
 from .layout import SequenceLayout
 
 
-@dataclass(frozen=True)
-class Terms:
-    """What shapes the scores besides positions: the band (causal, window), ALiBi slopes (H,),
-    scale, softcap and sinks (H,)."""
-    band: Band | None
-    alibi_slopes: Tensor | None
-    scale: float | None
-    softcap: float | None
-    sinks: Tensor | None
-
-
 def check(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, *, is_causal, scale, enable_gqa, window,
-          alibi_slopes, softcap, sinks) -> Terms:
+          alibi_slopes, softcap, sinks) -> Contract:
     if not isinstance(layout, SequenceLayout):
         raise TypeError(f"layout must be an mha.distributed.SequenceLayout, got {type(layout).__name__}")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -48,7 +36,8 @@ def check(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, *, is_causal,
         raise ValueError(f"k and v have {Hkv} heads and q has {H}: pass enable_gqa=True with key/value heads "
                          f"that divide the query heads")
     _checks.shared_heads(H, "k", Hkv, dim=1, option="enable_gqa")
-    return Terms(band=positions.band(is_causal, window),
-                 alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, H, q),
-                 scale=_checks.optional_finite_real("scale", scale), softcap=_checks.optional_positive_real("softcap", softcap),
-                 sinks=_checks.per_head("sinks", sinks, H, q))
+    return contract_of(band=positions.band(is_causal, window),
+                       alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, H, q),
+                       scale=_checks.optional_finite_real("scale", scale),
+                       softcap=_checks.optional_positive_real("softcap", softcap),
+                       sinks=_checks.per_head("sinks", sinks, H, q))

@@ -44,7 +44,7 @@ from ..kernels.contract import Contract, contract_of
 from ..kernels.merge import add_sinks, merge_into, sink_gradient
 from ..positions import Band
 from . import comm
-from .inputs import Terms, check
+from .inputs import check
 from .layout import Piece, SequenceLayout
 
 __all__ = ["ring_attention"]
@@ -81,7 +81,7 @@ class Block:
     contract: Contract
 
 
-def blocks(layout: SequenceLayout, query_rank: int, key_rank: int, terms: Terms, device=None,
+def blocks(layout: SequenceLayout, query_rank: int, key_rank: int, terms: Contract, device=None,
            key_slots: range | None = None) -> list[Block]:
     """The pairs of pieces rank ``query_rank`` computes against ``key_rank``'s keys (those in
     ``key_slots``, a run of its slots, by default all; ``cols`` count from its start), skipping
@@ -101,7 +101,7 @@ def blocks(layout: SequenceLayout, query_rank: int, key_rank: int, terms: Terms,
     return found
 
 
-def _pair_contract(qp: Piece, kp: Piece, terms: Terms, device) -> Contract | None:
+def _pair_contract(qp: Piece, kp: Piece, terms: Contract, device) -> Contract | None:
     """The contract of query piece ``qp`` against key piece ``kp``, or None when nothing is visible."""
     shaping = dict(alibi_slopes=terms.alibi_slopes, scale=terms.scale, softcap=terms.softcap)
     band, offset = terms.band, qp.start - kp.start  # query i at a + i, key j at b + j: rel = j - (i + a - b)
@@ -118,7 +118,7 @@ def _pair_contract(qp: Piece, kp: Piece, terms: Terms, device) -> Contract | Non
     return contract_of(band=band, offset=offset, **shaping)
 
 
-def visible_pairs(layout: SequenceLayout, query_rank: int, key_rank: int, terms: Terms) -> int:
+def visible_pairs(layout: SequenceLayout, query_rank: int, key_rank: int, terms: Contract) -> int:
     """How many (query, key) scores rank ``query_rank`` computes against ``key_rank``'s keys: the
     work of one step of the ring (a fully visible pair counts L * S, a causal diagonal about half)."""
     total = 0
@@ -149,7 +149,7 @@ def _strided_band(band: Band | None, stride: int, shift: int) -> Band | None:
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, alibi_slopes, sinks, layout: SequenceLayout, terms: Terms):
+    def forward(ctx, q, k, v, alibi_slopes, sinks, layout: SequenceLayout, terms: Contract):
         # alibi_slopes and sinks (also in terms) are arguments so that autograd tracks them
         compute = masks.additive_dtype(q.dtype)  # float32 for half precision
         B, H, T, _ = q.shape
@@ -196,7 +196,7 @@ class _Ring(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_slopes, d_sinks, None, None
 
 
-def _attend_unit(qc: Tensor, unit: Unit, out: Tensor, lse: Tensor, layout: SequenceLayout, terms: Terms) -> None:
+def _attend_unit(qc: Tensor, unit: Unit, out: Tensor, lse: Tensor, layout: SequenceLayout, terms: Contract) -> None:
     """Merge the attention of the queries ``qc`` over one unit of keys into ``out`` and ``lse``."""
     ku, vu = (x.to(qc.dtype) for x in unit.tensors)
     for b in blocks(layout, layout.rank, unit.owner, terms, qc.device, unit.slots):
@@ -206,7 +206,7 @@ def _attend_unit(qc: Tensor, unit: Unit, out: Tensor, lse: Tensor, layout: Seque
 
 
 def _differentiate_unit(qc, oc, doc, lse, unit: Unit, dq: Tensor, d_slopes: Tensor | None,
-                        layout: SequenceLayout, terms: Terms) -> tuple[Tensor, Tensor]:
+                        layout: SequenceLayout, terms: Contract) -> tuple[Tensor, Tensor]:
     """This rank's queries' contributions to one unit's dK, dV (returned) and to dq and d_slopes
     (added in place), from the whole softmax's output ``oc`` and ``lse``."""
     ku, vu = (x.to(qc.dtype) for x in unit.tensors)

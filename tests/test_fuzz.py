@@ -12,7 +12,7 @@ import torch
 
 from mha.tools.fuzz import Case, Finding, check, draw, driver, properties
 from mha.tools.fuzz.driver import Crash, Isolated, Report, shrink
-from mha.tools.fuzz.reference import Terms, reference, tolerance
+from mha.tools.fuzz.reference import Spec, reference, tolerance
 
 
 def _die(how: str):
@@ -114,8 +114,8 @@ def test_the_tolerance_is_twice_torchs_error_plus_a_floor():
 def test_the_reference_hides_a_nan_behind_a_mask_and_zeroes_a_row_that_sees_nothing():
     q, k, v = torch.randn(1, 3, 4), torch.randn(1, 3, 4), torch.randn(1, 3, 4)
     k[0, 2, 0] = float("nan")  # key 2: seen by row 2 only (causal)
-    outcome = reference(q, k, v, Terms(band=(None, 0)), None)
+    outcome = reference(q, k, v, Spec(band=(None, 0)), None)
     assert outcome.certain[0, 2].all() and not outcome.certain[0, :2].any()  # where it is seen, for sure
     assert outcome.possible[0].all()  # torch's math path adds the mask: every row may be NaN
-    empty = reference(q, k, v, Terms(mask=torch.zeros(3, 3, dtype=torch.bool)), None)
+    empty = reference(q, k, v, Spec(mask=torch.zeros(3, 3, dtype=torch.bool)), None)
     assert torch.equal(empty.out, torch.zeros(1, 3, 4, dtype=torch.float64))

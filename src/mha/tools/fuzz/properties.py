@@ -29,7 +29,7 @@ from ...functional import scaled_dot_product_attention
 from ...kernels import Contract, attention, native
 from ...positions import Band
 from .cases import Case, attn_mask, band_of, generator, offset_of, per_head, qkv, sequence_positions, tensor
-from .reference import Outcome, Terms, error, output_shape, reference, tolerance, torch_own
+from .reference import Outcome, Spec, error, output_shape, reference, tolerance, torch_own
 
 BACKENDS = ("math", "sdpa", "flash", "native", "auto")
 GRADIENTS = ("dq", "dk", "dv", "d_alibi", "d_sinks")
@@ -188,7 +188,7 @@ def _call(case: Case) -> Setup:
     band = band_of(case)
     if case.kind == "positions":
         q_pos, k_pos, key_valid = sequence_positions(case)
-        terms = Terms(enable_gqa=True, scale=case.scale, band=band, q_pos=q_pos, k_pos=k_pos, key_valid=key_valid,
+        terms = Spec(enable_gqa=True, scale=case.scale, band=band, q_pos=q_pos, k_pos=k_pos, key_valid=key_valid,
                       slopes=slopes, softcap=case.softcap, sinks=sinks)
 
         def call(backend, q, k, v, slopes, sinks):
@@ -199,7 +199,7 @@ def _call(case: Case) -> Setup:
     else:
         mask = attn_mask(case)
         offset = offset_of(case, case.L, case.S)
-        terms = Terms(enable_gqa=case.enable_gqa, scale=case.scale, band=band, q_pos=torch.arange(case.L) + offset,
+        terms = Spec(enable_gqa=case.enable_gqa, scale=case.scale, band=band, q_pos=torch.arange(case.L) + offset,
                       k_pos=torch.arange(case.S), mask=mask, slopes=slopes, softcap=case.softcap, sinks=sinks)
 
         def call(backend, q, k, v, slopes, sinks):
@@ -233,7 +233,7 @@ def _varlen(case: Case) -> Setup:
         for b, (L, S) in enumerate(zip(case.lengths, case.k_lengths)):
             spans = ((q, cu_q), (k, cu_k), (v, cu_k))
             rows = [x[int(cu[b]):int(cu[b + 1])].transpose(0, 1) for x, cu in spans]  # (T, H, X) -> (H, T, X)
-            terms = Terms(enable_gqa=True, scale=case.scale, band=band_of(case), q_pos=torch.arange(L) + S - L,
+            terms = Spec(enable_gqa=True, scale=case.scale, band=band_of(case), q_pos=torch.arange(L) + S - L,
                           k_pos=torch.arange(S), slopes=slopes, softcap=case.softcap, sinks=sinks)
             part = None if cotangent is None else cotangent[int(cu_q[b]):int(cu_q[b + 1])].transpose(0, 1)  # (H, L, Dv)
             outcomes.append(runner(*rows, terms, part, **options))

@@ -38,7 +38,7 @@ FLOOR = 2.0  # times eps(dtype), the size of what was summed and log2(2 + its le
 
 
 @dataclass
-class Terms:
+class Spec:
     """Everything that shapes the scores, as plain tensors and numbers (no mha type)."""
     enable_gqa: bool = False
     scale: float | None = None
@@ -84,7 +84,7 @@ def output_shape(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> tuple[int
     return (*torch.broadcast_shapes(*shapes), q.shape[-2], v.shape[-1])
 
 
-def _scores_and_visible(q4: Tensor, k4: Tensor, t: Terms, lead, work: torch.dtype, scale_first: bool = False):
+def _scores_and_visible(q4: Tensor, k4: Tensor, t: Spec, lead, work: torch.dtype, scale_first: bool = False):
     """The shaped scores (N, H, L, S) in ``work`` before hidden keys are filled, and visible (bool).
     ``scale_first``: q scaled before its product with k (torch's math path's order), else after."""
     N, H, L, D = q4.shape
@@ -132,7 +132,7 @@ def _softmax(s: Tensor, visible: Tensor, sinks: Tensor | None) -> tuple[Tensor, 
     return torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0), None
 
 
-def dense(q: Tensor, k: Tensor, v: Tensor, t: Terms, *, work: torch.dtype) -> tuple[Tensor, Tensor, tuple]:
+def dense(q: Tensor, k: Tensor, v: Tensor, t: Spec, *, work: torch.dtype) -> tuple[Tensor, Tensor, tuple]:
     """(out (..., L, Dv) in v's dtype, P (N, H, L, S) in ``work``, the output's leading dims): scores
     (q scaled first, as torch's math path) and softmax in ``work``, P rounded to v's dtype for its
     product with v (as torch's kernels do)."""
@@ -143,14 +143,14 @@ def dense(q: Tensor, k: Tensor, v: Tensor, t: Terms, *, work: torch.dtype) -> tu
     return out.reshape(*lead, *out.shape[-2:]), p, lead
 
 
-def reference(q: Tensor, k: Tensor, v: Tensor, t: Terms, cotangent: Tensor | None) -> Outcome:
+def reference(q: Tensor, k: Tensor, v: Tensor, t: Spec, cotangent: Tensor | None) -> Outcome:
     """float64 of the inputs as given: output, gradients (with cotangent), sizes and NaN zones."""
     leaves = {name: x.detach().to(torch.float64).requires_grad_(cotangent is not None)
               for name, x in (("dq", q), ("dk", k), ("dv", v))}
     for name, x in (("d_alibi", t.slopes), ("d_sinks", t.sinks)):
         if x is not None:
             leaves[name] = x.detach().to(torch.float64).requires_grad_(cotangent is not None)
-    wide = Terms(**{**t.__dict__, "slopes": leaves.get("d_alibi"), "sinks": leaves.get("d_sinks"),
+    wide = Spec(**{**t.__dict__, "slopes": leaves.get("d_alibi"), "sinks": leaves.get("d_sinks"),
                     "mask": None if t.mask is None else (t.mask if t.mask.dtype == torch.bool else t.mask.double())})
     q4, k4, v4, lead = as_4d(leaves["dq"], leaves["dk"], leaves["dv"], t.enable_gqa)
     s, visible = _scores_and_visible(q4, k4, wide, lead, torch.float64)
@@ -195,7 +195,7 @@ class _Sizes:
     tiny/eps of a row's largest. Summed back over broadcast dims and shared heads as the gradients
     are (autograd of the expansion)."""
 
-    def __init__(self, q4, k4, v4, out4, p, p_sink, s, t: Terms, leaves):
+    def __init__(self, q4, k4, v4, out4, p, p_sink, s, t: Spec, leaves):
         finite = (lambda x: torch.nan_to_num(x.detach(), nan=0.0, posinf=0.0, neginf=0.0))  # noqa: E731
         self.q, self.k, self.v, self.out, self.p = (finite(x) for x in (q4, k4, v4, out4, p))
         self.p_sink = None if p_sink is None else finite(p_sink)
@@ -266,7 +266,7 @@ def _max(x: Tensor) -> float:
     return float(finite.abs().max()) if finite.numel() else 0.0
 
 
-def torch_own(q: Tensor, k: Tensor, v: Tensor, t: Terms, cotangent: Tensor | None, *, expressible: bool,
+def torch_own(q: Tensor, k: Tensor, v: Tensor, t: Spec, cotangent: Tensor | None, *, expressible: bool,
               is_causal: bool) -> list[Outcome]:
     """torch's computations in the inputs' dtype, each a way torch computes this call (the error
     allowed is 2x the largest of theirs):
@@ -297,7 +297,7 @@ def torch_own(q: Tensor, k: Tensor, v: Tensor, t: Terms, cotangent: Tensor | Non
     return [o for o in outcomes if o is not None]
 
 
-def _fused(q: Tensor, k: Tensor, v: Tensor, t: Terms, *, shared: bool = False) -> Tensor:
+def _fused(q: Tensor, k: Tensor, v: Tensor, t: Spec, *, shared: bool = False) -> Tensor:
     """torch's fused kernel on contiguous (N, H, L, D) copies, every hidden key in one mask; with
     ``shared``, k and v keep their shared heads (one count for both) and torch is told enable_gqa."""
     q4, k4, v4, lead = as_4d(q, k, v, t.enable_gqa)
@@ -305,7 +305,7 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, t: Terms, *, shared: bool = False) -
     if shared and q.dim() >= 3 and k.dim() >= 3 and v.dim() >= 3 and k.shape[-3] and v.shape[-3]:
         step = q4.shape[1] // math.lcm(k.shape[-3], v.shape[-3])  # query heads per shared head
     empty = q4.new_zeros(q4.shape[:-1] + (0,))
-    visible = _scores_and_visible(empty, k4[..., :0], Terms(**{**t.__dict__, "mask": None, "scale": 1.0}), lead,
+    visible = _scores_and_visible(empty, k4[..., :0], Spec(**{**t.__dict__, "mask": None, "scale": 1.0}), lead,
                                   q4.dtype)[1] if q4.numel() or k4.numel() else None
     mask = visible
     if t.mask is not None:
@@ -317,14 +317,14 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, t: Terms, *, shared: bool = False) -
     return out.reshape(*lead, *out.shape[-2:])
 
 
-def _torch_run(q, k, v, t: Terms, cotangent, compute) -> Outcome | None:
+def _torch_run(q, k, v, t: Spec, cotangent, compute) -> Outcome | None:
     """compute(q, k, v, terms) on fresh leaves in the inputs' dtype, with gradients; None when torch
     refuses or fails the call (an exception, the wrong shape, NaN from finite inputs)."""
     leaves = {name: x.detach().clone().requires_grad_(cotangent is not None) for name, x in (("dq", q), ("dk", k), ("dv", v))}
     for name, x in (("d_alibi", t.slopes), ("d_sinks", t.sinks)):
         if x is not None:
             leaves[name] = x.detach().clone().requires_grad_(cotangent is not None)
-    own = Terms(**{**t.__dict__, "slopes": leaves.get("d_alibi"), "sinks": leaves.get("d_sinks")})
+    own = Spec(**{**t.__dict__, "slopes": leaves.get("d_alibi"), "sinks": leaves.get("d_sinks")})
     try:
         out = compute(leaves["dq"], leaves["dk"], leaves["dv"], own)
     except Exception:  # noqa: BLE001  (torch refuses some calls it could express: a 1-D mask, IndexError)

@@ -28,9 +28,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import check_inputs, finish, own_tensors, split_heads
-from ..functional import ProjectionWeights, projected_attention
+from ..functional import projected_attention
 from ..general import MultiHeadAttention
 from ..nn import MultiheadAttention
+from ..projections import ProjectionWeights
 from . import comm
 from .layout import BALANCES, SequenceLayout
 from .ring import ring_attention

@@ -13,7 +13,8 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .. import _checks, capture, masks
 from ..attention import check_inputs, own_tensors
-from ..functional import ProjectionWeights, projected_attention
+from ..functional import projected_attention
+from ..projections import ProjectionWeights
 
 __all__ = ["MultiheadAttention"]
 

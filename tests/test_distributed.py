@@ -1,4 +1,4 @@
-"""mha.distributed on real processes: gloo over 127.0.0.1, spawned by mha.distributed.launch.
+"""mha.distributed on real processes: gloo over 127.0.0.1, spawned by mha.tools.launch.
 
 Each world size runs its whole matrix in one spawn (starting processes costs seconds); every rank
 checks the gathered result against the float64 NumPy oracle (mha.numpy) and returns its errors,
@@ -27,9 +27,9 @@ from exact import raises_exactly
 from mha import numpy as mnp
 from mha import positions
 from mha.distributed import SequenceLayout, parallelize, ring_attention, ulysses_attention
-from mha.distributed.launch import spawn
 from mha.distributed.ring import blocks, units, visible_pairs
 from mha.kernels import Contract
+from mha.tools.launch import spawn
 
 WORLD_SIZES = (1, 2, 3, 4)
 FUNCTIONS = {"ring": ring_attention, "ulysses": ulysses_attention}
@@ -452,7 +452,7 @@ def test_the_command_and_torchrun_run_and_check(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "balance, slowest / fastest rank" in done.stdout and "ok the float32 tolerance" in done.stdout
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "-m", "mha.distributed.demo", "--length", "600", "--mode", "ulysses", "--heads", "2", "--head-dim", "16"]
+                "-m", "mha.tools.distributed_demo", "--length", "600", "--mode", "ulysses", "--heads", "2", "--head-dim", "16"]
     done = subprocess.run(torchrun, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "ulysses attention, 2 ranks" in done.stdout and "largest error against one-process flash" in done.stdout

@@ -24,7 +24,7 @@ keys, Dv per-head width of values. The general module's constructor keeps seed 0
 (cq, ck, cv the input widths, dk = D, dv = Dv, do the output width, h = H).
 
 The tools the ``mha`` command runs (verify, bench, explain, plot, convert) live in mha.tools;
-``mha distributed`` runs mha.distributed.demo.
+``mha distributed`` runs mha.tools.distributed_demo.
 """
 
 from . import distributed, efficient, functional, kernels, layouts, masks, nn, numpy, positions, rope

@@ -4,7 +4,7 @@ Spawns --nproc ranks joined by torch.distributed (gloo over 127.0.0.1), runs rin
 attention once and prints each rank's time, attention CPU time, peak memory growth and scores,
 the balance between ranks, and the largest error against one-process flash attention on rows at
 the start, middle and end of the sequence. Exits with 1 when that error is above the dtype's
-tolerance. (On several machines: torchrun -m mha.distributed.demo with the same options.)
+tolerance. (On several machines: torchrun -m mha.tools.distributed_demo with the same options.)
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 
 from rich.table import Table
 
-from ..distributed import demo
+from ..tools import distributed_demo as demo
 from . import _common
 from ._common import UsageError
 

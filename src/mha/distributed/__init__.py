@@ -6,7 +6,7 @@
     parallelize        an mha module run sequence-parallel (ring, Ulysses) or head-parallel
 
 Every rank calls these with its own shards; the default group is torch.distributed's (set up by
-torchrun, or by mha.distributed.launch.spawn on one machine). Without torch.distributed they run
+torchrun, or by mha.tools.launch.spawn on one machine). Without torch.distributed they run
 as one process holding the whole sequence. docs/distributed.md says how they work and which to use.
 """
 

@@ -53,13 +53,13 @@ import torch
 
 from .. import numpy as mnp
 from ..cache import KVCache
-from ..distributed import demo
 from ..functional import scaled_dot_product_attention
 from ..general import MultiHeadAttention
 from ..kernels import BACKENDS, Contract, flash_attention
 from ..nn import MultiheadAttention
 from ..positions import CAUSAL, Band
 from . import bench_distributed, bench_hf, bench_memory, bench_native, bench_quality, bench_variants, plot_variants
+from . import distributed_demo as demo
 from .bench_memory import HEAD_DIM, HEADS
 
 _CAUSAL = Contract(band=CAUSAL)

@@ -1,7 +1,7 @@
 """``mha bench --sections distributed``: attention across spawned processes against one process.
 
 For one causal sequence (B=1, H=8, D=64, fp32), each run spawns fresh processes
-(mha.distributed.demo): one process running flash over the whole sequence, then ring attention
+(mha.tools.distributed_demo): one process running flash over the whole sequence, then ring attention
 with each balance (zigzag, contiguous, striped) and Ulysses attention on W ranks. Measured per
 rank: peak resident-memory growth from before its inputs were made (so a rank's inputs count, as
 the one process's do), its attention's CPU time (one torch thread per rank: the ranks share this
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..distributed import demo
+from . import distributed_demo as demo
 
 RUNS = (("ring", "zigzag"), ("ring", "contiguous"), ("ring", "striped"), ("ulysses", "zigzag"))
 

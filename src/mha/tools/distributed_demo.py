@@ -1,7 +1,7 @@
 """One attention over a long sequence, split among ranks: time, memory, balance and a check.
 
     mha distributed --nproc 4 --length 65536 --mode ring --causal          (spawns the ranks here)
-    torchrun --nproc-per-node 4 -m mha.distributed.demo --length 65536 --causal
+    torchrun --nproc-per-node 4 -m mha.tools.distributed_demo --length 65536 --causal
 
 Each rank makes only its own shards of q, k, v (B, H, T, D) (random, drawn position block by
 position block from a seed, so every rank draws the same sequence without holding it), runs
@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 
 from .. import positions
+from ..distributed import comm
+from ..distributed.layout import BALANCES, SequenceLayout
+from ..distributed.ring import ring_attention, visible_pairs
+from ..distributed.ulysses import ulysses_attention
 from ..kernels import Contract, flash_attention
 from ..kernels.contract import contract_of
-from . import comm, launch
-from .layout import BALANCES, SequenceLayout
-from .ring import ring_attention, visible_pairs
-from .ulysses import ulysses_attention
+from . import launch
 
 ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -235,7 +236,7 @@ def format_reports(settings: Settings, reports: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """The torchrun entry: every rank runs this with torchrun's environment."""
-    parser = argparse.ArgumentParser(prog="python -m mha.distributed.demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mha.tools.distributed_demo", description=__doc__.split("\n")[0])
     add_arguments(parser)
     settings = settings_from(parser.parse_args(argv))
     dist.init_process_group(launch.backend_for("cpu"))

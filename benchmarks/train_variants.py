@@ -68,7 +68,7 @@ class Model(nn.Module):
         self.symbol, self.value = nn.Embedding(task.symbols, d), nn.Embedding(task.values + 1, d)
         self.blocks = nn.ModuleList(nn.ModuleDict({
             "norm1": nn.LayerNorm(d), "norm2": nn.LayerNorm(d),
-            "attention": mha.MultiHeadAttention(d, d, d, d // heads, d // heads, d, heads,
+            "attention": mha.GeneralAttention(d, d, d, d // heads, d // heads, d, heads,
                                                 attention=build(task.length, d // heads)),
             "mlp": nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))}) for _ in range(layers))
         self.head = nn.Linear(d, task.values)

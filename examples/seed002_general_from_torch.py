@@ -1,4 +1,4 @@
-"""Seed 002: the general MultiHeadAttention(cq, ck, cv, dk, dv, do, h) loaded from torch with
+"""Seed 002: the general GeneralAttention(cq, ck, cv, dk, dv, do, h) loaded from torch with
 kdim != vdim and add_bias_kv, with the seed's own weight-copying code, in all four bias settings.
 
     python examples/seed002_general_from_torch.py
@@ -8,7 +8,7 @@ import itertools
 
 import torch
 
-from mha import MultiHeadAttention
+from mha import GeneralAttention
 
 batch_dim, M, N = 10, 5, 3  # batch, query length, key/value length
 d, ck, cv, h = 16, 32, 64, 2
@@ -18,7 +18,7 @@ for bias, add_bias_kv in itertools.product([False, True], [True, False]):
                                              bias=bias, add_bias_kv=add_bias_kv)
     q, k, v = torch.rand(batch_dim, M, d), torch.rand(batch_dim, N, ck), torch.rand(batch_dim, N, cv)
     dh = d // h
-    our_attn = MultiHeadAttention(cq=d, ck=ck, cv=cv, dk=dh, dv=dh, do=d, h=h, bias=bias, add_bias_kv=add_bias_kv)
+    our_attn = GeneralAttention(cq=d, ck=ck, cv=cv, dk=dh, dv=dh, do=d, h=h, bias=bias, add_bias_kv=add_bias_kv)
     with torch.no_grad():  # the seed's loading code, unchanged
         our_attn.q_proj.weight.copy_(torch_attn.q_proj_weight)
         our_attn.k_proj.weight.copy_(torch_attn.k_proj_weight)

@@ -6,7 +6,7 @@ three heads with stacked weights, then the labml layout (seq-first, mask [T_q, T
 
 import torch
 
-from mha import MultiHeadAttention, layouts
+from mha import GeneralAttention, layouts
 
 sentence = "Life is short, eat dessert first"
 vocabulary = {s: i for i, s in enumerate(sorted(sentence.replace(",", "").split()))}
@@ -18,7 +18,7 @@ x = torch.nn.Embedding(6, 16)(tokens).detach()  # (6 words, d = 16)
 torch.manual_seed(123)
 d, d_q, d_k, d_v = 16, 24, 24, 28
 W_query, W_key, W_value = torch.rand(d_q, d), torch.rand(d_k, d), torch.rand(d_v, d)
-single = MultiHeadAttention(cq=d, ck=d, cv=d, dk=d_k, dv=d_v, do=d_v, h=1, bias=False)
+single = GeneralAttention(cq=d, ck=d, cv=d, dk=d_k, dv=d_v, do=d_v, h=1, bias=False)
 with torch.no_grad():
     single.q_proj.weight.copy_(W_query)
     single.k_proj.weight.copy_(W_key)
@@ -59,7 +59,7 @@ module = layouts.general_module(labml, "labml", num_heads=h)
 
 
 def labml_forward(x, mask):
-    """labml's MultiHeadAttention.forward: [T, B, d] in, einsum scores, softmax over keys (dim 1)."""
+    """labml's GeneralAttention.forward: [T, B, d] in, einsum scores, softmax over keys (dim 1)."""
     T, B, _ = x.shape
     q, k, v = (projections[n](x).view(T, B, h, 8) for n in ("query", "key", "value"))  # [T, B, h, d_k]
     scores = torch.einsum("ibhd,jbhd->ijbh", q, k) / 8 ** 0.5  # [T_q, T_k, B, h]

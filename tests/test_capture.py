@@ -35,14 +35,14 @@ def test_capture_keeps_what_the_caller_asked_for():
 
 
 def test_capture_of_the_general_module_with_a_cache():
-    m = mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, rope=mha.RotaryEmbedding(4)).eval()
+    m = mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, rope=mha.RotaryEmbedding(4)).eval()
     cache = mha.KVCache()
     x = torch.randn(1, 3, 8)
     with mha.capture_attention(m) as maps:
         out = m(x, x, x, is_causal=True, cache=cache)
         step = m(x[:, :1], x[:, :1], x[:, :1], is_causal=True, cache=cache)
     assert torch.is_tensor(out) and torch.is_tensor(step)
-    prefill, decode = maps["MultiHeadAttention"]
+    prefill, decode = maps["GeneralAttention"]
     assert prefill.shape == (1, 2, 3, 3) and decode.shape == (1, 2, 1, 4)
     assert torch.all(prefill[..., 0, 1:] == 0)  # causal
     # the same weights as asking for them, on a fresh cache: the decode step sees the prefill's keys

@@ -132,7 +132,7 @@ def test_convert_per_head_takes_the_head_count_from_the_file(tmp_path, capsys):
     from mha import layouts
     from mha.tools.convert import load_state
 
-    heads = layouts.per_head(mha.MultiHeadAttention(8, 8, 8, 2, 2, 8, 4).state_dict(), 4)
+    heads = layouts.per_head(mha.GeneralAttention(8, 8, 8, 2, 2, 8, 4).state_dict(), 4)
     source = tmp_path / "ph.pt"
     torch.save(heads.as_state(), source)
     assert cli.main(["convert", str(source), str(tmp_path / "t.pt"), "--from", "per_head", "--to", "torch"]) == 0

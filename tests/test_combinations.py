@@ -19,7 +19,7 @@ E, H, D = 16, 4, 4
 
 def _module(**options):
     torch.manual_seed(0)
-    return mha.MultiHeadAttention(E, E, E, D, D, E, H, dtype=torch.float64, **options).eval()
+    return mha.GeneralAttention(E, E, E, D, D, E, H, dtype=torch.float64, **options).eval()
 
 
 @pytest.mark.parametrize("options", [dict(window=(2, 0)), dict(alibi=True), dict(window=(1, 1), alibi=True)], ids=str)
@@ -129,9 +129,9 @@ def test_auto_under_transforms_runs_what_can_run_there():
     (lambda q: mha.RotaryEmbedding(4, base=0), ValueError, ["base"]),
     (lambda q: mha.RotaryEmbedding(4, base=-10000.0), ValueError, ["base"]),
     (lambda q: mha.RotaryEmbedding(4, interleaved="yes"), TypeError, ["interleaved"]),
-    (lambda q: mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, sinks="yes"), TypeError, ["sinks"]),
-    (lambda q: mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, softcap=-1.0), ValueError, ["softcap"]),
-    (lambda q: mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, window=(True, 0)), ValueError, ["window"]),
+    (lambda q: mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, sinks="yes"), TypeError, ["sinks"]),
+    (lambda q: mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, softcap=-1.0), ValueError, ["softcap"]),
+    (lambda q: mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, window=(True, 0)), ValueError, ["window"]),
     (lambda q: mha.nn.MultiheadAttention(8, 2)(q[0], q[0], q[0], is_causal="yes"), TypeError, ["is_causal"]),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_bad_arguments_are_named(call, error, words):
@@ -182,7 +182,7 @@ def test_a_cache_refuses_keys_of_another_width_or_dtype():
     with torch.no_grad():
         m(x, x, x, is_causal=True, cache=cache)
         cache._owner = None  # as if another module, of other widths, took it over
-        wide = mha.MultiHeadAttention(E, E, E, 2 * D, D, E, H, dtype=torch.float64).eval()
+        wide = mha.GeneralAttention(E, E, E, 2 * D, D, E, H, dtype=torch.float64).eval()
         with pytest.raises(ValueError, match="keys of shape"):
             wide(x, x, x, is_causal=True, cache=cache)
         cache._owner = None
@@ -370,7 +370,7 @@ def test_attention_with_appended_keys_and_positions_runs_on_the_meta_device():
     q = torch.empty(2, 3, 4, 8, device="meta")
     out, _ = attend(q, q, q, add_zero_attn=True, is_causal=True)
     assert out.shape == (2, 3, 4, 8) and out.device.type == "meta"
-    m = mha.MultiHeadAttention(E, E, E, D, D, E, H, rope=mha.RotaryEmbedding(D), device="meta")
+    m = mha.GeneralAttention(E, E, E, D, D, E, H, rope=mha.RotaryEmbedding(D), device="meta")
     x = torch.empty(2, 3, E, device="meta")
     assert m(x, x, x, is_causal=True).device.type == "meta"
     cache = mha.KVCache()

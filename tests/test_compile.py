@@ -21,7 +21,7 @@ def _cases():
     x = torch.randn(5, 2, E)  # (L, B, E): seq-first, torch's default
     xb = x.transpose(0, 1).contiguous()  # (B, L, E)
     drop_in = mha.nn.MultiheadAttention(E, H).eval()
-    general = mha.MultiHeadAttention(E, E, E, 8, 8, E, H, num_kv_heads=2, rope=mha.RotaryEmbedding(8)).eval()
+    general = mha.GeneralAttention(E, E, E, 8, 8, E, H, num_kv_heads=2, rope=mha.RotaryEmbedding(8)).eval()
     encoder = mha.nn.TransformerEncoderLayer(E, H, 64, dropout=0.0).eval()
     decoder = mha.nn.TransformerDecoderLayer(E, H, 64, dropout=0.0).eval()
     q = torch.randn(2, H, 6, 8)
@@ -52,7 +52,7 @@ def test_no_graph_breaks_and_equal_outputs(name):
 @pytest.mark.parametrize("cache_kind", [dict(max_length=32), dict()])
 def test_a_cache_decode_step_has_no_graph_break(cache_kind):
     torch.manual_seed(0)
-    module = mha.MultiHeadAttention(E, E, E, 8, 8, E, H, num_kv_heads=2, rope=mha.RotaryEmbedding(8)).eval()
+    module = mha.GeneralAttention(E, E, E, 8, 8, E, H, num_kv_heads=2, rope=mha.RotaryEmbedding(8)).eval()
     prompt, token = torch.randn(2, 5, E), torch.randn(2, 1, E)
     eager, traced = mha.KVCache(**cache_kind), mha.KVCache(**cache_kind)
     with torch.no_grad():
@@ -80,7 +80,7 @@ def test_inductor_compiles_the_drop_in_to_equal_outputs():
 
 @pytest.mark.parametrize("build", [
     lambda: (mha.nn.MultiheadAttention(E, H, batch_first=True), True),
-    lambda: (mha.MultiHeadAttention(E, E, E, 8, 8, E, H, num_kv_heads=2, rope=mha.RotaryEmbedding(8)), False),
+    lambda: (mha.GeneralAttention(E, E, E, 8, 8, E, H, num_kv_heads=2, rope=mha.RotaryEmbedding(8)), False),
     lambda: (mha.nn.TransformerEncoderLayer(E, H, 64, dropout=0.0, batch_first=True), False),
 ], ids=["drop-in", "general", "encoder layer"])
 def test_torch_export_gives_the_eager_outputs(build):
@@ -88,7 +88,7 @@ def test_torch_export_gives_the_eager_outputs(build):
     module, three_inputs = build()
     module.eval()
     x = torch.randn(2, 7, E)
-    args = (x, x, x) if three_inputs or isinstance(module, mha.MultiHeadAttention) else (x,)
+    args = (x, x, x) if three_inputs or isinstance(module, mha.GeneralAttention) else (x,)
     exported = torch.export.export(module, args)
     torch.testing.assert_close(exported.module()(*args), module(*args))
 
@@ -99,7 +99,7 @@ def test_a_compiled_decode_loop_stops_compiling(kind):
     so a loop of steps does not recompile at every length (nor hit the recompile limit)."""
     torch.manual_seed(0)
     window = (8, 0) if "window" in kind else None
-    module = mha.MultiHeadAttention(E, E, E, 8, 8, E, H, num_kv_heads=2, rope=mha.RotaryEmbedding(8),
+    module = mha.GeneralAttention(E, E, E, 8, 8, E, H, num_kv_heads=2, rope=mha.RotaryEmbedding(8),
                                     window=window).eval()
     prompt = torch.randn(2, 5, E)
     eager, traced = mha.KVCache(**kind), mha.KVCache(**kind)

@@ -342,7 +342,7 @@ def test_flash_dropout_gradients_match_its_own_draws():
     assert not torch.equal(a, b)  # fresh draws at every call
 
 
-# -- the positional path of mha.MultiHeadAttention against the same reference ----------------------------
+# -- the positional path of mha.GeneralAttention against the same reference ----------------------------
 
 
 @st.composite
@@ -359,7 +359,7 @@ def positional_modules(draw):
     if draw(st.booleans()):
         options["rope"] = mha.RotaryEmbedding(draw(st.sampled_from([2, 4])), interleaved=draw(st.booleans()))
     torch.manual_seed(draw(st.integers(0, 1000)))
-    module = mha.MultiHeadAttention(E, E, E, D, D, E, H, dtype=torch.float64, **options).eval()
+    module = mha.GeneralAttention(E, E, E, D, D, E, H, dtype=torch.float64, **options).eval()
     if module.sinks is not None:
         torch.nn.init.normal_(module.sinks)
     B, L, S = draw(st.integers(1, 2)), draw(st.integers(1, 9)), draw(st.integers(1, 11))

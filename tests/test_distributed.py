@@ -175,7 +175,7 @@ def _compare_head_parallel(reference, parallel, inputs, call) -> float:
 
 
 def _general(**options):
-    return mha.MultiHeadAttention(12, 10, 9, 6, 5, 7, 12, dtype=torch.float64, **options)
+    return mha.GeneralAttention(12, 10, 9, 6, 5, 7, 12, dtype=torch.float64, **options)
 
 
 def rank_modules() -> dict[str, float]:
@@ -221,7 +221,7 @@ def rank_errors() -> dict[str, str]:
     layout = SequenceLayout(10)
     q = torch.zeros(1, 3, layout.local_length, 4)
     for name, call in {"ulysses heads": lambda: ulysses_attention(q, q, q, layout),
-                       "heads mode": lambda: parallelize(mha.MultiHeadAttention(6, 6, 6, 2, 2, 6, 4, num_kv_heads=1),
+                       "heads mode": lambda: parallelize(mha.GeneralAttention(6, 6, 6, 2, 2, 6, 4, num_kv_heads=1),
                                                          "heads")}.items():
         try:
             call()
@@ -411,11 +411,11 @@ def test_argument_errors():
 
 
 def test_parallelize_refuses_what_it_cannot_run():
-    with raises_exactly(TypeError, "parallelize takes an mha.MultiHeadAttention or mha.nn.MultiheadAttention, got Linear"):
+    with raises_exactly(TypeError, "parallelize takes an mha.GeneralAttention or mha.nn.MultiheadAttention, got Linear"):
         parallelize(torch.nn.Linear(2, 2))
     with raises_exactly(ValueError, "mode must be one of ('ring', 'ulysses', 'heads'), got 'rings'"):
         parallelize(mha.nn.MultiheadAttention(8, 2), "rings")
-    module = parallelize(mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2), "ring")
+    module = parallelize(mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2), "ring")
     assert type(module).__name__ == "SequenceParallelMultiHeadAttention" and "parallel='ring'" in repr(module)
     x = torch.randn(1, 6, 8)
     with raises_exactly(ValueError, "a module parallelized with mode='ring' does not take key_padding_mask; causality, "
@@ -428,7 +428,7 @@ def test_parallelize_refuses_what_it_cannot_run():
                                     "weights: call it with need_weights=False"):
         drop_in(x[0], x[0], x[0])
     with raises_exactly(ValueError, "an efficient attention variant is not parallelized: use attention='exact'"):
-        parallelize(mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, attention="linear"), "heads")
+        parallelize(mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, attention="linear"), "heads")
 
 
 def test_a_failing_rank_stops_the_others_at_once():

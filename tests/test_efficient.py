@@ -136,7 +136,7 @@ def test_causal_output_never_depends_on_later_inputs(variant):
                                                    ("nystrom", dict(landmarks=8), False),
                                                    ("linformer", dict(max_length=32, k=8), False)])
 def test_selectable_on_the_general_module(name, options, causal):
-    m = mha.MultiHeadAttention(16, 16, 16, 8, 8, 16, 2, attention=name, attention_options=options)
+    m = mha.GeneralAttention(16, 16, 16, 8, 8, 16, 2, attention=name, attention_options=options)
     x = torch.randn(2, 32, 16, requires_grad=True)
     out = m(x, x, x, is_causal=causal)
     assert out.shape == (2, 32, 16)
@@ -148,7 +148,7 @@ def test_selectable_on_the_general_module(name, options, causal):
 
 def test_an_efficient_variant_does_not_combine_with_positional_terms():
     with pytest.raises(ValueError, match="does not combine"):
-        mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, attention="linear", alibi=True)
+        mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, attention="linear", alibi=True)
 
 
 @pytest.mark.parametrize("call, message", [
@@ -203,7 +203,7 @@ def test_local_equals_its_band_mask_built_by_hand(window, causal):
 def test_the_general_module_runs_its_variant_on_the_projected_heads():
     """Wiring by value: the module's output is out_proj(merge(variant(heads of q_proj, k_proj, v_proj)))."""
     torch.manual_seed(0)
-    m = mha.MultiHeadAttention(16, 16, 16, 8, 8, 16, 2, attention="local", attention_options=dict(window=3))
+    m = mha.GeneralAttention(16, 16, 16, 8, 8, 16, 2, attention="local", attention_options=dict(window=3))
     x = torch.randn(2, 10, 16)
     heads = [p(x).unflatten(-1, (2, 8)).transpose(1, 2) for p in (m.q_proj, m.k_proj, m.v_proj)]  # (2, 2, 10, 8)
     o = efficient.Local(3)(*heads, True)  # (2, 2, 10, 8)

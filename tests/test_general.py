@@ -1,4 +1,4 @@
-"""mha.MultiHeadAttention (seed 002's general module) against the float64 oracle and torch."""
+"""mha.GeneralAttention (seed 002's general module) against the float64 oracle and torch."""
 
 import itertools
 import warnings
@@ -18,7 +18,7 @@ WIDTHS = dict(cq=6, ck=5, cv=7, dk=3, dv=4, do=9, h=2)  # dk != dv, h*dk != cq, 
 
 def _module(**options):
     torch.manual_seed(0)
-    m = mha.MultiHeadAttention(**{**WIDTHS, **options}, dtype=torch.float64)
+    m = mha.GeneralAttention(**{**WIDTHS, **options}, dtype=torch.float64)
     return randomize_biases(m)
 
 
@@ -61,7 +61,7 @@ def test_seed_002_loading_from_torch_gives_torch_outputs(bias, add_bias_kv):
     d, ck, cv, h = 16, 32, 64, 2
     theirs = torch.nn.MultiheadAttention(d, h, kdim=ck, vdim=cv, batch_first=True, bias=bias,
                                          add_bias_kv=add_bias_kv)
-    ours = mha.MultiHeadAttention(cq=d, ck=ck, cv=cv, dk=d // h, dv=d // h, do=d, h=h, bias=bias,
+    ours = mha.GeneralAttention(cq=d, ck=ck, cv=cv, dk=d // h, dv=d // h, do=d, h=h, bias=bias,
                                   add_bias_kv=add_bias_kv)
     if add_bias_kv:  # the order seed 002 prints
         assert [n for n, _ in ours.named_parameters()][:2] == ["bias_k", "bias_v"]
@@ -84,7 +84,7 @@ def test_seed_002_loading_from_torch_gives_torch_outputs(bias, add_bias_kv):
 
 
 def test_parameter_shapes_and_initialisation():
-    m = mha.MultiHeadAttention(cq=6, ck=5, cv=7, dk=3, dv=4, do=9, h=2, add_bias_kv=True)
+    m = mha.GeneralAttention(cq=6, ck=5, cv=7, dk=3, dv=4, do=9, h=2, add_bias_kv=True)
     shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
     assert shapes == {"bias_k": (1, 1, 6), "bias_v": (1, 1, 8), "q_proj.weight": (6, 6), "q_proj.bias": (6,),
                       "k_proj.weight": (6, 5), "k_proj.bias": (6,), "v_proj.weight": (8, 7),
@@ -99,7 +99,7 @@ def test_dropout_in_training_only():
     """In training each weight is dropped with probability p and the survivors are scaled by
     1 / (1 - p); the output is the dropped weights applied to the values."""
     p = 0.25
-    m = mha.MultiHeadAttention(**WIDTHS, dropout=p, dtype=torch.float64)
+    m = mha.GeneralAttention(**WIDTHS, dropout=p, dtype=torch.float64)
     x = tuple(torch.randn(4, n, c, dtype=torch.float64) for n, c in ((30, 6), (40, 5), (40, 7)))
     m.eval()
     dense_out, dense = m.forward_with_weights(*x, average_attn_weights=False)
@@ -149,15 +149,15 @@ F32, F64, I64 = torch.float32, torch.float64, torch.int64
      "Expected `attn_mask` shape to be (4, 5) (L, S) but got (4, 4)"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_bad_input_is_refused_with_a_message_naming_it(inputs, options, error, message):
-    m = mha.MultiHeadAttention(**WIDTHS)
+    m = mha.GeneralAttention(**WIDTHS)
     with raises_exactly(error, message):
         m(*inputs, **options)
 
 
 def test_the_batch_first_layout_is_named_by_the_module_that_has_it():
-    """mha.MultiHeadAttention is batch-first; mha.nn.MultiheadAttention is sequence-first by default."""
+    """mha.GeneralAttention is batch-first; mha.nn.MultiheadAttention is sequence-first by default."""
     x = torch.zeros(1, 2, 4, 8)
-    for module, layout in ((mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2), "(B, L, E)"),
+    for module, layout in ((mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2), "(B, L, E)"),
                            (mha.nn.MultiheadAttention(8, 2), "(L, B, E)"),
                            (mha.nn.MultiheadAttention(8, 2, batch_first=True), "(B, L, E)")):
         want = f"query must be 2-D or 3-D ({layout} batched, (L, E) unbatched), got 4-D with shape (1, 2, 4, 8)"
@@ -180,13 +180,13 @@ SELF_CASES = [  # self-attention (query is key is value): the same checks, the s
 
 @pytest.mark.parametrize("widths, x, error, message", SELF_CASES, ids=lambda x: x if isinstance(x, str) else "")
 def test_self_attention_input_is_checked_like_any_input(widths, x, error, message):
-    m = mha.MultiHeadAttention(**{**WIDTHS, **widths})
+    m = mha.GeneralAttention(**{**WIDTHS, **widths})
     with raises_exactly(error, message):
         m(x, x, x)
 
 
 def test_nested_self_attention_input_israises_exactly():
-    m = mha.MultiHeadAttention(6, 6, 6, 3, 3, 6, 2)
+    m = mha.GeneralAttention(6, 6, 6, 3, 3, 6, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch: nested tensors are a prototype
         x = torch.nested.nested_tensor([torch.randn(3, 6), torch.randn(4, 6)])
@@ -196,7 +196,7 @@ def test_nested_self_attention_input_israises_exactly():
 
 
 def test_a_module_on_another_device_is_named():
-    m = mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, device="meta")
+    m = mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, device="meta")
     x = torch.zeros(2, 3, 8)
     message = "the module's weight is on device meta but query is on cpu; they must be on the same device"
     with raises_exactly(ValueError, message):
@@ -221,7 +221,7 @@ def test_a_module_on_another_device_is_named():
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_constructor_names_the_bad_argument(options, error, message):
     with raises_exactly(error, message):
-        mha.MultiHeadAttention(**{**WIDTHS, **options})
+        mha.GeneralAttention(**{**WIDTHS, **options})
 
 
 EFFICIENT_REFUSED = "an efficient attention variant does not combine with rope, alibi, window, softcap, sinks, " \
@@ -233,7 +233,7 @@ EFFICIENT_REFUSED = "an efficient attention variant does not combine with rope, 
                                     dict(add_zero_attn=True)], ids=str)
 def test_an_efficient_variant_refuses_each_exact_only_feature(option):
     with raises_exactly(ValueError, EFFICIENT_REFUSED):
-        mha.MultiHeadAttention(**WIDTHS, attention="linear", **option)
+        mha.GeneralAttention(**WIDTHS, attention="linear", **option)
 
 
 EFFICIENT_CALL = "an efficient attention variant takes is_causal only: no attn_mask, key_padding_mask, cache " \
@@ -247,7 +247,7 @@ EFFICIENT_CALL = "an efficient attention variant takes is_causal only: no attn_m
     lambda m, x: m.forward_with_weights(x, x, x),
 ], ids=["attn_mask", "key_padding_mask", "cache", "weights"])
 def test_an_efficient_variant_refuses_masks_caches_and_weights(call):
-    m = mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, attention="linear")
+    m = mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, attention="linear")
     with raises_exactly(ValueError, EFFICIENT_CALL):
         call(m, torch.randn(2, 3, 8))
 
@@ -256,7 +256,7 @@ def test_an_efficient_variant_refuses_masks_caches_and_weights(call):
 def test_an_efficient_variant_keeps_the_batch_dim_it_was_given(lead):
     """The exact variant (torch's kernel) gives the formula written out by hand, in every layout."""
     torch.manual_seed(0)
-    m = randomize_biases(mha.MultiHeadAttention(6, 5, 7, 3, 4, 9, 2, attention=mha.efficient.Exact(),
+    m = randomize_biases(mha.GeneralAttention(6, 5, 7, 3, 4, 9, 2, attention=mha.efficient.Exact(),
                                                 dtype=torch.float64))
     q, k, v = (torch.randn(*lead, n, c, dtype=torch.float64) for n, c in ((4, 6), (5, 5), (5, 7)))
     with torch.no_grad():
@@ -273,18 +273,18 @@ def test_an_efficient_variant_keeps_the_batch_dim_it_was_given(lead):
 
 
 def test_extra_repr_lists_the_widths_then_each_feature_in_use():
-    plain = mha.MultiHeadAttention(6, 5, 7, 3, 4, 9, 2)
+    plain = mha.GeneralAttention(6, 5, 7, 3, 4, 9, 2)
     assert plain.extra_repr() == "cq=6, ck=5, cv=7, dk=3, dv=4, do=9, h=2, add_zero_attn=False, dropout=0.0"
-    full = mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 4, num_kv_heads=2, alibi=True, window=[2, 0], softcap=2,
+    full = mha.GeneralAttention(8, 8, 8, 4, 4, 8, 4, num_kv_heads=2, alibi=True, window=[2, 0], softcap=2,
                                   sinks=True, add_zero_attn=False, dropout=0.5)
     assert full.extra_repr() == ("cq=8, ck=8, cv=8, dk=4, dv=4, do=8, h=4, add_zero_attn=False, dropout=0.5, "
                                  "num_kv_heads=2, alibi=True, window=(2, 0), softcap=2.0, sinks=True")
-    one = mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 4, window=(-1, 3))
+    one = mha.GeneralAttention(8, 8, 8, 4, 4, 8, 4, window=(-1, 3))
     assert one.extra_repr().endswith("dropout=0.0, window=(-1, 3)")
 
 
 def test_constructor_defaults():
-    m = mha.MultiHeadAttention(6, 5, 7, 3, 4, 9, 2)
+    m = mha.GeneralAttention(6, 5, 7, 3, 4, 9, 2)
     assert (m.num_kv_heads, m.dropout, m.add_zero_attn, m.rope, m.window, m.softcap) == (2, 0.0, False, None, None, None)
     assert m.bias_k is None and m.bias_v is None and m.sinks is None and m.alibi_slopes is None
     assert m.attention is None and not m.positional and m.training
@@ -293,7 +293,7 @@ def test_constructor_defaults():
 
 def test_alibi_slopes_are_a_buffer_outside_the_state_dict():
     """Fixed by h (Press et al.: 2^(-8 i / h)), so checkpoints do not carry them."""
-    m = mha.MultiHeadAttention(8, 8, 8, 2, 2, 8, 4, alibi=True, dtype=torch.float64)
+    m = mha.GeneralAttention(8, 8, 8, 2, 2, 8, 4, alibi=True, dtype=torch.float64)
     assert m.alibi_slopes.tolist() == [0.25, 0.0625, 0.015625, 0.00390625]
     assert "alibi_slopes" in dict(m.named_buffers())
     assert "alibi_slopes" not in m.state_dict()
@@ -304,7 +304,7 @@ def test_alibi_slopes_are_a_buffer_outside_the_state_dict():
 def test_parameters_are_drawn_in_the_dtype_asked_for():
     """float64 modules draw float64 values (not float32 values widened), sinks included."""
     torch.manual_seed(0)
-    m = mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, sinks=True, dtype=torch.float64)  # the packed (3E, E) init
+    m = mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, sinks=True, dtype=torch.float64)  # the packed (3E, E) init
     for proj in (m.q_proj, m.k_proj, m.v_proj):
         w = proj.weight.detach()
         assert w.dtype == torch.float64
@@ -315,7 +315,7 @@ def test_parameters_are_drawn_in_the_dtype_asked_for():
 def test_building_on_the_meta_device_draws_no_random_numbers():
     """As torch.nn.MultiheadAttention: deferred initialisation leaves the CPU generator untouched."""
     for build in (lambda: torch.nn.MultiheadAttention(8, 2, device="meta"),
-                  lambda: mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, device="meta")):
+                  lambda: mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, device="meta")):
         state = torch.get_rng_state()
         m = build()
         assert torch.equal(torch.get_rng_state(), state)
@@ -354,7 +354,7 @@ def test_forward_with_weights_reads_and_fills_the_cache():
     """A decode step through forward_with_weights sees the cached keys: its row is the oracle's last
     causal row, its weights cover every position so far, and the cache grows by one."""
     torch.manual_seed(0)
-    m = randomize_biases(mha.MultiHeadAttention(6, 6, 6, 3, 3, 6, 2, dtype=torch.float64))
+    m = randomize_biases(mha.GeneralAttention(6, 6, 6, 3, 3, 6, 2, dtype=torch.float64))
     x = torch.randn(2, 5, 6, dtype=torch.float64)
     cache = mha.KVCache()
     with torch.no_grad():
@@ -412,7 +412,7 @@ def _alibi_by_hand(m, q, k, v, padding, is_causal=False):
 @pytest.mark.parametrize("padded", [False, True])
 def test_unbatched_alibi_input_with_or_without_key_padding(padded):
     torch.manual_seed(0)
-    m = randomize_biases(mha.MultiHeadAttention(6, 5, 7, 3, 4, 9, 2, alibi=True, dtype=torch.float64))
+    m = randomize_biases(mha.GeneralAttention(6, 5, 7, 3, 4, 9, 2, alibi=True, dtype=torch.float64))
     q, k, v = _inputs(lead=())
     padding = torch.tensor([False, False, True, False, True]) if padded else None
     with torch.no_grad():
@@ -466,6 +466,6 @@ POSITIONS_NOT_MASKS = ("with rope, alibi, window or a cache the masks come from 
     ({}, lambda m, x: m(x, x, x, attn_mask=torch.zeros(3, 3), cache=mha.KVCache()), ValueError, POSITIONS_NOT_MASKS),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_the_positional_path_names_what_it_refuses(options, call, error, message):
-    m = mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, **options)
+    m = mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, **options)
     with raises_exactly(error, message):
         call(m, torch.randn(2, 3, 8))

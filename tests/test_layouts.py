@@ -60,7 +60,7 @@ def test_torch_layout_round_trip_in_every_configuration(options):
 
 
 def test_state_of_modules():
-    state, layout, heads = layouts.state_of(mha.MultiHeadAttention(4, 5, 6, 2, 3, 7, 2))
+    state, layout, heads = layouts.state_of(mha.GeneralAttention(4, 5, 6, 2, 3, 7, 2))
     assert layout == "general" and heads == 2 and "v_proj.weight" in state
     assert layouts.state_of(torch.nn.MultiheadAttention(8, 2))[1:] == ("torch", 2)
     with pytest.raises(TypeError, match="Linear"):
@@ -70,13 +70,13 @@ def test_state_of_modules():
 @pytest.mark.parametrize("add_bias_kv, layout", [(True, "per_head"), (True, "general"), (False, "labml"),
                                                   (False, "bert"), (False, "annotated")])
 def test_general_module_with_unequal_widths_round_trips(add_bias_kv, layout):
-    m = mha.MultiHeadAttention(cq=6, ck=5, cv=7, dk=3, dv=4, do=9, h=2, add_bias_kv=add_bias_kv)
+    m = mha.GeneralAttention(cq=6, ck=5, cv=7, dk=3, dv=4, do=9, h=2, add_bias_kv=add_bias_kv)
     state = m.state_dict()
     _assert_same_state(layouts.convert(layouts.convert(state, "general", layout, 2), layout, "general", 2), state)
 
 
 def test_layouts_that_cannot_hold_the_weights_refuse():
-    state = mha.MultiHeadAttention(cq=6, ck=5, cv=7, dk=3, dv=4, do=9, h=2, add_bias_kv=True).state_dict()
+    state = mha.GeneralAttention(cq=6, ck=5, cv=7, dk=3, dv=4, do=9, h=2, add_bias_kv=True).state_dict()
     with pytest.raises(ValueError, match="no place for.*bias_k"):
         layouts.from_general(state, "labml")
     with pytest.raises(ValueError, match="torch.nn.MultiheadAttention needs"):
@@ -167,7 +167,7 @@ def test_missing_and_misshaped_keys_are_named():
 
 
 def test_per_head_head_count_comes_from_the_weights():
-    heads = layouts.per_head(mha.MultiHeadAttention(8, 8, 8, 2, 2, 8, 4).state_dict(), 4)
+    heads = layouts.per_head(mha.GeneralAttention(8, 8, 8, 2, 2, 8, 4).state_dict(), 4)
     state = heads.as_state()
     assert layouts.heads_in(state, "per_head") == 4
     assert set(layouts.convert(state, "per_head", "torch")) >= {"in_proj_weight"}
@@ -179,7 +179,7 @@ def test_per_head_head_count_comes_from_the_weights():
 
 
 def test_per_head_bias_k_and_bias_v_come_together():
-    state = layouts.per_head(mha.MultiHeadAttention(8, 8, 8, 2, 2, 8, 4, add_bias_kv=True).state_dict(), 4).as_state()
+    state = layouts.per_head(mha.GeneralAttention(8, 8, 8, 2, 2, 8, 4, add_bias_kv=True).state_dict(), 4).as_state()
     for key in [k for k in state if k.startswith("bias_v.")]:
         del state[key]
     with pytest.raises(ValueError, match="bias_k.i and bias_v.i come together"):
@@ -240,7 +240,7 @@ def _weights(q, k, v, o, **extra):
 
 def _four_head_per_head_state():
     torch.manual_seed(0)
-    return layouts.per_head(mha.MultiHeadAttention(8, 8, 8, 2, 2, 8, 4).state_dict(), 4).as_state()
+    return layouts.per_head(mha.GeneralAttention(8, 8, 8, 2, 2, 8, 4).state_dict(), 4).as_state()
 
 
 @pytest.mark.parametrize("count, shown", [(12, "['k00', 'k01', 'k02', 'k03', 'k04', 'k05', 'k06', 'k07', "
@@ -316,7 +316,7 @@ def test_widths_of_well_formed_states(state, num_heads, want):
 
 def test_layout_table_names_and_descriptions():
     assert {name: (layout.name, layout.description) for name, layout in layouts.LAYOUTS.items()} == {
-        "general": ("general", "mha.MultiHeadAttention"),
+        "general": ("general", "mha.GeneralAttention"),
         "torch": ("torch", "torch.nn.MultiheadAttention (packed in_proj or separate q/k/v_proj_weight)"),
         "bert": ("bert", "HuggingFace BERT attention: self.query/key/value, output.dense"),
         "gpt2": ("gpt2", "GPT-2 attention: c_attn, c_proj (Conv1D, transposed)"),
@@ -328,7 +328,7 @@ def test_layout_table_names_and_descriptions():
 
 
 def test_general_layout_keeps_every_key_including_bias_kv():
-    state = mha.MultiHeadAttention(6, 5, 7, 3, 4, 9, 2, add_bias_kv=True).state_dict()
+    state = mha.GeneralAttention(6, 5, 7, 3, 4, 9, 2, add_bias_kv=True).state_dict()
     for converted in (layouts.from_general(state, "general", 2), layouts.to_general(state, "general", 2)):
         assert sorted(converted) == sorted(state)
         assert all(converted[key] is state[key] for key in state)
@@ -350,7 +350,7 @@ def test_renaming_layouts_name_their_keys():
 
 def _general_of(**options):
     torch.manual_seed(0)
-    return randomize_biases(mha.MultiHeadAttention(**options)).state_dict()
+    return randomize_biases(mha.GeneralAttention(**options)).state_dict()
 
 
 @pytest.mark.parametrize("options, drop, layout, message", [
@@ -464,7 +464,7 @@ def test_general_module_refuses_mixed_biases_and_passes_options():
     general = _general_of(cq=8, ck=8, cv=8, dk=2, dv=2, do=8, h=4)
     assert layouts.general_module(general, "general", 4, dropout=0.25).dropout == 0.25
     del general["q_proj.bias"]
-    with raises_exactly(ValueError, "mha.MultiHeadAttention has biases on all four projections or on none"):
+    with raises_exactly(ValueError, "mha.GeneralAttention has biases on all four projections or on none"):
         layouts.general_module(general, "general", 4)
 
 
@@ -564,7 +564,7 @@ def test_annotated_padding_mask_keeps_its_single_query_row():
 def test_per_head_checks_a_general_state_like_every_other_layout():
     """A general state goes through to_general too (it skipped the checks, so an integer bias was
     accepted here alone: found by mutation testing)."""
-    state = dict(mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2).state_dict())
+    state = dict(mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2).state_dict())
     state["q_proj.bias"] = state["q_proj.bias"].long()
     with raises_exactly(TypeError, "'q_proj.bias' must be a floating point tensor, got dtype torch.int64"):
         layouts.per_head(state, 2)

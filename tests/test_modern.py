@@ -1,4 +1,4 @@
-"""GQA/MQA, RoPE, ALiBi, sliding windows and the KV cache in mha.MultiHeadAttention."""
+"""GQA/MQA, RoPE, ALiBi, sliding windows and the KV cache in mha.GeneralAttention."""
 
 
 import pytest
@@ -15,7 +15,7 @@ E, H, D = 32, 4, 8
 
 def _module(seed=0, **options):
     torch.manual_seed(seed)
-    return randomize_biases(mha.MultiHeadAttention(E, E, E, D, D, E, H, **options)).eval()
+    return randomize_biases(mha.GeneralAttention(E, E, E, D, D, E, H, **options)).eval()
 
 
 def _reference(m, x, visible=None, alibi=False):
@@ -151,7 +151,7 @@ def test_sliding_window_flash_visits_only_the_band():
 ])
 def test_constructor_errors(options, error, words):
     with pytest.raises(error) as info:
-        mha.MultiHeadAttention(E, E, E, D, D, E, H, **options)
+        mha.GeneralAttention(E, E, E, D, D, E, H, **options)
     assert all(w in str(info.value) for w in words)
 
 
@@ -201,7 +201,7 @@ def test_llama_layout_round_trip_with_fewer_kv_heads():
 @pytest.mark.parametrize("kind", [dict(max_length=16), dict()], ids=["preallocated", "growing"])
 def test_a_cropped_cache_continues_as_if_the_dropped_tokens_never_came(kind):
     torch.manual_seed(0)
-    module = mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, rope=mha.RotaryEmbedding(4)).eval()
+    module = mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, rope=mha.RotaryEmbedding(4)).eval()
     prompt, draft, token = torch.randn(1, 5, 8), torch.randn(1, 3, 8), torch.randn(1, 1, 8)
     cropped, clean = mha.KVCache(**kind), mha.KVCache(**kind)
     with torch.no_grad():

@@ -280,7 +280,7 @@ def test_pruned_and_parametrized_parameters_are_used():
         parametrize.register_parametrization(module, "bias_k", Double())
     with torch.no_grad():
         torch.testing.assert_close(m(x, x, x)[0], reference(x, x, x)[0], atol=1e-6, rtol=1e-5)
-    general = mha.MultiHeadAttention(8, 8, 8, 4, 4, 8, 2, sinks=True, rope=mha.RotaryEmbedding(4)).eval()
+    general = mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, sinks=True, rope=mha.RotaryEmbedding(4)).eval()
     with torch.no_grad():
         plain = general(x.transpose(0, 1), x.transpose(0, 1), x.transpose(0, 1))
         parametrize.register_parametrization(general, "sinks", Double())

@@ -204,7 +204,7 @@ def test_the_native_backend_runs_everywhere_a_backend_is_named():
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     got = mha.functional.scaled_dot_product_attention(q, k, v, is_causal=True, backend="native")
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
-    module = mha.MultiHeadAttention(16, 16, 16, 4, 4, 16, 4)
+    module = mha.GeneralAttention(16, 16, 16, 4, 4, 16, 4)
     x = torch.randn(2, 50, 16)
     torch.testing.assert_close(module(x, x, x, is_causal=True, backend="native"),
                                module(x, x, x, is_causal=True, backend="math"), atol=2e-6, rtol=0)
@@ -537,7 +537,7 @@ def test_the_kernel_refuses_shapes_it_cannot_read():
 def test_a_kv_cache_decoding_step_runs_on_native(caplog):
     """KVCache paths reach the kernel through the dispatch: a decoding step over a long cache."""
     torch.manual_seed(0)
-    module = mha.MultiHeadAttention(64, 64, 64, 16, 16, 64, 4, num_kv_heads=2).eval()
+    module = mha.GeneralAttention(64, 64, 64, 16, 16, 64, 4, num_kv_heads=2).eval()
     cache = mha.KVCache(max_length=1100)
     prompt, step = torch.randn(1, 1050, 64), torch.randn(1, 1, 64)
     with torch.no_grad():

@@ -41,8 +41,8 @@ def causal_mask(T):
 def cases():
     torch.manual_seed(0)
     dropin = mha.nn.MultiheadAttention(E, H, batch_first=True)
-    general = mha.MultiHeadAttention(E, E, E, 8, 8, E, H)
-    positional = mha.MultiHeadAttention(E, E, E, 8, 8, E, H, num_kv_heads=2, rope=mha.RotaryEmbedding(8),
+    general = mha.GeneralAttention(E, E, E, 8, 8, E, H)
+    positional = mha.GeneralAttention(E, E, E, 8, 8, E, H, num_kv_heads=2, rope=mha.RotaryEmbedding(8),
                                         window=(3, 0))
     encoder = mha.nn.TransformerEncoderLayer(E, H, 64, dropout=0.0, batch_first=True)
     return {  # name: (module, call, exported with dynamic batch and length)

@@ -305,7 +305,7 @@ def test_multi_head_attention_need_weights_and_average(need_weights, average):
 
 
 def test_multi_head_attention_general_naming_with_head_dim_apart_from_embed_dim():
-    """mha.MultiHeadAttention's naming: q_proj (H*D, Eq) with H*D != Eq, v_proj (H*Dv, Ev), out_proj
+    """mha.GeneralAttention's naming: q_proj (H*D, Eq) with H*D != Eq, v_proj (H*Dv, Ev), out_proj
     (E, H*Dv); torch by hand: the projections, F.scaled_dot_product_attention per head, the output."""
     rng = np.random.default_rng(9)
     H, D, Dv, Eq, Ek, Ev, E, L, S, N = 2, 3, 5, 4, 7, 2, 4, 3, 6, 2

@@ -8,7 +8,7 @@ import mha
 
 def test_dir_of_mha_is_its_all():
     assert sorted(dir(mha)) == sorted(mha.__all__)
-    assert {"layouts", "functional", "nn", "kernels", "efficient", "MultiHeadAttention", "KVCache",
+    assert {"layouts", "functional", "nn", "kernels", "efficient", "GeneralAttention", "KVCache",
             "RotaryEmbedding"} <= set(mha.__all__)
     assert not any(name.startswith("_") and name != "__version__" for name in dir(mha))
 
@@ -22,7 +22,7 @@ def test_every_public_module_names_its_exports_and_they_exist():
 
 def test_mha_nn_holds_torch_drop_ins_only():
     assert sorted(mha.nn.__all__) == ["MultiheadAttention", "TransformerDecoderLayer", "TransformerEncoderLayer"]
-    assert not hasattr(mha.nn, "MultiHeadAttention")
+    assert not hasattr(mha.nn, "GeneralAttention")
 
 
 def test_import_mha_loads_no_tool_dependency():
@@ -40,3 +40,16 @@ def test_the_command_without_the_cli_extra_says_what_to_install():
     assert version.returncode == 0 and "mha" in version.stdout  # a command that needs no plot still runs
     plot = subprocess.run([sys.executable, "-c", no_matplotlib.format("['plot']")], capture_output=True, text=True)
     assert plot.returncode == 1 and "needs matplotlib" in plot.stderr and "Traceback" not in plot.stderr
+
+
+def test_the_general_module_keeps_its_old_name_one_release_with_a_warning():
+    """mha.MultiHeadAttention was one letter from mha.nn.MultiheadAttention (torch's drop-in): it is
+    mha.GeneralAttention now, the old name a deprecated alias of the same class."""
+    import pytest
+
+    with pytest.warns(DeprecationWarning, match="mha.MultiHeadAttention is renamed mha.GeneralAttention"):
+        old = mha.MultiHeadAttention
+    assert old is mha.GeneralAttention
+    assert "MultiHeadAttention" not in dir(mha)
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
+        mha.NoSuchThing  # noqa: B018 (the access is the test)

@@ -3,8 +3,10 @@
     mha.numpy               the float64 NumPy oracle, readable beside the paper
     mha.functional          scaled_dot_product_attention, multi_head_attention_forward (torch's signatures)
     mha.nn                  torch's drop-ins: MultiheadAttention, TransformerEncoderLayer, TransformerDecoderLayer
-    mha.MultiHeadAttention  the general module: widths cq, ck, cv, dk, dv, do and h heads (seed 002),
+    mha.GeneralAttention    the general module: widths cq, ck, cv, dk, dv, do and h heads (seed 002),
                             GQA (num_kv_heads), RoPE, ALiBi, sliding windows, softcap, sinks, a KV cache
+                            (formerly mha.MultiHeadAttention, one letter from torch's drop-in
+                            mha.nn.MultiheadAttention: the old name is a deprecated alias for one release)
     mha.KVCache, mha.RotaryEmbedding  (mha.rope.apply_rope: the rotation as a function)
     mha.layouts             weights between layouts (torch, general, per-head, Annotated, labml, BERT,
                             GPT-2, Llama)
@@ -30,15 +32,26 @@ The tools the ``mha`` command runs (verify, bench, explain, plot, convert) live 
 from . import distributed, efficient, functional, kernels, layouts, masks, nn, numpy, positions, rope
 from .cache import KVCache
 from .capture import capture_attention
-from .general import MultiHeadAttention
+from .general import GeneralAttention
 from .rope import RotaryEmbedding
 
 __version__ = "0.1.0"
 
-__all__ = ["KVCache", "MultiHeadAttention", "RotaryEmbedding", "capture_attention", "distributed", "efficient", "functional",
+__all__ = ["GeneralAttention", "KVCache", "RotaryEmbedding", "capture_attention", "distributed", "efficient", "functional",
            "kernels", "layouts", "masks", "nn", "numpy", "positions", "rope", "__version__"]
 
 
 def __dir__() -> list[str]:
     """The public surface only (importing submodules binds helpers such as ``_checks`` here too)."""
     return sorted(__all__)
+
+
+def __getattr__(name: str):
+    """The deprecated names: mha.MultiHeadAttention is mha.GeneralAttention."""
+    if name == "MultiHeadAttention":
+        import warnings
+
+        warnings.warn("mha.MultiHeadAttention is renamed mha.GeneralAttention (the same class); the old name "
+                      "goes in the next release", DeprecationWarning, stacklevel=2)
+        return GeneralAttention
+    raise AttributeError(f"module 'mha' has no attribute {name!r}")

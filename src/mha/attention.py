@@ -1,7 +1,7 @@
 """The multi-head machinery shared by every module: heads, extra keys, masks, backend, merge.
 
 Both the drop-in (mha.nn.MultiheadAttention, through mha.functional) and the general module
-(mha.MultiHeadAttention) project their inputs their own way, then call :func:`attend` on the
+(mha.GeneralAttention) project their inputs their own way, then call :func:`attend` on the
 heads (masks in torch's conventions, extra keys), or, for the general module's RoPE, ALiBi,
 windows and KV cache, :func:`attend_positional` (masks from positions), and :func:`finish` on the
 result.

@@ -4,7 +4,7 @@
         model(x)
     maps["layers.0.self_attn"]  # [ (B, H, L, S) weights of each call, per head ]
 
-Any mha.nn.MultiheadAttention or mha.MultiHeadAttention inside ``model`` (transformer layers
+Any mha.nn.MultiheadAttention or mha.GeneralAttention inside ``model`` (transformer layers
 included) records its per-head weights while the block is active. Outside it the cost is one
 check of an empty list per forward; inside, the modules run their weights path (math backend).
 """

@@ -1,4 +1,4 @@
-"""mha.MultiHeadAttention: multi-head attention with every width free (seed 002).
+"""mha.GeneralAttention: multi-head attention with every width free (seed 002).
 
     head_i = softmax(Q W_i^Q (K W_i^K)^T / sqrt(dk)) V W_i^V,   MHA = concat(head_1..head_h) W^O
 
@@ -20,10 +20,10 @@ from .cache import KVCache
 from .kernels.dispatch import share_kv_heads
 from .rope import RotaryEmbedding
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["GeneralAttention"]
 
 
-class MultiHeadAttention(nn.Module):
+class GeneralAttention(nn.Module):
     """General multi-head attention, batch-first.
 
     Args:

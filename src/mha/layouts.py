@@ -1,7 +1,7 @@
 """Weight layouts of multi-head attention, and lossless conversion between them.
 
 Every layout converts through one hub: the state_dict of the general module
-:class:`mha.MultiHeadAttention` ("general"):
+:class:`mha.GeneralAttention` ("general"):
 
     q_proj.weight (h*dk, cq)  k_proj.weight (h*dk, ck)  v_proj.weight (h*dv, cv)
     out_proj.weight (do, h*dv)  and optionally q_proj.bias, k_proj.bias, v_proj.bias,
@@ -9,7 +9,7 @@ Every layout converts through one hub: the state_dict of the general module
 
 Layouts (the names ``convert`` takes):
 
-    general    mha.MultiHeadAttention
+    general    mha.GeneralAttention
     torch      torch.nn.MultiheadAttention / mha.nn.MultiheadAttention: in_proj_weight (3E, E)
                when all widths are E, else q/k/v_proj_weight; in_proj_bias (3E,); out_proj.*
     bert       HuggingFace BERT-style: self.query/key/value.*, output.dense.*
@@ -231,7 +231,7 @@ def _layout(name, description, pair):
 
 
 LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
-    _layout("general", "mha.MultiHeadAttention", _renaming("general", _linear_names(*_PROJ))),
+    _layout("general", "mha.GeneralAttention", _renaming("general", _linear_names(*_PROJ))),
     _layout("torch", "torch.nn.MultiheadAttention (packed in_proj or separate q/k/v_proj_weight)",
             (_torch_export, _torch_load)),
     _layout("bert", "HuggingFace BERT attention: self.query/key/value, output.dense",
@@ -289,27 +289,27 @@ def convert(state: Mapping[str, Tensor], source: str, target: str, num_heads: in
 
 def state_of(module) -> tuple[dict, str, int]:
     """(state_dict, layout name, num_heads) of a torch/mha attention module."""
-    from .general import MultiHeadAttention
+    from .general import GeneralAttention
     from .nn import MultiheadAttention
 
-    if isinstance(module, MultiHeadAttention):
+    if isinstance(module, GeneralAttention):
         return module.state_dict(), "general", module.h
     if isinstance(module, (MultiheadAttention, torch.nn.MultiheadAttention)):
         return module.state_dict(), "torch", module.num_heads
     raise TypeError(f"expected torch.nn.MultiheadAttention, mha.nn.MultiheadAttention or "
-                    f"mha.MultiHeadAttention, got {type(module).__name__}")
+                    f"mha.GeneralAttention, got {type(module).__name__}")
 
 
 def general_module(state: Mapping[str, Tensor], layout: str, num_heads: int, **options):
-    """An mha.MultiHeadAttention with the widths these weights imply, loaded with them."""
-    from .general import MultiHeadAttention
+    """An mha.GeneralAttention with the widths these weights imply, loaded with them."""
+    from .general import GeneralAttention
 
     general = to_general(state, layout, num_heads)
     w = widths(general, num_heads)
     biases = [b is not None for b in _biases(general)]
     if any(biases) and not all(biases):
-        raise ValueError("mha.MultiHeadAttention has biases on all four projections or on none")
-    module = MultiHeadAttention(w["cq"], w["ck"], w["cv"], w["dk"], w["dv"], w["do"], num_heads,
+        raise ValueError("mha.GeneralAttention has biases on all four projections or on none")
+    module = GeneralAttention(w["cq"], w["ck"], w["cv"], w["dk"], w["dv"], w["do"], num_heads,
                                 bias=all(biases), add_bias_kv="bias_k" in general,
                                 num_kv_heads=w["num_kv_heads"], **options)
     module.load_state_dict(general)
@@ -481,7 +481,7 @@ def per_head_attention(query: Tensor, key: Tensor, value: Tensor, heads: PerHead
 
 
 def seq_first_to_batch_first(x: Tensor) -> Tensor:
-    """[T, B, d] (torch's default, labml) -> [B, T, d] (mha.MultiHeadAttention, SDPA)."""
+    """[T, B, d] (torch's default, labml) -> [B, T, d] (mha.GeneralAttention, SDPA)."""
     return x.transpose(0, 1)
 
 

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from ..attention import check_inputs, finish, own_tensors, split_heads
 from ..functional import projected_attention
-from ..general import MultiHeadAttention
+from ..general import GeneralAttention
 from ..nn import MultiheadAttention
 from ..projections import ProjectionWeights
 from . import comm
@@ -44,11 +44,11 @@ _SEQUENCE_ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}
 
 
 def parallelize(module: nn.Module, mode: str = "ring", group=None, *, balance: str = "zigzag") -> nn.Module:
-    """``module`` (an mha.MultiHeadAttention or mha.nn.MultiheadAttention) made to run across the
+    """``module`` (an mha.GeneralAttention or mha.nn.MultiheadAttention) made to run across the
     ranks of ``group`` (default: the default group) in ``mode`` (see the module docstring); in
     place, returned. ``balance``: the sequence layout when forward gets no ``layout``."""
-    if not isinstance(module, (MultiHeadAttention, MultiheadAttention)):
-        raise TypeError("parallelize takes an mha.MultiHeadAttention or mha.nn.MultiheadAttention, "
+    if not isinstance(module, (GeneralAttention, MultiheadAttention)):
+        raise TypeError("parallelize takes an mha.GeneralAttention or mha.nn.MultiheadAttention, "
                         f"got {type(module).__name__}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -56,7 +56,7 @@ def parallelize(module: nn.Module, mode: str = "ring", group=None, *, balance: s
         raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
     if isinstance(module, _Parallel):
         raise ValueError(f"the module is already parallelized ({module.parallel_mode!r})")
-    if isinstance(module, MultiHeadAttention) and module.attention is not None:
+    if isinstance(module, GeneralAttention) and module.attention is not None:
         raise ValueError("an efficient attention variant is not parallelized: use attention='exact'")
     size, rank = comm.world(group)
     if mode == "heads":
@@ -103,7 +103,7 @@ def _refuse(mode: str, **given) -> None:
 
 
 class _SequenceParallel(_Parallel):
-    """mha.MultiHeadAttention on sequence shards (B, T, c) -> (B, T, do)."""
+    """mha.GeneralAttention on sequence shards (B, T, c) -> (B, T, do)."""
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, *, key_padding_mask=None, attn_mask=None,
                 is_causal: bool = False, cache=None, backend: str = "auto", layout: SequenceLayout | None = None):
@@ -200,7 +200,7 @@ class RowParallelLinear(_SplitLinear):
 
 
 class _HeadParallel(_Parallel):
-    """mha.MultiHeadAttention with this rank's heads: its own forward, on split projections."""
+    """mha.GeneralAttention with this rank's heads: its own forward, on split projections."""
 
     def forward_with_weights(self, *args, **kwargs):
         raise ValueError("a module parallelized with mode='heads' returns no attention weights (each rank "
@@ -244,14 +244,14 @@ class _HeadParallelDropIn(_Parallel):
 
 def _split_heads(module: nn.Module, size: int, rank: int, group) -> None:
     """Keep this rank's heads of every per-head parameter and buffer (in place)."""
-    H = module.h if isinstance(module, MultiHeadAttention) else module.num_heads
-    Hkv = module.num_kv_heads if isinstance(module, MultiHeadAttention) else H
+    H = module.h if isinstance(module, GeneralAttention) else module.num_heads
+    Hkv = module.num_kv_heads if isinstance(module, GeneralAttention) else H
     if H % size or Hkv % size:
         raise ValueError(f"mode='heads' splits the heads among the ranks: {H} query heads and {Hkv} key/value "
                          f"heads must both divide among {size} ranks")
     heads, kv_heads = _share(H, size, rank), _share(Hkv, size, rank)
     with torch.no_grad():
-        if isinstance(module, MultiHeadAttention):
+        if isinstance(module, GeneralAttention):
             _split_general(module, heads, kv_heads, group)
         else:
             _split_drop_in(module, heads)
@@ -271,7 +271,7 @@ def _part(x: Tensor | None, dim: int, features: slice) -> Tensor | None:
     return None if x is None else x.narrow(dim, features.start, features.stop - features.start).clone()
 
 
-def _split_general(module: MultiHeadAttention, heads: slice, kv_heads: slice, group) -> None:
+def _split_general(module: GeneralAttention, heads: slice, kv_heads: slice, group) -> None:
     qk, kv, vv = _features(heads, module.dk), _features(kv_heads, module.dk), _features(kv_heads, module.dv)
     for name, rows in (("q_proj", qk), ("k_proj", kv), ("v_proj", vv)):
         linear = getattr(module, name)

@@ -79,7 +79,7 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale
 # Multi-head attention in NumPy. `params` holds a module's state_dict as arrays, in either naming:
 #   torch.nn.MultiheadAttention: in_proj_weight (3E, E) or q_proj_weight (E, E), k_proj_weight
 #     (E, Ek), v_proj_weight (E, Ev); in_proj_bias (3E,); out_proj.weight (E, E), out_proj.bias
-#   mha.MultiHeadAttention: q_proj.weight (H*D, Eq), k_proj.weight (H*D, Ek), v_proj.weight
+#   mha.GeneralAttention: q_proj.weight (H*D, Eq), k_proj.weight (H*D, Ek), v_proj.weight
 #     (H*Dv, Ev), their .bias, out_proj.weight (E, H*Dv), out_proj.bias
 # and in both bias_k (1, 1, H*D), bias_v (1, 1, H*Dv). Missing optional entries mean "off".
 # ---------------------------------------------------------------------------------------------

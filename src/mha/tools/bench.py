@@ -54,7 +54,7 @@ import torch
 from .. import numpy as mnp
 from ..cache import KVCache
 from ..functional import scaled_dot_product_attention
-from ..general import MultiHeadAttention
+from ..general import GeneralAttention
 from ..kernels import BACKENDS, Contract, flash_attention
 from ..nn import MultiheadAttention
 from ..positions import CAUSAL, Band
@@ -168,7 +168,7 @@ def _decode_step_row(S: int, repeat: int, E: int = 512) -> Row:
     the new key and value into slot S, SDPA over the filled slots [:S + 1], out-projection."""
     torch.manual_seed(0)
     D = E // HEADS
-    module = MultiHeadAttention(E, E, E, D, D, E, HEADS).eval()
+    module = GeneralAttention(E, E, E, D, D, E, HEADS).eval()
     cache = KVCache(max_length=S + 1)
     prompt = torch.randn(1, S, E)
     module(prompt, prompt, prompt, is_causal=True, cache=cache)  # S keys cached
@@ -237,7 +237,7 @@ def decode_row(tokens: int, E: int = 512) -> Row:
     over the whole prefix at every step; and the cached per-token latency early vs late."""
 
     torch.manual_seed(0)
-    module = MultiHeadAttention(E, E, E, E // HEADS, E // HEADS, E, HEADS).eval()
+    module = GeneralAttention(E, E, E, E // HEADS, E // HEADS, E, HEADS).eval()
     x = torch.randn(1, tokens, E)
     cache, step_ms = KVCache(max_length=tokens), []
     with torch.no_grad():

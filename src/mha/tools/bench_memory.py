@@ -16,7 +16,7 @@ import time
 import torch
 
 from ..functional import scaled_dot_product_attention
-from ..general import MultiHeadAttention
+from ..general import GeneralAttention
 from ..nn import MultiheadAttention
 from ..rope import RotaryEmbedding
 
@@ -37,7 +37,7 @@ def _functional_case(T: int, L: int | None = None, **options):
 def _module_case(T: int, padded: bool = False, dv: int = HEAD_DIM, **options):
     torch.manual_seed(0)
     E = HEADS * HEAD_DIM
-    module = MultiHeadAttention(E, E, E, HEAD_DIM, dv, E, HEADS, **options).eval()
+    module = GeneralAttention(E, E, E, HEAD_DIM, dv, E, HEADS, **options).eval()
     x = torch.randn(1, T, E)
     padding = torch.zeros(1, T, dtype=torch.bool)
     padding[:, -T // 16:] = padded  # the last keys are padding

@@ -58,4 +58,4 @@ def sentence_example() -> tuple[Tensor, list[str]]:
     module = general_module(from_per_head(heads), "general", num_heads=h)
     with torch.no_grad(), capture_attention(module) as maps:
         module(x, x, x)
-    return maps["MultiHeadAttention"][0][0], words  # (1, 3, 6, 6) -> (3, 6, 6)
+    return maps["GeneralAttention"][0][0], words  # (1, 3, 6, 6) -> (3, 6, 6)

@@ -13,6 +13,6 @@ export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:detect_stack_use_after_retu
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 python -c "from mha.kernels import native; assert native.native_available(), 'the sanitized build failed'"
 if [ "$#" -eq 0 ]; then
-    set -- tests/test_native.py tests/test_defects.py tests/test_properties.py
+    set -- -m "slow or not slow" tests/kernels/test_native.py tests/kernels/test_defects.py tests/kernels/test_properties.py
 fi
 python -m pytest -q -p no:cacheprovider "$@"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mha
-from exact import raises_exactly
+from helpers.exact import raises_exactly
 from mha import numpy as oracle
 
 D, H, FF = 12, 3, 20

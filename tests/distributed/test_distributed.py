@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import mha
-from exact import raises_exactly
+from helpers.exact import raises_exactly
 from mha import numpy as mnp
 from mha import positions
 from mha.distributed import SequenceLayout, parallelize, ring_attention, ulysses_attention

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 import mha
-from backends import NATIVE
-from exact import raises_exactly
+from helpers.backends import NATIVE
+from helpers.exact import raises_exactly
 from mha import numpy as oracle
 from mha.kernels import Contract, native
 from mha.positions import CAUSAL, Band

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from backends import TILED
-from exact import raises_exactly
+from helpers.backends import TILED
+from helpers.exact import raises_exactly
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("mha.integrations.transformers")

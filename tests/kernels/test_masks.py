@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from exact import raises_exactly
+from helpers.exact import raises_exactly
 from mha import masks
 
 B, H, L, S = 2, 3, 4, 5

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import mha
-from backends import TILED
-from exact import raises_exactly
+from helpers.backends import TILED
+from helpers.exact import raises_exactly
 from mha import kernels, positions
 from mha.functional import scaled_dot_product_attention as sdpa
 from mha.kernels import Contract

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import mha
-from exact import raises_exactly
+from helpers.exact import raises_exactly
 from mha import efficient
 
 

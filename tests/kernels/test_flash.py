@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import mha
-from exact import raises_exactly
+from helpers.exact import raises_exactly
 from mha import numpy as oracle
 from mha.kernels import Contract, flash_attention, flash_attention_with_lse, merge_attention
 from mha.positions import Band

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("seed*.py"))
+EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("seed*.py"))
 
 
 def test_one_example_per_seed():

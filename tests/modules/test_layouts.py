@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mha
-from exact import raises_exactly
+from helpers.exact import raises_exactly
 from mha import layouts
 from mha.tools.verify import randomize_biases
 

@@ -114,7 +114,7 @@ def test_distributed_rows_measure_every_run_against_one_process(tmp_path, monkey
 
 
 def test_native_rows_time_it_against_torch_beside_a_matmul(tmp_path):
-    from backends import NATIVE
+    from helpers.backends import NATIVE
     if not NATIVE:
         pytest.skip("the native kernel does not build here")
     grid = dict(forward=[64], training=64, decode=256, window=(256, 16), accuracy=32, short=[16], matmul=128)

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from backends import ALL, TILED, TILED_REASON
-from exact import raises_exactly
+from helpers.backends import ALL, TILED, TILED_REASON
+from helpers.exact import raises_exactly
 from mha import kernels, positions
 from mha import numpy as oracle
 from mha.kernels import Contract

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import mha
-from exact import raises_exactly
+from helpers.exact import raises_exactly
 from mha import positions
 from mha.tools.verify import randomize_biases
 

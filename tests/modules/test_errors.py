@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mha
-from exact import raises_exactly
+from helpers.exact import raises_exactly
 from mha.functional import multi_head_attention_forward, scaled_dot_product_attention
 
 E, H, L, S, N = 8, 2, 3, 5, 2

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import mha
-from backends import ALL
-from exact import raises_exactly
+from helpers.backends import ALL
+from helpers.exact import raises_exactly
 from mha import numpy as oracle
 from mha.tools.verify import numpy_state, randomize_biases
 

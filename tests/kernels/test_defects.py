@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import mha
-from backends import ALL, NATIVE
-from exact import raises_exactly
+from helpers.backends import ALL, NATIVE
+from helpers.exact import raises_exactly
 from mha import numpy as oracle
 from mha.functional import scaled_dot_product_attention as sdpa
 from mha.kernels import Contract, native

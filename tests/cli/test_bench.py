@@ -33,6 +33,7 @@ def test_backend_rows_report_gflops_beside_matmul():
     assert rows[0].extra["matmul GFLOP/s"] > 0 and rows[1].extra["flash GFLOP/s"] > 0
 
 
+@pytest.mark.slow
 def test_memory_rows_run_in_fresh_processes_against_torch():
     rows = list(bench.memory_rows(1024, ["causal", "module ALiBi"]))
     assert [r.point for r in rows] == ["T1024 causal", "T1024 module ALiBi"]
@@ -46,6 +47,7 @@ def test_contract_rows_time_ours_against_torch():
     assert len(rows) == 6 and all(r.ratios["ours/torch"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_cli_writes_json_csv_and_plot(tmp_path, monkeypatch, capsys):
     tiny = dict(module=[(1, 16, 32)], causal=[(1, 16, 32)], backends=[32, 64], training=[(1, 16, 32)], contract=64,
                 memory=512, decode=8, window=(256, 16), overhead_decode=[16],
@@ -65,6 +67,7 @@ def test_cli_writes_json_csv_and_plot(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "backends.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_hf_rows_time_and_measure_each_implementation():
     pytest.importorskip("transformers")
     (row,) = bench.hf_rows("gpt-oss", 64, repeat=1)
@@ -96,6 +99,7 @@ def test_overhead_rows_time_the_drop_in_and_a_decode_step_against_torch():
     assert rows[0].ratios["ours/torch-eval"] > 0 and rows[1].ratios["ours/torch step"] > 0
 
 
+@pytest.mark.slow
 def test_distributed_rows_measure_every_run_against_one_process(tmp_path, monkeypatch):
     """The distributed section: the one-process baseline, then ring with each balance and Ulysses,
     each from fresh spawned ranks; and its figure."""

@@ -28,6 +28,7 @@ def test_verify_quick_passes_and_prints_the_table(capsys, tmp_path):
     assert {"fp64/output", "fp32/output"} <= set(rows[0]["errors"])
 
 
+@pytest.mark.slow
 def test_cli_version_and_a_closed_pipe(capsys):
     with pytest.raises(SystemExit) as done:
         cli.main(["--version"])
@@ -60,6 +61,7 @@ def test_verify_rejects_a_bad_option(capsys):
     assert "mha verify: error: --per-group must be positive, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_module_and_console_script_entry_points():
     done = subprocess.run([sys.executable, "-m", "mha", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "verify" in done.stdout
@@ -188,6 +190,7 @@ def test_convert_missing_input_file(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_keeps_verify_failures_and_its_report(tmp_path):
     """The outcome and the JSON report are settled before anything is printed."""
     script = tmp_path / "failing_verify.py"

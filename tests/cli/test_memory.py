@@ -8,6 +8,8 @@ import pytest
 
 from mha.tools import bench, bench_memory
 
+pytestmark = pytest.mark.slow  # every case in fresh processes
+
 T = 2048
 DENSE_MIB = bench_memory.HEADS * T * T * 4 / 2 ** 20  # one float32 score matrix per head: 128 MiB
 CASES = [name for name, (_, baseline) in bench_memory.MEMORY_CASES.items() if baseline is not None]

@@ -60,6 +60,7 @@ def test_our_tokens_and_exact_model_are_the_checkpoints(minilm):
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_exact_attention_scores_perfectly(quality):
     exact = quality["exact (sdpa)"]
     assert max(max(layer) for layer in exact.head_errors) < 1e-6
@@ -67,6 +68,7 @@ def test_exact_attention_scores_perfectly(quality):
     assert len(exact.head_errors) == 6 and len(exact.head_errors[0]) == 12 and exact.attention_ms > 0
 
 
+@pytest.mark.slow
 def test_a_window_covering_the_sequence_is_exact_causal_attention(quality):
     local, causal = quality["local w=256"], quality["exact causal (sdpa)"]
     assert max(max(layer) for layer in local.head_errors) < 1e-5  # against exact causal: its own error
@@ -74,6 +76,7 @@ def test_a_window_covering_the_sequence_is_exact_causal_attention(quality):
     assert causal.cosine < 0.99  # causal attention in a bidirectional model: what the embedding sees
 
 
+@pytest.mark.slow
 def test_approximations_show_their_error_on_real_attention(quality):
     linear, nystrom = quality["linear"], quality["nystrom m=64"]
     assert min(min(layer) for layer in linear.head_errors) > 1e-2  # every head
@@ -133,6 +136,7 @@ def test_summaries_and_separation():
     assert train_variants.separated(table) == [("a", "b")]  # c overlaps both
 
 
+@pytest.mark.slow
 def test_the_whole_study_runs_small(tmp_path):
     """The training script (both comparisons), the speed and quality rows, and every figure."""
     done = subprocess.run([sys.executable, str(SCRIPT), "--budget", "0.5", "--steps", "2", "--seeds", "2",
@@ -157,6 +161,7 @@ def test_the_whole_study_runs_small(tmp_path):
     assert "head errors" in json.loads((tmp_path / "results.json").read_text())["rows"][-1]["detail"]
 
 
+@pytest.mark.slow
 def test_mha_bench_variants_measures_speed_and_quality(tmp_path, monkeypatch, capsys):
     from mha import cli
     from mha.cli import bench as bench_cli

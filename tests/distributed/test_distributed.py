@@ -257,7 +257,9 @@ def rank_hangs() -> None:
 # -- the tests ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda W: f"W{W}")
+# two ranks in the fast set (one spawn, the errors that need several ranks); the other world sizes are slow
+@pytest.fixture(scope="module", params=[W if W == 2 else pytest.param(W, marks=pytest.mark.slow) for W in WORLD_SIZES],
+                ids=lambda W: f"W{W}")
 def world(request):
     """Every rank-side check at one world size, in one spawn."""
     return request.param, spawn(_everything, request.param, timeout=240)
@@ -431,6 +433,7 @@ def test_parallelize_refuses_what_it_cannot_run():
         parallelize(mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, attention="linear"), "heads")
 
 
+@pytest.mark.slow
 def test_a_failing_rank_stops_the_others_at_once():
     start = time.monotonic()
     with pytest.raises(mp.ProcessRaisedException, match="rank 1 failed on purpose"):
@@ -438,6 +441,7 @@ def test_a_failing_rank_stops_the_others_at_once():
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.slow
 def test_a_hanging_run_ends_at_its_timeout():
     start = time.monotonic()
     with raises_exactly(TimeoutError, "the 2 ranks did not finish within 8 s"):
@@ -445,6 +449,7 @@ def test_a_hanging_run_ends_at_its_timeout():
     assert time.monotonic() - start < 20
 
 
+@pytest.mark.slow
 def test_the_command_and_torchrun_run_and_check(tmp_path):
     """mha distributed spawns its ranks and checks the result; torchrun runs the same demo."""
     done = subprocess.run([sys.executable, "-m", "mha", "distributed", "--nproc", "2", "--length", "600", "--causal",

@@ -67,6 +67,7 @@ def test_a_cache_decode_step_has_no_graph_break(cache_kind):
         torch.testing.assert_close(step(token), want)
 
 
+@pytest.mark.slow
 def test_inductor_compiles_the_drop_in_to_equal_outputs():
     torch.manual_seed(0)
     module = mha.nn.MultiheadAttention(E, H, batch_first=True).eval()

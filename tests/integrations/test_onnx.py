@@ -61,7 +61,8 @@ def cases():
 CASES = cases()
 
 
-@pytest.mark.parametrize("name", CASES)
+# one export in the fast set, the others slow (each export takes about a second)
+@pytest.mark.parametrize("name", [name if i == 0 else pytest.param(name, marks=pytest.mark.slow) for i, name in enumerate(CASES)])
 def test_exported_graph_in_onnxruntime_equals_eager(name):
     module, call, dynamic = CASES[name]
     model = Call(module, call)

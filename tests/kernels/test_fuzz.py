@@ -25,6 +25,7 @@ def _die(how: str):
     return os.getpid()
 
 
+@pytest.mark.slow
 def test_a_crash_or_a_hang_in_the_child_is_reported_and_the_next_call_gets_a_fresh_child():
     child = Isolated(timeout=3)
     try:
@@ -82,6 +83,7 @@ def test_the_command_exits_1_when_anything_is_found(monkeypatch, capsys, tmp_pat
     assert driver.main(["--cases", "7"]) == 0
 
 
+@pytest.mark.slow
 def test_a_short_run_finds_nothing():
     report = driver.run(40, seed=2024, workers=1, shrink_tries=0)
     assert report.cases == 40 and report.findings == {}, report.findings

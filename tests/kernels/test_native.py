@@ -373,7 +373,7 @@ def test_the_dispatch_never_waits_for_a_compiler(tmp_path):
     assert ran.returncode == 0 and ran.stdout == "False sdpa []\n", ran.stderr
 
 
-@pytest.mark.parametrize("build", ["avx2", "portable"])
+@pytest.mark.parametrize("build", ["avx2", pytest.param("portable", marks=pytest.mark.slow)])  # portable: a fresh build
 def test_the_builds_for_other_cpus_compute_the_same(build, tmp_path, monkeypatch):
     """The builds for CPUs without AVX-512 (AVX2, or plain C++): built here too, and as exact. The
     portable one is built afresh, in a folder where a stopped build left torch's lock file behind."""

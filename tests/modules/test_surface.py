@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import mha
 
 
@@ -31,6 +33,7 @@ def test_import_mha_loads_no_tool_dependency():
     assert loaded == "[]"
 
 
+@pytest.mark.slow
 def test_the_command_without_the_cli_extra_says_what_to_install():
     code = "import sys; sys.modules['rich'] = None; from mha.cli import main"  # rich not installed
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

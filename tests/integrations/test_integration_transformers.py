@@ -430,6 +430,7 @@ def test_key_mask_names_the_way_out_when_used_as_a_tensor():
     assert isinstance(materialised, torch.Tensor) and materialised.shape == (1, 1, 3, 3)
 
 
+@pytest.mark.slow  # a fresh process
 def test_import_mha_does_not_import_transformers():
     code = "import sys, mha; assert 'transformers' not in sys.modules and 'mha.integrations' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -321,6 +321,7 @@ print("auto", mha.kernels.choose_backend("auto", q, k, v, Contract(softcap=3.0))
 """
 
 
+@pytest.mark.slow  # a fresh process
 def test_without_a_compiler_the_library_says_so_once_and_runs_on_flash(tmp_path):
     """No compiler and an empty extension cache: native_available() is False, the dispatch log says
     why, and calls run on the other backends."""
@@ -331,6 +332,7 @@ def test_without_a_compiler_the_library_says_so_once_and_runs_on_flash(tmp_path)
     assert ran.stderr.count("mha.dispatch: native backend unavailable") == 1, ran.stderr
 
 
+@pytest.mark.slow  # a fresh process
 def test_off_means_off():
     ran = _run_elsewhere(CHECK, {"MHA_NATIVE": "off"})
     assert ran.returncode == 0, ran.stderr
@@ -364,6 +366,7 @@ print(ready, chosen, sorted(p.name for p in Path(native._build_folder(native.var
 """
 
 
+@pytest.mark.slow  # fresh processes
 def test_the_dispatch_never_waits_for_a_compiler(tmp_path):
     """ready() (what the dispatch asks) is True where this user's cache holds the build, and False
     where the cache is empty (TORCH_EXTENSIONS_DIR), a compiler at hand: auto then picks torch's
@@ -373,7 +376,8 @@ def test_the_dispatch_never_waits_for_a_compiler(tmp_path):
     assert ran.returncode == 0 and ran.stdout == "False sdpa []\n", ran.stderr
 
 
-@pytest.mark.parametrize("build", ["avx2", pytest.param("portable", marks=pytest.mark.slow)])  # portable: a fresh build
+@pytest.mark.slow  # a fresh process each; the portable build is built afresh
+@pytest.mark.parametrize("build", ["avx2", "portable"])
 def test_the_builds_for_other_cpus_compute_the_same(build, tmp_path, monkeypatch):
     """The builds for CPUs without AVX-512 (AVX2, or plain C++): built here too, and as exact. The
     portable one is built afresh, in a folder where a stopped build left torch's lock file behind."""

@@ -34,9 +34,17 @@ def _torch_dtype(dtype) -> torch.dtype:
     return _NUMPY[np.dtype(dtype)]
 
 
+def _tensors(x) -> bool:
+    return isinstance(x, torch.Tensor) or (isinstance(x, (tuple, list)) and len(x) > 0 and all(map(_tensors, x)))
+
+
 def dtype_of(x) -> torch.dtype:
-    """The dtype of a tensor or an array (a NumPy float dtype as torch's)."""
-    return x.dtype if isinstance(x, torch.Tensor) else _torch_dtype(np.asarray(x).dtype)
+    """The dtype of a tensor or an array (a NumPy float dtype as torch's); of a tuple of tensors, its first's."""
+    if isinstance(x, torch.Tensor):
+        return x.dtype
+    if _tensors(x):
+        return dtype_of(x[0])
+    return _torch_dtype(np.asarray(x).dtype)
 
 
 def tolerance(dtype, *, chain: bool = False) -> float:
@@ -47,10 +55,10 @@ def tolerance(dtype, *, chain: bool = False) -> float:
 
 def assert_close(got, want, dtype=None, *, chain: bool = False, err_msg: str = "") -> None:
     """``got`` equals ``want`` within ``tolerance(dtype)`` (default: ``got``'s dtype), absolutely.
-    Tensors or arrays, either side. NaN: as the underlying check has it (torch's: never equal;
+    Tensors (or tuples of them, compared pairwise) or arrays, either side. NaN: as the underlying check has it (torch's: never equal;
     NumPy's: equal where both are NaN), so no old comparison got looser by moving here."""
     atol = tolerance(dtype_of(got) if dtype is None else dtype, chain=chain)
-    if isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor):
+    if _tensors(got) and _tensors(want):
         torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=err_msg or None)
         return
     np.testing.assert_allclose(_numpy(got), _numpy(want), atol=atol, rtol=0, err_msg=err_msg)

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.tolerance import assert_close
 from mha import numpy as oracle
 from mha import positions
 from mha.kernels import BACKENDS, Contract, flash_attention_with_lse, math_attention
@@ -52,13 +53,13 @@ def test_band_equals_its_explicit_mask(backend, L, S, band, offset):
     visible = _visible(L, S, band.left, band.right, offset)
     out = _run(backend, q, k, v, Contract(band=band, offset=offset))  # sdpa: a window folds into one mask
     want, _ = oracle.scaled_dot_product_attention(*(t.detach().numpy() for t in (q, k, v)), visible)
-    np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-12, rtol=0)
+    assert_close(out.detach().numpy(), want)
     g = torch.randn_like(out)
     got = torch.autograd.grad((out * g).sum(), (q, k, v))
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
     ref, _ = math_attention(q2, k2, v2, Contract(mask=torch.from_numpy(visible)))
     for a, b in zip(got, torch.autograd.grad((ref * g).sum(), (q2, k2, v2))):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+        assert_close(a, b, chain=True)
 
 
 @pytest.mark.parametrize("L, S, band, offset", CASES + [(6, 9, Band(2, 2), -4), (3, 8, Band(1, 0), 20)], ids=str)
@@ -74,7 +75,7 @@ def test_flash_window_with_small_blocks(blocks):
                                       block_q=blocks[0], block_k=blocks[1])
     want, _ = oracle.scaled_dot_product_attention(*(t.detach().numpy() for t in (q, k, v)),
                                                   _visible(L, S, 5, 2, 0))
-    np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-12, rtol=0)
+    assert_close(out.detach().numpy(), want)
 
 
 def test_alibi_slopes_are_the_papers():
@@ -98,7 +99,7 @@ def test_alibi_equals_its_explicit_bias(backend, L, S, causal):
     if causal:
         bias = np.where(_visible(L, S, None, 0, S - L), bias, -np.inf)
     want, _ = oracle.scaled_dot_product_attention(*(t.detach().numpy() for t in (q, k, v)), bias)
-    np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-12, rtol=0)
+    assert_close(out.detach().numpy(), want)
 
 
 def test_window_argument_errors():
@@ -116,16 +117,16 @@ def test_functional_sdpa_alignment_window_and_alibi(backend):
     q, k, v = (t.detach() for t in _inputs(4, 9))
     got = sdpa(q, k, v, is_causal=True, causal_alignment="bottom_right", backend=backend)
     want, _ = oracle.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), _visible(4, 9, None, 0, 5))
-    np.testing.assert_allclose(got.numpy(), want, atol=1e-12, rtol=0)
+    assert_close(got.numpy(), want)
     got = sdpa(q, k, v, window=(2, 1), backend=backend)
     want, _ = oracle.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), _visible(4, 9, 2, 1, 5))
-    np.testing.assert_allclose(got.numpy(), want, atol=1e-12, rtol=0)
+    assert_close(got.numpy(), want)
     slopes = positions.alibi_slopes(3).double()
     got = sdpa(q, k, v, alibi_slopes=slopes, backend=backend)
     i, j = np.arange(4)[:, None], np.arange(9)[None, :]
     want, _ = oracle.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(),
                                                   -slopes.numpy()[:, None, None] * np.abs(j - i - 5))
-    np.testing.assert_allclose(got.numpy(), want, atol=1e-12, rtol=0)
+    assert_close(got.numpy(), want)
     with pytest.raises(ValueError, match="alibi_slopes"):
         sdpa(q, k, v, alibi_slopes=torch.ones(5, dtype=torch.float64))
 

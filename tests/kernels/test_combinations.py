@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import mha
 from helpers.backends import TILED
 from helpers.exact import raises_exactly
+from helpers.tolerance import assert_close
 from mha import kernels, positions
 from mha.functional import scaled_dot_product_attention as sdpa
 from mha.kernels import Contract
@@ -33,7 +34,7 @@ def test_padding_a_key_keeps_the_alignment_of_windows_and_alibi(options):
     with torch.no_grad():
         padded = m(x_q, x_kv, x_kv, key_padding_mask=padding, is_causal=True)
         shorter = m(x_q, x_kv[:, :-1], x_kv[:, :-1], is_causal=True)
-    torch.testing.assert_close(padded, shorter, atol=1e-12, rtol=0)
+    assert_close(padded, shorter)
 
 
 def test_flash_gives_alibi_slopes_their_gradient():
@@ -43,7 +44,7 @@ def test_flash_gives_alibi_slopes_their_gradient():
         slopes = torch.tensor([0.5, 0.125], dtype=torch.float64, requires_grad=True)
         out = sdpa(q, k, v, is_causal=True, alibi_slopes=slopes, backend=backend)
         grads[backend] = torch.autograd.grad(out.square().sum(), slopes)[0]
-    torch.testing.assert_close(grads["flash"], grads["math"], atol=1e-12, rtol=0)
+    assert_close(grads["flash"], grads["math"])
     assert grads["flash"].abs().min() > 0
 
 
@@ -148,7 +149,7 @@ def test_causal_alignment_applies_to_windows_and_alibi_too():
     for alignment, offset in (("top_left", 0), ("bottom_right", 4)):
         got = sdpa(q, k, v, window=(1, 0), alibi_slopes=slopes, causal_alignment=alignment)
         want, _ = kernels.math_attention(q, k, v, Contract(band=Band(1, 0), offset=offset, alibi_slopes=slopes))
-        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+        assert_close(got, want)
     default = sdpa(q, k, v, window=(1, 0))  # flash-attn's convention: bottom-right
     torch.testing.assert_close(default, sdpa(q, k, v, window=(1, 0), causal_alignment="bottom_right"))
 
@@ -204,7 +205,7 @@ def test_module_softcap_and_sinks_equal_the_functional_form():
     q = m.q_proj(x).view(2, 6, H, D).transpose(1, 2)
     k, v = (p(x).view(2, 6, 2, D).transpose(1, 2) for p in (m.k_proj, m.v_proj))
     o = sdpa(q, k, v, is_causal=True, enable_gqa=True, softcap=2.0, sinks=m.sinks, backend="math")
-    torch.testing.assert_close(out, m.out_proj(o.transpose(1, 2).reshape(2, 6, H * D)), atol=1e-12, rtol=0)
+    assert_close(out, m.out_proj(o.transpose(1, 2).reshape(2, 6, H * D)))
     (grad,) = torch.autograd.grad(out.sum(), m.sinks)
     assert grad.abs().min() > 0
     assert "softcap=2.0" in repr(m) and "sinks=True" in repr(m)
@@ -227,7 +228,7 @@ def test_bottom_right_causal_with_value_width_unlike_key_width(backend):
         torch.randn(1, 1, 3, 3, dtype=torch.float64)
     got = kernels.attention(q, k, v, Contract(band=Band(None, 0), offset=1), backend=backend)[0]
     want, _ = kernels.math_attention(q, k, v, Contract(band=Band(None, 0), offset=1))
-    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    assert_close(got, want)
 
 
 def test_a_left_padded_prefill_continues_at_the_right_positions():
@@ -242,8 +243,8 @@ def test_a_left_padded_prefill_continues_at_the_right_positions():
         steps = [m(new[:, t:t + 1], new[:, t:t + 1], new[:, t:t + 1], is_causal=True, cache=cache) for t in range(2)]
         alone = torch.cat([x[:, 2:], new], dim=1)
         want = m(alone, alone, alone, is_causal=True)
-    torch.testing.assert_close(prefill[:, 2:], want[:, :3], atol=1e-12, rtol=0)
-    torch.testing.assert_close(torch.cat(steps, 1), want[:, 3:], atol=1e-12, rtol=0)
+    assert_close(prefill[:, 2:], want[:, :3])
+    assert_close(torch.cat(steps, 1), want[:, 3:])
 
 
 @pytest.mark.parametrize("transform", ["vmap", "grad", "jvp"])
@@ -300,7 +301,7 @@ def test_gqa_with_three_dim_inputs_shares_key_heads_like_torch():
     k, v = torch.randn(2, 6, 5, dtype=torch.float64), torch.randn(2, 6, 7, dtype=torch.float64)
     want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     for backend in ("auto", "math", "flash"):
-        torch.testing.assert_close(sdpa(q, k, v, enable_gqa=True, backend=backend), want, atol=1e-12, rtol=0)
+        assert_close(sdpa(q, k, v, enable_gqa=True, backend=backend), want)
 
 
 GQA_CALLS = {  # name: keyword arguments of sdpa; every one runs on torch's kernel
@@ -328,10 +329,9 @@ def test_gqa_on_torchs_kernel_reads_the_shared_heads_as_they_are(name, monkeypat
     out = sdpa(q, k, v, enable_gqa=True, backend="sdpa", **options)
     assert heads_seen and set(heads_seen) == {2}
     want = sdpa(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), backend="math", **options)
-    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    assert_close(out, want)
     grad = torch.randn_like(out)
-    torch.testing.assert_close(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad),
-                               atol=1e-12, rtol=0)
+    assert_close(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad))
 
 
 def test_attend_defaults_are_plain_batched_attention_without_weights():
@@ -342,12 +342,12 @@ def test_attend_defaults_are_plain_batched_attention_without_weights():
     q, k, v = (torch.randn(2, 3, n, 4, generator=g, dtype=torch.float64) for n in (5, 6, 6))
     out, weights = attend(q, k, v)
     assert weights is None
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), atol=1e-12, rtol=0)
+    assert_close(out, F.scaled_dot_product_attention(q, k, v))
     masked_out = torch.rand(2 * 3, 5, 6, generator=g) < 0.3  # (B*H, L, S), torch.nn.MultiheadAttention's form
     masked_out[..., 0] = False
     out, _ = attend(q, k, v, attn_mask=masked_out)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=~masked_out.view(2, 3, 5, 6))
-    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    assert_close(out, want)
 
 
 def test_attend_positional_defaults_are_plain_attention_without_weights():
@@ -359,7 +359,7 @@ def test_attend_positional_defaults_are_plain_attention_without_weights():
     out, weights = attend_positional(q, k, v, 3, 3)
     assert weights is None
     heads = [x.view(2, -1, 3, 4).transpose(1, 2) for x in (q, k, v)]
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(*heads), atol=1e-12, rtol=0)
+    assert_close(out, F.scaled_dot_product_attention(*heads))
 
 
 def test_attention_with_appended_keys_and_positions_runs_on_the_meta_device():
@@ -401,7 +401,7 @@ def test_a_window_wider_than_the_sequence_leaves_nothing_to_apply():
     with torch.no_grad():
         out = m(x, x, x, backend="sdpa")
         want = _by_hand(m, x, x, torch.ones(64, 64, dtype=torch.bool))
-    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    assert_close(out, want)
 
 
 def test_a_decode_step_keeps_a_window_that_looks_ahead():
@@ -415,7 +415,7 @@ def test_a_decode_step_keeps_a_window_that_looks_ahead():
         step = m(x[:, 4:], x[:, 4:], x[:, 4:], cache=cache)
         i, j = torch.arange(5)[:, None], torch.arange(5)[None, :]
         want = _by_hand(m, x, x, (j - i >= -1) & (j - i <= 8))[:, 4:]
-    torch.testing.assert_close(step, want, atol=1e-12, rtol=0)
+    assert_close(step, want)
 
 
 def test_a_cache_refuses_new_tokens_of_another_length_or_batch():
@@ -456,8 +456,8 @@ def test_static_keys_or_values_alone_equal_torch(which):
              if which in (name, "both")}
     out, w = _static_call(mha.functional.multi_head_attention_forward, **given)
     want, want_w = _static_call(F.multi_head_attention_forward, **given)
-    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
-    torch.testing.assert_close(w, want_w, atol=1e-12, rtol=0)
+    assert_close(out, want)
+    assert_close(w, want_w)
 
 
 @pytest.mark.parametrize("given, error, message", [

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from helpers.backends import ALL, TILED, TILED_REASON
 from helpers.exact import raises_exactly
+from helpers.tolerance import assert_close
 from mha import kernels, positions
 from mha import numpy as oracle
 from mha.kernels import Contract
@@ -37,7 +38,7 @@ def test_every_backend_takes_bare_matrices_mixed_ranks_and_shared_heads(backend,
     repeat = (lambda x: x.repeat_interleave(2, -3)) if grouped else (lambda x: x)  # noqa: E731
     expected, _ = kernels.math_attention(q, repeat(k), repeat(v), contract)
     out, _ = kernels.attention(q, k, v, contract, backend=backend)
-    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    assert_close(out, expected)
 
 
 def test_the_native_kernel_builds_wherever_a_compiler_is_found():
@@ -126,7 +127,7 @@ def test_every_backend_equals_the_reference_forward_and_gradients(case, backend)
                                            sinks=_detached(contract.sinks)))
     arrays = [t.detach().numpy() for t in (q, k, v)]
     want, _ = oracle.contract_attention(*arrays, **terms)
-    np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-10, rtol=0)
+    assert_close(out.detach().numpy(), want, chain=True)
     grad_out = torch.randn_like(out)
     wanted = oracle.contract_attention_vjp(*arrays, grad_out.numpy(), **terms)
     inputs = {"q": q, "k": k, "v": v, "alibi_slopes": contract.alibi_slopes, "sinks": contract.sinks}
@@ -192,7 +193,7 @@ def test_a_padded_key_changes_nothing(backend, terms):
     k2.requires_grad_()
     v2.requires_grad_()
     padded = _run(backend, q, k2, v2, Contract(offset=offset, key_valid=valid, **terms))
-    torch.testing.assert_close(padded, plain, atol=1e-12, rtol=0)
+    assert_close(padded, plain)
     dk, dv = torch.autograd.grad(padded.sum(), (k2, v2))
     assert torch.all(dk[:, :, 9:] == 0) and torch.all(dv[:, :, 9:] == 0)
 
@@ -320,7 +321,7 @@ def test_flash_dropout_drops_whole_weights_and_rescales_the_rest():
                                                block_q=16, block_k=16)[0]
     _, weights = kernels.math_attention(q, k, v, Contract(band=Band(None, 0)))
     kept = dropped != 0
-    torch.testing.assert_close(dropped[kept], weights[kept] / 0.75, atol=1e-12, rtol=0)
+    assert_close(dropped[kept], weights[kept] / 0.75)
     visible = weights > 0
     share = (kept & visible).sum() / visible.sum()
     assert 0.7 < share < 0.8  # 75% kept, of 1640 visible weights
@@ -394,7 +395,7 @@ def test_the_module_positional_path_equals_the_reference(case, backend):
     with torch.no_grad():
         got = m(x_q, x_kv, x_kv, key_padding_mask=padding, is_causal=is_causal, backend=backend)
         want = _module_reference(m, x_q, x_kv, padding, is_causal)
-    torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+    assert_close(got, want, chain=True)
 
 
 @given(positional_modules(), st.lists(st.integers(1, 4), min_size=1, max_size=4))
@@ -413,7 +414,7 @@ def test_decoding_in_chunks_equals_the_full_causal_forward(case, chunks):
             part = x[:, start:start + size]
             pieces.append(m(part, part, part, is_causal=True, cache=cache))
             start += size
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-10, rtol=0)
+    assert_close(torch.cat(pieces, dim=1), full, chain=True)
 
 
 # -- the dispatch decision, pinned: each choice and its reason, exactly ---------------------------------------
@@ -566,11 +567,11 @@ def test_the_sdpa_backend_keeps_the_scale_on_every_path(name, rank):
     assert kernels.choose_backend("auto", q, k, v, contract)[0] == "sdpa"
     out = kernels.sdpa_attention(q, k, v, contract)
     want, _ = kernels.math_attention(q, k, v, contract)
-    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    assert_close(out, want)
     upstream = torch.randn(out.shape, generator=g, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad((out * upstream).sum(), (q, k, v)),
                     torch.autograd.grad((want * upstream).sum(), (q, k, v))):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+        assert_close(a, b)
 
 
 @pytest.mark.parametrize("name", ["folded window", "native mask", "native causal", "batched float mask and padding"])
@@ -586,7 +587,7 @@ def test_the_sdpa_backend_applies_dropout_on_every_path(name):
     dropped = torch.stack([kernels.sdpa_attention(q, k, v, contract, dropout_p=0.5) for _ in range(20)])
     kept = dropped != 0
     assert kept.any() and (~kept & (weights > 0)).any()  # some weights dropped, some kept
-    torch.testing.assert_close(dropped[kept], (weights.expand_as(dropped) * 2)[kept], atol=1e-12, rtol=0)
+    assert_close(dropped[kept], (weights.expand_as(dropped) * 2)[kept])
 
 
 @pytest.mark.parametrize("only", ["k", "mask", "slopes"])
@@ -606,8 +607,8 @@ def test_math_gradients_reach_whichever_single_input_needs_them(only):
     scores = scores - fresh[4][:, None, None] * (j - i - 1).abs() + fresh[3]
     want = torch.softmax(scores.masked_fill(j > i + 1, float("-inf")), dim=-1) @ fresh[2]
     (want_grad,) = torch.autograd.grad(want.sum(), [t for t in fresh if t.requires_grad])
-    torch.testing.assert_close(out, want.detach(), atol=1e-12, rtol=0)
-    torch.testing.assert_close(grad, want_grad, atol=1e-12, rtol=0)
+    assert_close(out, want.detach())
+    assert_close(grad, want_grad)
 
 
 def test_math_rows_with_a_single_hidden_key_are_zero():
@@ -664,8 +665,7 @@ def test_vmap_over_attention_that_hides_keys(backend):
     def one(q, k, v):
         return kernels.attention(q, k, v, contract, backend=backend)[0]
 
-    torch.testing.assert_close(torch.func.vmap(one)(q, k, v), torch.stack([one(*x) for x in zip(q, k, v)]),
-                               atol=1e-12, rtol=0)
+    assert_close(torch.func.vmap(one)(q, k, v), torch.stack([one(*x) for x in zip(q, k, v)]))
 
 
 SHIFTED = {  # (L, S, offset): causal bands too large to fold into a mask, on torch's fused kernels
@@ -687,11 +687,11 @@ def test_shifted_causal_on_torchs_kernels_equals_the_reference(name):
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=j <= i + offset, scale=0.37)
     visible_rows = (j <= i + offset).any(-1)[:, None]
     want = want * visible_rows  # a row that sees no key is zero
-    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    assert_close(out, want)
     upstream = torch.randn(out.shape, generator=g, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad((out * upstream).sum(), (q, k, v)),
                     torch.autograd.grad((want * upstream).sum(), (q, k, v))):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+        assert_close(a, b)
 
 
 def test_shifted_causal_on_torchs_kernels_is_as_precise_as_torch_at_large_scores():
@@ -754,7 +754,7 @@ def test_query_positions_shared_by_the_batch_fold_with_per_sequence_key_position
     contract = Contract(band=Band(None, 0), positions=(torch.arange(2, 7)[None], key_positions))
     out = kernels.sdpa_attention(q, k, v, contract)
     visible = key_positions[:, None, None, :] <= torch.arange(2, 7)[None, None, :, None]  # key <= query position
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=visible), atol=1e-12, rtol=0)
+    assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=visible))
 
 
 def test_contract_repr_skips_each_unset_term():
@@ -769,7 +769,7 @@ def test_flash_broadcasts_a_mask_with_size_one_dims_across_tiles(mask_shape):
     mask = torch.rand(mask_shape, generator=g) < 0.6
     out, _ = kernels.flash_attention_with_lse(q, k, v, Contract(mask=mask), block_q=4, block_k=4)
     want, _ = kernels.math_attention(q, k, v, Contract(mask=mask))
-    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    assert_close(out, want)
 
 
 def test_forward_mode_under_torch_func_jvp_equals_the_math_backend():
@@ -779,4 +779,4 @@ def test_forward_mode_under_torch_func_jvp_equals_the_math_backend():
     auto = torch.func.jvp(lambda q: kernels.attention(q, k, v, contract)[0], (q,), (t,))
     math_ = torch.func.jvp(lambda q: kernels.attention(q, k, v, contract, backend="math")[0], (q,), (t,))
     for a, b in zip(auto, math_):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+        assert_close(a, b)

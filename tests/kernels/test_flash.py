@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import mha
 from helpers.exact import raises_exactly
+from helpers.tolerance import assert_close
 from mha import numpy as oracle
 from mha.kernels import Contract, flash_attention, flash_attention_with_lse, merge_attention
 from mha.positions import Band
@@ -52,21 +53,21 @@ def test_flash_equals_the_oracle_forward_lse_and_gradients(shapes, mask_kind, is
     out, lse = flash_attention_with_lse(q, k, v, contract, block_q=blocks[0], block_k=blocks[1])
     arrays = [t.detach().expand(*q_shape[:-2], *t.shape[-2:]).numpy() for t in (q, k, v)]
     want, weights = oracle.scaled_dot_product_attention(*arrays, None if mask is None else mask.numpy(), is_causal)
-    np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-12, rtol=0)
+    assert_close(out.detach().numpy(), want)
     scores = arrays[0] @ np.swapaxes(arrays[1], -1, -2) / np.sqrt(q_shape[-1])
     scores = scores + (0 if mask is None else mask.numpy())
     if is_causal:
         scores = np.where(oracle.causal_mask(L, S), scores, -np.inf)
     with np.errstate(divide="ignore"):
         want_lse = np.log(np.exp(scores).sum(-1))
-    np.testing.assert_allclose(lse.numpy(), want_lse, atol=1e-12, rtol=0)
+    assert_close(lse.numpy(), want_lse)
     g = torch.randn_like(out)
     got = torch.autograd.grad((out * g).sum(), (q, k, v))
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
     ref, _ = mha.kernels.math_attention(q2, k2, v2, contract)
     for a, b in zip(got, torch.autograd.grad((ref * g).sum(), (q2, k2, v2))):
         assert torch.isfinite(a).all()
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+        assert_close(a, b, chain=True)
 
 
 def test_fully_masked_row_is_zero_with_infinite_lse():
@@ -85,8 +86,8 @@ def test_merging_flash_results_over_two_key_sets_equals_attention_over_all(split
         a, lse_a = flash_attention_with_lse(q, k[..., :split, :], v[..., :split, :])
         b, lse_b = flash_attention_with_lse(q, k[..., split:, :], v[..., split:, :])
     merged, lse = merge_attention(a, lse_a, b, lse_b)
-    torch.testing.assert_close(merged, full, atol=1e-12, rtol=0)
-    torch.testing.assert_close(lse, full_lse, atol=1e-12, rtol=0)
+    assert_close(merged, full)
+    assert_close(lse, full_lse)
 
 
 def test_merge_of_empty_parts_is_zero():
@@ -129,7 +130,7 @@ def test_multi_head_attention_on_the_flash_backend_equals_torch(need_weights, op
     got, _ = mha.functional.multi_head_attention_forward(x, x, x, E, H, *params, key_padding_mask=padding,
                                                          is_causal=True, need_weights=need_weights,
                                                          backend="flash")
-    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    assert_close(got, want)
 
 
 def test_every_block_size_gives_the_same_answer():
@@ -212,7 +213,7 @@ def test_a_wide_two_sided_band_in_small_tiles_equals_its_mask():
     visible = (j - i >= -20) & (j - i <= 20)
     out, _ = flash_attention_with_lse(q, k, v, Contract(band=Band(20, 20)), block_q=4, block_k=4)
     want, _ = oracle.scaled_dot_product_attention(*(t.detach().numpy() for t in (q, k, v)), visible.numpy())
-    np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-12, rtol=0)
+    assert_close(out.detach().numpy(), want)
 
 
 def test_batch_dims_broadcast_across_queries_keys_and_values():
@@ -223,13 +224,13 @@ def test_batch_dims_broadcast_across_queries_keys_and_values():
     v = torch.randn(3, 7, 5, generator=g, dtype=torch.float64, requires_grad=True)
     out, _ = flash_attention_with_lse(q, k, v, CAUSAL, block_q=4, block_k=4)
     want = F.scaled_dot_product_attention(q, k.expand(2, 3, 7, 4), v.expand(2, 3, 7, 5), is_causal=True)
-    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    assert_close(out, want)
     upstream = torch.randn(out.shape, generator=g, dtype=torch.float64)
     got = torch.autograd.grad((out * upstream).sum(), (q, k, v))
     expected = torch.autograd.grad((want * upstream).sum(), (q, k, v))
     for a, b in zip(got, expected):
         assert a.shape == b.shape
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+        assert_close(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -315,7 +316,7 @@ def test_very_negative_scores_after_a_hidden_tile_keep_their_softmax(implementat
     else:
         got, lse = (torch.from_numpy(a) for a in oracle.blocked_attention(q.numpy(), k.numpy(), v.numpy(), seen.numpy(),
                                                                            False, 1.0, block_q=1, block_k=4))
-    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    assert_close(got, want)
     torch.testing.assert_close(lse, torch.logsumexp((q @ k.transpose(-1, -2))[..., 4:], dim=-1), atol=1e-9, rtol=0)
 
 
@@ -328,7 +329,7 @@ def test_whichever_input_carries_the_batch_it_broadcasts(batched):
     out, _ = flash_attention_with_lse(q, k, v, CAUSAL, block_q=2, block_k=4)
     want = F.scaled_dot_product_attention(q.expand(3, 2, 5, 4), k.expand(3, 2, 6, 4), v.expand(3, 2, 6, 3),
                                           is_causal=True)
-    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    assert_close(out, want)
 
 
 def test_per_head_terms_with_more_than_one_batch_dim():
@@ -341,7 +342,7 @@ def test_per_head_terms_with_more_than_one_batch_dim():
     contract = Contract(band=Band(None, 0), alibi_slopes=slopes, sinks=sinks)
     out, _ = flash_attention_with_lse(q, k, v, contract, block_q=4, block_k=4)
     want, _ = mha.kernels.math_attention(q, k, v, contract)
-    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    assert_close(out, want)
     upstream = torch.randn(out.shape, generator=g, dtype=torch.float64)
     got = torch.autograd.grad((out * upstream).sum(), (q, k, v, slopes, sinks))
     expected = torch.autograd.grad((want * upstream).sum(), (q, k, v, slopes, sinks))
@@ -353,8 +354,8 @@ def test_dropout_edges_zero_and_one():
     """p = 0 draws nothing (the caller's random stream is untouched); p = 1 drops every weight."""
     q, k, v = (t.detach() for t in _inputs((1, 2, 5, 4), (1, 2, 7, 4), 3))
     state = torch.get_rng_state()
-    torch.testing.assert_close(flash_attention(q, k, v, CAUSAL, dropout_p=0.0),
-                               F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-12, rtol=0)
+    assert_close(flash_attention(q, k, v, CAUSAL, dropout_p=0.0),
+                 F.scaled_dot_product_attention(q, k, v, is_causal=True))
     assert torch.equal(torch.get_rng_state(), state)
     assert torch.equal(flash_attention(q, k, v, CAUSAL, dropout_p=1.0), torch.zeros(1, 2, 5, 3, dtype=torch.float64))
 
@@ -370,7 +371,7 @@ def test_per_sequence_positions_in_small_tiles(band):
     out, _ = flash_attention_with_lse(q, k, v, contract, block_q=4, block_k=4)
     rel = pos[0][None, :] - pos[0][:, None]  # key - query, by hand
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=(rel >= -band.left) & (rel <= 0))
-    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    assert_close(out, want)
 
 
 @pytest.mark.parametrize("backend", ["flash", "math", "sdpa"])
@@ -415,10 +416,10 @@ def test_gqa_on_flash_equals_repeated_heads_without_repeating_them(name, blocks,
     monkeypatch.setattr(torch.Tensor, "repeat_interleave", None)  # any repeat now fails
     torch.manual_seed(1)
     out, lse = flash_attention_with_lse(q, k, v, contract, dropout_p=dropout_p, block_q=blocks[0], block_k=blocks[1])
-    torch.testing.assert_close(out, repeated[0], atol=1e-12, rtol=0)
-    torch.testing.assert_close(lse, repeated[1], atol=1e-12, rtol=0)
+    assert_close(out, repeated[0])
+    assert_close(lse, repeated[1])
     for mine, theirs in zip(torch.autograd.grad(out, wanted, grad), expected, strict=True):
-        torch.testing.assert_close(mine, theirs, atol=1e-12, rtol=0)
+        assert_close(mine, theirs)
 
 
 @pytest.mark.parametrize("shapes", [((2, 4, 7, 4), (1, 2, 9, 4), (1, 2, 9, 5)),  # G = 2; the batch from q
@@ -441,4 +442,4 @@ def test_gqa_pairs_broadcast_batches_and_bare_matrices(shapes):
     expected = torch.autograd.grad(expected_out, (q, k, v), grad)
     out, _ = flash_attention_with_lse(q, k, v, contract, block_q=3, block_k=4)
     for mine, theirs in zip(torch.autograd.grad(out, (q, k, v), grad), expected, strict=True):
-        torch.testing.assert_close(mine, theirs, atol=1e-12, rtol=0)
+        assert_close(mine, theirs)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import mha
 from helpers.backends import NATIVE
 from helpers.exact import raises_exactly
+from helpers.tolerance import assert_close
 from mha import numpy as oracle
 from mha.kernels import Contract, native
 from mha.positions import CAUSAL, Band
@@ -102,11 +103,11 @@ def test_native_equals_the_oracle_forward_lse_and_gradients(shape, contract):
     wanted = [q, k, v, *learned.values()]
     grads = torch.autograd.grad(ours, wanted, grad_out)
     expected, expected_grads = _oracle(q, k, v, terms, grad_out)
-    np.testing.assert_allclose(ours.detach().numpy(), expected, atol=1e-10, rtol=0)
+    assert_close(ours.detach().numpy(), expected, chain=True)
     for got, name in zip(grads, ["q", "k", "v", *learned]):
-        np.testing.assert_allclose(got.numpy(), expected_grads[name], atol=1e-10, rtol=0, err_msg=name)
+        assert_close(got.numpy(), expected_grads[name], chain=True, err_msg=name)
     flash_lse = mha.kernels.flash_attention_with_lse(q, k, v, Contract(**terms))[1]
-    torch.testing.assert_close(lse, flash_lse, atol=1e-10, rtol=0)
+    assert_close(lse, flash_lse, chain=True)
 
 
 def test_a_row_that_sees_nothing_is_zero_with_infinite_lse_and_zero_gradients():
@@ -133,11 +134,11 @@ def test_broadcast_batch_dims_and_fewer_dims(q_shape, k_shape):
     contract = Contract(band=CAUSAL, offset=3)
     ours = native.native_attention(q, k, v, contract)
     theirs = mha.kernels.math_attention(q, k, v, contract)[0]
-    torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=0)
+    assert_close(ours, theirs)
     grad = torch.randn_like(theirs)
     for mine, want in zip(torch.autograd.grad(ours, (q, k, v), grad), torch.autograd.grad(theirs, (q, k, v), grad)):
         assert mine.shape == want.shape
-        torch.testing.assert_close(mine, want, atol=1e-12, rtol=0)
+        assert_close(mine, want)
 
 
 def test_gradcheck_in_float64():
@@ -454,9 +455,9 @@ def test_varlen_equals_each_sequence_alone(causal, window):
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
     expected = _each_alone(q, k, v, cu_q, cu_k, **options)
-    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    assert_close(out, expected)
     for mine, theirs in zip(got, torch.autograd.grad(expected, (q, k, v), grad)):
-        torch.testing.assert_close(mine, theirs, atol=1e-12, rtol=0)
+        assert_close(mine, theirs)
 
 
 @pytest.mark.parametrize("options", [{}, dict(scale=0.3), dict(softcap=2.0)], ids=repr)
@@ -468,7 +469,7 @@ def test_varlen_defaults_scale_softcap_and_int32_offsets(options):
     k, cu_k = _packed(lens_k, 1, 8, 4)  # one kv head: MQA
     v, _ = _packed(lens_k, 1, 8, 5)
     out = native.varlen_attention(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), **options)
-    torch.testing.assert_close(out, _each_alone(q, k, v, cu_q, cu_k, **options), atol=1e-12, rtol=0)
+    assert_close(out, _each_alone(q, k, v, cu_q, cu_k, **options))
     assert not out[3:5].any()
 
 

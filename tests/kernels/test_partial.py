@@ -8,6 +8,7 @@ This is what the ring (mha.distributed) is made of; here without processes, agai
 import pytest
 import torch
 
+from helpers.tolerance import assert_close
 from mha import positions
 from mha.kernels import Contract, math_attention, partial
 from mha.kernels.merge import add_sinks, merge_into, sink_gradient
@@ -55,7 +56,7 @@ def test_parts_merge_to_the_whole_and_their_gradients_add_up(name):
     for start, stop in parts:
         merge_into(out, lse, *partial.forward(q, k[:, :, start:stop], v[:, :, start:stop], _part(contract, start)))
     expected, qr, kr, vr = _whole(q, k, v, contract)
-    torch.testing.assert_close(out, expected.detach(), rtol=0, atol=1e-12)
+    assert_close(out, expected.detach())
     grad_out = torch.randn_like(out)
     expected.backward(grad_out)
     dq, dk, dv, d_slopes = torch.zeros_like(q), [], [], 0
@@ -65,14 +66,14 @@ def test_parts_merge_to_the_whole_and_their_gradients_add_up(name):
         dk.append(grads[1])
         dv.append(grads[2])
         d_slopes = d_slopes + (0 if grads[3] is None else grads[3])
-    torch.testing.assert_close(dq, qr.grad, rtol=0, atol=1e-12)
-    torch.testing.assert_close(torch.cat(dk, 2), kr.grad, rtol=0, atol=1e-12)
-    torch.testing.assert_close(torch.cat(dv, 2), vr.grad, rtol=0, atol=1e-12)
+    assert_close(dq, qr.grad)
+    assert_close(torch.cat(dk, 2), kr.grad)
+    assert_close(torch.cat(dv, 2), vr.grad)
     if contract.alibi_slopes is not None:  # the math backend's slope gradient, through autograd
         slopes = contract.alibi_slopes.clone().requires_grad_()
         again, *_ = _whole(q, k, v, contract.replace(alibi_slopes=slopes))
         again.backward(grad_out)
-        torch.testing.assert_close(d_slopes, slopes.grad, rtol=0, atol=1e-12)
+        assert_close(d_slopes, slopes.grad)
 
 
 def test_sinks_join_once_after_the_merge():
@@ -82,11 +83,11 @@ def test_sinks_join_once_after_the_merge():
     out, lse = out.clone(), lse.clone()
     add_sinks(out, lse, sinks.detach())
     expected, *_ = _whole(q, k, v, Contract(sinks=sinks))
-    torch.testing.assert_close(out, expected.detach(), rtol=0, atol=1e-12)
+    assert_close(out, expected.detach())
     grad_out = torch.randn_like(out)
     expected.backward(grad_out)
     delta = (grad_out * out).sum(-1)  # rowsum(dO * O)
-    torch.testing.assert_close(sink_gradient(sinks.detach(), lse, delta), sinks.grad, rtol=0, atol=1e-12)
+    assert_close(sink_gradient(sinks.detach(), lse, delta), sinks.grad)
     lse[0, 0, 0] = float("-inf")  # a row that saw nothing contributes nothing (no NaN)
     assert torch.isfinite(sink_gradient(sinks.detach(), lse, delta)).all()
 
@@ -121,13 +122,13 @@ def _one_part_equals_math(q, k, v, contract):
     """A single part (all the keys): its output and gradients are the math backend's; returns its lse."""
     out, lse = partial.forward(q, k, v, contract)
     expected, _ = math_attention(q, k, v, contract)
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    assert_close(out, expected)
     grad_out = torch.randn_like(out)
     ours = partial.backward(q, k, v, contract, out, lse, grad_out)
     qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
     math_attention(qr, kr, vr, contract)[0].backward(grad_out)
     for got, want in zip(ours[:3], (qr.grad, kr.grad, vr.grad)):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        assert_close(got, want)
     return lse
 
 

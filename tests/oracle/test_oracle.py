@@ -7,24 +7,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.tolerance import assert_close
 from mha import numpy as oracle
-
-TOL = 1e-12
 
 
 def test_softmax_matches_torch_and_handles_all_masked_rows():
     x = np.random.default_rng(0).normal(size=(3, 7)) * 30
-    np.testing.assert_allclose(oracle.softmax(x), torch.softmax(torch.from_numpy(x), -1).numpy(),
-                               atol=TOL, rtol=0)
+    assert_close(oracle.softmax(x), torch.softmax(torch.from_numpy(x), -1).numpy())
     x[1] = -np.inf
     p = oracle.softmax(x)
     assert np.all(p[1] == 0) and np.all(np.isfinite(p))
-    np.testing.assert_allclose(p[[0, 2]].sum(-1), 1.0, atol=TOL)
+    assert_close(p[[0, 2]].sum(-1), 1.0)
 
 
 def test_softmax_is_max_subtracted():
     p = oracle.softmax(np.array([1000.0, 1001.0]))
-    np.testing.assert_allclose(p, [1 / (1 + np.e), np.e / (1 + np.e)], atol=TOL)
+    assert_close(p, [1 / (1 + np.e), np.e / (1 + np.e)])
 
 
 def test_causal_mask_is_top_left():
@@ -52,8 +50,8 @@ def test_sdpa_matches_torch(mask_kind, is_causal, scale):
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
     got, weights = oracle.scaled_dot_product_attention(
         q.numpy(), k.numpy(), v.numpy(), None if mask is None else mask.numpy(), is_causal, scale)
-    np.testing.assert_allclose(got, want.numpy(), atol=TOL, rtol=0)
-    np.testing.assert_allclose(weights.sum(-1), 1.0, atol=TOL)
+    assert_close(got, want.numpy())
+    assert_close(weights.sum(-1), 1.0)
 
 
 def test_multi_head_attention_float32_runs_in_float32():
@@ -114,12 +112,12 @@ def test_blocked_attention_equals_the_readable_one(mask_kind, is_causal, blocks)
         mask[4] = False  # a row with nothing visible
     out, lse = oracle.blocked_attention(q, k, v, mask, is_causal, None, block_q=blocks[0], block_k=blocks[1])
     want, _ = oracle.scaled_dot_product_attention(q, k, v, mask, is_causal)
-    np.testing.assert_allclose(out, want, atol=1e-12, rtol=0)
+    assert_close(out, want)
     scores = q @ np.swapaxes(k, -1, -2) / 2.0 + oracle.attention._additive(mask, True, q.dtype)
     if is_causal:
         scores = np.where(oracle.causal_mask(19, 23), scores, -np.inf)
     with np.errstate(divide="ignore"):
-        np.testing.assert_allclose(lse, np.log(np.exp(scores).sum(-1)), atol=1e-12, rtol=0)
+        assert_close(lse, np.log(np.exp(scores).sum(-1)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,9 +131,9 @@ def test_softmax_normalises_each_row_on_its_own_scale(axis):
     x = np.array([[0.0, 1.0, 2.0], [-1000.0, -1001.0, -999.0]])
     x = x if axis == -1 else x.T
     want = torch.softmax(torch.from_numpy(x), dim=axis).numpy()
-    np.testing.assert_allclose(oracle.softmax(x, axis=axis), want, atol=TOL, rtol=0)
+    assert_close(oracle.softmax(x, axis=axis), want)
     if axis == -1:
-        np.testing.assert_allclose(oracle.softmax(x), want, atol=TOL, rtol=0)  # default axis=-1
+        assert_close(oracle.softmax(x), want)  # default axis=-1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,9 +272,9 @@ def test_multi_head_attention_and_vjp_match_torch(case):
     query, key, value, params, H, options = _mha_case(case)
     got, got_w = oracle.multi_head_attention(query, key, value, params, H, **options)
     want, want_w, xs, t = _torch_mha(query, key, value, params, H, **options)
-    np.testing.assert_allclose(got, want.detach().numpy(), atol=TOL, rtol=0)
+    assert_close(got, want.detach().numpy())
     assert got_w.shape == want_w.shape
-    np.testing.assert_allclose(got_w, want_w.detach().numpy(), atol=TOL, rtol=0)
+    assert_close(got_w, want_w.detach().numpy())
 
     rng = np.random.default_rng(8)
     g_out, g_w = rng.normal(size=got.shape), rng.normal(size=got_w.shape)
@@ -286,7 +284,7 @@ def test_multi_head_attention_and_vjp_match_torch(case):
     assert sorted(grads) == sorted(expected)
     for name, g in expected.items():
         assert grads[name].shape == tuple(g.shape), name
-        np.testing.assert_allclose(grads[name], g.numpy(), atol=1e-10, rtol=0, err_msg=name)
+        assert_close(grads[name], g.numpy(), chain=True, err_msg=name)
 
 
 @pytest.mark.parametrize("need_weights, average", [(False, True), (True, True), (True, False)])
@@ -296,12 +294,12 @@ def test_multi_head_attention_need_weights_and_average(need_weights, average):
                                              average_attn_weights=average)
     want, want_w, _, _ = _torch_mha(query, key, value, params, H, need_weights=need_weights,
                                     average_attn_weights=average)
-    np.testing.assert_allclose(got, want.detach().numpy(), atol=TOL, rtol=0)
+    assert_close(got, want.detach().numpy())
     if not need_weights:
         assert got_w is None and want_w is None
     else:
         assert got_w.shape == ((2, 4, 5) if average else (2, 3, 4, 5))
-        np.testing.assert_allclose(got_w, want_w.detach().numpy(), atol=TOL, rtol=0)
+        assert_close(got_w, want_w.detach().numpy())
 
 
 def test_multi_head_attention_general_naming_with_head_dim_apart_from_embed_dim():
@@ -322,7 +320,7 @@ def test_multi_head_attention_general_naming_with_head_dim_apart_from_embed_dim(
 
     o = F.scaled_dot_product_attention(heads(query, "q_proj", D), heads(key, "k_proj", D), heads(value, "v_proj", Dv))
     want = F.linear(o.transpose(1, 2).flatten(2), t["out_proj.weight"], t["out_proj.bias"])
-    np.testing.assert_allclose(got, want.numpy(), atol=TOL, rtol=0)
+    assert_close(got, want.numpy())
 
 
 @pytest.mark.parametrize("option", ["bool_attn_mask", "float32_attn_mask", "key_padding_mask", "is_causal",
@@ -382,8 +380,8 @@ def test_blocked_attention_matches_torch_for_every_rank_and_broadcast(shapes, sc
     out, lse = oracle.blocked_attention(q, k, v, None, is_causal, scale, block_q=2, block_k=3)
     want, want_lse = _torch_attention(q, k, v, None, is_causal, scale)
     assert out.shape == want.shape and lse.shape == want_lse.shape
-    np.testing.assert_allclose(out, want, atol=TOL, rtol=0)
-    np.testing.assert_allclose(lse, want_lse, atol=TOL, rtol=0)
+    assert_close(out, want)
+    assert_close(lse, want_lse)
 
 
 def test_blocked_attention_defaults_are_not_causal_with_256_tiles():
@@ -391,8 +389,8 @@ def test_blocked_attention_defaults_are_not_causal_with_256_tiles():
     q, k, v = rng.normal(size=(1, 300, 4)), rng.normal(size=(1, 600, 4)), rng.normal(size=(1, 600, 3))
     out, lse = oracle.blocked_attention(q, k, v)
     want, want_lse = _torch_attention(q, k, v)
-    np.testing.assert_allclose(out, want, atol=TOL, rtol=0)
-    np.testing.assert_allclose(lse, want_lse, atol=TOL, rtol=0)
+    assert_close(out, want)
+    assert_close(lse, want_lse)
     # the default tiles are 256 x 256: the same rounding as when they are given
     explicit = oracle.blocked_attention(q, k, v, None, False, None, block_q=256, block_k=256)
     np.testing.assert_array_equal(out, explicit[0])
@@ -420,7 +418,7 @@ def test_blocked_attention_shifts_each_row_by_its_own_max():
     mask[1] = -2000.0  # all of head 1
     out, lse = oracle.blocked_attention(q, k, v, mask)
     want, want_lse = _torch_attention(q, k, v, mask)
-    np.testing.assert_allclose(out, want, atol=TOL, rtol=0)
+    assert_close(out, want)
     np.testing.assert_allclose(lse, want_lse, atol=1e-9, rtol=0)
 
 
@@ -433,8 +431,8 @@ def test_causal_blocked_attention_never_reads_keys_no_query_sees(block_q):
     k[:, 5:], v[:, 5:] = np.nan, np.nan
     out, lse = oracle.blocked_attention(q, k, v, None, True, block_q=block_q, block_k=4)
     want, want_lse = _torch_attention(q, k[:, :5], v[:, :5], None, True)
-    np.testing.assert_allclose(out, want, atol=TOL, rtol=0)
-    np.testing.assert_allclose(lse, want_lse, atol=TOL, rtol=0)
+    assert_close(out, want)
+    assert_close(lse, want_lse)
 
 
 def test_blocked_attention_fully_masked_row_is_zero_without_warnings():
@@ -447,8 +445,8 @@ def test_blocked_attention_fully_masked_row_is_zero_without_warnings():
         out, lse = oracle.blocked_attention(q, k, v, mask, block_k=2)
     assert out[1].tolist() == [0.0, 0.0] and lse[1] == -np.inf
     want, want_lse = _torch_attention(q, k, v, mask)
-    np.testing.assert_allclose(out[[0, 2]], want[[0, 2]], atol=TOL, rtol=0)
-    np.testing.assert_allclose(lse[[0, 2]], want_lse[[0, 2]], atol=TOL, rtol=0)
+    assert_close(out[[0, 2]], want[[0, 2]])
+    assert_close(lse[[0, 2]], want_lse[[0, 2]])
 
 
 def test_blocked_attention_single_visible_key_gives_its_value_exactly():
@@ -471,7 +469,7 @@ def test_blocked_attention_fully_masked_tile_then_very_negative_scores():
     mask = np.array([[-np.inf, -1000.0, -1001.0]])  # e.g. padding, then a large negative bias
     want, want_lse = _torch_attention(q, k, v, mask)
     out, lse = oracle.blocked_attention(q, k, v, mask, block_k=1)
-    np.testing.assert_allclose(out, want, atol=TOL, rtol=0)
+    assert_close(out, want)
     np.testing.assert_allclose(lse, want_lse, atol=1e-9, rtol=0)
 
 
@@ -492,7 +490,7 @@ def test_numpy_encoder_block_asks_attention_for_no_weights(monkeypatch):
     got = oracle.transformer_encoder_layer(src.numpy(), params, 2)
     with torch.no_grad():
         want = layer(src)
-    np.testing.assert_allclose(got, want.numpy(), atol=TOL, rtol=0)
+    assert_close(got, want.numpy())
     assert len(asked) == 1 and asked[0] is False
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import mha
 from helpers.exact import raises_exactly
+from helpers.tolerance import assert_close
 from mha import numpy as mnp
 from mha import positions
 from mha.distributed import SequenceLayout, parallelize, ring_attention, ulysses_attention
@@ -365,7 +366,7 @@ def test_one_process_without_torch_distributed():
     q, k, v = (torch.randn(2, 4, 10, 8, dtype=torch.float64) for _ in range(3))
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     for fn in FUNCTIONS.values():
-        torch.testing.assert_close(fn(q, k, v, layout, is_causal=True), expected, rtol=0, atol=1e-12)
+        assert_close(fn(q, k, v, layout, is_causal=True), expected)
     assert torch.equal(layout.unshard(layout.shard(q)), q)
     assert units(10) == [range(0, 5), range(5, 10)] and units(1) == [range(1)]
     found = blocks(layout, 0, 0, Contract(band=positions.CAUSAL))  # zigzag: chunks 0 and 1

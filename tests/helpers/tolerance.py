@@ -55,8 +55,8 @@ def tolerance(dtype, *, chain: bool = False) -> float:
 
 def assert_close(got, want, dtype=None, *, chain: bool = False, err_msg: str = "") -> None:
     """``got`` equals ``want`` within ``tolerance(dtype)`` (default: ``got``'s dtype), absolutely.
-    Tensors (or tuples of them, compared pairwise) or arrays, either side. NaN: as the underlying check has it (torch's: never equal;
-    NumPy's: equal where both are NaN), so no old comparison got looser by moving here."""
+    Tensors (or tuples of them, compared pairwise) or arrays, either side. NaN as the underlying check
+    has it (torch's: never equal; NumPy's: equal where both are NaN): no comparison got looser here."""
     atol = tolerance(dtype_of(got) if dtype is None else dtype, chain=chain)
     if _tensors(got) and _tensors(want):
         torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=err_msg or None)

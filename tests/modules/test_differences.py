@@ -2,11 +2,11 @@
 
 import itertools
 
-import numpy as np
 import pytest
 import torch
 
 import mha
+from helpers.tolerance import assert_close
 from mha import kernels
 from mha import numpy as oracle
 from mha.tools.verify import numpy_state, randomize_biases
@@ -43,12 +43,12 @@ def test_all_masked_query_row_gives_zeros_and_finite_gradients(kind, need_weight
                                                x.detach().numpy(), numpy_state(m), H,
                                                attn_mask=mask.numpy(), batch_first=True,
                                                average_attn_weights=False)
-    np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-10, rtol=0)
+    assert_close(out.detach().numpy(), want, chain=True)
     # the attention part of row 1 is zero: the output there is the out-projection's bias
     torch.testing.assert_close(out[:, 1].detach(), m.out_proj.bias.detach().expand(N, E))
     if need_weights:
         assert torch.all(w[:, :, 1] == 0)
-        np.testing.assert_allclose(w.detach().numpy(), want_w, atol=1e-10, rtol=0)
+        assert_close(w.detach().numpy(), want_w, chain=True)
     if grad:
         out.sum().backward()
         assert torch.isfinite(x.grad).all()
@@ -88,7 +88,7 @@ def test_is_causal_is_honored_with_or_without_attn_mask(need_weights, training, 
     want, _ = oracle.multi_head_attention(arr, arr, arr, numpy_state(m), H, is_causal=True,
                                           attn_mask=None if mask is None else mask.numpy(),
                                           batch_first=True)
-    np.testing.assert_allclose(out.numpy(), want, atol=1e-10, rtol=0)
+    assert_close(out.numpy(), want, chain=True)
     explicit = torch.ones(L, L, dtype=torch.bool).triu(1)
     if mask is not None:
         explicit = mask.masked_fill(explicit, float("-inf"))
@@ -122,7 +122,7 @@ def test_causal_with_appended_keys_keeps_the_appended_keys_visible():
     arr = x.numpy()
     want, _ = oracle.multi_head_attention(arr, arr, arr, numpy_state(m), H, is_causal=True,
                                           add_zero_attn=True)
-    np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-10, rtol=0)
+    assert_close(out.detach().numpy(), want, chain=True)
 
 
 def test_need_weights_false_never_computes_weights(monkeypatch):

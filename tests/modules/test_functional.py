@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import mha
+from helpers.tolerance import assert_close
 from mha import kernels
 from mha import numpy as oracle
 from mha.functional import multi_head_attention_forward, scaled_dot_product_attention
@@ -43,7 +44,7 @@ def test_sdpa_matches_torch_and_oracle_forward_and_gradients(backend, mask_kind,
     out = scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, scale=scale, backend=backend)
     want, _ = oracle.scaled_dot_product_attention(*(t.detach().numpy() for t in (q, k, v)),
                                                   None if mask is None else mask.numpy(), is_causal, scale)
-    np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-12, rtol=0)
+    assert_close(out.detach().numpy(), want)
     torch_mask = mask if mask is None or mask.dim() >= 2 else mask.expand(5, 7)  # torch refuses 1-D
     if not is_causal:  # torch refuses a mask together with is_causal
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, torch_mask, scale=scale))
@@ -56,7 +57,7 @@ def test_sdpa_matches_torch_and_oracle_forward_and_gradients(backend, mask_kind,
                     else torch_mask.masked_fill(~causal, float("-inf")))
     ref = F.scaled_dot_product_attention(q2, k2, v2, ref_mask, scale=scale)
     for got, want_g in zip(grads, torch.autograd.grad(ref.sum(), (q2, k2, v2))):
-        torch.testing.assert_close(got, want_g, atol=1e-10, rtol=0)
+        assert_close(got, want_g, chain=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -80,12 +81,11 @@ def test_sdpa_grouped_query_attention_matches_torch(backend):
     torch.testing.assert_close(got[:, 4], F.scaled_dot_product_attention(q[:, 4], k[:, 1], v[:, 1]))
     mask = _mask("bool", (2, 6, 5, 7))  # one mask per (batch, query head): broadcast shape (B, H, L, S)
     got = scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, backend=backend)
-    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True),
-                               atol=1e-12, rtol=0)
+    assert_close(got, F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True))
     q3, k3, v3 = q[0], k[0], v[0]  # 3-D (heads, length, dim): dim -3 is still the heads
     got = scaled_dot_product_attention(q3, k3, v3, enable_gqa=True, backend=backend)
     assert got.shape == (6, 5, 4)
-    torch.testing.assert_close(got, F.scaled_dot_product_attention(q3, k3, v3, enable_gqa=True), atol=1e-12, rtol=0)
+    assert_close(got, F.scaled_dot_product_attention(q3, k3, v3, enable_gqa=True))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -98,7 +98,7 @@ def test_sdpa_three_and_two_dimensional_inputs_match_torch(backend, shape_q, sha
     got = scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, backend=backend)
     want = F.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal)
     assert got.shape == want.shape == (*shape_q[:-1], 7)
-    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    assert_close(got, want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -144,8 +144,8 @@ def test_multi_head_attention_forward_matches_torch(separate, bias_kv, zero_attn
     args = (query, key, value, E, H)
     got, got_w = multi_head_attention_forward(*args, **weights, **extra)
     want, want_w = F.multi_head_attention_forward(*args, **weights, **extra)
-    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
-    torch.testing.assert_close(got_w, want_w, atol=1e-12, rtol=0)
+    assert_close(got, want)
+    assert_close(got_w, want_w)
     leaves = [t for t in (query, key, value, *weights.values(), *extra.values())
               if isinstance(t, torch.Tensor) and t.requires_grad]
     for a, b in zip(torch.autograd.grad(got.sum() + got_w.sum(), leaves, allow_unused=True),
@@ -153,7 +153,7 @@ def test_multi_head_attention_forward_matches_torch(separate, bias_kv, zero_attn
         if a is None or b is None:
             assert a is None and b is None  # a weight this configuration does not use
         else:
-            torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+            assert_close(a, b, chain=True)
 
 
 def test_multi_head_attention_forward_static_kv_matches_torch():
@@ -165,8 +165,8 @@ def test_multi_head_attention_forward_static_kv_matches_torch():
     static = dict(static_k=r(N * H, S, E // H), static_v=r(N * H, S, E // H))
     got, got_w = multi_head_attention_forward(*args, **static)
     want, want_w = F.multi_head_attention_forward(*args, **static)
-    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
-    torch.testing.assert_close(got_w, want_w, atol=1e-12, rtol=0)
+    assert_close(got, want)
+    assert_close(got_w, want_w)
 
 
 def _mha_case(case):
@@ -213,8 +213,8 @@ def test_multi_head_attention_forward_cases_match_torch(case):
     got, got_w = multi_head_attention_forward(*args, **kwargs)
     want, want_w = F.multi_head_attention_forward(*args, **kwargs)
     assert got.shape == want.shape and got_w.shape == want_w.shape
-    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
-    torch.testing.assert_close(got_w, want_w, atol=1e-12, rtol=0)
+    assert_close(got, want)
+    assert_close(got_w, want_w)
 
 
 def test_self_attention_projects_query_key_and_value_with_one_packed_matmul():

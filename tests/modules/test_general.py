@@ -3,13 +3,13 @@
 import itertools
 import warnings
 
-import numpy as np
 import pytest
 import torch
 
 import mha
 from helpers.backends import ALL
 from helpers.exact import raises_exactly
+from helpers.tolerance import assert_close
 from mha import numpy as oracle
 from mha.tools.verify import numpy_state, randomize_biases
 
@@ -44,14 +44,14 @@ def test_forward_weights_and_gradients_equal_the_oracle(bias, add_bias_kv, add_z
     arrays = [t.detach().numpy() for t in (q, k, v)]
     want, want_w = oracle.multi_head_attention(*arrays, numpy_state(m), 2, average_attn_weights=False, **options)
     assert out.shape == (*lead, L, 9)
-    np.testing.assert_allclose(out.detach().numpy(), want, atol=1e-12, rtol=0)
-    np.testing.assert_allclose(w.detach().numpy(), want_w, atol=1e-12, rtol=0)
+    assert_close(out.detach().numpy(), want)
+    assert_close(w.detach().numpy(), want_w)
     g_out, g_w = torch.randn_like(out), torch.randn_like(w)
     ((out * g_out).sum() + (w * g_w).sum()).backward()
     grads = oracle.multi_head_attention_vjp(*arrays, numpy_state(m), 2, g_out.numpy(), g_w.numpy(),
                                             average_attn_weights=False, **options)
     for name, t in [("query", q), ("key", k), ("value", v), *m.named_parameters()]:
-        np.testing.assert_allclose(t.grad.numpy(), grads[name], atol=1e-10, rtol=0, err_msg=name)
+        assert_close(t.grad.numpy(), grads[name], chain=True, err_msg=name)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -269,7 +269,7 @@ def test_an_efficient_variant_keeps_the_batch_dim_it_was_given(lead):
             heads.append(scores.softmax(-1) @ (v @ wv.T + bv))
         want = torch.cat(heads, -1) @ m.out_proj.weight.T + m.out_proj.bias
     assert out.shape == (*lead, 4, 9)
-    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    assert_close(out, want)
 
 
 def test_extra_repr_lists_the_widths_then_each_feature_in_use():
@@ -344,10 +344,10 @@ def test_attn_mask_with_appended_keys_equals_the_oracle(kind, add_bias_kv, add_z
                                                attn_mask=mask.numpy(), add_zero_attn=add_zero_attn,
                                                batch_first=True, average_attn_weights=False)
     assert w.shape == (3, 2, 4, 5 + add_bias_kv + add_zero_attn)
-    np.testing.assert_allclose(out.numpy(), want, atol=1e-12, rtol=0)
-    np.testing.assert_allclose(w.numpy(), want_w, atol=1e-12, rtol=0)
+    assert_close(out.numpy(), want)
+    assert_close(w.numpy(), want_w)
     with torch.no_grad():
-        np.testing.assert_allclose(m(q, k, v, attn_mask=mask).numpy(), want, atol=1e-12, rtol=0)
+        assert_close(m(q, k, v, attn_mask=mask).numpy(), want)
 
 
 def test_forward_with_weights_reads_and_fills_the_cache():
@@ -365,8 +365,8 @@ def test_forward_with_weights_reads_and_fills_the_cache():
     arr = x.numpy()
     want, want_w = oracle.multi_head_attention(arr, arr, arr, numpy_state(m), 2, is_causal=True, batch_first=True,
                                                average_attn_weights=False)
-    np.testing.assert_allclose(out.numpy(), want[:, 4:], atol=1e-12, rtol=0)
-    np.testing.assert_allclose(w.numpy(), want_w[:, :, 4:], atol=1e-12, rtol=0)
+    assert_close(out.numpy(), want[:, 4:])
+    assert_close(w.numpy(), want_w[:, :, 4:])
 
 
 @pytest.mark.parametrize("average", [True, False])
@@ -383,14 +383,14 @@ def test_capture_leaves_the_returned_weights_as_asked(average, batched):
                                                batch_first=True, average_attn_weights=average)
     _, per_head = oracle.multi_head_attention(q.numpy(), k.numpy(), v.numpy(), numpy_state(m), 2, is_causal=True,
                                               batch_first=True, average_attn_weights=False)
-    np.testing.assert_allclose(out.numpy(), want, atol=1e-12, rtol=0)
-    np.testing.assert_allclose(plain.numpy(), want, atol=1e-12, rtol=0)
+    assert_close(out.numpy(), want)
+    assert_close(plain.numpy(), want)
     assert w.shape == want_w.shape
-    np.testing.assert_allclose(w.numpy(), want_w, atol=1e-12, rtol=0)
+    assert_close(w.numpy(), want_w)
     (recorded,) = maps.values()
     assert len(recorded) == 2
     for r in recorded:  # (B, H, L, S), a batch of one for unbatched input
-        np.testing.assert_allclose(r.numpy(), per_head if batched else per_head[None], atol=1e-12, rtol=0)
+        assert_close(r.numpy(), per_head if batched else per_head[None])
 
 
 def _alibi_by_hand(m, q, k, v, padding, is_causal=False):
@@ -420,7 +420,7 @@ def test_unbatched_alibi_input_with_or_without_key_padding(padded):
         want = _alibi_by_hand(m, q[None], k[None], v[None], torch.zeros(1, 5, dtype=torch.bool) if padding is None
                               else padding[None])[0]
     assert out.shape == (4, 9)
-    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    assert_close(out, want)
 
 
 @pytest.mark.parametrize("options", [{}, dict(alibi=True)], ids=["plain", "positional"])
@@ -436,7 +436,7 @@ def test_the_backend_asked_for_is_the_one_that_runs(options):
         else:
             want, _ = oracle.multi_head_attention(q.numpy(), k.numpy(), v.numpy(), numpy_state(m), 2, batch_first=True)
         for backend in ALL:
-            np.testing.assert_allclose(m(q, k, v, backend=backend).numpy(), want, atol=1e-12, rtol=0, err_msg=backend)
+            assert_close(m(q, k, v, backend=backend).numpy(), want, err_msg=backend)
 
 
 def test_dropout_in_training_on_the_positional_path():

@@ -8,6 +8,7 @@ import torch
 
 import mha
 from helpers.exact import raises_exactly
+from helpers.tolerance import assert_close
 from mha import numpy as oracle
 
 D, H, FF = 12, 3, 20
@@ -122,14 +123,14 @@ def test_numpy_encoder_block_equals_torch_layer(norm_first, activation, batch_fi
     got = oracle.transformer_encoder_layer(x.numpy(), params, H, src_mask=causal.numpy(),
                                            src_key_padding_mask=padding.numpy(), norm_first=norm_first,
                                            activation=activation, batch_first=batch_first)
-    np.testing.assert_allclose(got, want.numpy(), atol=1e-12, rtol=0)
+    assert_close(got, want.numpy())
 
 
 def test_numpy_layer_norm_and_gelu():
     x = np.random.default_rng(0).normal(size=(3, 7))
     t = torch.from_numpy(x)
-    np.testing.assert_allclose(oracle.layer_norm(x), torch.nn.functional.layer_norm(t, (7,)).numpy(), atol=1e-12)
-    np.testing.assert_allclose(oracle.gelu(x), torch.nn.functional.gelu(t).numpy(), atol=1e-12)
+    assert_close(oracle.layer_norm(x), torch.nn.functional.layer_norm(t, (7,)).numpy())
+    assert_close(oracle.gelu(x), torch.nn.functional.gelu(t).numpy())
 
 
 @pytest.mark.parametrize("activation, code", [("relu", 1), ("gelu", 2), (torch.nn.GELU(), 2), (torch.tanh, 0)])
@@ -243,5 +244,5 @@ def test_numpy_encoder_block_defaults_and_options_equal_torch():
         want = layer(x, src_mask=causal.double(), is_causal=True)
     params = {k: v.numpy() for k, v in layer.state_dict().items()}
     got = oracle.transformer_encoder_layer(x.numpy(), params, H, is_causal=True, activation=np.tanh, layer_norm_eps=0.5)
-    np.testing.assert_allclose(got, want.numpy(), atol=1e-12, rtol=0)
+    assert_close(got, want.numpy())
     assert oracle.gelu(np.ones(3, dtype=np.float32)).dtype == np.float32

@@ -33,7 +33,7 @@ def mutated_functions(module: str) -> tuple[str, dict[str, ast.FunctionDef]]:
 
 def mutated_source(name: str) -> tuple[pathlib.Path, str]:
     """(the module's path under src/, its source with the mutant's function in place of the original)."""
-    module, function = name.rsplit(".", 1)  # mha.cache, xǁKVCacheǁcrop__mutmut_13 or x_band__mutmut_3
+    module, function = name.rsplit(".", 1)  # mha._cache, xǁKVCacheǁcrop__mutmut_13 or x_band__mutmut_3
     relative = pathlib.Path(*module.split(".")).with_suffix(".py")
     mutants, functions = mutated_functions(module)
     node = functions[function]

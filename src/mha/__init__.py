@@ -30,20 +30,15 @@ The tools the ``mha`` command runs (verify, bench, explain, plot, convert) live 
 """
 
 from . import distributed, efficient, functional, kernels, layouts, masks, nn, numpy, positions, rope
-from .cache import KVCache
-from .capture import capture_attention
-from .general import GeneralAttention
+from ._cache import KVCache
+from ._capture import capture_attention
+from ._general import GeneralAttention
 from .rope import RotaryEmbedding
 
 __version__ = "0.1.0"
 
 __all__ = ["GeneralAttention", "KVCache", "RotaryEmbedding", "capture_attention", "distributed", "efficient", "functional",
            "kernels", "layouts", "masks", "nn", "numpy", "positions", "rope", "__version__"]
-
-
-def __dir__() -> list[str]:
-    """The public surface only (importing submodules binds helpers such as ``_checks`` here too)."""
-    return sorted(__all__)
 
 
 def __getattr__(name: str):

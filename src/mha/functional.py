@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks, kernels, masks, positions
-from .attention import attend, check_inputs, finish
+from ._attention import attend, check_inputs, finish
+from ._projections import ProjectionWeights
 from .kernels._context import autocast_inputs
 from .kernels.contract import contract_of
-from .projections import ProjectionWeights
 
 __all__ = ["scaled_dot_product_attention", "multi_head_attention_forward"]
 

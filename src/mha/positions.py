@@ -82,20 +82,27 @@ class Band:
             ok = ok & (rel <= self.right)
         return ok
 
-    def interval(self, query_position, keys):
+    def reach(self, query_position):
         """The key-interval rule, the only one in Python (csrc/native.cpp's key_interval mirrors it; a
-        test checks the two agree): [first, stop), the keys a query at ``query_position`` sees.
+        test checks the two agree): a query at position p sees the keys at positions [p - left,
+        p + right], given as (lowest, stop) = (p - left, p + right + 1), None where unbounded."""
+        lowest = None if self.left is None else query_position - self.left
+        stop = None if self.right is None else query_position + self.right + 1
+        return lowest, stop
+
+    def interval(self, query_position, keys):
+        """[first, stop): the indices of the keys a query at ``query_position`` sees (its reach).
         ``keys``: S (keys 0..S-1 at positions 0..S-1) or their positions (S,), never decreasing.
         query_position: an int, or a tensor of them (first and stop then tensors of its shape).
         Every query's visible keys are one interval; first and stop never decrease as the
         query's position grows, so a block of queries sees [first of its first, stop of its last)."""
+        lowest, stop_position = self.reach(query_position)
         if isinstance(keys, int):
-            first = 0 if self.left is None else _clamp(query_position - self.left, 0, keys)
-            stop = keys if self.right is None else _clamp(query_position + self.right + 1, 0, keys)
+            first = 0 if lowest is None else _clamp(lowest, 0, keys)
+            stop = keys if stop_position is None else _clamp(stop_position, 0, keys)
         else:
-            S = keys.shape[-1]
-            first = 0 if self.left is None else torch.searchsorted(keys, query_position - self.left)
-            stop = S if self.right is None else torch.searchsorted(keys, query_position + self.right, right=True)
+            first = 0 if lowest is None else torch.searchsorted(keys, lowest)
+            stop = keys.shape[-1] if stop_position is None else torch.searchsorted(keys, stop_position)
         if not isinstance(query_position, Tensor):
             return first, max(first, stop)
         first = torch.as_tensor(first, device=query_position.device).expand_as(query_position)
@@ -108,12 +115,14 @@ class Band:
         lo = self.interval(first_query, S)[0]
         return lo, max(lo, self.interval(last_query, S)[1])
 
-    def covers(self, first_query: int, last_query: int, cols: range) -> bool:
-        """Whether queries at positions first_query..last_query all see every key of ``cols``
-        (keys at positions 0..S-1): the last query's interval starts at or before the tile, the
-        first query's ends at or after it."""
-        return (self.interval(last_query, cols.stop)[0] <= cols.start
-                and self.interval(first_query, cols.stop)[1] >= cols.stop)
+    def covers(self, first_query: int, last_query: int, first_key: int, stop_key: int) -> bool:
+        """Whether queries at positions first_query..last_query all see every key of first_key..
+        stop_key - 1 (keys at positions 0..S-1): the last query's reach starts at or before
+        them, the first query's ends at or after them (plain ints: a range would make
+        torch.compile specialise a symbolic length)."""
+        lowest, _ = self.reach(last_query)
+        _, stop = self.reach(first_query)
+        return (lowest is None or lowest <= first_key) and (stop is None or stop >= stop_key)
 
     def visible(self, L: int, S: int, offset: int = 0, device=None) -> Tensor:
         """(L, S) bool, True where query i (at i + offset) sees key j (at j): each row's interval."""
@@ -147,7 +156,7 @@ def band(is_causal: bool = False, window: tuple[int, int] | None = None) -> Band
 def needed(band: Band | None, L: int, S: int, offset: int = 0) -> Band | None:
     """``band``, or None when it hides no key from queries offset..offset+L-1 over keys 0..S-1 (a
     causal decode step sees every cached key: no band is left to apply)."""
-    if band is None or (L > 0 and S > 0 and band.covers(offset, offset + L - 1, range(0, S))):
+    if band is None or (L > 0 and S > 0 and band.covers(offset, offset + L - 1, 0, S)):
         return None
     return band
 

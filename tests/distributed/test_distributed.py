@@ -419,7 +419,7 @@ def test_parallelize_refuses_what_it_cannot_run():
     with raises_exactly(ValueError, "mode must be one of ('ring', 'ulysses', 'heads'), got 'rings'"):
         parallelize(mha.nn.MultiheadAttention(8, 2), "rings")
     module = parallelize(mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2), "ring")
-    assert type(module).__name__ == "SequenceParallelMultiHeadAttention" and "parallel='ring'" in repr(module)
+    assert type(module).__name__ == "SequenceParallelGeneralAttention" and "parallel='ring'" in repr(module)
     x = torch.randn(1, 6, 8)
     with raises_exactly(ValueError, "a module parallelized with mode='ring' does not take key_padding_mask; causality, "
                                     "windows, ALiBi, softcap, sinks, RoPE and GQA are supported"):

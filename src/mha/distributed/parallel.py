@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import check_inputs, finish, own_tensors, split_heads
+from .._attention import check_inputs, finish, own_tensors, split_heads
+from .._general import GeneralAttention
+from .._projections import ProjectionWeights
 from ..functional import projected_attention
-from ..general import GeneralAttention
 from ..nn import MultiheadAttention
-from ..projections import ProjectionWeights
 from . import comm
 from .layout import BALANCES, SequenceLayout
 from .ring import ring_attention

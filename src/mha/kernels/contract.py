@@ -161,7 +161,7 @@ class Contract:
             return True
         if self.positions is not None:
             return False
-        return self.band.covers(rows.start + self.offset, rows.stop - 1 + self.offset, cols)
+        return self.band.covers(rows.start + self.offset, rows.stop - 1 + self.offset, cols.start, cols.stop)
 
 
 NONE = Contract()

@@ -11,10 +11,11 @@ from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from .. import _checks, capture, masks
-from ..attention import check_inputs, own_tensors
+from .. import _capture as capture
+from .. import _checks, masks
+from .._attention import check_inputs, own_tensors
+from .._projections import ProjectionWeights
 from ..functional import projected_attention
-from ..projections import ProjectionWeights
 
 __all__ = ["MultiheadAttention"]
 

@@ -52,9 +52,9 @@ import numpy as np
 import torch
 
 from .. import numpy as mnp
-from ..cache import KVCache
+from .._cache import KVCache
+from .._general import GeneralAttention
 from ..functional import scaled_dot_product_attention
-from ..general import GeneralAttention
 from ..kernels import BACKENDS, Contract, flash_attention
 from ..nn import MultiheadAttention
 from ..positions import CAUSAL, Band

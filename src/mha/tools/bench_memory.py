@@ -15,8 +15,8 @@ import time
 
 import torch
 
+from .._general import GeneralAttention
 from ..functional import scaled_dot_product_attention
-from ..general import GeneralAttention
 from ..nn import MultiheadAttention
 from ..rope import RotaryEmbedding
 

@@ -14,9 +14,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 
-from . import _checks, capture, efficient, positions
-from .attention import attend, attend_positional, check_inputs, finish, own_tensors, split_heads
-from .cache import KVCache
+from . import _capture as capture
+from . import _checks, efficient, positions
+from ._attention import attend, attend_positional, check_inputs, finish, own_tensors, split_heads
+from ._cache import KVCache
 from .kernels.dispatch import share_kv_heads
 from .rope import RotaryEmbedding
 
@@ -224,7 +225,7 @@ class GeneralAttention(nn.Module):
         return out, weights
 
     def _positional(self, q, k, v, *, cache, attn_mask, batched, key_padding_mask, **options):
-        """RoPE, ALiBi, windows or a cache: masks come from positions (mha.attention.attend_positional)."""
+        """RoPE, ALiBi, windows or a cache: masks come from positions (mha._attention.attend_positional)."""
         if cache is not None:
             if not isinstance(cache, KVCache):
                 raise TypeError(f"cache must be an mha.KVCache, got {type(cache).__name__}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from . import _checks
-from .attention import split_heads, split_packed_heads
+from ._attention import split_heads, split_packed_heads
 
 
 class ProjectionWeights:

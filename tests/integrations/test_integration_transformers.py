@@ -10,6 +10,7 @@ import torch
 
 from helpers.backends import TILED
 from helpers.exact import raises_exactly
+from helpers.tolerance import assert_close
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("mha.integrations.transformers")
@@ -91,7 +92,7 @@ def test_minilm_padded_batch_equals_sdpa_on_every_real_token(minilm, caplog):
         with caplog.at_level(logging.DEBUG, logger="mha.dispatch"), torch.no_grad():
             outputs[implementation] = model(**batch).last_hidden_state
     assert len(dispatch_log(caplog)) == model.config.num_hidden_layers  # ours ran in every layer
-    torch.testing.assert_close(outputs["mha"][real], outputs["sdpa"][real], atol=1e-5, rtol=0)
+    assert_close(outputs["mha"][real], outputs["sdpa"][real], chain=True)
 
 
 def test_minilm_output_attentions_equal_eager(minilm):
@@ -101,9 +102,9 @@ def test_minilm_output_attentions_equal_eager(minilm):
     ours = run(model, "mha", **batch, output_attentions=True)
     assert len(ours.attentions) == len(eager.attentions) == model.config.num_hidden_layers
     for mine, theirs in zip(ours.attentions, eager.attentions):
-        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+        assert_close(mine, theirs, chain=True)
     real = batch["attention_mask"].bool()
-    torch.testing.assert_close(ours.last_hidden_state[real], eager.last_hidden_state[real], atol=1e-5, rtol=0)
+    assert_close(ours.last_hidden_state[real], eager.last_hidden_state[real], chain=True)
 
 
 def test_sentence_transformers_encodes_as_its_default(minilm, caplog):
@@ -116,7 +117,7 @@ def test_sentence_transformers_encodes_as_its_default(minilm, caplog):
     with caplog.at_level(logging.DEBUG, logger="mha.dispatch"):
         encoded = ours.encode(texts, convert_to_tensor=True)
     assert dispatch_log(caplog)
-    torch.testing.assert_close(encoded, default.encode(texts, convert_to_tensor=True), atol=1e-5, rtol=0)
+    assert_close(encoded, default.encode(texts, convert_to_tensor=True), chain=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +136,7 @@ def test_tiny_decoder_logits_on_a_left_padded_batch_equal_eager(kind, caplog):
     if kind != "llama":  # sinks and softcap are beyond torch's kernel: our own kernel ran
         assert all(f"backend {TILED}" in message for message in dispatch_log(caplog))
     real = attention_mask.bool()
-    torch.testing.assert_close(ours[real], eager[real], atol=1e-5, rtol=0)
+    assert_close(ours[real], eager[real], chain=True)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt_oss", "gemma2"])
@@ -161,8 +162,8 @@ def test_tiny_decoder_output_attentions_equal_eager_on_real_queries(kind):
     for mine, theirs in zip(ours.attentions, eager.attentions, strict=True):
         # the first 4 queries of sequence 0 are padding: they see no key (eager spreads them
         # uniformly over the masked keys; mha gives zeros, its documented rule)
-        torch.testing.assert_close(mine[0, :, 4:], theirs[0, :, 4:], atol=1e-6, rtol=0)
-        torch.testing.assert_close(mine[1], theirs[1], atol=1e-6, rtol=0)
+        assert_close(mine[0, :, 4:], theirs[0, :, 4:])
+        assert_close(mine[1], theirs[1])
         assert not mine[0, :, :4].any()
 
 
@@ -197,7 +198,7 @@ def test_llama_loss_and_gradients_equal_sdpa_even_on_padding_positions():
         loss = model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
         results[implementation] = loss.detach(), [p.grad.clone() for p in model.parameters()]
-    torch.testing.assert_close(results["mha"][0], results["sdpa"][0], atol=1e-6, rtol=0)
+    assert_close(results["mha"][0], results["sdpa"][0])
     for mine, theirs in zip(results["mha"][1], results["sdpa"][1], strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5)
 
@@ -379,7 +380,7 @@ def test_a_model_that_wants_its_mask_materialised_gets_the_dense_one():
     ids, attention_mask = left_padded_batch()
     ours = run(model, "mha", input_ids=ids, attention_mask=attention_mask).logits
     theirs = run(model, "sdpa", input_ids=ids, attention_mask=attention_mask).logits
-    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    assert_close(ours, theirs, chain=True)
 
 
 def test_a_model_that_reads_a_compact_mask_is_told_to_register_dense_masks():
@@ -394,7 +395,7 @@ def test_a_model_that_reads_a_compact_mask_is_told_to_register_dense_masks():
         run(model, "mha", input_features=features, attention_mask=frames)
     ours = run(model, "mha-dense", input_features=features, attention_mask=frames).last_hidden_state
     theirs = run(model, "sdpa", input_features=features, attention_mask=frames).last_hidden_state
-    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    assert_close(ours, theirs, chain=True)
 
 
 def test_a_model_that_extends_its_keys_is_refused_then_served_by_dense_masks():
@@ -417,7 +418,7 @@ def test_a_model_that_extends_its_keys_is_refused_then_served_by_dense_masks():
         ours = run(model, "mha-dense", input_ids=ids, attention_mask=mask).logits
         theirs = run(model, "eager", input_ids=ids, attention_mask=mask).logits
         real = slice(None) if mask is None else mask.bool()
-        torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=0)
+        assert_close(ours[real], theirs[real], chain=True)
 
 
 def test_key_mask_names_the_way_out_when_used_as_a_tensor():
@@ -512,7 +513,7 @@ def test_register_under_any_name_puts_both_functions_there(compact):
     ours = run(model, name, input_ids=ids, attention_mask=attention_mask).logits
     theirs = run(model, "sdpa", input_ids=ids, attention_mask=attention_mask).logits
     real = attention_mask.bool()
-    torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=0)
+    assert_close(ours[real], theirs[real], chain=True)
     with raises_exactly(ValueError, "name 'flex_attention' is already an attn_implementation of transformers "
                                     "(flex_attention_forward); choose another name"):
         hf.register("flex_attention")

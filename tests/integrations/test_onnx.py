@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import mha
+from helpers.tolerance import assert_close
 
 pytest.importorskip("onnxscript")
 pytest.importorskip("onnx")
@@ -84,4 +85,4 @@ def test_exported_graph_in_onnxruntime_equals_eager(name):
         expected = [e for e in (expected if isinstance(expected, tuple) else (expected,)) if e is not None]
         assert len(got) == len(expected)
         for mine, theirs in zip(got, expected):
-            torch.testing.assert_close(torch.from_numpy(mine), theirs, atol=1e-5, rtol=0)
+            assert_close(torch.from_numpy(mine), theirs, chain=True)

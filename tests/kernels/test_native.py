@@ -552,7 +552,7 @@ def test_a_kv_cache_decoding_step_runs_on_native(caplog):
         everything = torch.cat([prompt, step], dim=1)
         expected = module(everything, everything, everything, is_causal=True, backend="math")[:, -1:]
     assert caplog.messages == ["backend native: mha's compiled kernel is faster than torch's on this call (native_pays)"]
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    assert_close(out, expected, chain=True)
 
 
 @pytest.mark.parametrize("q_shape, k_shape, dtype, pays", [

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import mha
 from helpers.exact import raises_exactly
+from helpers.tolerance import assert_close
 from mha import positions
 from mha.tools.verify import randomize_biases
 
@@ -82,7 +83,7 @@ def test_decoding_token_by_token_equals_the_full_causal_forward(name, cache_kind
     with torch.no_grad():
         full = m(x, x, x, is_causal=True)
         steps = [m(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], is_causal=True, cache=cache) for t in range(13)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
+    assert_close(torch.cat(steps, dim=1), full, chain=True)
     if cache_kind == "rolling":
         assert cache.size == left
 
@@ -97,7 +98,7 @@ def test_prefill_then_decode(name):
         prefill = m(x[:, :7], x[:, :7], x[:, :7], is_causal=True, cache=cache)
         chunk = m(x[:, 7:9], x[:, 7:9], x[:, 7:9], is_causal=True, cache=cache)  # a two-token chunk
         rest = [m(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], is_causal=True, cache=cache) for t in range(9, 12)]
-    torch.testing.assert_close(torch.cat([prefill, chunk, *rest], dim=1), full, atol=1e-5, rtol=0)
+    assert_close(torch.cat([prefill, chunk, *rest], dim=1), full, chain=True)
     assert cache.lengths.tolist() == [12, 12]
 
 
@@ -115,8 +116,8 @@ def test_batch_of_different_lengths_equals_each_sequence_alone(name):
         for n, length in enumerate(lengths):
             alone = torch.cat([x[n:n + 1, :length], new[n:n + 1]], dim=1)
             want = m(alone, alone, alone, is_causal=True)
-            torch.testing.assert_close(prefill[n:n + 1, :length], want[:, :length], atol=1e-5, rtol=0)
-            torch.testing.assert_close(torch.cat(steps, 1)[n:n + 1], want[:, length:], atol=1e-5, rtol=0)
+            assert_close(prefill[n:n + 1, :length], want[:, :length], chain=True)
+            assert_close(torch.cat(steps, 1)[n:n + 1], want[:, length:], chain=True)
     assert cache.lengths.tolist() == [10, 7]
 
 
@@ -229,8 +230,7 @@ def test_chunks_after_padding_continue_each_sequence(kind):
         got = m(chunk, chunk, chunk, is_causal=True, cache=cache)
         for n, length in enumerate([5, 2]):
             alone = torch.cat([x[n:n + 1, :length], chunk[n:n + 1]], dim=1)
-            torch.testing.assert_close(got[n:n + 1], m(alone, alone, alone, is_causal=True)[:, length:],
-                                       atol=1e-5, rtol=0)
+            assert_close(got[n:n + 1], m(alone, alone, alone, is_causal=True)[:, length:], chain=True)
     assert cache.lengths.tolist() == [8, 5]
 
 

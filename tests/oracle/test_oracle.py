@@ -162,7 +162,7 @@ def test_sdpa_float32_runs_in_float32(mask_kind, is_causal):
         else:
             torch_mask = torch_mask.masked_fill(~causal, -np.inf)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=torch_mask)
-    np.testing.assert_allclose(got, want.numpy(), atol=1e-5, rtol=0)
+    assert_close(got, want.numpy(), chain=True)
 
 
 def test_contract_float32_with_sinks_runs_in_float32():
@@ -175,8 +175,8 @@ def test_contract_float32_with_sinks_runs_in_float32():
     s = q @ k.transpose(-1, -2) / 2.0
     column = torch.tensor(sinks).view(1, 2, 1, 1).expand(1, 2, 3, 1)
     p = torch.softmax(torch.cat([s, column], -1), -1)[..., :-1]
-    np.testing.assert_allclose(out, (p @ v).numpy(), atol=1e-6, rtol=0)
-    np.testing.assert_allclose(weights, p.numpy(), atol=1e-6, rtol=0)
+    assert_close(out, (p @ v).numpy())
+    assert_close(weights, p.numpy())
 
 
 def test_contract_float32_with_alibi_runs_in_float32():
@@ -192,7 +192,7 @@ def test_contract_float32_with_alibi_runs_in_float32():
     i, j = np.arange(3)[:, None], np.arange(3)[None, :]
     bias = -torch.tensor([0.5, 0.25])[:, None, None] * torch.from_numpy(np.abs(j - i)).float()
     want = torch.softmax(torch.from_numpy(q) @ torch.from_numpy(k).transpose(-1, -2) / 2 + bias, dim=-1)
-    np.testing.assert_allclose(weights, want.numpy(), atol=1e-6, rtol=0)
+    assert_close(weights, want.numpy())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,7 +339,7 @@ def test_multi_head_attention_float32_stays_float32_with_every_mask(option):
     assert out.dtype == np.float32 and w.dtype == np.float32
     want, want_w, _, _ = _torch_mha(x, x, x, params, H, **options)
     np.testing.assert_allclose(out, want.detach().numpy(), atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(w, want_w.detach().numpy(), atol=1e-5, rtol=0)
+    assert_close(w, want_w.detach().numpy(), chain=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,8 +405,8 @@ def test_blocked_attention_float32_stays_float32():
     out, lse = oracle.blocked_attention(q.numpy(), k.numpy(), v.numpy(), mask, block_q=2, block_k=3)
     assert out.dtype == np.float32 and lse.dtype == np.float32
     want, want_lse = _torch_attention(*(a.double().numpy() for a in (q, k, v)), mask)
-    np.testing.assert_allclose(out, want, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(lse, want_lse, atol=1e-5, rtol=0)
+    assert_close(out, want, chain=True)
+    assert_close(lse, want_lse, chain=True)
 
 
 def test_blocked_attention_shifts_each_row_by_its_own_max():

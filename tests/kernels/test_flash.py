@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import mha
 from helpers.exact import raises_exactly
-from helpers.tolerance import assert_close
+from helpers.tolerance import assert_close, tolerance
 from mha import numpy as oracle
 from mha.kernels import Contract, flash_attention, flash_attention_with_lse, merge_attention
 from mha.positions import Band
@@ -103,7 +103,7 @@ def test_low_precision_is_computed_in_float32(dtype):
     out = flash_attention(q, k, v, CAUSAL)
     assert out.dtype == dtype
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
-    tol = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 1e-6}[dtype]
+    tol = tolerance(dtype)  # float16 2e-3, bfloat16 2e-2, float32 1e-6
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 

@@ -11,7 +11,7 @@ what a smoothed, low-rank or windowed attention may lose.
 
 Each variant is the one `mha bench --variants` times (mha.tools.bench_variants.VARIANTS, built for
 this T and head width). Writes training.json (every run, mean and spread, which variants the seeds
-separate, the minutes taken) and training.png. Not part of the test suite (tests/test_study.py
+separate, the minutes taken) and training.png. Not part of the test suite (tests/cli/test_study.py
 runs it for two steps).
 """
 

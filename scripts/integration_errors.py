@@ -1,6 +1,6 @@
 """Max errors of attn_implementation="mha" against transformers' own implementations, and of
-ONNX exports against eager: the figures the tests bound (tests/test_integration_transformers.py,
-tests/test_onnx.py), printed. Needs the hf and onnx extras.
+ONNX exports against eager: the figures the tests bound (tests/integrations/test_integration_transformers.py,
+tests/integrations/test_onnx.py), printed. Needs the hf and onnx extras.
 
     python scripts/integration_errors.py
 """

@@ -1,6 +1,6 @@
 """Does a test kill a mutmut mutant?  Checks one mutant against chosen tests, quickly.
 
-    python scripts/kill_check.py 'mha.kernels.flash.x__backward__mutmut_129' tests/test_flash.py -k broadcast
+    python scripts/kill_check.py 'mha.kernels.flash.x__backward__mutmut_129' tests/kernels/test_flash.py -k broadcast
 
 Applies the mutant (from the last ``mutmut run``, in mutants/) to a private copy of src/, never to
 src/ itself, runs pytest on the given tests with that copy first on the path, and prints KILLED

@@ -1,10 +1,12 @@
-"""The multi-head machinery shared by every module: heads, extra keys, masks, backend, merge.
+"""The multi-head machinery shared by every module: the pipeline, heads, extra keys, masks, merge.
 
-Both the drop-in (mha.nn.MultiheadAttention, through mha.functional) and the general module
-(mha.GeneralAttention) project their inputs their own way, then call :func:`attend` on the
-heads (masks in torch's conventions, extra keys), or, for the general module's RoPE, ALiBi,
-windows and KV cache, :func:`attend_positional` (masks from positions), and :func:`finish` on the
-result.
+Every module runs one forward, :func:`pipeline`: the caller's layout to batch-first, project and
+split into heads, attend, merge the heads, project out, back to the caller's layout. The drop-in
+(mha.nn.MultiheadAttention, through mha.functional), the general module (mha.GeneralAttention)
+and parallelize's modules differ only in the callables they hand it: how they project (packed
+weights, submodules, split ones), and how they attend: :func:`attend` (masks in torch's
+conventions, extra keys), :func:`attend_positional` (the general module's RoPE, ALiBi, windows
+and KV cache: masks from positions), or ring / Ulysses attention.
 
 Shapes follow the package legend (mha): B batch, H query heads, Hkv key/value heads, L query
 length, S key length, D / Dv per-head query-key / value width, E embedding (or output) width.
@@ -22,6 +24,37 @@ from . import _checks, kernels, masks, positions
 from .kernels.contract import contract_of
 
 _ABSENT = object()
+
+
+def pipeline(query: Tensor, key: Tensor, value: Tensor, *, batched: bool, batch_first: bool,
+             project: Callable, attend: Callable, out_proj: Callable[[Tensor], Tensor],
+             average_attn_weights: bool = True) -> tuple[Tensor, Tensor | None]:
+    """The one forward of every multi-head module.
+
+        project(x_q (B, L, Eq), x_k (B, S, Ek), x_v (B, S, Ev)) -> q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv)
+        attend(q, k, v) -> (o (B, H, L, Dv), weights (B, H, L, S') or None)
+        out_proj(merged (..., H*Dv)) -> out
+
+    query, key and value are in the caller's layout: (B, T, .) with batch_first, (T, B, .) without,
+    (T, .) unbatched. Self-attention (query is key is value) hands project one tensor three times.
+    Returns (out in the caller's layout, weights averaged over heads unless average_attn_weights
+    is False, or None)."""
+    x_q = to_batch_first(query, batched, batch_first)  # -> (B, L, Eq)
+    if query is key and key is value:
+        x_k = x_v = x_q
+    else:
+        x_k, x_v = to_batch_first(key, batched, batch_first), to_batch_first(value, batched, batch_first)
+    q, k, v = project(x_q, x_k, x_v)
+    o, weights = attend(q, k, v)
+    return finish(o, weights, out_proj=out_proj, average_attn_weights=average_attn_weights, batched=batched,
+                  seq_first=batched and not batch_first)
+
+
+def to_batch_first(x: Tensor, batched: bool, batch_first: bool) -> Tensor:
+    """The caller's layout -> (B, T, features)."""
+    if not batched:
+        return x.unsqueeze(0)  # (T, F) -> (1, T, F)
+    return x if batch_first else x.transpose(0, 1)  # (T, B, F) -> (B, T, F)
 
 
 def own_tensors(module, *names: str) -> tuple:
@@ -130,12 +163,12 @@ def finish(o: Tensor, weights: Tensor | None, *, out_proj: Callable[[Tensor], Te
     return out, weights
 
 
-def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_heads: int, *,
-                      rope=None, window=None, alibi_slopes=None, softcap=None, sinks=None, cache=None,
-                      key_padding_mask=None, is_causal=False, dropout_p=0.0, need_weights=False, backend="auto"):
+def attend_positional(q: Tensor, k: Tensor, v: Tensor, *, rope=None, window=None, alibi_slopes=None, softcap=None,
+                      sinks=None, cache=None, key_padding_mask=None, is_causal=False, dropout_p=0.0,
+                      need_weights=False, backend="auto"):
     """Attention whose masks come from token positions: RoPE, sliding windows, ALiBi, KV cache.
 
-    q (B, L, H*D), k (B, S, Hkv*D), v (B, S, Hkv*Dv) are the new tokens' projections. Without a
+    q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) are the new tokens' heads. Without a
     cache, queries sit at positions 0..L-1 and keys at 0..S-1; with one, the new tokens continue
     each sequence, are appended to the cache, and the queries see the cached keys too (causal:
     a new token sees every cached one). key_padding_mask (B, S), bool True = padding. RoPE, the
@@ -143,8 +176,7 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_he
     (mha.positions); the kernels apply them tile by tile.
     Returns (output (B, H, L, Dv), weights or None).
     """
-    B, L, S = q.shape[0], q.shape[1], k.shape[1]
-    q, k, v = split_heads(q, num_heads), split_heads(k, num_kv_heads), split_heads(v, num_kv_heads)
+    B, L, S = q.shape[0], q.shape[2], k.shape[2]
     key_valid = masks.key_valid(key_padding_mask, B, S)
     if cache is None:
         q_pos = k_pos = None

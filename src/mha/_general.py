@@ -10,13 +10,15 @@ torch.nn.MultiheadAttention is the special case cq = do = h*dk = h*dv (with kdim
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 
 from . import _capture as capture
 from . import _checks, efficient, positions
-from ._attention import attend, attend_positional, check_inputs, finish, own_tensors, split_heads
+from ._attention import attend, attend_positional, check_inputs, own_tensors, pipeline, split_heads
 from ._cache import KVCache
 from .kernels.dispatch import share_kv_heads
 from .rope import RotaryEmbedding
@@ -193,36 +195,41 @@ class GeneralAttention(nn.Module):
                 need_weights, average_attn_weights=True) -> tuple[Tensor, Tensor | None]:
         batched = check_inputs(query, key, value, query_width=("cq", self.cq), key_width=("ck", self.ck),
                                value_width=("cv", self.cv), batch_first=True)
-        modules = self._modules  # one dict read each, not nn.Module.__getattr__
-        weight = modules["out_proj"].weight
-        if query.dtype != weight.dtype or query.device != weight.device:
-            _checks.same_dtype_device("query", query, **{"the module's weight": weight})
-        if not batched:
-            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)  # (L|S, c) -> (1, L|S, c)
-        # the submodules are called (not their weights read), so wrappers such as LoRA's keep working
-        q, k, v = modules["q_proj"](query), modules["k_proj"](key), modules["v_proj"](value)  # (B, L, h*dk), (B, S, Hkv*d)
-        if self.attention is not None:
-            if attn_mask is not None or key_padding_mask is not None or cache is not None or need_weights:
-                raise ValueError("an efficient attention variant takes is_causal only: no attn_mask, "
-                                 "key_padding_mask, cache or weights (forward_with_weights)")
-            return self._efficient(q, k, v, batched=batched, is_causal=is_causal), None
+        out_proj = self._modules["out_proj"]  # one dict read, not nn.Module.__getattr__
+        if query.dtype != out_proj.weight.dtype or query.device != out_proj.weight.device:
+            _checks.same_dtype_device("query", query, **{"the module's weight": out_proj.weight})
         capturing = capture.recording()  # mha.capture_attention: per-head weights are recorded
-        options = dict(is_causal=is_causal, key_padding_mask=key_padding_mask, need_weights=need_weights or capturing,
-                       dropout_p=self.dropout if self.training else 0.0, backend=backend)
-        if self.positional or cache is not None:
-            o, weights = self._positional(q, k, v, cache=cache, attn_mask=attn_mask, batched=batched, **options)
-        else:
-            q, k, v = split_heads(q, self.h), split_heads(k, self.num_kv_heads), split_heads(v, self.num_kv_heads)
-            o, weights = attend(  # per head: (B, h, L, dk), (B, Hkv, S, dk), (B, Hkv, S, dv)
-                q, k, v, bias_k=self.bias_k, bias_v=self.bias_v, add_zero_attn=self.add_zero_attn,
-                attn_mask=attn_mask, softcap=self.softcap, sinks=self.sinks, batched=batched, **options)
-        out, weights = finish(o, weights, out_proj=modules["out_proj"],
-                              average_attn_weights=average_attn_weights and not capturing, batched=batched,
-                              seq_first=False)
+        out, weights = pipeline(query, key, value, batched=batched, batch_first=True, project=self._project,
+                                attend=self._attention_of(
+                                    batched=batched, cache=cache, attn_mask=attn_mask, is_causal=is_causal,
+                                    key_padding_mask=key_padding_mask, need_weights=need_weights or capturing,
+                                    dropout_p=self.dropout if self.training else 0.0, backend=backend),
+                                out_proj=out_proj, average_attn_weights=average_attn_weights and not capturing)
         if capturing:
             capture.record(self, weights, batched)
             weights = capture.returned_weights(weights, need_weights, average_attn_weights, batched)
         return out, weights
+
+    def _project(self, x_q: Tensor, x_k: Tensor, x_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, L, cq), (B, S, ck), (B, S, cv) -> q (B, h, L, dk), k (B, Hkv, S, dk), v (B, Hkv, S, dv).
+        The submodules are called (not their weights read), so wrappers such as LoRA's keep working."""
+        modules = self._modules
+        q, k, v = modules["q_proj"](x_q), modules["k_proj"](x_k), modules["v_proj"](x_v)  # (B, L, h*dk), (B, S, Hkv*d)
+        return split_heads(q, self.h), split_heads(k, self.num_kv_heads), split_heads(v, self.num_kv_heads)
+
+    def _attention_of(self, *, batched, cache, attn_mask, is_causal, key_padding_mask, need_weights, **options):
+        """attend(q, k, v) -> (o, weights) for this call: an efficient variant, masks from positions
+        (RoPE, ALiBi, windows, a cache), or masks in torch's conventions."""
+        if self.attention is not None:
+            if attn_mask is not None or key_padding_mask is not None or cache is not None or need_weights:
+                raise ValueError("an efficient attention variant takes is_causal only: no attn_mask, "
+                                 "key_padding_mask, cache or weights (forward_with_weights)")
+            return lambda q, k, v: (self._efficient(q, k, v, is_causal=is_causal), None)
+        options.update(is_causal=is_causal, key_padding_mask=key_padding_mask, need_weights=need_weights)
+        if self.positional or cache is not None:
+            return functools.partial(self._positional, cache=cache, attn_mask=attn_mask, batched=batched, **options)
+        return functools.partial(attend, bias_k=self.bias_k, bias_v=self.bias_v, add_zero_attn=self.add_zero_attn,
+                                 attn_mask=attn_mask, softcap=self.softcap, sinks=self.sinks, batched=batched, **options)
 
     def _positional(self, q, k, v, *, cache, attn_mask, batched, key_padding_mask, **options):
         """RoPE, ALiBi, windows or a cache: masks come from positions (mha._attention.attend_positional)."""
@@ -236,14 +243,11 @@ class GeneralAttention(nn.Module):
         if key_padding_mask is not None and not batched:
             key_padding_mask = key_padding_mask.unsqueeze(0)  # (S,) -> (1, S)
         alibi_slopes, sinks = own_tensors(self, "alibi_slopes", "sinks")
-        return attend_positional(q, k, v, self.h, self.num_kv_heads, rope=self.rope, window=self.window,
+        return attend_positional(q, k, v, rope=self.rope, window=self.window,
                                  alibi_slopes=alibi_slopes, softcap=self.softcap, sinks=sinks, cache=cache,
                                  key_padding_mask=key_padding_mask, **options)
 
-    def _efficient(self, q: Tensor, k: Tensor, v: Tensor, *, batched: bool, is_causal: bool) -> Tensor:
-        """The selected mha.efficient variant on the projections q (B, L, h*dk), k, v (B, S, Hkv*d)."""
-        q = split_heads(q, self.h)  # (B, L, h*dk) -> (B, h, L, dk)
-        k, v = (share_kv_heads(split_heads(x, self.num_kv_heads), self.h) for x in (k, v))  # -> (B, h, S, d)
-        o = self.attention(q, k, v, is_causal=is_causal)  # (B, h, L, dv)
-        out, _ = finish(o, None, out_proj=self.out_proj, average_attn_weights=True, batched=batched, seq_first=False)
-        return out
+    def _efficient(self, q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool) -> Tensor:
+        """The selected mha.efficient variant on the heads q (B, h, L, dk), k, v (B, Hkv, S, d) -> (B, h, L, dv)."""
+        k, v = share_kv_heads(k, self.h), share_kv_heads(v, self.h)  # (B, Hkv, S, d) -> (B, h, S, d)
+        return self.attention(q, k, v, is_causal=is_causal)

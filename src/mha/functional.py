@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks, kernels, masks, positions
-from ._attention import attend, check_inputs, finish
+from ._attention import attend, check_inputs, pipeline
 from ._projections import ProjectionWeights
 from .kernels._context import autocast_inputs
 from .kernels.contract import contract_of
@@ -170,17 +170,14 @@ def projected_attention(query, key, value, proj: ProjectionWeights, num_heads: i
     """The body of multi_head_attention_forward once its arguments are validated (the drop-in
     module calls it directly: its parameters were shaped by its constructor)."""
     is_self_attention = query is key and key is value
-    x_q = _to_batch_first(query, batched, batch_first)  # -> (B, L, E)
-    x_k, x_v = (x_q, x_q) if is_self_attention else (_to_batch_first(x, batched, batch_first) for x in (key, value))
-    q, k, v = proj.heads(x_q, x_k, x_v, num_heads, is_self_attention)  # (B, H, L, D), (B, H, S, D) twice
-    o, weights = attend(
-        q, k, v, bias_k=bias_k, bias_v=bias_v, static_k=static_k, static_v=static_v,
-        add_zero_attn=add_zero_attn, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-        is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights, batched=batched,
-        backend=backend,
-    )
-    return finish(o, weights, out_proj=functools.partial(F.linear, weight=out_proj_weight, bias=out_proj_bias),
-                  average_attn_weights=average_attn_weights, batched=batched, seq_first=batched and not batch_first)
+    return pipeline(
+        query, key, value, batched=batched, batch_first=batch_first, average_attn_weights=average_attn_weights,
+        project=lambda x_q, x_k, x_v: proj.heads(x_q, x_k, x_v, num_heads, is_self_attention),  # (B, H, T, D) each
+        attend=functools.partial(attend, bias_k=bias_k, bias_v=bias_v, static_k=static_k, static_v=static_v,
+                                 add_zero_attn=add_zero_attn, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                                 is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights, batched=batched,
+                                 backend=backend),
+        out_proj=functools.partial(F.linear, weight=out_proj_weight, bias=out_proj_bias))
 
 
 def _check_mha_inputs(query, key, value, *, embed_dim, num_heads, batch_first) -> bool:
@@ -190,13 +187,6 @@ def _check_mha_inputs(query, key, value, *, embed_dim, num_heads, batch_first) -
     _checks.divisible(embed_dim, num_heads)
     return check_inputs(query, key, value, query_width=("embed_dim", embed_dim),
                                   batch_first=batch_first)
-
-
-def _to_batch_first(x: Tensor, batched: bool, batch_first: bool) -> Tensor:
-    """The caller's layout -> (B, T, features)."""
-    if not batched:
-        return x.unsqueeze(0)  # (T, F) -> (1, T, F)
-    return x if batch_first else x.transpose(0, 1)  # (T, B, F) -> (B, T, F)
 
 
 def _check_output_and_kv_bias(*, out_proj_weight, out_proj_bias, bias_k, bias_v, static_kv, E, like):

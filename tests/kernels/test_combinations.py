@@ -351,15 +351,14 @@ def test_attend_defaults_are_plain_batched_attention_without_weights():
 
 
 def test_attend_positional_defaults_are_plain_attention_without_weights():
-    """mha._attention.attend_positional on (B, T, H*D) projections: no causal band, no dropout, no weights."""
+    """mha._attention.attend_positional on heads (B, H, T, D): no causal band, no dropout, no weights."""
     from mha._attention import attend_positional
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, n, 3 * 4, generator=g, dtype=torch.float64) for n in (5, 6, 6))
-    out, weights = attend_positional(q, k, v, 3, 3)
+    q, k, v = (torch.randn(2, 3, n, 4, generator=g, dtype=torch.float64) for n in (5, 6, 6))
+    out, weights = attend_positional(q, k, v)
     assert weights is None
-    heads = [x.view(2, -1, 3, 4).transpose(1, 2) for x in (q, k, v)]
-    assert_close(out, F.scaled_dot_product_attention(*heads))
+    assert_close(out, F.scaled_dot_product_attention(q, k, v))
 
 
 def test_attention_with_appended_keys_and_positions_runs_on_the_meta_device():

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._attention import check_inputs, finish, own_tensors, split_heads
+from .._attention import check_inputs, own_tensors, pipeline
 from .._general import GeneralAttention
 from .._projections import ProjectionWeights
 from ..functional import projected_attention
@@ -113,19 +113,21 @@ class _SequenceParallel(_Parallel):
                    "a backend other than 'auto'": backend != "auto"})
         batched = check_inputs(query, key, value, query_width=("cq", self.cq), key_width=("ck", self.ck),
                                value_width=("cv", self.cv), batch_first=True)
-        if not batched:
-            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)  # (T, c) -> (1, T, c)
-        layout = self._layout(layout, query.shape[1])
-        q = split_heads(self.q_proj(query), self.h)  # (B, T, h*dk) -> (B, h, T, dk)
-        k, v = split_heads(self.k_proj(key), self.num_kv_heads), split_heads(self.v_proj(value), self.num_kv_heads)
-        if self.rope is not None:  # at the sequence's positions, not the shard's
-            where = layout.positions(device=q.device)  # (T,)
-            q, k = self.rope(q, where), self.rope(k, where)
+        layout = self._layout(layout, query.shape[1 if batched else 0])
+
+        def project(x_q, x_k, x_v):
+            q, k, v = self._project(x_q, x_k, x_v)  # (B, h, T, dk), (B, Hkv, T, dk), (B, Hkv, T, dv)
+            if self.rope is not None:  # at the sequence's positions, not the shard's
+                where = layout.positions(device=q.device)  # (T,)
+                q, k = self.rope(q, where), self.rope(k, where)
+            return q, k, v
+
         alibi_slopes, sinks = own_tensors(self, "alibi_slopes", "sinks")
-        o = _SEQUENCE_ATTENTION[self.parallel_mode](
-            q, k, v, layout, is_causal=is_causal, window=self.window, alibi_slopes=alibi_slopes,
-            softcap=self.softcap, sinks=sinks, enable_gqa=self.num_kv_heads != self.h)  # (B, h, T, dv)
-        out, _ = finish(o, None, out_proj=self.out_proj, average_attn_weights=True, batched=batched, seq_first=False)
+        attention = functools.partial(
+            _SEQUENCE_ATTENTION[self.parallel_mode], layout=layout, is_causal=is_causal, window=self.window,
+            alibi_slopes=alibi_slopes, softcap=self.softcap, sinks=sinks, enable_gqa=self.num_kv_heads != self.h)
+        out, _ = pipeline(query, key, value, batched=batched, batch_first=True, project=project,
+                          attend=lambda q, k, v: (attention(q, k, v), None), out_proj=self.out_proj)
         return out
 
 
@@ -142,13 +144,15 @@ class _SequenceParallelDropIn(_Parallel):
         batched = check_inputs(query, key, value, query_width=("embed_dim", self.embed_dim),
                                key_width=("kdim", self.kdim), value_width=("vdim", self.vdim),
                                batch_first=self.batch_first)
-        x_q, x_k, x_v = (_batch_first(x, batched, self.batch_first) for x in (query, key, value))  # (B, T, E)
-        layout = self._layout(layout, x_q.shape[1])
-        q, k, v = _projections(self).heads(x_q, x_k, x_v, self.num_heads, query is key and key is value)
-        o = _SEQUENCE_ATTENTION[self.parallel_mode](q, k, v, layout, is_causal=is_causal)  # (B, H, T, D)
+        layout = self._layout(layout, query.shape[1 if batched and self.batch_first else 0])
+        is_self_attention = query is key and key is value
+        projections = _projections(self)
+        attention = functools.partial(_SEQUENCE_ATTENTION[self.parallel_mode], layout=layout, is_causal=is_causal)
         weight, bias = own_tensors(self.out_proj, "weight", "bias")
-        out, _ = finish(o, None, out_proj=functools.partial(F.linear, weight=weight, bias=bias),
-                        average_attn_weights=True, batched=batched, seq_first=batched and not self.batch_first)
+        out, _ = pipeline(query, key, value, batched=batched, batch_first=self.batch_first,
+                          project=lambda x_q, x_k, x_v: projections.heads(x_q, x_k, x_v, self.num_heads, is_self_attention),
+                          attend=lambda q, k, v: (attention(q, k, v), None),  # (B, H, T, D)
+                          out_proj=functools.partial(F.linear, weight=weight, bias=bias))
         return out, None
 
 
@@ -156,12 +160,6 @@ def _refuse_weights(mode: str, need_weights: bool) -> None:
     if need_weights:
         raise ValueError(f"a MultiheadAttention parallelized with mode={mode!r} returns no attention weights: "
                          "call it with need_weights=False")
-
-
-def _batch_first(x: Tensor, batched: bool, batch_first: bool) -> Tensor:
-    if not batched:
-        return x.unsqueeze(0)  # (T, E) -> (1, T, E)
-    return x if batch_first else x.transpose(0, 1)  # (T, B, E) -> (B, T, E)
 
 
 def _projections(module: MultiheadAttention) -> ProjectionWeights:

@@ -56,4 +56,5 @@ def test_the_interval_is_the_band_on_distances(band):
                 assert lo <= int(seen.min()) and int(seen.max()) < hi
             for start in range(0, S, 4):
                 cols = range(start, min(S, start + 4))
-                assert band.covers(offset, offset + L - 1, cols.start, cols.stop) == bool(band.allowed(rel)[:, start:cols.stop].all())
+                covered = bool(band.allowed(rel)[:, start:cols.stop].all())
+                assert band.covers(offset, offset + L - 1, cols.start, cols.stop) == covered

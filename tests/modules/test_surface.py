@@ -7,7 +7,6 @@ import pytest
 
 import mha
 
-
 ON_REQUEST = {"cli", "integrations", "tools"}  # public subpackages bound only once something imports them
 
 

@@ -131,7 +131,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias_k=None, bias_v=None, static_
                                  add_zero_attn=add_zero_attn)
     B, H, L, _ = q.shape
     S = k.shape[2] - appended  # the keys the caller's masks describe
-    mask, key_valid = masks.multihead(attn_mask, key_padding_mask, batch=B, num_heads=H, L=L, S=S,
+    mask, key_valid = masks.from_multihead(attn_mask, key_padding_mask, batch=B, num_heads=H, L=L, S=S,
                                       batched=batched, like=q)
     band = positions.band(is_causal)
     per_sequence = None

@@ -72,7 +72,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         causal_alignment = "bottom_right" if window is not None or alibi_slopes is not None else "top_left"
     contract = contract_of(
         band=positions.band(is_causal, window), offset=positions.offset_of(causal_alignment, L, S),
-        mask=masks.sdpa(attn_mask, L=L, S=S, batch_shape=batch_shape, like=query),
+        mask=masks.from_sdpa(attn_mask, L=L, S=S, batch_shape=batch_shape, like=query),
         alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, H, query), scale=_checks.optional_finite_real("scale", scale),
         softcap=_checks.optional_positive_real("softcap", softcap), sinks=_checks.per_head("sinks", sinks, H, query))
     out, _ = kernels.attention(query, key, value, contract, dropout_p=dropout_p, backend=backend)

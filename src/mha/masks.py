@@ -20,7 +20,8 @@ from torch import Tensor
 
 from . import _checks
 
-__all__ = ["additive_dtype", "as_additive", "combined_additive", "key_valid", "multihead", "sdpa", "to_dtype"]
+# what users call: torch.nn.MultiheadAttention's masks and SDPA's in contract form; the rest serves the kernels
+__all__ = ["from_multihead", "from_sdpa", "key_valid"]
 
 _NEG_INF = float("-inf")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -57,8 +58,8 @@ def as_additive(mask: Tensor, true_means_attend: bool, dtype: torch.dtype) -> Te
     return to_dtype(mask, dtype)
 
 
-def multihead(attn_mask: Tensor | None, key_padding_mask: Tensor | None, *, batch: int,
-              num_heads: int, L: int, S: int, batched: bool, like: Tensor) -> tuple[Tensor | None, Tensor | None]:
+def from_multihead(attn_mask: Tensor | None, key_padding_mask: Tensor | None, *, batch: int,
+                   num_heads: int, L: int, S: int, batched: bool, like: Tensor) -> tuple[Tensor | None, Tensor | None]:
     """torch.nn.MultiheadAttention's masks (bool True = masked out) in the contract's form.
 
     attn_mask:        (L, S), or (B*H, L, S) indexed b*H + h, or (H, L, S) for unbatched input.
@@ -122,8 +123,8 @@ def combined_additive(mask: Tensor | None, key_valid: Tensor | None, dtype: torc
     return None if mask is None else as_additive(mask, True, dtype)
 
 
-def sdpa(attn_mask: Tensor | None, *, L: int, S: int, batch_shape: tuple[int, ...],
-         like: Tensor) -> Tensor | None:
+def from_sdpa(attn_mask: Tensor | None, *, L: int, S: int, batch_shape: tuple[int, ...],
+              like: Tensor) -> Tensor | None:
     """scaled_dot_product_attention's mask (bool True = attend, float added) in the contract's form
     (bool kept as it is, float in the accumulation dtype). attn_mask must broadcast to
     (*batch_shape, L, S)."""

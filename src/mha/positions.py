@@ -15,7 +15,8 @@ A KV cache whose sequences have different lengths gives the positions explicitly
 a relative position: bands (causal, sliding windows), ALiBi, the flash tiles, the cache path and
 the efficient variants all call :func:`relative` (directly or through a :class:`Band`).
 
-The functions work on torch tensors and on NumPy arrays alike (the NumPy oracle uses them too).
+The float64 oracle (mha.numpy) keeps its own copy of this rule on purpose: an oracle shares nothing
+with what it checks.
 
     causal                         Band(left=None, right=0)     rel <= 0
     sliding window (w_l, w_r)      Band(w_l, w_r)               -w_l <= rel <= w_r
@@ -38,7 +39,8 @@ from torch import Tensor
 
 from . import _checks
 
-__all__ = ["Band", "CAUSAL", "alibi_bias", "alibi_slopes", "aligned", "band", "check_window", "needed", "offset_of", "relative"]
+# what users call; the rest (aligned, check_window, needed) serves the modules and kernels
+__all__ = ["Band", "CAUSAL", "alibi_bias", "alibi_slopes", "band", "offset_of", "relative"]
 
 ALIGNMENTS = ("top_left", "bottom_right")
 

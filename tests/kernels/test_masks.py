@@ -39,20 +39,20 @@ def test_multihead_bool_masks_are_inverted_and_indexed_b_times_h_plus_h():
     attn = _random_bool((B * H, L, S), 0)  # torch: True = masked out, row b * H + h
     padding = _random_bool((B, S), 1)
     like = torch.empty(B, L, 8)
-    mask, key_valid = masks.multihead(attn, padding, batch=B, num_heads=H, L=L, S=S, batched=True, like=like)
+    mask, key_valid = masks.from_multihead(attn, padding, batch=B, num_heads=H, L=L, S=S, batched=True, like=like)
     want = _per_entry(lambda b, h, i, j: not attn[b * H + h, i, j] and not padding[b, j])
     assert torch.equal(_attends(mask, key_valid), want)
 
 
 def test_multihead_two_dimensional_and_unbatched_masks():
     attn = _random_bool((L, S), 2)
-    mask, key_valid = masks.multihead(attn, None, batch=B, num_heads=H, L=L, S=S, batched=True,
+    mask, key_valid = masks.from_multihead(attn, None, batch=B, num_heads=H, L=L, S=S, batched=True,
                                       like=torch.empty(B, L, 8))
     assert key_valid is None
     assert torch.equal(_attends(mask, None), _per_entry(lambda b, h, i, j: not attn[i, j]))
     per_head = _random_bool((H, L, S), 3)  # unbatched: one mask per head
     padding = _random_bool((S,), 4)
-    mask, key_valid = masks.multihead(per_head, padding, batch=1, num_heads=H, L=L, S=S, batched=False,
+    mask, key_valid = masks.from_multihead(per_head, padding, batch=1, num_heads=H, L=L, S=S, batched=False,
                                       like=torch.empty(L, 8))
     assert key_valid.shape == (1, S)
     got = (mask.expand(1, H, L, S) & key_valid[:, None, None, :])[0]
@@ -64,13 +64,13 @@ def test_multihead_two_dimensional_and_unbatched_masks():
 def test_multihead_float_padding_is_added_to_the_mask_as_torch_adds_them():
     attn = torch.randn(B * H, L, S, dtype=torch.float64)
     padding = torch.randn(B, S, dtype=torch.float64)
-    mask, key_valid = masks.multihead(attn, padding, batch=B, num_heads=H, L=L, S=S, batched=True,
+    mask, key_valid = masks.from_multihead(attn, padding, batch=B, num_heads=H, L=L, S=S, batched=True,
                                       like=torch.empty(B, L, 8, dtype=torch.float64))
     assert key_valid is None and mask.dtype == torch.float64
     want = _per_entry(lambda b, h, i, j: (attn[b * H + h, i, j] + padding[b, j]).item(), torch.float64)
     torch.testing.assert_close(mask.expand(B, H, L, S), want, atol=0, rtol=0)
     bool_attn = _random_bool((L, S), 5)  # a bool attn_mask and a float padding: -inf where masked out
-    mask, _ = masks.multihead(bool_attn, padding, batch=B, num_heads=H, L=L, S=S, batched=True,
+    mask, _ = masks.from_multihead(bool_attn, padding, batch=B, num_heads=H, L=L, S=S, batched=True,
                               like=torch.empty(B, L, 8, dtype=torch.float64))
     want = _per_entry(lambda b, h, i, j: float("-inf") if bool_attn[i, j] else padding[b, j].item(), torch.float64)
     torch.testing.assert_close(mask.expand(B, H, L, S), want, atol=0, rtol=0)
@@ -95,7 +95,7 @@ def test_combined_additive_is_zero_where_seen_and_minus_infinity_elsewhere():
                                                (torch.float32, torch.float32), (torch.float64, torch.float64)])
 def test_masks_are_held_in_the_accumulation_dtype(query_dtype, held):
     assert masks.additive_dtype(query_dtype) == held
-    mask = masks.sdpa(torch.randn(L, S, dtype=torch.float64), L=L, S=S, batch_shape=(B, H),
+    mask = masks.from_sdpa(torch.randn(L, S, dtype=torch.float64), L=L, S=S, batch_shape=(B, H),
                       like=torch.empty(1, dtype=query_dtype))
     assert mask.dtype == held
 
@@ -115,13 +115,13 @@ def test_narrowing_keeps_finite_values_finite_and_infinities_infinite():
 
 def test_sdpa_masks_keep_true_means_attend_and_gain_a_query_axis():
     keys = _random_bool((S,), 8)  # (S,) -> (1, S)
-    got = masks.sdpa(keys, L=L, S=S, batch_shape=(B, H), like=torch.empty(1))
+    got = masks.from_sdpa(keys, L=L, S=S, batch_shape=(B, H), like=torch.empty(1))
     assert got.shape == (1, S) and torch.equal(got[0], keys)
     full = _random_bool((B, 1, L, S), 9)
-    assert masks.sdpa(full, L=L, S=S, batch_shape=(B, H), like=torch.empty(1)) is full
-    assert masks.sdpa(None, L=L, S=S, batch_shape=(B, H), like=torch.empty(1)) is None
+    assert masks.from_sdpa(full, L=L, S=S, batch_shape=(B, H), like=torch.empty(1)) is full
+    assert masks.from_sdpa(None, L=L, S=S, batch_shape=(B, H), like=torch.empty(1)) is None
     with pytest.raises(ValueError, match=r"attn_mask of shape \(3, 5\) does not broadcast .* \(2, 3, 4, 5\)"):
-        masks.sdpa(_random_bool((3, S), 10), L=L, S=S, batch_shape=(B, H), like=torch.empty(1))
+        masks.from_sdpa(_random_bool((3, S), 10), L=L, S=S, batch_shape=(B, H), like=torch.empty(1))
 
 
 def _raises(error, message):
@@ -157,7 +157,7 @@ def test_additive_masks_have_the_requested_dtype_and_the_mask_device(dtype):
 
 def test_multihead_float_padding_alone_is_the_additive_mask():
     padding = torch.randn(B, S, dtype=torch.float64)
-    mask, key_valid = masks.multihead(None, padding, batch=B, num_heads=H, L=L, S=S, batched=True,
+    mask, key_valid = masks.from_multihead(None, padding, batch=B, num_heads=H, L=L, S=S, batched=True,
                                       like=torch.empty(B, L, 8, dtype=torch.float64))
     assert key_valid is None and mask.dtype == torch.float64
     want = _per_entry(lambda b, h, i, j: padding[b, j].item(), torch.float64)

@@ -114,31 +114,26 @@ def _holds(isolated, case: Case, *properties: str) -> None:
     assert not found, "\n".join([*found, f"python -m mha.tools.fuzz --replay '{case.to_json()}'"])
 
 
-@pytest.mark.slow
 @given(sdpa_cases())
 def test_every_backend_equals_the_float64_reference_within_twice_torchs_error(isolated, case):
     _holds(isolated, case, "equal", "shape", "raises")
 
 
-@pytest.mark.slow
 @given(sdpa_cases(poison=True))
 def test_nan_and_infinity_in_give_nan_out_exactly_where_they_reach(isolated, case):
     _holds(isolated, case, "nan", "shape", "raises")
 
 
-@pytest.mark.slow
 @given(st.one_of(sdpa_cases(), positions_cases(), varlen_cases()))
 def test_the_same_call_gives_the_same_bits(isolated, case):
     _holds(isolated, case, "repeat")
 
 
-@pytest.mark.slow
 @given(positions_cases())
 def test_per_sequence_positions_and_padding_on_every_backend(isolated, case):
     _holds(isolated, case, "equal", "nan", "shape", "raises")
 
 
-@pytest.mark.slow
 @given(varlen_cases())
 def test_packed_sequences_of_every_length(isolated, case):
     _holds(isolated, case, "equal", "nan", "shape", "raises")

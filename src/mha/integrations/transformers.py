@@ -264,10 +264,10 @@ def _mask_terms(attention_mask, position_bias, module, is_causal, *, B, H, L, S,
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         terms = {"band": CAUSAL if causal and L > 1 else None}
     elif isinstance(attention_mask, Tensor):
-        terms = {"mask": masks.sdpa(attention_mask, L=L, S=S, batch_shape=(B, H), like=like)}
+        terms = {"mask": masks.from_sdpa(attention_mask, L=L, S=S, batch_shape=(B, H), like=like)}
     else:
         raise TypeError(f"attention_mask must be an mha KeyMask, a tensor or None, got {type(attention_mask).__name__}")
     if position_bias is not None:
-        bias = masks.sdpa(_checks.floating("position_bias", position_bias), L=L, S=S, batch_shape=(B, H), like=like)
+        bias = masks.from_sdpa(_checks.floating("position_bias", position_bias), L=L, S=S, batch_shape=(B, H), like=like)
         terms["mask"] = bias if terms.get("mask") is None else masks.as_additive(terms["mask"], True, bias.dtype) + bias
     return terms

@@ -107,7 +107,7 @@ class MultiheadAttention(nn.Module):
         if attn_mask is None:
             return key_padding_mask, (None if key_padding_mask is None else 1)
         B, L, _ = query.shape
-        mask, key_valid = masks.multihead(attn_mask, key_padding_mask, batch=B, num_heads=self.num_heads,
+        mask, key_valid = masks.from_multihead(attn_mask, key_padding_mask, batch=B, num_heads=self.num_heads,
                                           L=L, S=L, batched=True, like=query)
         merged = masks.combined_additive(mask, key_valid, masks.additive_dtype(query.dtype))
         return merged.expand(B, self.num_heads, L, L), 2

@@ -135,6 +135,13 @@ def flag(name: str, value) -> bool:
     return value
 
 
+def one_of(name: str, value, choices: Sequence):
+    """``value`` if it is one of ``choices``; the one wording of a choice among names."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
 def optional_positive_real(name: str, value) -> float | None:
     if value is None:
         return None

@@ -79,8 +79,7 @@ class GeneralAttention(nn.Module):
         self.add_zero_attn = add_zero_attn
         self._set_positional(rope, alibi, window, add_bias_kv)
         self.softcap = _checks.optional_positive_real("softcap", softcap)
-        if not isinstance(sinks, bool):
-            raise TypeError(f"sinks must be a bool (learned per-head sink logits), got {type(sinks).__name__}")
+        _checks.flag("sinks", sinks)  # learned per-head sink logits or none
         if add_bias_kv:  # registered first: the parameter order seed 002 prints
             self.bias_k = nn.Parameter(torch.empty(1, 1, hkv * dk, **factory))
             self.bias_v = nn.Parameter(torch.empty(1, 1, hkv * dv, **factory))
@@ -112,8 +111,7 @@ class GeneralAttention(nn.Module):
             raise ValueError("add_bias_kv / add_zero_attn have no position: they do not combine with rope, "
                              "alibi or window")
         self.rope, self.window = rope, window
-        if not isinstance(alibi, bool):
-            raise TypeError(f"alibi must be a bool, got {type(alibi).__name__}")
+        _checks.flag("alibi", alibi)
         self.register_buffer("alibi_slopes", positions.alibi_slopes(self.h) if alibi else None, persistent=False)
 
     def _variant(self, attention, options):

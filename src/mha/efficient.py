@@ -283,6 +283,5 @@ VARIANTS = {"exact": Exact, "local": Local, "strided": Strided, "fixed": Fixed, 
 
 def make(name: str, **options) -> nn.Module:
     """A variant by name, e.g. make("performer", head_dim=64, features=256)."""
-    if name not in VARIANTS:
-        raise ValueError(f"attention must be one of {sorted(VARIANTS)}, got {name!r}")
+    _checks.one_of("attention", name, sorted(VARIANTS))
     return VARIANTS[name](**options)

@@ -54,11 +54,7 @@ def _require(state: Mapping[str, Tensor], key: str, layout: str, ndim: int | Non
     if key not in state:
         raise ValueError(f"layout {layout!r} needs the key {key!r}, which is missing "
                          f"(keys present: {sorted(state)[:12]}{' ...' if len(state) > 12 else ''})")
-    value = state[key]
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{key!r} must be a tensor, got {type(value).__name__}")
-    if not value.is_floating_point():
-        raise TypeError(f"{key!r} must be a floating point tensor, got dtype {value.dtype}")
+    value = _checks.floating(repr(key), state[key])
     if ndim is not None and value.dim() != ndim:
         raise ValueError(f"{key!r} must be {ndim}-D, got shape {tuple(value.shape)}")
     return value

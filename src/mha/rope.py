@@ -66,9 +66,7 @@ class RotaryEmbedding(nn.Module):
         if rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
         self.base = _check_base(base)
-        if not isinstance(interleaved, bool):
-            raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__} ({interleaved!r})")
-        self.interleaved = interleaved
+        self.interleaved = _checks.flag("interleaved", interleaved)
 
     def extra_repr(self) -> str:
         return f"rotary_dim={self.rotary_dim}, base={self.base}, interleaved={self.interleaved}"

@@ -358,7 +358,7 @@ def test_errors_name_the_argument():
     with raises_exactly(ValueError, "name 'sdpa' is already an attn_implementation of transformers "
                                     "(sdpa_attention_forward); choose another name"):
         hf.register("sdpa")
-    with raises_exactly(TypeError, "compact_masks must be a bool, got str"):
+    with raises_exactly(TypeError, "compact_masks must be a bool, got str ('no')"):
         hf.register("mha", compact_masks="no")
     with raises_exactly(TypeError, "name must be a non-empty str, got ''"):
         hf.register("")

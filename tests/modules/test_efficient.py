@@ -154,8 +154,8 @@ def test_an_efficient_variant_does_not_combine_with_positional_terms():
 
 @pytest.mark.parametrize("call, message", [
     (lambda: efficient.make("reformer"),
-     "attention must be one of ['exact', 'fixed', 'linear', 'linformer', 'local', 'nystrom', 'performer', "
-     "'strided'], got 'reformer'"),
+     "attention must be one of ('exact', 'fixed', 'linear', 'linformer', 'local', 'nystrom', 'performer', "
+     "'strided'), got 'reformer'"),
     (lambda: efficient.Strided(4)(*_qkv(8), False),
      "the strided pattern is defined for causal (autoregressive) attention: pass is_causal=True"),
     (lambda: efficient.Fixed(4)(*_qkv(8), False),

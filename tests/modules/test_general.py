@@ -211,9 +211,9 @@ def test_a_module_on_another_device_is_named():
     (dict(dropout=1.5), ValueError, "dropout must be in [0, 1], got 1.5"),
     (dict(dropout="0.1"), TypeError, "dropout must be a float in [0, 1], got str ('0.1')"),
     (dict(softcap=-1.0), ValueError, "softcap must be a finite number greater than 0, got -1.0"),
-    (dict(sinks="yes"), TypeError, "sinks must be a bool (learned per-head sink logits), got str"),
+    (dict(sinks="yes"), TypeError, "sinks must be a bool, got str ('yes')"),
     (dict(rope=4), TypeError, "rope must be an mha.RotaryEmbedding, got int"),
-    (dict(alibi="yes"), TypeError, "alibi must be a bool, got str"),
+    (dict(alibi="yes"), TypeError, "alibi must be a bool, got str ('yes')"),
     *(((dict(extra, **kv)), ValueError, "add_bias_kv / add_zero_attn have no position: they do not combine "
        "with rope, alibi or window") for extra in (dict(rope=mha.RotaryEmbedding(2)), dict(alibi=True),
                                                    dict(window=(1, 0)))

@@ -255,7 +255,7 @@ def test_missing_key_message_lists_at_most_twelve_keys_present(count, shown):
 
 
 def test_non_tensor_weights_are_named_with_their_type():
-    with raises_exactly(TypeError, "'self.query.weight' must be a tensor, got list"):
+    with raises_exactly(TypeError, "'self.query.weight' must be a torch.Tensor, got list"):
         layouts.to_general({"self.query.weight": [[1.0]]}, "bert")
 
 
@@ -566,5 +566,5 @@ def test_per_head_checks_a_general_state_like_every_other_layout():
     accepted here alone: found by mutation testing)."""
     state = dict(mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2).state_dict())
     state["q_proj.bias"] = state["q_proj.bias"].long()
-    with raises_exactly(TypeError, "'q_proj.bias' must be a floating point tensor, got dtype torch.int64"):
+    with raises_exactly(TypeError, "'q_proj.bias' must have a floating point dtype, got torch.int64"):
         layouts.per_head(state, 2)

@@ -76,8 +76,7 @@ class SequenceLayout:
     def __init__(self, length: int, group=None, balance: str = "zigzag", *, world_size: int | None = None,
                  rank: int = 0) -> None:
         self.length = _checks.positive_int("length", length)
-        if balance not in BALANCES:
-            raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+        _checks.one_of("balance", balance, BALANCES)
         self.group, self.balance = group, balance
         if world_size is None:
             self.world_size, self.rank = comm.world(group)

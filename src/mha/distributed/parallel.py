@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import _checks
 from .._attention import check_inputs, own_tensors, pipeline
 from .._general import GeneralAttention
 from .._projections import ProjectionWeights
@@ -50,10 +51,8 @@ def parallelize(module: nn.Module, mode: str = "ring", group=None, *, balance: s
     if not isinstance(module, (GeneralAttention, MultiheadAttention)):
         raise TypeError("parallelize takes an mha.GeneralAttention or mha.nn.MultiheadAttention, "
                         f"got {type(module).__name__}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if balance not in BALANCES:
-        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+    _checks.one_of("mode", mode, MODES)
+    _checks.one_of("balance", balance, BALANCES)
     if isinstance(module, _Parallel):
         raise ValueError(f"the module is already parallelized ({module.parallel_mode!r})")
     if isinstance(module, GeneralAttention) and module.attention is not None:

@@ -116,8 +116,7 @@ def register(name: str = "mha", *, compact_masks: bool = True) -> None:
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
-    if not isinstance(compact_masks, bool):
-        raise TypeError(f"compact_masks must be a bool, got {type(compact_masks).__name__}")
+    _checks.flag("compact_masks", compact_masks)
     registered = AttentionInterface._global_mapping.get(name)
     if registered is not None and registered is not attention_forward:
         raise ValueError(f"name {name!r} is already an attn_implementation of transformers "

@@ -22,6 +22,7 @@ import logging
 import torch
 from torch import Tensor
 
+from .. import _checks
 from . import flash, native, sdpa
 from ._shapes import matched_kv_heads
 from .contract import Contract
@@ -75,8 +76,7 @@ def share_kv_heads(x: Tensor, num_heads: int) -> Tensor:
 
 def _choose(requested, q, k, v, contract, *, need_weights, dropout_p):
     """(name, reason, the sdpa plan when sdpa was considered: dispatch runs it without planning again)."""
-    if requested not in _NAMES:
-        raise ValueError(f"backend must be one of {_NAMES}, got {requested!r}")
+    _checks.one_of("backend", requested, _NAMES)
     sdpa_plan = sdpa.plan(q, k, v, contract, dropout_p) if not need_weights and requested in ("auto", "sdpa") else None
     if need_weights:
         if requested not in ("auto", "math"):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import positions
+from .. import _checks, positions
 from ..distributed import comm
 from ..distributed.layout import BALANCES, SequenceLayout
 from ..distributed.ring import ring_attention, visible_pairs
@@ -52,12 +52,9 @@ class Settings:
     seed: int = 0
 
     def __post_init__(self):
-        if self.mode not in (*ATTENTION, "single"):
-            raise ValueError(f"mode must be 'ring', 'ulysses' or 'single', got {self.mode!r}")
-        if self.balance not in BALANCES:
-            raise ValueError(f"balance must be one of {BALANCES}, got {self.balance!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        _checks.one_of("mode", self.mode, (*ATTENTION, "single"))
+        _checks.one_of("balance", self.balance, BALANCES)
+        _checks.one_of("dtype", self.dtype, tuple(DTYPES))
         kv = self.heads if self.kv_heads is None else self.kv_heads
         if self.length < 1 or self.heads < 1 or kv < 1 or self.heads % kv:
             raise ValueError(f"length, heads and kv_heads must be positive and kv_heads must divide heads, got "

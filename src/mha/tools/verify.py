@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .. import __version__
+from .. import __version__, _checks
 from .. import numpy as oracle
 from ..nn import MultiheadAttention
 
@@ -66,10 +66,8 @@ class Case:
     seed: int = 0
 
     def __post_init__(self):
-        if self.attn_mask not in MASK_KINDS:
-            raise ValueError(f"attn_mask must be one of {MASK_KINDS}, got {self.attn_mask!r}")
-        if self.key_padding_mask not in PADDING_KINDS:
-            raise ValueError(f"key_padding_mask must be one of {PADDING_KINDS}, got {self.key_padding_mask!r}")
+        _checks.one_of("attn_mask", self.attn_mask, MASK_KINDS)
+        _checks.one_of("key_padding_mask", self.key_padding_mask, PADDING_KINDS)
 
     @property
     def embed_dim(self) -> int:

@@ -1,11 +1,22 @@
 """Hypothesis profiles: "ci" (small, used when CI is set), "dev" (default), "slow" and "thorough" (many
 more examples: HYPOTHESIS_PROFILE=slow), and
 "mutation" (HYPOTHESIS_PROFILE=mutation mutmut run: no shrinking, so a mutant that fails a property
-is reported killed at once instead of timing out while hypothesis minimises its example)."""
+is reported killed at once instead of timing out while hypothesis minimises its example).
+
+The measured dispatch (mha.kernels.tuning) is pinned: no test measures at first use or reads the
+user's cache (MHA_TUNE=off, MHA_TUNE_CACHE in a temporary folder, inherited by spawned processes),
+and auto's crossovers are those of KNOWN's AVX-512-BF16 kind on every CPU, so that which backend
+auto picks does not depend on the machine the tests run on. Tests marked ``measured_dispatch``
+(tests/kernels/test_tuning.py) get the real lookup."""
 
 import os
+import tempfile
 
+import pytest
 from hypothesis import HealthCheck, Phase, settings
+
+os.environ["MHA_TUNE"] = "off"
+os.environ["MHA_TUNE_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="mha-tune-"), "tune.json")
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", max_examples=100, derandomize=True, **_common)
@@ -15,3 +26,11 @@ settings.register_profile("slow", max_examples=1000, **_common)  # the property 
 settings.register_profile("mutation", max_examples=50, derandomize=True,
                           phases=[Phase.explicit, Phase.reuse, Phase.generate], **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+@pytest.fixture(autouse=True)
+def _pinned_dispatch(request, monkeypatch):
+    if request.node.get_closest_marker("measured_dispatch") is None:
+        from mha.kernels import tuning
+        known = tuning.KNOWN["avx512_bf16"]
+        monkeypatch.setattr(tuning, "crossovers", lambda dtype: known.get(dtype, tuning.NEVER))

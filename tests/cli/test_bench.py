@@ -113,7 +113,7 @@ def test_distributed_rows_measure_every_run_against_one_process(tmp_path, monkey
         assert [r["rank"] for r in row.detail["ranks"]] == [0, 1]
     assert rows[1].extra["scores slowest / fastest"] == 1.0  # zigzag: the same causal work on both ranks
     assert rows[2].extra["scores slowest / fastest"] == pytest.approx((384 * 385 // 2 - 192 * 193 // 2) / (192 * 193 // 2))
-    paths = bench.write(rows, bench.machine(), str(tmp_path))
+    paths = bench.write(rows, bench.machine(matmul_n=64), str(tmp_path))
     assert (tmp_path / "distributed.png").stat().st_size > 10_000 and str(tmp_path / "distributed.png") in paths
 
 
@@ -133,5 +133,5 @@ def test_native_rows_time_it_against_torch_beside_a_matmul(tmp_path):
     assert rows[3].extra["native GB/s (K, V read)"] > 0 and rows[3].extra["memory read GB/s (sum)"] > 0
     assert rows[10].ratios["dense causal/window"] > 0
     assert 0 < rows[11].extra["native error"] < 1e-5 and 0 < rows[12].extra["native error"] < 1e-1
-    bench.write(rows, bench.machine(), str(tmp_path))
+    bench.write(rows, bench.machine(matmul_n=64), str(tmp_path))
     assert (tmp_path / "native.png").stat().st_size > 10_000

@@ -1,7 +1,8 @@
 """Benchmark mha against torch (ratios in one run) and write JSON, CSV and a plot.
 
 Sections: module (forward vs torch's train and eval paths), causal, overhead (tiny shapes and a
-decode step, where per-call Python work shows), backends (sdpa, flash, math, numpy blocked;
+decode step, where per-call Python work shows), auto (backend="auto" against torch's SDPA from
+T=1 to 8192 and on decoding steps, fp32 and bf16), backends (sdpa, flash, math, numpy blocked;
 GFLOP/s beside a matmul's), training (forward + backward), contract (our SDPA vs torch's on causal,
 bottom-right, padding, windows, ALiBi), memory (peak RSS of every default path in fresh
 processes), modern (KV-cache decoding, sliding windows), variants (the efficient variants: speed,
@@ -25,18 +26,20 @@ from ._common import UsageError
 
 FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [256, 512])),
             causal=[(1, 4096, 512), (4, 4096, 256)], backends=[512, 1024, 2048, 4096],
-            training=[(4, 512, 512), (1, 2048, 512)], contract=4096, memory=8192, decode=1024, overhead_decode=[1024, 8192],
+            training=[(4, 512, 512), (1, 2048, 512)], auto=([1, 16, 128, 512, 1024, 2048, 4096, 8192], [1024, 16384]),
+            contract=4096, memory=8192, decode=1024, overhead_decode=[1024, 8192],
             window=(16384, 256), variants=[256, 1024, 4096, 16384], quality=([128, 256, 512], 32),
             hf={"minilm": 128, "gpt-oss": 4096}, distributed=(65536, 4),
             native=dict(forward=[1024, 4096], training=2048, decode=16384, window=(16384, 256), accuracy=1024,
                         short=[16, 64, 128, 256, 512], matmul=2048))
 QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 2048, 256)],
-             backends=[512, 1024], training=[(4, 512, 256)], contract=1024, memory=2048, decode=128, overhead_decode=[1024],
+             backends=[512, 1024], training=[(4, 512, 256)], auto=([1, 128, 1024], [4096]),
+             contract=1024, memory=2048, decode=128, overhead_decode=[1024],
              window=(4096, 128), variants=[256, 1024], quality=([64, 128], 16), hf={"minilm": 128, "gpt-oss": 1024},
              distributed=(8192, 4),
              native=dict(forward=[512, 1024], training=512, decode=4096, window=(4096, 128), accuracy=256,
                          short=[64, 256], matmul=1024))
-SECTIONS = ("module", "causal", "overhead", "backends", "training", "contract", "memory", "modern", "native",
+SECTIONS = ("module", "causal", "overhead", "auto", "backends", "training", "contract", "memory", "modern", "native",
             "variants", "hf", "distributed")
 OPT_IN = ("variants", "hf", "distributed")  # not in the default run: long (variants, distributed), or the hf extra
 
@@ -67,8 +70,9 @@ def run(args: argparse.Namespace) -> int:
     console = _common.console()
     if not console.is_terminal:
         console.width = max(console.width, 140)
-    info = bench.machine()
-    console.print(f"[bold]mha bench[/] on {info['cpu']}, {info['threads']} threads, torch {info['torch']}")
+    info = bench.machine(matmul_n=grid["native"]["matmul"])
+    where = bench.describe(info)
+    console.print(f"[bold]mha bench[/] on {where}")
     jobs = _jobs(grid, args.sections, args.repeat)
     rows = []
     with Progress(console=console, transient=True) as progress:
@@ -78,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             rows.extend(job())
             progress.advance(task)
     for section in dict.fromkeys(r.section for r in rows):
-        console.print(_table(section, [r for r in rows if r.section == section]))
+        console.print(_table(section, [r for r in rows if r.section == section], where))
     for path in bench.write(rows, info, args.out):
         console.print(f"wrote {path}")
     return 0
@@ -93,6 +97,10 @@ def _jobs(grid, sections, repeat):
         jobs += [(f"causal {p}", lambda p=p: list(bench.module_rows([p], repeat, causal=True))) for p in grid["causal"]]
     if "overhead" in sections:
         jobs.append(("overhead", lambda: list(bench.overhead_rows(repeat, decode_lengths=grid["overhead_decode"]))))
+    if "auto" in sections:
+        lengths, keys = grid["auto"]
+        jobs += [(f"auto {T}", lambda T=T: list(bench.auto_rows([T], [], repeat))) for T in lengths]
+        jobs.append(("auto decode", lambda: list(bench.auto_rows([], keys, repeat))))
     if "backends" in sections:
         jobs += [(f"backends T{T}", lambda T=T: list(bench.backend_rows([T], repeat))) for T in grid["backends"]]
     if "training" in sections:
@@ -125,8 +133,8 @@ def _jobs(grid, sections, repeat):
     return jobs
 
 
-def _table(section: str, rows) -> Table:
-    table = Table(title=section)
+def _table(section: str, rows, where: str) -> Table:
+    table = Table(title=section, caption=f"measured on {where}")
     table.add_column("point", no_wrap=True)
     columns = list(dict.fromkeys(k for r in rows for k in r.times_ms))
     ratio_columns = list(dict.fromkeys(k for r in rows for k in r.ratios))

@@ -3,8 +3,9 @@
     weights requested              -> math (the only backend that returns them)
     a backend named explicitly     -> that backend, or a ValueError saying why it cannot
     otherwise (auto)               -> native, mha's compiled kernel, when it is built and takes the
-                                      call, and the call is one it is measured faster on (see
-                                      native_pays; never while torch.compile traces); else sdpa,
+                                      call, and the call is one it is measured faster on, on
+                                      this machine (native_pays, mha.kernels.tuning; never while
+                                      torch.compile traces); else sdpa,
                                       torch's fused kernel, when it takes the whole contract with
                                       no tensor larger than q, k and v together (or the caller's
                                       mask); else native (when built), else flash, ours in torch
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import _checks
-from . import flash, native, sdpa
+from . import flash, native, sdpa, tuning
 from ._shapes import matched_kv_heads
 from .contract import Contract
 from .flash import flash_attention
@@ -108,22 +109,24 @@ def _choose(requested, q, k, v, contract, *, need_weights, dropout_p):
     return (*choice, sdpa_plan)
 
 
-# Where the native kernel beats torch's fused kernel on a call torch's kernel takes, as measured by
-# `mha bench --sections native` (benchmarks/README.md): a decoding step over a long cache, and
-# otherwise enough work per head for its per-call cost (about 60 us) not to show.
-NATIVE_DECODE_ROWS, NATIVE_DECODE_KEYS = 16, 1024  # query rows per kv head at most, keys at least
-NATIVE_WORK = {torch.float32: 512 * 512, torch.bfloat16: 128 * 128, torch.float16: 256 * 256}  # L * S at least
+NATIVE_DECODE_ROWS = 16  # a decoding step: at most this many query rows per key/value head
 
 
 def native_pays(q: Tensor, k: Tensor) -> bool:
-    """Whether the native kernel is faster than torch's on a call both can run (see NATIVE_WORK)."""
-    if q.dtype not in NATIVE_WORK:
+    """Whether the native kernel is faster than torch's on a call both can run, as measured on this
+    machine (mha.kernels.tuning: a decoding step from ``decode_keys`` keys, otherwise from
+    ``prefill_work`` = L * S)."""
+    if q.dtype not in _NATIVE_DTYPES:
         return False
+    found = tuning.crossovers(q.dtype)
     L, S = q.shape[-2], k.shape[-2]
     rows_per_kv_head = L * (q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] else 1)
-    if rows_per_kv_head <= NATIVE_DECODE_ROWS and S >= NATIVE_DECODE_KEYS:
+    if rows_per_kv_head <= NATIVE_DECODE_ROWS and found.decode_keys is not None and S >= found.decode_keys:
         return True
-    return L * S >= NATIVE_WORK[q.dtype]
+    return found.prefill_work is not None and L * S >= found.prefill_work
+
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _native_ready(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float) -> bool:

@@ -22,6 +22,8 @@ drift in the machine's speed hits them alike). Sections:
     variants  the efficient variants: time and peak memory at each T (each in a fresh process:
               python -m mha.tools.bench_variants), and with them their quality on all-MiniLM-L6-v2's
               real attention (mha.tools.bench_quality: per-head error, embedding cosine, neighbours)
+    auto      backend="auto" against torch's SDPA at every length (1 .. 8192, causal) and on
+              decoding steps, fp32 and bf16: what a user of the default gets, per-call cost included
     native    the native kernel (mha.kernels.native) against torch's SDPA: forward and forward +
               backward in fp32 and bf16, a decoding step, a sliding window, accuracy; GFLOP/s
               beside a same-run matmul (mha.tools.bench_native)
@@ -55,7 +57,7 @@ from .. import numpy as mnp
 from .._cache import KVCache
 from .._general import GeneralAttention
 from ..functional import scaled_dot_product_attention
-from ..kernels import BACKENDS, Contract, flash_attention
+from ..kernels import BACKENDS, Contract, flash_attention, tuning
 from ..nn import MultiheadAttention
 from ..positions import CAUSAL, Band
 from . import bench_distributed, bench_hf, bench_memory, bench_native, bench_quality, bench_variants, plot_variants
@@ -75,15 +77,22 @@ class Row:
     detail: dict = field(default_factory=dict)  # kept in results.json only (e.g. per-head errors)
 
 
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "cores": os.cpu_count(),
+def machine(*, matmul_n: int = 2048) -> dict:
+    """Where the figures are taken: the CPU (model, the flags that matter, its kind), threads,
+    versions, and this machine's matmul rates now (GFLOP/s of an n^3 product, fp32 and bf16)."""
+    info = tuning.cpu()
+    rates = {f"{name} matmul GFLOP/s": bench_native.matmul_gflops(dtype, matmul_n)
+             for name, dtype in bench_native.DTYPES.items()}
+    return {"cpu": info["model"], "cpu flags": info["flags"], "cpu kind": info["kind"],
+            "threads": torch.get_num_threads(), "cores": os.cpu_count(), **rates,
             "torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version()}
+
+
+def describe(info: dict) -> str:
+    """One line saying where a table's figures were taken."""
+    rates = ", ".join(f"{key.split()[0]} {info[key]:.0f}" for key in info if key.endswith("matmul GFLOP/s"))
+    return (f"{info['cpu']} [{' '.join(info['cpu flags']) or 'no avx2/avx512/amx'}], {info['threads']} threads, "
+            f"matmul GFLOP/s {rates}, torch {info['torch']}")
 
 
 def best_times(fns: dict[str, Callable[[], object]], repeat: int, *, calls: int = 1,
@@ -437,6 +446,28 @@ def plot_native(rows: list[Row], path: str) -> None:
 
 
 # -- the attention contract: time against torch on the same calls ---------------------------------
+
+def auto_rows(lengths, decode_keys, repeat: int) -> Iterator[Row]:
+    """backend="auto" (mha.functional.scaled_dot_product_attention: checks, contract, dispatch,
+    whichever kernel it picks) against torch's SDPA on the same call, B1 H8 D64, no_grad: prefill
+    at every length (causal), fp32 and bf16, and decoding steps (L=1, 2 kv heads, GQA) over
+    ``decode_keys`` keys. Short calls are timed several per round, so per-call cost shows."""
+    F = torch.nn.functional
+    for name, dtype in bench_native.DTYPES.items():
+        points = [(f"T{T}", (1, HEADS, T), (1, HEADS, T), True) for T in lengths]
+        points += [(f"decode S{S}", (1, HEADS, 1), (1, 2, S), False) for S in decode_keys]
+        for point, (B, H, L), (_, Hkv, S), causal in points:
+            q = torch.randn(B, H, L, HEAD_DIM).to(dtype)
+            k, v = (torch.randn(B, Hkv, S, HEAD_DIM).to(dtype) for _ in range(2))
+            gqa = Hkv != H
+            calls = max(1, min(200, 2 ** 22 // (L * S)))
+            with torch.no_grad():
+                t = best_times({
+                    "auto": lambda: scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa),
+                    "torch": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)},
+                    repeat, calls=calls)
+            yield Row("auto", f"{name} {point}{' causal' if causal else ''}", t, {"auto/torch": t["auto"] / t["torch"]})
+
 
 def contract_rows(T: int, repeat: int) -> Iterator[Row]:
     """mha.functional.scaled_dot_product_attention against torch's on the same call, B1 H8 D64,

@@ -1,0 +1,68 @@
+"""Measure where mha's compiled kernel beats torch's on this machine; backend="auto" follows it.
+
+Times the native kernel against torch's SDPA on a small grid (prefill lengths and decoding steps,
+float32 and bfloat16) and stores the crossovers in the per-user cache that auto reads
+(mha.kernels.tuning). --show prints the stored table and the CPU without measuring.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.table import Table
+
+from ..kernels import native, tuning
+from . import _common
+from ._common import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--show", action="store_true", help="print the stored table, measure nothing")
+
+
+def run(args: argparse.Namespace) -> int:
+    console = _common.console()
+    console.print(describe_cpu())
+    if args.show:
+        table = tuning.stored()
+        if table is None:
+            console.print(f"not measured on this machine yet (cache: {tuning.cache_path()}); auto uses "
+                          f"{_defaults()} until `mha tune` or its first call measures")
+            return 0
+    else:
+        with console.status("building the native kernel if it is not built yet (about 30 s, once)"):
+            built = native.native_available()
+        if not built:
+            raise UsageError("the native kernel cannot be built or loaded here (no compiler, or MHA_NATIVE=off; "
+                             "the debug log 'mha.dispatch' says why): auto runs torch's kernels, nothing to measure")
+        with console.status("timing native against torch (a few seconds)"):
+            table = tuning.tune()
+    console.print(render(table))
+    console.print(f"measured {table['measured']}, {table['threads']} threads; stored in {tuning.cache_path()}")
+    return 0
+
+
+def describe_cpu() -> str:
+    info = tuning.cpu()
+    return f"CPU: {info['model']} ({info['kind']}; flags: {' '.join(info['flags']) or 'none of ' + ', '.join(tuning.FLAGS)})"
+
+
+def render(table: dict) -> Table:
+    out = Table(title="native time / torch time (below 1: native faster); auto picks native from the crossover on")
+    for column in ("dtype", "call", "size", "ratio", "crossover"):
+        out.add_column(column)
+    for dtype, ratios in table["ratios"].items():
+        crossover = table["crossovers"][dtype]
+        for call, field, label in (("prefill L*S", "prefill_work", "L*S"), ("decode S", "decode_keys", "S")):
+            where = crossover[field]
+            for size, ratio in ratios[call].items():
+                out.add_row(dtype, call.split()[0], str(size), f"{ratio:.2f}",
+                            ("never" if where is None else f"{label} >= {where}") if size == next(iter(ratios[call])) else "")
+    return out
+
+
+def _defaults() -> str:
+    kind = tuning.cpu()["kind"]
+    if kind in tuning.KNOWN:
+        return f"the crossovers measured on its kind ({kind}) when the kernel was written"
+    return f"torch's kernel wherever it takes the call (native is not known to win on {kind})"

@@ -1,0 +1,254 @@
+"""The measured dispatch: where mha's compiled kernel beats torch's fused one, on this machine.
+
+``backend="auto"`` may run either kernel on a call both take. Which is faster depends on the CPU
+(AVX2, AVX-512 with BF16, AMX tiles), the thread count and the torch build, so it is measured, not
+guessed: :func:`tune` times the native kernel against torch's SDPA on a small grid (prefill lengths
+and decoding steps, float32 and bfloat16; a few seconds) and stores, per dtype, the crossovers:
+
+    prefill_work  the least L * S from which native is faster at every measured length, or None
+    decode_keys   the least S from which native is faster on a decoding step (<= 16 query rows per
+                  key/value head), or None
+
+in a per-user cache (``$MHA_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mha/tune.json``) keyed by the CPU
+model, its flags that matter, the thread count and the torch and mha versions. ``auto`` reads the
+table of this key (:func:`crossovers`). Without one it measures at the first call where the
+choice arises (unless ``MHA_TUNE=off``) and, until then or when told not to, picks native only on
+the CPU kind it was measured to win on when it was written (AVX-512 with BF16, no AMX:
+``KNOWN``), never elsewhere. ``mha tune`` measures again; ``mha tune --show`` prints the table.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("mha.dispatch")
+
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")  # those that matter
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64  # the grid's shape (GQA 4:1 for decoding, as in today's models)
+PREFILL_LENGTHS = (128, 256, 512, 1024)  # L = S, non-causal
+DECODE_KEYS = (1024, 4096, 16384)  # L = 1
+MARGIN = 0.97  # native must take at most this fraction of torch's time to count as faster
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """Where native starts to win, for one dtype (None: it did not win at the largest measured point)."""
+    prefill_work: int | None
+    decode_keys: int | None
+
+
+# Measured by `mha bench --sections native` on the CPU the kernel was first tuned on (AMD EPYC,
+# AVX-512 + AVX512-BF16, no AMX, 2 threads); used there until this machine has its own table.
+KNOWN = {"avx512_bf16": {torch.float32: Crossover(512 * 512, 1024), torch.bfloat16: Crossover(128 * 128, 1024),
+                         torch.float16: Crossover(256 * 256, 1024)}}
+NEVER = Crossover(None, None)
+
+
+@functools.cache
+def cpu() -> dict:
+    """{"model": the CPU's name, "flags": those of FLAGS it has, "kind": see cpu_kind}."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:  # the first processor's "model name" and "flags" lines
+            for line in f:
+                name, _, value = line.partition(":")
+                fields.setdefault(name.strip(), value.strip())
+    except OSError:
+        pass
+    model = fields.get("model name") or platform.processor() or platform.machine()
+    if "flags" in fields:
+        flags = set(fields["flags"].split())
+    else:  # not Linux: what torch can tell
+        capability = torch.backends.cpu.get_cpu_capability()
+        flags = {"avx2"} if capability in ("AVX2", "AVX512") else set()
+        if capability == "AVX512":
+            flags |= {"avx512f"} | ({"avx512_bf16"} if torch.cpu._is_avx512_bf16_supported() else set())
+    have = [flag for flag in FLAGS if flag in flags]
+    return {"model": model, "flags": have, "kind": cpu_kind(have)}
+
+
+def cpu_kind(flags) -> str:
+    """"amx", "avx512_bf16", "avx512", "avx2" or "other": the class of CPU a measurement carries to."""
+    for kind, needs in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
+        if needs in flags:
+            return kind
+    return "other"
+
+
+def machine_key() -> str:
+    return f"{_fixed_key()} | {torch.get_num_threads()} threads"
+
+
+@functools.cache
+def _fixed_key() -> str:
+    from .. import __version__
+    info = cpu()
+    return f"{info['model']} | {' '.join(info['flags'])} | torch {torch.__version__} | mha {__version__}"
+
+
+def cache_path() -> Path:
+    if os.environ.get("MHA_TUNE_CACHE"):
+        return Path(os.environ["MHA_TUNE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mha" / "tune.json"
+
+
+# -- the table auto reads --------------------------------------------------------------------------
+
+_tables: dict[str, dict | None] = {}  # machine key -> stored table (None: looked, none there)
+_resolved: dict[tuple[int, torch.dtype], Crossover] = {}  # (threads, dtype) -> what auto uses: the per-call lookup
+_tried: set[str] = set()  # machine keys measured at first use in this process (tried once, even if it failed)
+
+
+def stored(key: str | None = None) -> dict | None:
+    """The stored table of this machine: {"crossovers": {dtype name: Crossover fields}, "ratios": ...,
+    "measured": time, "cpu": ..., "threads": ...}, or None."""
+    key = key or machine_key()
+    if key not in _tables:
+        _tables[key] = _read().get(key)
+    return _tables[key]
+
+
+def crossovers(dtype: torch.dtype) -> Crossover:
+    """Where native beats torch for ``dtype`` on this machine: measured (first use measures unless
+    MHA_TUNE=off), else KNOWN for this CPU kind, else never. A dict read once known."""
+    threads = torch.get_num_threads()
+    found = _resolved.get((threads, dtype))
+    if found is None:
+        found = _resolved[threads, dtype] = _look_up(dtype)
+    return found
+
+
+def _look_up(dtype: torch.dtype) -> Crossover:
+    key = machine_key()
+    table = stored(key)
+    if table is None and key not in _tried and os.environ.get("MHA_TUNE", "auto").lower() != "off":
+        _tried.add(key)
+        table = _first_use()
+    if table is None:
+        return KNOWN.get(cpu()["kind"], {}).get(dtype, NEVER)
+    measured = table.get("crossovers", {})
+    name = next((n for n, d in DTYPES.items() if d == dtype), None)
+    if name not in measured and dtype == torch.float16:
+        name = "bfloat16"  # not measured: as bfloat16, the kernel's same half-precision paths
+    return Crossover(**measured[name]) if name in measured else NEVER
+
+
+def _first_use() -> dict | None:
+    """Measure once, when auto first needs the answer and no table is stored; a failure leaves it
+    unmeasured (KNOWN applies) and is logged, never raised into the caller's attention call."""
+    from . import native
+    if not native.ready():
+        return None
+    log.info("mha: measuring where the native kernel beats torch on this CPU (once; MHA_TUNE=off skips it)")
+    try:
+        return tune()
+    except Exception as error:  # noqa: BLE001 - a measurement must never break the user's call
+        log.warning("mha: measuring the dispatch failed (%s); using the defaults of this CPU kind", error)
+        return None
+
+
+# -- measuring -------------------------------------------------------------------------------------
+
+Timer = Callable[[str, dict, Callable[[], object], Callable[[], object]], tuple[float, float]]
+
+
+def best_of(point: str, shape: dict, native_call, torch_call, *, repeat: int = 5) -> tuple[float, float]:
+    """(native seconds, torch seconds): the best of ``repeat`` rounds that run the two in turn."""
+    native_call(), torch_call()  # warm-up
+    best = [float("inf"), float("inf")]
+    for _ in range(repeat):
+        for i, call in enumerate((native_call, torch_call)):
+            start = time.perf_counter()
+            call()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]
+
+
+def tune(*, timer: Timer | None = None, store: bool = True) -> dict:
+    """Measure the grid, store the table under this machine's key (unless ``store`` is False) and
+    return it. ``timer(point, shape, native_call, torch_call) -> (native s, torch s)`` (tests give
+    a fake one; default: best_of)."""
+    from .contract import NONE
+    from .native import native_attention
+    timer = timer or best_of
+    ratios, found = {}, {}
+    with torch.no_grad():
+        for name, dtype in DTYPES.items():
+            prefill = []
+            for T in PREFILL_LENGTHS:
+                q, k, v = (torch.randn(1, HEADS, T, HEAD_DIM, dtype=dtype) for _ in range(3))
+                t = timer(f"{name} prefill T={T}", dict(dtype=name, L=T, S=T),
+                          lambda: native_attention(q, k, v, NONE), lambda: _torch(q, k, v))
+                prefill.append((T * T, t[0] / t[1]))
+            decode = []
+            for S in DECODE_KEYS:
+                q = torch.randn(1, HEADS, 1, HEAD_DIM, dtype=dtype)
+                k, v = (torch.randn(1, KV_HEADS, S, HEAD_DIM, dtype=dtype) for _ in range(2))
+                t = timer(f"{name} decode S={S}", dict(dtype=name, L=1, S=S),
+                          lambda: native_attention(q, k, v, NONE), lambda: _torch(q, k, v))
+                decode.append((S, t[0] / t[1]))
+            found[name] = asdict(Crossover(_from_where_it_wins(prefill), _from_where_it_wins(decode)))
+            ratios[name] = {"prefill L*S": dict(prefill), "decode S": dict(decode)}
+    table = {"crossovers": found, "ratios": ratios, "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+             "cpu": cpu(), "threads": torch.get_num_threads()}
+    if store:
+        _write(machine_key(), table)
+    return table
+
+
+def _torch(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[-3] != q.shape[-3])
+
+
+def _from_where_it_wins(points: list[tuple[int, float]]) -> int | None:
+    """The least size from which native is faster (ratio <= MARGIN) at every larger measured size."""
+    start = None
+    for size, ratio in sorted(points):
+        if ratio <= MARGIN:
+            start = size if start is None else start
+        else:
+            start = None
+    return start
+
+
+# -- the cache file --------------------------------------------------------------------------------
+
+def _read() -> dict:
+    try:
+        data = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write(key: str, table: dict) -> None:
+    """Add this machine's table to the cache file (written whole to a temporary file, then renamed:
+    two processes tuning at once leave one complete file)."""
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {**_read(), key: table}
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        json.dump(data, f, indent=1)
+    os.replace(f.name, path)
+    _tables[key] = table
+    _resolved.clear()
+
+
+def forget() -> None:
+    """Drop what this process read from the cache and decided (the next call reads the file again)."""
+    _tables.clear()
+    _resolved.clear()
+    _tried.clear()

@@ -1,0 +1,165 @@
+"""The measured dispatch (mha.kernels.tuning): crossovers from a timer, the per-machine cache, what
+auto reads, and what it does with no measurement. Every test uses a fake timer: the real one is
+run by `mha tune` (tests/cli) and measured in `mha bench`, never timed here."""
+
+import json
+
+import pytest
+import torch
+
+import mha
+from mha.kernels import Contract, tuning
+
+pytestmark = pytest.mark.measured_dispatch
+
+
+def fake_timer(native_faster):
+    """A timer that runs nothing and says native takes 0.5x torch's time where
+    ``native_faster(shape)`` and 2x elsewhere; it records the points it was asked."""
+    asked = []
+
+    def timer(point, shape, native_call, torch_call):
+        asked.append(point)
+        return (0.5, 1.0) if native_faster(shape) else (2.0, 1.0)
+    timer.asked = asked
+    return timer
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("MHA_TUNE_CACHE", str(path))
+    tuning.forget()
+    yield path
+    tuning.forget()
+
+
+def test_the_crossover_is_where_native_wins_from_there_on(cache):
+    table = tuning.tune(timer=fake_timer(lambda s: s["L"] >= 512 if s["L"] > 1 else s["S"] >= 4096))
+    assert table["crossovers"]["float32"] == {"prefill_work": 512 * 512, "decode_keys": 4096}
+
+
+def test_a_win_followed_by_a_loss_is_not_a_crossover(cache):
+    """Native faster at 256 but not at 512: only from 1024 on does it win everywhere measured."""
+    table = tuning.tune(timer=fake_timer(lambda s: s["L"] in (256, 1024) or s["L"] == 1))
+    assert table["crossovers"]["bfloat16"] == {"prefill_work": 1024 * 1024, "decode_keys": 1024}
+
+
+def test_native_never_winning_gives_none_and_auto_never_picks_it(cache):
+    tuning.tune(timer=fake_timer(lambda s: False))
+    assert tuning.crossovers(torch.float32) == tuning.NEVER
+    q = torch.randn(1, 8, 1, 64)
+    kv = torch.randn(1, 2, 16384, 64)
+    long = torch.randn(1, 2, 2048, 64)
+    assert mha.kernels.choose_backend("auto", q, kv, kv, Contract())[0] == "sdpa"
+    assert mha.kernels.choose_backend("auto", long, long, long, Contract())[0] == "sdpa"
+
+
+def test_auto_follows_the_stored_table(cache):
+    tuning.tune(timer=fake_timer(lambda s: True))  # native wins everywhere measured: from 128 * 128
+    x = torch.randn(1, 2, 128, 64)
+    assert mha.kernels.choose_backend("auto", x, x, x, Contract()) == (
+        "native", "mha's compiled kernel is faster than torch's on this call (native_pays)")
+    small = torch.randn(1, 2, 64, 64)  # below the smallest point measured: not known to win
+    assert mha.kernels.choose_backend("auto", small, small, small, Contract())[0] == "sdpa"
+
+
+def test_the_table_is_stored_under_this_machines_key_and_read_back(cache):
+    table = tuning.tune(timer=fake_timer(lambda s: s["L"] == 1))
+    stored = json.loads(cache.read_text())
+    key = tuning.machine_key()
+    assert list(stored) == [key] and stored[key]["crossovers"] == table["crossovers"]
+    assert tuning.cpu()["model"] in key and f"torch {torch.__version__}" in key and f"mha {mha.__version__}" in key
+    tuning.forget()
+    assert tuning.crossovers(torch.bfloat16) == tuning.Crossover(None, 1024)
+    assert tuning.crossovers(torch.float16) == tuning.Crossover(None, 1024)  # not measured: as bfloat16
+
+
+def test_another_machines_table_is_not_read(cache):
+    cache.write_text(json.dumps({"Some Other CPU | avx2 | 2 threads | torch 0 | mha 0": {
+        "crossovers": {"float32": {"prefill_work": 1, "decode_keys": 1}}}}))
+    assert tuning.stored() is None
+
+
+@pytest.mark.parametrize("written", ["not json {", "[1, 2]", ""])
+def test_a_damaged_cache_counts_as_no_measurement(cache, written, monkeypatch):
+    cache.write_text(written)
+    monkeypatch.setenv("MHA_TUNE", "off")
+    assert tuning.stored() is None
+    tuning.tune(timer=fake_timer(lambda s: True))  # and is replaced whole by the next measurement
+    assert tuning.machine_key() in json.loads(cache.read_text())
+
+
+@pytest.mark.parametrize("flags, kind, native_ever", [
+    (["avx2", "avx512f", "avx512_bf16"], "avx512_bf16", True),  # where it was measured to win
+    (["avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], "amx", False),  # slower there (issue 28)
+    (["avx2"], "avx2", False),
+    ([], "other", False),
+])
+def test_without_a_measurement_native_only_where_it_is_known_to_win(cache, monkeypatch, flags, kind, native_ever):
+    monkeypatch.setenv("MHA_TUNE", "off")
+    monkeypatch.setattr(tuning, "cpu", lambda: {"model": "test", "flags": flags, "kind": tuning.cpu_kind(flags)})
+    assert tuning.cpu()["kind"] == kind
+    assert (tuning.crossovers(torch.float32) != tuning.NEVER) == native_ever
+    long = torch.randn(1, 2, 2048, 64)
+    assert (mha.kernels.choose_backend("auto", long, long, long, Contract())[0] == "native") == (
+        native_ever and mha.kernels.native.ready())
+
+
+def test_the_first_call_that_needs_it_measures_once(cache, monkeypatch):
+    if not mha.kernels.native.ready():
+        pytest.skip("the native kernel is not built here: auto never asks")
+    timer = fake_timer(lambda s: s["L"] == 1)
+    monkeypatch.setenv("MHA_TUNE", "auto")
+    monkeypatch.setattr(tuning, "best_of", timer)
+    x = torch.randn(1, 2, 2048, 64)
+    assert mha.kernels.choose_backend("auto", x, x, x, Contract())[0] == "sdpa"  # measured: never for prefill
+    measured = len(timer.asked)
+    assert measured == 2 * (len(tuning.PREFILL_LENGTHS) + len(tuning.DECODE_KEYS))
+    mha.kernels.choose_backend("auto", x, x, x, Contract())
+    assert len(timer.asked) == measured and tuning.machine_key() in json.loads(cache.read_text())
+
+
+def test_a_failed_first_measurement_is_logged_and_the_call_goes_on(cache, monkeypatch, caplog):
+    if not mha.kernels.native.ready():
+        pytest.skip("the native kernel is not built here: auto never asks")
+
+    def broken(*args):
+        raise RuntimeError("no timer today")
+    monkeypatch.setenv("MHA_TUNE", "auto")
+    monkeypatch.setattr(tuning, "best_of", broken)
+    x = torch.randn(1, 2, 64, 64)
+    with caplog.at_level("WARNING", logger="mha.dispatch"):
+        out = mha.kernels.attention(x, x, x, Contract())[0]
+    assert "measuring the dispatch failed (no timer today)" in caplog.text
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(x, x, x))
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("flags, kind", [(["avx2", "avx512f", "avx512_bf16", "amx_bf16"], "amx"),
+                                         (["avx2", "avx512f"], "avx512"), (["avx2"], "avx2")])
+def test_cpu_kinds(flags, kind):
+    assert tuning.cpu_kind(flags) == kind
+
+
+def test_this_cpu_is_described():
+    info = tuning.cpu()
+    assert info["model"] and set(info["flags"]) <= set(tuning.FLAGS) and info["kind"] == tuning.cpu_kind(info["flags"])
+
+
+def test_mha_tune_measures_stores_and_shows(cache, monkeypatch, capsys):
+    pytest.importorskip("rich")
+    from mha import cli
+    if not mha.kernels.native.native_available():
+        assert cli.main(["tune"]) == 2
+        assert "cannot be built or loaded here" in capsys.readouterr().err
+        return
+    monkeypatch.setattr(tuning, "best_of", fake_timer(lambda s: s["L"] == 1 or s["L"] >= 512))
+    assert cli.main(["tune", "--show"]) == 0
+    assert "not measured on this machine yet" in capsys.readouterr().out
+    assert cli.main(["tune"]) == 0
+    measured = capsys.readouterr().out
+    assert tuning.cpu()["model"] in measured and "L*S >= 262144" in measured and "S >= 1024" in measured
+    assert cli.main(["tune", "--show"]) == 0
+    shown = capsys.readouterr().out
+    assert "L*S >= 262144" in shown and "0.50" in shown and "2.00" in shown and "tune.json" in shown

@@ -163,3 +163,16 @@ def test_mha_tune_measures_stores_and_shows(cache, monkeypatch, capsys):
     assert cli.main(["tune", "--show"]) == 0
     shown = capsys.readouterr().out
     assert "L*S >= 262144" in shown and "0.50" in shown and "2.00" in shown and "tune.json" in shown
+
+
+def test_mha_verify_measures_once_and_says_what_auto_will_do(cache, monkeypatch):
+    pytest.importorskip("rich")
+    from mha.cli import verify
+    monkeypatch.setenv("MHA_TUNE", "off")
+    assert verify.dispatch_status().startswith("dispatch: not measured (MHA_TUNE=off)")
+    monkeypatch.setenv("MHA_TUNE", "auto")
+    timer = fake_timer(lambda s: s["L"] == 1)
+    monkeypatch.setattr(tuning, "best_of", timer)
+    line = verify.dispatch_status()
+    assert "measured now" in line and "float32 never, decoding from S >= 1024" in line
+    assert "measured 20" in verify.dispatch_status() and len(timer.asked) == 14  # stored: not measured again

@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console.width = max(console.width, 160)  # keep the table whole in logs and CI
     native_line = native_status()  # printed with the results: nothing is printed before the outcome is settled
+    dispatch_line = dispatch_status() if "native backend group runs" in native_line else None
     cases = verify.default_grid(QUICK_PER_GROUP if args.quick else args.per_group, args.seed)
     results = []
     with Progress(console=console, transient=True) as progress:
@@ -54,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         verify.write_report(args.json, results)
     console.print(native_line)
+    if dispatch_line:
+        console.print(dispatch_line)
     console.print(summary_table(results))
     for r in failures[:20]:
         console.print(f"[red]FAIL[/] {r.case.group}: {r.case.describe()}\n      " + "; ".join(r.failures))
@@ -74,6 +77,27 @@ def native_status() -> str:
                 "why): the native group is left out, every call runs on the other backends")
     compiled = f", compiled now in {seconds:.0f} s" if seconds > 2 else ""
     return f"native kernel: {native.variant()} build ready{compiled}; the native backend group runs"
+
+
+def dispatch_status() -> str:
+    """Measure where native beats torch on this machine, unless it is stored or MHA_TUNE=off (the
+    table backend="auto" reads: mha.kernels.tuning), and say what auto will do."""
+    import os
+
+    from ..kernels import tuning
+    table = tuning.stored()
+    if table is None and os.environ.get("MHA_TUNE", "auto").lower() == "off":
+        return f"dispatch: not measured (MHA_TUNE=off); auto uses the defaults of this CPU kind ({tuning.cpu()['kind']})"
+    if table is None:
+        table = tuning.tune()
+        where = "measured now"
+    else:
+        where = f"measured {table['measured']}"
+    def start(label, size):
+        return "never" if size is None else f"from {label} >= {size}"
+    found = "; ".join(f"{dtype} {start('L*S', c['prefill_work'])}, decoding {start('S', c['decode_keys'])}"
+                      for dtype, c in table["crossovers"].items())
+    return f"dispatch ({where}; mha tune --show): auto picks native for {found}"
 
 
 def summary_table(results: list[verify.Result]) -> Table:

@@ -19,8 +19,10 @@ def leads(q: Tensor, k: Tensor, v: Tensor) -> tuple[tuple[int, ...], tuple[int, 
             and q.shape[-3] % k.shape[-3] == 0):
         batch = tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
         return (*batch, q.shape[-3]), (*batch, k.shape[-3])
-    lead = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
-    return lead, lead
+    lead = q.shape[:-2]
+    if not (lead == k.shape[:-2] == v.shape[:-2]):  # the common call: equal, nothing to broadcast
+        lead = torch.broadcast_shapes(lead, k.shape[:-2], v.shape[:-2])
+    return tuple(lead), tuple(lead)
 
 
 def unflat(grad: Tensor, like: Tensor, lead: tuple[int, ...]) -> Tensor:

@@ -93,12 +93,12 @@ def _choose(requested, q, k, v, contract, *, need_weights, dropout_p):
         choice = (requested, "requested explicitly")
     else:
         no_sdpa = sdpa_plan[1]
-        native_ok = _native_ready(q, k, v, contract, dropout_p)
-        if native_ok and not no_sdpa and native_pays(q, k):
-            choice = ("native", "mha's compiled kernel is faster than torch's on this call (native_pays)")
-        elif not no_sdpa:
-            choice = ("sdpa", "torch's fused kernel takes the whole contract")
-        elif native_ok:
+        if not no_sdpa:  # both could run it: native where it is measured faster (asked first: it is cheap)
+            if native_pays(q, k) and _native_ready(q, k, v, contract, dropout_p):
+                choice = ("native", "mha's compiled kernel is faster than torch's on this call (native_pays)")
+            else:
+                choice = ("sdpa", "torch's fused kernel takes the whole contract")
+        elif _native_ready(q, k, v, contract, dropout_p):
             choice = ("native", f"not sdpa ({no_sdpa}): native applies every term tile by tile, compiled")
         elif not (no_flash := flash.unsupported(q, k, v, contract)):
             choice = ("flash", f"not sdpa ({no_sdpa}): flash applies every term tile by tile")
@@ -116,11 +116,16 @@ def native_pays(q: Tensor, k: Tensor) -> bool:
     """Whether the native kernel is faster than torch's on a call both can run, as measured on this
     machine (mha.kernels.tuning: a decoding step from ``decode_keys`` keys, otherwise from
     ``prefill_work`` = L * S)."""
-    if q.dtype not in _NATIVE_DTYPES:
-        return False
-    found = tuning.crossovers(q.dtype)
     L, S = q.shape[-2], k.shape[-2]
-    rows_per_kv_head = L * (q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] else 1)
+    groups = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] else 1
+    return native_pays_for(q.dtype, L * groups, L, S)
+
+
+def native_pays_for(dtype: torch.dtype, rows_per_kv_head: int, L: int, S: int) -> bool:
+    """native_pays from the numbers alone (the query rows that share a key/value head: L * H / Hkv)."""
+    if dtype not in _NATIVE_DTYPES:
+        return False
+    found = tuning.crossovers(dtype)
     if rows_per_kv_head <= NATIVE_DECODE_ROWS and found.decode_keys is not None and S >= found.decode_keys:
         return True
     return found.prefill_work is not None and L * S >= found.prefill_work

@@ -63,6 +63,12 @@ def variant() -> str | None:
         return None
     if asked in _FLAGS:
         return asked
+    return _best_variant()
+
+
+@functools.cache
+def _best_variant() -> str:
+    """The build this CPU's instruction sets call for (asked once per process: it is on every call's path)."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX512":
         return "avx2" if capability == "AVX2" else "portable"

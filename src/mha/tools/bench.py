@@ -91,7 +91,7 @@ def machine(*, matmul_n: int = 2048) -> dict:
 def describe(info: dict) -> str:
     """One line saying where a table's figures were taken."""
     rates = ", ".join(f"{key.split()[0]} {info[key]:.0f}" for key in info if key.endswith("matmul GFLOP/s"))
-    return (f"{info['cpu']} [{' '.join(info['cpu flags']) or 'no avx2/avx512/amx'}], {info['threads']} threads, "
+    return (f"{info['cpu']} ({' '.join(info['cpu flags']) or 'no avx2/avx512/amx'}), {info['threads']} threads, "
             f"matmul GFLOP/s {rates}, torch {info['torch']}")
 
 

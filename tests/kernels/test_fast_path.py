@@ -1,0 +1,101 @@
+"""The per-call fast path of mha.functional.scaled_dot_product_attention (functional.plain_call):
+the same bits as the full path wherever it is taken, and not taken where the full path does
+something else."""
+
+import pytest
+import torch
+from torch.autograd import forward_ad
+
+import mha
+from mha import functional
+from mha.kernels import dispatch
+
+sdpa = functional.scaled_dot_product_attention
+
+
+def full_path(monkeypatch, *args, **kwargs):
+    with monkeypatch.context() as patch:
+        patch.setattr(functional, "plain_call", lambda *a: False)
+        return sdpa(*args, **kwargs)
+
+
+def took_fast_path(monkeypatch, *args, **kwargs) -> bool:
+    calls = []
+    real = functional.plain_call
+    with monkeypatch.context() as patch:
+        patch.setattr(functional, "plain_call", lambda *a: calls.append(real(*a)) or calls[-1])
+        sdpa(*args, **kwargs)
+    return bool(calls and calls[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("L, S, H, Hkv", [(1, 1, 2, 2), (5, 17, 4, 4), (17, 5, 4, 4), (1, 64, 8, 2), (33, 33, 6, 3)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_the_fast_path_gives_the_full_paths_bits_and_gradients(monkeypatch, dtype, L, S, H, Hkv, is_causal):
+    torch.manual_seed(L * 100 + S)
+    q = torch.randn(2, H, L, 16, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(2, Hkv, S, 16, dtype=dtype, requires_grad=True) for _ in range(2))
+    gqa = H != Hkv
+    assert took_fast_path(monkeypatch, q, k, v, is_causal=is_causal, enable_gqa=gqa)
+    fast = sdpa(q, k, v, is_causal=is_causal, enable_gqa=gqa)
+    fast_grads = torch.autograd.grad(fast.float().square().sum(), (q, k, v))
+    full = full_path(monkeypatch, q, k, v, is_causal=is_causal, enable_gqa=gqa)
+    full_grads = torch.autograd.grad(full.float().square().sum(), (q, k, v))
+    assert torch.equal(fast, full)
+    for a, b in zip(fast_grads, full_grads):
+        assert torch.equal(a, b)
+
+
+def test_nan_goes_where_the_full_path_puts_it(monkeypatch):
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    k[0, 1, 3, 5] = float("nan")
+    fast, full = sdpa(q, k, v, is_causal=True), full_path(monkeypatch, q, k, v, is_causal=True)
+    assert torch.equal(fast.isnan(), full.isnan()) and fast.isnan().any()
+    assert torch.equal(fast.nan_to_num(), full.nan_to_num())
+
+
+def _q(*shape, **kw):
+    return torch.randn(*shape, **kw)
+
+
+@pytest.mark.parametrize("name, make, kwargs", [
+    ("a mask", lambda: [_q(1, 2, 4, 8)] * 3, dict(attn_mask=torch.ones(4, 4, dtype=torch.bool))),
+    ("a scale", lambda: [_q(1, 2, 4, 8)] * 3, dict(scale=0.5)),
+    ("dropout", lambda: [_q(1, 2, 4, 8)] * 3, dict(dropout_p=0.5)),
+    ("a window", lambda: [_q(1, 2, 4, 8)] * 3, dict(window=(1, 0))),
+    ("a backend", lambda: [_q(1, 2, 4, 8)] * 3, dict(backend="math")),
+    ("3-D", lambda: [_q(2, 4, 8)] * 3, {}),
+    ("float64", lambda: [_q(1, 2, 4, 8, dtype=torch.float64)] * 3, {}),
+    ("no keys", lambda: [_q(1, 2, 4, 8), _q(1, 2, 0, 8), _q(1, 2, 0, 8)], {}),
+    ("no rows", lambda: [_q(1, 2, 0, 8), _q(1, 2, 4, 8), _q(1, 2, 4, 8)], {}),
+    ("strided rows", lambda: [_q(1, 2, 8, 4).mT] * 3, {}),
+    ("a value width of its own", lambda: [_q(1, 2, 4, 8), _q(1, 2, 4, 8), _q(1, 2, 4, 6)], {}),
+    ("fewer kv heads without enable_gqa", lambda: [_q(1, 4, 4, 8), _q(1, 2, 4, 8), _q(1, 2, 4, 8)], {}),
+    ("broadcast batch", lambda: [_q(2, 2, 4, 8), _q(1, 2, 4, 8), _q(1, 2, 4, 8)], {}),
+    ("a tensor subclass", lambda: [torch.nn.Parameter(_q(1, 2, 4, 8))] * 3, {}),
+])
+def test_anything_else_takes_the_full_path(monkeypatch, name, make, kwargs):
+    q, k, v = make()
+    try:
+        assert not took_fast_path(monkeypatch, q, k, v, **kwargs), name
+    except ValueError:  # refused by the full path's checks: not taken either
+        pass
+
+
+def test_autocast_forward_ad_and_native_calls_take_the_full_path(monkeypatch):
+    q = torch.randn(1, 2, 4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not took_fast_path(monkeypatch, q, q, q)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(q, torch.ones_like(q))
+        assert not took_fast_path(monkeypatch, dual, q, q)
+    monkeypatch.setattr(dispatch, "native_pays_for", lambda *args: True)
+    assert not took_fast_path(monkeypatch, q, q, q)
+
+
+def test_under_vmap_the_full_path_runs(monkeypatch):
+    q = torch.randn(3, 1, 2, 4, 8)
+    got = torch.vmap(lambda x: sdpa(x, x, x, is_causal=True))(q)
+    expected = torch.stack([sdpa(x, x, x, is_causal=True, backend="math") for x in q])
+    torch.testing.assert_close(got, expected)
+    assert mha.kernels.choose_backend("auto", q[0], q[0], q[0], mha.kernels.Contract())[0] in ("sdpa", "native")

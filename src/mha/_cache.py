@@ -183,13 +183,10 @@ class KVCache:
             if self._buffers is None:
                 self._buffers = tuple(_preallocate(t, self.max_length) for t in new)
             seen = []
-            for buffer, t in zip(self._buffers, new):
-                if t.dim() == 4:  # keys, values (B, Hkv, slots, D)
-                    buffer[:, :, size:size + L] = t
-                    seen.append(buffer[:, :, :size + L])
-                else:  # positions, valid (B, slots)
-                    buffer[:, size:size + L] = t
-                    seen.append(buffer[:, :size + L])
+            for buffer, t in zip(self._buffers, new):  # narrow + copy_: a slice assignment costs several times more
+                slots = _slots(t)  # keys, values (B, Hkv, slots, D): 2; positions, valid (B, slots): 1
+                buffer.narrow(slots, size, L).copy_(t)
+                seen.append(buffer.narrow(slots, 0, size + L))
             kept = seen = tuple(seen)
         else:
             seen = new if self.keys is None else tuple(_concat(old, t) for old, t in zip(stored, new))

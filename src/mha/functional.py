@@ -17,7 +17,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd import forward_ad
 
 from . import _checks, kernels, masks, positions
 from ._attention import attend, check_inputs, pipeline
@@ -67,7 +66,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     if (attn_mask is None and dropout_p.__class__ is float and dropout_p == 0.0 and scale is None
             and backend == "auto" and causal_alignment is None and window is None and alibi_slopes is None
             and softcap is None and sinks is None and (is_causal is False or is_causal is True)
-            and (enable_gqa is False or enable_gqa is True) and plain_call(query, key, value, enable_gqa)):
+            and (enable_gqa is False or enable_gqa is True) and kernels.dispatch.plain_call(query, key, value, enable_gqa)):
         return F.scaled_dot_product_attention(query, key, value, is_causal=is_causal, enable_gqa=enable_gqa)  # auto's
     query, key, value, unbatched = _at_least_3d(query, key, value)
     query, key, value = autocast_inputs(query, key, value)  # under torch.autocast, as torch's SDPA
@@ -83,30 +82,6 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         softcap=_checks.optional_positive_real("softcap", softcap), sinks=_checks.per_head("sinks", sinks, H, query))
     out, _ = kernels.attention(query, key, value, contract, dropout_p=dropout_p, backend=backend)
     return out[0] if unbatched else out
-
-
-_PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def plain_call(q, k, v, enable_gqa: bool) -> bool:
-    """Whether an SDPA call with nothing but q (B, H, L, D), k and v (B, Hkv, S, D) and is_causal is
-    one auto hands to torch's fused kernel as it is: the per-call fast path (a few microseconds of
-    checks where the full path takes tens). Every condition is one the full path checks on its
-    way to the same torch call: plain dense CPU tensors of one floating dtype, no autocast, no
-    forward-mode AD or torch.func transform, nothing empty, contiguous rows, Hkv = H (or dividing
-    it with enable_gqa), and a call native is not measured faster on."""
-    if not (q.__class__ is k.__class__ is v.__class__ is Tensor):
-        return False
-    qs, ks, vs = q.shape, k.shape, v.shape
-    if not (len(qs) == len(ks) == len(vs) == 4 and qs[0] == ks[0] and qs[3] == ks[3] and ks[:3] == vs[:3]
-            and qs[3] == vs[3] and q.dtype == k.dtype == v.dtype and q.dtype in _PLAIN_DTYPES):
-        return False
-    H, Hkv = qs[1], ks[1]
-    return ((H == Hkv or (enable_gqa and Hkv and H % Hkv == 0)) and q.is_cpu and k.is_cpu and v.is_cpu
-            and not (q.is_nested or k.is_nested or v.is_nested) and q.numel() and v.numel()
-            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and not torch.is_autocast_enabled("cpu")
-            and forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
-            and not kernels.dispatch.native_pays_for(q.dtype, qs[2] * (H // Hkv), qs[2], ks[2]))
 
 
 def _at_least_3d(query, key, value):

@@ -1,4 +1,5 @@
-"""The per-call fast path of mha.functional.scaled_dot_product_attention (functional.plain_call):
+"""The per-call fast path of mha.functional.scaled_dot_product_attention and of the dispatch
+(mha.kernels.dispatch.plain_call):
 the same bits as the full path wherever it is taken, and not taken where the full path does
 something else."""
 
@@ -15,15 +16,15 @@ sdpa = functional.scaled_dot_product_attention
 
 def full_path(monkeypatch, *args, **kwargs):
     with monkeypatch.context() as patch:
-        patch.setattr(functional, "plain_call", lambda *a: False)
+        patch.setattr(dispatch, "plain_call", lambda *a: False)
         return sdpa(*args, **kwargs)
 
 
 def took_fast_path(monkeypatch, *args, **kwargs) -> bool:
     calls = []
-    real = functional.plain_call
+    real = dispatch.plain_call
     with monkeypatch.context() as patch:
-        patch.setattr(functional, "plain_call", lambda *a: calls.append(real(*a)) or calls[-1])
+        patch.setattr(dispatch, "plain_call", lambda *a: calls.append(real(*a)) or calls[-1])
         sdpa(*args, **kwargs)
     return bool(calls and calls[0])
 

@@ -165,13 +165,19 @@ class Contract:
 
 
 NONE = Contract()
+TOP_LEFT_CAUSAL = Contract(band=positions.CAUSAL)  # torch's is_causal: what its kernel takes as it is
 
 
 def contract_of(**terms) -> Contract:
-    """A Contract of these terms, or the shared empty one when every term but the offset (which
-    only places a band or ALiBi) is None: the common call builds no value."""
-    if all(value is None for name, value in terms.items() if name != "offset"):
-        return NONE
+    """A Contract of these terms; the shared NONE when every term but the offset (which only places
+    a band or ALiBi) is None, the shared TOP_LEFT_CAUSAL for causality alone: the common calls build
+    no value, and the dispatch knows them by identity."""
+    if all(value is None for name, value in terms.items() if name not in ("offset", "band")):
+        band = terms.get("band")
+        if band is None:
+            return NONE
+        if band is positions.CAUSAL and terms.get("offset", 0) == 0:
+            return TOP_LEFT_CAUSAL
     return Contract(**terms)
 
 

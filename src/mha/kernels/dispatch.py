@@ -21,12 +21,14 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from .. import _checks
 from . import flash, native, sdpa, tuning
 from ._shapes import matched_kv_heads
-from .contract import Contract
+from .contract import NONE, TOP_LEFT_CAUSAL, Contract
 from .flash import flash_attention
 from .math import math_attention
 from .native import native_attention
@@ -55,6 +57,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p:
     repeated (share_kv_heads) first, as torch's CUDA kernels may fall back to their math path for
     shared heads under a mask.
     """
+    if ((contract is NONE or contract is TOP_LEFT_CAUSAL) and backend == "auto" and not need_weights
+            and dropout_p == 0.0 and plain_call(q, k, v, True)):  # the per-call fast path: torch's kernel as it is
+        return F.scaled_dot_product_attention(q, k, v, is_causal=contract is TOP_LEFT_CAUSAL,
+                                              enable_gqa=k.shape[1] != q.shape[1]), None
     k, v = matched_kv_heads(q, k, v)  # one head count for k and v (torch's enable_gqa shares them separately)
     if q.dim() >= 3 and not q.is_cpu:
         k, v = share_kv_heads(k, q.shape[-3]), share_kv_heads(v, q.shape[-3])  # (..., Hkv, S, D) -> (..., H, S, D)
@@ -66,6 +72,30 @@ def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p:
     result = BACKENDS[name](q, k, v, contract, dropout_p=dropout_p)
     out, weights = result if name == "math" else (result, None)
     return out, (weights if need_weights else None)
+
+
+_PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def plain_call(q, k, v, enable_gqa: bool) -> bool:
+    """Whether a call of q (B, H, L, D), k and v (B, Hkv, S, D) with no contract but top-left
+    causality is one auto hands to torch's fused kernel as it is: the per-call fast path (a few
+    microseconds of checks where the full path takes tens). Every condition is one the full path
+    checks on its way to the same torch call: plain dense CPU tensors of one floating dtype, no
+    autocast, no forward-mode AD or torch.func transform, nothing empty, contiguous rows, Hkv = H
+    (or dividing it with enable_gqa), and a call native is not measured faster on."""
+    if not (q.__class__ is k.__class__ is v.__class__ is Tensor):
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if not (len(qs) == len(ks) == len(vs) == 4 and qs[0] == ks[0] and qs[3] == ks[3] and ks[:3] == vs[:3]
+            and qs[3] == vs[3] and q.dtype == k.dtype == v.dtype and q.dtype in _PLAIN_DTYPES):
+        return False
+    H, Hkv = qs[1], ks[1]
+    return ((H == Hkv or (enable_gqa and Hkv and H % Hkv == 0)) and q.is_cpu and k.is_cpu and v.is_cpu
+            and not (q.is_nested or k.is_nested or v.is_nested) and q.numel() and v.numel()
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and not torch.is_autocast_enabled("cpu")
+            and forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
+            and not native_pays_for(q.dtype, qs[2] * (H // Hkv), qs[2], ks[2]))
 
 
 def share_kv_heads(x: Tensor, num_heads: int) -> Tensor:

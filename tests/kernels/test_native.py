@@ -581,3 +581,33 @@ def test_a_kv_cache_decoding_step_runs_on_native(caplog):
 def test_where_the_native_kernel_pays(q_shape, k_shape, dtype, pays):
     """mha.kernels.dispatch.native_pays: the measured thresholds, decoding counted per kv head."""
     assert mha.kernels.dispatch.native_pays(torch.empty(q_shape, dtype=dtype), torch.empty(k_shape, dtype=dtype)) == pays
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L, H, Hkv", [(1, 8, 2), (2, 4, 4), (16, 1, 1), (3, 6, 3)])
+def test_a_decoding_step_reads_a_kv_cache_view_in_place_with_the_same_bits(dtype, L, H, Hkv):
+    """Keys and values that are the first S of more preallocated slots (contiguous rows, heads
+    further apart) give the bits of the same keys copied contiguous, and are not copied."""
+    torch.manual_seed(L * 10 + H)
+    S, slots = 300, 1024
+    q = torch.randn(2, H, L, 32).to(dtype)
+    buffers = [torch.randn(2, Hkv, slots, 32).to(dtype) for _ in range(2)]
+    k, v = (b[:, :, :S] for b in buffers)  # (2, Hkv, S, 32) views, head stride slots * 32
+    assert not k.is_contiguous()
+    for contract in (Contract(), Contract(band=CAUSAL, offset=S - L)):
+        viewed = native.native_attention(q, k, v, contract)
+        copied = native.native_attention(q, k.contiguous(), v.contiguous(), contract)
+        assert torch.equal(viewed, copied)
+        expected = mha.kernels.attention(q.double(), k.double(), v.double(), contract, backend="math")[0]
+        assert_close(viewed, expected.to(dtype),
+                     chain=dtype != torch.float32)
+
+
+def test_a_view_with_more_rows_than_a_decoding_step_is_copied_and_right():
+    q = torch.randn(1, 2, 40, 16)
+    k, v = (torch.randn(1, 2, 512, 16)[:, :, :100] for _ in range(2))
+    torch.testing.assert_close(native.native_attention(q, k, v), native.native_attention(q, k.contiguous(), v.contiguous()),
+                               rtol=0, atol=0)
+    q.requires_grad_(True)
+    grads = torch.autograd.grad(native.native_attention(q, k, v).sum(), q)[0]
+    assert torch.equal(grads, torch.autograd.grad(native.native_attention(q, k.contiguous(), v.contiguous()).sum(), q)[0])

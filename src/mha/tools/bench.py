@@ -169,19 +169,22 @@ def overhead_rows(repeat: int, *, points=OVERHEAD_POINTS, decode_lengths=(1024, 
                        "weights: ours/torch-eval": t["ours weights"] / t["torch-eval weights"]})
         for S in decode_lengths:
             yield _decode_step_row(S, repeat)
+            yield _decode_step_row(S, repeat, slots=max(4 * S, 4096))  # preallocated for a long generation
 
 
-def _decode_step_row(S: int, repeat: int, E: int = 512) -> Row:
-    """One decode step at S cached keys: the general module on a KVCache(max_length=S + 1) against
-    the same layers written out in torch, with its own preallocated buffers of S + 1 slots: write
-    the new key and value into slot S, SDPA over the filled slots [:S + 1], out-projection."""
+def _decode_step_row(S: int, repeat: int, E: int = 512, slots: int | None = None) -> Row:
+    """One decode step at S cached keys: the general module on a KVCache(max_length=slots, S + 1
+    by default: users preallocate for the longest generation) against the same layers written out
+    in torch, with its own buffers: write the new key and value into slot S, SDPA over the filled
+    slots [:S + 1], out-projection."""
     torch.manual_seed(0)
     D = E // HEADS
+    slots = slots or S + 1
     module = GeneralAttention(E, E, E, D, D, E, HEADS).eval()
-    cache = KVCache(max_length=S + 1)
+    cache = KVCache(max_length=slots)
     prompt = torch.randn(1, S, E)
     module(prompt, prompt, prompt, is_causal=True, cache=cache)  # S keys cached
-    keys, values = torch.zeros(1, HEADS, S + 1, D), torch.zeros(1, HEADS, S + 1, D)  # torch's own buffers
+    keys, values = torch.zeros(1, HEADS, slots, D), torch.zeros(1, HEADS, slots, D)  # torch's own buffers
     keys[:, :, :S], values[:, :, :S] = cache.keys, cache.values
     x = torch.randn(1, 1, E)
     q_proj, k_proj, v_proj, out_proj = module.q_proj, module.k_proj, module.v_proj, module.out_proj
@@ -198,7 +201,8 @@ def _decode_step_row(S: int, repeat: int, E: int = 512) -> Row:
 
     t = best_times({"ours": lambda: module(x, x, x, is_causal=True, cache=cache), "torch step": bare},
                    repeat, calls=50, before=lambda: cache.crop(S))
-    return Row("overhead", f"decode step S={S} E{E} H{HEADS}", t, {"ours/torch step": t["ours"] / t["torch step"]})
+    return Row("overhead", f"decode step S={S} of {slots} slots E{E} H{HEADS}", t,
+               {"ours/torch step": t["ours"] / t["torch step"]})
 
 
 def matmul_gflops(n: int = 2048, repeat: int = 3) -> float:

@@ -49,6 +49,10 @@ constexpr int64_t kBlockK = 256;  // keys per tile
 
 struct Shape {
   int64_t B, H, Hkv, G, L, S, D, Dv;
+  // k's and v's batch and head strides (elements): a KV cache's view of its first S of more slots
+  // has rows of D contiguous but heads further apart; the decoding path reads it as it is, every
+  // other path gets them contiguous (forward, backward), where these are Hkv * S * D and S * D.
+  int64_t k_batch = 0, k_head = 0, v_batch = 0, v_head = 0;
   int64_t rows() const { return G * L; }  // the stacked query rows of one key/value head
 };
 
@@ -1055,8 +1059,8 @@ void decode_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, co
       auto [lo, hi] = key_range(t, rows, sh.S);
       lo = std::max(lo, split * split_len);
       hi = std::min(hi, (split + 1) * split_len);
-      const scalar_t* k_head = k + bh * sh.S * sh.D;
-      const scalar_t* v_head = v + bh * sh.S * sh.Dv;
+      const scalar_t* k_head = k + b * sh.k_batch + kv_head * sh.k_head;
+      const scalar_t* v_head = v + b * sh.v_batch + kv_head * sh.v_head;
       for (int64_t j0 = lo; j0 < hi; j0 += kDecodeKeys) {
         const int64_t n = std::min(kDecodeKeys, hi - j0);
         decode_scores<scalar_t, acc_t>(R, n, sh.D, q_rows.data(), k_head + j0 * sh.D, t.scale, s.data());
@@ -1170,24 +1174,37 @@ Terms<acc_t> terms_of(double scale, double softcap, bool has_band, int64_t left,
   return t;
 }
 
-Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v) {
+// Whether the rows of x (B, H, T, X) are contiguous and T rows of a head follow each other: what
+// the decoding path reads (batch and head strides of their own, non-negative).
+bool rows_contiguous(const Tensor& x) {
+  return x.stride(3) == 1 && (x.size(2) <= 1 || x.stride(2) == x.size(3)) && x.stride(1) >= 0 && x.stride(0) >= 0;
+}
+
+Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, bool strided_kv = false) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "mha native: q, k, v must be 4-D");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "mha native: inputs must be contiguous");
+  TORCH_CHECK(q.is_contiguous() && (strided_kv ? rows_contiguous(k) && rows_contiguous(v)
+                                               : k.is_contiguous() && v.is_contiguous()),
+              "mha native: inputs must be contiguous (k and v: rows contiguous)");
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), "mha native: q, k, v must have one batch size");
   TORCH_CHECK(v.size(1) == k.size(1) && v.size(2) == k.size(2), "mha native: v must have k's heads and length");
   TORCH_CHECK(k.size(3) == q.size(3), "mha native: k must have q's head dim");
   TORCH_CHECK(q.size(3) > 0 && v.size(3) > 0, "mha native: head dims must be at least 1 (mha.kernels.native pads empty ones)");
   TORCH_CHECK(k.size(1) > 0 ? q.size(1) % k.size(1) == 0 : q.size(1) == 0, "mha native: key/value heads must divide query heads");
   Shape sh{q.size(0), q.size(1), k.size(1), k.size(1) > 0 ? q.size(1) / k.size(1) : 0, q.size(2), k.size(2), q.size(3),
-           v.size(3)};
+           v.size(3), k.stride(0), k.stride(1), v.stride(0), v.stride(1)};
   return sh;
 }
 
-std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, double softcap,
+std::vector<Tensor> forward(const Tensor& q, const Tensor& k_in, const Tensor& v_in, double scale, double softcap,
                             bool has_band, int64_t left, int64_t right, int64_t offset, const Optional& q_pos,
                             const Optional& k_pos, const Optional& key_valid, const Optional& mask,
                             const Optional& slopes, const Optional& sinks, bool for_backward) {
-  const Shape sh = shape_of(q, k, v);
+  // the decoding path reads k and v where they are; the tiled kernel packs them from contiguous ones
+  const bool decode = q.dim() == 4 && k_in.dim() == 4 && k_in.size(1) > 0 && q.size(1) % k_in.size(1) == 0 &&
+                      q.size(1) / k_in.size(1) * q.size(2) <= kDecodeRows && !for_backward;
+  const Tensor& k = decode ? k_in : k_in.contiguous();
+  const Tensor& v = decode ? v_in : v_in.contiguous();
+  const Shape sh = shape_of(q, k, v, decode);
   auto out = at::empty({sh.B, sh.H, sh.L, sh.Dv}, q.options());
   const bool wide = q.scalar_type() == at::kDouble;
   const auto stats_options = q.options().dtype(wide ? at::kDouble : at::kFloat);
@@ -1211,7 +1228,7 @@ std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, 
                              int64_t left, int64_t right, int64_t offset, const Optional& q_pos,
                              const Optional& k_pos, const Optional& key_valid, const Optional& mask,
                              const Optional& slopes) {
-  const Shape sh = shape_of(q, k, v);
+  const Shape sh = shape_of(q, k, v);  // the forward's inputs, contiguous (mha.kernels.native saves them so)
   const int64_t threads = at::get_num_threads();
   const int64_t tasks = std::max<int64_t>(1, sh.B * sh.Hkv);  // split the keys when there are fewer (batch, kv head) tasks than threads
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((2 * threads + tasks - 1) / tasks, tiles_of(sh.S)));

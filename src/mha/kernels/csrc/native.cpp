@@ -1177,7 +1177,9 @@ Terms<acc_t> terms_of(double scale, double softcap, bool has_band, int64_t left,
 // Whether the rows of x (B, H, T, X) are contiguous and T rows of a head follow each other: what
 // the decoding path reads (batch and head strides of their own, non-negative).
 bool rows_contiguous(const Tensor& x) {
-  return x.stride(3) == 1 && (x.size(2) <= 1 || x.stride(2) == x.size(3)) && x.stride(1) >= 0 && x.stride(0) >= 0;
+  if (x.numel() == 0) return true;  // nothing is read (torch calls any empty tensor contiguous, whatever its strides)
+  return (x.stride(3) == 1 || x.size(3) <= 1) && (x.size(2) <= 1 || x.stride(2) == x.size(3)) && x.stride(1) >= 0 &&
+         x.stride(0) >= 0;
 }
 
 Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, bool strided_kv = false) {
@@ -1202,8 +1204,8 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k_in, const Tensor& v
   // the decoding path reads k and v where they are; the tiled kernel packs them from contiguous ones
   const bool decode = q.dim() == 4 && k_in.dim() == 4 && k_in.size(1) > 0 && q.size(1) % k_in.size(1) == 0 &&
                       q.size(1) / k_in.size(1) * q.size(2) <= kDecodeRows && !for_backward;
-  const Tensor& k = decode ? k_in : k_in.contiguous();
-  const Tensor& v = decode ? v_in : v_in.contiguous();
+  const Tensor& k = decode && rows_contiguous(k_in) ? k_in : k_in.contiguous();
+  const Tensor& v = decode && rows_contiguous(v_in) ? v_in : v_in.contiguous();
   const Shape sh = shape_of(q, k, v, decode);
   auto out = at::empty({sh.B, sh.H, sh.L, sh.Dv}, q.options());
   const bool wide = q.scalar_type() == at::kDouble;

@@ -84,7 +84,14 @@ def sanitized() -> bool:
 
 def _kernel():
     """The compiled kernel this process uses (see _extension)."""
-    return _extension(variant(), sanitized())
+    return _extension(*_this_process())
+
+
+@functools.cache
+def _this_process() -> tuple[str | None, bool]:
+    """(variant(), sanitized()): MHA_NATIVE and MHA_NATIVE_SANITIZE are read once per process (this
+    is on every call's path)."""
+    return variant(), sanitized()
 
 
 @functools.cache
@@ -142,7 +149,7 @@ def ready() -> bool:
     """Whether the native kernel can run without building it now: loaded in this process, or built
     before (torch's extension cache holds it for this user). The dispatch asks this, so that no
     call ever waits for a compiler; native_available(), backend="native" or `mha verify` build it."""
-    build, sanitize = variant(), sanitized()
+    build, sanitize = _this_process()
     if build is None:
         return False
     if _extension.cache_info().currsize:  # tried in this process: loaded, or failed
@@ -347,7 +354,7 @@ class _Inputs:
         self.lead, self.kv_lead = leads(q, k, v)  # (..., H), (..., Hkv)
         self.dtype = q.dtype
         self.q = _at_least_one_column(self.as_rows(q, self.lead))
-        self.k, self.v = (_at_least_one_column(x if strided_kv and _rows_contiguous(x, self.kv_lead)
+        self.k, self.v = (_at_least_one_column(x if strided_kv and not x.is_contiguous() and _rows_contiguous(x, self.kv_lead)
                                                else self.as_rows(x, self.kv_lead)) for x in (k, v))
         self.contract = contract
         self.L, self.S, self.D, self.Dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]

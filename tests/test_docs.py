@@ -219,6 +219,8 @@ MHA_PARSED = {
     "bench": "a benchmark: minutes",
     "distributed": "spawns processes over a long sequence: minutes",
     "convert": "needs the checkpoint files it names",
+    "tune": "times native against torch (a few seconds) and writes the per-user cache; "
+            "tests/kernels/test_tuning.py runs it with a fake timer",
 }
 
 

@@ -115,7 +115,7 @@ def test_the_first_call_that_needs_it_measures_once(cache, monkeypatch):
     x = torch.randn(1, 2, 2048, 64)
     assert mha.kernels.choose_backend("auto", x, x, x, Contract())[0] == "sdpa"  # measured: never for prefill
     measured = len(timer.asked)
-    assert measured == 2 * (len(tuning.PREFILL_LENGTHS) + len(tuning.DECODE_KEYS))
+    assert measured == 2 * (2 * len(tuning.PREFILL_LENGTHS) + len(tuning.DECODE_KEYS))
     mha.kernels.choose_backend("auto", x, x, x, Contract())
     assert len(timer.asked) == measured and tuning.machine_key() in json.loads(cache.read_text())
 
@@ -175,4 +175,22 @@ def test_mha_verify_measures_once_and_says_what_auto_will_do(cache, monkeypatch)
     monkeypatch.setattr(tuning, "best_of", timer)
     line = verify.dispatch_status()
     assert "measured now" in line and "float32 never, decoding from S >= 1024" in line
-    assert "measured 20" in verify.dispatch_status() and len(timer.asked) == 14  # stored: not measured again
+    assert "measured 20" in verify.dispatch_status() and len(timer.asked) == 2 * (2 * 4 + 3)  # stored: not measured again
+
+
+def test_native_must_win_causal_and_not(cache):
+    """Faster without a mask at every length but slower causal at 128: from 256 on."""
+    table = tuning.tune(timer=fake_timer(lambda s: s["L"] == 1 or not (s.get("causal") and s["L"] == 128)))
+    assert table["crossovers"]["float32"]["prefill_work"] == 256 * 256
+
+
+def test_the_real_timer_times_both_calls_several_times_per_round():
+    calls = {"native": 0, "torch": 0}
+
+    def count(name):
+        def call():
+            calls[name] += 1
+        return call
+    native_s, torch_s = tuning.best_of("p", {}, count("native"), count("torch"), repeat=3, sample_s=1e-4)
+    assert native_s > 0 and torch_s > 0
+    assert calls["torch"] == calls["native"] + 1 and calls["native"] > 3 * 2  # + torch's calibration call

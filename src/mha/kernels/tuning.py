@@ -5,7 +5,8 @@
 guessed: :func:`tune` times the native kernel against torch's SDPA on a small grid (prefill lengths
 and decoding steps, float32 and bfloat16; a few seconds) and stores, per dtype, the crossovers:
 
-    prefill_work  the least L * S from which native is faster at every measured length, or None
+    prefill_work  the least L * S from which native is faster at every measured length (causal and
+                  not), or None
     decode_keys   the least S from which native is faster on a decoding step (<= 16 query rows per
                   key/value head), or None
 
@@ -37,9 +38,9 @@ log = logging.getLogger("mha.dispatch")
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")  # those that matter
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64  # the grid's shape (GQA 4:1 for decoding, as in today's models)
-PREFILL_LENGTHS = (128, 256, 512, 1024)  # L = S, non-causal
+PREFILL_LENGTHS = (128, 256, 512, 1024)  # L = S, non-causal and causal (the worse of the two counts)
 DECODE_KEYS = (1024, 4096, 16384)  # L = 1
-MARGIN = 0.97  # native must take at most this fraction of torch's time to count as faster
+MARGIN = 0.95  # native must take at most this fraction of torch's time to count as faster (timing noise: a few %)
 
 
 @dataclass(frozen=True)
@@ -165,15 +166,22 @@ def _first_use() -> dict | None:
 Timer = Callable[[str, dict, Callable[[], object], Callable[[], object]], tuple[float, float]]
 
 
-def best_of(point: str, shape: dict, native_call, torch_call, *, repeat: int = 5) -> tuple[float, float]:
-    """(native seconds, torch seconds): the best of ``repeat`` rounds that run the two in turn."""
+def best_of(point: str, shape: dict, native_call, torch_call, *, repeat: int = 5,
+            sample_s: float = 2e-3) -> tuple[float, float]:
+    """(native seconds, torch seconds) per call: the best of ``repeat`` rounds that run the two in
+    turn, each round timing enough calls to last about ``sample_s`` (a short call timed alone is
+    mostly the timer's noise)."""
     native_call(), torch_call()  # warm-up
+    start = time.perf_counter()
+    torch_call()
+    calls = max(1, min(1000, int(sample_s / max(time.perf_counter() - start, 1e-7))))
     best = [float("inf"), float("inf")]
     for _ in range(repeat):
         for i, call in enumerate((native_call, torch_call)):
             start = time.perf_counter()
-            call()
-            best[i] = min(best[i], time.perf_counter() - start)
+            for _ in range(calls):
+                call()
+            best[i] = min(best[i], (time.perf_counter() - start) / calls)
     return best[0], best[1]
 
 
@@ -181,7 +189,7 @@ def tune(*, timer: Timer | None = None, store: bool = True) -> dict:
     """Measure the grid, store the table under this machine's key (unless ``store`` is False) and
     return it. ``timer(point, shape, native_call, torch_call) -> (native s, torch s)`` (tests give
     a fake one; default: best_of)."""
-    from .contract import NONE
+    from .contract import NONE, TOP_LEFT_CAUSAL
     from .native import native_attention
     timer = timer or best_of
     ratios, found = {}, {}
@@ -190,9 +198,12 @@ def tune(*, timer: Timer | None = None, store: bool = True) -> dict:
             prefill = []
             for T in PREFILL_LENGTHS:
                 q, k, v = (torch.randn(1, HEADS, T, HEAD_DIM, dtype=dtype) for _ in range(3))
-                t = timer(f"{name} prefill T={T}", dict(dtype=name, L=T, S=T),
-                          lambda: native_attention(q, k, v, NONE), lambda: _torch(q, k, v))
-                prefill.append((T * T, t[0] / t[1]))
+                ratios_here = []
+                for causal, contract in ((False, NONE), (True, TOP_LEFT_CAUSAL)):  # native must win both
+                    t = timer(f"{name} prefill T={T}{' causal' if causal else ''}", dict(dtype=name, L=T, S=T, causal=causal),
+                              lambda: native_attention(q, k, v, contract), lambda: _torch(q, k, v, causal))
+                    ratios_here.append(t[0] / t[1])
+                prefill.append((T * T, max(ratios_here)))
             decode = []
             for S in DECODE_KEYS:
                 q = torch.randn(1, HEADS, 1, HEAD_DIM, dtype=dtype)
@@ -209,8 +220,9 @@ def tune(*, timer: Timer | None = None, store: bool = True) -> dict:
     return table
 
 
-def _torch(q, k, v):
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[-3] != q.shape[-3])
+def _torch(q, k, v, causal=False):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                            enable_gqa=k.shape[-3] != q.shape[-3])
 
 
 def _from_where_it_wins(points: list[tuple[int, float]]) -> int | None:

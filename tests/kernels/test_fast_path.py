@@ -83,6 +83,14 @@ def test_anything_else_takes_the_full_path(monkeypatch, name, make, kwargs):
         pass
 
 
+def test_a_nested_tensor_gets_the_full_paths_error():
+    nested = torch.nested.nested_tensor([torch.randn(2, 3, 8), torch.randn(2, 5, 8)])
+    with pytest.raises(TypeError, match="nested tensor"):
+        sdpa(nested, nested, nested)
+    with pytest.raises(TypeError, match="nested tensor"):
+        mha.kernels.attention(nested, nested, nested, mha.kernels.Contract())
+
+
 def test_autocast_forward_ad_and_native_calls_take_the_full_path(monkeypatch):
     q = torch.randn(1, 2, 4, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):

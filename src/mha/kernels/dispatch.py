@@ -61,6 +61,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p:
             and dropout_p == 0.0 and plain_call(q, k, v, True)):  # the per-call fast path: torch's kernel as it is
         return F.scaled_dot_product_attention(q, k, v, is_causal=contract is TOP_LEFT_CAUSAL,
                                               enable_gqa=k.shape[1] != q.shape[1]), None
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _checks.tensor(name, x)  # a tensor, not nested (the fast path took the plain ones)
     k, v = matched_kv_heads(q, k, v)  # one head count for k and v (torch's enable_gqa shares them separately)
     if q.dim() >= 3 and not q.is_cpu:
         k, v = share_kv_heads(k, q.shape[-3]), share_kv_heads(v, q.shape[-3])  # (..., Hkv, S, D) -> (..., H, S, D)
@@ -84,18 +86,22 @@ def plain_call(q, k, v, enable_gqa: bool) -> bool:
     checks on its way to the same torch call: plain dense CPU tensors of one floating dtype, no
     autocast, no forward-mode AD or torch.func transform, nothing empty, contiguous rows, Hkv = H
     (or dividing it with enable_gqa), and a call native is not measured faster on."""
-    if not (q.__class__ is k.__class__ is v.__class__ is Tensor):
-        return False
+    if not (q.__class__ is k.__class__ is v.__class__ is Tensor) or q.is_nested or k.is_nested or v.is_nested:
+        return False  # (a nested tensor has no shape to read)
     qs, ks, vs = q.shape, k.shape, v.shape
     if not (len(qs) == len(ks) == len(vs) == 4 and qs[0] == ks[0] and qs[3] == ks[3] and ks[:3] == vs[:3]
             and qs[3] == vs[3] and q.dtype == k.dtype == v.dtype and q.dtype in _PLAIN_DTYPES):
         return False
     H, Hkv = qs[1], ks[1]
     return ((H == Hkv or (enable_gqa and Hkv and H % Hkv == 0)) and q.is_cpu and k.is_cpu and v.is_cpu
-            and not (q.is_nested or k.is_nested or v.is_nested) and q.numel() and v.numel()
-            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and not torch.is_autocast_enabled("cpu")
+            and q.numel() and v.numel() and _rows_contiguous(q, k, v) and not torch.is_autocast_enabled("cpu")
             and forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
             and not native_pays_for(q.dtype, qs[2] * (H // Hkv), qs[2], ks[2]))
+
+
+def _rows_contiguous(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the last dims are contiguous (asked as is_contiguous first: one call each, the common case)."""
+    return (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()) or q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
 
 
 def share_kv_heads(x: Tensor, num_heads: int) -> Tensor:

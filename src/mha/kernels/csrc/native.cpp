@@ -170,6 +170,15 @@ void gemm_nn<float>(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda
   at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, false);
 }
 
+// After a thread's last product of a call: bfloat16 products in VNNI pairs (kAlign 2) run on
+// oneDNN's brgemm ukernel, which on a CPU with AMX configures the thread's tiles and must be told
+// when a run of products ends (the contract of its hardware context, as torch's own CPU flash
+// kernel keeps it); float32 products hold no such context. Elsewhere a cheap no-op.
+template <typename Products>
+void release_products() {
+  if constexpr (Products::kAlign == 2) at::native::cpublas::brgemm_release(true);
+}
+
 // ---- exponentials --------------------------------------------------------------------------------
 
 // w[j] = exp(scale * x[j] - shift) (0 where x is -inf), in the weights' type W; returns their sum
@@ -676,6 +685,7 @@ void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, c
         finish_row(m[r], l[r], acc.data() + r * sh.Dv, sh.Dv, out + row_index * sh.Dv, stats, row_index);
       }
     }
+    release_products<Products>();
   });
 }
 
@@ -909,6 +919,7 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
         }
       }
     }
+    release_products<Products>();
   });
 }
 

@@ -137,3 +137,12 @@ def test_native_rows_time_it_against_torch_beside_a_matmul(tmp_path):
     assert 0 < rows[11].extra["native error"] < 1e-5 and 0 < rows[12].extra["native error"] < 1e-1
     bench.write(rows, bench.machine(matmul_n=64), str(tmp_path))
     assert (tmp_path / "native.png").stat().st_size > 10_000
+
+
+def test_peer_rows_time_onnxruntime_beside_torch_and_agree_with_it():
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    (row,) = bench.peer_rows([64], repeat=1)
+    assert row.point == "fp32 T64" and set(row.times_ms) == {"mha", "torch", "onnxruntime"}
+    assert row.ratios["mha/onnxruntime"] > 0
+    assert row.extra["mha error"] < 1e-5 and row.extra["onnxruntime error"] < 1e-5

@@ -2,7 +2,8 @@
 
 Sections: module (forward vs torch's train and eval paths), causal, overhead (tiny shapes and a
 decode step, where per-call Python work shows), auto (backend="auto" against torch's SDPA from
-T=1 to 8192 and on decoding steps, fp32 and bf16), backends (sdpa, flash, math, numpy blocked;
+T=1 to 8192 and on decoding steps, fp32 and bf16), peers (against ONNX Runtime's CPU attention too,
+when it is installed), backends (sdpa, flash, math, numpy blocked;
 GFLOP/s beside a matmul's), training (forward + backward), contract (our SDPA vs torch's on causal,
 bottom-right, padding, windows, ALiBi), memory (peak RSS of every default path in fresh
 processes), modern (KV-cache decoding, sliding windows), variants (the efficient variants: speed,
@@ -14,6 +15,7 @@ ranks against one process: memory per rank, balance). See mha.tools.bench for ho
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 
 import torch
@@ -27,19 +29,20 @@ from ._common import UsageError
 FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [256, 512])),
             causal=[(1, 4096, 512), (4, 4096, 256)], backends=[512, 1024, 2048, 4096],
             training=[(4, 512, 512), (1, 2048, 512)], auto=([1, 16, 128, 512, 1024, 2048, 4096, 8192], [1024, 16384]),
+            peers=[1024, 4096],
             contract=4096, memory=8192, decode=1024, overhead_decode=[1024, 8192],
             window=(16384, 256), variants=[256, 1024, 4096, 16384], quality=([128, 256, 512], 32),
             hf={"minilm": 128, "gpt-oss": 4096}, distributed=(65536, 4),
             native=dict(forward=[1024, 4096], training=2048, decode=16384, window=(16384, 256), accuracy=1024,
                         short=[16, 64, 128, 256, 512], matmul=2048))
 QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 2048, 256)],
-             backends=[512, 1024], training=[(4, 512, 256)], auto=([1, 128, 1024], [4096]),
+             backends=[512, 1024], training=[(4, 512, 256)], auto=([1, 128, 1024], [4096]), peers=[1024],
              contract=1024, memory=2048, decode=128, overhead_decode=[1024],
              window=(4096, 128), variants=[256, 1024], quality=([64, 128], 16), hf={"minilm": 128, "gpt-oss": 1024},
              distributed=(8192, 4),
              native=dict(forward=[512, 1024], training=512, decode=4096, window=(4096, 128), accuracy=256,
                          short=[64, 256], matmul=1024))
-SECTIONS = ("module", "causal", "overhead", "auto", "backends", "training", "contract", "memory", "modern", "native",
+SECTIONS = ("module", "causal", "overhead", "auto", "peers", "backends", "training", "contract", "memory", "modern", "native",
             "variants", "hf", "distributed")
 OPT_IN = ("variants", "hf", "distributed")  # not in the default run: long (variants, distributed), or the hf extra
 
@@ -101,6 +104,11 @@ def _jobs(grid, sections, repeat):
         lengths, keys = grid["auto"]
         jobs += [(f"auto {T}", lambda T=T: list(bench.auto_rows([T], [], repeat))) for T in lengths]
         jobs.append(("auto decode", lambda: list(bench.auto_rows([], keys, repeat))))
+    if "peers" in sections:
+        if importlib.util.find_spec("onnxruntime") and importlib.util.find_spec("onnx"):
+            jobs += [(f"peers T{T}", lambda T=T: list(bench.peer_rows([T], repeat))) for T in grid["peers"]]
+        else:
+            print("mha bench: the peers section is left out: onnxruntime is not installed (the onnx extra)")
     if "backends" in sections:
         jobs += [(f"backends T{T}", lambda T=T: list(bench.backend_rows([T], repeat))) for T in grid["backends"]]
     if "training" in sections:

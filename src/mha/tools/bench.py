@@ -24,6 +24,8 @@ drift in the machine's speed hits them alike). Sections:
               real attention (mha.tools.bench_quality: per-head error, embedding cosine, neighbours)
     auto      backend="auto" against torch's SDPA at every length (1 .. 8192, causal) and on
               decoding steps, fp32 and bf16: what a user of the default gets, per-call cost included
+    peers     mha's default path against torch's SDPA and ONNX Runtime's CPU MultiHeadAttention
+              (when onnxruntime is installed: the onnx extra), fp32 forward, T 1024 and 4096
     native    the native kernel (mha.kernels.native) against torch's SDPA: forward and forward +
               backward in fp32 and bf16, a decoding step, a sliding window, accuracy; GFLOP/s
               beside a same-run matmul (mha.tools.bench_native)
@@ -471,6 +473,53 @@ def auto_rows(lengths, decode_keys, repeat: int) -> Iterator[Row]:
                     "torch": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)},
                     repeat, calls=calls)
             yield Row("auto", f"{name} {point}{' causal' if causal else ''}", t, {"auto/torch": t["auto"] / t["torch"]})
+
+
+def peer_rows(lengths, repeat: int) -> Iterator[Row]:
+    """mha's default path against torch's SDPA and ONNX Runtime's CPU attention (the com.microsoft
+    MultiHeadAttention contrib op, on its own (B, T, H*D) layout, as many threads as torch), fp32,
+    B1 H8 D64, not causal, same inputs, interleaved; and the largest difference from torch's output.
+    Needs onnxruntime and onnx (the onnx extra)."""
+    import onnxruntime
+    for T in lengths:
+        session = _onnx_attention(T, HEADS, HEAD_DIM)
+        x = {name: np.random.default_rng(T).standard_normal((1, T, HEADS * HEAD_DIM), dtype=np.float32)
+             for name in "qkv"}
+        q, k, v = (torch.from_numpy(x[name]).view(1, T, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+                   for name in "qkv")  # (1, T, H*D) -> (1, H, T, D)
+        with torch.no_grad():
+            t = best_times({"mha": lambda: scaled_dot_product_attention(q, k, v),
+                            "torch": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+                            "onnxruntime": lambda: session.run(None, x)}, repeat)
+            reference = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+            ours = scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)  # (1, H, T, D) -> (1, T, H*D)
+        theirs = torch.from_numpy(session.run(None, x)[0])
+        yield Row("peers", f"fp32 T{T}", t,
+                  {"mha/torch": t["mha"] / t["torch"], "onnxruntime/torch": t["onnxruntime"] / t["torch"],
+                   "mha/onnxruntime": t["mha"] / t["onnxruntime"]},
+                  {"mha error": (ours - reference).abs().max().item(),
+                   "onnxruntime error": (theirs - reference).abs().max().item()},
+                  {"onnxruntime": onnxruntime.__version__})
+
+
+def _onnx_attention(T: int, heads: int, head_dim: int):
+    """An ONNX Runtime session of one com.microsoft MultiHeadAttention: q, k, v (1, T, H*D) -> (1, T, H*D)."""
+    import onnx
+    import onnxruntime
+    from onnx import TensorProto, helper
+    width = heads * head_dim
+    node = helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["o"], domain="com.microsoft", num_heads=heads)
+    graph = helper.make_graph([node], "attention",
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, T, width]) for n in "qkv"],
+                              [helper.make_tensor_value_info("o", TensorProto.FLOAT, [1, T, width])])
+    model = helper.make_model(graph, ir_version=10,  # what onnxruntime reads (onnx writes newer ones by default)
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    onnx.checker.check_model(model)
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    # its idle threads would otherwise spin after each run, taking the cores from the call timed next
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def contract_rows(T: int, repeat: int) -> Iterator[Row]:

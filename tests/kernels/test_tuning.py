@@ -194,3 +194,18 @@ def test_the_real_timer_times_both_calls_several_times_per_round():
     native_s, torch_s = tuning.best_of("p", {}, count("native"), count("torch"), repeat=3, sample_s=1e-4)
     assert native_s > 0 and torch_s > 0
     assert calls["torch"] == calls["native"] + 1 and calls["native"] > 3 * 2  # + torch's calibration call
+
+
+def test_torch_compile_neither_measures_nor_breaks_its_graph(cache, monkeypatch):
+    timer = fake_timer(lambda s: True)
+    monkeypatch.setenv("MHA_TUNE", "auto")
+    monkeypatch.setattr(tuning, "best_of", timer)
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def attend(q, k, v):
+        return mha.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    x = torch.randn(1, 2, 256, 16)
+    torch.testing.assert_close(attend(x, x, x), torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True))
+    assert timer.asked == [] and not cache.exists()

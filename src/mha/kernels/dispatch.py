@@ -159,7 +159,7 @@ def native_pays(q: Tensor, k: Tensor) -> bool:
 
 def native_pays_for(dtype: torch.dtype, rows_per_kv_head: int, L: int, S: int) -> bool:
     """native_pays from the numbers alone (the query rows that share a key/value head: L * H / Hkv)."""
-    if dtype not in _NATIVE_DTYPES:
+    if dtype not in _NATIVE_DTYPES or torch.compiler.is_compiling():  # a compiled graph keeps torch's ops
         return False
     found = tuning.crossovers(dtype)
     if rows_per_kv_head <= NATIVE_DECODE_ROWS and found.decode_keys is not None and S >= found.decode_keys:

@@ -209,3 +209,24 @@ def test_torch_compile_neither_measures_nor_breaks_its_graph(cache, monkeypatch)
     x = torch.randn(1, 2, 256, 16)
     torch.testing.assert_close(attend(x, x, x), torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True))
     assert timer.asked == [] and not cache.exists()
+
+
+def test_under_vmap_nothing_is_measured(cache, monkeypatch):
+    timer = fake_timer(lambda s: True)
+    monkeypatch.setenv("MHA_TUNE", "auto")
+    monkeypatch.setattr(tuning, "best_of", timer)
+    x = torch.randn(3, 1, 2, 256, 16)
+    got = torch.vmap(lambda t: mha.functional.scaled_dot_product_attention(t, t, t))(x)
+    torch.testing.assert_close(got, torch.nn.functional.scaled_dot_product_attention(x, x, x))
+    assert timer.asked == []
+
+
+def test_ranks_of_a_distributed_run_do_not_measure_at_first_use(cache, monkeypatch):
+    import torch.distributed as dist
+    timer = fake_timer(lambda s: True)
+    monkeypatch.setenv("MHA_TUNE", "auto")
+    monkeypatch.setattr(tuning, "best_of", timer)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 4)
+    assert tuning.crossovers(torch.float32) == tuning.KNOWN.get(tuning.cpu()["kind"], {}).get(torch.float32, tuning.NEVER)
+    assert timer.asked == []

@@ -27,6 +27,7 @@ from torch.autograd import forward_ad
 
 from .. import _checks
 from . import flash, native, sdpa, tuning
+from ._context import transforms_active
 from ._shapes import matched_kv_heads
 from .contract import NONE, TOP_LEFT_CAUSAL, Contract
 from .flash import flash_attention
@@ -159,8 +160,8 @@ def native_pays(q: Tensor, k: Tensor) -> bool:
 
 def native_pays_for(dtype: torch.dtype, rows_per_kv_head: int, L: int, S: int) -> bool:
     """native_pays from the numbers alone (the query rows that share a key/value head: L * H / Hkv)."""
-    if dtype not in _NATIVE_DTYPES or torch.compiler.is_compiling():  # a compiled graph keeps torch's ops
-        return False
+    if dtype not in _NATIVE_DTYPES or torch.compiler.is_compiling() or transforms_active():
+        return False  # a compiled graph keeps torch's ops; under torch.func native never runs
     found = tuning.crossovers(dtype)
     if rows_per_kv_head <= NATIVE_DECODE_ROWS and found.decode_keys is not None and S >= found.decode_keys:
         return True

@@ -13,7 +13,8 @@ and decoding steps, float32 and bfloat16; a few seconds) and stores, per dtype, 
 in a per-user cache (``$MHA_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mha/tune.json``) keyed by the CPU
 model, its flags that matter, the thread count and the torch and mha versions. ``auto`` reads the
 table of this key (:func:`crossovers`). Without one it measures at the first call where the
-choice arises (unless ``MHA_TUNE=off``) and, until then or when told not to, picks native only on
+choice arises (unless ``MHA_TUNE=off``, or in one of several torch.distributed ranks, which would
+measure each other's crowding) and, until then or when told not to, picks native only on
 the CPU kind it was measured to win on when it was written (AVX-512 with BF16, no AMX:
 ``KNOWN``), never elsewhere. ``mha tune`` measures again; ``mha tune --show`` prints the table.
 """
@@ -135,7 +136,8 @@ def crossovers(dtype: torch.dtype) -> Crossover:
 def _look_up(dtype: torch.dtype) -> Crossover:
     key = machine_key()
     table = stored(key)
-    if table is None and key not in _tried and os.environ.get("MHA_TUNE", "auto").lower() != "off":
+    if (table is None and key not in _tried and os.environ.get("MHA_TUNE", "auto").lower() != "off"
+            and not _among_ranks()):
         _tried.add(key)
         table = _first_use()
     if table is None:
@@ -145,6 +147,13 @@ def _look_up(dtype: torch.dtype) -> Crossover:
     if name not in measured and dtype == torch.float16:
         name = "bfloat16"  # not measured: as bfloat16, the kernel's same half-precision paths
     return Crossover(**measured[name]) if name in measured else NEVER
+
+
+def _among_ranks() -> bool:
+    """Whether this process is one of several torch.distributed ranks: they would measure at once,
+    on shared cores, and store what the crowding made of it (`mha tune` before the launch does it)."""
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _first_use() -> dict | None:

@@ -114,6 +114,8 @@ def _check_sdpa_inputs(query, key, value, enable_gqa) -> tuple[int, ...]:
         for name, x in (("key", key), ("value", value)):
             _checks.shared_heads(query.shape[-3], name, x.shape[-3], dim=-3, option="enable_gqa")
         batches = [b[:-1] for b in batches]  # heads checked: the rest must broadcast
+    if batches[0] == batches[1] == batches[2]:  # nothing to broadcast (torch.broadcast_shapes' first call imports sympy: 0.3 s)
+        return (*batches[0], *heads)
     try:
         return (*torch.broadcast_shapes(*batches), *heads)
     except RuntimeError:

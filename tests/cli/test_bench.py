@@ -50,7 +50,7 @@ def test_contract_rows_time_ours_against_torch():
 @pytest.mark.slow
 def test_cli_writes_json_csv_and_plot(tmp_path, monkeypatch, capsys):
     tiny = dict(module=[(1, 16, 32)], causal=[(1, 16, 32)], backends=[32, 64], training=[(1, 16, 32)], contract=64,
-                memory=512, decode=8, window=(256, 16), overhead_decode=[16],
+                memory=512, decode=8, window=(256, 16), overhead_decode=[16], auto=([1, 16], [64]), peers=[32], matmul=64,
                 native=dict(forward=[32], training=32, decode=64, window=(128, 8), accuracy=16, short=[16], matmul=128))
     monkeypatch.setattr(bench_cli, "QUICK", tiny)
     few = {name: bench_memory.MEMORY_CASES[name] for name in ("torch causal SDPA", "causal", "window (256, 0)")}

@@ -166,7 +166,7 @@ def test_mha_bench_variants_measures_speed_and_quality(tmp_path, monkeypatch, ca
     from mha import cli
     from mha.cli import bench as bench_cli
 
-    monkeypatch.setattr(bench_cli, "QUICK", {"variants": [64], "quality": ([32], 6)})
+    monkeypatch.setattr(bench_cli, "QUICK", {"variants": [64], "quality": ([32], 6), "matmul": 64})
     few = {name: bench_variants.VARIANTS[name] for name in ("exact (sdpa)", "local w=256", "performer m=256")}
     monkeypatch.setattr(bench_variants, "VARIANTS", few)
     monkeypatch.setattr(bench_quality, "VARIANTS", few)

@@ -29,14 +29,14 @@ from ._common import UsageError
 FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [256, 512])),
             causal=[(1, 4096, 512), (4, 4096, 256)], backends=[512, 1024, 2048, 4096],
             training=[(4, 512, 512), (1, 2048, 512)], auto=([1, 16, 128, 512, 1024, 2048, 4096, 8192], [1024, 16384]),
-            peers=[1024, 4096],
+            peers=[1024, 4096], matmul=2048,
             contract=4096, memory=8192, decode=1024, overhead_decode=[1024, 8192],
             window=(16384, 256), variants=[256, 1024, 4096, 16384], quality=([128, 256, 512], 32),
             hf={"minilm": 128, "gpt-oss": 4096}, distributed=(65536, 4),
             native=dict(forward=[1024, 4096], training=2048, decode=16384, window=(16384, 256), accuracy=1024,
                         short=[16, 64, 128, 256, 512], matmul=2048))
 QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 2048, 256)],
-             backends=[512, 1024], training=[(4, 512, 256)], auto=([1, 128, 1024], [4096]), peers=[1024],
+             backends=[512, 1024], training=[(4, 512, 256)], auto=([1, 128, 1024], [4096]), peers=[1024], matmul=1024,
              contract=1024, memory=2048, decode=128, overhead_decode=[1024],
              window=(4096, 128), variants=[256, 1024], quality=([64, 128], 16), hf={"minilm": 128, "gpt-oss": 1024},
              distributed=(8192, 4),
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     console = _common.console()
     if not console.is_terminal:
         console.width = max(console.width, 140)
-    info = bench.machine(matmul_n=grid["native"]["matmul"])
+    info = bench.machine(matmul_n=grid.get("matmul", 2048))
     where = bench.describe(info)
     console.print(f"[bold]mha bench[/] on {where}")
     jobs = _jobs(grid, args.sections, args.repeat)

@@ -17,7 +17,10 @@ def leads(q: Tensor, k: Tensor, v: Tensor) -> tuple[tuple[int, ...], tuple[int, 
     both, or (..., H) and (..., Hkv) when k and v have fewer heads (GQA: Hkv divides H)."""
     if (q.dim() >= 3 and k.dim() >= 3 and v.dim() >= 3 and k.shape[-3] == v.shape[-3] != q.shape[-3]
             and q.shape[-3] % k.shape[-3] == 0):
-        batch = tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
+        batch = q.shape[:-3]
+        if not (batch == k.shape[:-3] == v.shape[:-3]):  # (broadcast_shapes is slow, and its first call imports sympy)
+            batch = torch.broadcast_shapes(batch, k.shape[:-3], v.shape[:-3])
+        batch = tuple(batch)
         return (*batch, q.shape[-3]), (*batch, k.shape[-3])
     lead = q.shape[:-2]
     if not (lead == k.shape[:-2] == v.shape[:-2]):  # the common call: equal, nothing to broadcast

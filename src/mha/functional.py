@@ -63,6 +63,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     windows and ALiBi fold into one mask for torch's kernel when that mask is no larger than
     query, key and value together; see mha.kernels.dispatch).
     """
+    # the plain call, straight to torch's kernel when that is what auto would run (dispatch.plain_call)
     if (attn_mask is None and dropout_p.__class__ is float and dropout_p == 0.0 and scale is None
             and backend == "auto" and causal_alignment is None and window is None and alibi_slopes is None
             and softcap is None and sinks is None and (is_causal is False or is_causal is True)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .. import _checks, masks, positions
-from ..positions import Band
+from ..positions import CAUSAL, Band
 
 _NEG_INF = float("-inf")
 
@@ -165,20 +165,23 @@ class Contract:
 
 
 NONE = Contract()
-TOP_LEFT_CAUSAL = Contract(band=positions.CAUSAL)  # torch's is_causal: what its kernel takes as it is
+TOP_LEFT_CAUSAL = Contract(band=CAUSAL)  # torch's is_causal: what its kernel takes as it is
 
 
-def contract_of(**terms) -> Contract:
+def contract_of(*, band: Band | None = None, offset: int = 0, positions: tuple[Tensor, Tensor] | None = None,
+                key_valid: Tensor | None = None, mask: Tensor | None = None, alibi_slopes: Tensor | None = None,
+                scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None) -> Contract:
     """A Contract of these terms; the shared NONE when every term but the offset (which only places
     a band or ALiBi) is None, the shared TOP_LEFT_CAUSAL for causality alone: the common calls build
     no value, and the dispatch knows them by identity."""
-    if all(value is None for name, value in terms.items() if name not in ("offset", "band")):
-        band = terms.get("band")
+    if (positions is None and key_valid is None and mask is None and alibi_slopes is None and scale is None
+            and softcap is None and sinks is None):
         if band is None:
             return NONE
-        if band is positions.CAUSAL and terms.get("offset", 0) == 0:
+        if band is CAUSAL and offset == 0:
             return TOP_LEFT_CAUSAL
-    return Contract(**terms)
+    return Contract(band=band, offset=offset, positions=positions, key_valid=key_valid, mask=mask,
+                    alibi_slopes=alibi_slopes, scale=scale, softcap=softcap, sinks=sinks)
 
 
 def resolve(contract: Contract | None) -> Contract:

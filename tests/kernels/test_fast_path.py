@@ -108,3 +108,12 @@ def test_under_vmap_the_full_path_runs(monkeypatch):
     expected = torch.stack([sdpa(x, x, x, is_causal=True, backend="math") for x in q])
     torch.testing.assert_close(got, expected)
     assert mha.kernels.choose_backend("auto", q[0], q[0], q[0], mha.kernels.Contract())[0] in ("sdpa", "native")
+
+
+def test_a_head_dim_of_one_with_another_stride_takes_the_full_path(monkeypatch):
+    """is_contiguous() ignores the stride of a size-1 dim; torch's fused kernel (and the full path's
+    check) do not: found by review, 1.8e-7 apart before."""
+    q, k, v = (torch.randn(1, 2, 1, T).mT for T in (40, 30, 30))  # (1, 2, T, 1), last stride T
+    assert q.is_contiguous() and q.stride(-1) != 1
+    assert not took_fast_path(monkeypatch, q, k, v)
+    assert torch.equal(sdpa(q, k, v), full_path(monkeypatch, q, k, v))

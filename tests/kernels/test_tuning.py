@@ -230,3 +230,49 @@ def test_ranks_of_a_distributed_run_do_not_measure_at_first_use(cache, monkeypat
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 4)
     assert tuning.crossovers(torch.float32) == tuning.KNOWN.get(tuning.cpu()["kind"], {}).get(torch.float32, tuning.NEVER)
     assert timer.asked == []
+
+
+@pytest.mark.parametrize("table", [
+    "not a dict",
+    {"crossovers": {"float32": {"prefill": 1}}},
+    {"crossovers": {"float32": {"prefill_work": "65536", "decode_keys": None}}},
+    {"crossovers": {"float64": {"prefill_work": 1, "decode_keys": 1}}},
+    {"crossovers": {"float32": {"prefill_work": True, "decode_keys": None}}},
+    {"crossovers": ["float32"]},
+])
+def test_a_malformed_table_is_ignored_and_the_call_goes_on(cache, monkeypatch, table, caplog):
+    """Found by review: valid JSON of another shape raised into every attention call."""
+    monkeypatch.setenv("MHA_TUNE", "off")
+    cache.write_text(json.dumps({tuning.machine_key(): table}))
+    q = torch.randn(1, 8, 16, 64)
+    with caplog.at_level("WARNING", logger="mha.dispatch"):
+        out = mha.functional.scaled_dot_product_attention(q, q, q)
+        long = torch.randn(1, 2, 600, 64)
+        mha.kernels.attention(long, long, long, Contract())
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, q, q))
+    assert "malformed" in caplog.text and tuning.stored() is None
+
+
+def test_measuring_at_first_use_leaves_the_callers_random_stream_and_autocast_alone(cache, monkeypatch):
+    """Found by review: tune() drew from the global generator, and ran under the caller's autocast."""
+    dtypes = []
+
+    def timer(point, shape, native_call, torch_call):
+        dtypes.append(native_call().dtype)
+        return 1.0, 1.0
+    monkeypatch.setenv("MHA_TUNE", "auto")
+    monkeypatch.setattr(tuning, "best_of", timer)
+    if not mha.kernels.native.ready():
+        pytest.skip("the native kernel is not built here: auto never asks")
+    torch.manual_seed(0)
+    expected = (torch.randn(1, 2, 600, 64), torch.randn(3))
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 600, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mha.functional.scaled_dot_product_attention(x, x, x)
+    assert dtypes and torch.equal(torch.randn(3), expected[1])
+    assert dtypes[:2 * len(tuning.PREFILL_LENGTHS)] == [torch.float32] * (2 * len(tuning.PREFILL_LENGTHS))
+
+
+def test_the_key_names_the_native_build():
+    assert f"native {mha.kernels.native.variant()}" in tuning.machine_key()

@@ -101,8 +101,9 @@ def plain_call(q, k, v, enable_gqa: bool) -> bool:
 
 
 def _rows_contiguous(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether the last dims are contiguous (asked as is_contiguous first: one call each, the common case)."""
-    return (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()) or q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    """Whether the last dims have stride 1, as torch's fused kernel wants (sdpa._builds_weights asks
+    the same; is_contiguous() would not do: it ignores the stride of a dim of size 1)."""
+    return q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
 
 
 def share_kv_heads(x: Tensor, num_heads: int) -> Tensor:

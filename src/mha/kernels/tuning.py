@@ -11,7 +11,7 @@ and decoding steps, float32 and bfloat16; a few seconds) and stores, per dtype, 
                   key/value head), or None
 
 in a per-user cache (``$MHA_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mha/tune.json``) keyed by the CPU
-model, its flags that matter, the thread count and the torch and mha versions. ``auto`` reads the
+model, its flags that matter, the native build, the thread count and the torch and mha versions. ``auto`` reads the
 table of this key (:func:`crossovers`). Without one it measures at the first call where the
 choice arises (unless ``MHA_TUNE=off``, or in one of several torch.distributed ranks, which would
 measure each other's crowding) and, until then or when told not to, picks native only on
@@ -21,12 +21,14 @@ the CPU kind it was measured to win on when it was written (AVX-512 with BF16, n
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
 import platform
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -97,7 +99,10 @@ def machine_key() -> str:
 def _fixed_key() -> str:
     from .. import __version__
     info = cpu()
-    return f"{info['model']} | {' '.join(info['flags'])} | torch {torch.__version__} | mha {__version__}"
+    from . import native
+    build, sanitized = native._this_process()
+    return (f"{info['model']} | {' '.join(info['flags'])} | native {build}{' sanitized' if sanitized else ''} | "
+            f"torch {torch.__version__} | mha {__version__}")
 
 
 def cache_path() -> Path:
@@ -112,6 +117,7 @@ def cache_path() -> Path:
 _tables: dict[str, dict | None] = {}  # machine key -> stored table (None: looked, none there)
 _resolved: dict[tuple[int, torch.dtype], Crossover] = {}  # (threads, dtype) -> what auto uses: the per-call lookup
 _tried: set[str] = set()  # machine keys measured at first use in this process (tried once, even if it failed)
+_first_use_lock = threading.Lock()
 
 
 def stored(key: str | None = None) -> dict | None:
@@ -119,8 +125,26 @@ def stored(key: str | None = None) -> dict | None:
     "measured": time, "cpu": ..., "threads": ...}, or None."""
     key = key or machine_key()
     if key not in _tables:
-        _tables[key] = _read().get(key)
+        table = _read().get(key)
+        if table is not None and not _well_formed(table):
+            log.warning("mha: the dispatch table in %s for this machine is malformed; ignored (mha tune "
+                        "measures it again)", cache_path())
+            table = None
+        _tables[key] = table
     return _tables[key]
+
+
+def _well_formed(table) -> bool:
+    """Whether a stored table has the form tune() writes: {"crossovers": {dtype name: {"prefill_work":
+    int | None, "decode_keys": int | None}}, ...} (a file edited by hand must not break a call)."""
+    if not isinstance(table, dict) or not isinstance(table.get("crossovers"), dict):
+        return False
+    for name, found in table["crossovers"].items():
+        if name not in DTYPES or not isinstance(found, dict) or set(found) != {"prefill_work", "decode_keys"}:
+            return False
+        if not all(value is None or (type(value) is int and value >= 0) for value in found.values()):
+            return False
+    return True
 
 
 def crossovers(dtype: torch.dtype) -> Crossover:
@@ -136,10 +160,12 @@ def crossovers(dtype: torch.dtype) -> Crossover:
 def _look_up(dtype: torch.dtype) -> Crossover:
     key = machine_key()
     table = stored(key)
-    if (table is None and key not in _tried and os.environ.get("MHA_TUNE", "auto").lower() != "off"
-            and not _among_ranks()):
-        _tried.add(key)
-        table = _first_use()
+    if table is None and os.environ.get("MHA_TUNE", "auto").lower() != "off" and not _among_ranks():
+        with _first_use_lock:  # one thread measures; the others wait for its table
+            table = stored(key)
+            if table is None and key not in _tried:
+                _tried.add(key)
+                table = _first_use()
     if table is None:
         return KNOWN.get(cpu()["kind"], {}).get(dtype, NEVER)
     measured = table.get("crossovers", {})
@@ -202,11 +228,16 @@ def tune(*, timer: Timer | None = None, store: bool = True) -> dict:
     from .native import native_attention
     timer = timer or best_of
     ratios, found = {}, {}
-    with torch.no_grad():
+    generator = torch.Generator().manual_seed(0)  # the caller's random stream is left as it was
+
+    def randn(*shape, dtype):
+        return torch.randn(*shape, generator=generator).to(dtype)
+    # run at first use inside a caller's call: none of its context (autocast, grad) may reach the timings
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
         for name, dtype in DTYPES.items():
             prefill = []
             for T in PREFILL_LENGTHS:
-                q, k, v = (torch.randn(1, HEADS, T, HEAD_DIM, dtype=dtype) for _ in range(3))
+                q, k, v = (randn(1, HEADS, T, HEAD_DIM, dtype=dtype) for _ in range(3))
                 ratios_here = []
                 for causal, contract in ((False, NONE), (True, TOP_LEFT_CAUSAL)):  # native must win both
                     t = timer(f"{name} prefill T={T}{' causal' if causal else ''}", dict(dtype=name, L=T, S=T, causal=causal),
@@ -215,8 +246,8 @@ def tune(*, timer: Timer | None = None, store: bool = True) -> dict:
                 prefill.append((T * T, max(ratios_here)))
             decode = []
             for S in DECODE_KEYS:
-                q = torch.randn(1, HEADS, 1, HEAD_DIM, dtype=dtype)
-                k, v = (torch.randn(1, KV_HEADS, S, HEAD_DIM, dtype=dtype) for _ in range(2))
+                q = randn(1, HEADS, 1, HEAD_DIM, dtype=dtype)
+                k, v = (randn(1, KV_HEADS, S, HEAD_DIM, dtype=dtype) for _ in range(2))
                 t = timer(f"{name} decode S={S}", dict(dtype=name, L=1, S=S),
                           lambda: native_attention(q, k, v, NONE), lambda: _torch(q, k, v))
                 decode.append((S, t[0] / t[1]))
@@ -260,12 +291,30 @@ def _write(key: str, table: dict) -> None:
     two processes tuning at once leave one complete file)."""
     path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {**_read(), key: table}
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        json.dump(data, f, indent=1)
-    os.replace(f.name, path)
+    with _file_lock(path.with_suffix(".lock")):  # read, add, write: another process's key is kept
+        data = {**_read(), key: table}
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            try:
+                json.dump(data, f, indent=1)
+            except BaseException:
+                os.unlink(f.name)
+                raise
+        os.replace(f.name, path)
     _tables[key] = table
     _resolved.clear()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive flock on ``path`` (released when the process ends, however it ends); none off POSIX."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def forget() -> None:

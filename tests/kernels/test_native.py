@@ -577,6 +577,9 @@ def test_a_kv_cache_decoding_step_runs_on_native(caplog):
     ((9, 64), (1024, 64), torch.float32, True),  # 9 rows over one kv head
     ((4, 64), (8, 1024, 64), torch.float32, True),  # q shared by 8 heads of keys: 4 rows per head
     ((32, 5, 64), (8, 1024, 64), torch.float32, False),  # 3-D, 4 query heads per kv head: 20 rows
+    ((1, 8, 32, 64), (1, 8, 8192, 64), torch.float32, False),  # L * S = 512^2 but few rows: native 1.37x slower
+    ((1, 8, 4096, 64), (1, 8, 16, 64), torch.float32, False),  # many rows over few keys: not measured
+    ((1, 8, 600, 64), (1, 8, 512, 64), torch.float32, True),  # both sides at least 512
 ])
 def test_where_the_native_kernel_pays(q_shape, k_shape, dtype, pays):
     """mha.kernels.dispatch.native_pays: the measured thresholds, decoding counted per kv head."""

@@ -159,10 +159,10 @@ def test_mha_tune_measures_stores_and_shows(cache, monkeypatch, capsys):
     assert "not measured on this machine yet" in capsys.readouterr().out
     assert cli.main(["tune"]) == 0
     measured = capsys.readouterr().out
-    assert tuning.cpu()["model"] in measured and "L*S >= 262144" in measured and "S >= 1024" in measured
+    assert tuning.cpu()["model"] in measured and "L, S >= 512" in measured and "S >= 1024" in measured
     assert cli.main(["tune", "--show"]) == 0
     shown = capsys.readouterr().out
-    assert "L*S >= 262144" in shown and "0.50" in shown and "2.00" in shown and "tune.json" in shown
+    assert "L, S >= 512" in shown and "0.50" in shown and "2.00" in shown and "tune.json" in shown
 
 
 def test_mha_verify_measures_once_and_says_what_auto_will_do(cache, monkeypatch):
@@ -174,7 +174,7 @@ def test_mha_verify_measures_once_and_says_what_auto_will_do(cache, monkeypatch)
     timer = fake_timer(lambda s: s["L"] == 1)
     monkeypatch.setattr(tuning, "best_of", timer)
     line = verify.dispatch_status()
-    assert "measured now" in line and "float32 never, decoding from S >= 1024" in line
+    assert "measured now" in line and "float32: prefill never, decoding S >= 1024" in line
     assert "measured 20" in verify.dispatch_status() and len(timer.asked) == 2 * (2 * 4 + 3)  # stored: not measured again
 
 

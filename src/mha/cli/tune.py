@@ -8,6 +8,7 @@ float32 and bfloat16) and stores the crossovers in the per-user cache that auto 
 from __future__ import annotations
 
 import argparse
+import math
 
 from rich.table import Table
 
@@ -53,12 +54,19 @@ def render(table: dict) -> Table:
         out.add_column(column)
     for dtype, ratios in table["ratios"].items():
         crossover = table["crossovers"][dtype]
-        for call, field, label in (("prefill L*S", "prefill_work", "L*S"), ("decode S", "decode_keys", "S")):
-            where = crossover[field]
+        for call, field in (("prefill L*S", "prefill_work"), ("decode S", "decode_keys")):
+            first = True
             for size, ratio in ratios[call].items():
-                out.add_row(dtype, call.split()[0], str(size), f"{ratio:.2f}",
-                            ("never" if where is None else f"{label} >= {where}") if size == next(iter(ratios[call])) else "")
+                out.add_row(dtype, call.split()[0], str(size), f"{ratio:.2f}", describe(field, crossover[field]) if first else "")
+                first = False
     return out
+
+
+def describe(field: str, where: int | None) -> str:
+    """A crossover in words: prefill_work T*T applies to calls with L and S both >= T."""
+    if where is None:
+        return "never"
+    return f"L, S >= {math.isqrt(where)}" if field == "prefill_work" else f"S >= {where}"
 
 
 def _defaults() -> str:

@@ -93,10 +93,9 @@ def dispatch_status() -> str:
         where = "measured now"
     else:
         where = f"measured {table['measured']}"
-    def start(label, size):
-        return "never" if size is None else f"from {label} >= {size}"
-    found = "; ".join(f"{dtype} {start('L*S', c['prefill_work'])}, decoding {start('S', c['decode_keys'])}"
-                      for dtype, c in table["crossovers"].items())
+    from .tune import describe
+    found = "; ".join(f"{dtype}: prefill {describe('prefill_work', c['prefill_work'])}, decoding "
+                      f"{describe('decode_keys', c['decode_keys'])}" for dtype, c in table["crossovers"].items())
     return f"dispatch ({where}; mha tune --show): auto picks native for {found}"
 
 

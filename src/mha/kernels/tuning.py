@@ -5,8 +5,8 @@
 guessed: :func:`tune` times the native kernel against torch's SDPA on a small grid (prefill lengths
 and decoding steps, float32 and bfloat16; a few seconds) and stores, per dtype, the crossovers:
 
-    prefill_work  the least L * S from which native is faster at every measured length (causal and
-                  not), or None
+    prefill_work  T * T for the least T from which native is faster at every measured length L = S = T
+                  (causal and not), or None; auto applies it to calls with L and S both at least T
     decode_keys   the least S from which native is faster on a decoding step (<= 16 query rows per
                   key/value head), or None
 

@@ -3,6 +3,9 @@ auto reads, and what it does with no measurement. Every test uses a fake timer: 
 run by `mha tune` (tests/cli) and measured in `mha bench`, never timed here."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -276,3 +279,29 @@ def test_measuring_at_first_use_leaves_the_callers_random_stream_and_autocast_al
 
 def test_the_key_names_the_native_build():
     assert f"native {mha.kernels.native.variant()}" in tuning.machine_key()
+
+
+@pytest.mark.slow
+def test_processes_starting_together_measure_once(tmp_path):
+    """Worker processes (a pool, DataLoader workers) that reach their first call together: one
+    measures, the others wait for its table and read it."""
+    if not mha.kernels.native.ready():
+        pytest.skip("the native kernel is not built here: auto never asks")
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import os, sys, time, torch\n"
+        "from mha.kernels import tuning\n"
+        "def timer(point, shape, native_call, torch_call):\n"
+        "    with open(sys.argv[1], 'a') as f: f.write(point + '\\n')\n"
+        "    time.sleep(0.02)\n"
+        "    return (0.5, 1.0)\n"
+        "tuning.best_of = timer\n"
+        "print(tuning.crossovers(torch.float32))\n")
+    log = tmp_path / "measured.txt"
+    env = {**os.environ, "MHA_TUNE": "auto", "MHA_TUNE_CACHE": str(tmp_path / "tune.json")}
+    workers = [subprocess.Popen([sys.executable, str(script), str(log)], env=env, stdout=subprocess.PIPE, text=True)
+               for _ in range(3)]
+    outputs = [w.communicate(timeout=120)[0] for w in workers]
+    assert all(w.returncode == 0 for w in workers)
+    assert len(log.read_text().splitlines()) == 2 * len(tuning.PREFILL_LENGTHS) * 2 + 2 * len(tuning.DECODE_KEYS)
+    assert len(set(outputs)) == 1 and "prefill_work=16384" in outputs[0]

@@ -161,7 +161,8 @@ def _look_up(dtype: torch.dtype) -> Crossover:
     key = machine_key()
     table = stored(key)
     if table is None and os.environ.get("MHA_TUNE", "auto").lower() != "off" and not _among_ranks():
-        with _first_use_lock:  # one thread measures; the others wait for its table
+        with _first_use_lock, _file_lock(_measuring_lock()):  # one thread, one process measures; the others
+            _tables.pop(key, None)                                # wait and read its table
             table = stored(key)
             if table is None and key not in _tried:
                 _tried.add(key)
@@ -302,6 +303,14 @@ def _write(key: str, table: dict) -> None:
         os.replace(f.name, path)
     _tables[key] = table
     _resolved.clear()
+
+
+def _measuring_lock() -> Path:
+    """The lock file held while a process measures at first use (beside the cache; not the cache's
+    own write lock, which the measuring process takes again to store its table)."""
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.with_suffix(".measuring.lock")
 
 
 @contextlib.contextmanager

@@ -305,3 +305,20 @@ def test_processes_starting_together_measure_once(tmp_path):
     assert all(w.returncode == 0 for w in workers)
     assert len(log.read_text().splitlines()) == 2 * len(tuning.PREFILL_LENGTHS) * 2 + 2 * len(tuning.DECODE_KEYS)
     assert len(set(outputs)) == 1 and "prefill_work=16384" in outputs[0]
+
+
+def test_a_cache_folder_it_cannot_write_costs_the_measurement_not_the_call(tmp_path, monkeypatch, caplog):
+    if not mha.kernels.native.ready():
+        pytest.skip("the native kernel is not built here: auto never asks")
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the cache's folder should be
+    monkeypatch.setenv("MHA_TUNE_CACHE", str(blocked / "mha" / "tune.json"))
+    monkeypatch.setenv("MHA_TUNE", "auto")
+    monkeypatch.setattr(tuning, "best_of", fake_timer(lambda s: True))
+    tuning.forget()
+    x = torch.randn(1, 2, 600, 64)
+    with caplog.at_level("WARNING", logger="mha.dispatch"):
+        out = mha.kernels.attention(x, x, x, Contract())[0]
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(x, x, x))
+    assert "measuring the dispatch failed" in caplog.text
+    tuning.forget()

@@ -308,20 +308,21 @@ def _write(key: str, table: dict) -> None:
 def _measuring_lock() -> Path:
     """The lock file held while a process measures at first use (beside the cache; not the cache's
     own write lock, which the measuring process takes again to store its table)."""
-    path = cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path.with_suffix(".measuring.lock")
+    return cache_path().with_suffix(".measuring.lock")
 
 
 @contextlib.contextmanager
 def _file_lock(path: Path):
-    """An exclusive flock on ``path`` (released when the process ends, however it ends); none off POSIX."""
+    """An exclusive flock on ``path`` (released when the process ends, however it ends); none off
+    POSIX or where the file cannot be made."""
     try:
         import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")
+    except (ImportError, OSError):  # not POSIX, or a folder it may not write: no lock (a failed write is logged)
         yield
         return
-    with open(path, "a") as handle:
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield
 

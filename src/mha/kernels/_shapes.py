@@ -28,6 +28,12 @@ def leads(q: Tensor, k: Tensor, v: Tensor) -> tuple[tuple[int, ...], tuple[int, 
     return tuple(lead), tuple(lead)
 
 
+def unit_last_stride(*tensors: Tensor) -> bool:
+    """Whether every tensor's last dim has stride 1, as torch's fused CPU kernel wants (is_contiguous()
+    would not do: it ignores the stride of a dim of size 1)."""
+    return all(t.stride(-1) == 1 for t in tensors)
+
+
 def unflat(grad: Tensor, like: Tensor, lead: tuple[int, ...]) -> Tensor:
     """(B*H, T, D) -> the input's shape, summed over the dims the input was broadcast along."""
     grad = grad.view(*lead, *grad.shape[-2:]).to(like.dtype)  # (B*H, T, D) -> (..., T, D)

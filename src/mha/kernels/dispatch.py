@@ -28,7 +28,7 @@ from torch.autograd import forward_ad
 from .. import _checks
 from . import flash, native, sdpa, tuning
 from ._context import transforms_active
-from ._shapes import matched_kv_heads
+from ._shapes import matched_kv_heads, unit_last_stride
 from .contract import NONE, TOP_LEFT_CAUSAL, Contract
 from .flash import flash_attention
 from .math import math_attention
@@ -77,7 +77,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p:
     return out, (weights if need_weights else None)
 
 
-_PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes of the fast path and of native_pays
 
 
 def plain_call(q, k, v, enable_gqa: bool) -> bool:
@@ -91,19 +91,13 @@ def plain_call(q, k, v, enable_gqa: bool) -> bool:
         return False  # (a nested tensor has no shape to read)
     qs, ks, vs = q.shape, k.shape, v.shape
     if not (len(qs) == len(ks) == len(vs) == 4 and qs[0] == ks[0] and qs[3] == ks[3] and ks[:3] == vs[:3]
-            and qs[3] == vs[3] and q.dtype == k.dtype == v.dtype and q.dtype in _PLAIN_DTYPES):
+            and qs[3] == vs[3] and q.dtype == k.dtype == v.dtype and q.dtype in _FLOATS):
         return False
     H, Hkv = qs[1], ks[1]
     return ((H == Hkv or (enable_gqa and Hkv and H % Hkv == 0)) and q.is_cpu and k.is_cpu and v.is_cpu
-            and q.numel() and v.numel() and _rows_contiguous(q, k, v) and not torch.is_autocast_enabled("cpu")
+            and q.numel() and v.numel() and unit_last_stride(q, k, v) and not torch.is_autocast_enabled("cpu")
             and forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
             and not native_pays_for(q.dtype, qs[2] * (H // Hkv), qs[2], ks[2]))
-
-
-def _rows_contiguous(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether the last dims have stride 1, as torch's fused kernel wants (sdpa._builds_weights asks
-    the same; is_contiguous() would not do: it ignores the stride of a dim of size 1)."""
-    return q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
 
 
 def share_kv_heads(x: Tensor, num_heads: int) -> Tensor:
@@ -161,7 +155,7 @@ def native_pays(q: Tensor, k: Tensor) -> bool:
 
 def native_pays_for(dtype: torch.dtype, rows_per_kv_head: int, L: int, S: int) -> bool:
     """native_pays from the numbers alone (the query rows that share a key/value head: L * H / Hkv)."""
-    if dtype not in _NATIVE_DTYPES or torch.compiler.is_compiling() or transforms_active():
+    if dtype not in _FLOATS or torch.compiler.is_compiling() or transforms_active():
         return False  # a compiled graph keeps torch's ops; under torch.func native never runs
     found = tuning.crossovers(dtype)
     if rows_per_kv_head <= NATIVE_DECODE_ROWS and found.decode_keys is not None and S >= found.decode_keys:
@@ -170,8 +164,6 @@ def native_pays_for(dtype: torch.dtype, rows_per_kv_head: int, L: int, S: int) -
     # both sides (few rows over many keys, measured: native 1.37x torch's time at L=32, S=8192 fp32)
     return found.prefill_work is not None and min(L, S) ** 2 >= found.prefill_work
 
-
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _native_ready(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float) -> bool:

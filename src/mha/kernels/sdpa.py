@@ -46,7 +46,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import masks, positions
 from ._context import forward_mode
-from ._shapes import attached_zeros, matched_kv_heads
+from ._shapes import attached_zeros, matched_kv_heads, unit_last_stride
 from .contract import Contract, resolve
 
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -171,7 +171,7 @@ def _builds_weights(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> str | 
         return "a value head dim unlike the query's"
     if not (q.dtype == k.dtype == v.dtype and q.dtype in _FUSED_DTYPES):
         return f"dtype {q.dtype}"
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+    if not unit_last_stride(q, k, v):
         return "rows that are not contiguous"
     return None
 

@@ -18,6 +18,9 @@ from ._shapes import matched_kv_heads
 from .contract import Contract, resolve
 
 
+_OUT_OF_PLACE_BELOW = 1 << 15  # scores (elements) below which the in-place softmax allocates anyway
+
+
 def safe_softmax(scores: Tensor, *, inplace: bool = False) -> Tensor:
     """softmax over the last axis; a row whose scores are all -inf gives zeros and zero gradients
     (a mask, the band or padding hid every key, or the scores themselves are -inf: an infinite q).
@@ -25,13 +28,19 @@ def safe_softmax(scores: Tensor, *, inplace: bool = False) -> Tensor:
     ``inplace=True`` (inference only: no autograd graph) overwrites ``scores``, which saves
     allocating (and page-faulting) a second L x S buffer: most of a large softmax's time on CPU.
     """
-    blocked = scores.amax(dim=-1, keepdim=True) == float("-inf") if scores.shape[-1] > 0 else None  # (..., L, 1)
-    if blocked is not None and may_branch_on_values() and not scores.is_meta and not bool(blocked.any()):
-        blocked = None  # the common case, skipped (in eager mode only: a branch on values)
+    blocked = None  # (..., L, 1): rows whose every score is -inf
+    if scores.shape[-1] > 0:
+        row_max = scores.amax(dim=-1, keepdim=True)  # (..., L, 1)
+        # eager: one read of the least row maximum skips the mask in the common case (no blocked row)
+        if (scores.is_meta or not may_branch_on_values()
+                or (row_max.numel() > 0 and float(row_max.min()) == float("-inf"))):
+            blocked = row_max.isneginf()
     if blocked is not None:  # finite row -> finite softmax and gradient
         scores = scores.masked_fill_(blocked, 0.0) if inplace else scores.masked_fill(blocked, 0.0)
-    weights = (torch.ops.aten._softmax.out(scores, -1, False, out=scores) if inplace
-               else torch.softmax(scores, dim=-1))
+    if inplace and scores.numel() >= _OUT_OF_PLACE_BELOW:
+        weights = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+    else:  # small: torch.ops' Python dispatch costs more than the second buffer
+        weights = torch.softmax(scores, dim=-1)
     if blocked is not None:
         weights = weights.masked_fill_(blocked, 0.0) if inplace else weights.masked_fill(blocked, 0.0)
     return weights
@@ -72,7 +81,8 @@ def _math(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float)
     L, S, out_dtype = q.shape[-2], k.shape[-2], q.dtype
     work = masks.additive_dtype(out_dtype)  # float32 for float16/bfloat16
     inference = _may_overwrite(q, k, v, contract.mask, contract.alibi_slopes, contract.sinks)
-    q, k, v = q.to(work), k.to(work), v.to(work)
+    if out_dtype != work:
+        q, k, v = q.to(work), k.to(work), v.to(work)
     scores = (q * contract.scale_for(q.shape[-1])) @ k.transpose(-2, -1)  # (..., L, D) @ (..., D, S) -> (..., L, S)
     scores, _ = contract.cap(scores, inplace=inference)
     scores = contract.shape(scores, positions.whole(L), positions.whole(S), inplace=inference)
@@ -82,7 +92,10 @@ def _math(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float)
         weights = _softmax_with_sinks(scores, contract.sinks)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
-    return (weights @ v).to(out_dtype), weights.to(out_dtype)
+    output = weights @ v  # (..., L, S) @ (..., S, Dv) -> (..., L, Dv)
+    if out_dtype != work:
+        output, weights = output.to(out_dtype), weights.to(out_dtype)
+    return output, weights
 
 
 def _autocast_off(device_type: str):

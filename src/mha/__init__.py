@@ -15,6 +15,8 @@
     mha.positions           the one position rule: distances, bands (causal, windows), alignment, ALiBi
     mha.masks               the one place the caller's masks are validated and canonicalised
     mha.capture_attention   record every attention module's weights during a forward
+    mha.view, mha.explorer  the attention explorer: one self-contained HTML page of a forward's maps,
+                            a row's breakdown term by term, averages, a diff of two runs
     mha.distributed         attention across processes on torch.distributed: SequenceLayout,
                             ring_attention, ulysses_attention, parallelize (sequence or heads)
     mha.integrations        other libraries, imported only on request: transformers (register():
@@ -29,16 +31,17 @@ The tools the ``mha`` command runs (verify, bench, explain, plot, convert) live 
 ``mha distributed`` runs mha.tools.distributed_demo.
 """
 
-from . import distributed, efficient, functional, kernels, layouts, masks, nn, numpy, positions, rope
+from . import distributed, efficient, explorer, functional, kernels, layouts, masks, nn, numpy, positions, rope
 from ._cache import KVCache
 from ._capture import capture_attention
 from ._general import GeneralAttention
+from .explorer import view
 from .rope import RotaryEmbedding
 
 __version__ = "0.1.0"
 
-__all__ = ["GeneralAttention", "KVCache", "RotaryEmbedding", "capture_attention", "distributed", "efficient", "functional",
-           "kernels", "layouts", "masks", "nn", "numpy", "positions", "rope", "__version__"]
+__all__ = ["GeneralAttention", "KVCache", "RotaryEmbedding", "capture_attention", "distributed", "efficient", "explorer",
+           "functional", "kernels", "layouts", "masks", "nn", "numpy", "positions", "rope", "view", "__version__"]
 
 
 def __getattr__(name: str):

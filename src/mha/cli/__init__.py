@@ -1,5 +1,5 @@
 """The ``mha`` command: ``mha verify``, ``mha convert``, ``mha bench``, ``mha explain``, ``mha plot``,
-``mha distributed``, ``mha tune``."""
+``mha view``, ``mha distributed``, ``mha tune``."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from .. import __version__
 if importlib.util.find_spec("rich") is None:  # every command prints with rich, a cli extra (import mha needs none)
     raise SystemExit("mha: the command needs rich, which comes with the cli extra: pip install 'mha[cli]'")
 
-from . import bench, convert, distributed, explain, plot, tune, verify  # noqa: E402  (after the check above)
+from . import bench, convert, distributed, explain, plot, tune, verify, view  # noqa: E402  (after the check above)
 from ._common import UsageError  # noqa: E402
 
 # each command module has add_arguments and run, and calls the mha.tools module of its name
 COMMANDS = {"verify": verify, "convert": convert, "bench": bench, "explain": explain, "plot": plot,
-            "distributed": distributed, "tune": tune}
+            "view": view, "distributed": distributed, "tune": tune}
 
 
 def build_parser() -> argparse.ArgumentParser:

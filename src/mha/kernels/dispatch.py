@@ -40,6 +40,12 @@ BACKENDS = {"math": math_attention, "sdpa": sdpa_attention, "flash": flash_atten
 log = logging.getLogger("mha.dispatch")
 _NAMES = ("auto", *BACKENDS)
 
+# Callables observer(q, k, v, contract, out, weights), called with every call's inputs and results
+# while non-empty (mha.explorer.record adds one); each call then runs on the math backend, which
+# returns the weights. q (..., H, L, D), k and v (..., Hkv, S, D|Dv), out (..., H, L, Dv), weights
+# (..., H, L, S).
+OBSERVERS: list = []
+
 
 def choose_backend(requested: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, *,
                    need_weights: bool = False, dropout_p: float = 0.0) -> tuple[str, str]:
@@ -58,6 +64,22 @@ def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p:
     repeated (share_kv_heads) first, as torch's CUDA kernels may fall back to their math path for
     shared heads under a mask.
     """
+    if OBSERVERS:
+        return _observed(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights)
+    return _run(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
+
+
+def _observed(q, k, v, contract, *, dropout_p, need_weights):
+    """A call while OBSERVERS watch: on the math backend (the only one returning the weights),
+    its inputs and results handed to each observer."""
+    contract = NONE if contract is None else contract
+    out, weights = _run(q, k, v, contract, dropout_p=dropout_p, need_weights=True, backend="math")
+    for observer in OBSERVERS:
+        observer(q, k, v, contract, out, weights)
+    return out, (weights if need_weights else None)
+
+
+def _run(q, k, v, contract, *, dropout_p, need_weights, backend):
     if ((contract is NONE or contract is TOP_LEFT_CAUSAL) and backend == "auto" and not need_weights
             and dropout_p == 0.0 and plain_call(q, k, v, True)):  # the per-call fast path: torch's kernel as it is
         return F.scaled_dot_product_attention(q, k, v, is_causal=contract is TOP_LEFT_CAUSAL,
@@ -86,7 +108,8 @@ def plain_call(q, k, v, enable_gqa: bool) -> bool:
     microseconds of checks where the full path takes tens). Every condition is one the full path
     checks on its way to the same torch call: plain dense CPU tensors of one floating dtype, no
     autocast, no forward-mode AD or torch.func transform, nothing empty, contiguous rows, Hkv = H
-    (or dividing it with enable_gqa), and a call native is not measured faster on."""
+    (or dividing it with enable_gqa), no observer (OBSERVERS) and a call native is not measured
+    faster on."""
     if not (q.__class__ is k.__class__ is v.__class__ is Tensor) or q.is_nested or k.is_nested or v.is_nested:
         return False  # (a nested tensor has no shape to read)
     qs, ks, vs = q.shape, k.shape, v.shape
@@ -94,7 +117,7 @@ def plain_call(q, k, v, enable_gqa: bool) -> bool:
             and qs[3] == vs[3] and q.dtype == k.dtype == v.dtype and q.dtype in _FLOATS):
         return False
     H, Hkv = qs[1], ks[1]
-    return ((H == Hkv or (enable_gqa and Hkv and H % Hkv == 0)) and q.is_cpu and k.is_cpu and v.is_cpu
+    return ((H == Hkv or (enable_gqa and Hkv and H % Hkv == 0)) and not OBSERVERS and q.is_cpu and k.is_cpu and v.is_cpu
             and q.numel() and v.numel() and unit_last_stride(q, k, v) and not torch.is_autocast_enabled("cpu")
             and forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
             and not native_pays_for(q.dtype, qs[2] * (H // Hkv), qs[2], ks[2]))

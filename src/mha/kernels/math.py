@@ -17,7 +17,6 @@ from ._context import autocast_enabled, autocast_inputs, forward_mode, may_branc
 from ._shapes import matched_kv_heads
 from .contract import Contract, resolve
 
-
 _OUT_OF_PLACE_BELOW = 1 << 15  # scores (elements) below which the in-place softmax allocates anyway
 
 
@@ -33,7 +32,7 @@ def safe_softmax(scores: Tensor, *, inplace: bool = False) -> Tensor:
         row_max = scores.amax(dim=-1, keepdim=True)  # (..., L, 1)
         # eager: one read of the least row maximum skips the mask in the common case (no blocked row)
         if (scores.is_meta or not may_branch_on_values()
-                or (row_max.numel() > 0 and float(row_max.min()) == float("-inf"))):
+                or (row_max.numel() > 0 and float(row_max.detach().min()) == float("-inf"))):
             blocked = row_max.isneginf()
     if blocked is not None:  # finite row -> finite softmax and gradient
         scores = scores.masked_fill_(blocked, 0.0) if inplace else scores.masked_fill(blocked, 0.0)

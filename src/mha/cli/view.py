@@ -49,10 +49,16 @@ def run(args: argparse.Namespace) -> int:
         if labels[0] == labels[1]:
             labels = (labels[0] + " (A)", labels[1] + " (B)")
         path = view(recording, output=args.output, tokens=tokens, compare=compare, labels=labels,
-                    title=f"{name}: {args.text}", max_bytes=int(args.max_mb * 1e6))
-    except ValueError as error:
+                    title=f"{name}: {_shortened(args.text)}", max_bytes=int(args.max_mb * 1e6))
+    except (ValueError, TypeError) as error:
         print(f"mha view: error: {error}", file=sys.stderr)
         return 2
     console.print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB): {len(recording.calls)} layers x "
                   f"{recording.calls[0].weights.shape[1]} heads over {len(tokens)} tokens; open it in a browser")
     return 0
+
+
+def _shortened(text: str, limit: int = 80) -> str:
+    """The text for the page's title: its first ``limit`` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -33,7 +33,7 @@ def view(source, *inputs, output: str | Path = "attention.html", tokens: list[st
     """Write the explorer page of ``source`` to ``output``; returns its path.
 
     source:        an nn.Module (run as ``source(*inputs, **forward_kwargs)`` under mha.explorer.record,
-                   without gradients), a Recording, or mha.capture_attention's dict (maps only)
+                   without gradients, in eval mode), a Recording, or mha.capture_attention's dict (maps only)
     tokens:        the query labels (key_tokens: the keys', when they differ), one per position
     compare:       a second run for the diff toggle: a module (run on the same inputs), a Recording
                    or a captured dict, with the same calls' shapes; ``labels`` name the two runs
@@ -41,27 +41,29 @@ def view(source, *inputs, output: str | Path = "attention.html", tokens: list[st
     max_bytes:     the page's size limit (30 MB): q, k, v go to float16 past it, and a page still
                    larger raises PageTooLarge
     """
+    tokens, key_tokens = _labels("tokens", tokens), _labels("key_tokens", key_tokens)
+    _check_options(output=output, labels=labels, sample=sample, title=title, max_bytes=max_bytes)
     runs = [_recording_of("source", source, inputs, forward_kwargs)]
     if compare is not None:
         runs.append(_recording_of("compare", compare, inputs, forward_kwargs))
-    for name, value in (("tokens", tokens), ("key_tokens", key_tokens)):
-        if value is not None and (isinstance(value, str) or not all(isinstance(t, str) for t in value)):
-            raise TypeError(f"{name} must be a list of strings (one per position), got {value!r:.80}")
-    if not isinstance(sample, int) or isinstance(sample, bool):
-        raise TypeError(f"sample must be an int, got {type(sample).__name__}")
-    if len(labels) != 2 or not all(isinstance(label, str) for label in labels):
-        raise ValueError(f"labels must be two strings, got {labels!r}")
     page = render(runs, run_labels=list(labels[: len(runs)]), tokens=tokens, key_tokens=key_tokens, sample=sample,
                   title=title or _title(source), max_bytes=max_bytes)
     return write(page, output)
 
 
 def recording_of(model: nn.Module, *inputs, **forward_kwargs) -> Recording:
-    """The recording of ``model(*inputs, **forward_kwargs)``, run without gradients."""
+    """The recording of ``model(*inputs, **forward_kwargs)``, run without gradients and in eval
+    mode (no dropout: a map after dropout is noise; the model's modes are restored after)."""
     import torch
 
-    with record(model) as recording, torch.no_grad():
-        model(*inputs, **forward_kwargs)
+    training = {module: module.training for module in model.modules()}
+    try:
+        with record(model) as recording, torch.no_grad():
+            model.eval()
+            model(*inputs, **forward_kwargs)
+    finally:
+        for module, mode in training.items():
+            module.train(mode)
     if not recording.calls:
         raise ValueError(f"{type(model).__name__}'s forward made no attention call through mha (a torch module, "
                          "or a transformers model without attn_implementation='mha'?)")
@@ -79,6 +81,34 @@ def _recording_of(name: str, source, inputs: tuple, forward_kwargs: dict | None)
         return recording_of(source, *inputs, **(forward_kwargs or {}))
     raise TypeError(f"{name} must be an nn.Module, an mha.explorer.Recording or mha.capture_attention's dict, "
                     f"got {type(source).__name__}")
+
+
+def _labels(name: str, value) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be a list of strings (one per position), got {value!r:.80}")
+    value = list(value)
+    if not all(isinstance(t, str) for t in value):
+        raise TypeError(f"{name} must be a list of strings (one per position), got {value!r:.80}")
+    return value
+
+
+def _check_options(*, output, labels, sample, title, max_bytes) -> None:
+    """The options' types and values, before any model runs."""
+    if not isinstance(output, (str, Path)):
+        raise TypeError(f"output must be a path (str or pathlib.Path), got {type(output).__name__}")
+    if Path(output).is_dir():
+        raise ValueError(f"output must be a file to write, got the directory {str(output)!r}")
+    if (not isinstance(labels, (tuple, list)) or len(labels) != 2
+            or not all(isinstance(label, str) for label in labels)):
+        raise ValueError(f"labels must be two strings (the runs' names), got {labels!r}")
+    if not isinstance(sample, int) or isinstance(sample, bool) or sample < 0:
+        raise ValueError(f"sample must be an int >= 0 (a sequence of the batch), got {sample!r}")
+    if title is not None and not isinstance(title, str):
+        raise TypeError(f"title must be a string or None, got {type(title).__name__}")
+    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
+        raise ValueError(f"max_bytes must be a positive int (bytes), got {max_bytes!r}")
 
 
 def _title(source) -> str:

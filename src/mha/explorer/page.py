@@ -11,14 +11,18 @@ would make the page larger than ``max_bytes``.
 from __future__ import annotations
 
 import base64
+import html
 import json
+import math
 import re
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from .record import AttentionCall, Recording
@@ -77,19 +81,24 @@ def quantise(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     return codes, scales, int((~finite).sum())
 
 
-def _call_entry(call: AttentionCall, sample: int, data: _Data, labels: tuple[list[str], list[str]]) -> dict:
+def _call_entry(call: AttentionCall, name: str, sample: int, data: _Data,
+                labels: tuple[list[str], list[str]]) -> dict:
     B, H, L, S = call.weights.shape
     codes, scales, nonfinite = quantise(call.weights[sample].numpy())
-    entry = {"name": call.name, "H": H, "L": L, "S": S, "queries": labels[0], "keys": labels[1],
-             "weights": data.add(codes, "u8"), "scales": scales.tolist(), "nonfinite": nonfinite}
+    entry = {"name": name, "H": H, "L": L, "S": S, "queries": labels[0], "keys": labels[1],
+             "weights": data.add(codes, "u8"), "scales": scales.tolist(), "nonfinite": nonfinite,
+             "dropout_p": call.dropout_p}
     if not call.detailed:
         return entry
-    entry.update(Hkv=call.k.shape[1], D=call.q.shape[-1], Dv=call.v.shape[-1], scale=call.scale,
-                 softcap=call.softcap, q=data.vectors(call.q[sample]), k=data.vectors(call.k[sample]),
-                 v=data.vectors(call.v[sample]), out=data.vectors(call.out[sample]),
+    # the page's sums match the real output to a few roundings of the coarser of the call's dtype
+    # and the stored vectors' (it scales this by sqrt(S) and the output's size)
+    eps = max(float(torch.finfo(getattr(torch, call.dtype)).eps), float(np.finfo(data.vector_dtype).eps))
+    entry.update(Hkv=call.k.shape[1], D=call.q.shape[-1], Dv=call.v.shape[-1], scale=_number(call.scale),
+                 softcap=_number(call.softcap), q=data.vectors(call.q[sample]), k=data.vectors(call.k[sample]),
+                 v=data.vectors(call.v[sample]), out=data.vectors(call.out[sample]), eps=eps,
                  q_pos=call.q_pos[sample].tolist(), k_pos=call.k_pos[sample].tolist(),
-                 alibi_slopes=None if call.alibi_slopes is None else call.alibi_slopes.tolist(),
-                 sinks=None if call.sinks is None else call.sinks.tolist())
+                 alibi_slopes=None if call.alibi_slopes is None else [_number(x) for x in call.alibi_slopes.tolist()],
+                 sinks=None if call.sinks is None else [_number(x) for x in call.sinks.tolist()])
     entry["hidden"] = []
     for term, hidden in call.hidden.items():
         bits = hidden[sample].numpy()  # (H|1, L, S)
@@ -102,24 +111,63 @@ def _call_entry(call: AttentionCall, sample: int, data: _Data, labels: tuple[lis
     return entry
 
 
-def labels_for(L: int, S: int, tokens: list[str] | None, key_tokens: list[str] | None) -> tuple[list[str], list[str]]:
-    """The query and key labels of a call of L queries and S keys: the tokens where they fit; keys
-    past the tokens (bias_k, a zero key) are named as such; otherwise the index."""
-    queries = list(tokens) if tokens is not None and len(tokens) == L else [str(i) for i in range(L)]
-    keys_given = key_tokens if key_tokens is not None else tokens
-    if keys_given is not None and len(keys_given) == S:
-        keys = list(keys_given)
-    elif keys_given is not None and len(keys_given) < S:
-        keys = list(keys_given) + [f"[extra {j}]" for j in range(S - len(keys_given))]
+def _number(x: float | None) -> float | str | None:
+    """A number for the manifest: JSON has no infinity or NaN, so those go as the strings that
+    JavaScript's Number() reads ("Infinity", "-Infinity", "NaN")."""
+    if x is None or math.isfinite(x):
+        return x
+    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+
+
+def labels_for(call: AttentionCall, sample: int, tokens: list[str] | None,
+               key_tokens: list[str] | None) -> tuple[list[str], list[str]]:
+    """The query and key labels of a call: the tokens whose count fits (key_tokens first for the
+    keys: cross-attention), keys past the tokens of a self-attention call (bias_k, a zero key)
+    named as extras; otherwise the positions (a decoding step's query sits at its position), or
+    the indices of weights captured without them."""
+    _, _, L, S = call.weights.shape
+
+    def positions(which: Tensor | None, n: int) -> list[str]:
+        return [str(p) for p in which[sample].tolist()] if which is not None else [str(i) for i in range(n)]
+
+    queries = list(tokens) if tokens is not None and len(tokens) == L else positions(call.q_pos, L)
+    if key_tokens is not None and len(key_tokens) == S:
+        keys = list(key_tokens)
+    elif tokens is not None and len(tokens) == S:
+        keys = list(tokens)
+    elif tokens is not None and len(tokens) == L < S:
+        keys = list(tokens) + [f"[extra {j}]" for j in range(S - L)]
     else:
-        keys = [str(j) for j in range(S)]
+        keys = positions(call.k_pos, S)
     return queries, keys
 
 
-def _check_runs(runs: list[Recording], sample: int) -> None:
+def _names(calls: list[AttentionCall]) -> list[str]:
+    """The calls' names, numbered where a module made several calls (decoding steps)."""
+    counts = Counter(call.name for call in calls)
+    seen: Counter = Counter()
+    names = []
+    for call in calls:
+        seen[call.name] += 1
+        names.append(call.name if counts[call.name] == 1 else f"{call.name} · call {seen[call.name]}")
+    return names
+
+
+def _check_runs(runs: list[Recording], sample: int, tokens, key_tokens) -> None:
     if not runs[0].calls:
         raise ValueError("the recording holds no attention call: did the forward run inside mha.explorer.record "
                          "(or through mha's attention at all)?")
+    for call in (call for run in runs for call in run.calls):
+        if 0 in call.weights.shape[1:]:
+            raise ValueError(f"call {call.name!r} has weights {tuple(call.weights.shape)}: no head, query or key "
+                             "to show (an empty sequence)")
+    shapes = [call.weights.shape for call in runs[0].calls]
+    if tokens is not None and all(len(tokens) != L for _, _, L, _ in shapes):
+        raise ValueError(f"tokens has {len(tokens)} entries, but the calls have {sorted({s[2] for s in shapes})} "
+                         "queries: one label per query position")
+    if key_tokens is not None and all(len(key_tokens) != S for *_, S in shapes):
+        raise ValueError(f"key_tokens has {len(key_tokens)} entries, but the calls have "
+                         f"{sorted({s[3] for s in shapes})} keys: one label per key position")
     for call in runs[0].calls:
         if not 0 <= sample < call.weights.shape[0]:
             raise ValueError(f"sample must index the batch: 0 <= sample < {call.weights.shape[0]} "
@@ -139,21 +187,20 @@ def render(runs: list[Recording], *, run_labels: list[str], tokens: list[str] | 
            key_tokens: list[str] | None = None, sample: int = 0, title: str = "attention",
            max_bytes: int = DEFAULT_MAX_BYTES) -> Page:
     """The page of one recording, or of two (the diff toggle) with the same calls' shapes."""
-    _check_runs(runs, sample)
+    _check_runs(runs, sample, tokens, key_tokens)
     for precision in ("float32", "float16"):
         data = _Data(precision)
         manifest = {"title": title, "precision": precision, "sample": sample, "runs": [
-            {"label": label, "layers": [_call_entry(call, sample, data, labels_for(*call.weights.shape[2:], tokens,
-                                                                                   key_tokens))
-                                        for call in run.calls]}
+            {"label": label, "layers": [_call_entry(call, name, sample, data, labels_for(call, sample, tokens, key_tokens))
+                                        for call, name in zip(run.calls, _names(run.calls))]}
             for label, run in zip(run_labels, runs)]}
         page = Page(_html(manifest, data.encoded()), precision)
         if page.size <= max_bytes:
             return page
     raise PageTooLarge(
         f"the page would take {page.size / 1e6:.1f} MB even with float16 vectors, over max_bytes="
-        f"{max_bytes / 1e6:.1f} MB: view fewer layers or heads (a Recording's calls can be sliced), a shorter "
-        f"text, or raise max_bytes")
+        f"{max_bytes / 1e6:.1f} MB: a shorter text, fewer calls (a Recording's calls can be sliced), or a higher "
+        f"limit (max_bytes; mha view --max-mb)")
 
 
 def write(page: Page, output: str | Path) -> Path:
@@ -169,11 +216,10 @@ def _asset(name: str) -> str:
 
 def _html(manifest: dict, data: str) -> str:
     """The template with its /*@NAME@*/ markers filled in one pass (no filling is searched again)."""
-    parts = {"STYLE": _asset("page.css"), "SCRIPT": _asset("page.js"), "TITLE": _escape(manifest["title"]),
-             "MANIFEST": json.dumps(manifest, separators=(",", ":"), allow_nan=False).replace("</", "<\\/"),
-             "DATA": data}
+    text = json.dumps(manifest, separators=(",", ":"), allow_nan=False)
+    for character in "<>&":  # as JSON escapes: no "</script>" or "<!--" can end or swallow the script element
+        text = text.replace(character, f"\\u{ord(character):04x}")
+    parts = {"STYLE": _asset("page.css"), "SCRIPT": _asset("page.js"), "TITLE": html.escape(manifest["title"]),
+             "MANIFEST": text, "DATA": data}
     return re.sub(r"/\*@([A-Z]+)@\*/", lambda marker: parts[marker.group(1)], _asset("page.html"))
 
-
-def _escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")

@@ -16,6 +16,7 @@ D / Dv per-head widths.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,9 @@ class AttentionCall:
     q_pos, k_pos:  (B, L), (B, S) int64 positions (what ALiBi's distances are taken between)
     hidden:        {what hides keys: "causal" or "window (left, right)", "padding", "mask"}: each
                    (B, H|1, L, S) bool, True where it hides the key
+    dtype:         the dtype the call ran in ("float32", "bfloat16", ...): how closely the page's
+                   recomputation can match
+    dropout_p:     the call's dropout (training mode): its weights are after dropout
     additive:      (B, H|1, L, S) the caller's float mask, added to the scores, or None
     """
     name: str
@@ -57,6 +61,8 @@ class AttentionCall:
     k_pos: Tensor | None = None
     hidden: dict[str, Tensor] = field(default_factory=dict)
     additive: Tensor | None = None
+    dtype: str = "float32"
+    dropout_p: float = 0.0
 
     @property
     def detailed(self) -> bool:
@@ -117,23 +123,25 @@ class record:  # noqa: N801  (used like a function: with record(model) as record
     def _leave(self, *_) -> None:  # a forward hook: returns None, which keeps the module's output
         self._stack.pop()
 
-    def _observe(self, q: Tensor, k: Tensor, v: Tensor, contract: Contract, out: Tensor, weights: Tensor) -> None:
+    def _observe(self, q: Tensor, k: Tensor, v: Tensor, contract: Contract, out: Tensor, weights: Tensor, *,
+                 dropout_p: float = 0.0) -> None:
         if self._stack:  # the innermost module running; the model itself has the name ""
             name = self._stack[-1] or type(self.model).__name__
         else:
             name = f"call {len(self.recording.calls)}"
-        self.recording.calls.append(call_of(name, q, k, v, contract, out, weights))
+        self.recording.calls.append(call_of(name, q, k, v, contract, out, weights, dropout_p=dropout_p))
 
 
 def call_of(name: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, out: Tensor,
-            weights: Tensor) -> AttentionCall:
+            weights: Tensor, *, dropout_p: float = 0.0) -> AttentionCall:
     """An AttentionCall of one dispatch call: q (..., H, L, D) with any batch dims (none: one sequence)."""
     if q.dim() < 3:
         raise ValueError(f"the explorer records calls with a head dim: q (..., H, L, D), got shape {tuple(q.shape)}")
     batch = q.shape[:-3]
+    sequences = math.prod(batch)
 
     def flat(x: Tensor) -> Tensor:  # (*batch, H, T, D) -> (B, H, T, D) in float32 on the CPU
-        return x.detach().reshape(-1, *x.shape[-3:]).float().cpu()
+        return x.detach().reshape(sequences, *x.shape[-3:]).float().cpu()
 
     q4, k4, v4, out4, w4 = (flat(x.expand(*batch, *x.shape[-3:])) for x in (q, k, v, out, weights))
     B, _, L, S = w4.shape
@@ -143,7 +151,8 @@ def call_of(name: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, out:
         alibi_slopes=None if contract.alibi_slopes is None else contract.alibi_slopes.detach().float().cpu(),
         sinks=None if contract.sinks is None else contract.sinks.detach().float().cpu(),
         q_pos=q_pos, k_pos=k_pos, hidden=_hidden(contract, batch, B, L, S),
-        additive=_additive(contract, batch, B, L, S))
+        additive=_additive(contract, batch, B, L, S), dtype=str(q.dtype).removeprefix("torch."),
+        dropout_p=float(dropout_p))
 
 
 def _positions(contract: Contract, B: int, L: int, S: int) -> tuple[Tensor, Tensor]:
@@ -190,4 +199,4 @@ def _per_sequence(x: Tensor, batch, B: int, L: int, S: int) -> Tensor:
         x = x.reshape(x.shape[-(len(batch) + 3):])
     heads = x.shape[-3] if x.dim() >= 3 else 1
     x = x.expand(*batch, heads, L, S)  # (*batch, heads, L, S)
-    return x.reshape(B, -1, L, S).clone()  # (*batch, heads, L, S) -> (B, heads, L, S)
+    return x.reshape(B, heads, L, S).clone()  # (*batch, heads, L, S) -> (B, heads, L, S)

@@ -40,7 +40,7 @@ BACKENDS = {"math": math_attention, "sdpa": sdpa_attention, "flash": flash_atten
 log = logging.getLogger("mha.dispatch")
 _NAMES = ("auto", *BACKENDS)
 
-# Callables observer(q, k, v, contract, out, weights), called with every call's inputs and results
+# Callables observer(q, k, v, contract, out, weights, dropout_p=), called with every call's inputs and results
 # while non-empty (mha.explorer.record adds one); each call then runs on the math backend, which
 # returns the weights. q (..., H, L, D), k and v (..., Hkv, S, D|Dv), out (..., H, L, Dv), weights
 # (..., H, L, S).
@@ -75,7 +75,7 @@ def _observed(q, k, v, contract, *, dropout_p, need_weights):
     contract = NONE if contract is None else contract
     out, weights = _run(q, k, v, contract, dropout_p=dropout_p, need_weights=True, backend="math")
     for observer in OBSERVERS:
-        observer(q, k, v, contract, out, weights)
+        observer(q, k, v, contract, out, weights, dropout_p=dropout_p)
     return out, (weights if need_weights else None)
 
 

@@ -42,7 +42,8 @@ def record_text(model: str | Path, text: str) -> tuple[Recording, list[str]]:
         tokenizer = AutoTokenizer.from_pretrained(str(model))
         network = AutoModel.from_pretrained(str(model), attn_implementation="mha").eval()
     except OSError as error:
-        raise ValueError(f"cannot load the model {str(model)!r}: {error}") from error
+        where = "" if Path(model).exists() else " (no such directory here, and not a model name transformers can load)"
+        raise ValueError(f"cannot load the model {str(model)!r}{where}: {error}") from error
     limit = getattr(network.config, "max_position_embeddings", None)
     batch = tokenizer(text, return_tensors="pt", truncation=limit is not None, max_length=limit)
     tokens = tokenizer.convert_ids_to_tokens(batch["input_ids"][0].tolist())

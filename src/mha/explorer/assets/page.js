@@ -12,6 +12,7 @@
   const RED_BLUE = [[5, 48, 97], [42, 113, 178], [107, 172, 209], [194, 221, 236], [247, 246, 246],
                     [251, 204, 180], [228, 128, 102], [186, 40, 50], [103, 0, 31]];
   const THUMB = 64; // the grid's maps are at most THUMB x THUMB pixels
+  const KEY_ROWS = 512; // a row's breakdown lists at most this many keys (of the largest weights)
 
   // ---- data ------------------------------------------------------------------------------------
 
@@ -77,16 +78,27 @@
     return out;
   }
 
-  function shownValues(l, head) { // the values of the current run, or the difference A - B
-    const key = state.show + ":" + l + ":" + head;
-    if (state.cached.key === key) return state.cached.values;
-    let values;
-    if (state.show === "diff") {
-      const a = mapValues(0, l, head), b = mapValues(1, l, head);
-      values = a.map((x, i) => x - b[i]);
-    } else values = mapValues(state.show, l, head);
-    state.cached = { key, values }; // the open map's: hovering reads it again and again
-    return values;
+  function diffValues(l, head) {
+    const a = mapValues(0, l, head), b = mapValues(1, l, head);
+    return a.map((x, i) => x - b[i]);
+  }
+
+  // the open map's values in the run shown (or the difference), and each run's: hovering reads them
+  // again and again
+  function openValues() {
+    const { layer: l, head } = state.open, key = state.show + ":" + l + ":" + head;
+    if (state.cached.key !== key) {
+      const runs = state.runs.map((_, r) => mapValues(r, l, head));
+      const values = state.show === "diff" ? runs[0].map((x, i) => x - runs[1][i]) : runs[state.show];
+      state.cached = { key, values, runs };
+    }
+    return state.cached;
+  }
+
+  function largestOf(list) { // Math.max of a long list (a spread overflows the stack past ~100k)
+    let m = -Infinity;
+    for (let i = 0; i < list.length; i++) if (list[i] > m) m = list[i];
+    return m;
   }
 
   function extent(values) { // the largest |value|
@@ -107,44 +119,56 @@
     return colour(range > 0 ? value / range : 0, VIRIDIS);
   }
 
-  function drawLegend(range) {
+  function drawLegend(range) { // range null: each map on its own scale
     const bar = $("legend-bar"), ctx = bar.getContext("2d");
     for (let x = 0; x < bar.width; x++) {
       const [r, g, b] = colour(x / (bar.width - 1), state.show === "diff" ? RED_BLUE : VIRIDIS);
       ctx.fillStyle = `rgb(${r},${g},${b})`;
       ctx.fillRect(x, 0, 1, bar.height);
     }
-    $("legend-low").textContent = state.show === "diff" ? (-range).toPrecision(3) : "0";
-    $("legend-high").textContent = (state.show === "diff" ? "+" : "") + range.toPrecision(3) +
-      (state.show === "diff" ? " (A − B)" : " (largest weight)");
+    const diff = state.show === "diff";
+    if (range === null) {
+      $("legend-low").textContent = diff ? "−largest" : "0";
+      $("legend-high").textContent = diff ? "+largest |A − B| of each map" : "largest weight of each map";
+      return;
+    }
+    $("legend-low").textContent = diff ? (-range).toPrecision(3) : "0";
+    $("legend-high").textContent = (diff ? "+" : "") + range.toPrecision(3) + (diff ? " (A − B)" : " (largest weight)");
   }
 
   // ---- the grid ------------------------------------------------------------------------------------
 
-  function thumbnail(canvas, L, S, values, range) { // the largest |value| of each block, coloured
-    const h = Math.min(L, THUMB), w = Math.min(S, THUMB);
-    canvas.width = w; canvas.height = h;
-    canvas.style.height = Math.max(8, Math.round(THUMB * L / Math.max(L, S))) + "px"; // the map's aspect
-    canvas.style.width = Math.max(8, Math.round(THUMB * S / Math.max(L, S))) + "px";
-    const image = canvas.getContext("2d").createImageData(w, h);
+  // values (L x S) painted on w x h pixels: each pixel the largest |value| of the cells under it
+  // (a cell per pixel block when w >= S, a block of cells per pixel when the map is longer)
+  function paint(ctx, x0, y0, w, h, L, S, values, range) {
+    if (!w || !h) return;
+    const image = ctx.createImageData(w, h), data = image.data;
     for (let y = 0; y < h; y++) {
       const i0 = Math.floor(y * L / h), i1 = Math.max(i0 + 1, Math.floor((y + 1) * L / h));
       for (let x = 0; x < w; x++) {
         const j0 = Math.floor(x * S / w), j1 = Math.max(j0 + 1, Math.floor((x + 1) * S / w));
-        let best = 0, size = 0;
+        let best = 0, size = -1;
         for (let i = i0; i < i1; i++) for (let j = i * S + j0, stop = i * S + j1; j < stop; j++) {
           const v = values[j], a = v < 0 ? -v : v;
           if (a > size) { size = a; best = v; }
         }
         const [r, g, b] = colourOf(best, range), p = 4 * (y * w + x);
-        image.data[p] = r; image.data[p + 1] = g; image.data[p + 2] = b; image.data[p + 3] = 255;
+        data[p] = r; data[p + 1] = g; data[p + 2] = b; data[p + 3] = 255;
       }
     }
-    canvas.getContext("2d").putImageData(image, 0, 0);
+    ctx.putImageData(image, x0, y0);
+  }
+
+  function thumbnail(canvas, L, S, values, range) {
+    const h = Math.min(L, THUMB), w = Math.min(S, THUMB);
+    canvas.width = w; canvas.height = h;
+    canvas.style.height = Math.max(8, Math.round(THUMB * L / Math.max(L, S))) + "px"; // the map's aspect
+    canvas.style.width = Math.max(8, Math.round(THUMB * S / Math.max(L, S))) + "px";
+    paint(canvas.getContext("2d"), 0, 0, w, h, L, S, values, range);
   }
 
   function gridShape() {
-    const layers = state.runs[0].layers, heads = Math.max(...layers.map((l) => l.H));
+    const layers = state.runs[0].layers, heads = largestOf(layers.map((l) => l.H));
     const uniform = layers.every((l) => l.L === layers[0].L && l.S === layers[0].S && l.H === heads);
     return { layers: layers.length, heads, layerMean: uniform && layers.length > 1 };
   }
@@ -186,16 +210,20 @@
     drawGrid();
   }
 
+  // Each map coloured from 0 to its own largest |value| (the legend says so), or all on one scale
+  // (the "same scale" box: the largest over the grid)
   function drawGrid() {
+    const maps = [];
     let largest = 0;
     for (const row of state.cells) for (const button of row) {
       if (!button) continue;
       const l = +button.dataset.layer, h = +button.dataset.head, layer = state.runs[0].layers[Math.min(l, state.runs[0].layers.length - 1)];
-      const values = state.show === "diff" ? shownValues(l, h) : mapValues(state.show, l, h), range = extent(values);
+      const values = state.show === "diff" ? diffValues(l, h) : mapValues(state.show, l, h), range = extent(values);
       largest = Math.max(largest, range);
-      thumbnail(button.firstChild, layer.L, layer.S, values, range);
+      maps.push([button, layer, values, range]);
     }
-    drawLegend(largest);
+    for (const [button, layer, values, range] of maps) thumbnail(button.firstChild, layer.L, layer.S, values, state.sameScale ? largest : range);
+    drawLegend(state.sameScale ? largest : null);
   }
 
   function describe(l, h) {
@@ -225,11 +253,17 @@
   function layout(layer) {
     const ctx = $("map").getContext("2d");
     ctx.font = "12px system-ui, sans-serif";
-    const side = Math.max(layer.L, layer.S);
-    const cell = Math.max(1, Math.min(28, Math.floor(640 / side)));
-    const every = Math.max(1, Math.ceil(12 / cell)); // a label every `every` rows so that they do not overlap
-    const widest = (labels) => Math.min(160, Math.max(20, ...labels.map((t) => ctx.measureText(t).width)));
-    return { cell, every, left: widest(layer.queries) + 10, top: widest(layer.keys) + 10 };
+    // square cells of up to 28 px, the map at most 640 px a side (a longer one is shrunk, see paint)
+    const side = Math.max(layer.L, layer.S), size = 640 / side >= 1 ? Math.min(28, Math.floor(640 / side)) : 640 / side;
+    const width = Math.max(1, Math.round(layer.S * size)), height = Math.max(1, Math.round(layer.L * size));
+    const cellW = width / layer.S, cellH = height / layer.L;
+    const every = Math.max(1, Math.ceil(12 / Math.min(cellW, cellH))); // a label every `every` rows: no overlap
+    const widest = (labels) => { // of the labels drawn, clipped
+      let w = 20;
+      for (let i = 0; i < labels.length; i += every) w = Math.max(w, ctx.measureText(clip(labels[i])).width);
+      return Math.min(160, w);
+    };
+    return { width, height, cellW, cellH, every, left: widest(layer.queries) + 10, top: widest(layer.keys) + 10 };
   }
 
   function open(l, h) {
@@ -249,33 +283,28 @@
   function drawHead() {
     const { layer: l, head: h } = state.open;
     const layers = state.runs[0].layers, layer = layers[Math.min(l, layers.length - 1)];
-    const values = shownValues(l, h), range = extent(values), g = layout(layer), canvas = $("map");
-    canvas.width = g.left + g.cell * layer.S + 4;
-    canvas.height = g.top + g.cell * layer.L + 4;
+    const values = openValues().values, range = extent(values), g = layout(layer), canvas = $("map");
+    canvas.width = g.left + g.width + 4;
+    canvas.height = g.top + g.height + 4;
     const ctx = canvas.getContext("2d");
     ctx.fillStyle = "white"; ctx.fillRect(0, 0, canvas.width, canvas.height);
-    const image = ctx.createImageData(g.cell * layer.S, g.cell * layer.L), width = image.width;
-    for (let i = 0; i < layer.L; i++) for (let j = 0; j < layer.S; j++) {
-      const rgb = colourOf(values[i * layer.S + j], range);
-      for (let y = i * g.cell; y < (i + 1) * g.cell; y++) for (let x = j * g.cell; x < (j + 1) * g.cell; x++) {
-        const p = 4 * (y * width + x);
-        image.data[p] = rgb[0]; image.data[p + 1] = rgb[1]; image.data[p + 2] = rgb[2]; image.data[p + 3] = 255;
-      }
-    }
-    if (image.width && image.height) ctx.putImageData(image, g.left, g.top);
+    paint(ctx, g.left, g.top, g.width, g.height, layer.L, layer.S, values, range);
     ctx.fillStyle = "#1d1d1f"; ctx.font = "12px system-ui, sans-serif"; ctx.textBaseline = "middle";
     ctx.textAlign = "right";
-    for (let i = 0; i < layer.L; i += g.every) ctx.fillText(clip(layer.queries[i]), g.left - 6, g.top + (i + 0.5) * g.cell);
+    for (let i = 0; i < layer.L; i += g.every) ctx.fillText(clip(layer.queries[i]), g.left - 6, g.top + (i + 0.5) * g.cellH);
     ctx.save(); ctx.textAlign = "left";
     for (let j = 0; j < layer.S; j += g.every) {
-      ctx.save(); ctx.translate(g.left + (j + 0.5) * g.cell, g.top - 6); ctx.rotate(-Math.PI / 2);
+      ctx.save(); ctx.translate(g.left + (j + 0.5) * g.cellW, g.top - 6); ctx.rotate(-Math.PI / 2);
       ctx.fillText(clip(layer.keys[j]), 0, 0); ctx.restore();
     }
     ctx.restore();
-    const mark = (i, j, w, hgt, style) => { ctx.strokeStyle = style; ctx.lineWidth = 2; ctx.strokeRect(g.left + j * g.cell, g.top + i * g.cell, w, hgt); };
-    if (state.open.row !== null) mark(state.open.row, 0, g.cell * layer.S, g.cell, "#e06c00");
+    const mark = (i, j, w, hgt, style) => {
+      ctx.strokeStyle = style; ctx.lineWidth = 2;
+      ctx.strokeRect(g.left + j * g.cellW, g.top + i * g.cellH, Math.max(w, 2), Math.max(hgt, 2));
+    };
+    if (state.open.row !== null) mark(state.open.row, 0, g.width, g.cellH, "#e06c00");
     const [ci, cj] = state.open.cursor;
-    if (document.activeElement === canvas) mark(ci, cj, g.cell, g.cell, "#ffffff");
+    if (document.activeElement === canvas) mark(ci, cj, g.cellW, g.cellH, "#ffffff");
     state.geometry = g;
     drawLegend(range);
   }
@@ -285,17 +314,18 @@
   function cellText(i, j) {
     const { layer: l, head: h } = state.open, layers = state.runs[0].layers, layer = layers[Math.min(l, layers.length - 1)];
     const where = `query ${i} “${layer.queries[i]}” → key ${j} “${layer.keys[j]}”`;
+    const { runs, values } = openValues();
     if (state.runs.length === 2) {
-      const a = mapValues(0, l, h)[i * layer.S + j], b = mapValues(1, l, h)[i * layer.S + j];
+      const a = runs[0][i * layer.S + j], b = runs[1][i * layer.S + j];
       return `${where}: ${state.runs[0].label} ${a.toFixed(4)}, ${state.runs[1].label} ${b.toFixed(4)}, difference ${(a - b).toFixed(4)}`;
     }
-    return `${where}: weight ${shownValues(l, h)[i * layer.S + j].toFixed(4)}`;
+    return `${where}: weight ${values[i * layer.S + j].toFixed(4)}`;
   }
 
   function cellAt(event) {
     const g = state.geometry, layer = currentLayer(), rect = $("map").getBoundingClientRect();
     const x = event.clientX - rect.left - g.left, y = event.clientY - rect.top - g.top;
-    const i = Math.floor(y / g.cell), j = Math.floor(x / g.cell);
+    const i = Math.floor(y / g.cellH), j = Math.floor(x / g.cellW);
     return i >= 0 && j >= 0 && i < layer.L && j < layer.S ? [i, j] : null;
   }
 
@@ -305,8 +335,8 @@
     const tip = $("tooltip"), g = state.geometry;
     tip.textContent = cellText(i, j);
     tip.hidden = false;
-    tip.style.left = (g.left + (j + 1) * g.cell + 8) + "px";
-    tip.style.top = (g.top + i * g.cell) + "px";
+    tip.style.left = (g.left + (j + 1) * g.cellW + 8) + "px";
+    tip.style.top = (g.top + i * g.cellH) + "px";
   }
 
   function select(row) {
@@ -332,11 +362,12 @@
     for (let j = 0; j < S; j++) {
       let dot = 0;
       for (let d = 0; d < D; d++) dot += layer.q[(h * layer.L + i) * D + d] * layer.k[(kvHead * S + j) * D + d];
-      const s0 = dot * layer.scale;
+      const s0 = dot * Number(layer.scale);
       raw.push(s0);
-      let s = layer.softcap ? layer.softcap * Math.tanh(s0 / layer.softcap) : s0;
+      const cap = layer.softcap === null ? null : Number(layer.softcap);
+      let s = cap !== null ? cap * Math.tanh(s0 / cap) : s0;
       capped.push(s);
-      const bias = layer.alibi_slopes ? -layer.alibi_slopes[h] * Math.abs(layer.k_pos[j] - layer.q_pos[i]) : 0;
+      const bias = layer.alibi_slopes ? -Number(layer.alibi_slopes[h]) * Math.abs(layer.k_pos[j] - layer.q_pos[i]) : 0;
       alibi.push(bias);
       s += bias;
       const added = layer.additive ? layer.additive[((layer.additive_heads > 1 ? h : 0) * layer.L + i) * S + j] : 0;
@@ -349,14 +380,18 @@
       hidden.push(by);
       scores.push(by.length ? -Infinity : s);
     }
-    const sink = layer.sinks ? layer.sinks[h] : null;
-    let top = Math.max(-Infinity, ...scores.filter((s) => !Number.isNaN(s)));
-    if (sink !== null) top = Math.max(top, sink);
+    const sink = layer.sinks ? Number(layer.sinks[h]) : null;
+    // the softmax as mha's math backend takes it: a NaN score makes the row NaN; a row whose every
+    // score (and sink) is -inf gets zeros
+    let top = largestOf(scores);
+    if (sink !== null && sink > top) top = sink;
+    const nan = scores.some(Number.isNaN) || Number.isNaN(sink);
     const exps = scores.map((s) => (s === -Infinity ? 0 : Math.exp(s - top)));
-    const sinkExp = sink !== null ? Math.exp(sink - top) : 0;
-    const total = exps.reduce((a, b) => a + b, 0) + sinkExp;
-    const weights = exps.map((e) => (total > 0 && top !== -Infinity ? e / total : 0));
-    const sinkWeight = sink !== null && total > 0 ? sinkExp / total : 0;
+    const sinkExp = sink !== null && sink !== -Infinity ? Math.exp(sink - top) : 0;
+    let total = sinkExp;
+    for (const e of exps) total += e;
+    const weights = exps.map((e) => (nan ? NaN : total > 0 && top !== -Infinity ? e / total : 0));
+    const sinkWeight = nan ? NaN : sink !== null && total > 0 && top !== -Infinity ? sinkExp / total : 0;
     const sum = new Float64Array(Dv), contributions = [];
     for (let j = 0; j < S; j++) {
       let norm = 0;
@@ -368,9 +403,16 @@
     }
     const out = Array.from({ length: Dv }, (_, d) => layer.out[(h * layer.L + i) * Dv + d]);
     let maxError = 0, outScale = 0;
-    for (let d = 0; d < Dv; d++) { maxError = Math.max(maxError, Math.abs(sum[d] - out[d])); outScale = Math.max(outScale, Math.abs(out[d])); }
+    for (let d = 0; d < Dv; d++) {
+      const error = Math.abs(sum[d] - out[d]);
+      maxError = Number.isNaN(error) || Number.isNaN(maxError) ? NaN : Math.max(maxError, error);
+      outScale = Math.max(outScale, Math.abs(out[d]) || 0);
+    }
+    // a few roundings of the coarser of the call's dtype and the stored vectors', over S terms
+    const tolerance = 8 * layer.eps * Math.sqrt(Math.max(S, 4)) * Math.max(1, outScale);
     return { detailed: true, raw, capped, alibi, additive, hidden, scores, weights, stored, sink, sinkWeight,
-             contributions, sum: Array.from(sum), out, maxError, outScale };
+             contributions, sum: Array.from(sum), out, maxError, outScale, tolerance,
+             addsUp: maxError <= tolerance || (nan && out.some(Number.isNaN)) };
   }
 
   function renderBreakdown(l, h, i) {
@@ -386,18 +428,19 @@
     const columns = [["key", (j) => `${j} ${layer.keys[j]}`]];
     if (b.detailed) {
       columns.push(["q·k × scale", (j) => fmt(b.raw[j])]);
-      if (layer.softcap) columns.push([`softcap ${layer.softcap}`, (j) => fmt(b.capped[j])]);
+      if (layer.softcap !== null) columns.push([`softcap ${layer.softcap}`, (j) => fmt(b.capped[j])]);
       if (layer.alibi_slopes) columns.push(["+ ALiBi", (j) => fmt(b.alibi[j])]);
       if (layer.additive) columns.push(["+ mask", (j) => fmt(b.additive[j])]);
       if (layer.hidden.length) columns.push(["hidden by", (j) => b.hidden[j].join(", ")]);
-      columns.push(["score", (j) => fmt(b.scores[j])], ["softmax weight", (j) => b.weights[j].toFixed(5)]);
+      columns.push(["score", (j) => fmt(b.scores[j])], ["softmax weight", (j) => fmt(b.weights[j], 5)]);
     }
     columns.push(["stored (8-bit)", (j) => b.stored[j].toFixed(5)]);
-    if (b.detailed) columns.push(["‖weight × v‖", (j) => b.contributions[j].toFixed(4)], ["", (j) => bar(b.contributions[j], Math.max(...b.contributions))]);
+    const largest = b.detailed ? largestOf(b.contributions) : 0;
+    if (b.detailed) columns.push(["‖weight × v‖", (j) => b.contributions[j].toFixed(4)], ["", (j) => bar(b.contributions[j], largest)]);
     const table = document.createElement("table"), head = table.createTHead().insertRow();
     for (const [name] of columns) head.append(Object.assign(document.createElement("th"), { textContent: name, scope: "col" }));
     const body = table.createTBody();
-    for (let j = 0; j < layer.S; j++) {
+    for (const j of keysShown(b, layer.S)) {
       const row = body.insertRow();
       for (const [, value] of columns) {
         const cell = row.insertCell(), shown = value(j);
@@ -411,20 +454,32 @@
       for (let c = 1; c < columns.length; c++) row.insertCell();
       const at = columns.findIndex(([name]) => name === "score");
       row.cells[at].textContent = fmt(b.sink);
-      row.cells[at + 1].textContent = b.sinkWeight.toFixed(5);
+      row.cells[at + 1].textContent = fmt(b.sinkWeight, 5);
     }
     if (b.detailed) {
-      const check = document.createElement("p"), tolerance = 1e-4 * Math.max(1, b.outScale) * (state.precision === "float16" ? 100 : 1);
-      check.className = "check" + (b.maxError <= tolerance ? "" : " bad");
+      const check = document.createElement("p");
+      check.className = "check" + (b.addsUp ? "" : " bad");
       check.textContent = `Σ weight × v over the keys, computed here, against the head's real output (${layer.Dv} values): ` +
-        `largest difference ${b.maxError.toExponential(2)}` + (b.maxError <= tolerance ? " — the row adds up." : " — larger than expected.") +
+        `largest difference ${b.maxError.toExponential(2)}` + (b.addsUp ? " — the row adds up." : ` — more than the ${b.tolerance.toExponential(1)} rounding allows.`) +
+        (layer.dropout_p > 0 ? ` Recorded in training mode with dropout ${layer.dropout_p}: the real output used the weights after dropout.` : "") +
         ` First values: ${b.sum.slice(0, 4).map((x) => x.toFixed(4)).join(", ")} (here) and ${b.out.slice(0, 4).map((x) => x.toFixed(4)).join(", ")} (real).`;
       box.append(check);
+    }
+    if (layer.S > KEY_ROWS) {
+      box.append(Object.assign(document.createElement("p"), { className: "hint",
+        textContent: `The ${KEY_ROWS} keys of largest weight of ${layer.S}, in key order; the sums above take every key.` }));
     }
     box.append(table);
   }
 
-  function fmt(x) { return x === -Infinity ? "−∞" : Number.isNaN(x) ? "NaN" : x.toFixed(4); }
+  function keysShown(b, S) { // every key, or the KEY_ROWS of largest weight in key order
+    const all = Array.from({ length: S }, (_, j) => j);
+    if (S <= KEY_ROWS) return all;
+    const weight = b.detailed ? b.weights : b.stored;
+    return all.sort((x, y) => (weight[y] || 0) - (weight[x] || 0)).slice(0, KEY_ROWS).sort((x, y) => x - y);
+  }
+
+  function fmt(x, digits = 4) { return x === -Infinity ? "−∞" : Number.isNaN(x) ? "NaN" : x.toFixed(digits); }
 
   function bar(x, largest) {
     const span = document.createElement("span");
@@ -500,7 +555,9 @@
     canvas.addEventListener("focus", () => state.open && drawHead());
     canvas.addEventListener("keydown", (event) => {
       if (!state.open) return;
-      const layer = currentLayer(), moves = { ArrowUp: [-1, 0], ArrowDown: [1, 0], ArrowLeft: [0, -1], ArrowRight: [0, 1] };
+      const layer = currentLayer(), page = Math.max(1, Math.round(layer.L / 10));
+      const moves = { ArrowUp: [-1, 0], ArrowDown: [1, 0], ArrowLeft: [0, -1], ArrowRight: [0, 1], PageUp: [-page, 0],
+                      PageDown: [page, 0], Home: [0, -layer.S], End: [0, layer.S] };
       if (moves[event.key]) {
         event.preventDefault();
         const [i, j] = state.open.cursor, [di, dj] = moves[event.key];
@@ -511,10 +568,11 @@
     document.addEventListener("keydown", (event) => { if (event.key === "Escape") back(); });
     $("back").addEventListener("click", back);
     $("export").addEventListener("click", exportPng);
+    $("same-scale").addEventListener("change", (event) => { state.sameScale = event.target.checked; if (!state.open) drawGrid(); });
   }
 
   const timings = {}; // ms per loading step, for mhaView.timings
-  const state = { runs: [], show: 0, open: null, cached: {}, cells: [], geometry: null, precision: "float32" };
+  const state = { runs: [], show: 0, open: null, cached: {}, cells: [], geometry: null, precision: "float32", sameScale: false };
 
   async function start() {
     const started = performance.now();
@@ -531,7 +589,8 @@
       const layers = state.runs[0].layers, skipped = layers.reduce((n, l) => n + l.nonfinite, 0);
       setStatus(`${layers.length} attention call${layers.length > 1 ? "s" : ""} × up to ${gridShape().heads} heads` +
         (state.runs.length > 1 ? `, two runs (${state.runs.map((r) => r.label).join(", ")})` : "") +
-        (skipped ? `; ${skipped} non-finite weights shown as 0` : "") + `. Ready in ${Math.round(performance.now() - started)} ms.`);
+        (skipped ? `; ${skipped} non-finite weights shown as 0` : "") +
+        (layers.some((l) => l.dropout_p > 0) ? "; recorded in training mode: weights after dropout" : "") + `. Ready in ${Math.round(performance.now() - started)} ms.`);
       Object.assign(api, {
         state, timings, ready: true, readyMs: performance.now() - started, layers: layers.length, heads: gridShape().heads,
         weight: (run, l, h, i, j) => { const layer = state.runs[run].layers[l]; return layer.codes[(h * layer.L + i) * layer.S + j] * layer.scales[h] / 255; },

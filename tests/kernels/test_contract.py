@@ -652,6 +652,18 @@ def test_safe_softmax_by_default_copies_and_zeroes_empty_rows():
     assert torch.equal(scores, kept)  # not in place unless asked
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_safe_softmax_zeroes_an_empty_row_beside_a_nan_row(inplace):
+    """The empty-row check reads the least row maximum; NaN, which min() propagates, must not hide
+    an empty row (fuzz seed 251125: a masked NaN key in one head, an empty row in another)."""
+    from mha.kernels.math import safe_softmax
+
+    scores = torch.tensor([[float("nan"), 0.0], [float("-inf"), float("-inf")], [0.0, 0.0]])
+    weights = safe_softmax(scores, inplace=inplace)
+    assert torch.isnan(weights[0]).all()
+    assert torch.equal(weights[1], torch.zeros(2)) and torch.equal(weights[2], torch.full((2,), 0.5))
+
+
 @pytest.mark.parametrize("backend", ["math", "auto"])
 def test_vmap_over_attention_that_hides_keys(backend):
     """Under torch.func transforms nothing branches on tensor values (the empty-row check of the

@@ -30,9 +30,10 @@ def safe_softmax(scores: Tensor, *, inplace: bool = False) -> Tensor:
     blocked = None  # (..., L, 1): rows whose every score is -inf
     if scores.shape[-1] > 0:
         row_max = scores.amax(dim=-1, keepdim=True)  # (..., L, 1)
-        # eager: one read of the least row maximum skips the mask in the common case (no blocked row)
+        # eager: one read of the least row maximum skips the mask in the common case (no blocked row);
+        # a NaN there (NaN scores, which min() propagates) may hide a blocked row: build the mask then
         if (scores.is_meta or not may_branch_on_values()
-                or (row_max.numel() > 0 and float(row_max.detach().min()) == float("-inf"))):
+                or (row_max.numel() > 0 and not float(row_max.detach().min()) > float("-inf"))):
             blocked = row_max.isneginf()
     if blocked is not None:  # finite row -> finite softmax and gradient
         scores = scores.masked_fill_(blocked, 0.0) if inplace else scores.masked_fill(blocked, 0.0)

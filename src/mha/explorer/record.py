@@ -180,10 +180,11 @@ def _hidden(contract: Contract, batch, B: int, L: int, S: int) -> dict[str, Tens
 
 
 def _band_name(band) -> str:
+    """"causal", or flash-attn's "window (left, right)" (inf: unbounded on that side)."""
     if band.is_causal:
         return "causal"
-    side = lambda reach: "inf" if reach is None else str(reach)  # noqa: E731
-    return f"window ({side(band.left)}, {side(band.right)})"
+    left, right = ("inf" if reach is None else str(reach) for reach in (band.left, band.right))
+    return f"window ({left}, {right})"
 
 
 def _additive(contract: Contract, batch, B: int, L: int, S: int) -> Tensor | None:

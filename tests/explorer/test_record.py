@@ -150,6 +150,7 @@ def synthetic(layers: int, heads: int, T: int, D: int = 32) -> Recording:
     return Recording(calls)
 
 
+@pytest.mark.slow
 def test_a_6x12x512_page_fits_30_mb():
     page = render([synthetic(6, 12, 512)], run_labels=["A"])
     assert page.size <= 30_000_000

@@ -64,14 +64,14 @@ def check_weights_and_breakdowns(page, recording, sample: int, quantisation_only
         rows = page.js(
             "const [l, H, L] = arguments; const out = [];"
             "for (let h = 0; h < H; h++) for (let i = 0; i < L; i++) {"
-            " const b = mhaView.breakdown(l, h, i); out.push([b.weights, b.sum, b.out, b.maxError]); } return out;",
-            index, H, L)
-        for n, (row_weights, row_sum, row_out, max_error) in enumerate(rows):
+            " const b = mhaView.breakdown(l, h, i); out.push([b.weights, b.sum, b.out, b.maxError, b.addsUp]); }"
+            " return out;", index, H, L)
+        for n, (row_weights, row_sum, row_out, max_error, adds_up) in enumerate(rows):
             h, i = divmod(n, L)
             np.testing.assert_allclose(row_weights, weights[h, i], atol=2e-6, err_msg=f"call {index} head {h} row {i}")
             np.testing.assert_allclose(row_out, call.out[sample, h, i].numpy(), atol=1e-6)
             np.testing.assert_allclose(row_sum, call.out[sample, h, i].numpy(), atol=2e-5)
-            assert max_error <= 2e-5
+            assert max_error <= 2e-5 and adds_up  # and the page says so
 
 
 def check_grid(page, layers: int, heads: int):
@@ -171,11 +171,13 @@ def test_diff_of_two_runs_and_averages(tmp_path, open_page):
     a, b = first.calls[0].weights[0, 1].numpy(), second.calls[0].weights[0, 1].numpy()
     step = (a.max() + b.max()) / 510
     assert np.all(np.abs(shown - (a - b).reshape(-1)) <= step + 1e-6)
-    assert "(A − B)" in page.driver.find_element(By.ID, "legend-high").text
+    assert "(seed 0 − seed 1)" in page.driver.find_element(By.ID, "legend-high").text
     # the mean over heads: the layer's average map
     page.js("mhaView.back(); mhaView.showRun(0); mhaView.open(0, 6)")
     mean = np.array(page.js("return Array.from(mhaView.state.cached.values)"))
     assert np.all(np.abs(mean - first.calls[0].weights[0].numpy().mean(axis=0).reshape(-1)) <= a.max() / 255)
+    exported = page.js("mhaView.back(); mhaView.showRun('diff'); return mhaView.exportPng()")  # the grid, captioned
+    assert pixel_variance(base64.b64decode(exported.split(",", 1)[1])) > 1e-3
     assert page.console_errors() == []
 
 
@@ -209,7 +211,7 @@ def test_minilm_page_from_the_command(minilm_page, open_page):
         torch.testing.assert_close(call.weights, theirs, atol=2e-6, rtol=1e-5)  # what the page holds is eager's
     check_weights_and_breakdowns(page, recording, sample=0)
     page.driver.find_element(By.CSS_SELECTOR, '#grid button[data-layer="5"][data-head="11"]').click()
-    assert "layer 5" in page.driver.find_element(By.ID, "head-title").text
+    assert "encoder.layer.5.attention.self, head 11" in page.driver.find_element(By.ID, "head-title").text
     page.js("mhaView.back()")
     assert pixel_variance(str(page.screenshot("minilm_grid"))) > 1e-3
     assert page.console_errors() == []
@@ -249,19 +251,22 @@ def test_markup_in_tokens_and_title_cannot_break_the_page(tmp_path, open_page):
     assert page.console_errors() == []
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_rows_add_up_to_their_rounding(tmp_path, open_page, dtype):
+@pytest.mark.parametrize("dtype, T", [(torch.float16, 9), (torch.bfloat16, 9), (torch.bfloat16, 300)])
+def test_half_precision_rows_add_up_to_their_rounding_and_no_more(tmp_path, open_page, dtype, T):
     module = general(0).to(dtype)
-    x = torch.randn(1, 9, 48, dtype=dtype)
+    x = torch.randn(1, T, 48, dtype=dtype)
     recording = recorded(module, x, x, x, is_causal=True)
     page = open_page(mha.view(recording, output=tmp_path / "half.html"))
-    verdicts = page.js("const out = []; for (let h = 0; h < 6; h++) for (let i = 0; i < 9; i++)"
-                       " out.push(mhaView.breakdown(0, h, i).addsUp); return out;")
-    assert all(verdicts)
-    call = recording.calls[0]  # and the check is not blind: a wrong output would be flagged
-    assert page.js("const l = mhaView.state.runs[0].layers[0]; l.out[0] += 0.5;"
-                   "return mhaView.breakdown(0, 0, 0).addsUp") is False
-    assert call.dtype == str(dtype).removeprefix("torch.")
+    every_row = (f"const out = []; for (let h = 0; h < 6; h++) for (let i = 0; i < {T}; i += {max(1, T // 20)})"
+                 " out.push(mhaView.breakdown(0, h, i).addsUp); return out;")
+    assert all(page.js(every_row))
+    # and the check is not blind: with every output negated (or one value moved by 10 %), rows fail
+    page.js("const l = mhaView.state.runs[0].layers[0]; for (let n = 0; n < l.out.length; n++) l.out[n] = -l.out[n];")
+    assert not any(page.js(every_row))
+    page.js("const l = mhaView.state.runs[0].layers[0]; for (let n = 0; n < l.out.length; n++) l.out[n] = -l.out[n];"
+            "l.out[0] = 1.1 * l.out[0] + 0.01;")
+    assert page.js("return mhaView.breakdown(0, 0, 0).addsUp") is False
+    assert recording.calls[0].dtype == str(dtype).removeprefix("torch.")
     assert page.console_errors() == []
 
 
@@ -278,6 +283,8 @@ def test_scales_long_rows_non_finite_sinks_and_paging_keys(tmp_path, open_page):
     page = open_page(mha.view(long_row, output=tmp_path / "long_row.html"))
     result = page.js("mhaView.open(0, 0); const b = mhaView.select(0); return [b.addsUp, b.sinkWeight];")
     assert result == [True, 0]
+    geometry = page.js("return mhaView.state.geometry")  # the long side alone is shrunk: the row stays 28 px
+    assert geometry["width"] == 640 and geometry["cellH"] == 28
     assert page.console_errors() == []
     # the grid's colour scale: each map's own, or one for all
     x = torch.randn(1, 40, 48)

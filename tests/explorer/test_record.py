@@ -197,17 +197,20 @@ def test_captured_weights_make_a_page_without_breakdown(tmp_path):
 
 
 def test_labels_fit_the_calls():
-    def call(L, S, positions=False):
-        q_pos, k_pos = (torch.arange(10, 10 + L)[None], torch.arange(S)[None]) if positions else (None, None)
-        return mha.explorer.AttentionCall("c", torch.zeros(1, 1, L, S), q_pos=q_pos, k_pos=k_pos)
+    def call(L, S, placed=False):
+        q_pos, k_pos = (torch.arange(10, 10 + L)[None], torch.arange(S)[None]) if placed else (None, None)
+        return mha.explorer.AttentionCall("c", torch.zeros(1, 1, L, S), placed=placed, q_pos=q_pos, k_pos=k_pos)
 
     assert labels_for(call(2, 2), 0, ["a", "b"], None) == (["a", "b"], ["a", "b"])
-    assert labels_for(call(2, 3), 0, ["a", "b"], None) == (["a", "b"], ["a", "b", "[extra 0]"])
     assert labels_for(call(2, 3), 0, ["a", "b"], ["x", "y", "z"]) == (["a", "b"], ["x", "y", "z"])
+    # keys the tokens do not match (cross-attention without key_tokens, appended keys): their indices
+    assert labels_for(call(2, 3), 0, ["a", "b"], None) == (["a", "b"], ["0", "1", "2"])
     # a decoder: self-attention over the target's tokens, cross-attention over the source's
     assert labels_for(call(2, 2), 0, ["a", "b"], ["x", "y", "z"]) == (["a", "b"], ["a", "b"])
     assert labels_for(call(1, 2), 0, None, None) == (["0"], ["0", "1"])
-    assert labels_for(call(1, 3, positions=True), 0, ["a", "b"], None) == (["10"], ["0", "1", "2"])  # a decode step
+    # a decoding step the contract places: the sequence's tokens at its positions, or the positions
+    assert labels_for(call(1, 3, placed=True), 0, list("abcdefghijk"), None) == (["k"], ["a", "b", "c"])
+    assert labels_for(call(1, 3, placed=True), 0, ["a", "b"], None) == (["10"], ["0", "1", "2"])
 
 
 @pytest.mark.parametrize("call, error, match", [
@@ -231,6 +234,8 @@ def test_labels_fit_the_calls():
     (lambda p: mha.view(synthetic(1, 2, 4), sample=-1, output=p), ValueError, "sample must be an int >= 0"),
     (lambda p: mha.view(synthetic(1, 2, 4), output=None), TypeError, "output must be a path"),
     (lambda p: mha.view(synthetic(1, 2, 4), output=p.parent), ValueError, "output must be a file"),
+    (lambda p: mha.view(synthetic(1, 2, 4), title="x\ud800", output=p), ValueError, "title must be text UTF-8"),
+    (lambda p: mha.view(synthetic(1, 2, 4), tokens=["a", "\ud800", "c", "d"], output=p), ValueError, "tokens must"),
 ])
 def test_bad_input_is_refused_clearly(tmp_path, call, error, match):
     with pytest.raises(error, match=match):
@@ -351,3 +356,4 @@ def test_command_shortens_a_long_text_in_the_title(tmp_path):
     assert main(["view", "--text", " ".join(["word"] * 100), "-o", str(path)]) == 0
     assert len(manifest_of(path)["title"]) < 120
     assert main(["view", "-o", str(tmp_path)]) == 2  # a directory
+    assert main(["view", "--max-mb", "-1", "-o", str(path)]) == 2

@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     _common.require("transformers", command="view", extra="hf")
     console = _common.console()
+    if not args.max_mb > 0:
+        print(f"mha view: error: --max-mb must be a positive number of MB, got {args.max_mb}", file=sys.stderr)
+        return 2
     try:
         model = args.model or tool.default_model()
         name = "all-MiniLM-L6-v2" if args.model is None else Path(args.model).name

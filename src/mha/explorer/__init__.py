@@ -91,7 +91,17 @@ def _labels(name: str, value) -> list[str] | None:
     value = list(value)
     if not all(isinstance(t, str) for t in value):
         raise TypeError(f"{name} must be a list of strings (one per position), got {value!r:.80}")
+    for token in value:
+        _text(name, token)
     return value
+
+
+def _text(name: str, text: str) -> None:
+    """Text the page can hold: UTF-8 (a lone surrogate such as '\\ud800' is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{name} must be text UTF-8 can write, got {text!r:.80} ({error.reason})") from None
 
 
 def _check_options(*, output, labels, sample, title, max_bytes) -> None:
@@ -103,10 +113,14 @@ def _check_options(*, output, labels, sample, title, max_bytes) -> None:
     if (not isinstance(labels, (tuple, list)) or len(labels) != 2
             or not all(isinstance(label, str) for label in labels)):
         raise ValueError(f"labels must be two strings (the runs' names), got {labels!r}")
+    for label in labels:
+        _text("labels", label)
     if not isinstance(sample, int) or isinstance(sample, bool) or sample < 0:
         raise ValueError(f"sample must be an int >= 0 (a sequence of the batch), got {sample!r}")
     if title is not None and not isinstance(title, str):
         raise TypeError(f"title must be a string or None, got {type(title).__name__}")
+    if title is not None:
+        _text("title", title)
     if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
         raise ValueError(f"max_bytes must be a positive int (bytes), got {max_bytes!r}")
 

@@ -90,9 +90,12 @@ def _call_entry(call: AttentionCall, name: str, sample: int, data: _Data,
              "dropout_p": call.dropout_p}
     if not call.detailed:
         return entry
-    # the page's sums match the real output to a few roundings of the coarser of the call's dtype
-    # and the stored vectors' (it scales this by sqrt(S) and the output's size)
-    eps = max(float(torch.finfo(getattr(torch, call.dtype)).eps), float(np.finfo(data.vector_dtype).eps))
+    # what the page's recomputation can differ by (page.js, rowBound): the math backend computes in
+    # float32 (float64 for float64), the vectors are stored in float32 or float16, the output was
+    # rounded to the call's dtype
+    model, stored = float(torch.finfo(getattr(torch, call.dtype)).eps), float(np.finfo(data.vector_dtype).eps)
+    computed = model if call.dtype == "float64" else float(np.finfo(np.float32).eps)
+    eps = {"computed": computed, "stored": stored, "out": max(model, stored)}
     entry.update(Hkv=call.k.shape[1], D=call.q.shape[-1], Dv=call.v.shape[-1], scale=_number(call.scale),
                  softcap=_number(call.softcap), q=data.vectors(call.q[sample]), k=data.vectors(call.k[sample]),
                  v=data.vectors(call.v[sample]), out=data.vectors(call.out[sample]), eps=eps,
@@ -121,25 +124,35 @@ def _number(x: float | None) -> float | str | None:
 
 def labels_for(call: AttentionCall, sample: int, tokens: list[str] | None,
                key_tokens: list[str] | None) -> tuple[list[str], list[str]]:
-    """The query and key labels of a call: the tokens whose count fits (key_tokens first for the
-    keys: cross-attention), keys past the tokens of a self-attention call (bias_k, a zero key)
-    named as extras; otherwise the positions (a decoding step's query sits at its position), or
-    the indices of weights captured without them."""
+    """The query and key labels of a call. A side whose length the tokens (key_tokens first for the
+    keys: cross-attention) match takes them; otherwise, where the contract places the call in its
+    sequence (a decoding step with a band or ALiBi), the tokens at those positions, or the positions
+    themselves; else the indices."""
     _, _, L, S = call.weights.shape
 
-    def positions(which: Tensor | None, n: int) -> list[str]:
-        return [str(p) for p in which[sample].tolist()] if which is not None else [str(i) for i in range(n)]
+    def side(n: int, where: Tensor | None, *candidates: list[str] | None) -> list[str]:
+        for labels in candidates:
+            if labels is not None and len(labels) == n:
+                return list(labels)
+        if not call.placed or where is None:
+            return [str(i) for i in range(n)]
+        at = where[sample].tolist()
+        labels = next((c for c in candidates if c is not None), None)
+        if labels is not None and all(0 <= p < len(labels) for p in at):
+            return [labels[p] for p in at]
+        return [str(p) for p in at]
 
-    queries = list(tokens) if tokens is not None and len(tokens) == L else positions(call.q_pos, L)
-    if key_tokens is not None and len(key_tokens) == S:
-        keys = list(key_tokens)
-    elif tokens is not None and len(tokens) == S:
-        keys = list(tokens)
-    elif tokens is not None and len(tokens) == L < S:
-        keys = list(tokens) + [f"[extra {j}]" for j in range(S - L)]
-    else:
-        keys = positions(call.k_pos, S)
-    return queries, keys
+    return side(L, call.q_pos, tokens), side(S, call.k_pos, key_tokens, tokens)
+
+
+def fits(call: AttentionCall, labels: list[str], queries: bool) -> bool:
+    """Whether ``labels`` label a side of the call: one per position of the call, or of the
+    sequence the contract places it in."""
+    n, where = (call.weights.shape[2], call.q_pos) if queries else (call.weights.shape[3], call.k_pos)
+    if len(labels) == n:
+        return True
+    return (call.placed and where is not None and where.numel() > 0
+            and int(where.min()) >= 0 and int(where.max()) < len(labels))
 
 
 def _names(calls: list[AttentionCall]) -> list[str]:
@@ -162,10 +175,10 @@ def _check_runs(runs: list[Recording], sample: int, tokens, key_tokens) -> None:
             raise ValueError(f"call {call.name!r} has weights {tuple(call.weights.shape)}: no head, query or key "
                              "to show (an empty sequence)")
     shapes = [call.weights.shape for call in runs[0].calls]
-    if tokens is not None and all(len(tokens) != L for _, _, L, _ in shapes):
+    if tokens is not None and not any(fits(call, tokens, queries=True) for call in runs[0].calls):
         raise ValueError(f"tokens has {len(tokens)} entries, but the calls have {sorted({s[2] for s in shapes})} "
-                         "queries: one label per query position")
-    if key_tokens is not None and all(len(key_tokens) != S for *_, S in shapes):
+                         "queries: one label per query position (or per position of the sequence)")
+    if key_tokens is not None and not any(fits(call, key_tokens, queries=False) for call in runs[0].calls):
         raise ValueError(f"key_tokens has {len(key_tokens)} entries, but the calls have "
                          f"{sorted({s[3] for s in shapes})} keys: one label per key position")
     for call in runs[0].calls:

@@ -40,6 +40,8 @@ class AttentionCall:
     softcap:       logit soft-capping c, or None
     alibi_slopes:  (H,) or None;  sinks: (H,) sink logits, or None
     q_pos, k_pos:  (B, L), (B, S) int64 positions (what ALiBi's distances are taken between)
+    placed:        whether the contract places them (a band, ALiBi or per-sequence positions); if
+                   not, they are 0..L-1 and 0..S-1, whatever the sequence (a plain decoding step)
     hidden:        {what hides keys: "causal" or "window (left, right)", "padding", "mask"}: each
                    (B, H|1, L, S) bool, True where it hides the key
     dtype:         the dtype the call ran in ("float32", "bfloat16", ...): how closely the page's
@@ -57,6 +59,7 @@ class AttentionCall:
     softcap: float | None = None
     alibi_slopes: Tensor | None = None
     sinks: Tensor | None = None
+    placed: bool = False
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
     hidden: dict[str, Tensor] = field(default_factory=dict)
@@ -150,7 +153,8 @@ def call_of(name: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, out:
         name, w4, q4, k4, v4, out4, scale=contract.scale_for(q.shape[-1]), softcap=contract.softcap,
         alibi_slopes=None if contract.alibi_slopes is None else contract.alibi_slopes.detach().float().cpu(),
         sinks=None if contract.sinks is None else contract.sinks.detach().float().cpu(),
-        q_pos=q_pos, k_pos=k_pos, hidden=_hidden(contract, batch, B, L, S),
+        placed=contract.positions is not None or contract.needs_positions, q_pos=q_pos, k_pos=k_pos,
+        hidden=_hidden(contract, batch, B, L, S),
         additive=_additive(contract, batch, B, L, S), dtype=str(q.dtype).removeprefix("torch."),
         dropout_p=float(dropout_p))
 

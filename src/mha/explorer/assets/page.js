@@ -126,14 +126,14 @@
       ctx.fillStyle = `rgb(${r},${g},${b})`;
       ctx.fillRect(x, 0, 1, bar.height);
     }
-    const diff = state.show === "diff";
+    const diff = state.show === "diff", runs = diff ? `${state.runs[0].label} − ${state.runs[1].label}` : "";
     if (range === null) {
       $("legend-low").textContent = diff ? "−largest" : "0";
-      $("legend-high").textContent = diff ? "+largest |A − B| of each map" : "largest weight of each map";
+      $("legend-high").textContent = diff ? `+largest |${runs}| of each map` : "largest weight of each map";
       return;
     }
-    $("legend-low").textContent = diff ? (-range).toPrecision(3) : "0";
-    $("legend-high").textContent = (diff ? "+" : "") + range.toPrecision(3) + (diff ? " (A − B)" : " (largest weight)");
+    $("legend-low").textContent = diff ? "−" + range.toPrecision(3) : "0";
+    $("legend-high").textContent = diff ? `+${range.toPrecision(3)} (${runs})` : range.toPrecision(3) + " (largest weight)";
   }
 
   // ---- the grid ------------------------------------------------------------------------------------
@@ -228,7 +228,7 @@
 
   function describe(l, h) {
     const layers = state.runs[0].layers;
-    const where = l < layers.length ? `layer ${l} (${layers[l].name})` : "mean over layers";
+    const where = l < layers.length ? layers[l].name : "mean over layers";
     return `${where}, ${h < (layers[Math.min(l, layers.length - 1)].H) ? "head " + h : "mean over heads"}`;
   }
 
@@ -253,17 +253,22 @@
   function layout(layer) {
     const ctx = $("map").getContext("2d");
     ctx.font = "12px system-ui, sans-serif";
-    // square cells of up to 28 px, the map at most 640 px a side (a longer one is shrunk, see paint)
-    const side = Math.max(layer.L, layer.S), size = 640 / side >= 1 ? Math.min(28, Math.floor(640 / side)) : 640 / side;
-    const width = Math.max(1, Math.round(layer.S * size)), height = Math.max(1, Math.round(layer.L * size));
+    // cells of up to 28 px, square while both sides fit in 640 px; a longer side is shrunk to 640 px
+    // (see paint) on its own, so that a few queries over many keys keep rows one can point at
+    const fit = (n) => (640 / n >= 1 ? Math.min(28, Math.floor(640 / n)) : 640 / n);
+    let sizeW = fit(layer.S), sizeH = fit(layer.L);
+    if (sizeW >= 1 && sizeH >= 1) sizeW = sizeH = Math.min(sizeW, sizeH);
+    const width = Math.max(1, Math.round(layer.S * sizeW)), height = Math.max(1, Math.round(layer.L * sizeH));
     const cellW = width / layer.S, cellH = height / layer.L;
-    const every = Math.max(1, Math.ceil(12 / Math.min(cellW, cellH))); // a label every `every` rows: no overlap
-    const widest = (labels) => { // of the labels drawn, clipped
+    // a label every `rowEvery` rows and `colEvery` columns: 12 px apart at least, no overlap
+    const rowEvery = Math.max(1, Math.ceil(12 / cellH)), colEvery = Math.max(1, Math.ceil(12 / cellW));
+    const widest = (labels, every) => { // of the labels drawn, clipped
       let w = 20;
       for (let i = 0; i < labels.length; i += every) w = Math.max(w, ctx.measureText(clip(labels[i])).width);
       return Math.min(160, w);
     };
-    return { width, height, cellW, cellH, every, left: widest(layer.queries) + 10, top: widest(layer.keys) + 10 };
+    return { width, height, cellW, cellH, rowEvery, colEvery, left: widest(layer.queries, rowEvery) + 10,
+             top: widest(layer.keys, colEvery) + 10 };
   }
 
   function open(l, h) {
@@ -272,7 +277,8 @@
     $("grid-view").hidden = true;
     $("head-view").hidden = false;
     $("back").hidden = false;
-    $("head-title").textContent = describe(l, h) + ` — ${layer.L} queries × ${layer.S} keys`;
+    const queries = layer.L === 1 ? "1 query" : `${layer.L} queries`, keys = layer.S === 1 ? "1 key" : `${layer.S} keys`;
+    $("head-title").textContent = `${describe(l, h)} — ${queries} × ${keys}`;
     drawHead();
     $("breakdown").replaceChildren(Object.assign(document.createElement("p"), { className: "hint",
       textContent: l < layers.length && h < layer.H ? "Select a query row to see its breakdown." : "An average has no breakdown: open one head for it." }));
@@ -291,9 +297,9 @@
     paint(ctx, g.left, g.top, g.width, g.height, layer.L, layer.S, values, range);
     ctx.fillStyle = "#1d1d1f"; ctx.font = "12px system-ui, sans-serif"; ctx.textBaseline = "middle";
     ctx.textAlign = "right";
-    for (let i = 0; i < layer.L; i += g.every) ctx.fillText(clip(layer.queries[i]), g.left - 6, g.top + (i + 0.5) * g.cellH);
+    for (let i = 0; i < layer.L; i += g.rowEvery) ctx.fillText(clip(layer.queries[i]), g.left - 6, g.top + (i + 0.5) * g.cellH);
     ctx.save(); ctx.textAlign = "left";
-    for (let j = 0; j < layer.S; j += g.every) {
+    for (let j = 0; j < layer.S; j += g.colEvery) {
       ctx.save(); ctx.translate(g.left + (j + 0.5) * g.cellW, g.top - 6); ctx.rotate(-Math.PI / 2);
       ctx.fillText(clip(layer.keys[j]), 0, 0); ctx.restore();
     }
@@ -309,7 +315,7 @@
     drawLegend(range);
   }
 
-  function clip(text) { return text.length > 18 ? text.slice(0, 17) + "…" : text; }
+  function clip(text, most = 18) { return text.length > most ? text.slice(0, most - 1) + "…" : text; }
 
   function cellText(i, j) {
     const { layer: l, head: h } = state.open, layers = state.runs[0].layers, layer = layers[Math.min(l, layers.length - 1)];
@@ -392,27 +398,47 @@
     for (const e of exps) total += e;
     const weights = exps.map((e) => (nan ? NaN : total > 0 && top !== -Infinity ? e / total : 0));
     const sinkWeight = nan ? NaN : sink !== null && total > 0 && top !== -Infinity ? sinkExp / total : 0;
-    const sum = new Float64Array(Dv), contributions = [];
+    const sum = new Float64Array(Dv), mass = new Float64Array(Dv), contributions = [];
     for (let j = 0; j < S; j++) {
       let norm = 0;
       for (let d = 0; d < Dv; d++) {
         const c = weights[j] * layer.v[(kvHead * S + j) * Dv + d];
-        sum[d] += c; norm += c * c;
+        sum[d] += c; mass[d] += Math.abs(c); norm += c * c;
       }
       contributions.push(Math.sqrt(norm));
     }
     const out = Array.from({ length: Dv }, (_, d) => layer.out[(h * layer.L + i) * Dv + d]);
-    let maxError = 0, outScale = 0;
+    // Each output value may differ from the sum here by what rounding explains (rowBound); the row
+    // adds up when every one is within its bound
+    const bounds = rowBound(layer, h, i, kvHead, hidden, mass, out);
+    let maxError = 0, tolerance = 0, addsUp = true;
     for (let d = 0; d < Dv; d++) {
       const error = Math.abs(sum[d] - out[d]);
       maxError = Number.isNaN(error) || Number.isNaN(maxError) ? NaN : Math.max(maxError, error);
-      outScale = Math.max(outScale, Math.abs(out[d]) || 0);
+      tolerance = Math.max(tolerance, bounds[d]);
+      if (!(error <= bounds[d])) addsUp = false;
     }
-    // a few roundings of the coarser of the call's dtype and the stored vectors', over S terms
-    const tolerance = 8 * layer.eps * Math.sqrt(Math.max(S, 4)) * Math.max(1, outScale);
     return { detailed: true, raw, capped, alibi, additive, hidden, scores, weights, stored, sink, sinkWeight,
-             contributions, sum: Array.from(sum), out, maxError, outScale, tolerance,
-             addsUp: maxError <= tolerance || (nan && out.some(Number.isNaN)) };
+             contributions, sum: Array.from(sum), out, maxError, tolerance,
+             addsUp: addsUp || (nan && out.some(Number.isNaN)) };
+  }
+
+  // How far the real output value d may lie from the sum here, from rounding alone: a score's error
+  // (q and k as stored, the products as computed: e x scale x sum |q_d k_d|) moves a weight by twice
+  // it relatively; v's storage and the sum's own arithmetic move each term; the output was rounded
+  // to the call's dtype. mass[d] = sum over keys of |weight x v_d|.
+  function rowBound(layer, h, i, kvHead, hidden, mass, out) {
+    const { computed, stored, out: rounding } = layer.eps, D = layer.D, S = layer.S;
+    const inputs = Math.max(computed, stored);
+    let scoreError = 0;
+    for (let j = 0; j < S; j++) {
+      if (hidden[j].length) continue;
+      let size = 0;
+      for (let d = 0; d < D; d++) size += Math.abs(layer.q[(h * layer.L + i) * D + d] * layer.k[(kvHead * S + j) * D + d]);
+      scoreError = Math.max(scoreError, 4 * inputs * Math.abs(Number(layer.scale)) * size);
+    }
+    const relative = 2 * scoreError + 2 * stored + 4 * computed * Math.sqrt(Math.max(S, 1));
+    return mass.map((m, d) => relative * m + 2 * rounding * Math.abs(out[d]) + 1e-300);
   }
 
   function renderBreakdown(l, h, i) {
@@ -460,7 +486,7 @@
       const check = document.createElement("p");
       check.className = "check" + (b.addsUp ? "" : " bad");
       check.textContent = `Σ weight × v over the keys, computed here, against the head's real output (${layer.Dv} values): ` +
-        `largest difference ${b.maxError.toExponential(2)}` + (b.addsUp ? " — the row adds up." : ` — more than the ${b.tolerance.toExponential(1)} rounding allows.`) +
+        `largest difference ${b.maxError.toExponential(2)}` + (b.addsUp ? " — the row adds up." : ` — more than rounding explains (up to ${b.tolerance.toExponential(1)}).`) +
         (layer.dropout_p > 0 ? ` Recorded in training mode with dropout ${layer.dropout_p}: the real output used the weights after dropout.` : "") +
         ` First values: ${b.sum.slice(0, 4).map((x) => x.toFixed(4)).join(", ")} (here) and ${b.out.slice(0, 4).map((x) => x.toFixed(4)).join(", ")} (real).`;
       box.append(check);
@@ -521,28 +547,43 @@
     setStatus("all heads");
   }
 
+  // The current view as a PNG: a caption (the page's title, the run shown, the colour scale) over
+  // the open head's map, or over the grid with its row and column labels.
   function exportPng() {
-    let canvas;
-    if (state.open) canvas = $("map");
-    else {
-      const shape = state.cells, pad = 4, labelWidth = 180, size = THUMB + pad;
-      canvas = document.createElement("canvas");
-      canvas.width = labelWidth + size * shape[0].length; canvas.height = 20 + size * shape.length;
-      const ctx = canvas.getContext("2d");
-      ctx.fillStyle = "white"; ctx.fillRect(0, 0, canvas.width, canvas.height);
-      ctx.fillStyle = "#1d1d1f"; ctx.font = "11px system-ui, sans-serif"; ctx.textBaseline = "middle";
-      shape.forEach((row, r) => row.forEach((button, c) => {
-        if (!button) return;
-        const thumb = button.firstChild;
-        ctx.imageSmoothingEnabled = false;
-        ctx.drawImage(thumb, labelWidth + c * size, 20 + r * size, parseInt(thumb.style.width), parseInt(thumb.style.height));
-      }));
-      document.querySelectorAll("#grid .row-label").forEach((label, r) => ctx.fillText(clip(label.textContent), 4, 20 + r * size + THUMB / 2));
-    }
+    const caption = 46, view = state.open ? $("map") : gridImage();
+    const canvas = Object.assign(document.createElement("canvas"), { width: Math.max(view.width, 520), height: caption + view.height });
+    const ctx = canvas.getContext("2d");
+    ctx.fillStyle = "white"; ctx.fillRect(0, 0, canvas.width, canvas.height);
+    ctx.fillStyle = "#1d1d1f"; ctx.font = "13px system-ui, sans-serif"; ctx.textBaseline = "middle";
+    const shown = state.show === "diff" ? `${state.runs[0].label} − ${state.runs[1].label}` : state.runs[state.show].label;
+    const what = state.open ? $("head-title").textContent : "all heads";
+    ctx.fillText(clip($("title").textContent, 70) + " — " + what + (state.runs.length > 1 ? ` — ${shown}` : ""), 8, 12);
+    ctx.drawImage($("legend-bar"), 8, 28);
+    ctx.fillText(`${$("legend-low").textContent} … ${$("legend-high").textContent}`, 16 + $("legend-bar").width, 34);
+    ctx.drawImage(view, 0, caption);
     const url = canvas.toDataURL("image/png");
-    const link = Object.assign(document.createElement("a"), { href: url, download: state.open ? `layer${state.open.layer}-head${state.open.head}.png` : "attention-grid.png" });
+    const link = Object.assign(document.createElement("a"), { href: url, download: state.open ? `call${state.open.layer}-head${state.open.head}.png` : "attention-grid.png" });
     document.body.append(link); link.click(); link.remove();
     return url;
+  }
+
+  function gridImage() { // the grid's maps, with its row and column labels
+    const cells = state.cells, labelWidth = 190, size = THUMB + 6, top = 18;
+    const canvas = Object.assign(document.createElement("canvas"), { width: labelWidth + size * cells[0].length, height: top + size * cells.length });
+    const ctx = canvas.getContext("2d");
+    ctx.fillStyle = "white"; ctx.fillRect(0, 0, canvas.width, canvas.height);
+    ctx.fillStyle = "#1d1d1f"; ctx.font = "11px system-ui, sans-serif"; ctx.textBaseline = "middle"; ctx.textAlign = "center";
+    document.querySelectorAll("#grid > .label:not(.row-label)").forEach((label, c) => {
+      if (c > 0) ctx.fillText(label.textContent, labelWidth + (c - 1) * size + THUMB / 2, top / 2);
+    });
+    ctx.textAlign = "left"; ctx.imageSmoothingEnabled = false;
+    cells.forEach((row, r) => row.forEach((button, c) => {
+      if (!button) return;
+      const thumb = button.firstChild;
+      ctx.drawImage(thumb, labelWidth + c * size, top + r * size, parseInt(thumb.style.width), parseInt(thumb.style.height));
+    }));
+    document.querySelectorAll("#grid .row-label").forEach((label, r) => ctx.fillText(clip(label.textContent, 30), 4, top + r * size + THUMB / 2));
+    return canvas;
   }
 
   function setStatus(text) { $("status").textContent = text; }

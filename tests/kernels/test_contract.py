@@ -653,6 +653,19 @@ def test_safe_softmax_by_default_copies_and_zeroes_empty_rows():
 
 
 @pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("columns", [1, 255, 256, 257])  # 128 rows: 32768 scores (where in place writes over them)
+def test_safe_softmax_either_side_of_the_in_place_threshold(inplace, columns):
+    from mha.kernels.math import _OUT_OF_PLACE_BELOW, safe_softmax
+
+    scores = torch.randn(128, columns, generator=torch.Generator().manual_seed(columns), dtype=torch.float64)
+    scores[5] = float("-inf")  # an empty row
+    expected = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    weights = safe_softmax(scores.clone(), inplace=inplace)
+    torch.testing.assert_close(weights, expected, atol=1e-15, rtol=0)
+    assert (scores.numel() >= _OUT_OF_PLACE_BELOW) == (columns >= 256)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
 def test_safe_softmax_zeroes_an_empty_row_beside_a_nan_row(inplace):
     """The empty-row check reads the least row maximum; NaN, which min() propagates, must not hide
     an empty row (fuzz seed 251125: a masked NaN key in one head, an empty row in another)."""

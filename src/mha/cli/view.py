@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..explorer import DEFAULT_MAX_BYTES, view
 from ..tools import view as tool
+from ..tools.bert import minilm_path
 from . import _common
 
 
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"mha view: error: --max-mb must be a positive number of MB, got {args.max_mb}", file=sys.stderr)
         return 2
     try:
-        model = args.model or tool.default_model()
+        model = args.model or minilm_path()
         name = "all-MiniLM-L6-v2" if args.model is None else Path(args.model).name
         with console.status(f"running {name} on the text"):
             recording, tokens = tool.record_text(model, args.text)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from torch import nn
 
+from .. import _checks
 from .page import DEFAULT_MAX_BYTES, PageTooLarge, render, write
 from .record import AttentionCall, Recording, record
 
@@ -84,16 +85,15 @@ def _recording_of(name: str, source, inputs: tuple, forward_kwargs: dict | None)
 
 
 def _labels(name: str, value) -> list[str] | None:
+    """tokens / key_tokens: None, or any iterable of strings (one per position) as a list."""
     if value is None:
         return None
-    if isinstance(value, str) or not hasattr(value, "__iter__"):
+    labels = None if isinstance(value, str) or not hasattr(value, "__iter__") else list(value)
+    if labels is None or not all(isinstance(t, str) for t in labels):
         raise TypeError(f"{name} must be a list of strings (one per position), got {value!r:.80}")
-    value = list(value)
-    if not all(isinstance(t, str) for t in value):
-        raise TypeError(f"{name} must be a list of strings (one per position), got {value!r:.80}")
-    for token in value:
+    for token in labels:
         _text(name, token)
-    return value
+    return labels
 
 
 def _text(name: str, text: str) -> None:
@@ -115,14 +115,13 @@ def _check_options(*, output, labels, sample, title, max_bytes) -> None:
         raise ValueError(f"labels must be two strings (the runs' names), got {labels!r}")
     for label in labels:
         _text("labels", label)
-    if not isinstance(sample, int) or isinstance(sample, bool) or sample < 0:
+    if _checks.integer("sample", sample) < 0:
         raise ValueError(f"sample must be an int >= 0 (a sequence of the batch), got {sample!r}")
     if title is not None and not isinstance(title, str):
         raise TypeError(f"title must be a string or None, got {type(title).__name__}")
     if title is not None:
         _text("title", title)
-    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
-        raise ValueError(f"max_bytes must be a positive int (bytes), got {max_bytes!r}")
+    _checks.positive_int("max_bytes", max_bytes)
 
 
 def _title(source) -> str:

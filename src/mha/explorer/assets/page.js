@@ -352,8 +352,7 @@
     if (l >= layers.length || h >= layers[l].H) return null;
     state.open.row = row;
     drawHead();
-    renderBreakdown(l, h, row);
-    return api.breakdown(l, h, row, state.show === "diff" ? 0 : state.show);
+    return renderBreakdown(l, h, row);
   }
 
   // ---- a row's breakdown: the contract's terms, in the contract's order ---------------------------------
@@ -441,7 +440,7 @@
     return mass.map((m, d) => relative * m + 2 * rounding * Math.abs(out[d]) + 1e-300);
   }
 
-  function renderBreakdown(l, h, i) {
+  function renderBreakdown(l, h, i) { // the row's breakdown, drawn; returns it
     const run = state.show === "diff" ? 0 : state.show, layer = state.runs[run].layers[l], b = breakdown(l, h, i, run);
     const box = $("breakdown");
     box.replaceChildren();
@@ -496,6 +495,7 @@
         textContent: `The ${KEY_ROWS} keys of largest weight of ${layer.S}, in key order; the sums above take every key.` }));
     }
     box.append(table);
+    return b;
   }
 
   function keysShown(b, S) { // every key, or the KEY_ROWS of largest weight in key order

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -22,6 +21,7 @@ from . import _checks, kernels, masks, positions
 from ._attention import attend, check_inputs, pipeline
 from ._projections import ProjectionWeights
 from .kernels._context import autocast_inputs
+from .kernels._shapes import broadcast
 from .kernels.contract import contract_of
 
 __all__ = ["scaled_dot_product_attention", "multi_head_attention_forward"]
@@ -115,10 +115,8 @@ def _check_sdpa_inputs(query, key, value, enable_gqa) -> tuple[int, ...]:
         for name, x in (("key", key), ("value", value)):
             _checks.shared_heads(query.shape[-3], name, x.shape[-3], dim=-3, option="enable_gqa")
         batches = [b[:-1] for b in batches]  # heads checked: the rest must broadcast
-    if batches[0] == batches[1] == batches[2]:  # nothing to broadcast (torch.broadcast_shapes' first call imports sympy: 0.3 s)
-        return (*batches[0], *heads)
     try:
-        return (*torch.broadcast_shapes(*batches), *heads)
+        return (*broadcast(*batches), *heads)
     except RuntimeError:
         hint = "" if enable_gqa else " (pass enable_gqa=True for fewer key/value heads)"
         raise ValueError(f"the batch dims of query {batches[0]}, key {batches[1]} and value {batches[2]} "

@@ -82,11 +82,9 @@ def native_status() -> str:
 def dispatch_status() -> str:
     """Measure where native beats torch on this machine, unless it is stored or MHA_TUNE=off (the
     table backend="auto" reads: mha.kernels.tuning), and say what auto will do."""
-    import os
-
     from ..kernels import tuning
     table = tuning.stored()
-    if table is None and os.environ.get("MHA_TUNE", "auto").lower() == "off":
+    if table is None and tuning.switched_off():
         return f"dispatch: not measured (MHA_TUNE=off); auto uses the defaults of this CPU kind ({tuning.cpu()['kind']})"
     if table is None:
         table = tuning.tune()

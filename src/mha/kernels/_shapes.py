@@ -17,15 +17,18 @@ def leads(q: Tensor, k: Tensor, v: Tensor) -> tuple[tuple[int, ...], tuple[int, 
     both, or (..., H) and (..., Hkv) when k and v have fewer heads (GQA: Hkv divides H)."""
     if (q.dim() >= 3 and k.dim() >= 3 and v.dim() >= 3 and k.shape[-3] == v.shape[-3] != q.shape[-3]
             and q.shape[-3] % k.shape[-3] == 0):
-        batch = q.shape[:-3]
-        if not (batch == k.shape[:-3] == v.shape[:-3]):  # (broadcast_shapes is slow, and its first call imports sympy)
-            batch = torch.broadcast_shapes(batch, k.shape[:-3], v.shape[:-3])
-        batch = tuple(batch)
+        batch = broadcast(q.shape[:-3], k.shape[:-3], v.shape[:-3])
         return (*batch, q.shape[-3]), (*batch, k.shape[-3])
-    lead = q.shape[:-2]
-    if not (lead == k.shape[:-2] == v.shape[:-2]):  # the common call: equal, nothing to broadcast
-        lead = torch.broadcast_shapes(lead, k.shape[:-2], v.shape[:-2])
-    return tuple(lead), tuple(lead)
+    lead = broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    return lead, lead
+
+
+def broadcast(*shapes) -> tuple[int, ...]:
+    """torch.broadcast_shapes, skipped in the common call where the shapes are equal (it is slow, and
+    its first call imports sympy: 0.3 s and ~40 MiB). RuntimeError where they do not broadcast."""
+    if all(s == shapes[0] for s in shapes[1:]):
+        return tuple(shapes[0])
+    return tuple(torch.broadcast_shapes(*shapes))
 
 
 def unit_last_stride(*tensors: Tensor) -> bool:

@@ -46,7 +46,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import masks, positions
 from ._context import forward_mode
-from ._shapes import attached_zeros, matched_kv_heads, unit_last_stride
+from ._shapes import attached_zeros, broadcast, matched_kv_heads, unit_last_stride
 from .contract import Contract, resolve
 
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -189,11 +189,9 @@ def _as_4d(*tensors: Tensor) -> tuple[Tensor, ...]:
 def _batch(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, ...]:
     """The output's leading dims: those of q, k, v (..., T, D) broadcast, the heads q's under GQA."""
     shapes = q.shape[:-2], k.shape[:-2], v.shape[:-2]
-    if shapes[0] == shapes[1] == shapes[2]:
-        return tuple(shapes[0])
-    if _grouped(q, k):
-        return (*torch.broadcast_shapes(*(shape[:-1] for shape in shapes)), q.shape[-3])
-    return tuple(torch.broadcast_shapes(*shapes))
+    if _grouped(q, k) and not shapes[0] == shapes[1] == shapes[2]:
+        return (*broadcast(*(shape[:-1] for shape in shapes)), q.shape[-3])
+    return broadcast(*shapes)
 
 
 def _folded_shape(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> torch.Size:

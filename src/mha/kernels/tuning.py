@@ -157,10 +157,15 @@ def crossovers(dtype: torch.dtype) -> Crossover:
     return found
 
 
+def switched_off() -> bool:
+    """MHA_TUNE=off: nothing measures by itself (first use, mha verify); `mha tune` still does."""
+    return os.environ.get("MHA_TUNE", "auto").lower() == "off"
+
+
 def _look_up(dtype: torch.dtype) -> Crossover:
     key = machine_key()
     table = stored(key)
-    if table is None and os.environ.get("MHA_TUNE", "auto").lower() != "off" and not _among_ranks():
+    if table is None and not switched_off() and not _among_ranks():
         with _first_use_lock, _file_lock(_measuring_lock()):  # one thread, one process measures; the others
             _tables.pop(key, None)                                # wait and read its table
             table = stored(key)

@@ -297,3 +297,18 @@ def test_scales_long_rows_non_finite_sinks_and_paging_keys(tmp_path, open_page):
     canvas.send_keys(Keys.PAGE_DOWN, Keys.PAGE_DOWN, Keys.END, Keys.ENTER)
     assert page.js("return [mhaView.state.open.cursor, mhaView.state.open.row]") == [[8, 39], 8]
     assert page.console_errors() == []
+
+
+@pytest.mark.parametrize("T", [63, 64, 65, 640, 641])
+def test_sizes_at_the_drawing_boundaries(tmp_path, open_page, T):
+    """Thumbnails are at most 64 px (pooled past), the head view at most 640 px a side: either side."""
+    module = general(0)
+    x = torch.randn(1, T, 48)
+    page = open_page(mha.view(module, x, x, x, forward_kwargs={"is_causal": True}, output=tmp_path / "sizes.html"))
+    thumb = page.js("const c = document.querySelector('#grid button.cell canvas'); return [c.width, c.height]")
+    assert thumb == [min(T, 64), min(T, 64)]
+    result = page.js(f"mhaView.open(0, 5); const b = mhaView.select({T - 1});"
+                     "return [b.addsUp, mhaView.state.geometry.width, mhaView.state.geometry.height];")
+    assert result[0] is True and result[1] == result[2] <= 640
+    assert result[1] == (640 if T > 640 else T * min(28, 640 // T))
+    assert page.console_errors() == []

@@ -7,14 +7,18 @@
                             GQA (num_kv_heads), RoPE, ALiBi, sliding windows, softcap, sinks, a KV cache
                             (formerly mha.MultiHeadAttention, one letter from torch's drop-in
                             mha.nn.MultiheadAttention: the old name is a deprecated alias for one release)
-    mha.KVCache, mha.RotaryEmbedding  (mha.rope.apply_rope: the rotation as a function)
+    mha.KVCache, mha.RotaryEmbedding  the contiguous KV cache and RoPE (mha.modules.rope.apply_rope: the
+                            rotation as a function)
+    mha.modules             the modules' layer: the one pipeline (project -> split heads -> attend ->
+                            merge -> out-project), projections, the general module, the cache, RoPE
     mha.layouts             weights between layouts (torch, general, per-head, Annotated, labml, BERT,
                             GPT-2, Llama)
     mha.efficient           approximate attention variants, one signature
     mha.kernels             the attention contract, exact backends and the dispatch between them
     mha.positions           the one position rule: distances, bands (causal, windows), alignment, ALiBi
     mha.masks               the one place the caller's masks are validated and canonicalised
-    mha.capture_attention   record every attention module's weights during a forward
+    mha.capture_attention   record the per-head weights of every attention call during a forward (the
+                            dispatch's observers, like mha.explorer.record)
     mha.view, mha.explorer  the attention explorer: one self-contained HTML page of a forward's maps,
                             a row's breakdown term by term, averages, a diff of two runs
     mha.distributed         attention across processes on torch.distributed: SequenceLayout,
@@ -31,25 +35,28 @@ The tools the ``mha`` command runs (verify, bench, explain, plot, convert) live 
 ``mha distributed`` runs mha.tools.distributed_demo.
 """
 
-from . import distributed, efficient, explorer, functional, kernels, layouts, masks, nn, numpy, positions, rope
-from ._cache import KVCache
-from ._capture import capture_attention
-from ._general import GeneralAttention
-from .explorer import view
-from .rope import RotaryEmbedding
-
-__version__ = "0.1.0"
+from . import distributed, efficient, explorer, functional, kernels, layouts, masks, modules, nn, numpy, positions
+from ._version import __version__
+from .explorer import capture_attention, view
+from .modules import GeneralAttention, KVCache, RotaryEmbedding
 
 __all__ = ["GeneralAttention", "KVCache", "RotaryEmbedding", "capture_attention", "distributed", "efficient", "explorer",
-           "functional", "kernels", "layouts", "masks", "nn", "numpy", "positions", "rope", "view", "__version__"]
+           "functional", "kernels", "layouts", "masks", "modules", "nn", "numpy", "positions", "view", "__version__"]
+
+
+_RENAMED = {  # deprecated name: (what it is now, its new name); each goes in the next release
+    "MultiHeadAttention": (lambda: GeneralAttention, "mha.GeneralAttention (the same class)"),
+    "rope": (lambda: modules.rope, "mha.modules.rope (the same module)"),
+}
 
 
 def __getattr__(name: str):
-    """The deprecated names: mha.MultiHeadAttention is mha.GeneralAttention."""
-    if name == "MultiHeadAttention":
+    """The deprecated names: mha.MultiHeadAttention is mha.GeneralAttention, mha.rope is mha.modules.rope."""
+    if name in _RENAMED:
         import warnings
 
-        warnings.warn("mha.MultiHeadAttention is renamed mha.GeneralAttention (the same class); the old name "
-                      "goes in the next release", DeprecationWarning, stacklevel=2)
-        return GeneralAttention
+        now, new_name = _RENAMED[name]
+        warnings.warn(f"mha.{name} is renamed {new_name}; the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return now()
     raise AttributeError(f"module 'mha' has no attribute {name!r}")

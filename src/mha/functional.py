@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks, kernels, masks, positions
-from ._attention import attend, check_inputs, pipeline
-from ._projections import ProjectionWeights
+from .modules.pipeline import attend, check_inputs, pipeline
+from .modules.projections import ProjectionWeights
 from .kernels._context import autocast_inputs
 from .kernels._shapes import broadcast
 from .kernels.contract import contract_of

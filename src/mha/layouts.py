@@ -285,7 +285,7 @@ def convert(state: Mapping[str, Tensor], source: str, target: str, num_heads: in
 
 def state_of(module) -> tuple[dict, str, int]:
     """(state_dict, layout name, num_heads) of a torch/mha attention module."""
-    from ._general import GeneralAttention
+    from .modules.general import GeneralAttention
     from .nn import MultiheadAttention
 
     if isinstance(module, GeneralAttention):
@@ -298,7 +298,7 @@ def state_of(module) -> tuple[dict, str, int]:
 
 def general_module(state: Mapping[str, Tensor], layout: str, num_heads: int, **options):
     """An mha.GeneralAttention with the widths these weights imply, loaded with them."""
-    from ._general import GeneralAttention
+    from .modules.general import GeneralAttention
 
     general = to_general(state, layout, num_heads)
     w = widths(general, num_heads)

@@ -335,8 +335,8 @@ def test_gqa_on_torchs_kernel_reads_the_shared_heads_as_they_are(name, monkeypat
 
 
 def test_attend_defaults_are_plain_batched_attention_without_weights():
-    """mha._attention.attend(q, k, v): no causal mask, no dropout, no extra key, no weights, batched masks."""
-    from mha._attention import attend
+    """mha.modules.pipeline.attend(q, k, v): no causal mask, no dropout, no extra key, no weights, batched masks."""
+    from mha.modules.pipeline import attend
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, n, 4, generator=g, dtype=torch.float64) for n in (5, 6, 6))
@@ -351,8 +351,8 @@ def test_attend_defaults_are_plain_batched_attention_without_weights():
 
 
 def test_attend_positional_defaults_are_plain_attention_without_weights():
-    """mha._attention.attend_positional on heads (B, H, T, D): no causal band, no dropout, no weights."""
-    from mha._attention import attend_positional
+    """mha.modules.pipeline.attend_positional on heads (B, H, T, D): no causal band, no dropout, no weights."""
+    from mha.modules.pipeline import attend_positional
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, n, 4, generator=g, dtype=torch.float64) for n in (5, 6, 6))
@@ -364,7 +364,7 @@ def test_attend_positional_defaults_are_plain_attention_without_weights():
 def test_attention_with_appended_keys_and_positions_runs_on_the_meta_device():
     """Shape inference on the meta device: every tensor the machinery makes (key positions of the
     appended keys, RoPE's positions, a cache's positions) is made on the query's device."""
-    from mha._attention import attend
+    from mha.modules.pipeline import attend
 
     q = torch.empty(2, 3, 4, 8, device="meta")
     out, _ = attend(q, q, q, add_zero_attn=True, is_causal=True)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mha.rope import RotaryEmbedding, apply_rope
+from mha.modules.rope import RotaryEmbedding, apply_rope
 
 
 def _by_hand(x, positions, base, rotary_dim, interleaved):

@@ -11,8 +11,8 @@ ON_REQUEST = {"cli", "integrations", "tools"}  # public subpackages bound only o
 
 
 def test_the_public_names_of_mha_are_its_all():
-    """Internal modules are _-prefixed (mha._attention, mha._general, ...): what dir(mha) shows
-    without a _ is the public surface."""
+    """Internal modules are _-prefixed (mha._checks, mha._version): what dir(mha) shows without a _
+    is the public surface."""
     public = {name for name in dir(mha) if not name.startswith("_")}
     assert public - ON_REQUEST == set(mha.__all__) - {"__version__"}
     assert {"layouts", "functional", "nn", "kernels", "efficient", "GeneralAttention", "KVCache",
@@ -21,7 +21,7 @@ def test_the_public_names_of_mha_are_its_all():
 
 def test_every_public_module_names_its_exports_and_they_exist():
     for module in (mha, mha.nn, mha.kernels, mha.numpy, mha.functional, mha.efficient, mha.layouts, mha.masks,
-                   mha.positions, mha.distributed):
+                   mha.positions, mha.distributed, mha.modules, mha.explorer):
         assert module.__all__, module.__name__
         assert all(hasattr(module, name) for name in module.__all__), module.__name__
 
@@ -60,3 +60,18 @@ def test_the_general_module_keeps_its_old_name_one_release_with_a_warning():
     assert "MultiHeadAttention" not in dir(mha)
     with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
         mha.NoSuchThing  # noqa: B018 (the access is the test)
+
+
+def test_rope_moved_to_the_modules_layer_keeps_its_old_name_one_release_with_a_warning():
+    with pytest.warns(DeprecationWarning, match=r"mha.rope is renamed mha.modules.rope"):
+        old = mha.rope
+    assert old is mha.modules.rope and old.apply_rope is mha.modules.apply_rope
+    assert "rope" not in dir(mha)
+
+
+def test_the_version_is_written_once_and_every_layer_reads_it():
+    from mha import _version
+    from mha.kernels import tuning
+
+    assert mha.__version__ == _version.__version__
+    assert tuning.__version__ is _version.__version__  # tuning's cache key reads the leaf, not the package

@@ -8,7 +8,7 @@ import importlib.util
 import os
 import sys
 
-from .. import __version__
+from .._version import __version__
 
 if importlib.util.find_spec("rich") is None:  # every command prints with rich, a cli extra (import mha needs none)
     raise SystemExit("mha: the command needs rich, which comes with the cli extra: pip install 'mha[cli]'")

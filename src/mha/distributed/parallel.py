@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
-from .._attention import check_inputs, own_tensors, pipeline
-from .._general import GeneralAttention
-from .._projections import ProjectionWeights
+from ..modules.pipeline import check_inputs, own_tensors, pipeline
+from ..modules.general import GeneralAttention
+from ..modules.projections import ProjectionWeights
 from ..functional import projected_attention
 from ..nn import MultiheadAttention
 from . import comm

@@ -17,6 +17,7 @@ D / Dv per-head widths.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +27,7 @@ from .. import positions
 from ..kernels import dispatch
 from ..kernels.contract import Contract
 
-__all__ = ["AttentionCall", "Recording", "record"]
+__all__ = ["AttentionCall", "Recording", "capture_attention", "record"]
 
 
 @dataclass(frozen=True)
@@ -96,26 +97,31 @@ class Recording:
         return cls(calls)
 
 
-class record:  # noqa: N801  (used like a function: with record(model) as recording)
-    """Record every attention call made inside the block (see the module docstring). ``model``
-    names the calls after its modules; without it they are named by their order."""
+class _Watch:
+    """Watches the dispatch (mha.kernels.dispatch.OBSERVERS) inside a ``with`` block and names each
+    call after the innermost module running it: of ``model`` when given (a call made outside it is
+    ``None``), of any module otherwise. The one observation hook: :class:`record` and
+    :class:`capture_attention` differ only in what they keep of a call."""
 
     def __init__(self, model: nn.Module | None = None) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
         self.model = model
-        self.recording = Recording()
         self._stack: list[str] = []
         self._hooks: list = []
 
-    def __enter__(self) -> Recording:
+    def __enter__(self):
         if self.model is not None:
             for name, module in self.model.named_modules():
                 self._hooks.append(module.register_forward_pre_hook(
-                    lambda _m, _a, name=name: self._stack.append(name)))
+                    lambda _m, _a, name=name: self._stack.append(name or type(self.model).__name__)))
                 self._hooks.append(module.register_forward_hook(self._leave, always_call=True))
+        else:  # every module: named by its class and identity
+            self._hooks.append(nn.modules.module.register_module_forward_pre_hook(
+                lambda m, _a: self._stack.append(f"{type(m).__name__}@{id(m):x}")))
+            self._hooks.append(nn.modules.module.register_module_forward_hook(self._leave, always_call=True))
         dispatch.OBSERVERS.append(self._observe)
-        return self.recording
+        return self._kept()
 
     def __exit__(self, *exc) -> None:
         dispatch.OBSERVERS.remove(self._observe)
@@ -126,13 +132,62 @@ class record:  # noqa: N801  (used like a function: with record(model) as record
     def _leave(self, *_) -> None:  # a forward hook: returns None, which keeps the module's output
         self._stack.pop()
 
+    def _running(self) -> str | None:
+        """The innermost module running (the model itself by its class name), or None."""
+        return self._stack[-1] if self._stack else None
+
+    def _kept(self):
+        raise NotImplementedError
+
+    def _observe(self, q, k, v, contract, out, weights, *, dropout_p=0.0) -> None:
+        raise NotImplementedError
+
+
+class record(_Watch):  # noqa: N801  (used like a function: with record(model) as recording)
+    """Record every attention call made inside the block (see the module docstring). ``model``
+    names the calls after its modules; a call made outside them is named by its order."""
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        super().__init__(model)
+        self.recording = Recording()
+
+    def _kept(self) -> Recording:
+        return self.recording
+
     def _observe(self, q: Tensor, k: Tensor, v: Tensor, contract: Contract, out: Tensor, weights: Tensor, *,
                  dropout_p: float = 0.0) -> None:
-        if self._stack:  # the innermost module running; the model itself has the name ""
-            name = self._stack[-1] or type(self.model).__name__
-        else:
-            name = f"call {len(self.recording.calls)}"
+        name = self._running() if self.model is not None else None
+        name = name or f"call {len(self.recording.calls)}"
         self.recording.calls.append(call_of(name, q, k, v, contract, out, weights, dropout_p=dropout_p))
+
+
+class capture_attention(_Watch):  # noqa: N801  (used like a function: with capture_attention(...))
+    """Capture the per-head attention weights of every attention call in a forward (as seed 003
+    keeps ``self.attn``):
+
+        with mha.capture_attention(model) as maps:
+            model(x)
+        maps["layers.0.self_attn"]  # [(B, H, L, S) weights of each call]
+
+    Calls are named after the innermost module of ``model`` that made them (calls outside it are
+    not kept); without a model, after any module ("MultiheadAttention@7f..."), and "attention" for
+    a call made outside every module (a function, or forward_with_weights called directly). Inside the block
+    every call runs on the math backend (the dispatch's observers); outside, nothing changes. An
+    unbatched call's weights are (1, H, L, S). For q, k, v, positions and the terms of each call,
+    see :class:`record`."""
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        super().__init__(model)
+        self.maps: dict[str, list[Tensor]] = defaultdict(list)
+
+    def _kept(self) -> dict[str, list[Tensor]]:
+        return self.maps
+
+    def _observe(self, q, k, v, contract, out, weights, *, dropout_p=0.0) -> None:
+        name = self._running() or (None if self.model is not None else "attention")
+        if name is not None:
+            heads = weights.detach()
+            self.maps[name].append(heads.reshape(-1, *heads.shape[-3:]))  # (..., H, L, S) -> (B, H, L, S)
 
 
 def call_of(name: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, out: Tensor,

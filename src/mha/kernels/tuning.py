@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from .._version import __version__
+
 log = logging.getLogger("mha.dispatch")
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")  # those that matter
@@ -97,7 +99,6 @@ def machine_key() -> str:
 
 @functools.cache
 def _fixed_key() -> str:
-    from .. import __version__
     info = cpu()
     from . import native
     build, sanitized = native._this_process()

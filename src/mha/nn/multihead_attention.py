@@ -11,10 +11,9 @@ from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from .. import _capture as capture
 from .. import _checks, masks
-from .._attention import check_inputs, own_tensors
-from .._projections import ProjectionWeights
+from ..modules.pipeline import check_inputs, own_tensors
+from ..modules.projections import ProjectionWeights
 from ..functional import projected_attention
 
 __all__ = ["MultiheadAttention"]
@@ -130,7 +129,6 @@ class MultiheadAttention(nn.Module):
             self, "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias", "bias_k", "bias_v")
         if query.dtype != weight.dtype or query.device != weight.device:
             _checks.same_dtype_device("query", query, **{"the module's weight": weight})
-        capturing = capture.recording()  # mha.capture_attention: per-head weights are recorded
         if bias is not None and bias.dtype != query.dtype:
             bias = bias.to(query.dtype)  # as torch: a bias of another dtype is added in the query's
         proj = ProjectionWeights(in_proj_weight, q_w, k_w, v_w, bias)  # shaped by the constructor: no per-call checks
@@ -138,10 +136,7 @@ class MultiheadAttention(nn.Module):
             query, key, value, proj, self.num_heads, bias_k=bias_k, bias_v=bias_v,
             add_zero_attn=self.add_zero_attn, dropout_p=self.dropout if self.training else 0.0,
             out_proj_weight=weight, out_proj_bias=out_bias, key_padding_mask=key_padding_mask,
-            need_weights=need_weights or capturing, attn_mask=attn_mask,
-            average_attn_weights=average_attn_weights and not capturing, is_causal=is_causal,
+            need_weights=need_weights, attn_mask=attn_mask,
+            average_attn_weights=average_attn_weights, is_causal=is_causal,
             batched=batched, batch_first=self.batch_first, backend=getattr(self, "backend", "auto"))
-        if capturing:
-            capture.record(self, weights, batched)
-            weights = capture.returned_weights(weights, need_weights, average_attn_weights, batched)
         return out, weights

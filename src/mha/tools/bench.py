@@ -56,8 +56,8 @@ import numpy as np
 import torch
 
 from .. import numpy as mnp
-from .._cache import KVCache
-from .._general import GeneralAttention
+from ..modules.cache import KVCache
+from ..modules.general import GeneralAttention
 from ..functional import scaled_dot_product_attention
 from ..kernels import BACKENDS, Contract, flash_attention, tuning
 from ..nn import MultiheadAttention

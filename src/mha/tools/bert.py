@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .. import layouts
-from .._capture import capture_attention
+from ..explorer import capture_attention
 from ..nn import TransformerEncoderLayer
 
 __all__ = ["BertCheckpoint", "attention_maps", "minilm_path"]

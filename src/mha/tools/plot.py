@@ -43,7 +43,7 @@ def attention_figure(weights: Tensor, query_tokens: list[str], key_tokens: list[
 
 def sentence_example() -> tuple[Tensor, list[str]]:
     """Seed 003's sentence through three heads with its stacked random weights: ((3, 6, 6), tokens)."""
-    from .._capture import capture_attention
+    from ..explorer import capture_attention
     from ..layouts import PerHead, from_per_head, general_module
 
     sentence = "Life is short, eat dessert first"

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .. import __version__, _checks
+from .. import _checks
+from .._version import __version__
 from .. import numpy as oracle
 from ..nn import MultiheadAttention
 

@@ -29,7 +29,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from . import _checks
+from .. import _checks
 
 __all__ = ["KVCache"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from . import _checks
+from .. import _checks
 
 __all__ = ["apply_rope", "RotaryEmbedding"]
 

@@ -16,11 +16,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 
-from . import _capture as capture
-from . import _checks, efficient, positions
-from ._attention import attend, attend_positional, check_inputs, own_tensors, pipeline, split_heads
-from ._cache import KVCache
-from .kernels.dispatch import share_kv_heads
+from .. import _checks, efficient, positions
+from .pipeline import attend, attend_positional, check_inputs, own_tensors, pipeline, split_heads
+from .cache import KVCache
+from ..kernels.dispatch import share_kv_heads
 from .rope import RotaryEmbedding
 
 __all__ = ["GeneralAttention"]
@@ -196,16 +195,12 @@ class GeneralAttention(nn.Module):
         out_proj = self._modules["out_proj"]  # one dict read, not nn.Module.__getattr__
         if query.dtype != out_proj.weight.dtype or query.device != out_proj.weight.device:
             _checks.same_dtype_device("query", query, **{"the module's weight": out_proj.weight})
-        capturing = capture.recording()  # mha.capture_attention: per-head weights are recorded
         out, weights = pipeline(query, key, value, batched=batched, batch_first=True, project=self._project,
                                 attend=self._attention_of(
                                     batched=batched, cache=cache, attn_mask=attn_mask, is_causal=is_causal,
-                                    key_padding_mask=key_padding_mask, need_weights=need_weights or capturing,
+                                    key_padding_mask=key_padding_mask, need_weights=need_weights,
                                     dropout_p=self.dropout if self.training else 0.0, backend=backend),
-                                out_proj=out_proj, average_attn_weights=average_attn_weights and not capturing)
-        if capturing:
-            capture.record(self, weights, batched)
-            weights = capture.returned_weights(weights, need_weights, average_attn_weights, batched)
+                                out_proj=out_proj, average_attn_weights=average_attn_weights)
         return out, weights
 
     def _project(self, x_q: Tensor, x_k: Tensor, x_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -230,7 +225,7 @@ class GeneralAttention(nn.Module):
                                  attn_mask=attn_mask, softcap=self.softcap, sinks=self.sinks, batched=batched, **options)
 
     def _positional(self, q, k, v, *, cache, attn_mask, batched, key_padding_mask, **options):
-        """RoPE, ALiBi, windows or a cache: masks come from positions (mha._attention.attend_positional)."""
+        """RoPE, ALiBi, windows or a cache: masks come from positions (mha.modules.pipeline.attend_positional)."""
         if cache is not None:
             if not isinstance(cache, KVCache):
                 raise TypeError(f"cache must be an mha.KVCache, got {type(cache).__name__}")

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _checks, kernels, masks, positions
-from .kernels.contract import contract_of
+from .. import _checks, kernels, masks, positions
+from ..kernels.contract import contract_of
 
 _ABSENT = object()
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from . import _checks
-from ._attention import split_heads, split_packed_heads
+from .. import _checks
+from .pipeline import split_heads, split_packed_heads
 
 
 class ProjectionWeights:

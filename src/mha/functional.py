@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks, kernels, masks, positions
-from .modules.pipeline import attend, check_inputs, pipeline
-from .modules.projections import ProjectionWeights
 from .kernels._context import autocast_inputs
 from .kernels._shapes import broadcast
 from .kernels.contract import contract_of
+from .modules.pipeline import attend, check_inputs, pipeline
+from .modules.projections import ProjectionWeights
 
 __all__ = ["scaled_dot_product_attention", "multi_head_attention_forward"]
 

@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _checks
-from ..modules.pipeline import check_inputs, own_tensors, pipeline
-from ..modules.general import GeneralAttention
-from ..modules.projections import ProjectionWeights
 from ..functional import projected_attention
+from ..modules.general import GeneralAttention
+from ..modules.pipeline import check_inputs, own_tensors, pipeline
+from ..modules.projections import ProjectionWeights
 from ..nn import MultiheadAttention
 from . import comm
 from .layout import BALANCES, SequenceLayout

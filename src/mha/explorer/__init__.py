@@ -24,7 +24,8 @@ from .. import _checks
 from .page import DEFAULT_MAX_BYTES, PageTooLarge, render, write
 from .record import AttentionCall, Recording, capture_attention, record
 
-__all__ = ["AttentionCall", "DEFAULT_MAX_BYTES", "PageTooLarge", "Recording", "capture_attention", "record", "recording_of", "view"]
+__all__ = ["AttentionCall", "DEFAULT_MAX_BYTES", "PageTooLarge", "Recording", "capture_attention", "record", "recording_of",
+           "view"]
 
 
 def view(source, *inputs, output: str | Path = "attention.html", tokens: list[str] | None = None,

@@ -17,9 +17,9 @@ from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 
 from .. import _checks, efficient, positions
-from .pipeline import attend, attend_positional, check_inputs, own_tensors, pipeline, split_heads
-from .cache import KVCache
 from ..kernels.dispatch import share_kv_heads
+from .cache import KVCache
+from .pipeline import attend, attend_positional, check_inputs, own_tensors, pipeline, split_heads
 from .rope import RotaryEmbedding
 
 __all__ = ["GeneralAttention"]

@@ -12,9 +12,9 @@ from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .. import _checks, masks
+from ..functional import projected_attention
 from ..modules.pipeline import check_inputs, own_tensors
 from ..modules.projections import ProjectionWeights
-from ..functional import projected_attention
 
 __all__ = ["MultiheadAttention"]
 

@@ -56,10 +56,10 @@ import numpy as np
 import torch
 
 from .. import numpy as mnp
-from ..modules.cache import KVCache
-from ..modules.general import GeneralAttention
 from ..functional import scaled_dot_product_attention
 from ..kernels import BACKENDS, Contract, flash_attention, tuning
+from ..modules.cache import KVCache
+from ..modules.general import GeneralAttention
 from ..nn import MultiheadAttention
 from ..positions import CAUSAL, Band
 from . import bench_distributed, bench_hf, bench_memory, bench_native, bench_quality, bench_variants, plot_variants

@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from ..modules.general import GeneralAttention
 from ..functional import scaled_dot_product_attention
 from ..kernels import native
-from ..nn import MultiheadAttention
+from ..modules.general import GeneralAttention
 from ..modules.rope import RotaryEmbedding
+from ..nn import MultiheadAttention
 
 HEADS, HEAD_DIM = 8, 64
 

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from .. import _checks
-from .._version import __version__
 from .. import numpy as oracle
+from .._version import __version__
 from ..nn import MultiheadAttention
 
 FP64_TOL = 1e-10

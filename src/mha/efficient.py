@@ -2,8 +2,8 @@
 
     variant(q, k, v, is_causal=False) -> output       q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv)
 
-    exact        softmax attention (torch's fused kernel): the reference
-    local        sliding window of w keys (exact within its window; the flash kernel's band)
+    exact        softmax attention: the reference
+    local        sliding window of w keys (exact within its window: a band of the contract)
     strided      Sparse Transformer, strided pattern (Child et al. 2019): the last c keys, and every
                  c-th key before them; causal; block-sparse, ~O(T sqrt T) work for c ~ sqrt T
     fixed        Sparse Transformer, fixed pattern: the query's own block of c keys, and the last
@@ -16,7 +16,9 @@
 
 The ones with exact limits reach them: strided/fixed with a pattern covering every key, nystrom
 with as many landmarks as keys, linformer with identity projections and k = n, local with w >= T.
-Variants that take only causal masks raise on is_causal when they have no causal form.
+Variants that take only causal masks raise on is_causal when they have no causal form. Their
+exact parts (exact, local, the block-sparse patterns' parts) are calls of mha.kernels.dispatch,
+which chooses the backend: the variants write no choice of their own.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _checks, positions
-from .kernels import Contract, flash_attention_with_lse, merge_attention, sdpa_attention
+from .kernels import Contract, attention, merge_attention
+from .kernels.dispatch import attention_with_lse
 from .positions import CAUSAL, Band
 
 _CAUSAL = Contract(band=CAUSAL)
@@ -39,7 +42,7 @@ __all__ = ["Exact", "Local", "Strided", "Fixed", "Linformer", "Nystrom", "Linear
 
 class Exact(nn.Module):
     def forward(self, q, k, v, is_causal=False):
-        return sdpa_attention(q, k, v, Contract(band=positions.band(is_causal)))
+        return attention(q, k, v, Contract(band=positions.band(is_causal)))[0]
 
 
 class Local(nn.Module):
@@ -51,7 +54,8 @@ class Local(nn.Module):
 
     def forward(self, q, k, v, is_causal=False):
         band = Band(self.window, 0 if is_causal else self.window)
-        return flash_attention_with_lse(q, k, v, Contract(band=band, offset=k.shape[-2] - q.shape[-2]))[0]
+        offset = positions.offset_of("bottom_right", q.shape[-2], k.shape[-2])
+        return attention(q, k, v, Contract(band=band, offset=offset))[0]
 
 
 def _causal_only(name: str, is_causal: bool, q: Tensor, k: Tensor) -> None:
@@ -79,11 +83,11 @@ class Strided(nn.Module):
     def forward(self, q, k, v, is_causal=True):
         _causal_only("strided", is_causal, q, k)
         T, c = q.shape[-2], self.stride
-        local, lse_local = flash_attention_with_lse(q, k, v, Contract(band=Band(c - 1, 0)))
+        local, lse_local = attention_with_lse(q, k, v, Contract(band=Band(c - 1, 0)))
         # strided: position p = a*c + r; query (a, r) sees keys (a', r) with a' < a
         qb, kb, vb = _blocks(q, c), _blocks(k, c), _blocks(v, c)  # (B, H, A, c, D)
         column = lambda x: x.transpose(-2, -3)  # noqa: E731  (B, H, A, c, D) -> (B, H, c, A, D): residue-major
-        out, lse = flash_attention_with_lse(column(qb), column(kb), column(vb), Contract(band=Band(None, -1)))
+        out, lse = attention_with_lse(column(qb), column(kb), column(vb), Contract(band=Band(None, -1)))
         unblock = lambda x: column(x).flatten(-3, -2)[..., :T, :]  # noqa: E731  (B, H, c, A, D) -> (B, H, T, D)
         strided = unblock(out)
         lse_strided = column(lse.unsqueeze(-1)).flatten(-3, -2)[..., :T, 0]  # (B, H, c, A) -> (B, H, T)
@@ -105,13 +109,13 @@ class Fixed(nn.Module):
         _causal_only("fixed", is_causal, q, k)
         T, c, t = q.shape[-2], self.block, self.summary
         qb, kb, vb = _blocks(q, c), _blocks(k, c), _blocks(v, c)  # (B, H, A, c, D)
-        own, lse_own = flash_attention_with_lse(qb, kb, vb, _CAUSAL)  # causal within each block
+        own, lse_own = attention_with_lse(qb, kb, vb, _CAUSAL)  # causal within each block
         own, lse_own = own.flatten(-3, -2)[..., :T, :], lse_own.flatten(-2)[..., :T]  # (B, H, T, ...)
         summary_k, summary_v = kb[..., c - t:, :].flatten(-3, -2), vb[..., c - t:, :].flatten(-3, -2)  # (B, H, A*t, D)
         query_block = torch.arange(T, device=q.device) // c
         key_block = torch.arange(summary_k.shape[-2], device=q.device) // t
         earlier = key_block[None, :] < query_block[:, None]  # (T, A*t) bool: summaries of earlier blocks only
-        summary, lse_summary = flash_attention_with_lse(q, summary_k, summary_v, Contract(mask=earlier))
+        summary, lse_summary = attention_with_lse(q, summary_k, summary_v, Contract(mask=earlier))
         merged, _ = merge_attention(own, lse_own, summary, lse_summary)
         return merged
 
@@ -137,7 +141,7 @@ class Linformer(nn.Module):
             raise ValueError(f"Linformer was built for sequences up to max_length={self.max_length}, got {S}")
         k_proj = torch.einsum("kn,bhnd->bhkd", self.E[:, :S].to(k.dtype), k)  # (B, H, k, D)
         v_proj = torch.einsum("kn,bhnd->bhkd", self.F[:, :S].to(v.dtype), v)
-        return sdpa_attention(q, k_proj, v_proj)  # (B, H, L, Dv)
+        return attention(q, k_proj, v_proj, None)[0]  # (B, H, L, Dv)
 
 
 def iterative_pinv(a: Tensor, iterations: int = 6) -> Tensor:

@@ -63,12 +63,14 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     windows and ALiBi fold into one mask for torch's kernel when that mask is no larger than
     query, key and value together; see mha.kernels.dispatch).
     """
-    # the plain call, straight to torch's kernel when that is what auto would run (dispatch.plain_call)
+    # a plain call: the dispatch's per-call fast path (torch's kernel, when that is what auto would run)
     if (attn_mask is None and dropout_p.__class__ is float and dropout_p == 0.0 and scale is None
             and backend == "auto" and causal_alignment is None and window is None and alibi_slopes is None
             and softcap is None and sinks is None and (is_causal is False or is_causal is True)
-            and (enable_gqa is False or enable_gqa is True) and kernels.dispatch.plain_call(query, key, value, enable_gqa)):
-        return F.scaled_dot_product_attention(query, key, value, is_causal=is_causal, enable_gqa=enable_gqa)  # auto's
+            and (enable_gqa is False or enable_gqa is True)):
+        out = kernels.dispatch.plain_sdpa(query, key, value, is_causal=is_causal, enable_gqa=enable_gqa)
+        if out is not None:
+            return out
     query, key, value, unbatched = _at_least_3d(query, key, value)
     query, key, value = autocast_inputs(query, key, value)  # under torch.autocast, as torch's SDPA
     batch_shape = _check_sdpa_inputs(query, key, value, enable_gqa)

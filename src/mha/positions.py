@@ -40,7 +40,7 @@ from torch import Tensor
 from . import _checks
 
 # what users call; the rest (aligned, check_window, needed) serves the modules and kernels
-__all__ = ["Band", "CAUSAL", "alibi_bias", "alibi_slopes", "band", "offset_of", "relative"]
+__all__ = ["Band", "CAUSAL", "alibi_bias", "alibi_slopes", "band", "offset_between", "offset_of", "packed", "relative"]
 
 ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -50,6 +50,13 @@ def offset_of(alignment: str, L: int, S: int) -> int:
     if alignment not in ALIGNMENTS:
         raise ValueError(f"alignment must be 'top_left' or 'bottom_right', got {alignment!r}")
     return 0 if alignment == "top_left" else S - L
+
+
+def offset_between(query_start: int, key_start: int) -> int:
+    """The offset of queries placed from ``query_start`` against keys placed from ``key_start``
+    (query i at query_start + i, key j at key_start + j: rel = j - (i + query_start - key_start)).
+    A cache's offset, a ring block's, transformers' q_offset against kv_offset: all are this."""
+    return query_start - key_start
 
 
 def relative(query_positions, key_positions):
@@ -132,6 +139,23 @@ class Band:
         keys = torch.arange(S, device=device)
         return (keys >= first[:, None]) & (keys < stop[:, None])  # (L, S)
 
+    def causal_shift(self, offset: int) -> int | None:
+        """Causality moved by a shift d: query row i (at i + offset) sees exactly the keys j <= i + d
+        (d = offset + right), for a band bounded on the right only; None for any other band. What
+        torch's causal kernels take: d = 0 is their is_causal, d < 0 leaves the first -d rows with
+        no key, d >= S - 1 lets every row see every key."""
+        if self.left is not None or self.right is None:
+            return None
+        return offset + self.right
+
+    def strided(self, stride: int, shift: int) -> Band:
+        """The band on index distances j - i when rel = stride * (j - i) + shift (a striped layout:
+        query i at a + stride i, key j at b + stride j, shift = b - a):
+        -left <= rel <= right  <=>  ceil((-left - shift) / stride) <= j - i <= floor((right - shift) / stride)."""
+        left = None if self.left is None else (self.left + shift) // stride  # -ceil(x) = floor(-x)
+        right = None if self.right is None else (self.right - shift) // stride
+        return Band(left, right)
+
     @property
     def is_causal(self) -> bool:
         return self.left is None and self.right == 0
@@ -161,6 +185,28 @@ def needed(band: Band | None, L: int, S: int, offset: int = 0) -> Band | None:
     if band is None or (L > 0 and S > 0 and band.covers(offset, offset + L - 1, 0, S)):
         return None
     return band
+
+
+def packed(lengths_q: Tensor, lengths_k: Tensor, band: Band | None) -> tuple[Tensor, Tensor, Band]:
+    """Sequences packed one after another (flash-attn's varlen layout) as positions and one band:
+    (query positions (Tq,), key positions (Tk,), the band). Sequence b's queries are bottom-right
+    aligned against its keys (query i at i + S_b - L_b); sequences sit far enough apart that the
+    band, bounded by the longest sequence, never reaches from one into another."""
+    longest_q, longest_k = (int(x.max()) if len(x) else 0 for x in (lengths_q, lengths_k))
+    gap = 2 * (longest_q + longest_k) + 1  # between sequences' positions: beyond the band below
+    starts = torch.arange(len(lengths_q)) * gap
+    q_pos = torch.repeat_interleave(starts + lengths_k - lengths_q, lengths_q) + _ranks(lengths_q)
+    k_pos = torch.repeat_interleave(starts, lengths_k) + _ranks(lengths_k)
+    left, right = (None, None) if band is None else (band.left, band.right)
+    within = Band(longest_k if left is None else min(left, longest_k), longest_q if right is None else min(right, longest_q))
+    return q_pos, k_pos, within
+
+
+def _ranks(lengths: Tensor) -> Tensor:
+    """0..n_b-1 for each sequence, concatenated: (sum of lengths,)."""
+    total = int(lengths.sum())
+    starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+    return torch.arange(total) - starts
 
 
 def check_window(window) -> tuple[int | None, int | None]:

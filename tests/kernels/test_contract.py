@@ -629,7 +629,7 @@ def test_math_low_precision_is_computed_in_float32(dtype):
     out, weights = kernels.math_attention(q, k, v, contract)
     assert out.dtype == weights.dtype == dtype
     scores = q.float() * 0.25 @ k.float().transpose(-1, -2)  # no rounding to dtype on the way
-    wide = torch.softmax(contract.shape(scores, range(32), range(200), inplace=False), dim=-1)
+    wide = torch.softmax(contract.shape_scores(scores, range(32), range(200), inplace=False), dim=-1)
     for ours, exact in ((weights, wide), (out, wide @ v.float())):
         ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(torch.finfo(dtype).tiny)  # one step at each value
         assert ((ours.float() - exact).abs() <= ulp / 2 + 1e-7).all()  # rounded once (half a step)

@@ -444,6 +444,11 @@ def _each_alone(q, k, v, cu_q, cu_k, **options):
     return torch.cat(expected)  # (H, T_b, Dv) -> (T_b, H, Dv), side by side
 
 
+def _native_varlen(*args, **options):
+    """mha.kernels.varlen_attention on the native kernel (the subject of these tests)."""
+    return mha.kernels.varlen_attention(*args, backend="native", **options)
+
+
 @pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (3, 0)), (False, (4, 2))])
 def test_varlen_equals_each_sequence_alone(causal, window):
     """The packed layout (flash-attn's varlen): every sequence as if attended alone (bottom-right
@@ -454,7 +459,7 @@ def test_varlen_equals_each_sequence_alone(causal, window):
     v, _ = _packed(lens_k, 2, 6, 2)
     options = dict(is_causal=causal, window=window, alibi_slopes=torch.rand(4, dtype=torch.float64),
                    sinks=torch.randn(4, dtype=torch.float64))
-    out = native.varlen_attention(q, k, v, cu_q, cu_k, **options)
+    out = _native_varlen(q, k, v, cu_q, cu_k, **options)
     assert out.shape == (sum(lens_q), 4, 6)
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
@@ -472,7 +477,7 @@ def test_varlen_defaults_scale_softcap_and_int32_offsets(options):
     q, cu_q = _packed(lens_q, 2, 8, 3)
     k, cu_k = _packed(lens_k, 1, 8, 4)  # one kv head: MQA
     v, _ = _packed(lens_k, 1, 8, 5)
-    out = native.varlen_attention(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), **options)
+    out = _native_varlen(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), **options)
     assert_close(out, _each_alone(q, k, v, cu_q, cu_k, **options))
     assert not out[3:5].any()
 
@@ -481,7 +486,7 @@ def test_varlen_defaults_scale_softcap_and_int32_offsets(options):
 def test_varlen_with_no_queries_gives_an_empty_output(lens_q, lens_k):
     q, cu_q = _packed(lens_q, 2, 8, 6) if lens_q else (torch.zeros(0, 2, 8, requires_grad=True), torch.tensor([0]))
     k, cu_k = _packed(lens_k, 2, 8, 7) if lens_k else (torch.zeros(0, 2, 8), torch.tensor([0]))
-    out = native.varlen_attention(q, k.to(q.dtype), k.to(q.dtype), cu_q, cu_k, is_causal=True, window=(2, 0))
+    out = _native_varlen(q, k.to(q.dtype), k.to(q.dtype), cu_q, cu_k, is_causal=True, window=(2, 0))
     assert out.shape == (0, 2, 8)
     assert torch.autograd.grad(out.sum(), q)[0].shape == q.shape
 
@@ -529,7 +534,7 @@ def test_varlen_refuses_what_does_not_describe_a_packed_batch(change, error, mes
     options = {name: x for name, x in change.items() if name not in args}
     args.update({name: x for name, x in change.items() if name in args})
     with raises_exactly(error, message):
-        native.varlen_attention(args["q"], args["k"], args["v"], args["cu_q"], args["cu_k"], **options)
+        _native_varlen(args["q"], args["k"], args["v"], args["cu_q"], args["cu_k"], **options)
 
 
 def test_the_kernel_refuses_shapes_it_cannot_read():

@@ -1,4 +1,5 @@
-"""mha.kernels.partial and the in-place merges: attention split over key blocks, in one process.
+"""mha.kernels.dispatch.attention_with_lse / backward_with_lse and the in-place merges: attention
+split over key blocks, in one process.
 
 Blocks of keys computed apart and merged by log-sum-exp equal attention over all the keys; their
 backward contributions, given the whole softmax's output and log-sum-exp, add up to its gradients.
@@ -10,7 +11,7 @@ import torch
 
 from helpers.tolerance import assert_close
 from mha import positions
-from mha.kernels import Contract, math_attention, partial
+from mha.kernels import Contract, dispatch, math_attention, sdpa
 from mha.kernels.merge import add_sinks, merge_into, sink_gradient
 from mha.positions import Band
 
@@ -54,14 +55,15 @@ def test_parts_merge_to_the_whole_and_their_gradients_add_up(name):
     lse = torch.full((B, H, L), float("-inf"), dtype=torch.float64)
     parts = [(0, CUT), (CUT, S)]
     for start, stop in parts:
-        merge_into(out, lse, *partial.forward(q, k[:, :, start:stop], v[:, :, start:stop], _part(contract, start)))
+        merge_into(out, lse, *dispatch.attention_with_lse(q, k[:, :, start:stop], v[:, :, start:stop], _part(contract, start)))
     expected, qr, kr, vr = _whole(q, k, v, contract)
     assert_close(out, expected.detach())
     grad_out = torch.randn_like(out)
     expected.backward(grad_out)
     dq, dk, dv, d_slopes = torch.zeros_like(q), [], [], 0
     for start, stop in parts:
-        grads = partial.backward(q, k[:, :, start:stop], v[:, :, start:stop], _part(contract, start), out, lse, grad_out)
+        grads = dispatch.backward_with_lse(q, k[:, :, start:stop], v[:, :, start:stop], _part(contract, start),
+                                           out, lse, grad_out)
         dq += grads[0]
         dk.append(grads[1])
         dv.append(grads[2])
@@ -79,7 +81,7 @@ def test_parts_merge_to_the_whole_and_their_gradients_add_up(name):
 def test_sinks_join_once_after_the_merge():
     q, k, v = _inputs()
     sinks = torch.randn(H, dtype=torch.float64, requires_grad=True)
-    out, lse = partial.forward(q, k, v, Contract())
+    out, lse = dispatch.attention_with_lse(q, k, v, Contract())
     out, lse = out.clone(), lse.clone()
     add_sinks(out, lse, sinks.detach())
     expected, *_ = _whole(q, k, v, Contract(sinks=sinks))
@@ -94,7 +96,7 @@ def test_sinks_join_once_after_the_merge():
 
 def test_a_block_with_no_visible_key_merges_as_nothing():
     q, k, v = _inputs()
-    out, lse = partial.forward(q, k, v, Contract())
+    out, lse = dispatch.attention_with_lse(q, k, v, Contract())
     before = out.clone()
     nothing = torch.zeros_like(out), torch.full_like(lse, float("-inf"))
     merge_into(out, lse, *nothing)
@@ -107,7 +109,7 @@ def test_a_block_with_no_visible_key_merges_as_nothing():
 def test_torchs_fused_kernel_takes_plain_and_causal_blocks_and_lagging_ones():
     q = torch.randn(1, 2, 8, 4)
     kv = torch.randn(1, 2, 8, 4)
-    fused = lambda contract, k=kv: partial._fused(q, k, k, contract)  # noqa: E731
+    fused = lambda contract, k=kv: sdpa.lse_form(q, k, k, contract)  # noqa: E731
     assert fused(Contract()) == (False, 0)
     assert fused(Contract(band=positions.CAUSAL)) == (True, 0)
     assert fused(Contract(band=Band(None, -1))) == (True, 1)  # j <= i - 1: a striped block
@@ -120,11 +122,11 @@ def test_torchs_fused_kernel_takes_plain_and_causal_blocks_and_lagging_ones():
 
 def _one_part_equals_math(q, k, v, contract):
     """A single part (all the keys): its output and gradients are the math backend's; returns its lse."""
-    out, lse = partial.forward(q, k, v, contract)
+    out, lse = dispatch.attention_with_lse(q, k, v, contract)
     expected, _ = math_attention(q, k, v, contract)
     assert_close(out, expected)
     grad_out = torch.randn_like(out)
-    ours = partial.backward(q, k, v, contract, out, lse, grad_out)
+    ours = dispatch.backward_with_lse(q, k, v, contract, out, lse, grad_out)
     qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
     math_attention(qr, kr, vr, contract)[0].backward(grad_out)
     for got, want in zip(ours[:3], (qr.grad, kr.grad, vr.grad)):
@@ -141,9 +143,9 @@ def test_a_lagging_block_on_the_fused_kernel_equals_flash():
 def test_plain_causal_and_lagging_blocks_run_on_torchs_kernel_with_the_contracts_scale(monkeypatch):
     """The fused path is taken (it is what makes the ring fast) and honours an explicit scale."""
     calls = []
-    fused, fused_backward = partial._FUSED, partial._FUSED_BACKWARD
-    monkeypatch.setattr(partial, "_FUSED", lambda *a, **kw: calls.append("forward") or fused(*a, **kw))
-    monkeypatch.setattr(partial, "_FUSED_BACKWARD", lambda *a, **kw: calls.append("backward") or fused_backward(*a, **kw))
+    fused, fused_backward = sdpa._FUSED, sdpa._FUSED_BACKWARD
+    monkeypatch.setattr(sdpa, "_FUSED", lambda *a, **kw: calls.append("forward") or fused(*a, **kw))
+    monkeypatch.setattr(sdpa, "_FUSED_BACKWARD", lambda *a, **kw: calls.append("backward") or fused_backward(*a, **kw))
     q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64) for _ in range(3))
     for contract in (Contract(scale=0.3), Contract(band=positions.CAUSAL, scale=0.3), Contract(band=Band(None, -2), scale=0.3)):
         calls.clear()

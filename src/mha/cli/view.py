@@ -39,27 +39,40 @@ def run(args: argparse.Namespace) -> int:
         print(f"mha view: error: --max-mb must be a positive number of MB, got {args.max_mb}", file=sys.stderr)
         return 2
     try:
-        model = args.model or minilm_path()
-        name = "all-MiniLM-L6-v2" if args.model is None else Path(args.model).name
+        default = minilm_path() if args.model is None else _default_checkpoint()
+        model = args.model or default
+        name = tool.model_name(args.model, default)
         with console.status(f"running {name} on the text"):
-            recording, tokens = tool.record_text(model, args.text)
+            recording, tokens, total = tool.record_text(model, args.text)
             compare = None
             if args.compare is not None:
-                compare, compare_tokens = tool.record_text(args.compare, args.text)
+                compare, compare_tokens, _ = tool.record_text(args.compare, args.text)
                 if compare_tokens != tokens:
                     raise ValueError(f"--compare tokenizes the text differently ({len(compare_tokens)} tokens, "
                                      f"{len(tokens)} before): the diff needs the same tokens")
-        labels = (name, Path(args.compare).name) if args.compare else ("A", "B")
-        if labels[0] == labels[1]:
-            labels = (labels[0] + " (A)", labels[1] + " (B)")
+        labels = tool.run_labels(name, tool.model_name(args.compare, default)) if args.compare else ("A", "B")
+        notes = []
+        if total > len(tokens):
+            cut = (f"the text is {total} tokens long, more than the model's {len(tokens)} positions: "
+                   f"kept the first {len(tokens)} of {total} tokens")
+            print(f"mha view: warning: {cut} (the rest is not run, nor shown)", file=sys.stderr)
+            notes.append(f"The text was cut: {cut}; the rest of the text was not run and is not shown.")
         path = view(recording, output=args.output, tokens=tokens, compare=compare, labels=labels,
-                    title=f"{name}: {_shortened(args.text)}", max_bytes=int(args.max_mb * 1e6))
+                    title=f"{name}: {_shortened(args.text)}", max_bytes=int(args.max_mb * 1e6), notes=notes)
     except (ValueError, TypeError) as error:
         print(f"mha view: error: {error}", file=sys.stderr)
         return 2
     console.print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB): {len(recording.calls)} layers x "
                   f"{recording.calls[0].weights.shape[1]} heads over {len(tokens)} tokens; open it in a browser")
     return 0
+
+
+def _default_checkpoint():
+    """all-MiniLM-L6-v2's folder, to name a run given as a path to it; None where it is not installed."""
+    try:
+        return minilm_path()
+    except ValueError:
+        return None
 
 
 def _shortened(text: str, limit: int = 80) -> str:

@@ -22,7 +22,7 @@ every rank's causal work is the same at every step, so no rank waits for another
 The backward passes each block's dK/dV accumulator (float32) around the ring behind its K/V:
 rank r adds its queries' contributions to the block it holds and sends the sum on; after W steps
 each accumulator is back with its owner. Each block's contribution uses the whole softmax's
-log-sum-exp (mha.kernels.partial), so the gradients are exact. GQA: only the key/value heads
+log-sum-exp (mha.kernels.dispatch.backward_with_lse), so the gradients are exact. GQA: only the key/value heads
 travel. Sinks join every row once, after the merge.
 
 Memory per rank: its q, k, v and output (1/W of the sequence each), the block it computes on and
@@ -39,10 +39,9 @@ import torch
 from torch import Tensor
 
 from .. import masks, positions
-from ..kernels import partial
+from ..kernels import dispatch
 from ..kernels.contract import Contract, contract_of
 from ..kernels.merge import add_sinks, merge_into, sink_gradient
-from ..positions import Band
 from . import comm
 from .inputs import check
 from .layout import Piece, SequenceLayout
@@ -104,18 +103,15 @@ def blocks(layout: SequenceLayout, query_rank: int, key_rank: int, terms: Contra
 def _pair_contract(qp: Piece, kp: Piece, terms: Contract, device) -> Contract | None:
     """The contract of query piece ``qp`` against key piece ``kp``, or None when nothing is visible."""
     shaping = dict(alibi_slopes=terms.alibi_slopes, scale=terms.scale, softcap=terms.softcap)
-    band, offset = terms.band, qp.start - kp.start  # query i at a + i, key j at b + j: rel = j - (i + a - b)
+    band, offset = terms.band, positions.offset_between(qp.start, kp.start)  # query i at a + i, key j at b + j
     if qp.stride != 1:  # striped: query i at a + W i, key j at b + W j
         if terms.alibi_slopes is not None:  # |rel| = |W (j - i) + b - a|: the positions one by one
             q_pos, k_pos = qp.positions(device)[None], kp.positions(device)[None]  # (1, L), (1, S)
             return contract_of(band=band, positions=(q_pos, k_pos), **shaping)
-        band, offset = _strided_band(band, qp.stride, kp.start - qp.start), 0
-    band = positions.needed(band, qp.valid, kp.valid, offset)
-    if band is not None:
-        lo, hi = band.key_range(offset, offset + qp.valid - 1, kp.valid)
-        if hi <= lo:
-            return None
-    return contract_of(band=band, offset=offset, **shaping)
+        band, offset = (None if band is None else band.strided(qp.stride, kp.start - qp.start)), 0
+    contract = contract_of(band=positions.needed(band, qp.valid, kp.valid, offset), offset=offset, **shaping)
+    lo, hi = contract.key_range(positions.whole(qp.valid), kp.valid)
+    return contract if hi > lo else None
 
 
 def visible_pairs(layout: SequenceLayout, query_rank: int, key_rank: int, terms: Contract) -> int:
@@ -129,22 +125,12 @@ def visible_pairs(layout: SequenceLayout, query_rank: int, key_rank: int, terms:
             total += L * S
             continue
         if contract.positions is None:
-            q_pos, k_pos = torch.arange(L) + contract.offset, torch.arange(S)
+            q_pos, k_pos = positions.aligned(range(L), range(S), contract.offset)  # (L,), (S,)
         else:
             q_pos, k_pos = contract.positions[0][0], contract.positions[1][0]  # (1, L), (1, S) -> (L,), (S,)
         first, stop = band.interval(q_pos, k_pos)  # (L,) each
         total += int((stop - first).sum())
     return total
-
-
-def _strided_band(band: Band | None, stride: int, shift: int) -> Band | None:
-    """The band on key index j - query index i where rel = stride * (j - i) + shift:
-    -left <= rel <= right  <=>  ceil((-left - shift) / stride) <= j - i <= floor((right - shift) / stride)."""
-    if band is None:
-        return None
-    left = None if band.left is None else (band.left + shift) // stride  # -ceil(x) = floor(-x)
-    right = None if band.right is None else (band.right - shift) // stride
-    return Band(left, right)
 
 
 class _Ring(torch.autograd.Function):
@@ -200,7 +186,7 @@ def _attend_unit(qc: Tensor, unit: Unit, out: Tensor, lse: Tensor, layout: Seque
     """Merge the attention of the queries ``qc`` over one unit of keys into ``out`` and ``lse``."""
     ku, vu = (x.to(qc.dtype) for x in unit.tensors)
     for b in blocks(layout, layout.rank, unit.owner, terms, qc.device, unit.slots):
-        part_out, part_lse = partial.forward(qc[:, :, b.rows], ku[:, :, b.cols], vu[:, :, b.cols], b.contract)
+        part_out, part_lse = dispatch.attention_with_lse(qc[:, :, b.rows], ku[:, :, b.cols], vu[:, :, b.cols], b.contract)
         merge_into(out[:, :, b.rows], lse[:, :, b.rows], part_out, part_lse)
         del part_out, part_lse  # before the next part is made
 
@@ -213,7 +199,7 @@ def _differentiate_unit(qc, oc, doc, lse, unit: Unit, dq: Tensor, d_slopes: Tens
     dk, dv = torch.zeros_like(ku), torch.zeros_like(vu)
     for b in blocks(layout, layout.rank, unit.owner, terms, qc.device, unit.slots):
         rows, cols = b.rows, b.cols
-        grads = partial.backward(qc[:, :, rows], ku[:, :, cols], vu[:, :, cols], b.contract,
+        grads = dispatch.backward_with_lse(qc[:, :, rows], ku[:, :, cols], vu[:, :, cols], b.contract,
                                  oc[:, :, rows], lse[:, :, rows], doc[:, :, rows])
         dq[:, :, rows] += grads[0]
         dk[:, :, cols] += grads[1]

@@ -31,7 +31,7 @@ __all__ = ["AttentionCall", "DEFAULT_MAX_BYTES", "PageTooLarge", "Recording", "c
 def view(source, *inputs, output: str | Path = "attention.html", tokens: list[str] | None = None,
          key_tokens: list[str] | None = None, compare=None, labels: tuple[str, str] = ("A", "B"),
          forward_kwargs: dict | None = None, sample: int = 0, title: str | None = None,
-         max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
+         max_bytes: int = DEFAULT_MAX_BYTES, notes: list[str] | None = None) -> Path:
     """Write the explorer page of ``source`` to ``output``; returns its path.
 
     source:        an nn.Module (run as ``source(*inputs, **forward_kwargs)`` under mha.explorer.record,
@@ -42,14 +42,17 @@ def view(source, *inputs, output: str | Path = "attention.html", tokens: list[st
     sample:        which sequence of the batch to show
     max_bytes:     the page's size limit (30 MB): q, k, v go to float16 past it, and a page still
                    larger raises PageTooLarge
+    notes:         lines the page shows under its title, for what the reader must know (``mha view``
+                   says there that a text was cut to the model's positions)
     """
     tokens, key_tokens = _labels("tokens", tokens), _labels("key_tokens", key_tokens)
+    notes = _notes(notes)
     _check_options(output=output, labels=labels, sample=sample, title=title, max_bytes=max_bytes)
     runs = [_recording_of("source", source, inputs, forward_kwargs)]
     if compare is not None:
         runs.append(_recording_of("compare", compare, inputs, forward_kwargs))
     page = render(runs, run_labels=list(labels[: len(runs)]), tokens=tokens, key_tokens=key_tokens, sample=sample,
-                  title=title or _title(source), max_bytes=max_bytes)
+                  title=title or _title(source), max_bytes=max_bytes, notes=notes)
     return write(page, output)
 
 
@@ -95,6 +98,17 @@ def _labels(name: str, value) -> list[str] | None:
     for token in labels:
         _text(name, token)
     return labels
+
+
+def _notes(value) -> list[str]:
+    """notes: None, or a list (tuple) of strings, the page's lines under its title."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)) or not all(isinstance(note, str) for note in value):
+        raise TypeError(f"notes must be a list of strings (lines for the page), got {value!r:.80}")
+    for note in value:
+        _text("notes", note)
+    return list(value)
 
 
 def _text(name: str, text: str) -> None:

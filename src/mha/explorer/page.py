@@ -198,12 +198,13 @@ def _check_runs(runs: list[Recording], sample: int, tokens, key_tokens) -> None:
 
 def render(runs: list[Recording], *, run_labels: list[str], tokens: list[str] | None = None,
            key_tokens: list[str] | None = None, sample: int = 0, title: str = "attention",
-           max_bytes: int = DEFAULT_MAX_BYTES) -> Page:
-    """The page of one recording, or of two (the diff toggle) with the same calls' shapes."""
+           max_bytes: int = DEFAULT_MAX_BYTES, notes: list[str] | None = None) -> Page:
+    """The page of one recording, or of two (the diff toggle) with the same calls' shapes; ``notes``
+    are shown under the title (a text cut to the model's positions, say)."""
     _check_runs(runs, sample, tokens, key_tokens)
     for precision in ("float32", "float16"):
         data = _Data(precision)
-        manifest = {"title": title, "precision": precision, "sample": sample, "runs": [
+        manifest = {"title": title, "notes": list(notes or []), "precision": precision, "sample": sample, "runs": [
             {"label": label, "layers": [_call_entry(call, name, sample, data, labels_for(call, sample, tokens, key_tokens))
                                         for call, name in zip(run.calls, _names(run.calls))]}
             for label, run in zip(run_labels, runs)]}

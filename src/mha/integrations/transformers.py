@@ -146,7 +146,7 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
             and not isinstance(q_offset, Tensor) and not isinstance(kv_offset, Tensor)):
         band = _band_of(mask_function, local_size, batch_size, q_length, kv_length, q_offset, kv_offset, device)
         if band is not _NO_BAND:
-            offset = q_offset - kv_offset
+            offset = positions.offset_between(q_offset, kv_offset)
             return KeyMask(positions.needed(band, q_length, kv_length, offset), offset,
                            _key_valid(attention_mask, kv_length, kv_offset), q_length, kv_length)
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
@@ -183,7 +183,7 @@ def _band_of(mask_function, local_size, batch_size, q_length, kv_length, q_offse
         q = torch.arange(start, min(start + rows, q_length), device=device) + q_offset  # (r,) query positions
         drawn = torch.as_tensor(mask_function(batch, head, q[None, None, :, None], kv[None, None, None, :]))
         drawn = drawn.expand(batch_size, 1, len(q), kv_length)  # (B, 1, r, S)
-        offset = start + q_offset - kv_offset  # of this block's first query
+        offset = positions.offset_between(start + q_offset, kv_offset)  # of this block's first query
         candidates = [band for band in candidates if _draws(drawn, band, offset)]
         if not candidates:
             return _NO_BAND

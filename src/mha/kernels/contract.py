@@ -32,6 +32,8 @@ from torch import Tensor
 from .. import _checks, masks, positions
 from ..positions import CAUSAL, Band
 
+__all__ = ["NONE", "TOP_LEFT_CAUSAL", "Contract", "contract_of", "mask_tile", "resolve"]
+
 _NEG_INF = float("-inf")
 
 
@@ -130,7 +132,7 @@ class Contract:
             masks_.append(~mask_tile(self.mask, rows, cols))  # True = attend -> True = hidden
         return masks_
 
-    def shape(self, s: Tensor, rows: range, cols: range, *, inplace: bool,
+    def shape_scores(self, s: Tensor, rows: range, cols: range, *, inplace: bool,
               bias: Tensor | None = None, hidden: list[Tensor] | None = None) -> Tensor:
         """s (B, H, r, c), the capped scores of query ``rows`` and key ``cols``, plus the ALiBi
         ``bias`` and a float mask, and -inf where ``hidden`` (see :meth:`hidden`). Without ``hidden``

@@ -1,4 +1,10 @@
-"""Which backend runs a call, and why: the one place that decides.
+"""Which backend runs a call, and why: the one place in mha that decides.
+
+Every attention in mha asks here: the plain call (:func:`attention`, with the per-call fast path
+:func:`plain_sdpa` that mha.functional asks too), a call that returns its log-sum-exp
+(:func:`attention_with_lse`, :func:`backward_with_lse`: the parts of ring attention, the exact
+parts of the efficient variants), and a packed batch (mha.kernels.varlen_attention, one call of
+:func:`attention`). For :func:`attention`:
 
     weights requested              -> math (the only backend that returns them)
     a backend named explicitly     -> that backend, or a ValueError saying why it cannot
@@ -12,8 +18,13 @@
                                       ops, both honouring every term tile by tile; else math (under
                                       torch.func transforms, or for a mask that needs its gradient)
 
+For :func:`attention_with_lse`: sdpa (torch's fused CPU kernel and its log-sum-exp) for the
+calls it computes as they are (no band, or causality lagging on a square block; no other term),
+else native when built and it takes the call, else flash (every term, in torch ops); its
+backward: sdpa for the same calls, else flash (given the whole softmax's output and log-sum-exp).
+
 The choice and its reason go to the debug log "mha.dispatch" (in eager mode; under torch.compile
-call choose_backend to ask).
+call choose_backend / choose_lse_backend to ask).
 """
 
 from __future__ import annotations
@@ -30,12 +41,17 @@ from . import flash, native, sdpa, tuning
 from ._context import transforms_active
 from ._shapes import matched_kv_heads, unit_last_stride
 from .contract import NONE, TOP_LEFT_CAUSAL, Contract, resolve
-from .flash import flash_attention
+from .flash import flash_attention, flash_attention_backward, flash_attention_with_lse
 from .math import math_attention
-from .native import native_attention
+from .native import native_attention, native_attention_with_lse
 from .sdpa import sdpa_attention
 
+__all__ = ["BACKENDS", "LSE_BACKENDS", "OBSERVERS", "attention", "attention_with_lse", "backward_with_lse",
+           "choose_backend", "choose_lse_backend", "native_pays", "plain_call", "plain_sdpa", "share_kv_heads"]
+
 BACKENDS = {"math": math_attention, "sdpa": sdpa_attention, "flash": flash_attention, "native": native_attention}
+# the backends returning (out, lse): attention_with_lse's choice
+LSE_BACKENDS = {"sdpa": sdpa.attention_with_lse, "native": native_attention_with_lse, "flash": flash_attention_with_lse}
 
 log = logging.getLogger("mha.dispatch")
 _NAMES = ("auto", *BACKENDS)
@@ -54,7 +70,7 @@ def choose_backend(requested: str, q: Tensor, k: Tensor, v: Tensor, contract: Co
     return name, reason
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p: float = 0.0,
+def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *, dropout_p: float = 0.0,
               need_weights: bool = False, backend: str = "auto") -> tuple[Tensor, Tensor | None]:
     """Run the chosen backend on q (..., L, D), k (..., S, D), v (..., S, Dv): (output, weights or None).
 
@@ -64,6 +80,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p:
     repeated (share_kv_heads) first, as torch's CUDA kernels may fall back to their math path for
     shared heads under a mask.
     """
+    contract = NONE if contract is None else resolve(contract)
     if OBSERVERS:
         return _observed(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights)
     return _run(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
@@ -72,7 +89,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p:
 def _observed(q, k, v, contract, *, dropout_p, need_weights):
     """A call while OBSERVERS watch: on the math backend (the only one returning the weights),
     its inputs and results handed to each observer."""
-    contract = resolve(contract)
     out, weights = _run(q, k, v, contract, dropout_p=dropout_p, need_weights=True, backend="math")
     for observer in OBSERVERS:
         observer(q, k, v, contract, out, weights, dropout_p=dropout_p)
@@ -81,9 +97,10 @@ def _observed(q, k, v, contract, *, dropout_p, need_weights):
 
 def _run(q, k, v, contract, *, dropout_p, need_weights, backend):
     if ((contract is NONE or contract is TOP_LEFT_CAUSAL) and backend == "auto" and not need_weights
-            and dropout_p == 0.0 and plain_call(q, k, v, True)):  # the per-call fast path: torch's kernel as it is
-        return F.scaled_dot_product_attention(q, k, v, is_causal=contract is TOP_LEFT_CAUSAL,
-                                              enable_gqa=k.shape[1] != q.shape[1]), None
+            and dropout_p == 0.0):
+        out = plain_sdpa(q, k, v, is_causal=contract is TOP_LEFT_CAUSAL, enable_gqa=True)
+        if out is not None:
+            return out, None
     for name, x in (("q", q), ("k", k), ("v", v)):
         _checks.tensor(name, x)  # a tensor, not nested (the fast path took the plain ones)
     k, v = matched_kv_heads(q, k, v)  # one head count for k and v (torch's enable_gqa shares them separately)
@@ -100,6 +117,15 @@ def _run(q, k, v, contract, *, dropout_p, need_weights, backend):
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes of the fast path and of native_pays
+
+
+def plain_sdpa(q, k, v, *, is_causal: bool, enable_gqa: bool) -> Tensor | None:
+    """The per-call fast path: torch's fused kernel on a plain call (:func:`plain_call`), its output;
+    None when the call needs the full path. The caller has checked that no other option is set
+    (a contract of causality at most, no dropout, no weights, backend "auto")."""
+    if not plain_call(q, k, v, enable_gqa):
+        return None
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=enable_gqa and k.shape[1] != q.shape[1])
 
 
 def plain_call(q, k, v, enable_gqa: bool) -> bool:
@@ -194,3 +220,59 @@ def _native_ready(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p
     if torch.compiler.is_compiling() or q.dtype == torch.float64 or not native.ready():
         return False
     return native.unsupported(q, k, v, contract, dropout_p) is None
+
+
+# -- with the log-sum-exp -----------------------------------------------------------------------
+
+def choose_lse_backend(requested: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> tuple[str, str]:
+    """(the backend :func:`attention_with_lse` runs, why). Raises ValueError for an unknown or unfit request."""
+    _checks.one_of("backend", requested, ("auto", *LSE_BACKENDS))
+    contract = resolve(contract)
+    if requested != "auto":
+        reason = {"sdpa": lambda: None if sdpa.lse_form(q, k, v, contract) else
+                  "torch's fused kernel returns the log-sum-exp of 4-D calls with no term but lagging causality",
+                  "native": lambda: native.unsupported(q, k, v, contract),
+                  "flash": lambda: flash.unsupported(q, k, v, contract)}[requested]()
+        if reason:
+            raise ValueError(f"backend={requested!r} cannot run this call: {reason}")
+        choice = (requested, "requested explicitly")
+    elif sdpa.lse_form(q, k, v, contract) is not None:
+        choice = ("sdpa", "torch's fused CPU kernel computes the call and its log-sum-exp as they are")
+    elif _native_ready(q, k, v, contract, 0.0):
+        choice = ("native", "not sdpa (a term its fused kernel lacks): native applies every term, compiled")
+    else:
+        choice = ("flash", "not sdpa (a term its fused kernel lacks), native not built or not taking it")
+    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
+        log.debug("backend %s (with lse): %s", *choice)
+    return choice
+
+
+def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
+                       backend: str = "auto") -> tuple[Tensor, Tensor]:
+    """(out (..., L, Dv), lse (..., L)): attention and each row's log-sum-exp (-inf for a row that
+    sees nothing), the step that attention split over parts of the keys is made of (ring attention,
+    the efficient variants' exact parts): the parts merge exactly by their log-sum-exps
+    (mha.kernels.merge). Sinks are a term of the whole softmax, not of a part: leave them out of a
+    part's contract and merge them once (merge.add_sinks). Inputs in float32 or float64 give the
+    log-sum-exp in that dtype. Differentiable through out (not through lse) on flash and native."""
+    contract = resolve(contract)
+    name, _ = choose_lse_backend(backend, q, k, v, contract)
+    return LSE_BACKENDS[name](q, k, v, contract)
+
+
+def backward_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract, out: Tensor, lse: Tensor,
+                      grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """(dq, dk, dv, d alibi_slopes or None) of one part of the keys, given the WHOLE softmax's
+    ``out`` (B, H, L, Dv) and ``lse`` (B, H, L), every part merged: P = e^(s - lse) is then this
+    part's share of the true probabilities, and the gradients are its exact contributions, which
+    add up over the parts. On torch's fused CPU kernel for the calls it takes (sdpa.lse_form), else
+    on flash, which takes every term. Shapes: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv)."""
+    if sdpa.lse_form(q, k, v, contract) is not None:
+        name, why = "sdpa", "torch's fused CPU kernel takes the part as it is"
+        grads = sdpa.backward_with_lse(q, k, v, contract, out, lse, grad_out)
+    else:
+        name, why = "flash", "a term torch's fused kernel lacks: flash takes every term"
+        grads = flash_attention_backward(q, k, v, out, lse, grad_out, contract)[:4]
+    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
+        log.debug("backend %s (backward with lse): %s", name, why)
+    return grads

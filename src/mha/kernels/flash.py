@@ -211,7 +211,7 @@ class _Tiles:
         s, capped = self.contract.cap(s, inplace=True)  # capped: tanh(s / c), or None
         rel, bias, band_hidden = self._position_terms(rows, cols)
         hidden = self.contract.hidden(rows, cols, band_hidden)
-        self.contract.shape(s.view(*self.lead, len(rows), len(cols)), rows, cols, inplace=True, bias=bias,
+        self.contract.shape_scores(s.view(*self.lead, len(rows), len(cols)), rows, cols, inplace=True, bias=bias,
                             hidden=hidden)
         distance = None if rel is None or bias is None else rel.abs()
         return _Tile(s, s == _NEG_INF, capped, distance)  # the band, padding, masks and -inf scores alike

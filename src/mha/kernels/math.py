@@ -85,7 +85,7 @@ def _math(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float)
         q, k, v = q.to(work), k.to(work), v.to(work)
     scores = (q * contract.scale_for(q.shape[-1])) @ k.transpose(-2, -1)  # (..., L, D) @ (..., D, S) -> (..., L, S)
     scores, _ = contract.cap(scores, inplace=inference)
-    scores = contract.shape(scores, positions.whole(L), positions.whole(S), inplace=inference)
+    scores = contract.shape_scores(scores, positions.whole(L), positions.whole(S), inplace=inference)
     if contract.sinks is None:
         weights = safe_softmax(scores, inplace=inference)
     else:

@@ -40,8 +40,8 @@ from ._context import autocast_inputs, autograd_function_refusal
 from ._shapes import leads, matched_kv_heads, unflat
 from .contract import Contract, resolve
 
-__all__ = ["native_attention", "native_attention_with_lse", "native_available", "ready", "sanitized", "unsupported", "variant",
-           "varlen_attention"]
+__all__ = ["native_attention", "native_attention_with_lse", "native_available", "ready", "sanitized", "unsupported",
+           "variant"]
 
 log = logging.getLogger("mha.dispatch")
 
@@ -234,76 +234,6 @@ def _lse(inputs: _Inputs, row_max: Tensor, row_sum: Tensor) -> Tensor:
     """The log-sum-exp (..., L): -inf for a row that saw nothing, NaN for a NaN row."""
     return inputs.output(row_max + row_sum.log())
 
-
-_PER_HEAD = "(num_heads,): one value per query head (dim 1 of q)"
-
-
-def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
-                     is_causal: bool = False, scale: float | None = None, window: tuple[int, int] | None = None,
-                     alibi_slopes: Tensor | None = None, softcap: float | None = None,
-                     sinks: Tensor | None = None) -> Tensor:
-    """Attention over a packed batch of sequences of different lengths (flash-attn's varlen layout):
-    q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv); sequence b holds the rows
-    cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v
-    (int tensors of B + 1 offsets from 0). Returns (total_q, H, Dv); a query sees only its own
-    sequence's keys. Causality and windows are aligned bottom-right within each sequence (its last
-    query faces its last key), as flash-attn's; ALiBi, softcap and sinks as in scaled_dot_product_attention.
-    Differentiable. One call of the kernel for the whole batch: sequences sit at positions far enough
-    apart that the band (bounded by the longest sequence) never reaches another, and tiles between
-    sequences are never computed.
-    """
-    from .. import _checks, positions
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _checks.floating(name, x)
-        _checks.rank(name, x, (3,), "(total tokens, heads, head dim)")
-    lengths = [_offsets(name, cu, x.shape[0]) for name, cu, x in (("cu_seqlens_q", cu_seqlens_q, q),
-                                                                 ("cu_seqlens_k", cu_seqlens_k, k))]
-    if len(lengths[0]) != len(lengths[1]):
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got {len(lengths[0])} "
-                         f"and {len(lengths[1])}")
-    _checks.same_dtype_device("q", q, k=k, v=v)
-    if v.shape[:2] != k.shape[:2]:
-        raise ValueError(f"v must have k's tokens and heads {tuple(k.shape[:2])}, got shape {tuple(v.shape)}")
-    if k.shape[2] != q.shape[2]:
-        raise ValueError(f"k must have q's head dim ({q.shape[2]}), got shape {tuple(k.shape)}")
-    _checks.shared_heads(q.shape[1], "k", k.shape[1], dim=1)
-    _checks.flag("is_causal", is_causal)
-    L, S = lengths[0].to(torch.long), lengths[1].to(torch.long)
-    longest_q, longest_k = (int(x.max()) if len(x) else 0 for x in (L, S))
-    gap = 2 * (longest_q + longest_k) + 1  # between sequences' positions: beyond any band below
-    starts = torch.arange(len(L)) * gap
-    q_pos = torch.repeat_interleave(starts + S - L, L) + _ranks(L)  # bottom-right: query i at i + S_b - L_b
-    k_pos = torch.repeat_interleave(starts, S) + _ranks(S)
-    left, right = positions.check_window(window) if window is not None else (None, None)
-    right = 0 if is_causal else right
-    band = positions.Band(min(left, longest_k) if left is not None else longest_k,  # within a sequence
-                          min(right, longest_q) if right is not None else longest_q)
-    contract = Contract(band=band, positions=(q_pos[None].to(q.device), k_pos[None].to(q.device)),
-                        alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, q.shape[1], q, _PER_HEAD),
-                        scale=_checks.optional_finite_real("scale", scale),
-                        softcap=_checks.optional_positive_real("softcap", softcap),
-                        sinks=_checks.per_head("sinks", sinks, q.shape[1], q, _PER_HEAD))
-    rows = [x.transpose(0, 1)[None] for x in (q, k, v)]  # (T, H, D) -> (1, H, T, D)
-    return native_attention(*rows, contract)[0].transpose(0, 1)  # (1, H, T, Dv) -> (T, H, Dv)
-
-
-def _offsets(name: str, cu: Tensor, total: int) -> Tensor:
-    """The lengths of the sequences cumulative offsets ``cu`` (B + 1 ints from 0 to total) describe."""
-    if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.is_floating_point() or cu.dtype == torch.bool or len(cu) < 1:
-        raise TypeError(f"{name} must be a 1-D integer tensor of B + 1 offsets, got "
-                        f"{cu.dtype if isinstance(cu, Tensor) else type(cu).__name__}"
-                        f"{' of shape ' + str(tuple(cu.shape)) if isinstance(cu, Tensor) else ''}")
-    lengths = cu.cpu().diff()
-    if int(cu[0]) != 0 or int(cu[-1]) != total or bool((lengths < 0).any()):
-        raise ValueError(f"{name} must rise from 0 to the {total} rows of its tensor, got {cu.tolist()}")
-    return lengths
-
-
-def _ranks(lengths: Tensor) -> Tensor:
-    """0, 1, ..., n_b - 1 for every sequence b, side by side."""
-    total = int(lengths.sum())
-    starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
-    return torch.arange(total) - starts
 
 
 class _Native(torch.autograd.Function):

@@ -96,7 +96,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float):
         if weights > budget:
             return None, (f"torch's kernel would build the attention weights ({why}): {weights:,} elements, "
                           f"more than q, k and v hold ({budget:,})")
-    if _native(q, k, v, contract, builds_weights=why is not None):
+    if _takes_as_is(q, k, v, contract, builds_weights=why is not None):
         return None, None
     shape = _folded_shape(q, k, v, contract)
     if math.prod(shape) > budget:
@@ -109,7 +109,7 @@ def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p: floa
     L, S, scale = q.shape[-2], k.shape[-2], contract.scale
     if folded is not None:  # one dense mask within the memory of q, k and v
         mask = torch.zeros(folded, dtype=masks.additive_dtype(q.dtype), device=q.device)
-        mask = contract.shape(mask, positions.whole(L), positions.whole(S), inplace=True)
+        mask = contract.shape_scores(mask, positions.whole(L), positions.whole(S), inplace=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                               enable_gqa=_grouped(q, k))
     mask = _with_padding(contract.mask, contract.key_valid)
@@ -121,10 +121,11 @@ def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p: floa
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                               enable_gqa=_grouped(q, k))
     q, k, scale = _positive_scale(q, k, contract.scale_for(q.shape[-1]))
-    if contract.offset == 0:
+    shift = band.causal_shift(contract.offset)  # plan took the band: causality, shifted
+    if shift == 0:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
                                               enable_gqa=_grouped(q, k))
-    return _shifted_causal(q, k, v, contract.offset, scale)
+    return _shifted_causal(q, k, v, shift, scale)
 
 
 def _positive_scale(q: Tensor, k: Tensor, scale: float) -> tuple[Tensor, Tensor, float]:
@@ -139,19 +140,20 @@ def _positive_scale(q: Tensor, k: Tensor, scale: float) -> tuple[Tensor, Tensor,
     return q * 0.0, k, 1.0
 
 
-def _native(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, builds_weights: bool) -> bool:
+def _takes_as_is(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, builds_weights: bool) -> bool:
     """Whether torch's kernel takes the contract as it is (no mask larger than the caller's)."""
     band, mask, key_valid = contract.band, contract.mask, contract.key_valid
     if contract.alibi_slopes is not None or contract.positions is not None:
         return False
     if band is None:
         return mask is None or key_valid is None or not _grows(mask, key_valid)
-    if not band.is_causal or key_valid is not None:
+    shift = band.causal_shift(contract.offset)  # query row i sees keys j <= i + shift
+    if shift is None or key_valid is not None:
         return False
     if mask is not None:
         return tuple(mask.shape[-2:]) == (q.shape[-2], k.shape[-2])
     # a shifted band: see _shifted_causal (padded queries cost at most a third more, and build no larger weights)
-    return contract.offset <= 0 or contract.offset >= k.shape[-2] - 1 or (contract.offset <= q.shape[-2] and not builds_weights)
+    return shift <= 0 or shift >= k.shape[-2] - 1 or (shift <= q.shape[-2] and not builds_weights)
 
 
 def _builds_weights(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> str | None:
@@ -225,16 +227,63 @@ def _with_padding(mask: Tensor | None, key_valid: Tensor | None) -> Tensor | Non
     return mask & valid if mask.dtype == torch.bool else mask.masked_fill(~valid, float("-inf"))
 
 
-def _shifted_causal(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float) -> Tensor:
-    """Causal attention where query i sees keys j <= i + offset, on torch's fused kernels."""
+def _shifted_causal(q: Tensor, k: Tensor, v: Tensor, shift: int, scale: float) -> Tensor:
+    """Causal attention where query i sees keys j <= i + shift (Band.causal_shift), on torch's fused kernels."""
     L, S = q.shape[-2], k.shape[-2]
-    if offset >= S - 1:  # every query sees every key
+    if shift >= S - 1:  # every query sees every key
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=_grouped(q, k))
-    if offset < 0:  # the first -offset queries see nothing
-        empty = min(-offset, L)
+    if shift < 0:  # the first -shift queries see nothing
+        empty = min(-shift, L)
         seen = F.scaled_dot_product_attention(q[..., empty:, :], k, v, is_causal=True, scale=scale,
                                               enable_gqa=_grouped(q, k))
-        return F.pad(seen, (0, 0, empty, 0))  # (..., L + offset, Dv) -> (..., L, Dv), zeros first
-    padded = F.pad(q, (0, 0, offset, 0))  # (..., L, D) -> (..., offset + L, D): row offset + i sees keys <= offset + i
+        return F.pad(seen, (0, 0, empty, 0))  # (..., L + shift, Dv) -> (..., L, Dv), zeros first
+    padded = F.pad(q, (0, 0, shift, 0))  # (..., L, D) -> (..., shift + L, D): row shift + i sees keys <= shift + i
     out = F.scaled_dot_product_attention(padded, k, v, is_causal=True, scale=scale, enable_gqa=_grouped(q, k))
-    return out[..., offset:, :]  # (..., offset + L, Dv) -> (..., L, Dv)
+    return out[..., shift:, :]  # (..., shift + L, Dv) -> (..., L, Dv)
+
+
+# -- with the log-sum-exp: attention over one part of the keys (the dispatch's attention_with_lse) --
+
+_FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def lse_form(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> tuple[bool, int] | None:
+    """(causal, lag) when torch's fused CPU kernel computes this call, and its log-sum-exp, exactly
+    as the contract says; else None. Taken: no band, or causality on a square block shifted back by
+    lag >= 0 (query i sees keys j <= i - lag: a striped layout's block), no other term, Dv = D,
+    4-D q (B, H, L, D), k and v (B, H, S, D). The rows lag.. against keys ..S-lag are then top-left
+    causal, and the first lag rows see nothing."""
+    if not (q.is_cpu and contract.alibi_slopes is None and contract.softcap is None and contract.positions is None
+            and contract.mask is None and contract.key_valid is None and contract.sinks is None
+            and q.shape[-1] == v.shape[-1] and q.dim() == 4):
+        return None
+    band = contract.band
+    if band is None:
+        return False, 0
+    shift = band.causal_shift(contract.offset)
+    if shift is not None and 0 <= -shift < q.shape[-2] and q.shape[-2] == k.shape[-2]:
+        return True, -shift
+    return None
+
+
+def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> tuple[Tensor, Tensor]:
+    """(out (B, H, L, Dv), lse (B, H, L)) on torch's fused CPU kernel, for a call :func:`lse_form` takes."""
+    causal, lag = lse_form(q, k, v, contract)
+    if lag == 0:
+        return _FUSED(q, k, v, 0.0, causal, scale=contract.scale_for(q.shape[-1]))
+    out, lse = _FUSED(q[:, :, lag:], k[:, :, :-lag], v[:, :, :-lag], 0.0, True, scale=contract.scale_for(q.shape[-1]))
+    return F.pad(out, (0, 0, lag, 0)), F.pad(lse, (lag, 0), value=float("-inf"))  # the first rows saw nothing
+
+
+def backward_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract, out: Tensor, lse: Tensor,
+                      grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+    """(dq, dk, dv, None) on torch's fused CPU kernel given the whole softmax's ``out`` and ``lse``
+    (see mha.kernels.dispatch.backward_with_lse), for a call :func:`lse_form` takes."""
+    causal, lag = lse_form(q, k, v, contract)
+    rows, cols = slice(lag, None), slice(None, k.shape[2] - lag)  # all of them when lag = 0
+    dq, dk, dv = _FUSED_BACKWARD(grad_out[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
+                                 out[:, :, rows], lse[:, :, rows], 0.0, causal, scale=contract.scale_for(q.shape[-1]))
+    if lag:  # the rows that saw nothing, the keys no row saw: zero gradients
+        dq, dk, dv = F.pad(dq, (0, 0, lag, 0)), F.pad(dk, (0, 0, 0, lag)), F.pad(dv, (0, 0, 0, lag))
+    return dq, dk, dv, None

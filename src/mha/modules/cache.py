@@ -29,7 +29,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from .. import _checks
+from .. import _checks, positions
 
 __all__ = ["KVCache"]
 
@@ -55,7 +55,7 @@ class KVCache:
             raise ValueError("this KVCache holds the keys of another attention module; give each module "
                              "(each layer) its own KVCache")
         if self.window is not None:
-            left = None if window is None or window[0] == -1 else window[0]
+            left = None if window is None else positions.check_window(window)[0]  # None: unbounded
             if left is None or left > self.window:
                 seen = "no sliding window (it sees every past key)" if left is None else f"window={tuple(window)}"
                 raise ValueError(f"KVCache(window={self.window}) keeps the last {self.window} positions, but the "

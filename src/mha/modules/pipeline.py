@@ -195,7 +195,7 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, *, rope=None, window=None
         k, v, k_pos, key_valid = cache.update(k, v, k_pos, key_valid)
         per_sequence = None if uniform else (q_pos, k_pos)  # (B, L), (B, S_all)
         key_valid = None if uniform else key_valid
-    offset = k.shape[2] - L if cache is not None else 0
+    offset = positions.offset_of("bottom_right", L, k.shape[2]) if cache is not None else 0  # the new tokens last
     band = positions.band(is_causal, window)
     if per_sequence is None:
         band = positions.needed(band, L, k.shape[2], offset)

@@ -2,7 +2,7 @@
 // mha view: the attention explorer. Everything it shows comes from the manifest and the data
 // embedded in this page (mha/explorer/page.py writes them); nothing is fetched. window.mhaView is
 // its interface for scripts and tests: ready, error, state, weight(), breakdown(), open(),
-// select(), showRun(), exportPng().
+// select(), showRun(), exportPng() (and lastExport: the exported PNG's size and caption lines).
 
 (function () {
   const api = (window.mhaView = { ready: false, error: null });
@@ -13,6 +13,10 @@
                     [251, 204, 180], [228, 128, 102], [186, 40, 50], [103, 0, 31]];
   const THUMB = 64; // the grid's maps are at most THUMB x THUMB pixels
   const KEY_ROWS = 512; // a row's breakdown lists at most this many keys (of the largest weights)
+  // the head view: cells of up to CELL px, square, while the map fits in FIT px a side; a longer side
+  // keeps cells of MIN_CELL px (one can point at a row: the view scrolls) up to MAX_SIDE px, and is
+  // shrunk to MAX_SIDE px past it (MAX_SIDE / MIN_CELL = 512 positions, the text models' usual limit)
+  const CELL = 28, FIT = 640, MIN_CELL = 8, MAX_SIDE = 4096;
 
   // ---- data ------------------------------------------------------------------------------------
 
@@ -222,8 +226,25 @@
       largest = Math.max(largest, range);
       maps.push([button, layer, values, range]);
     }
+    state.shared[String(state.show)] = largest;
     for (const [button, layer, values, range] of maps) thumbnail(button.firstChild, layer.L, layer.S, values, state.sameScale ? largest : range);
     drawLegend(state.sameScale ? largest : null);
+  }
+
+  // the "same colour scale" range: the largest |value| of every map of the grid in the run shown
+  // (or the difference), the grid's and the open head's alike
+  function sharedRange() {
+    const key = String(state.show);
+    if (!(key in state.shared)) {
+      let largest = 0;
+      for (const row of state.cells) for (const button of row) {
+        if (!button) continue;
+        const l = +button.dataset.layer, h = +button.dataset.head;
+        largest = Math.max(largest, extent(state.show === "diff" ? diffValues(l, h) : mapValues(state.show, l, h)));
+      }
+      state.shared[key] = largest;
+    }
+    return state.shared[key];
   }
 
   function describe(l, h) {
@@ -253,11 +274,12 @@
   function layout(layer) {
     const ctx = $("map").getContext("2d");
     ctx.font = "12px system-ui, sans-serif";
-    // cells of up to 28 px, square while both sides fit in 640 px; a longer side is shrunk to 640 px
-    // (see paint) on its own, so that a few queries over many keys keep rows one can point at
-    const fit = (n) => (640 / n >= 1 ? Math.min(28, Math.floor(640 / n)) : 640 / n);
+    // each side on its own (CELL, FIT, MIN_CELL, MAX_SIDE above): a few queries over many keys keep
+    // rows of CELL px; square cells while neither side is shrunk
+    const fits = (n) => n * MIN_CELL <= MAX_SIDE;
+    const fit = (n) => (fits(n) ? Math.max(MIN_CELL, Math.min(CELL, Math.floor(FIT / n))) : MAX_SIDE / n);
     let sizeW = fit(layer.S), sizeH = fit(layer.L);
-    if (sizeW >= 1 && sizeH >= 1) sizeW = sizeH = Math.min(sizeW, sizeH);
+    if (fits(layer.S) && fits(layer.L)) sizeW = sizeH = Math.min(sizeW, sizeH);
     const width = Math.max(1, Math.round(layer.S * sizeW)), height = Math.max(1, Math.round(layer.L * sizeH));
     const cellW = width / layer.S, cellH = height / layer.L;
     // a label every `rowEvery` rows and `colEvery` columns: 12 px apart at least, no overlap
@@ -287,14 +309,27 @@
   }
 
   function drawHead() {
-    const { layer: l, head: h } = state.open;
+    state.geometry = drawHeadOn($("map"), true);
+    drawLegend(state.geometry.range);
+  }
+
+  // The open map on `canvas`, with its labels; with `overlays`, the selected row's outline and the
+  // keyboard cursor's box (never in an exported PNG). Its colour scale: its own largest |value|, or
+  // the grid's with "same colour scale". Returns its geometry.
+  function drawHeadOn(canvas, overlays) {
+    const { layer: l } = state.open;
     const layers = state.runs[0].layers, layer = layers[Math.min(l, layers.length - 1)];
-    const values = openValues().values, range = extent(values), g = layout(layer), canvas = $("map");
+    const values = openValues().values, range = state.sameScale ? sharedRange() : extent(values), g = layout(layer);
     canvas.width = g.left + g.width + 4;
     canvas.height = g.top + g.height + 4;
     const ctx = canvas.getContext("2d");
     ctx.fillStyle = "white"; ctx.fillRect(0, 0, canvas.width, canvas.height);
-    paint(ctx, g.left, g.top, g.width, g.height, layer.L, layer.S, values, range);
+    // one pixel per cell (a block of cells per pixel on a shrunk side), then scaled up unsmoothed
+    const w = Math.min(layer.S, g.width), hgt = Math.min(layer.L, g.height);
+    const cells = Object.assign(document.createElement("canvas"), { width: w, height: hgt });
+    paint(cells.getContext("2d"), 0, 0, w, hgt, layer.L, layer.S, values, range);
+    ctx.imageSmoothingEnabled = false;
+    ctx.drawImage(cells, g.left, g.top, g.width, g.height);
     ctx.fillStyle = "#1d1d1f"; ctx.font = "12px system-ui, sans-serif"; ctx.textBaseline = "middle";
     ctx.textAlign = "right";
     for (let i = 0; i < layer.L; i += g.rowEvery) ctx.fillText(clip(layer.queries[i]), g.left - 6, g.top + (i + 0.5) * g.cellH);
@@ -308,24 +343,57 @@
       ctx.strokeStyle = style; ctx.lineWidth = 2;
       ctx.strokeRect(g.left + j * g.cellW, g.top + i * g.cellH, Math.max(w, 2), Math.max(hgt, 2));
     };
-    if (state.open.row !== null) mark(state.open.row, 0, g.width, g.cellH, "#e06c00");
+    if (overlays && state.open.row !== null) mark(state.open.row, 0, g.width, g.cellH, "#e06c00");
     const [ci, cj] = state.open.cursor;
-    if (document.activeElement === canvas) mark(ci, cj, g.cellW, g.cellH, "#ffffff");
-    state.geometry = g;
-    drawLegend(range);
+    if (overlays && document.activeElement === canvas) mark(ci, cj, g.cellW, g.cellH, "#ffffff");
+    g.range = range;
+    return g;
+  }
+
+  // scroll the head view (it scrolls past FIT px) so that cell (i, j) shows
+  function reveal(i, j) {
+    const wrap = $("map-wrap"), g = state.geometry;
+    const x = g.left + j * g.cellW, y = g.top + i * g.cellH, margin = 24;
+    if (x < wrap.scrollLeft + g.left) wrap.scrollLeft = Math.max(0, x - g.left);
+    else if (x + g.cellW + margin > wrap.scrollLeft + wrap.clientWidth) wrap.scrollLeft = x + g.cellW + margin - wrap.clientWidth;
+    if (y < wrap.scrollTop + g.top) wrap.scrollTop = Math.max(0, y - g.top);
+    else if (y + g.cellH + margin > wrap.scrollTop + wrap.clientHeight) wrap.scrollTop = y + g.cellH + margin - wrap.clientHeight;
   }
 
   function clip(text, most = 18) { return text.length > most ? text.slice(0, most - 1) + "…" : text; }
 
+  // A cell's text (the tooltip, and the status line from the keyboard). The map is coloured from the
+  // stored 8-bit weights; where q and k were recorded, the text gives the exact weight as the
+  // breakdown computes it (its "softmax weight", the same digits) and the stored one beside it, named
+  // so; an average, or weights captured without q and k, has only the stored ones, and says so.
   function cellText(i, j) {
     const { layer: l, head: h } = state.open, layers = state.runs[0].layers, layer = layers[Math.min(l, layers.length - 1)];
     const where = `query ${i} “${layer.queries[i]}” → key ${j} “${layer.keys[j]}”`;
-    const { runs, values } = openValues();
+    const { runs } = openValues(), n = i * layer.S + j;
+    const exact = runs.map((_, r) => exactWeight(r, l, h, i, j)), stored = runs.map((values) => values[n]);
+    const average = l >= layers.length || h >= layer.H ? "mean of the " : "";
     if (state.runs.length === 2) {
-      const a = runs[0][i * layer.S + j], b = runs[1][i * layer.S + j];
-      return `${where}: ${state.runs[0].label} ${a.toFixed(4)}, ${state.runs[1].label} ${b.toFixed(4)}, difference ${(a - b).toFixed(4)}`;
+      const [la, lb] = state.runs.map((run) => run.label);
+      if (exact.every((x) => x !== null)) {
+        return `${where}: weight ${la} ${fmt(exact[0], 5)}, ${lb} ${fmt(exact[1], 5)}, difference ${fmt(exact[0] - exact[1], 5)}` +
+          ` (stored 8-bit weights, as coloured: ${la} ${stored[0].toFixed(5)}, ${lb} ${stored[1].toFixed(5)})`;
+      }
+      return `${where}: ${average}stored 8-bit weights ${la} ${stored[0].toFixed(5)}, ${lb} ${stored[1].toFixed(5)}, ` +
+        `difference ${(stored[0] - stored[1]).toFixed(5)}`;
     }
-    return `${where}: weight ${values[i * layer.S + j].toFixed(4)}`;
+    if (exact[0] !== null) return `${where}: weight ${fmt(exact[0], 5)} (stored 8-bit weight, as coloured: ${stored[0].toFixed(5)})`;
+    return `${where}: ${average}stored 8-bit weight${average ? "s" : ""} ${stored[0].toFixed(5)}` +
+      (average ? "" : " (captured without q and k: no exact weight)");
+  }
+
+  // the weight of (i, j) as the breakdown computes it from the stored q and k, or null (an average,
+  // or weights captured without q and k); a row's weights are kept while the pointer stays on it
+  function exactWeight(run, l, h, i, j) {
+    const layer = state.runs[run].layers[l];
+    if (!layer || h >= layer.H || !layer.detailed) return null;
+    const key = [run, l, h, i].join(":");
+    if (state.exactRow.key !== key) state.exactRow = { key, weights: breakdown(l, h, i, run).weights };
+    return state.exactRow.weights[j];
   }
 
   function cellAt(event) {
@@ -547,24 +615,60 @@
     setStatus("all heads");
   }
 
-  // The current view as a PNG: a caption (the page's title, the run shown, the colour scale) over
-  // the open head's map, or over the grid with its row and column labels.
+  // The current view as a PNG: a caption (the page's title and notes, what is shown: the call (its
+  // module) and head, or all heads; the run; the colour scale), wrapped to the image's width, over
+  // the open head's map (redrawn without the cursor's box or the selected row's outline), or over
+  // the grid with its row and column labels.
   function exportPng() {
-    const caption = 46, view = state.open ? $("map") : gridImage();
-    const canvas = Object.assign(document.createElement("canvas"), { width: Math.max(view.width, 520), height: caption + view.height });
-    const ctx = canvas.getContext("2d");
-    ctx.fillStyle = "white"; ctx.fillRect(0, 0, canvas.width, canvas.height);
-    ctx.fillStyle = "#1d1d1f"; ctx.font = "13px system-ui, sans-serif"; ctx.textBaseline = "middle";
+    const view = state.open ? document.createElement("canvas") : gridImage();
+    if (state.open) drawHeadOn(view, false);
+    const width = Math.max(view.width, 520), pad = 8, lineHeight = 18, font = "13px system-ui, sans-serif";
+    const measure = document.createElement("canvas").getContext("2d");
+    measure.font = font;
     const shown = state.show === "diff" ? `${state.runs[0].label} − ${state.runs[1].label}` : state.runs[state.show].label;
     const what = state.open ? $("head-title").textContent : "all heads";
-    ctx.fillText(clip($("title").textContent, 70) + " — " + what + (state.runs.length > 1 ? ` — ${shown}` : ""), 8, 12);
-    ctx.drawImage($("legend-bar"), 8, 28);
-    ctx.fillText(`${$("legend-low").textContent} … ${$("legend-high").textContent}`, 16 + $("legend-bar").width, 34);
+    const legend = `colour scale: ${$("legend-low").textContent} … ${$("legend-high").textContent}`;
+    const bar = $("legend-bar"), text = width - 2 * pad;
+    const lines = [...wrap(measure, $("title").textContent, text), ...state.notes.flatMap((note) => wrap(measure, note, text)),
+                   ...wrap(measure, what + (state.runs.length > 1 ? ` — run shown: ${shown}` : ""), text)];
+    const legendLines = wrap(measure, legend, text - bar.width - pad);
+    const caption = pad + lineHeight * (lines.length + legendLines.length) + pad;
+    const canvas = Object.assign(document.createElement("canvas"), { width, height: caption + view.height });
+    const ctx = canvas.getContext("2d");
+    ctx.fillStyle = "white"; ctx.fillRect(0, 0, canvas.width, canvas.height);
+    ctx.fillStyle = "#1d1d1f"; ctx.font = font; ctx.textBaseline = "middle";
+    lines.forEach((line, n) => ctx.fillText(line, pad, pad + (n + 0.5) * lineHeight));
+    const legendTop = pad + lines.length * lineHeight;
+    ctx.drawImage(bar, pad, legendTop + (lineHeight - bar.height) / 2);
+    legendLines.forEach((line, n) => ctx.fillText(line, 2 * pad + bar.width, legendTop + (n + 0.5) * lineHeight));
     ctx.drawImage(view, 0, caption);
     const url = canvas.toDataURL("image/png");
+    api.lastExport = { width, height: canvas.height, caption: [...lines, ...legendLines], captionHeight: caption, textWidth: text,
+                       widths: [...lines, ...legendLines].map((line) => measure.measureText(line).width) };
     const link = Object.assign(document.createElement("a"), { href: url, download: state.open ? `call${state.open.layer}-head${state.open.head}.png` : "attention-grid.png" });
     document.body.append(link); link.click(); link.remove();
     return url;
+  }
+
+  // `text` in lines of at most `width` pixels (ctx's font), broken between words (within a word
+  // longer than a line)
+  function wrap(ctx, text, width) {
+    const lines = [];
+    let line = "";
+    for (const word of text.split(/\s+/).filter(Boolean)) {
+      const joined = line ? line + " " + word : word;
+      if (ctx.measureText(joined).width <= width) { line = joined; continue; }
+      if (line) lines.push(line);
+      line = word;
+      while (ctx.measureText(line).width > width && line.length > 1) {
+        let cut = line.length - 1;
+        while (cut > 1 && ctx.measureText(line.slice(0, cut)).width > width) cut--;
+        lines.push(line.slice(0, cut));
+        line = line.slice(cut);
+      }
+    }
+    if (line) lines.push(line);
+    return lines;
   }
 
   function gridImage() { // the grid's maps, with its row and column labels
@@ -603,17 +707,18 @@
         event.preventDefault();
         const [i, j] = state.open.cursor, [di, dj] = moves[event.key];
         state.open.cursor = [Math.max(0, Math.min(layer.L - 1, i + di)), Math.max(0, Math.min(layer.S - 1, j + dj))];
-        drawHead(); showTooltip(...state.open.cursor); setStatus(cellText(...state.open.cursor));
+        drawHead(); reveal(...state.open.cursor); showTooltip(...state.open.cursor); setStatus(cellText(...state.open.cursor));
       } else if (event.key === "Enter" || event.key === " ") { event.preventDefault(); select(state.open.cursor[0]); }
     });
     document.addEventListener("keydown", (event) => { if (event.key === "Escape") back(); });
     $("back").addEventListener("click", back);
     $("export").addEventListener("click", exportPng);
-    $("same-scale").addEventListener("change", (event) => { state.sameScale = event.target.checked; if (!state.open) drawGrid(); });
+    $("same-scale").addEventListener("change", (event) => { state.sameScale = event.target.checked; if (state.open) drawHead(); else drawGrid(); });
   }
 
   const timings = {}; // ms per loading step, for mhaView.timings
-  const state = { runs: [], show: 0, open: null, cached: {}, cells: [], geometry: null, precision: "float32", sameScale: false };
+  const state = { runs: [], show: 0, open: null, cached: {}, cells: [], geometry: null, precision: "float32", sameScale: false,
+                  shared: {}, exactRow: {}, notes: [] };
 
   async function start() {
     const started = performance.now();
@@ -621,6 +726,9 @@
       const manifest = JSON.parse($("mha-manifest").textContent);
       const bytes = await inflate($("mha-data").textContent);
       state.precision = manifest.precision;
+      state.notes = manifest.notes || [];
+      for (const note of state.notes) $("notes").append(Object.assign(document.createElement("p"), { className: "note", textContent: note }));
+      $("notes").hidden = state.notes.length === 0;
       state.runs = manifest.runs.map((run) => ({ label: run.label, layers: run.layers.map((entry) => layerOf(entry, bytes.buffer)) }));
       buildRunToggle();
       let mark = performance.now();

@@ -304,7 +304,7 @@ def _traceback_of(case: Case) -> None:
     from .properties import _call, _run, _varlen, backends
     setup = (_varlen if case.kind == "varlen" else _call)(case)
     cotangent = tensor(setup.out_shape, "contiguous", setup.inputs[0].dtype, generator(case, 4)) if case.grad else None
-    for backend in ("varlen",) if case.kind == "varlen" else backends():
+    for backend in backends():
         try:
             _run(setup.call, backend, setup.inputs, cotangent)
         except Exception:  # noqa: BLE001

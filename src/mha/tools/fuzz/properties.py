@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ...functional import scaled_dot_product_attention
-from ...kernels import Contract, attention, native
+from ...kernels import Contract, attention, native, varlen_attention
 from ...positions import Band
 from .cases import Case, attn_mask, band_of, generator, offset_of, per_head, qkv, sequence_positions, tensor
 from .reference import Outcome, Spec, error, output_shape, reference, tolerance, torch_own
@@ -59,15 +59,13 @@ def check(case: Case, *, properties: tuple[str, ...] = ("equal", "nan", "repeat"
 def _check(case: Case, properties: tuple[str, ...]) -> list[Finding]:
     if case.kind == "bad":
         return _refusals(case) if "refuse" in properties else []
-    if case.kind == "varlen" and "native" not in backends():
-        return []
     setup = (_varlen if case.kind == "varlen" else _call)(case)
     cotangent = None
     if case.grad and case.poison is None:
         cotangent = tensor(setup.out_shape, "contiguous", setup.inputs[0].dtype, generator(case, 4))
     ref, own = setup.reference(cotangent), setup.torch_own(cotangent)
     findings = []
-    for backend in ("varlen",) if case.kind == "varlen" else backends():
+    for backend in backends():  # varlen too: one call of the dispatch, on each backend
         findings += _one_backend(case, backend, setup, cotangent, ref, own, properties)
     return findings
 
@@ -91,7 +89,7 @@ def _one_backend(case, backend, setup: Setup, cotangent, ref: Outcome, own: list
     try:
         first = _run(call, backend, inputs, cotangent)
     except ValueError as refusal:
-        if backend not in ("auto", "varlen") and "cannot run this call" in str(refusal):
+        if backend != "auto" and "cannot run this call" in str(refusal):
             return []  # a named backend that does not take the call says so (dispatch routes around it)
         return [Finding(_sig(case, backend, "raises:ValueError"), str(refusal))] if "raises" in properties else []
     except Exception as crash:  # anything else is a defect: a crash deep in torch, a ZeroDivisionError ...
@@ -225,8 +223,8 @@ def _varlen(case: Case) -> Setup:
     cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)]) for n in (case.lengths, case.k_lengths))
 
     def call(backend, q, k, v, slopes, sinks):
-        return native.varlen_attention(q, k, v, cu_q, cu_k, is_causal=case.is_causal, scale=case.scale,
-                                       window=case.window, alibi_slopes=slopes, softcap=case.softcap, sinks=sinks)
+        return varlen_attention(q, k, v, cu_q, cu_k, is_causal=case.is_causal, scale=case.scale, window=case.window,
+                                alibi_slopes=slopes, softcap=case.softcap, sinks=sinks, backend=backend)
 
     def per_sequence(runner, cotangent, **options):
         outcomes = []

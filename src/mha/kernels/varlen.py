@@ -1,0 +1,71 @@
+"""Attention over a packed batch of sequences of different lengths (flash-attn's varlen layout).
+
+    varlen_attention(q (Tq, H, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), cu_seqlens_q, cu_seqlens_k) -> (Tq, H, Dv)
+
+Sequence b holds the rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1]
+of k and v. The packing becomes positions (mha.positions.packed: sequences far enough apart that
+the band never reaches from one into another), and the call is one call of the dispatch over
+(1, H, Tq, D) against (1, Hkv, Tk, D): the native kernel never computes a tile between two
+sequences; where it is not built, the dispatch says which backend runs instead and why.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _checks, positions
+from .contract import Contract
+from .dispatch import attention
+
+__all__ = ["varlen_attention"]
+
+_PER_HEAD = "(num_heads,): one value per query head (dim 1 of q)"
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
+                     is_causal: bool = False, scale: float | None = None, window: tuple[int, int] | None = None,
+                     alibi_slopes: Tensor | None = None, softcap: float | None = None,
+                     sinks: Tensor | None = None, backend: str = "auto") -> Tensor:
+    """Attention over a packed batch: q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv);
+    cu_seqlens_q / cu_seqlens_k: int tensors of B + 1 offsets from 0. Returns (total_q, H, Dv); a
+    query sees only its own sequence's keys. Causality and windows are aligned bottom-right within
+    each sequence (its last query faces its last key), as flash-attn's; ALiBi, softcap and sinks as
+    in scaled_dot_product_attention. Differentiable. backend: "auto" (mha.kernels.choose_backend)
+    or a backend's name.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _checks.floating(name, x)
+        _checks.rank(name, x, (3,), "(total tokens, heads, head dim)")
+    lengths_q, lengths_k = (_lengths(name, cu, x.shape[0]) for name, cu, x in (("cu_seqlens_q", cu_seqlens_q, q),
+                                                                              ("cu_seqlens_k", cu_seqlens_k, k)))
+    if len(lengths_q) != len(lengths_k):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got {len(lengths_q)} "
+                         f"and {len(lengths_k)}")
+    _checks.same_dtype_device("q", q, k=k, v=v)
+    if v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"v must have k's tokens and heads {tuple(k.shape[:2])}, got shape {tuple(v.shape)}")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"k must have q's head dim ({q.shape[2]}), got shape {tuple(k.shape)}")
+    _checks.shared_heads(q.shape[1], "k", k.shape[1], dim=1)
+    q_pos, k_pos, band = positions.packed(lengths_q, lengths_k, positions.band(is_causal, window))
+    contract = Contract(band=band, positions=(q_pos[None].to(q.device), k_pos[None].to(q.device)),
+                        alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, q.shape[1], q, _PER_HEAD),
+                        scale=_checks.optional_finite_real("scale", scale),
+                        softcap=_checks.optional_positive_real("softcap", softcap),
+                        sinks=_checks.per_head("sinks", sinks, q.shape[1], q, _PER_HEAD))
+    rows = [x.transpose(0, 1)[None] for x in (q, k, v)]  # (T, H, D) -> (1, H, T, D)
+    out, _ = attention(*rows, contract, backend=backend)
+    return out[0].transpose(0, 1)  # (1, H, Tq, Dv) -> (Tq, H, Dv)
+
+
+def _lengths(name: str, cu: Tensor, total: int) -> Tensor:
+    """The lengths (int64) of the sequences cumulative offsets ``cu`` (B + 1 ints from 0 to total) describe."""
+    if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.is_floating_point() or cu.dtype == torch.bool or len(cu) < 1:
+        raise TypeError(f"{name} must be a 1-D integer tensor of B + 1 offsets, got "
+                        f"{cu.dtype if isinstance(cu, Tensor) else type(cu).__name__}"
+                        f"{' of shape ' + str(tuple(cu.shape)) if isinstance(cu, Tensor) else ''}")
+    lengths = cu.cpu().diff()
+    if int(cu[0]) != 0 or int(cu[-1]) != total or bool((lengths < 0).any()):
+        raise ValueError(f"{name} must rise from 0 to the {total} rows of its tensor, got {cu.tolist()}")
+    return lengths.to(torch.long)

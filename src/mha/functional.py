@@ -46,7 +46,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     is_causal: causal mask (query i sees keys j <= i + offset), combined with attn_mask if both.
     enable_gqa: key/value may have fewer heads (dim -3) than query; query head h reads kv head
     h // (H / Hkv). Dropout is applied whenever dropout_p > 0, as in torch.
-    A query row with every key masked gives zeros. backend: "auto", "sdpa", "flash" or "math".
+    A query row with every key masked gives zeros. backend: "auto", "sdpa", "flash", "native" or "math".
 
     Beyond torch's signature (keyword-only; see mha.positions for the position rule):
       causal_alignment  "top_left" (offset 0, torch's) or "bottom_right" (offset S - L: the last
@@ -59,9 +59,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
       softcap           c > 0: scores become c * tanh(scores / c) before ALiBi and masks (Gemma 2).
       sinks             (H,): one logit per head that joins every row's softmax and is then dropped
                         (GPT-OSS); differentiable.
-    None of them builds an L x S tensor: they run on the flash backend, tile by tile (at short T,
-    windows and ALiBi fold into one mask for torch's kernel when that mask is no larger than
-    query, key and value together; see mha.kernels.dispatch).
+    None of them builds an L x S tensor: the dispatch runs them on a backend that applies them tile
+    by tile (native, or flash where native is not built), or, at short T, folds windows and ALiBi
+    into one mask for torch's kernel when that mask is no larger than query, key and value
+    together (see mha.kernels.dispatch).
     """
     # a plain call: the dispatch's per-call fast path (torch's kernel, when that is what auto would run)
     if (attn_mask is None and dropout_p.__class__ is float and dropout_p == 0.0 and scale is None

@@ -12,8 +12,21 @@ with the default positions (query i at i + offset, key j at j). ``offset`` is th
 
 A KV cache whose sequences have different lengths gives the positions explicitly, per sequence
 (B, L) and (B, S), and the same rule applies with offset 0. Nothing else in the package computes
-a relative position: bands (causal, sliding windows), ALiBi, the flash tiles, the cache path and
-the efficient variants all call :func:`relative` (directly or through a :class:`Band`).
+a relative position or a key interval: every consumer asks this module, in the form it needs:
+
+    Band.allowed(rel)                  the rule itself: which distances are visible
+    Band.reach / interval / visible    each query's keys [first, stop) (the C++ kernel mirrors reach)
+    Band.key_range / covers, needed    a block of queries: the keys any sees, whether all see a tile
+    Band.causal_shift(offset)          causality moved: row i sees j <= i + d (torch's causal kernels,
+                                       the fused log-sum-exp parts of ring attention)
+    Band.strided(stride, shift)        the band on index distances of a striped layout (ring attention)
+    offset_between(a, b)               queries placed from a against keys from b (a cache, a ring
+                                       block, transformers' q_offset and kv_offset)
+    offset_of(alignment, L, S)         top-left 0, bottom-right S - L
+    packed(lengths_q, lengths_k, band) sequences packed one after another (varlen) as positions
+
+The tests hold each of these, and the C++ mirror, against Band.allowed on random bands, offsets
+and positions (tests/kernels/test_key_rule.py, test_key_interval.py).
 
 The float64 oracle (mha.numpy) keeps its own copy of this rule on purpose: an oracle shares nothing
 with what it checks.

@@ -75,3 +75,22 @@ def test_the_version_is_written_once_and_every_layer_reads_it():
 
     assert mha.__version__ == _version.__version__
     assert tuning.__version__ is _version.__version__  # tuning's cache key reads the leaf, not the package
+
+
+def test_every_module_names_its_exports():
+    """A module whose dir() shows its imports says which names are its own (__all__); private
+    modules (_checks, _shapes, ...) and the command's tools are exempt."""
+    import importlib
+    import pathlib
+
+    root = pathlib.Path(mha.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[0] in ("tools", "cli") or any(p.startswith("_") and p != "__init__" for p in parts):
+            continue
+        name = ".".join(("mha", *(p for p in parts if p != "__init__")))
+        if name == "mha.integrations.transformers":
+            continue  # imported on request (the hf extra)
+        module = importlib.import_module(name)
+        assert hasattr(module, "__all__"), name
+        assert all(hasattr(module, n) for n in module.__all__), name

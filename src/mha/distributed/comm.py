@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+__all__ = ["Ring", "all_gather", "all_to_all", "copy_to_group", "global_rank", "initialized", "reduce_from_group",
+           "sum_gradients_over", "world"]
+
 
 def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()

@@ -13,6 +13,8 @@ from .. import _checks, positions
 from ..kernels.contract import Contract, contract_of
 from .layout import SequenceLayout
 
+__all__ = ["check"]
+
 
 def check(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, *, is_causal, scale, enable_gqa, window,
           alibi_slopes, softcap, sinks) -> Contract:

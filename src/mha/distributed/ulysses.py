@@ -34,7 +34,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, *
                       sinks: Tensor | None = None, backend: str = "auto") -> Tensor:
     """Exact attention over the whole sequence from this rank's shards, by all-to-all (see the module
     docstring). The arguments, shapes and gradients are ring_attention's; ``backend`` chooses the
-    kernel of the local attention (mha.kernels: "auto", "sdpa", "flash", "math")."""
+    kernel of the local attention (mha.kernels: "auto", "sdpa", "flash", "native", "math")."""
     terms = check(q, k, v, layout, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window=window,
                   alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
     W, H = layout.world_size, q.shape[1]

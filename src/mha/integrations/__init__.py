@@ -2,3 +2,5 @@
 
     mha.integrations.transformers   register(): attn_implementation="mha" in HuggingFace transformers
 """
+
+__all__: list[str] = []  # each integration is a submodule, imported on request

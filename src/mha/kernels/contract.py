@@ -15,7 +15,8 @@ gives them per sequence (a KV cache holding sequences of different lengths). A b
 honours the whole contract at O(L + S) memory or says it cannot (mha.kernels.choose_backend routes
 around it); the math backend honours everything by building the L x S scores, as it must to
 return the weights. The score shaping is written here once and used by every backend: the math
-backend applies it to the whole (L, S) range, the flash backend tile by tile.
+backend applies it to the whole (L, S) range, the flash backend tile by tile (the native kernel
+mirrors it in C++: csrc/native.cpp's Terms).
 
 Shapes: B batch, H heads, L query length, S key length.
 """

@@ -36,6 +36,9 @@ from ._shapes import leads, matched_kv_heads, unflat
 from .contract import Contract, resolve
 from .merge import sink_gradient
 
+__all__ = ["BLOCK_K", "BLOCK_Q", "WINDOW_BLOCKS", "flash_attention", "flash_attention_backward",
+           "flash_attention_with_lse", "unsupported"]
+
 BLOCK_Q = 256
 BLOCK_K = 256
 WINDOW_BLOCKS = (64, 128)  # a sliding window: smaller blocks waste less work on its edges

@@ -17,6 +17,8 @@ from ._context import autocast_enabled, autocast_inputs, forward_mode, may_branc
 from ._shapes import matched_kv_heads
 from .contract import Contract, resolve
 
+__all__ = ["math_attention", "safe_softmax"]
+
 _OUT_OF_PLACE_BELOW = 1 << 15  # scores (elements) below which the in-place softmax allocates anyway
 
 

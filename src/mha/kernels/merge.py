@@ -24,6 +24,8 @@ import math
 import torch
 from torch import Tensor
 
+__all__ = ["add_sinks", "merge_attention", "merge_into", "sink_gradient"]
+
 
 def _weights(lse_a: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The merged lse and the (..., L, 1) weights of each part."""

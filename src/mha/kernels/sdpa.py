@@ -49,6 +49,8 @@ from ._context import forward_mode
 from ._shapes import attached_zeros, broadcast, matched_kv_heads, unit_last_stride
 from .contract import Contract, resolve
 
+__all__ = ["attention_with_lse", "backward_with_lse", "lse_form", "plan", "run_planned", "sdpa_attention"]
+
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 

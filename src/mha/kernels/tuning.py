@@ -38,6 +38,10 @@ import torch
 
 from .._version import __version__
 
+__all__ = ["DECODE_KEYS", "DTYPES", "FLAGS", "KNOWN", "MARGIN", "NEVER", "PREFILL_LENGTHS", "Crossover", "Timer",
+           "best_of", "cache_path", "cpu", "cpu_kind", "crossovers", "forget", "machine_key", "stored",
+           "switched_off", "tune"]
+
 log = logging.getLogger("mha.dispatch")
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")  # those that matter

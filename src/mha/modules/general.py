@@ -47,8 +47,9 @@ class GeneralAttention(nn.Module):
 
     Positions (mha.positions): without a cache, query i sits at position i and key j at j; with an
     mha.KVCache the new tokens continue each sequence. RoPE, causality, the window and ALiBi all
-    read these positions, and none of them builds an L x S tensor (the flash backend applies them
-    tile by tile).
+    read these positions, and none of them builds an L x S tensor (the dispatch, mha.kernels, runs
+    them on a backend that applies them tile by tile: native or flash, or torch's kernel with one
+    mask no larger than q, k and v).
 
     Parameters: ``bias_k`` (1, 1, h*dk), ``bias_v`` (1, 1, h*dv) with add_bias_kv, then the
     nn.Linear submodules ``q_proj`` (h*dk, cq), ``k_proj`` (h*dk, ck), ``v_proj`` (h*dv, cv),
@@ -171,7 +172,7 @@ class GeneralAttention(nn.Module):
         :meth:`forward_with_weights` (or mha.capture_attention).
         cache: an mha.KVCache; query/key/value are then the new tokens, appended to it (with
         RoPE, windows, ALiBi or a cache, masks come from positions: attn_mask is not taken).
-        backend: "auto" or a backend of mha.kernels ("math", "sdpa", "flash").
+        backend: "auto" or a backend of mha.kernels ("math", "sdpa", "flash", "native").
         """
         out, _ = self._attend(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                               is_causal=is_causal, cache=cache, backend=backend, need_weights=False)

@@ -23,6 +23,9 @@ from torch import Tensor
 from .. import _checks, kernels, masks, positions
 from ..kernels.contract import contract_of
 
+__all__ = ["attend", "attend_positional", "check_inputs", "finish", "own_tensors", "pipeline", "split_heads",
+           "split_packed_heads", "to_batch_first"]
+
 _ABSENT = object()
 
 

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from .. import _checks
 from .pipeline import split_heads, split_packed_heads
 
+__all__ = ["ProjectionWeights"]
+
 
 class ProjectionWeights:
     """The input projections, packed (3E, E) or separate (E, E), (E, Ek), (E, Ev), validated."""

@@ -74,7 +74,7 @@ class MultiheadAttention(nn.Module):
         else:
             self.bias_k = self.bias_v = None
         self.add_zero_attn = add_zero_attn
-        self.backend = "auto"  # mha only: "auto", "math", "sdpa" or "flash" (see mha.kernels)
+        self.backend = "auto"  # mha only: "auto", "math", "sdpa", "flash" or "native" (see mha.kernels)
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:

@@ -18,7 +18,7 @@ from helpers.exact import raises_exactly
 from helpers.tolerance import assert_within_torch_error
 from mha import numpy as oracle
 from mha.functional import scaled_dot_product_attention as sdpa
-from mha.kernels import Contract, native
+from mha.kernels import Contract, native, varlen_attention
 from mha.positions import CAUSAL
 from mha.tools.fuzz import Case, check
 from mha.tools.fuzz.driver import Isolated
@@ -278,7 +278,7 @@ def _varlen_repeats(seed: int, times: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(125, 8, 64, generator=g).bfloat16() for _ in range(3))
     cu = torch.tensor([0, 48, 114, 125], dtype=torch.int32)
-    return [native.varlen_attention(q, k, v, cu, cu, is_causal=True) for _ in range(times)]
+    return [varlen_attention(q, k, v, cu, cu, is_causal=True, backend="native") for _ in range(times)]
 
 
 @native_only
@@ -331,7 +331,7 @@ def test_native_refuses_a_double_backward_as_flash_does():
 def test_varlen_refuses_a_flag_that_is_not_a_bool(flag):
     q, cu = torch.randn(10, 2, 8), torch.tensor([0, 10])
     with raises_exactly(TypeError, f"is_causal must be a bool, got {type(flag).__name__} ({flag!r})"):
-        native.varlen_attention(q, q, q, cu, cu, is_causal=flag)
+        varlen_attention(q, q, q, cu, cu, is_causal=flag, backend="native")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,4 +1,11 @@
-"""mha.functional against torch.nn.functional and the oracle; the backend dispatch."""
+"""mha.functional against torch.nn.functional and the oracle; the backend dispatch.
+
+Every comparison has a subject distinct from its reference. On the calls below, auto runs torch's
+own kernel as it is (dispatch.py's fast path for a plain float32 call; the sdpa backend, torch's kernel
+with the caller's arguments, otherwise; measured: bit for bit F.scaled_dot_product_attention), so auto
+is compared with the math backend (mha's softmax(QK^T)V in torch ops, itself compared with torch
+here) and the float64 oracle, never with torch's kernel.
+"""
 
 import itertools
 import logging
@@ -15,6 +22,17 @@ from mha import numpy as oracle
 from mha.functional import multi_head_attention_forward, scaled_dot_product_attention
 
 BACKENDS = ["auto", "sdpa", "math"]
+
+
+def _math(*args, **kwargs):
+    """The math backend, called as F.scaled_dot_product_attention: auto's reference."""
+    return scaled_dot_product_attention(*args, **kwargs, backend="math")
+
+
+# What each backend is compared with, besides the oracle. sdpa: torch's function with the caller's own
+# arguments checks mha's translation of the call (masks, causality, scale); math: torch, a distinct
+# kernel; auto: the math backend, as auto is torch's kernel itself on these calls (module docstring).
+REFERENCE = {"auto": _math, "sdpa": F.scaled_dot_product_attention, "math": F.scaled_dot_product_attention}
 
 
 def _qkv(shape_q, shape_k, dv=None, dtype=torch.float64, seed=0, grad=False):
@@ -38,7 +56,7 @@ def _mask(kind, shape, seed=1):
 @pytest.mark.parametrize("mask_kind, mask_shape", [("none", None), ("bool", (5, 7)), ("float", (2, 1, 5, 7)),
                                                    ("bool", (2, 3, 5, 7)), ("float", (7,))])
 @pytest.mark.parametrize("is_causal, scale", [(False, None), (True, None), (False, 0.2)])
-def test_sdpa_matches_torch_and_oracle_forward_and_gradients(backend, mask_kind, mask_shape, is_causal, scale):
+def test_sdpa_matches_its_reference_and_the_oracle_forward_and_gradients(backend, mask_kind, mask_shape, is_causal, scale):
     q, k, v = _qkv((2, 3, 5, 4), (2, 3, 7, 4), dv=6, grad=True)
     mask = _mask(mask_kind, mask_shape)
     out = scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, scale=scale, backend=backend)
@@ -46,8 +64,9 @@ def test_sdpa_matches_torch_and_oracle_forward_and_gradients(backend, mask_kind,
                                                   None if mask is None else mask.numpy(), is_causal, scale)
     assert_close(out.detach().numpy(), want)
     torch_mask = mask if mask is None or mask.dim() >= 2 else mask.expand(5, 7)  # torch refuses 1-D
+    reference = REFERENCE[backend]
     if not is_causal:  # torch refuses a mask together with is_causal
-        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, torch_mask, scale=scale))
+        torch.testing.assert_close(out, reference(q, k, v, torch_mask, scale=scale))
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
     ref_mask = torch_mask
@@ -55,12 +74,12 @@ def test_sdpa_matches_torch_and_oracle_forward_and_gradients(backend, mask_kind,
         causal = torch.ones(5, 7, dtype=torch.bool).tril()
         ref_mask = (causal if mask is None else torch_mask & causal if mask.dtype == torch.bool
                     else torch_mask.masked_fill(~causal, float("-inf")))
-    ref = F.scaled_dot_product_attention(q2, k2, v2, ref_mask, scale=scale)
+    ref = reference(q2, k2, v2, ref_mask, scale=scale)
     for got, want_g in zip(grads, torch.autograd.grad(ref.sum(), (q2, k2, v2))):
         assert_close(got, want_g, chain=True)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["math", "flash"])  # mha's own kernels (auto and sdpa: the next test)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_sdpa_float32_error_within_twice_torch(backend, dtype):
     q, k, v = _qkv((3, 9, 8), (3, 11, 8), dtype=torch.float64, seed=4)
@@ -72,31 +91,62 @@ def test_sdpa_float32_error_within_twice_torch(backend, dtype):
     assert ours <= limit
 
 
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sdpa_torchs_kernel_through_auto_and_sdpa_within_the_dtype_tolerance_of_the_oracle(backend, dtype):
+    """auto and sdpa run torch's kernel here (bit for bit torch's result: 2x torch's own error would hold
+    trivially): their error against the float64 oracle is held to the dtype's step (helpers.tolerance)."""
+    q, k, v = _qkv((3, 9, 8), (3, 11, 8), dtype=torch.float64, seed=4)
+    want, _ = oracle.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), is_causal=True)
+    lo = [t.to(dtype) for t in (q, k, v)]
+    assert_close(scaled_dot_product_attention(*lo, is_causal=True, backend=backend), want, dtype)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["H=Hkv", "GQA"])
+def test_sdpa_auto_on_a_plain_call_matches_the_math_backend_and_the_oracle(is_causal, kv_heads):
+    """A plain float32 (B, H, L, D) call, the one auto hands to torch's kernel as it is (dispatch's fast
+    path): forward against the float64 oracle and the math backend, gradients against the math backend."""
+    q, k, v = _qkv((2, 4, 9, 8), (2, kv_heads, 11, 8), dv=8, seed=8)
+    groups = 4 // kv_heads  # query head h reads key/value head h // groups
+    want, _ = oracle.scaled_dot_product_attention(q.numpy(), *(np.repeat(t.numpy(), groups, axis=1) for t in (k, v)),
+                                                  is_causal=is_causal)
+    lo = [t.float().requires_grad_() for t in (q, k, v)]
+    assert kernels.dispatch.plain_call(*lo, enable_gqa=True)  # the fast path's case, not the dispatch's
+    got = scaled_dot_product_attention(*lo, is_causal=is_causal, enable_gqa=kv_heads != 4)
+    ref = _math(*lo, is_causal=is_causal, enable_gqa=kv_heads != 4)
+    assert_close(got, want, torch.float32)
+    assert_close(got, ref)
+    for ours, theirs in zip(torch.autograd.grad(got.sum(), lo), torch.autograd.grad(ref.sum(), lo)):
+        assert_close(ours, theirs, chain=True)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_sdpa_grouped_query_attention_matches_torch(backend):
+def test_sdpa_grouped_query_attention_matches_its_reference(backend):
     q, k, v = _qkv((2, 6, 5, 4), (2, 2, 7, 4), seed=2)
+    reference = REFERENCE[backend]
     got = scaled_dot_product_attention(q, k, v, enable_gqa=True, backend=backend)
-    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    torch.testing.assert_close(got, reference(q, k, v, enable_gqa=True))
     # query head h reads kv head h // 3
-    torch.testing.assert_close(got[:, 4], F.scaled_dot_product_attention(q[:, 4], k[:, 1], v[:, 1]))
+    torch.testing.assert_close(got[:, 4], reference(q[:, 4], k[:, 1], v[:, 1]))
     mask = _mask("bool", (2, 6, 5, 7))  # one mask per (batch, query head): broadcast shape (B, H, L, S)
     got = scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, backend=backend)
-    assert_close(got, F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True))
+    assert_close(got, reference(q, k, v, mask, enable_gqa=True))
     q3, k3, v3 = q[0], k[0], v[0]  # 3-D (heads, length, dim): dim -3 is still the heads
     got = scaled_dot_product_attention(q3, k3, v3, enable_gqa=True, backend=backend)
     assert got.shape == (6, 5, 4)
-    assert_close(got, F.scaled_dot_product_attention(q3, k3, v3, enable_gqa=True))
+    assert_close(got, reference(q3, k3, v3, enable_gqa=True))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape_q, shape_k", [((2, 3, 6), (2, 5, 6)), ((3, 6), (5, 6))], ids=["3-D", "2-D"])
 @pytest.mark.parametrize("mask_kind, is_causal", [("float", False), ("bool", False), ("none", True)])
-def test_sdpa_three_and_two_dimensional_inputs_match_torch(backend, shape_q, shape_k, mask_kind, is_causal):
+def test_sdpa_three_and_two_dimensional_inputs_match_their_reference(backend, shape_q, shape_k, mask_kind, is_causal):
     """(B, L, D) and unbatched (L, D) inputs (L, S and D all different), output of the same rank as torch's."""
     q, k, v = _qkv(shape_q, shape_k, dv=7, seed=6)
     mask = _mask(mask_kind, (3, 5))
     got = scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, backend=backend)
-    want = F.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal)
+    want = REFERENCE[backend](q, k, v, mask, is_causal=is_causal)
     assert got.shape == want.shape == (*shape_q[:-1], 7)
     assert_close(got, want)
 

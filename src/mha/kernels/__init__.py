@@ -13,7 +13,8 @@ Every call in mha goes through the dispatch (mha.kernels.dispatch), the one plac
 chosen, with its reason logged ("mha.dispatch"): :func:`attention` (any contract),
 :func:`attention_with_lse` (with each row's log-sum-exp: the parts of ring attention, the
 efficient variants' exact parts), :func:`varlen_attention` (a packed batch of sequences of
-different lengths, one call). :func:`choose_backend` / :func:`choose_lse_backend` say which and why.
+different lengths, one call), :func:`paged_attention` (many sequences' new rows over KV-cache
+pages, one call). :func:`choose_backend` / :func:`choose_lse_backend` say which and why.
 """
 
 from .contract import Contract
@@ -22,9 +23,11 @@ from .flash import flash_attention, flash_attention_with_lse
 from .math import math_attention, safe_softmax
 from .merge import merge_attention
 from .native import native_attention, native_attention_with_lse, native_available
+from .paged import paged_attention
 from .sdpa import sdpa_attention
 from .varlen import varlen_attention
 
 __all__ = ["BACKENDS", "Contract", "attention", "attention_with_lse", "choose_backend", "choose_lse_backend",
            "flash_attention", "flash_attention_with_lse", "math_attention", "merge_attention", "native_attention",
-           "native_attention_with_lse", "native_available", "safe_softmax", "sdpa_attention", "varlen_attention"]
+           "native_attention_with_lse", "native_available", "paged_attention", "safe_softmax", "sdpa_attention",
+           "varlen_attention"]

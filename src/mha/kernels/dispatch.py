@@ -42,14 +42,16 @@ from ._context import transforms_active
 from ._shapes import matched_kv_heads, unit_last_stride
 from .contract import NONE, TOP_LEFT_CAUSAL, Contract, resolve
 from .flash import flash_attention, flash_attention_backward, flash_attention_with_lse
-from .math import math_attention
+from .math import math_attention, paged_math_attention
 from .native import native_attention, native_attention_with_lse
 from .sdpa import sdpa_attention
 
-__all__ = ["BACKENDS", "LSE_BACKENDS", "OBSERVERS", "attention", "attention_with_lse", "backward_with_lse",
-           "choose_backend", "choose_lse_backend", "native_pays", "plain_call", "plain_sdpa", "share_kv_heads"]
+__all__ = ["BACKENDS", "LSE_BACKENDS", "OBSERVERS", "PAGED_BACKENDS", "attention", "attention_with_lse",
+           "backward_with_lse", "choose_backend", "choose_lse_backend", "choose_paged_backend", "native_pays",
+           "paged_attention", "plain_call", "plain_sdpa", "share_kv_heads"]
 
 BACKENDS = {"math": math_attention, "sdpa": sdpa_attention, "flash": flash_attention, "native": native_attention}
+PAGED_BACKENDS = ("native", "math")  # paged_attention's: native reads the pages in place, math gathers (the reference)
 # the backends returning (out, lse): attention_with_lse's choice
 LSE_BACKENDS = {"sdpa": sdpa.attention_with_lse, "native": native_attention_with_lse, "flash": flash_attention_with_lse}
 
@@ -276,3 +278,49 @@ def backward_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract, out: 
     if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
         log.debug("backend %s (backward with lse): %s", name, why)
     return grads
+
+
+# -- over KV-cache pages ------------------------------------------------------------------------
+
+def choose_paged_backend(requested: str, q: Tensor, k_pages: Tensor) -> tuple[str, str]:
+    """(the backend mha.kernels.paged_attention runs, why): native, which reads each page in place,
+    when it is built (never built here: native.ready) and takes the call; else math, the reference
+    (each sequence's keys gathered, dense). Raises ValueError for an unknown or unfit request."""
+    _checks.one_of("backend", requested, ("auto", *PAGED_BACKENDS))
+    refusal = _paged_native_refusal(q, k_pages)
+    if requested == "native":
+        refusal = refusal or (None if native.native_available() else "the native kernel is not built here")
+        if refusal:
+            raise ValueError(f"backend='native' cannot run this call: {refusal}")
+    if requested != "auto":
+        choice = (requested, "requested explicitly")
+    elif refusal is None and native.ready():
+        choice = ("native", "the native kernel reads the pages in place")
+    else:
+        choice = ("math", f"not native ({refusal or 'not built here'}): each sequence gathered, dense")
+    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
+        log.debug("backend %s (paged): %s", *choice)
+    return choice
+
+
+def _paged_native_refusal(q: Tensor, k_pages: Tensor) -> str | None:
+    if torch.compiler.is_compiling():
+        return "torch.compile traces the call (the compiled graph keeps torch's ops)"
+    if not (q.is_cpu and k_pages.is_cpu):
+        return f"it runs on CPU tensors only (got {q.device.type})"
+    if q.dtype not in _FLOATS:
+        return f"dtype {q.dtype}"
+    return None
+
+
+def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, lengths_q: Tensor,
+                    lengths_k: Tensor, terms: Contract, *, backend: str = "auto") -> Tensor:
+    """Run mha.kernels.paged_attention's checked call (q (Tq, H, D), pages, the block table (B, M)
+    and lengths (B,) as int64 CPU tensors, terms: the contract's per-sequence terms) on the chosen backend."""
+    name, _ = choose_paged_backend(backend, q, k_pages)
+    if name == "math":
+        return paged_math_attention(q, k_pages, v_pages, block_table, lengths_q, lengths_k, terms)
+    cu = torch.nn.functional.pad(lengths_q.cumsum(0), (1, 0))  # (B,) -> (B + 1,) offsets
+    return native.paged_attention_native(q, k_pages, v_pages, block_table, cu, lengths_k, band=terms.band,
+                                         scale=terms.scale_for(q.shape[-1]), softcap=terms.softcap,
+                                         alibi_slopes=terms.alibi_slopes, sinks=terms.sinks)

@@ -17,7 +17,7 @@ from ._context import autocast_enabled, autocast_inputs, forward_mode, may_branc
 from ._shapes import matched_kv_heads
 from .contract import Contract, resolve
 
-__all__ = ["math_attention", "safe_softmax"]
+__all__ = ["math_attention", "paged_math_attention", "safe_softmax"]
 
 _OUT_OF_PLACE_BELOW = 1 << 15  # scores (elements) below which the in-place softmax allocates anyway
 
@@ -105,3 +105,23 @@ def _autocast_off(device_type: str):
     if autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def paged_math_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, lengths_q: Tensor,
+                         lengths_k: Tensor, terms: Contract) -> Tensor:
+    """The reference of mha.kernels.paged_attention: each sequence alone, its keys gathered from the
+    pages, dense, bottom-right (query r at S_b - L_b + r). q (Tq, H, D), pages (N, Hkv, P, D|Dv),
+    block_table (B, M), lengths (B,) -> (Tq, H, Dv)."""
+    H, P = q.shape[1], k_pages.shape[2]
+    out = q.new_empty(q.shape[0], H, v_pages.shape[3])
+    start = 0
+    for row, L, S in zip(block_table, lengths_q.tolist(), lengths_k.tolist()):
+        blocks = row[: (S + P - 1) // P].to(k_pages.device)
+        k, v = (pages.index_select(0, blocks).transpose(0, 1).flatten(1, 2)[:, :S]  # (n, Hkv, P, X) -> (Hkv, S, X)
+                for pages in (k_pages, v_pages))
+        k, v = (x.repeat_interleave(H // x.shape[0], dim=0) for x in (k, v))  # (Hkv, S, X) -> (H, S, X)
+        rows = q[start:start + L].transpose(0, 1)  # (L, H, D) -> (H, L, D)
+        o, _ = math_attention(rows, k, v, terms.replace(offset=positions.offset_of("bottom_right", L, S)))
+        out[start:start + L] = o.transpose(0, 1)  # (H, L, Dv) -> (L, H, Dv)
+        start += L
+    return out

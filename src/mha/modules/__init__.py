@@ -7,6 +7,7 @@
     general       GeneralAttention: every width free (seed 002), GQA, RoPE, ALiBi, windows,
                   softcap, sinks, an efficient variant, a KV cache
     cache         KVCache: past keys and values for decoding, sequences of different lengths
+    paged_cache   PagedKVCache: many sequences' keys and values in fixed-size pages (serving)
     rope          RotaryEmbedding and apply_rope (rotate-half and interleaved conventions)
 
 Below this layer: mha.kernels (the contract, the backends and the one dispatch), mha.positions
@@ -15,6 +16,7 @@ and mha.masks. Above it: mha.nn (torch's drop-ins), mha.functional, mha.distribu
 
 from .cache import KVCache
 from .general import GeneralAttention
+from .paged_cache import PagedKVCache
 from .rope import RotaryEmbedding, apply_rope
 
-__all__ = ["GeneralAttention", "KVCache", "RotaryEmbedding", "apply_rope"]
+__all__ = ["GeneralAttention", "KVCache", "PagedKVCache", "RotaryEmbedding", "apply_rope"]

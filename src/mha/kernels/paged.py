@@ -1,0 +1,112 @@
+"""Ragged attention over KV-cache pages in one call: many sequences, each with its own new query
+rows (a prefill chunk, or one decoding token) and its own keys, read from a pool of pages.
+
+    paged_attention(q (Tq, H, D), k_pages (N, Hkv, P, D), v_pages (N, Hkv, P, Dv), block_table (B, M),
+                    cu_seqlens_q (B + 1,), seqlens_k (B,)) -> (Tq, H, Dv)
+
+The pool (mha.PagedKVCache keeps one per layer) holds N pages of P key slots each; sequence b's
+key j lies in page block_table[b, j // P], slot j % P; it has S_b = seqlens_k[b] keys and owns
+the query rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] (L_b >= 1 of them, L_b <= S_b: the new tokens
+are its last keys). Positions per sequence (mha.positions): query r sits at S_b - L_b + r, key j
+at j, so causality is bottom-right (a chunk's rows see the earlier chunks and the cache), and a
+window, ALiBi, softcap, sinks, GQA and the scale apply to each sequence as to one call of
+scaled_dot_product_attention.
+
+Backends (mha.kernels.dispatch.choose_paged_backend): native reads each page where it lies (no
+gather copy of the cache); math is the reference, each sequence alone and dense (its keys
+gathered from the pages). Inference only: a call that needs gradients is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _checks, positions
+from .contract import Contract
+
+__all__ = ["paged_attention"]
+
+_PER_HEAD = "(num_heads,): one value per query head (dim 1 of q)"
+
+
+def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
+                    seqlens_k: Tensor, *, is_causal: bool = True, window: tuple[int, int] | None = None,
+                    alibi_slopes: Tensor | None = None, softcap: float | None = None, sinks: Tensor | None = None,
+                    scale: float | None = None, backend: str = "auto") -> Tensor:
+    """Attention of packed query rows over their sequences' keys in the pages (module docstring).
+
+    q (Tq, H, D); k_pages (N, Hkv, P, D), v_pages (N, Hkv, P, Dv); block_table (B, M) int, the page
+    of each sequence's j-th block of keys (entries past a sequence's blocks may be -1);
+    cu_seqlens_q (B + 1,) int offsets from 0 to Tq; seqlens_k (B,) int key counts. is_causal and
+    window (flash-attn's (left, right), -1 unbounded) are aligned bottom-right per sequence.
+    Returns (Tq, H, Dv) in q's dtype. backend: "auto", "native" or "math".
+    """
+    from . import dispatch  # the dispatch imports the backends; this module only checks and asks it
+
+    table, lengths_q, lengths_k = _check(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k)
+    H = q.shape[1]
+    terms = Contract(band=positions.band(is_causal, window),
+                     alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, H, q, _PER_HEAD),
+                     scale=_checks.optional_finite_real("scale", scale),
+                     softcap=_checks.optional_positive_real("softcap", softcap),
+                     sinks=_checks.per_head("sinks", sinks, H, q, _PER_HEAD))
+    for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("alibi_slopes", alibi_slopes),
+                    ("sinks", sinks)):
+        if torch.is_grad_enabled() and x is not None and x.requires_grad:
+            raise ValueError(f"paged_attention is for inference: {name} requires grad; call it under "
+                             "torch.no_grad() or torch.inference_mode() (training runs on the other paths)")
+    return dispatch.paged_attention(q, k_pages, v_pages, table, lengths_q, lengths_k, terms, backend=backend)
+
+
+def _check(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k) -> tuple[Tensor, Tensor, Tensor]:
+    """Validate every argument; returns the block table (B, M), the query and key lengths (B,), as
+    int64 CPU tensors."""
+    _checks.rank("q", _checks.floating("q", q), (3,), "(total query rows, heads, head dim)")
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        _checks.rank(name, _checks.floating(name, x), (4,), "(num_blocks, kv heads, block_size, head dim)")
+    _checks.same_dtype_device("q", q, k_pages=k_pages, v_pages=v_pages)
+    if v_pages.shape[:3] != k_pages.shape[:3]:
+        raise ValueError(f"v_pages must have k_pages' blocks, heads and block size {tuple(k_pages.shape[:3])}, "
+                         f"got shape {tuple(v_pages.shape)}")
+    if k_pages.shape[3] != q.shape[2]:
+        raise ValueError(f"k_pages must have q's head dim ({q.shape[2]}), got shape {tuple(k_pages.shape)}")
+    if k_pages.shape[2] < 1:
+        raise ValueError(f"k_pages must have a block size of at least 1, got shape {tuple(k_pages.shape)}")
+    _checks.shared_heads(q.shape[1], "k_pages", k_pages.shape[1], dim=1)
+    table = _integers("block_table", block_table, 2, "(sequences, blocks per sequence)")
+    cu = _integers("cu_seqlens_q", cu_seqlens_q, 1, "(sequences + 1,) offsets")
+    lengths_k = _integers("seqlens_k", seqlens_k, 1, "(sequences,) key counts")
+    B, M = table.shape
+    if len(cu) != B + 1 or len(lengths_k) != B:
+        raise ValueError(f"block_table describes {B} sequences: cu_seqlens_q needs {B + 1} offsets and seqlens_k "
+                         f"{B} counts, got {len(cu)} and {len(lengths_k)}")
+    lengths_q = cu.diff()
+    if int(cu[0]) != 0 or int(cu[-1]) != q.shape[0] or bool((lengths_q < 1).any()):
+        raise ValueError(f"cu_seqlens_q must rise from 0 to the {q.shape[0]} rows of q, each sequence at least one "
+                         f"row, got {cu.tolist()}")
+    if bool((lengths_k < lengths_q).any()):
+        raise ValueError(f"seqlens_k must count at least each sequence's query rows (its new tokens are its last "
+                         f"keys): got seqlens_k {lengths_k.tolist()} for query rows {lengths_q.tolist()}")
+    P, N = k_pages.shape[2], k_pages.shape[0]
+    used = (lengths_k + P - 1) // P  # (B,) blocks each sequence's keys fill
+    if bool((used > M).any()):
+        raise ValueError(f"seqlens_k {lengths_k.tolist()} need up to {int(used.max())} blocks of {P} keys, but "
+                         f"block_table has {M} per sequence")
+    inside = torch.arange(M)[None, :] < used[:, None]  # (B, M): the blocks in use
+    pages = table[inside]
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= N):
+        bad = pages[(pages < 0) | (pages >= N)][0]
+        raise ValueError(f"block_table names page {int(bad)} among a sequence's used blocks; the pool has pages "
+                         f"0..{N - 1}")
+    return table, lengths_q, lengths_k
+
+
+def _integers(name: str, x, dims: int, meaning: str) -> Tensor:
+    """x as an int64 CPU tensor of ``dims`` dims, or a TypeError/ValueError naming it."""
+    if not isinstance(x, Tensor) or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        got = x.dtype if isinstance(x, Tensor) else type(x).__name__
+        raise TypeError(f"{name} must be an integer tensor {meaning}, got {got}")
+    if x.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D {meaning}, got shape {tuple(x.shape)}")
+    return x.to(device="cpu", dtype=torch.int64)

@@ -1,0 +1,139 @@
+"""mha.kernels.paged_attention: many sequences' new rows over KV-cache pages in one call.
+
+Every backend is held to the float64 oracle (mha.numpy), each sequence alone and dense,
+bottom-right (query r of sequence b at S_b - L_b + r): random, shuffled block tables, blocks
+partly filled, one-key sequences, windows shorter than a block, GQA, every term. Bad tables are
+ValueErrors naming the argument, never a read out of bounds.
+"""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from mha import kernels
+from mha.kernels import native
+from mha.numpy.contract import contract_attention
+
+BACKENDS = ["math"] + (["native"] if native.native_available() and hasattr(native, "paged_attention_native") else [])
+
+
+def _pool(rng: random.Random, lengths_k, P, Hkv, D, Dv, dtype, spare=3):
+    """Pages for sequences of these key counts, in shuffled pages, and each sequence's dense keys."""
+    used = [-(-S // P) for S in lengths_k]
+    N = sum(used) + spare
+    g = torch.Generator().manual_seed(rng.randrange(2 ** 31))
+    k_pages = torch.randn(N, Hkv, P, D, generator=g, dtype=torch.float64)
+    v_pages = torch.randn(N, Hkv, P, Dv, generator=g, dtype=torch.float64)
+    order = list(range(N))
+    rng.shuffle(order)
+    table = torch.full((len(lengths_k), max(used) + rng.randint(0, 2)), -1, dtype=torch.int32)
+    dense = []
+    for b, n in enumerate(used):
+        pages, order = order[:n], order[n:]
+        table[b, :n] = torch.tensor(pages, dtype=torch.int32)
+        keys = [torch.cat([x[p] for p in pages], dim=1)[:, :lengths_k[b]] for x in (k_pages, v_pages)]  # (Hkv, S, X)
+        dense.append(keys)
+    return k_pages.to(dtype), v_pages.to(dtype), table, dense
+
+
+def _case(seed, dtype=torch.float64, **terms):
+    rng = random.Random(seed)
+    B, Hkv, group, P = rng.randint(1, 4), rng.choice([1, 2]), rng.choice([1, 2, 4]), rng.choice([1, 3, 4, 16])
+    H, D, Dv = Hkv * group, rng.choice([4, 8]), rng.choice([4, 6])
+    lengths_k = [rng.choice([1, 2, P, P + 1, 3 * P - 1, 20]) for _ in range(B)]
+    lengths_q = [rng.choice([1, 1, S, max(1, S // 2)]) for S in lengths_k]  # decode rows, whole prompts, chunks
+    k_pages, v_pages, table, dense = _pool(rng, lengths_k, P, Hkv, D, Dv, dtype)
+    q = torch.randn(sum(lengths_q), H, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    cu = torch.tensor([0, *np.cumsum(lengths_q)])
+    return q.to(dtype), k_pages, v_pages, table, cu, torch.tensor(lengths_k), dense, lengths_q
+
+
+def _oracle(q, dense, lengths_q, *, is_causal=True, window=None, alibi_slopes=None, softcap=None, sinks=None,
+            scale=None):
+    """Each sequence alone in float64: (Tq, H, Dv)."""
+    H, outs, start = q.shape[1], [], 0
+    left, right = (None, 0 if is_causal else None) if window is None else (window[0], 0 if is_causal else window[1])
+    left, right = (None if w == -1 else w for w in (left, right))
+    for (k, v), L in zip(dense, lengths_q):
+        S, group = k.shape[1], H // k.shape[0]
+        rows = q[start:start + L].double().transpose(0, 1).numpy()[None]  # (1, H, L, D)
+        kk, vv = (x.double().repeat_interleave(group, 0).numpy()[None] for x in (k, v))
+        out, _ = contract_attention(rows, kk, vv, band=None if (left, right) == (None, None) else (left, right),
+                                    offset=S - L, scale=scale, softcap=softcap,
+                                    alibi_slopes=None if alibi_slopes is None else alibi_slopes.double().numpy(),
+                                    sinks=None if sinks is None else sinks.double().numpy())
+        outs.append(torch.from_numpy(out[0]).transpose(0, 1))  # (H, L, Dv) -> (L, H, Dv)
+        start += L
+    return torch.cat(outs)
+
+
+TERMS = [dict(), dict(is_causal=False), dict(window=(2, 0)), dict(window=(1, 1), is_causal=False),
+         dict(softcap=2.0), dict(scale=0.7), dict(alibi=True), dict(sinks=True),
+         dict(window=(3, 0), softcap=5.0, alibi=True, sinks=True)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("terms", TERMS, ids=lambda t: ",".join(t) or "causal")
+@pytest.mark.parametrize("seed", range(6))
+def test_every_sequence_as_if_alone(backend, terms, seed):
+    q, k_pages, v_pages, table, cu, lengths_k, dense, lengths_q = _case(seed)
+    terms = dict(terms)
+    H = q.shape[1]
+    if terms.pop("alibi", False):
+        terms["alibi_slopes"] = torch.linspace(0.1, 1.0, H, dtype=torch.float64)
+    if terms.pop("sinks", False):
+        terms["sinks"] = torch.linspace(-1.0, 1.0, H, dtype=torch.float64)
+    dtype = torch.float64 if backend == "math" else torch.float32
+    cast = {k: (v.to(dtype) if torch.is_tensor(v) else v) for k, v in terms.items()}
+    out = kernels.paged_attention(q.to(dtype), k_pages.to(dtype), v_pages.to(dtype), table, cu, lengths_k,
+                                  backend=backend, **cast)
+    want = _oracle(q, dense, lengths_q, **terms)
+    assert out.shape == want.shape and out.dtype == dtype
+    torch.testing.assert_close(out.double(), want, atol=1e-12 if dtype == torch.float64 else 2e-5, rtol=1e-5)
+
+
+def _bad(change):
+    q, k_pages, v_pages, table, cu, lengths_k, _, _ = _case(3)
+    args = dict(q=q, k_pages=k_pages, v_pages=v_pages, block_table=table, cu_seqlens_q=cu, seqlens_k=lengths_k)
+    change(args)
+    return args
+
+
+@pytest.mark.parametrize(("change", "error", "message"), [
+    (lambda a: a.update(block_table=a["block_table"].float()), TypeError, "block_table must be an integer tensor"),
+    (lambda a: a["block_table"].fill_(-1), ValueError, "block_table names page -1"),
+    (lambda a: a["block_table"].fill_(10 ** 6), ValueError, "block_table names page 1000000"),
+    (lambda a: a.update(seqlens_k=a["seqlens_k"] + 10 ** 4), ValueError, "need up to"),
+    (lambda a: a.update(seqlens_k=a["seqlens_k"] * 0), ValueError, "seqlens_k must count at least"),
+    (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"][:-1]), ValueError, "cu_seqlens_q needs"),
+    (lambda a: a.update(q=a["q"][:, :, :-1]), ValueError, "k_pages must have q's head dim"),
+    (lambda a: a.update(q=a["q"].float()), TypeError, "k_pages has dtype torch.float64 but q has dtype torch.float32"),
+    (lambda a: a.update(v_pages=a["v_pages"][:-1]), ValueError, "v_pages must have k_pages' blocks"),
+])
+def test_bad_tables_and_shapes_are_refused_naming_the_argument(change, error, message):
+    with pytest.raises(error, match=message):
+        kernels.paged_attention(**_bad(change))
+
+
+def test_gradients_are_refused_clearly():
+    q, k_pages, v_pages, table, cu, lengths_k, _, _ = _case(0)
+    with pytest.raises(ValueError, match="paged_attention is for inference: q requires grad"):
+        kernels.paged_attention(q.requires_grad_(), k_pages, v_pages, table, cu, lengths_k)
+    with torch.no_grad():
+        kernels.paged_attention(q, k_pages, v_pages, table, cu, lengths_k)
+
+
+def test_auto_is_chosen_by_the_dispatch_and_logged(caplog):
+    import logging
+
+    q, k_pages, v_pages, table, cu, lengths_k, _, _ = _case(0, dtype=torch.float32)
+    with caplog.at_level(logging.DEBUG, logger="mha.dispatch"):
+        kernels.paged_attention(q, k_pages, v_pages, table, cu, lengths_k)
+    name, why = kernels.dispatch.choose_paged_backend("auto", q, k_pages)
+    assert f"backend {name} (paged): {why}" in caplog.text
+    q64 = q.double()
+    assert kernels.dispatch.choose_paged_backend("auto", q64, k_pages.double())[0] == "math"  # native: no float64
+    with pytest.raises(ValueError, match="backend must be one of"):
+        kernels.paged_attention(q, k_pages, v_pages, table, cu, lengths_k, backend="flash")

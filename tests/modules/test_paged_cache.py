@@ -1,0 +1,183 @@
+"""mha.PagedKVCache: pages from a free list, block tables, appends by slot, freeing, prefix
+sharing by content hash, copy on write; and a serving loop over it equal to dense attention."""
+
+import pytest
+import torch
+
+import mha
+from mha.kernels import paged_attention
+
+
+def _cache(**options):
+    settings = dict(num_blocks=8, block_size=4, num_kv_heads=2, head_dim=3, num_layers=2)
+    settings.update(options)
+    return mha.PagedKVCache(**settings)
+
+
+def _fill(cache, slots, seed=0):
+    """Write distinct keys/values at ``slots`` in every layer; returns them per layer."""
+    g = torch.Generator().manual_seed(seed)
+    written = []
+    for layer in range(cache.num_layers):
+        k = torch.randn(len(slots), cache.num_kv_heads, cache.head_dim, generator=g)
+        v = torch.randn(len(slots), cache.num_kv_heads, cache.value_dim, generator=g)
+        cache.write(layer, slots, k, v)
+        written.append((k, v))
+    return written
+
+
+def _keys(cache, seq_id, layer=0):
+    """A sequence's keys, read back through its block table: (S, Hkv, D)."""
+    table, S = cache.block_table([seq_id])[0], int(cache.lengths([seq_id])[0])
+    pages = cache.keys[layer][table[table >= 0].long()]  # (n, Hkv, P, D)
+    return pages.permute(0, 2, 1, 3).flatten(0, 1)[:S]  # (n, Hkv, P, D) -> (n * P, Hkv, D) -> (S, Hkv, D)
+
+
+def test_blocks_come_from_the_free_list_and_return_to_it():
+    cache = _cache()
+    a, cached = cache.add()
+    b, _ = cache.add()
+    assert cached == 0 and cache.free_blocks == 8
+    slots = cache.reserve([a, b], [5, 1])
+    assert len(slots) == 6
+    assert cache.lengths([a, b]).tolist() == [5, 1] and cache.free_blocks == 8 - 3
+    table = cache.block_table([a, b])
+    assert table.shape == (2, 2) and table[1, 1] == -1 and table.dtype == torch.int32
+    assert slots.tolist()[:5] == [table[0, 0] * 4 + i for i in range(4)] + [table[0, 1] * 4]
+    written = _fill(cache, slots)
+    torch.testing.assert_close(_keys(cache, a), written[0][0][:5])
+    cache.free(a)
+    assert cache.free_blocks == 8 - 1
+    with pytest.raises(ValueError, match="seq_id 0 is not a sequence of this cache"):
+        cache.lengths([a])
+
+
+def test_a_step_that_does_not_fit_changes_nothing():
+    cache = _cache(num_blocks=2)
+    a, _ = cache.add()
+    cache.reserve([a], [3])
+    b, _ = cache.add()
+    with pytest.raises(RuntimeError, match="PagedKVCache is full: this step needs 2 free blocks, 1 are left"):
+        cache.reserve([a, b], [2, 1])
+    assert cache.lengths([a, b]).tolist() == [3, 0] and cache.free_blocks == 1
+
+
+def test_a_shared_prompt_prefix_uses_the_same_full_blocks():
+    cache = _cache()
+    prompt = list(range(100, 110))  # 10 tokens: 2 full blocks of 4, and 2 more
+    a, cached = cache.add(prompt)
+    assert cached == 0
+    slots = cache.reserve([a], [10], tokens=[prompt])
+    _fill(cache, slots)
+    b, cached = cache.add(prompt[:9] + [7, 8])  # the same first 8 tokens: 2 blocks shared
+    c, cached_c = cache.add([5] + prompt[1:])  # differs in the first token: nothing shared
+    assert cached == 8 and cached_c == 0
+    assert cache.block_table([b])[0, :2].tolist() == cache.block_table([a])[0, :2].tolist()
+    assert cache.free_blocks == 8 - 3
+    before = _keys(cache, a)[:8].clone()
+    cache.free(a)
+    assert cache.free_blocks == 8 - 2  # a's last block only: the first two are b's too
+    torch.testing.assert_close(_keys(cache, b)[:8], before)
+    cache.free(b)
+    assert cache.free_blocks == 8
+    d, cached_d = cache.add(prompt)  # b's blocks were freed with it: nothing left to share
+    assert cached_d == 0 and d != b
+
+
+def test_the_last_prompt_token_is_always_computed():
+    cache = _cache()
+    prompt = list(range(8))  # exactly 2 full blocks
+    a, _ = cache.add(prompt)
+    _fill(cache, cache.reserve([a], [8], tokens=[prompt]))
+    b, cached = cache.add(prompt)
+    assert cached == 4  # the second block holds the last token, whose query gives the next logits
+
+
+def test_blocks_are_shareable_only_once_their_step_is_written():
+    cache = _cache()
+    prompt = list(range(8))
+    a, _ = cache.add(prompt)
+    cache.reserve([a], [8], tokens=[prompt])
+    # reserve then add before the writes would share unwritten blocks: add registers the blocks of the
+    # step before (written by now, by the protocol reserve -> write -> attend)
+    b, cached = cache.add(prompt + [1])
+    assert cached == 8
+
+
+def test_fork_shares_and_copies_a_shared_partial_block_on_write():
+    cache = _cache()
+    a, _ = cache.add()
+    first = _fill(cache, cache.reserve([a], [6]))
+    child = cache.fork(a)
+    assert cache.block_table([child]).tolist() == cache.block_table([a]).tolist()
+    free = cache.free_blocks
+    slot = cache.reserve([child], [1])
+    assert cache.free_blocks == free - 1  # the partial block copied
+    assert cache.block_table([child])[0, 0] == cache.block_table([a])[0, 0]  # the full one still shared
+    assert cache.block_table([child])[0, 1] != cache.block_table([a])[0, 1]
+    _fill(cache, slot, seed=1)
+    for layer in range(2):
+        torch.testing.assert_close(_keys(cache, child, layer)[:6], first[layer][0])  # the copy kept every layer
+        torch.testing.assert_close(_keys(cache, a, layer), first[layer][0])  # the parent unchanged
+
+
+@pytest.mark.parametrize(("call", "error", "message"), [
+    (lambda c, a: c.reserve([a], [1, 2]), ValueError, "counts must give one count >= 0 per distinct sequence"),
+    (lambda c, a: c.reserve([a, a], [1, 1]), ValueError, "per distinct sequence"),
+    (lambda c, a: c.reserve([a], [2], tokens=[[1]]), ValueError, "tokens must give 2 ids"),
+    (lambda c, a: c.write(2, torch.tensor([0]), torch.zeros(1, 2, 3), torch.zeros(1, 2, 3)), ValueError,
+     "layer must be an int in 0..1"),
+    (lambda c, a: c.write(0, torch.tensor([0]), torch.zeros(1, 2, 4), torch.zeros(1, 2, 3)), ValueError,
+     r"keys must be \(1, 2, 3\)"),
+    (lambda c, a: c.add(["x"]), TypeError, "tokens must be token ids"),
+    (lambda c, a: c.fork(99), ValueError, "seq_id 99 is not a sequence"),
+])
+def test_bad_calls_are_refused_naming_the_argument(call, error, message):
+    cache = _cache()
+    a, _ = cache.add()
+    with pytest.raises(error, match=message):
+        call(cache, a)
+
+
+@pytest.mark.parametrize("options", [dict(num_blocks=0), dict(block_size=-1), dict(dtype=torch.int64)])
+def test_bad_sizes_are_refused(options):
+    with pytest.raises((ValueError, TypeError)):
+        _cache(**options)
+
+
+@torch.no_grad()
+def test_a_serving_loop_equals_dense_attention_for_each_sequence():
+    """Two prompts of different lengths prefilled in one step, then decoding steps for both (and a
+    third sequence joining late): every step's paged attention equals each sequence's dense causal
+    attention over all its keys so far."""
+    torch.manual_seed(0)
+    H, Hkv, D = 4, 2, 8
+    cache = mha.PagedKVCache(num_blocks=16, block_size=3, num_kv_heads=Hkv, head_dim=D)
+    history = {}  # seq -> (keys (S, Hkv, D), values)
+
+    def step(seq_ids, counts):
+        slots = cache.reserve(seq_ids, counts)
+        T = sum(counts)
+        q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+        cache.write(0, slots, k, v)
+        cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+        out = paged_attention(q, *cache.pages(0), cache.block_table(seq_ids), cu, cache.lengths(seq_ids))
+        for b, seq in enumerate(seq_ids):
+            rows = slice(int(cu[b]), int(cu[b + 1]))
+            old_k, old_v = history.get(seq, (k[:0], v[:0]))
+            history[seq] = (torch.cat([old_k, k[rows]]), torch.cat([old_v, v[rows]]))
+            keys, values = (x.transpose(0, 1)[None] for x in history[seq])  # (S, Hkv, D) -> (1, Hkv, S, D)
+            want = mha.functional.scaled_dot_product_attention(
+                q[rows].transpose(0, 1)[None], keys, values, is_causal=True, causal_alignment="bottom_right",
+                enable_gqa=True, backend="math")[0].transpose(0, 1)
+            torch.testing.assert_close(out[rows], want, atol=1e-5, rtol=1e-5)
+
+    a, _ = cache.add()
+    b, _ = cache.add()
+    step([a, b], [7, 2])
+    for _ in range(3):
+        step([a, b], [1, 1])
+    c, _ = cache.add()
+    step([a, c, b], [1, 5, 1])  # a prefill chunk among decode rows
+    cache.free(b)
+    step([c, a], [2, 1])

@@ -181,3 +181,68 @@ def test_a_serving_loop_equals_dense_attention_for_each_sequence():
     step([a, c, b], [1, 5, 1])  # a prefill chunk among decode rows
     cache.free(b)
     step([c, a], [2, 1])
+
+
+@pytest.mark.parametrize("options", [dict(), dict(window=(3, 0)), dict(alibi=True, rope=None), dict(softcap=2.0),
+                                     dict(sinks=True)], ids=lambda o: ",".join(o) or "rope")
+@torch.no_grad()
+def test_general_attention_over_a_paged_step_equals_a_kv_cache_per_sequence(options):
+    """Two layers of mha.GeneralAttention (RoPE, GQA, sharpened q/k so that attention decides) over one
+    PagedKVCache: sequences of 5, 2 and 7 prompt tokens prefilled right-padded in one step, then
+    decoding steps, a sequence leaving; each sequence's output equals the same layers run on that
+    sequence alone with a KVCache per layer (the contiguous cache's proven path)."""
+    torch.manual_seed(0)
+    options = dict(options)
+    extra = {"rope": mha.RotaryEmbedding(8)} if options.pop("rope", True) is not None else {}
+    if options.pop("alibi", False):
+        extra["alibi"] = True
+    if options.pop("sinks", False):
+        extra["sinks"] = True
+    layers = [mha.GeneralAttention(16, 16, 16, 8, 8, 16, 4, num_kv_heads=2, **extra, **options).eval() for _ in range(2)]
+    for m in layers:
+        m.q_proj.weight.mul_(3.0)  # sharpen: attention must decide
+        m.k_proj.weight.mul_(3.0)
+    paged = mha.PagedKVCache(num_blocks=32, block_size=4, num_kv_heads=2, head_dim=8, num_layers=2)
+    alone = {}  # sequence -> [KVCache per layer]
+    tokens = {}
+
+    def run(x, caches):
+        for m, cache in zip(layers, caches):
+            x = m(x, x, x, is_causal=True, cache=cache)
+        return x
+
+    def step(seq_ids, counts):
+        L = max(counts)
+        x = torch.zeros(len(seq_ids), L, 16)
+        for b, (seq, n) in enumerate(zip(seq_ids, counts)):
+            x[b, :n] = torch.randn(n, 16)
+            tokens.setdefault(seq, []).append(x[b, :n].clone())
+        out = run(x, [paged.step(seq_ids, counts)] * 2)
+        for b, (seq, n) in enumerate(zip(seq_ids, counts)):
+            caches = alone.setdefault(seq, [mha.KVCache(), mha.KVCache()])
+            want = run(x[b:b + 1, :n], caches)[0]
+            torch.testing.assert_close(out[b, :n], want, atol=2e-5, rtol=1e-5)
+            assert not out[b, n:].any()  # padding rows: zeros
+
+    a, _ = paged.add()
+    b, _ = paged.add()
+    c, _ = paged.add()
+    step([a, b, c], [5, 2, 7])
+    for _ in range(3):
+        step([a, b, c], [1, 1, 1])
+    paged.free(b)
+    step([c, a], [2, 1])
+
+
+def test_a_paged_step_refuses_weights_and_more_layers_than_it_has():
+    m = mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, rope=mha.RotaryEmbedding(4)).eval()
+    paged = mha.PagedKVCache(num_blocks=4, block_size=2, num_kv_heads=2, head_dim=4)
+    a, _ = paged.add()
+    x = torch.randn(1, 2, 8)
+    with pytest.raises(ValueError, match="returns no weights"):
+        m.forward_with_weights(x, x, x, is_causal=True, cache=paged.step([a], [2]))
+    other = mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, rope=mha.RotaryEmbedding(4)).eval()
+    with torch.no_grad(), pytest.raises(ValueError, match="this PagedKVCache has 1 layers, all taken"):
+        step = paged.step([a], [1])
+        m(x[:, :1], x[:, :1], x[:, :1], is_causal=True, cache=step)
+        other(x[:, :1], x[:, :1], x[:, :1], is_causal=True, cache=step)

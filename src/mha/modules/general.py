@@ -19,6 +19,7 @@ from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from .. import _checks, efficient, positions
 from ..kernels.dispatch import share_kv_heads
 from .cache import KVCache
+from .paged_cache import PagedStep
 from .pipeline import attend, attend_positional, check_inputs, own_tensors, pipeline, split_heads
 from .rope import RotaryEmbedding
 
@@ -170,8 +171,10 @@ class GeneralAttention(nn.Module):
 
         Returns the output (B, L, do) (unbatched: (L, do)), always a tensor; the weights come from
         :meth:`forward_with_weights` (or mha.capture_attention).
-        cache: an mha.KVCache; query/key/value are then the new tokens, appended to it (with
-        RoPE, windows, ALiBi or a cache, masks come from positions: attn_mask is not taken).
+        cache: an mha.KVCache, or a step of an mha.PagedKVCache (``paged.step(seq_ids, counts)``: a
+        batch of sequences of different lengths, sequence b's counts[b] new tokens right-padded in
+        the (B, L, .) input; inference); query/key/value are then the new tokens, appended to it
+        (with RoPE, windows, ALiBi or a cache, masks come from positions: attn_mask is not taken).
         backend: "auto" or a backend of mha.kernels ("math", "sdpa", "flash", "native").
         """
         out, _ = self._attend(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
@@ -227,9 +230,12 @@ class GeneralAttention(nn.Module):
 
     def _positional(self, q, k, v, *, cache, attn_mask, batched, key_padding_mask, **options):
         """RoPE, ALiBi, windows or a cache: masks come from positions (mha.modules.pipeline.attend_positional)."""
-        if cache is not None:
+        if isinstance(cache, PagedStep):
+            cache = cache.for_module(self)  # this module's layer of the pages
+        elif cache is not None:
             if not isinstance(cache, KVCache):
-                raise TypeError(f"cache must be an mha.KVCache, got {type(cache).__name__}")
+                raise TypeError(f"cache must be an mha.KVCache or a PagedKVCache step (cache.step(...)), got "
+                                f"{type(cache).__name__}")
             cache.attach(self, self.window)
         if attn_mask is not None:
             raise ValueError("with rope, alibi, window or a cache the masks come from positions: "

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +41,7 @@ from torch import Tensor
 
 from .. import _checks
 
-__all__ = ["PagedKVCache"]
+__all__ = ["PagedKVCache", "PagedStep"]
 
 
 @dataclass
@@ -75,6 +76,7 @@ class PagedKVCache:
         self._by_hash: dict[bytes, int] = {}  # prefix hash -> a full, written block
         self._hash_of: dict[int, bytes] = {}
         self._unregistered: list[tuple[int, bytes]] = []  # (block, hash) filled by the last reserve
+        self._layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its layer
 
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
@@ -141,6 +143,24 @@ class PagedKVCache:
         return table
 
     # -- a step: reserve slots once, write each layer ------------------------------------------
+
+    def step(self, seq_ids, counts, *, tokens=None) -> PagedStep:
+        """One step of a batch of sequences for attention modules (``cache=`` of mha.GeneralAttention):
+        :meth:`reserve` once, then each module (each layer) writes its new keys and attends."""
+        seq_ids = list(seq_ids)
+        starts = self.lengths(seq_ids)
+        slots = self.reserve(seq_ids, counts, tokens=tokens)
+        return PagedStep(self, seq_ids, self.lengths(seq_ids) - starts, starts, slots)
+
+    def layer_of(self, module) -> int:
+        """The layer whose pages ``module`` fills: layers are given to modules in the order they first
+        attend (a ValueError past num_layers)."""
+        if module not in self._layers:
+            if len(self._layers) >= self.num_layers:
+                raise ValueError(f"this PagedKVCache has {self.num_layers} layers, all taken by other attention "
+                                 "modules: make it with num_layers = the model's attention layers")
+            self._layers[module] = len(self._layers)
+        return self._layers[module]
 
     def reserve(self, seq_ids, counts, *, tokens=None) -> Tensor:
         """Room for ``counts[b]`` new tokens at the end of each sequence (new blocks from the pool,
@@ -266,3 +286,33 @@ def _chain_hash(previous: bytes | None, block_tokens: list[int]) -> bytes:
     digest = hashlib.blake2b(previous or b"", digest_size=16)
     digest.update(torch.tensor(block_tokens, dtype=torch.int64).numpy().tobytes())
     return digest.digest()
+
+
+class PagedStep:
+    """One step of a batch over a PagedKVCache (made by :meth:`PagedKVCache.step`): sequence b adds
+    counts[b] new tokens, given right-padded as rows 0..counts[b]-1 of the module's (B, L, .) input,
+    at positions starts[b]... Each module that attends with it writes its layer's new keys and values
+    at the reserved slots and reads its sequences' pages in place (mha.kernels.paged_attention)."""
+
+    def __init__(self, cache: PagedKVCache, seq_ids: list[int], counts: Tensor, starts: Tensor, slots: Tensor,
+                 layer: int | None = None):
+        self.cache, self.seq_ids, self.counts, self.starts, self.slots = cache, seq_ids, counts, starts, slots
+        self.layer = layer
+
+    def for_module(self, module) -> PagedStep:
+        """The step for the layer whose pages ``module`` fills (PagedKVCache.layer_of)."""
+        return PagedStep(self.cache, self.seq_ids, self.counts, self.starts, self.slots, self.cache.layer_of(module))
+
+    def __repr__(self) -> str:
+        return f"PagedStep(sequences={self.seq_ids}, new tokens={self.counts.tolist()})"
+
+    def valid(self, L: int, device) -> Tensor:
+        """(B, L) bool: the rows that are new tokens (the rest is right padding)."""
+        if len(self.counts) and L < int(self.counts.max()):
+            raise ValueError(f"the step adds up to {int(self.counts.max())} tokens to a sequence, but the input has "
+                             f"{L} rows per sequence")
+        return torch.arange(L, device=device)[None, :] < self.counts.to(device)[:, None]
+
+    def positions(self, L: int, device) -> Tensor:
+        """(B, L) int64: each new token's position (its sequence's length before the step, onward)."""
+        return self.starts.to(device)[:, None] + torch.arange(L, device=device)[None, :]

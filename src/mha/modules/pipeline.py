@@ -22,8 +22,9 @@ from torch import Tensor
 
 from .. import _checks, kernels, masks, positions
 from ..kernels.contract import contract_of
+from .paged_cache import PagedStep
 
-__all__ = ["attend", "attend_positional", "check_inputs", "finish", "own_tensors", "pipeline", "split_heads",
+__all__ = ["attend", "attend_paged", "attend_positional", "check_inputs", "finish", "own_tensors", "pipeline", "split_heads",
            "split_packed_heads", "to_batch_first"]
 
 _ABSENT = object()
@@ -179,6 +180,10 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, *, rope=None, window=None
     (mha.positions); the kernels apply them tile by tile.
     Returns (output (B, H, L, Dv), weights or None).
     """
+    if isinstance(cache, PagedStep):
+        return attend_paged(q, k, v, cache, rope=rope, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+                            sinks=sinks, key_padding_mask=key_padding_mask, is_causal=is_causal, dropout_p=dropout_p,
+                            need_weights=need_weights, backend=backend)
     B, L, S = q.shape[0], q.shape[2], k.shape[2]
     key_valid = masks.key_valid(key_padding_mask, B, S)
     if cache is None:
@@ -205,6 +210,41 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, *, rope=None, window=None
     contract = contract_of(band=band, offset=offset, positions=per_sequence, key_valid=key_valid,
                            alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)  # a plain decode step: empty
     return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
+
+
+def attend_paged(q: Tensor, k: Tensor, v: Tensor, step: PagedStep, *, rope, window, alibi_slopes, softcap, sinks,
+                 key_padding_mask, is_causal, dropout_p, need_weights, backend):
+    """attend_positional over a PagedKVCache step bound to a module's layer (PagedStep.for_module):
+    q (B, H, L, D), k (B, Hkv, L, D), v (B, Hkv, L, Dv), sequence b's new tokens in rows
+    0..counts[b]-1 (right padding after). They are written at the step's slots of that layer, then
+    every sequence's new rows attend over its pages in one call (mha.kernels.paged_attention).
+    Returns (output (B, H, L, Dv) with zeros on padding rows, None)."""
+    B, L = q.shape[0], q.shape[2]
+    if need_weights or dropout_p:
+        raise ValueError("attention over a PagedKVCache step returns no weights and takes no dropout "
+                         "(inference): use forward(), in eval mode")
+    if step.layer is None:
+        raise ValueError("a PagedStep attends for one layer: bind it with step.for_module(module) (mha.GeneralAttention "
+                         "does it)")
+    if k.shape[2] != L or B != len(step.seq_ids):
+        raise ValueError(f"with a PagedKVCache step, query and key are the new tokens of its {len(step.seq_ids)} "
+                         f"sequences: got batch {B}, lengths {L} and {k.shape[2]}")
+    valid = step.valid(L, q.device)  # (B, L)
+    if key_padding_mask is not None and not torch.equal(masks.key_valid(key_padding_mask, B, L), valid):
+        raise ValueError("key_padding_mask must mark exactly the rows past each sequence's new tokens (the step's "
+                         "counts) as padding, or be None")
+    if rope is not None:
+        where = step.positions(L, q.device)[:, None, :]  # (B, 1, L) over the heads
+        q, k = rope(q, where), rope(k, where)
+    packed = [x.transpose(1, 2)[valid] for x in (q, k, v)]  # (B, X, L, D) -> (B, L, X, D) -> (T, X, D)
+    step.cache.write(step.layer, step.slots, packed[1], packed[2])
+    cu = F.pad(step.counts.cumsum(0), (1, 0))  # (B,) -> (B + 1,) offsets
+    out = kernels.paged_attention(packed[0], *step.cache.pages(step.layer), step.cache.block_table(step.seq_ids), cu,
+                                  step.cache.lengths(step.seq_ids), is_causal=is_causal, window=window,
+                                  alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, backend=backend)
+    full = out.new_zeros(B, L, *out.shape[1:])  # (B, L, H, Dv), zeros on padding rows
+    full[valid] = out
+    return full.transpose(1, 2), None  # (B, L, H, Dv) -> (B, H, L, Dv)
 
 
 def _extra_keys(k, v, *, bias_k, bias_v, static_k, static_v, add_zero_attn):

@@ -32,6 +32,11 @@ def tensor(name: str, x) -> Tensor:
     return x
 
 
+def nested(x) -> bool:
+    """Whether x is a nested tensor (torch.nested, any layout); False for anything else."""
+    return getattr(x, "is_nested", False) is True
+
+
 def floating(name: str, x) -> Tensor:
     tensor(name, x)
     if not x.is_floating_point():

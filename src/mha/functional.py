@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks, kernels, masks, positions
+from .kernels import varlen
 from .kernels._context import autocast_inputs
 from .kernels._shapes import broadcast
 from .kernels.contract import contract_of
@@ -72,6 +74,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         out = kernels.dispatch.plain_sdpa(query, key, value, is_causal=is_causal, enable_gqa=enable_gqa)
         if out is not None:
             return out
+    if _checks.nested(query) or _checks.nested(key) or _checks.nested(value):
+        return _nested_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa, backend=backend, causal_alignment=causal_alignment,
+                            window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
     query, key, value, unbatched = _at_least_3d(query, key, value)
     query, key, value = autocast_inputs(query, key, value)  # under torch.autocast, as torch's SDPA
     batch_shape = _check_sdpa_inputs(query, key, value, enable_gqa)
@@ -86,6 +92,36 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         softcap=_checks.optional_positive_real("softcap", softcap), sinks=_checks.per_head("sinks", sinks, H, query))
     out, _ = kernels.attention(query, key, value, contract, dropout_p=dropout_p, backend=backend)
     return out[0] if unbatched else out
+
+
+def _nested_sdpa(query, key, value, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, causal_alignment,
+                 window, alibi_slopes, softcap, sinks) -> Tensor:
+    """Nested query (B, H, j, D), key (B, Hkv, j', D), value (B, Hkv, j', Dv) (torch.nested, jagged
+    as torch's SDPA takes them, or strided): packed, one call of varlen attention (no padding to the
+    longest), the output nested like the query. Causality and windows align bottom-right within each
+    sequence (the same as top-left where a sequence's query and key lengths are equal)."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not x.is_nested:
+            raise ValueError(f"{name} must be nested too: a nested query, key and value, or none")
+        if x.dim() != 4:
+            raise ValueError(f"nested {name} must be (B, heads, ragged length, head dim), got {x.dim()}-D")
+    if attn_mask is not None or dropout_p:
+        raise ValueError("with nested tensors, attn_mask and dropout_p are not taken: each sequence's length is its "
+                         "mask (window, is_causal and the other terms apply per sequence)")
+    q, cu_q = varlen.from_nested("query", query, seq_dim=1)  # (B, H, j, D) -> (Tq, H, D)
+    k, cu_k = varlen.from_nested("key", key, seq_dim=1)
+    v, cu_v = varlen.from_nested("value", value, seq_dim=1)
+    if not torch.equal(cu_k, cu_v):
+        raise ValueError(f"key and value must hold the same sequence lengths, got {cu_k.diff().tolist()} and "
+                         f"{cu_v.diff().tolist()}")
+    if (is_causal or window is not None) and causal_alignment == "top_left" and not torch.equal(cu_q, cu_k):
+        raise ValueError("nested causality and windows align bottom-right within each sequence; with query and key "
+                         "lengths that differ pass causal_alignment='bottom_right' (or None)")
+    if not _checks.flag("enable_gqa", enable_gqa) and k.shape[1] != q.shape[1]:
+        raise ValueError(f"key has {k.shape[1]} heads and query {q.shape[1]}: pass enable_gqa=True to share them")
+    out = varlen.varlen_attention(q, k, v, cu_q, cu_k, is_causal=is_causal, scale=scale, window=window,
+                                  alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, backend=backend)
+    return varlen.to_nested(out, cu_q, query, seq_dim=1)  # (Tq, H, Dv) -> (B, H, j, Dv)
 
 
 def _at_least_3d(query, key, value):

@@ -83,10 +83,14 @@ def test_anything_else_takes_the_full_path(monkeypatch, name, make, kwargs):
         pass
 
 
-def test_a_nested_tensor_gets_the_full_paths_error():
-    nested = torch.nested.nested_tensor([torch.randn(2, 3, 8), torch.randn(2, 5, 8)])
-    with pytest.raises(TypeError, match="nested tensor"):
-        sdpa(nested, nested, nested)
+def test_a_nested_tensor_skips_the_fast_path():
+    """The fast path never reads a nested tensor's shape: sdpa packs it (varlen, tests/modules/
+    test_nested.py); the dispatch itself takes dense tensors only."""
+    parts = [torch.randn(2, 3, 8), torch.randn(2, 5, 8)]
+    nested = torch.nested.nested_tensor(parts)
+    out = sdpa(nested, nested, nested)
+    for got, x in zip(out.unbind(), parts):
+        torch.testing.assert_close(got, torch.nn.functional.scaled_dot_product_attention(x, x, x))
     with pytest.raises(TypeError, match="nested tensor"):
         mha.kernels.attention(nested, nested, nested, mha.kernels.Contract())
 

@@ -94,8 +94,10 @@ MODULE_CALLS = {
     "unbatched key_padding_mask length": (dict(query=_x(L, E), key=_x(S, E), value=_x(S, E),
                                                key_padding_mask=torch.zeros(S + 1, dtype=torch.bool)), ValueError,
                                           "key_padding_mask must have shape (5,) (S,), got (6,)"),
-    "nested tensor": (dict(query=torch.nested.nested_tensor([_x(L, E)], layout=torch.jagged), key=k, value=v),
-                      TypeError, "query is a nested tensor; mha expects dense tensors (pad and pass a mask)"),
+    "nested query, dense key": (dict(query=torch.nested.nested_tensor([_x(L, E)], layout=torch.jagged), key=k,
+                                     value=v), ValueError,
+                                "key must be a nested (B, length, features) tensor like the others, got a dense 3-D "
+                                "tensor"),
 }
 
 

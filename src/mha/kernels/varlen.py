@@ -12,13 +12,14 @@ sequences; where it is not built, the dispatch says which backend runs instead a
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks, positions
 from .contract import Contract
 from .dispatch import attention
 
-__all__ = ["varlen_attention"]
+__all__ = ["from_nested", "to_nested", "varlen_attention"]
 
 _PER_HEAD = "(num_heads,): one value per query head (dim 1 of q)"
 
@@ -69,3 +70,30 @@ def _lengths(name: str, cu: Tensor, total: int) -> Tensor:
     if int(cu[0]) != 0 or int(cu[-1]) != total or bool((lengths < 0).any()):
         raise ValueError(f"{name} must rise from 0 to the {total} rows of its tensor, got {cu.tolist()}")
     return lengths.to(torch.long)
+
+
+# -- nested tensors (torch.nested, jagged or strided layout) as the packed layout -----------------
+
+def from_nested(name: str, x: Tensor, *, seq_dim: int) -> tuple[Tensor, Tensor]:
+    """(values (T, ...), cu_seqlens (B + 1,) int64) of a nested tensor whose components hold their
+    tokens at ``seq_dim`` (0 for (L, E) components, 1 for (H, L, D)): the components' tokens one
+    after another (differentiable). A component with a dim other than the tokens' ragged is refused."""
+    parts = [part.movedim(seq_dim, 0) for part in x.unbind()]  # (..., L, ...) -> (L, ...)
+    if not parts:
+        raise ValueError(f"{name} is a nested tensor of no sequences")
+    if any(part.shape[1:] != parts[0].shape[1:] for part in parts):
+        raise ValueError(f"{name}'s sequences must differ only in their length, got shapes "
+                         f"{[tuple(p.shape) for p in x.unbind()]}")
+    lengths = torch.tensor([part.shape[0] for part in parts], dtype=torch.int64)
+    return torch.cat(parts), F.pad(lengths.cumsum(0), (1, 0))
+
+
+def to_nested(values: Tensor, cu_seqlens: Tensor, like: Tensor, *, seq_dim: int) -> Tensor:
+    """The nested tensor of ``like``'s layout whose sequence b is values[cu[b]:cu[b + 1]], tokens at
+    ``seq_dim`` of each component; a jagged one shares ``like``'s offsets (and so its ragged size)."""
+    if like.layout == torch.jagged:
+        offsets = like.offsets() if seq_dim == like._ragged_idx - 1 else cu_seqlens.to(values.device)
+        nested = torch.nested.nested_tensor_from_jagged(values, offsets=offsets)  # (B, j, ...)
+        return nested.transpose(1, seq_dim + 1) if seq_dim else nested
+    lengths = cu_seqlens.diff().tolist()
+    return torch.nested.as_nested_tensor([part.movedim(0, seq_dim) for part in values.split(lengths)])

@@ -24,8 +24,8 @@ from .. import _checks, kernels, masks, positions
 from ..kernels.contract import contract_of
 from .paged_cache import PagedStep
 
-__all__ = ["attend", "attend_paged", "attend_positional", "check_inputs", "finish", "own_tensors", "pipeline", "split_heads",
-           "split_packed_heads", "to_batch_first"]
+__all__ = ["attend", "attend_paged", "attend_positional", "nested_forward", "check_inputs", "finish", "own_tensors",
+           "pipeline", "split_heads", "split_packed_heads", "to_batch_first"]
 
 _ABSENT = object()
 
@@ -210,6 +210,47 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, *, rope=None, window=None
     contract = contract_of(band=band, offset=offset, positions=per_sequence, key_valid=key_valid,
                            alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)  # a plain decode step: empty
     return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
+
+
+def nested_forward(query: Tensor, key: Tensor, value: Tensor, *, project: Callable, num_heads: int,
+                   out_proj: Callable[[Tensor], Tensor], is_causal: bool, need_weights: bool,
+                   average_attn_weights: bool, backend: str) -> tuple[Tensor, Tensor | None]:
+    """The pipeline for nested (ragged) batches: query (B, j, Eq), key (B, j', Ek), value (B, j', Ev)
+    (torch.nested, jagged or strided). The sequences are packed one after another (no padding to the
+    longest), projected, attended in one call of varlen attention (causality bottom-right within
+    each sequence), projected out, and nested again like query.
+
+        project(x_q (1, Tq, Eq), x_k (1, Tk, Ek), x_v (1, Tk, Ev)) -> q (1, H, Tq, D), k, v (1, Hkv, Tk, D|Dv)
+
+    Returns (output (B, j, E) nested, weights or None): weights as torch's fast path gives them for
+    nested input, each sequence's (B, [H,] L, S) padded with zeros to the longest."""
+    from ..kernels import varlen
+
+    x_q, cu_q = varlen.from_nested("query", query, seq_dim=0)  # (B, j, E) -> (Tq, E)
+    x_k, cu_k = varlen.from_nested("key", key, seq_dim=0)
+    x_v, cu_v = varlen.from_nested("value", value, seq_dim=0)
+    if len(cu_q) != len(cu_k) or not torch.equal(cu_k, cu_v):
+        raise ValueError(f"query, key and value must hold as many sequences, key and value of the same lengths: got "
+                         f"{cu_q.diff().tolist()}, {cu_k.diff().tolist()} and {cu_v.diff().tolist()}")
+    q, k, v = (x[0].transpose(0, 1) for x in project(x_q[None], x_k[None], x_v[None]))  # (1, X, T, D) -> (T, X, D)
+    out = varlen.varlen_attention(q, k, v, cu_q, cu_k, is_causal=is_causal, backend=backend)  # (Tq, H, Dv)
+    out = out_proj(out.flatten(1))  # (Tq, H, Dv) -> (Tq, H*Dv) -> (Tq, E)
+    weights = _nested_weights(q, k, v, cu_q, cu_k, is_causal, average_attn_weights) if need_weights else None
+    return varlen.to_nested(out, cu_q, query, seq_dim=0), weights
+
+
+def _nested_weights(q, k, v, cu_q, cu_k, is_causal, average) -> Tensor:
+    """Each sequence's weights on the math backend, (B, [H,] L_max, S_max), zeros past its lengths."""
+    H, lengths = q.shape[1], list(zip(cu_q.diff().tolist(), cu_k.diff().tolist()))
+    weights = q.new_zeros(len(lengths), H, max(L for L, _ in lengths), max(S for _, S in lengths))
+    for b, (L, S) in enumerate(lengths):
+        rows, cols = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        heads = [x[part].transpose(0, 1) for x, part in ((q, rows), (k, cols), (v, cols))]  # (T, X, D) -> (X, T, D)
+        band = positions.band(is_causal)
+        contract = contract_of(band=band, offset=positions.offset_of("bottom_right", L, S))
+        _, w = kernels.attention(*heads, contract, need_weights=True, backend="math")  # (H, L, S)
+        weights[b, :, :L, :S] = w
+    return weights.mean(dim=1) if average else weights
 
 
 def attend_paged(q: Tensor, k: Tensor, v: Tensor, step: PagedStep, *, rope, window, alibi_slopes, softcap, sinks,

@@ -7,13 +7,14 @@ values; the computation is mha.functional.multi_head_attention_forward.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .. import _checks, masks
 from ..functional import projected_attention
-from ..modules.pipeline import check_inputs, own_tensors
+from ..modules.pipeline import check_inputs, nested_forward, own_tensors
 from ..modules.projections import ProjectionWeights
 
 __all__ = ["MultiheadAttention"]
@@ -121,6 +122,10 @@ class MultiheadAttention(nn.Module):
         heads, or (B, H, L, S) with average_attn_weights=False ((L, S) / (H, L, S) unbatched),
         taken after dropout as in torch.
         """
+        if _checks.nested(query) or _checks.nested(key) or _checks.nested(value):
+            return self._nested(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                                need_weights=need_weights, average_attn_weights=average_attn_weights,
+                                is_causal=is_causal)
         batched = check_inputs(query, key, value, query_width=("embed_dim", self.embed_dim),
                                key_width=("kdim", self.kdim), value_width=("vdim", self.vdim),
                                batch_first=self.batch_first)
@@ -140,3 +145,29 @@ class MultiheadAttention(nn.Module):
             average_attn_weights=average_attn_weights, is_causal=is_causal,
             batched=batched, batch_first=self.batch_first, backend=getattr(self, "backend", "auto"))
         return out, weights
+
+    def _nested(self, query, key, value, *, key_padding_mask, attn_mask, need_weights, average_attn_weights,
+                is_causal) -> tuple[Tensor, Tensor | None]:
+        """Nested (ragged) query (B, j, E), key and value (B, j', kdim|vdim), batch_first: packed, one
+        varlen call (mha.modules.pipeline.nested_forward); the output is nested like the query."""
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if not x.is_nested or x.dim() != 3:
+                raise ValueError(f"{name} must be a nested (B, length, features) tensor like the others, got "
+                                 f"{'a nested' if x.is_nested else 'a dense'} {x.dim()}-D tensor")
+        if not self.batch_first:
+            raise ValueError("nested inputs are (B, length, features): construct the module with batch_first=True")
+        if key_padding_mask is not None or attn_mask is not None:
+            raise ValueError("with nested inputs each sequence's length is its padding: key_padding_mask and attn_mask "
+                             "are not taken (is_causal is, bottom-right within each sequence)")
+        if self.bias_k is not None or self.add_zero_attn or (self.training and self.dropout > 0):
+            raise ValueError("nested inputs run as packed varlen attention: no add_bias_kv, add_zero_attn or dropout "
+                             "(call eval() for dropout)")
+        weight, out_bias = own_tensors(self._modules["out_proj"], "weight", "bias")
+        in_proj_weight, q_w, k_w, v_w, bias = own_tensors(
+            self, "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias")
+        proj = ProjectionWeights(in_proj_weight, q_w, k_w, v_w, bias)
+        return nested_forward(
+            query, key, value, project=lambda q, k, v: proj.heads(q, k, v, self.num_heads, False),
+            num_heads=self.num_heads, out_proj=lambda x: F.linear(x, weight, out_bias), is_causal=is_causal,
+            need_weights=need_weights, average_attn_weights=average_attn_weights,
+            backend=getattr(self, "backend", "auto"))

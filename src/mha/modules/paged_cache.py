@@ -18,7 +18,8 @@ block_size], slot j % block_size); a slot number is page * block_size + slot. Th
 by the layers: reserve() once per step, then write() each layer.
 
 Memory per sequence: ceil(S / block_size) pages x num_layers x Hkv x block_size x (D + Dv) x the
-dtype's bytes (fp32, 4 layers, 2 kv heads, D = Dv = 64, block_size 16: 16 KiB per 16 tokens).
+dtype's bytes (fp32, 2 kv heads, D = Dv = 64, block_size 16: 16 KiB per page and layer; 4 layers:
+4 KiB per token).
 
 Sharing. A full block of a sequence whose token ids are known is registered under a hash of its
 tokens and of every token before it (the prefix); add(tokens) gives a new sequence the registered

@@ -6,7 +6,8 @@ T=1 to 8192 and on decoding steps, fp32 and bf16), peers (against ONNX Runtime's
 when it is installed), backends (sdpa, flash, math, numpy blocked;
 GFLOP/s beside a matmul's), training (forward + backward), contract (our SDPA vs torch's on causal,
 bottom-right, padding, windows, ALiBi), memory (peak RSS of every default path in fresh
-processes), modern (KV-cache decoding, sliding windows), variants (the efficient variants: speed,
+processes), modern (KV-cache decoding, sliding windows), serving (one mixed step's attention over a
+paged cache: paged vs contiguous varlen vs torch's SDPA with a dense mask), variants (the efficient variants: speed,
 and quality on all-MiniLM-L6-v2's real attention; the hf extra), hf (transformers models with
 attn_implementation="mha"; the hf extra) and distributed (ring and Ulysses attention on spawned
 ranks against one process: memory per rank, balance). See mha.tools.bench for how each is measured.
@@ -32,18 +33,18 @@ FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [25
             peers=[1024, 4096], matmul=2048,
             contract=4096, memory=8192, decode=1024, overhead_decode=[1024, 8192],
             window=(16384, 256), variants=[256, 1024, 4096, 16384], quality=([128, 256, 512], 32),
-            hf={"minilm": 128, "gpt-oss": 4096}, distributed=(65536, 4),
+            hf={"minilm": 128, "gpt-oss": 4096}, distributed=(65536, 4), serving=[1024, 4096],
             native=dict(forward=[1024, 4096], training=2048, decode=16384, window=(16384, 256), accuracy=1024,
                         short=[16, 64, 128, 256, 512], matmul=2048))
 QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 2048, 256)],
              backends=[512, 1024], training=[(4, 512, 256)], auto=([1, 128, 1024], [4096]), peers=[1024], matmul=1024,
              contract=1024, memory=2048, decode=128, overhead_decode=[1024],
              window=(4096, 128), variants=[256, 1024], quality=([64, 128], 16), hf={"minilm": 128, "gpt-oss": 1024},
-             distributed=(8192, 4),
+             distributed=(8192, 4), serving=[512],
              native=dict(forward=[512, 1024], training=512, decode=4096, window=(4096, 128), accuracy=256,
                          short=[64, 256], matmul=1024))
 SECTIONS = ("module", "causal", "overhead", "auto", "peers", "backends", "training", "contract", "memory", "modern", "native",
-            "variants", "hf", "distributed")
+            "serving", "variants", "hf", "distributed")
 OPT_IN = ("variants", "hf", "distributed")  # not in the default run: long (variants, distributed), or the hf extra
 
 
@@ -135,6 +136,8 @@ def _jobs(grid, sections, repeat):
     if "distributed" in sections:
         T, nprocs = grid["distributed"]
         jobs.append((f"distributed T{T} on {nprocs} ranks", lambda: list(bench.distributed_rows(T, nprocs))))
+    if "serving" in sections:
+        jobs += [(f"serving S{S}", lambda S=S: list(bench.serving_rows([S], repeat))) for S in grid["serving"]]
     if "modern" in sections:
         jobs.append((f"decode {grid['decode']} tokens", lambda: [bench.decode_row(grid["decode"])]))
         jobs.append((f"window {grid['window']}", lambda: [bench.window_row(*grid["window"], repeat)]))

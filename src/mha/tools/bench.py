@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import itertools
 import json
 import os
 import platform
@@ -54,6 +55,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 from .. import numpy as mnp
 from ..functional import scaled_dot_product_attention
@@ -642,3 +645,68 @@ def plot_study(rows: list[Row], directory: str) -> list[str]:
         plot_variants.plot_quality(rows, paths[1])
         plot_variants.plot_pareto(rows, paths[2], styles, training)
     return paths
+
+
+def serving_rows(key_lengths, repeat: int, *, decode_rows: int = 60, chunk: int = 256, chunk_keys: int = 2048,
+                 block_size: int = 16) -> Iterator[Row]:
+    """The attention of one mixed serving step alone: ``decode_rows`` sequences decoding one token
+    over S cached keys each, and one prefill chunk of ``chunk`` rows over ``chunk_keys`` keys;
+    H 8 over Hkv 2, D 64, float32 and bfloat16. Three ways: mha.kernels.paged_attention over a
+    PagedKVCache's pages (auto: native in place when built), varlen attention over the same keys
+    packed contiguously (the time of a gather excluded, then included), and torch's SDPA over every
+    key with one dense (new rows x all keys) mask, as transformers' continuous batching runs sdpa."""
+    from ..kernels import paged_attention, varlen_attention
+    from ..modules.paged_cache import PagedKVCache
+
+    H, Hkv, D = 8, 2, 64
+    for S, dtype in itertools.product(key_lengths, (torch.float32, torch.bfloat16)):
+        lengths_k = [S] * decode_rows + [chunk_keys]
+        lengths_q = [1] * decode_rows + [chunk]
+        cache = PagedKVCache(num_blocks=sum(-(-n // block_size) for n in lengths_k), block_size=block_size,
+                             num_kv_heads=Hkv, head_dim=D, dtype=dtype)
+        ids = [cache.add()[0] for _ in lengths_k]
+        slots = cache.reserve(ids, lengths_k)
+        g = torch.Generator().manual_seed(0)
+        keys, values = (torch.randn(len(slots), Hkv, D, generator=g).to(dtype) for _ in range(2))
+        cache.write(0, slots, keys, values)
+        q = torch.randn(sum(lengths_q), H, D, generator=g).to(dtype)
+        cu_q = torch.tensor([0, *itertools.accumulate(lengths_q)])
+        cu_k = torch.tensor([0, *itertools.accumulate(lengths_k)])
+        table, seen = cache.block_table(ids), cache.lengths(ids)
+        mask = _serving_mask(lengths_q, lengths_k)  # (new rows, all keys) bool, True = attend
+        dense = [x.transpose(0, 1)[None] for x in (q, keys, values)]  # (T, X, D) -> (1, X, T, D)
+
+        def gathered():
+            pages_k, pages_v = cache.pages(0)
+            flat = table[table >= 0].long()
+            return (pages_k[flat].transpose(1, 2).flatten(0, 1), pages_v[flat].transpose(1, 2).flatten(0, 1))
+
+        with torch.no_grad():
+            t = best_times({
+                "paged": lambda: paged_attention(q, *cache.pages(0), table, cu_q, seen),
+                "varlen contiguous": lambda: varlen_attention(q, keys, values, cu_q, cu_k, is_causal=True),
+                "gather + varlen": lambda: varlen_attention(q, *_unpad(gathered(), lengths_k, block_size), cu_q, cu_k,
+                                                            is_causal=True),
+                "sdpa dense mask": lambda: F.scaled_dot_product_attention(*dense, attn_mask=mask, enable_gqa=True)},
+                repeat)
+        name = str(dtype).removeprefix("torch.")
+        yield Row("serving", f"{decode_rows} decode rows over {S} keys + {chunk} rows over {chunk_keys}, {name}", t,
+                  {"paged/contiguous": t["paged"] / t["varlen contiguous"],
+                   "paged/sdpa mask": t["paged"] / t["sdpa dense mask"]},
+                  {"keys MiB": 2 * sum(lengths_k) * Hkv * D * keys.element_size() / 2 ** 20})
+
+
+def _serving_mask(lengths_q, lengths_k) -> Tensor:
+    """(sum L, sum S) bool: each sequence's new rows see its own keys, causal bottom-right."""
+    mask = torch.zeros(sum(lengths_q), sum(lengths_k), dtype=torch.bool)
+    r = c = 0
+    for L, S in zip(lengths_q, lengths_k):
+        mask[r:r + L, c:c + S] = Band(None, 0).visible(L, S, S - L)
+        r, c = r + L, c + S
+    return mask
+
+
+def _unpad(pages: tuple[Tensor, Tensor], lengths_k, block_size: int) -> tuple[Tensor, Tensor]:
+    """Gathered whole pages (n * P, Hkv, D) down to each sequence's keys, packed."""
+    keep = torch.cat([torch.arange(-(-S // block_size) * block_size) < S for S in lengths_k])
+    return pages[0][keep], pages[1][keep]

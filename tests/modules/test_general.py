@@ -462,7 +462,8 @@ POSITIONS_NOT_MASKS = ("with rope, alibi, window or a cache the masks come from 
 
 
 @pytest.mark.parametrize("options, call, error, message", [
-    ({}, lambda m, x: m(x, x, x, cache={}), TypeError, "cache must be an mha.KVCache or a PagedKVCache step (cache.step(...)), got dict"),
+    ({}, lambda m, x: m(x, x, x, cache={}), TypeError,
+     "cache must be an mha.KVCache or a PagedKVCache step (cache.step(...)), got dict"),
     (dict(alibi=True), lambda m, x: m(x, x, x, attn_mask=torch.zeros(3, 3)), ValueError, POSITIONS_NOT_MASKS),
     (dict(window=(1, 0)), lambda m, x: m(x, x, x, attn_mask=torch.zeros(3, 3)), ValueError, POSITIONS_NOT_MASKS),
     ({}, lambda m, x: m(x, x, x, attn_mask=torch.zeros(3, 3), cache=mha.KVCache()), ValueError, POSITIONS_NOT_MASKS),

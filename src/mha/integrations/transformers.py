@@ -54,7 +54,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError("mha.integrations.transformers needs transformers: "
                       "python -m pip install -c constraints.txt -e '.[hf]'") from error
 
-__all__ = ["KeyMask", "attention_forward", "eager_mask_forward", "mask_forward", "register"]
+__all__ = ["ContinuousBatching", "KeyMask", "attention_forward", "continuous_batching_forward", "eager_mask_forward",
+           "enable_continuous_batching", "mask_forward", "register"]
 
 _VERIFY_ELEMENTS = 1 << 22  # the mask pattern is checked in blocks of at most this many (b, q, kv)
 
@@ -270,3 +271,111 @@ def _mask_terms(attention_mask, position_bias, module, is_causal, *, B, H, L, S,
         bias = masks.from_sdpa(_checks.floating("position_bias", position_bias), L=L, S=S, batch_shape=(B, H), like=like)
         terms["mask"] = bias if terms.get("mask") is None else masks.as_additive(terms["mask"], True, bias.dtype) + bias
     return terms
+
+
+# ---------------------------------------------------------------------------------------------
+# continuous batching (generate_batch, ContinuousBatchingManager)
+# ---------------------------------------------------------------------------------------------
+
+CONTINUOUS_BATCHING_NAME = "mha_flash"
+_KNOWN_CONTINUOUS_BATCHING = ("5.",)  # transformers versions whose continuous batching this follows
+
+
+class ContinuousBatching:
+    """What :func:`enable_continuous_batching` changed, and :meth:`undo` to change it back (also a
+    context manager: ``with enable_continuous_batching(model): model.generate_batch(...)``)."""
+
+    def __init__(self, model, name: str, original: str | None, previous_loaded, registered: bool, listed: bool):
+        self.model, self.name = model, name
+        self._original, self._previous_loaded, self._registered, self._listed = original, previous_loaded, registered, listed
+
+    def undo(self) -> None:
+        """The model's attention implementation, transformers' flash state and its registries as before."""
+        from transformers import modeling_flash_attention_utils as flash_utils
+
+        if self.model.config._attn_implementation == self.name and self._original is not None:
+            self.model.set_attn_implementation(self._original)
+        if self._listed:
+            del self.model._compatible_flash_implementations  # the class's own list again
+        if flash_utils._loaded_implementation == self.name:
+            flash_utils._loaded_implementation = self._previous_loaded
+        if self._registered:
+            for mapping in (AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping):
+                mapping.pop(self.name, None)
+
+    def __enter__(self) -> ContinuousBatching:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+def enable_continuous_batching(model, name: str = CONTINUOUS_BATCHING_NAME) -> ContinuousBatching:
+    """Let transformers' continuous batching (``model.generate_batch``, ``init_continuous_batching``)
+    run ``model``'s attention on mha. It switches the model to the implementation ``name`` (which
+    must contain "flash": continuous batching takes only "paged|eager", "sdpa" and flash ones).
+
+    An explicit, reversible call (:meth:`ContinuousBatching.undo`, or a ``with`` block): it registers
+    :func:`continuous_batching_forward` and transformers' flash mask function under ``name``; marks
+    ``name`` as the flash implementation transformers has loaded
+    (``transformers.modeling_flash_attention_utils._loaded_implementation``), so that switching to it
+    does not look for a flash kernel on the model hub; and where the model's class lists the flash
+    implementations it accepts (``_compatible_flash_implementations``, GPT-OSS), lists ``name`` on
+    this model. Refused on a transformers whose continuous batching it does not know."""
+    import transformers
+    from transformers import modeling_flash_attention_utils as flash_utils
+    from transformers.masking_utils import flash_attention_mask
+
+    if not isinstance(name, str) or "flash" not in name or "/" in name:
+        raise ValueError(f"name must be a str containing 'flash' (transformers' continuous batching takes only flash "
+                         f"implementations besides sdpa and paged|eager) and no '/', got {name!r}")
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    if (not transformers.__version__.startswith(_KNOWN_CONTINUOUS_BATCHING)
+            or not hasattr(flash_utils, "_loaded_implementation")):
+        raise RuntimeError(f"mha's continuous batching follows transformers {', '.join(_KNOWN_CONTINUOUS_BATCHING)}x "
+                           f"(its flash-implementation state), not {transformers.__version__}: use "
+                           "attn_implementation='sdpa' with generate_batch there")
+    registered = name not in AttentionInterface._global_mapping
+    AttentionInterface.register(name, continuous_batching_forward)
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    compatible = getattr(model, "_compatible_flash_implementations", None)
+    listed = compatible is not None and name not in compatible
+    if listed:
+        model._compatible_flash_implementations = [*compatible, name]
+    handle = ContinuousBatching(model, name, model.config._attn_implementation, flash_utils._loaded_implementation,
+                                registered, listed)
+    flash_utils._loaded_implementation = name
+    try:
+        model.set_attn_implementation(name)
+    except Exception:
+        handle.undo()
+        raise
+    return handle
+
+
+def continuous_batching_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                                attention_mask=None, dropout: float = 0.0, scaling: float | None = None,
+                                sliding_window: int | None = None, softcap: float | None = None,
+                                is_causal: bool | None = None, s_aux: Tensor | None = None, cache=None,
+                                **kwargs) -> tuple[Tensor, None]:
+    """The attention of one continuous-batching step: q (1, H, T, D) holds every scheduled
+    sequence's new rows packed (transformers' cu_seq_lens_q), k and v (1, Hkv, T, D) their new keys,
+    which ``cache.update`` writes into transformers' paged cache and returns with each sequence's
+    cached keys (cu_seq_lens_k). One call of mha's varlen attention over them: causal bottom-right
+    within each sequence, the layer's sliding window (flash-attn's: the last ``sliding_window``
+    keys), softcap (Gemma 2), sinks (``s_aux``, GPT-OSS), GQA and scaling. Returns (1, T, H, Dv)."""
+    from transformers.generation.continuous_batching import PagedAttentionCache
+
+    if not isinstance(cache, PagedAttentionCache):
+        raise ValueError(f"attn_implementation {CONTINUOUS_BATCHING_NAME!r} serves continuous batching "
+                         "(generate_batch) only; use attn_implementation='mha' for other calls")
+    if kwargs.get("output_attentions"):
+        raise ValueError("continuous batching returns no attention weights (output_attentions)")
+    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (1, X, T, D) -> (T, X, D)
+    window = None if sliding_window is None else (sliding_window - 1, 0)
+    sinks = None if s_aux is None else s_aux.to(q.dtype)
+    out = kernels.varlen_attention(q, k, v, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], is_causal=True,
+                                   scale=scaling, window=window, softcap=softcap, sinks=sinks)
+    return out[None], None  # (T, H, Dv) -> (1, T, H, Dv)

@@ -1,0 +1,139 @@
+"""transformers' continuous batching (generate_batch) on mha's attention: greedy tokens equal plain
+generate's, prompt by prompt, on tiny Llama, Qwen3, Gemma-2 (softcap, sliding + full layers) and
+GPT-OSS (sinks, sliding) models whose attention decides the tokens (q/k sharpened, the output
+projection amplified, the MLPs silenced): dropping a term changes the tokens, and a test here
+shows it."""
+
+import logging
+import sys
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+mt = pytest.importorskip("mha.integrations.transformers")
+
+from transformers import GenerationConfig  # noqa: E402
+from transformers import modeling_flash_attention_utils as flash_utils  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+
+logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
+GREEDY = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+SMALL_CACHE = dict(num_blocks=16, max_batch_tokens=128, page_size=16)  # tokens of the 4 prompts and their answers
+
+
+def _model(kind: str, **overrides):
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(**common, head_dim=16)
+        cls = transformers.Qwen3ForCausalLM
+    elif kind == "gemma2":
+        config = transformers.Gemma2Config(**common, head_dim=16, attn_logit_softcapping=2.0, final_logit_softcapping=None,
+                                           sliding_window=8, query_pre_attn_scalar=16)
+        cls = transformers.Gemma2ForCausalLM
+    else:
+        config = transformers.GptOssConfig(**{**common, "intermediate_size": 64}, head_dim=16, num_local_experts=2,
+                                           num_experts_per_tok=1, sliding_window=8)
+        cls = transformers.GptOssForCausalLM
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    model.generation_config.eos_token_id = None  # every answer runs its 8 tokens, as in continuous batching
+    with torch.no_grad():  # attention decides the next token
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+            layer.self_attn.o_proj.weight.mul_(8)
+            if hasattr(layer.self_attn, "sinks"):
+                layer.self_attn.sinks.normal_(0, 2)
+            if hasattr(layer.mlp, "down_proj"):
+                layer.mlp.down_proj.weight.zero_()
+    return model
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 17, 33, 9)]
+
+
+def _generate(model, prompts):
+    config = GenerationConfig(**GREEDY)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [model.generate(torch.tensor([p]), generation_config=config)[0, len(p):].tolist() for p in prompts]
+
+
+def _generate_batch(model, prompts):
+    with warnings.catch_warnings(), mt.enable_continuous_batching(model):
+        warnings.simplefilter("ignore")
+        results = model.generate_batch(prompts, generation_config=GenerationConfig(**GREEDY),
+                                       continuous_batching_config=ContinuousBatchingConfig(**SMALL_CACHE), warmup=False)
+    return [results[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+
+
+@pytest.mark.slow  # 2-5 s each: continuous batching's manager thread
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gpt-oss"])
+def test_generate_batch_on_mha_gives_generates_tokens(kind):
+    model = _model(kind)
+    prompts = _prompts()
+    assert _generate_batch(model, prompts) == _generate(model, prompts)
+    assert model.config._attn_implementation != mt.CONTINUOUS_BATCHING_NAME  # undone after the block
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "term", "drop"), [
+    ("gemma2", "softcap", dict(attn_logit_softcapping=None)),
+    ("gpt-oss", "sliding window", dict(sliding_window=10 ** 6)),
+    ("gemma2", "sliding window", dict(sliding_window=10 ** 6)),
+])
+def test_the_terms_decide_the_tokens_here(kind, term, drop):
+    """The models are ones where the term matters: without it, plain generate's tokens change (so
+    the equality above would catch continuous batching dropping it, as transformers' paged|eager
+    drops Gemma-2's softcap)."""
+    prompts = _prompts()
+    assert _generate(_model(kind), prompts) != _generate(_model(kind, **drop), prompts), term
+
+
+@pytest.mark.slow
+def test_dropping_a_term_in_our_attention_is_caught(monkeypatch):
+    """The planted defect: continuous batching's attention without the softcap (or the sinks)."""
+    real = mt.kernels.varlen_attention
+    for kind, term in (("gemma2", "softcap"), ("gpt-oss", "sinks")):
+        model, prompts = _model(kind), _prompts()
+        want = _generate(model, prompts)
+        monkeypatch.setattr(mt.kernels, "varlen_attention", lambda *a, term=term, **kw: real(*a, **{**kw, term: None}))
+        assert _generate_batch(model, prompts) != want, term
+        monkeypatch.setattr(mt.kernels, "varlen_attention", real)
+
+
+def test_enabling_is_explicit_and_undone():
+    model = _model("gpt-oss")  # its class lists the flash implementations it accepts
+    before = (model.config._attn_implementation, flash_utils._loaded_implementation)
+    handle = mt.enable_continuous_batching(model)
+    assert model.config._attn_implementation == mt.CONTINUOUS_BATCHING_NAME
+    assert flash_utils._loaded_implementation == mt.CONTINUOUS_BATCHING_NAME
+    assert mt.CONTINUOUS_BATCHING_NAME in model._compatible_flash_implementations
+    handle.undo()
+    assert (model.config._attn_implementation, flash_utils._loaded_implementation) == before
+    assert mt.CONTINUOUS_BATCHING_NAME not in transformers.AttentionInterface._global_mapping
+    assert mt.CONTINUOUS_BATCHING_NAME not in model._compatible_flash_implementations
+
+
+def test_what_it_does_not_know_is_refused(monkeypatch):
+    model = _model("llama")
+    with pytest.raises(ValueError, match="name must be a str containing 'flash'"):
+        mt.enable_continuous_batching(model, name="mha")
+    with pytest.raises(TypeError, match="model must be a transformers PreTrainedModel"):
+        mt.enable_continuous_batching(object())
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "6.0.0")  # (the module transformers imports as)
+    with pytest.raises(RuntimeError, match="follows transformers 5.x .* not 6.0.0"):
+        mt.enable_continuous_batching(model)
+    monkeypatch.undo()
+    with mt.enable_continuous_batching(model), pytest.raises(ValueError, match="serves continuous batching"):
+        model(torch.tensor([[1, 2, 3]]))  # a plain forward: no paged cache

@@ -341,8 +341,8 @@ def test_a_dense_mask_and_a_position_bias_as_sdpa_does(dtype):
 def test_errors_name_the_argument():
     q, k, v = qkv()
     layer = Layer(groups=2).eval()
-    with raises_exactly(ValueError, "mha's attention does not support a paged cache (continuous batching); "
-                                    "use attn_implementation='sdpa' or 'eager' with generate_batch"):
+    with raises_exactly(ValueError, "attn_implementation 'mha' takes no paged cache: for continuous batching "
+                                    "(generate_batch) call mha.integrations.transformers.enable_continuous_batching(model)"):
         hf.attention_forward(layer, q, k, v, None, cache=object())
     with raises_exactly(ValueError, "s_aux must have shape (4,) (num_heads,): one sink logit per query head, "
                                     "got (2,)"):

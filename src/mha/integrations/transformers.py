@@ -23,9 +23,9 @@ Honoured: the mask (ours, a dense 4-D bool or float mask, or none with ``is_caus
 dropout (in training mode only, as eager attention), GQA (num_key_value_groups), sliding windows
 and chunk-free causal or bidirectional patterns, logit soft-capping (``softcap``, Gemma 2),
 attention sinks (``s_aux``, GPT-OSS), a position bias (``position_bias``, added to the scores) and
-``output_attentions`` (the weights, from the math backend). A paged cache (continuous batching)
-raises a ValueError: it is not supported. A model that reads or extends its mask itself (rare: a
-KeyMask then says so) runs with ``register(name, compact_masks=False)``: transformers' eager masks,
+``output_attentions`` (the weights, from the math backend). Continuous batching (generate_batch)
+runs under its own name, "mha_flash": :func:`enable_continuous_batching` (below). A model that
+reads or extends its mask itself (rare: a KeyMask then says so) runs with ``register(name, compact_masks=False)``: transformers' eager masks,
 mha's attention.
 """
 
@@ -227,8 +227,8 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     arguments (position_ids, cache_position, ...) carry nothing the attention needs.
     """
     if cache is not None:
-        raise ValueError("mha's attention does not support a paged cache (continuous batching); "
-                         "use attn_implementation='sdpa' or 'eager' with generate_batch")
+        raise ValueError("attn_implementation 'mha' takes no paged cache: for continuous batching (generate_batch) "
+                         "call mha.integrations.transformers.enable_continuous_batching(model)")
     _check_qkv(query, key, value)
     B, H, L, S = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
     contract = contract_of(

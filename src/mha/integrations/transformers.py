@@ -25,8 +25,8 @@ and chunk-free causal or bidirectional patterns, logit soft-capping (``softcap``
 attention sinks (``s_aux``, GPT-OSS), a position bias (``position_bias``, added to the scores) and
 ``output_attentions`` (the weights, from the math backend). Continuous batching (generate_batch)
 runs under its own name, "mha_flash": :func:`enable_continuous_batching` (below). A model that
-reads or extends its mask itself (rare: a KeyMask then says so) runs with ``register(name, compact_masks=False)``: transformers' eager masks,
-mha's attention.
+reads or extends its mask itself (rare: a KeyMask then says so) runs with
+``register(name, compact_masks=False)``: transformers' eager masks, mha's attention.
 """
 
 from __future__ import annotations

@@ -710,3 +710,17 @@ def _unpad(pages: tuple[Tensor, Tensor], lengths_k, block_size: int) -> tuple[Te
     """Gathered whole pages (n * P, Hkv, D) down to each sequence's keys, packed."""
     keep = torch.cat([torch.arange(-(-S // block_size) * block_size) < S for S in lengths_k])
     return pages[0][keep], pages[1][keep]
+
+
+def serving_generate_rows(workloads, dtypes=("float32", "bfloat16")) -> Iterator[Row]:
+    """Tokens/s of transformers' generate_batch with mha, sdpa and paged|eager, and of one-at-a-time
+    generate, on a small Llama (mha.tools.bench_serving); each way once (minutes, not a best-of)."""
+    from . import bench_serving
+
+    for workload, name in itertools.product(workloads, dtypes):
+        rates = bench_serving.generate_rates(workload, getattr(torch, name))
+        mha_rate = rates["generate_batch mha"]
+        yield Row("serving", f"generate {workload} new, {name}", {},
+                  {"mha/sdpa tokens/s": mha_rate / rates["generate_batch sdpa"],
+                   "mha/sequential tokens/s": mha_rate / rates["generate, one at a time"]},
+                  {f"{way} tok/s": rate for way, rate in rates.items()})

@@ -40,8 +40,8 @@ from ._context import autocast_inputs, autograd_function_refusal
 from ._shapes import leads, matched_kv_heads, unflat
 from .contract import Contract, resolve
 
-__all__ = ["native_attention", "native_attention_with_lse", "native_available", "ready", "sanitized", "unsupported",
-           "variant"]
+__all__ = ["native_attention", "native_attention_with_lse", "native_available", "paged_attention_native", "ready",
+           "sanitized", "unsupported", "variant"]
 
 log = logging.getLogger("mha.dispatch")
 
@@ -344,3 +344,44 @@ def _mask_view(mask: Tensor, lead: tuple[int, ...], L: int, S: int) -> Tensor | 
 def _batch_heads(lead: tuple[int, ...]) -> tuple[int, int]:
     """(B, H) of the leading dims (..., H): the batch dims flattened; no dims at all: one of each."""
     return (math.prod(lead[:-1]), lead[-1]) if lead else (1, 1)
+
+
+def paged_attention_native(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
+                           seqlens_k: Tensor, *, band, scale: float, softcap: float | None,
+                           alibi_slopes: Tensor | None, sinks: Tensor | None) -> Tensor:
+    """Attention of packed query rows over KV-cache pages read where they lie (forward only).
+
+    q (Tq, H, D): sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] (L_b of them);
+    k_pages (N, Hkv, P, D), v_pages (N, Hkv, P, Dv): the pool; block_table (B, M) int32/int64: key j
+    of sequence b is in page block_table[b, j // P], slot j % P (entries past its used pages may be
+    anything, -1); seqlens_k (B,): its S_b >= L_b keys. Query r of sequence b sits at position
+    S_b - L_b + r (bottom-right), key j at j. band: mha.positions.Band or None; scale: the resolved
+    factor; softcap: float or None; alibi_slopes, sinks: (H,) or None. Query head h reads kv head
+    h // (H / Hkv). Returns (Tq, H, Dv) in q's dtype; a row that sees no key gives zeros.
+
+    The caller validates the arguments (mha.kernels.paged); the kernel still checks every index it
+    reads (a page outside the pool, S_b beyond the table's pages, L_b > S_b: RuntimeError). No
+    autograd: the output carries no gradient.
+    """
+    kernel = _kernel()
+    if kernel is None:
+        raise RuntimeError("the native kernel is not built here (see the mha.dispatch log)")
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    left = _UNBOUNDED if band is None or band.left is None else band.left
+    right = _UNBOUNDED if band is None or band.right is None else band.right
+    slopes, sink_logits = (None if x is None else x.detach().to(device="cpu", dtype=acc).contiguous()
+                           for x in (alibi_slopes, sinks))
+    k_pages, v_pages = (x if _slots_readable(x) else x.contiguous() for x in (k_pages, v_pages))
+    out, _, _ = kernel.paged_forward(q.detach().contiguous(), k_pages.detach(), v_pages.detach(), block_table,
+                                     cu_seqlens_q, seqlens_k, float(scale), float(softcap or 0.0), band is not None,
+                                     left, right, slopes, sink_logits)
+    return out
+
+
+def _slots_readable(pages: Tensor) -> bool:
+    """Whether a pool (N, Hkv, P, X) has contiguous rows that do not overlap (any page and head
+    strides): what the paged kernel reads in place."""
+    if pages.dim() != 4:
+        return True  # the kernel says what is wrong
+    X, P = pages.shape[3], pages.shape[2]
+    return (X <= 1 or pages.stride(3) == 1) and (P <= 1 or pages.stride(2) >= X)

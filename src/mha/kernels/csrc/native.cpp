@@ -3,6 +3,9 @@
 //
 //   forward(q, k, v, terms)                                -> out (B, H, L, Dv), row max, row sum (B, H, L)
 //   backward(q, k, v, dout, row max, row sum, delta, terms) -> dq, dk, dv, d_slopes
+//   paged_forward(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k, terms)
+//                                                          -> out (Tq, H, Dv), row max, row sum (Tq, H)
+//     (keys and values read in place from a pool of KV-cache pages: the "paged" section below)
 //
 // A row's softmax is kept as its max m and its sum l of e^(s - m) (log-sum-exp = m + log l, made
 // by the caller): the backward's P = e^(s - m) / l is then as exact as the forward's, where
@@ -32,7 +35,9 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -699,6 +704,21 @@ void for_each_key_tile(const Shape& sh, const Terms<acc_t>& t, const Rows& rows,
   }
 }
 
+// The forward's online softmax of a block of rows over the keys [lo, hi) (the tiled kernel's and the
+// paged kernel's): each row's running max m and sum l and its output accumulator acc (R x Dv, from
+// the caller: a sink, or nothing) absorb the tiles' shaped scores, and the products add the tiles'
+// values; s holds a tile's scores (R x kBlockK).
+template <typename acc_t, typename Products>
+void absorb_keys(const Shape& sh, const Terms<acc_t>& t, const Rows& rows, Products& products, int64_t bh, int64_t lo,
+                 int64_t hi, acc_t* s, acc_t* m, acc_t* l, acc_t* acc) {
+  for_each_key_tile(sh, t, rows, products, bh, lo, hi, s, static_cast<acc_t*>(nullptr),
+                    [&](int64_t j0, int64_t n, int64_t, acc_t scale) {
+    auto* w = products.weights(s);
+    for (int64_t r = 0; r < rows.count; ++r) absorb(n, s + r * n, scale, m[r], l[r], acc + r * sh.Dv, sh.Dv, w + r * n);
+    products.add_values(bh, rows.count, j0, n, s, acc);
+  });
+}
+
 template <typename scalar_t, typename acc_t, typename Products>
 void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const Products& shared,
                     scalar_t* out, const RowStats<acc_t>& stats) {
@@ -718,12 +738,7 @@ void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, c
       }
       std::fill(acc.begin(), acc.begin() + R * sh.Dv, acc_t(0));
       const auto [lo, hi] = block_keys(t, rows, sh.S, Products::kAlign, 0, tiles_of(sh.S) * kBlockK);
-      for_each_key_tile(sh, t, rows, products, bh, lo, hi, s.data(), static_cast<acc_t*>(nullptr),
-                        [&](int64_t j0, int64_t n, int64_t, acc_t scale) {
-        auto* w = products.weights(s.data());
-        for (int64_t r = 0; r < R; ++r) absorb(n, s.data() + r * n, scale, m[r], l[r], acc.data() + r * sh.Dv, sh.Dv, w + r * n);
-        products.add_values(bh, R, j0, n, s.data(), acc.data());
-      });
+      absorb_keys(sh, t, rows, products, bh, lo, hi, s.data(), m.data(), l.data(), acc.data());
       for (int64_t r = 0; r < R; ++r) {
         const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
         finish_row(m[r], l[r], acc.data() + r * sh.Dv, sh.Dv, out + row_index * sh.Dv, stats, row_index);
@@ -1072,6 +1087,28 @@ void decode_scores<at::BFloat16, float>(int64_t R, int64_t n, int64_t D, const a
 }
 #endif
 
+// One row's softmax computed in ``splits`` parts over disjoint keys (max m, sum l, accumulator acc
+// of part p at m[p * stride], l[p * stride], acc[p * stride * Dv ..]) merged by log-sum-exp:
+// returns the row's (max, sum) and leaves its accumulator in ``merged`` (Dv values), finish_row's
+// inputs. A part made NaN (or +inf) makes the row NaN; parts that saw nothing add nothing.
+template <typename acc_t>
+std::pair<acc_t, acc_t> merge_splits(int64_t splits, const acc_t* m, const acc_t* l, const acc_t* acc, int64_t stride,
+                                     int64_t Dv, acc_t* merged) {
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  acc_t top = neg_inf, total = 0;
+  for (int64_t p = 0; p < splits && !poisons(top); ++p)  // a split made NaN makes the row NaN (finish_row)
+    top = poisons(m[p * stride]) ? m[p * stride] : std::max(top, m[p * stride]);
+  std::fill(merged, merged + Dv, acc_t(0));
+  if (top != neg_inf && !poisons(top)) {
+    for (int64_t p = 0; p < splits; ++p) {
+      const acc_t w = std::exp(m[p * stride] - top);
+      total += l[p * stride] * w;
+      for (int64_t d = 0; d < Dv; ++d) merged[d] += acc[p * stride * Dv + d] * w;
+    }
+  }
+  return {top, total};
+}
+
 template <typename scalar_t, typename acc_t>
 void decode_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const scalar_t* k, const scalar_t* v,
                    scalar_t* out, const RowStats<acc_t>& stats) {
@@ -1118,19 +1155,9 @@ void decode_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, co
       const int64_t b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
       const Rows rows = block_rows(sh, t, b, kv_head, 0, R);
       for (int64_t r = 0; r < R; ++r) {
-        acc_t top = neg_inf, total = 0;
-        for (int64_t p = 0; p < splits && !poisons(top); ++p)  // a split made NaN makes the row NaN (finish_row)
-          top = poisons(part_m[(bh * splits + p) * R + r]) ? part_m[(bh * splits + p) * R + r]
-                                                            : std::max(top, part_m[(bh * splits + p) * R + r]);
-        std::fill(merged.begin(), merged.end(), acc_t(0));
-        if (top != neg_inf && !poisons(top)) {
-          for (int64_t p = 0; p < splits; ++p) {
-            const int64_t part = (bh * splits + p) * R + r;
-            const acc_t w = std::exp(part_m[part] - top);
-            total += part_l[part] * w;
-            for (int64_t d = 0; d < sh.Dv; ++d) merged[d] += part_acc[part * sh.Dv + d] * w;
-          }
-        }
+        const int64_t first = bh * splits * R + r;
+        const auto [top, total] = merge_splits(splits, part_m.data() + first, part_l.data() + first,
+                                               part_acc.data() + first * sh.Dv, R, sh.Dv, merged.data());
         const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
         finish_row(top, total, merged.data(), sh.Dv, out + row_index * sh.Dv, stats, row_index);
       }
@@ -1174,6 +1201,379 @@ void run_backward(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, con
 #endif
   backward_kernel<scalar_t, acc_t>(sh, t, q, PlainBackward<scalar_t, acc_t>(sh, t.scale, k, v), dout, stats, delta,
                                    dq_parts, chunks, dkt.data_ptr<acc_t>(), dvt.data_ptr<acc_t>(), d_slopes_parts);
+}
+
+// ---- paged: keys and values read where they lie in a pool of KV-cache pages ------------------------
+//
+//   paged_forward(q (Tq, H, D), k_pages (N, Hkv, P, D), v_pages (N, Hkv, P, Dv), block_table (B, M),
+//                 cu_seqlens_q (B + 1,), seqlens_k (B,), terms) -> out (Tq, H, Dv), row max, row sum (Tq, H)
+//
+// Sequence b owns the query rows cu[b]:cu[b + 1] (L_b of them) and S_b keys: key j lies in page
+// block_table[b, j / P], slot j % P. Query r sits at position S_b - L_b + r (bottom-right), key j
+// at j. Each sequence is a call of the forward's own machinery: its G query heads per kv head
+// stacked in blocks of kBlockQ rows (block_rows, the terms' offset S_b - L_b), the band's key range
+// (block_keys), the key tiles walked by for_each_key_tile, shaped by shape_tile and absorbed by the
+// online softmax (absorb_keys), on products that read the pages in place (PagedProducts). The work
+// items are (sequence, kv head, query block, key range); a block whose keys cost more than a
+// thread's share is split into key ranges merged by log-sum-exp (merge_splits, flash-decoding), so
+// a batch of decoding rows over long caches keeps every thread busy. Every index the kernel reads
+// (the pages of each sequence's used blocks, its rows of q) is checked before it starts.
+
+// Where the pool's elements lie: key slot i of kv head h in page p at p * page + h * head + i * slot.
+struct PagePool {
+  int64_t block;  // P, key slots per page
+  int64_t k_page, k_head, k_slot, v_page, v_head, v_slot;
+};
+
+// The products of a few query rows (a decoding step's) with one run of keys, where brgemm's fixed cost
+// per call and its half-empty vectors (N = R) cost more than the products (measured: 1.4x the
+// time of a decoding batch at R = 4, pages of 16 keys, on AVX2): written with the compiler's vector
+// extensions (a register of acc_t: 64 bytes in the AVX-512 builds, 32 in the others, in the build's
+// instructions), four keys at a time (independent sums; a query's vector loaded once for four keys, a
+// row's output once for four values). Each key's score is the same sum whichever position it has
+// in a run (its own accumulator, the same order). Keys and values in acc_t (bfloat16 and float16
+// ones converted a run at a time first: measured faster than widening each load, which repeats
+// for every row).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"  // vectors passed between inline functions, never across the ABI
+#if defined(MHA_AVX512)
+constexpr int64_t kLaneBytes = 64;  // a zmm register
+#else
+constexpr int64_t kLaneBytes = 32;  // a ymm register (two xmm in the portable build)
+#endif
+template <typename acc_t>
+struct Lanes {
+  typedef acc_t vec __attribute__((vector_size(kLaneBytes)));
+  static constexpr int64_t kCount = kLaneBytes / sizeof(acc_t);
+  static vec load(const acc_t* p) {
+    vec v;
+    std::memcpy(&v, p, sizeof(vec));
+    return v;
+  }
+  static void store(acc_t* p, vec v) { std::memcpy(p, &v, sizeof(vec)); }
+  static acc_t sum(vec v) {  // halves added pairwise: log2(kCount) steps, not kCount dependent ones
+    acc_t lanes[kCount];
+    std::memcpy(lanes, &v, sizeof(vec));
+    for (int64_t width = kCount / 2; width >= 1; width /= 2)
+      for (int64_t u = 0; u < width; ++u) lanes[u] += lanes[u + width];
+    return lanes[0];
+  }
+};
+
+// total + q[d] k[d] over d0 <= d < D (the head dim's last values, fewer than a vector).
+template <typename acc_t>
+inline acc_t dot_tail(acc_t total, const acc_t* q, const acc_t* k, int64_t d0, int64_t D) {
+  for (int64_t d = d0; d < D; ++d) total += q[d] * k[d];
+  return total;
+}
+
+//   s[r * lds + j] = q_r . k_j        q: R rows of D (scaled), k: ``count`` rows ld apart
+template <typename acc_t>
+void run_scores(int64_t R, int64_t count, int64_t D, const acc_t* q, const acc_t* k, int64_t ld, acc_t* s, int64_t lds) {
+  using V = Lanes<acc_t>;
+  using vec = typename V::vec;
+  const int64_t Dw = D / V::kCount * V::kCount;
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) {
+    const acc_t *k0 = k + j * ld, *k1 = k0 + ld, *k2 = k1 + ld, *k3 = k2 + ld;
+    for (int64_t r = 0; r < R; ++r) {
+      const acc_t* qr = q + r * D;
+      vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      for (int64_t d = 0; d < Dw; d += V::kCount) {
+        const vec x = V::load(qr + d);
+        a0 += x * V::load(k0 + d);
+        a1 += x * V::load(k1 + d);
+        a2 += x * V::load(k2 + d);
+        a3 += x * V::load(k3 + d);
+      }
+      acc_t* out = s + r * lds + j;
+      out[0] = dot_tail(V::sum(a0), qr, k0, Dw, D);
+      out[1] = dot_tail(V::sum(a1), qr, k1, Dw, D);
+      out[2] = dot_tail(V::sum(a2), qr, k2, Dw, D);
+      out[3] = dot_tail(V::sum(a3), qr, k3, Dw, D);
+    }
+  }
+  for (; j < count; ++j) {  // the same sums, a key at a time
+    const acc_t* kj = k + j * ld;
+    for (int64_t r = 0; r < R; ++r) {
+      const acc_t* qr = q + r * D;
+      vec a = {};
+      for (int64_t d = 0; d < Dw; d += V::kCount) a += V::load(qr + d) * V::load(kj + d);
+      s[r * lds + j] = dot_tail(V::sum(a), qr, kj, Dw, D);
+    }
+  }
+}
+
+//   acc_r += sum_j p[r * ldp + j] v_j   v: ``count`` rows of Dv, ld apart
+template <typename acc_t>
+void run_values(int64_t R, int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const acc_t* v, int64_t ld,
+                acc_t* acc) {
+  using V = Lanes<acc_t>;
+  const int64_t Dw = Dv / V::kCount * V::kCount;
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) {
+    const acc_t *v0 = v + j * ld, *v1 = v0 + ld, *v2 = v1 + ld, *v3 = v2 + ld;
+    for (int64_t r = 0; r < R; ++r) {
+      const acc_t* w = p + r * ldp + j;
+      const acc_t w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+      acc_t* a = acc + r * Dv;
+      for (int64_t d = 0; d < Dw; d += V::kCount)
+        V::store(a + d, V::load(a + d) + ((w0 * V::load(v0 + d) + w1 * V::load(v1 + d)) +
+                                          (w2 * V::load(v2 + d) + w3 * V::load(v3 + d))));
+      for (int64_t d = Dw; d < Dv; ++d) a[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d]);
+    }
+  }
+  for (; j < count; ++j) {
+    const acc_t* vj = v + j * ld;
+    for (int64_t r = 0; r < R; ++r) {
+      const acc_t w = p[r * ldp + j];
+      acc_t* a = acc + r * Dv;
+      for (int64_t d = 0; d < Dv; ++d) a[d] += w * vj[d];
+    }
+  }
+}
+#pragma GCC diagnostic pop
+constexpr int64_t kRunLoopRows = 8;  // at most this many rows: run_scores and run_values, else brgemm
+
+// The forward's two products on keys and values read in place from their pages. A tile's keys
+// j0 .. j0 + n come in runs, each contiguous in memory (the part of one page, or pages that follow
+// each other in the pool); per run:
+//   scores      S^T (run x R) = K (run x D, in place, ld = slot stride) . (scale q)^T (D x R)
+//   add_values  acc (R x Dv) += P (R x run) . V (run x Dv, in place)
+// and S^T is turned to the tile's s (R x n). float32 runs on brgemm, float64 on plain loops;
+// bfloat16 and float16 keys and values are converted to float32 run by run (a run at most kBlockK
+// keys, kept in a thread's buffer), never gathered.
+template <typename scalar_t, typename acc_t>
+struct PagedProducts {
+  static constexpr int64_t kAlign = 1;
+  static constexpr bool kScaled = true;  // the queries are packed scaled
+  struct Run { int64_t first, count, k_at, v_at; };  // keys first.. of the tile, at these offsets in the pools
+
+  const scalar_t* k;
+  const scalar_t* v;
+  PagePool pool;
+  int64_t D, Dv;
+  acc_t scale;
+  const int64_t* pages = nullptr;  // the bound sequence's block table row (checked)
+  int64_t kv_head = 0, keys_total = 0;  // and its S_b
+  std::vector<Run> runs = {};
+  std::vector<acc_t> qt = {}, qr = {}, st = {}, converted = {};  // per thread (each thread copies the products)
+
+  PagedProducts(const scalar_t* k_, const scalar_t* v_, const PagePool& pool_, int64_t D_, int64_t Dv_, acc_t scale_)
+      : k(k_), v(v_), pool(pool_), D(D_), Dv(Dv_), scale(scale_) {}
+
+  void bind(const int64_t* table_row, int64_t head, int64_t S) {
+    pages = table_row;
+    kv_head = head;
+    keys_total = S;
+  }
+  void pack_row(int64_t r, const scalar_t* src) {  // scale q: (D x kBlockQ) for brgemm, rows for run_scores
+    if (qt.empty()) qt.resize(D * kBlockQ), qr.resize(kBlockQ * D);
+    for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + r] = qr[r * D + d] = static_cast<acc_t>(src[d]) * scale;
+  }
+  // The runs of keys j0 .. j0 + n (all below the sequence's S_b: their pages are checked).
+  void find_runs(int64_t j0, int64_t n) {
+    runs.clear();
+    for (int64_t j = j0; j < j0 + n;) {
+      const int64_t page = pages[j / pool.block], slot = j % pool.block;
+      const int64_t count = std::min(j0 + n, j - slot + pool.block) - j;
+      const int64_t k_at = page * pool.k_page + kv_head * pool.k_head + slot * pool.k_slot;
+      const int64_t v_at = page * pool.v_page + kv_head * pool.v_head + slot * pool.v_slot;
+      Run* last = runs.empty() ? nullptr : &runs.back();
+      if (last && last->k_at + last->count * pool.k_slot == k_at && last->v_at + last->count * pool.v_slot == v_at)
+        last->count += count;  // the next page follows this one in the pool
+      else
+        runs.push_back({j - j0, count, k_at, v_at});
+      j += count;
+    }
+  }
+  // ``count`` rows of width X from base + at (row stride ld) as acc_t: in place, or converted.
+  std::pair<const acc_t*, int64_t> rows_of(const scalar_t* base, int64_t at, int64_t count, int64_t X, int64_t ld) {
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      return {base + at, ld};
+    } else {
+      if (static_cast<int64_t>(converted.size()) < count * X) converted.resize(count * X);
+      for (int64_t i = 0; i < count; ++i) {
+        const scalar_t* src = base + at + i * ld;
+        acc_t* dst = converted.data() + i * X;
+        for (int64_t d = 0; d < X; ++d) dst[d] = static_cast<acc_t>(src[d]);
+      }
+      return {converted.data(), X};
+    }
+  }
+  // Ask for the rows of keys [a, b) (below S_b) ahead of their use, into the second-level cache: pages lie
+  // anywhere in the pool, where the hardware's prefetcher, which follows steadily rising addresses, does not go.
+  void prefetch(int64_t a, int64_t b) const {
+    const int64_t k_row = D * static_cast<int64_t>(sizeof(scalar_t)), v_row = Dv * static_cast<int64_t>(sizeof(scalar_t));
+    for (int64_t j = a; j < b;) {
+      const int64_t page = pages[j / pool.block], slot = j % pool.block, count = std::min(b, j - slot + pool.block) - j;
+      const char* keys = reinterpret_cast<const char*>(k + page * pool.k_page + kv_head * pool.k_head + slot * pool.k_slot);
+      const char* values = reinterpret_cast<const char*>(v + page * pool.v_page + kv_head * pool.v_head + slot * pool.v_slot);
+      for (int64_t i = 0; i < count; ++i) {
+        for (int64_t byte = 0; byte < k_row; byte += 64) __builtin_prefetch(keys + i * pool.k_slot * sizeof(scalar_t) + byte, 0, 2);
+        for (int64_t byte = 0; byte < v_row; byte += 64) __builtin_prefetch(values + i * pool.v_slot * sizeof(scalar_t) + byte, 0, 2);
+      }
+      j += count;
+    }
+  }
+  void scores(int64_t, int64_t R, int64_t j0, int64_t n, acc_t* s) {
+    find_runs(j0, n);
+    prefetch(j0 + n, std::min(keys_total, j0 + n + kBlockK));  // the next tile's, while this one is computed
+    if (st.empty()) st.resize(kBlockK * kBlockQ);
+    for (size_t x = 0; x < runs.size(); ++x) {
+      const Run& run = runs[x];
+      const auto [keys, ld] = rows_of(k, run.k_at, run.count, D, pool.k_slot);
+      if (R <= kRunLoopRows) run_scores(R, run.count, D, qr.data(), keys, ld, s + run.first, n);
+      else gemm_nn(run.count, R, D, keys, ld, qt.data(), kBlockQ, st.data() + run.first * R, R, false);
+    }
+    if (R > kRunLoopRows)  // S^T (n x R) -> s (R x n), in blocks of 8 x 8 (in the first-level cache)
+      for (int64_t j0b = 0; j0b < n; j0b += 8)
+        for (int64_t r0b = 0; r0b < R; r0b += 8)
+          for (int64_t r = r0b; r < std::min(R, r0b + 8); ++r)
+            for (int64_t j = j0b; j < std::min(n, j0b + 8); ++j) s[r * n + j] = st[j * R + r];
+  }
+  acc_t* weights(acc_t* s) { return s; }  // in place of the scores
+  void add_values(int64_t, int64_t R, int64_t, int64_t n, const acc_t* p, acc_t* acc) {  // the runs of scores()
+    for (const Run& run : runs) {
+      const auto [values, ld] = rows_of(v, run.v_at, run.count, Dv, pool.v_slot);
+      if (R <= kRunLoopRows) run_values(R, run.count, Dv, p + run.first, n, values, ld, acc);
+      else gemm_nn(R, Dv, run.count, p + run.first, n, values, ld, acc, Dv, true);
+    }
+  }
+};
+
+// One sequence's rows of the call, as the forward's machinery takes them: one batch of L_b query
+// rows over S_b keys (Shape), the terms with its bottom-right offset.
+struct PagedCall {
+  int64_t H, Hkv, D, Dv;
+  const int64_t* cu;       // (B + 1,) the sequences' first query rows
+  const int64_t* seqlens;  // (B,) S_b
+  const int64_t* table;    // (B, M) page indices
+  int64_t M;
+  Shape sequence(int64_t b) const {
+    return Shape{1, H, Hkv, H / Hkv, cu[b + 1] - cu[b], seqlens[b], D, Dv};
+  }
+};
+
+// A unit of work: the rows r0..r1 of kv head kv_head of sequence b, over the keys [k0, k1); part of a
+// split block (group >= 0, the split-th of its key ranges) or a whole one (group -1).
+struct PagedItem {
+  int64_t b, kv_head, r0, r1, k0, k1;
+  int64_t group, split;
+  double cost;
+};
+
+struct PagedGroup {
+  int64_t b, kv_head, r0, r1;  // its rows
+  int64_t splits;      // its key ranges
+  int64_t first_slot;  // its parts: slot first_slot + split * R + r
+};
+
+// The cost of a block of R rows over ``keys`` keys: its products (R per key) and what a key costs
+// whatever the rows (reading its key and value, the tile's transposes): about kKeyCost rows' worth.
+constexpr double kKeyCost = 16;
+inline double paged_cost(int64_t R, int64_t keys) { return static_cast<double>(keys) * (R + kKeyCost) + R; }
+
+template <typename scalar_t, typename acc_t>
+void paged_kernel(const PagedCall& call, const Terms<acc_t>& terms, int64_t B, const scalar_t* q,
+                  const PagedProducts<scalar_t, acc_t>& shared, scalar_t* out, const RowStats<acc_t>& stats) {
+  const int64_t threads = at::get_num_threads(), H = call.H, D = call.D, Dv = call.Dv;
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  auto terms_for = [&](const Shape& sh) {
+    Terms<acc_t> t = terms;
+    t.offset = sh.S - sh.L;  // bottom-right: query r at S_b - L_b + r
+    return t;
+  };
+  // the blocks of every sequence and kv head, with the keys their rows may see
+  std::vector<PagedItem> blocks;
+  double total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const Shape sh = call.sequence(b);
+    const Terms<acc_t> t = terms_for(sh);
+    for (int64_t kv_head = 0; kv_head < sh.Hkv; ++kv_head)
+      for (int64_t r0 = 0; r0 < sh.rows(); r0 += kBlockQ) {
+        const int64_t r1 = std::min(sh.rows(), r0 + kBlockQ);
+        const auto [lo, hi] = block_keys(t, block_rows(sh, t, 0, kv_head, r0, r1), sh.S, 1, 0, sh.S);
+        blocks.push_back({b, kv_head, r0, r1, lo, hi, -1, 0, paged_cost(r1 - r0, hi - lo)});
+        total += blocks.back().cost;
+      }
+  }
+  // a block that costs more than a share is split into key ranges of whole tiles
+  const double share = threads > 1 ? total / (4.0 * threads) : std::numeric_limits<double>::infinity();
+  std::vector<PagedItem> items;
+  std::vector<PagedGroup> groups;
+  int64_t slots = 0;
+  for (const PagedItem& block : blocks) {
+    const int64_t keys = block.k1 - block.k0, R = block.r1 - block.r0;
+    const int64_t splits = block.cost > share ? std::min<int64_t>(static_cast<int64_t>(std::ceil(block.cost / share)),
+                                                                  (keys + kBlockK - 1) / kBlockK)
+                                              : 1;
+    if (splits <= 1) {
+      items.push_back(block);
+      continue;
+    }
+    const int64_t chunk = ((keys + splits - 1) / splits + kBlockK - 1) / kBlockK * kBlockK;
+    const int64_t group = static_cast<int64_t>(groups.size());
+    int64_t split = 0;
+    for (int64_t k0 = block.k0; k0 < block.k1; ++split) {
+      const int64_t k1 = std::min(block.k1, k0 / kBlockK * kBlockK + chunk);  // ends on a tile's edge
+      items.push_back({block.b, block.kv_head, block.r0, block.r1, k0, k1, group, split, paged_cost(R, k1 - k0)});
+      k0 = k1;
+    }
+    groups.push_back({block.b, block.kv_head, block.r0, block.r1, split, slots});
+    slots += split * R;
+  }
+  // the costliest first, each thread taking the next when it is done
+  std::stable_sort(items.begin(), items.end(), [](const PagedItem& a, const PagedItem& b) { return a.cost > b.cost; });
+  std::vector<acc_t> part_m(slots), part_l(slots), part_acc(slots * Dv);
+  std::atomic<int64_t> next{0};
+  const int64_t count = static_cast<int64_t>(items.size());
+  at::parallel_for(0, std::min(threads, count), 1, [&](int64_t, int64_t) {
+    PagedProducts<scalar_t, acc_t> products = shared;  // its per-thread buffers
+    std::vector<acc_t> s(kBlockQ * kBlockK), acc(kBlockQ * Dv), m(kBlockQ), l(kBlockQ);
+    for (int64_t x = next.fetch_add(1); x < count; x = next.fetch_add(1)) {
+      const PagedItem& item = items[x];
+      const Shape sh = call.sequence(item.b);
+      const Terms<acc_t> t = terms_for(sh);
+      const Rows rows = block_rows(sh, t, 0, item.kv_head, item.r0, item.r1);
+      const int64_t R = rows.count, first_row = call.cu[item.b];
+      products.bind(call.table + item.b * call.M, item.kv_head, sh.S);
+      for (int64_t r = 0; r < R; ++r) {  // pack the queries; start each row's running softmax
+        products.pack_row(r, q + ((first_row + rows.index[r]) * H + rows.head[r]) * D);
+        const bool sink = t.sinks != nullptr && item.split == 0;  // the sink joins once, in the first range
+        m[r] = sink ? t.sinks[rows.head[r]] : neg_inf;
+        l[r] = sink ? acc_t(1) : acc_t(0);
+      }
+      std::fill(acc.begin(), acc.begin() + R * Dv, acc_t(0));
+      absorb_keys(sh, t, rows, products, 0, item.k0, item.k1, s.data(), m.data(), l.data(), acc.data());
+      if (item.group < 0) {
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t row_index = (first_row + rows.index[r]) * H + rows.head[r];
+          finish_row(m[r], l[r], acc.data() + r * Dv, Dv, out + row_index * Dv, stats, row_index);
+        }
+      } else {
+        const int64_t slot = groups[item.group].first_slot + item.split * R;
+        std::copy(m.begin(), m.begin() + R, part_m.begin() + slot);
+        std::copy(l.begin(), l.begin() + R, part_l.begin() + slot);
+        std::copy(acc.begin(), acc.begin() + R * Dv, part_acc.begin() + slot * Dv);
+      }
+    }
+  });
+  at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {  // merge the splits
+    std::vector<acc_t> merged(Dv);
+    for (int64_t g = begin; g < end; ++g) {
+      const PagedGroup& group = groups[g];
+      const Shape sh = call.sequence(group.b);
+      const Rows rows = block_rows(sh, terms_for(sh), 0, group.kv_head, group.r0, group.r1);
+      for (int64_t r = 0; r < rows.count; ++r) {
+        const int64_t first = group.first_slot + r;
+        const auto [top, sum] = merge_splits(group.splits, part_m.data() + first, part_l.data() + first,
+                                             part_acc.data() + first * Dv, rows.count, Dv, merged.data());
+        const int64_t row_index = (call.cu[group.b] + rows.index[r]) * H + rows.head[r];
+        finish_row(top, sum, merged.data(), Dv, out + row_index * Dv, stats, row_index);
+      }
+    }
+  });
 }
 
 // ---- the Python-facing functions -------------------------------------------------------------------
@@ -1290,9 +1690,102 @@ std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, 
                                   delta.data_ptr<acc_t>(), dq_parts.data_ptr<acc_t>(), chunks, dkt, dvt,
                                   d_slopes_parts.data_ptr<acc_t>());
   });
-  auto d_slopes = d_slopes_parts.sum({0, 2}).reshape({sh.H});  // (B, Hkv, chunks, G) -> (Hkv, G) -> (H,)
+  auto d_slopes = d_slopes_parts.sum(at::IntArrayRef({0, 2})).reshape({sh.H});  // (B, Hkv, chunks, G) -> (Hkv, G) -> (H,)
   auto dk = from_tile_major(dkt, sh.S), dv = from_tile_major(dvt, sh.S);
   return {dq_parts.sum(0), dk, dv, d_slopes};
+}
+
+// A number in an error message, formatted by std::to_string, never streamed: streaming an integer
+// into a message (TORCH_CHECK's) crashed inside the C++ library where the extension's compiler and
+// the process's libstdc++ differ (seen: gcc 13 under torch 2.11, an Intel Xeon).
+inline std::string text(int64_t x) { return std::to_string(x); }
+
+// An integer tensor (int32 or int64, on the CPU) of ``numel`` values as int64, contiguous.
+Tensor paged_integers(const Tensor& x, const char* name, int64_t dims) {
+  TORCH_CHECK(x.device().is_cpu(), "mha paged: ", name, " must be a CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kLong || x.scalar_type() == at::kInt, "mha paged: ", name,
+              " must be int32 or int64, got ", c10::toString(x.scalar_type()));
+  TORCH_CHECK(x.dim() == dims, "mha paged: ", name, " must be ", text(dims), "-D, got ", text(x.dim()), "-D");
+  return x.to(at::kLong).contiguous();
+}
+
+// The pool's strides (elements) of a pages tensor (N, Hkv, P, X) whose rows of X are contiguous:
+// a dim of size 1 takes the stride a contiguous tensor would have (torch gives such dims any stride).
+std::tuple<int64_t, int64_t, int64_t> page_strides(const Tensor& x, const char* name) {
+  const int64_t X = x.size(3), P = x.size(2);
+  TORCH_CHECK(X <= 1 || x.stride(3) == 1, "mha paged: ", name, "'s rows must be contiguous (stride 1 along the head dim)");
+  const int64_t slot = P <= 1 ? X : x.stride(2);
+  TORCH_CHECK(slot >= X, "mha paged: ", name, "'s slots must not overlap (slot stride >= head dim)");
+  const int64_t head = x.size(1) <= 1 ? P * slot : x.stride(1), page = x.size(0) <= 1 ? x.size(1) * head : x.stride(0);
+  return {page, head, slot};
+}
+
+std::vector<Tensor> paged_forward(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages,
+                                  const Tensor& block_table_in, const Tensor& cu_seqlens_q_in,
+                                  const Tensor& seqlens_k_in, double scale, double softcap, bool has_band,
+                                  int64_t left, int64_t right, const Optional& slopes, const Optional& sinks) {
+  TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.dim() == 4,
+              "mha paged: q must be (Tq, H, D), k_pages (N, Hkv, P, D), v_pages (N, Hkv, P, Dv)");
+  TORCH_CHECK(q.device().is_cpu() && k_pages.device().is_cpu() && v_pages.device().is_cpu(),
+              "mha paged: q and the pages must be CPU tensors");
+  TORCH_CHECK(k_pages.scalar_type() == q.scalar_type() && v_pages.scalar_type() == q.scalar_type(),
+              "mha paged: q and the pages must have one dtype");
+  TORCH_CHECK(q.is_contiguous(), "mha paged: q must be contiguous");
+  const int64_t Tq = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t N = k_pages.size(0), Hkv = k_pages.size(1), P = k_pages.size(2), Dv = v_pages.size(3);
+  TORCH_CHECK(v_pages.size(0) == N && v_pages.size(1) == Hkv && v_pages.size(2) == P,
+              "mha paged: v_pages must have k_pages' pages, heads and block size");
+  TORCH_CHECK(k_pages.size(3) == D, "mha paged: k_pages must have q's head dim");
+  TORCH_CHECK(D > 0 && Dv > 0, "mha paged: head dims must be at least 1");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "mha paged: key/value heads must divide query heads");
+  const auto [k_page, k_head, k_slot] = page_strides(k_pages, "k_pages");
+  const auto [v_page, v_head, v_slot] = page_strides(v_pages, "v_pages");
+  const Tensor table = paged_integers(block_table_in, "block_table", 2);
+  const Tensor cu_seqlens_q = paged_integers(cu_seqlens_q_in, "cu_seqlens_q", 1);
+  const Tensor seqlens_k = paged_integers(seqlens_k_in, "seqlens_k", 1);
+  const int64_t B = table.size(0), M = table.size(1);
+  TORCH_CHECK(cu_seqlens_q.numel() == B + 1 && seqlens_k.numel() == B, "mha paged: block_table has ", text(B),
+              " sequences: cu_seqlens_q needs ", text(B + 1), " offsets and seqlens_k ", text(B), " counts");
+  // every index the kernel will read: the sequences' query rows, their keys' pages
+  const int64_t *cu = cu_seqlens_q.data_ptr<int64_t>(), *seqlens = seqlens_k.data_ptr<int64_t>();
+  const int64_t* pages = table.data_ptr<int64_t>();
+  TORCH_CHECK(cu[0] == 0 && cu[B] == Tq, "mha paged: cu_seqlens_q must rise from 0 to q's ", text(Tq), " rows");
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t L = cu[b + 1] - cu[b], S = seqlens[b];
+    TORCH_CHECK(L >= 0, "mha paged: cu_seqlens_q must not decrease (sequence ", text(b), ")");
+    TORCH_CHECK(S >= L, "mha paged: sequence ", text(b), " has ", text(L), " query rows but ", text(S),
+                " keys (L_b <= S_b)");
+    TORCH_CHECK(P > 0 ? (S + P - 1) / P <= M : S == 0, "mha paged: sequence ", text(b), "'s ", text(S),
+                " keys need more than the block table's ", text(M), " pages of ", text(P));
+    for (int64_t block = 0; P > 0 && block < (S + P - 1) / P; ++block) {
+      const int64_t page = pages[b * M + block];
+      TORCH_CHECK(page >= 0 && page < N, "mha paged: block_table[", text(b), ", ", text(block), "] = ", text(page),
+                  " names no page of the pool (0..", text(N - 1), ")");
+    }
+  }
+  const bool wide = q.scalar_type() == at::kDouble;
+  const auto acc_type = wide ? at::kDouble : at::kFloat;
+  for (const auto* term : {&slopes, &sinks})
+    if (*term)
+      TORCH_CHECK((*term)->device().is_cpu() && (*term)->scalar_type() == acc_type && (*term)->numel() == H &&
+                      (*term)->is_contiguous(),
+                  "mha paged: ALiBi slopes and sinks must be (H,) contiguous CPU tensors of the accumulation dtype");
+  auto out = at::empty({Tq, H, Dv}, q.options());
+  const auto stats_options = q.options().dtype(acc_type);
+  auto row_max = at::empty({Tq, H}, stats_options), row_sum = at::empty({Tq, H}, stats_options);
+  if (Tq * H == 0) return {out, row_max, row_sum};
+  const PagePool pool{P, k_page, k_head, k_slot, v_page, v_head, v_slot};
+  const PagedCall call{H, Hkv, D, Dv, cu, seqlens, pages, M};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_paged_forward", [&] {
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    const auto t = terms_of<acc_t>(scale, softcap, has_band, left, right, 0, std::nullopt, std::nullopt, std::nullopt,
+                                   std::nullopt, slopes, sinks);
+    const PagedProducts<scalar_t, acc_t> products(k_pages.data_ptr<scalar_t>(), v_pages.data_ptr<scalar_t>(), pool, D,
+                                                  Dv, t.scale);
+    paged_kernel<scalar_t, acc_t>(call, t, B, q.data_ptr<scalar_t>(), products, out.data_ptr<scalar_t>(),
+                                  {row_max.data_ptr<acc_t>(), row_sum.data_ptr<acc_t>()});
+  });
+  return {out, row_max, row_sum};
 }
 
 // The band's rule as the kernel applies it, for the tests that check it against mha.positions.Band:
@@ -1328,6 +1821,8 @@ std::string build_info() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &mha_native::forward, "attention forward: (out, row max, row sum)");
   m.def("backward", &mha_native::backward, "attention backward: (dq, dk, dv, d_slopes)");
+  m.def("paged_forward", &mha_native::paged_forward,
+        "attention of packed query rows over KV-cache pages read in place: (out (Tq, H, Dv), row max, row sum (Tq, H))");
   m.def("key_intervals", &mha_native::key_intervals, "each query's key interval [first, stop) and (L, S) visibility under a band (tests)");
   m.def("build_info", &mha_native::build_info, "the instruction set this build was compiled for");
 }

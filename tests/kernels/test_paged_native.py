@@ -1,0 +1,200 @@
+"""The native kernel's paged attention (mha.kernels.native.paged_attention_native): keys and values
+read in place from a pool of KV-cache pages, against a dense reference per sequence (its keys
+gathered from the pages with index_select, mha.kernels.math_attention bottom-right).
+
+Shuffled block tables, block sizes 1 to 300 (pages of 1 key, odd sizes, pages longer than a tile),
+S_b = 1, partial last pages, windows shorter than a page, whole prefills (L_b = S_b), decoding rows
+and prefill chunks in one call, GQA ratios 1, 2 and 4, every term alone and together, float64,
+float32, bfloat16 and float16, strided pools, pages that follow each other in the pool (read as one
+run), keys split among threads and merged; and a bad table refused before anything is read.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mha.kernels import Contract, math_attention, native
+from mha.positions import CAUSAL, Band
+
+pytestmark = pytest.mark.skipif(not native.native_available(), reason="the native kernel does not build here")
+
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def _pool(lengths: list[tuple[int, int]], H: int, Hkv: int, P: int, *, D: int = 16, Dv: int = 12,
+          dtype=torch.float32, seed: int = 0, spare: int = 3, shuffle: bool = True):
+    """A call's inputs: sequences of (L_b, S_b), their pages in shuffled order among ``spare`` unused
+    ones, the table's unused entries -1. Returns q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k."""
+    g = torch.Generator().manual_seed(seed)
+    needed = [(S + P - 1) // P for _, S in lengths]
+    N = sum(needed) + spare
+    order = torch.randperm(N, generator=g) if shuffle else torch.arange(N)
+    M = max(needed) + 1
+    table = torch.full((len(lengths), M), -1, dtype=torch.int64)
+    start = 0
+    for b, n in enumerate(needed):
+        table[b, :n] = order[start:start + n]
+        start += n
+    Tq = sum(L for L, _ in lengths)
+    q = torch.randn(Tq, H, D, generator=g, dtype=torch.float64).to(dtype)
+    k_pages = torch.randn(N, Hkv, P, D, generator=g, dtype=torch.float64).to(dtype)
+    v_pages = torch.randn(N, Hkv, P, Dv, generator=g, dtype=torch.float64).to(dtype)
+    cu = torch.tensor([0] + [L for L, _ in lengths]).cumsum(0)
+    seqlens = torch.tensor([S for _, S in lengths])
+    return q, k_pages, v_pages, table, cu, seqlens
+
+
+def _reference(q, k_pages, v_pages, table, cu, seqlens, terms: dict):
+    """Each sequence alone: its keys gathered from the pages, dense math attention, bottom-right."""
+    H, Hkv, P = q.shape[1], k_pages.shape[1], k_pages.shape[2]
+    out = torch.empty(q.shape[0], H, v_pages.shape[3], dtype=q.dtype)
+    for b, S in enumerate(seqlens.tolist()):
+        first, last = int(cu[b]), int(cu[b + 1])
+        L = last - first
+        pages = table[b, :(S + P - 1) // P]
+        k, v = (x.index_select(0, pages).transpose(0, 1).flatten(1, 2)[:, :S]  # (n, Hkv, P, X) -> (Hkv, S, X)
+                .repeat_interleave(H // Hkv, dim=0)[None] for x in (k_pages, v_pages))  # -> (1, H, S, X)
+        rows = q[first:last].transpose(0, 1)[None]  # (L, H, D) -> (1, H, L, D)
+        o, _ = math_attention(rows, k, v, Contract(offset=S - L, **terms))
+        out[first:last] = o[0].transpose(0, 1)  # (1, H, L, Dv) -> (L, H, Dv)
+    return out
+
+
+def _paged(q, k_pages, v_pages, table, cu, seqlens, terms: dict):
+    scale = terms.get("scale") or 1.0 / q.shape[-1] ** 0.5
+    return native.paged_attention_native(q, k_pages, v_pages, table, cu, seqlens, band=terms.get("band"),
+                                         scale=scale, softcap=terms.get("softcap"),
+                                         alibi_slopes=terms.get("alibi_slopes"), sinks=terms.get("sinks"))
+
+
+def _check(inputs, terms: dict, dtype):
+    got = _paged(*inputs, terms)
+    want = _reference(*inputs, terms)
+    assert got.dtype == dtype and got.shape == want.shape
+    error = (got.double() - want.double()).abs().max().item()
+    assert error <= TOLERANCE[dtype], f"max error {error:.3g}"
+
+
+def _terms(H: int) -> dict[str, dict]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "plain": {},
+        "causal": dict(band=CAUSAL),
+        "window (5, 0)": dict(band=Band(5, 0)),  # shorter than most pages
+        "window (3, 4)": dict(band=Band(3, 4)),
+        "no key for the first rows": dict(band=Band(None, -30)),  # rows at positions < 30 see nothing: zeros
+        "ALiBi": dict(alibi_slopes=torch.rand(H, generator=g)),
+        "softcap, scale": dict(softcap=2.5, scale=0.7),
+        "sinks": dict(sinks=torch.randn(H, generator=g)),
+        "everything": dict(band=Band(40, 0), alibi_slopes=torch.rand(H, generator=g), softcap=3.0, scale=0.4,
+                           sinks=torch.randn(H, generator=g)),
+    }
+
+
+# decoding rows (S_b = 1, partial last pages), a whole prefill (L_b = S_b) and a prefill chunk, in one call
+MIXED = [(1, 1), (1, 700), (70, 70), (40, 333), (1, 64), (3, 257)]
+
+
+@pytest.mark.parametrize("P", [1, 3, 16, 64, 256, 300])
+def test_block_sizes_mixed_batch(P):
+    _check(_pool(MIXED, 4, 2, P, seed=P), _terms(4)["everything"], torch.float32)
+    _check(_pool(MIXED, 4, 2, P, seed=P), dict(band=CAUSAL), torch.float32)
+
+
+@pytest.mark.parametrize("name", list(_terms(4)))
+def test_each_term(name):
+    _check(_pool(MIXED, 4, 2, 16, seed=1), _terms(4)[name], torch.float32)
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 4])
+def test_gqa_ratios(ratio):
+    H = 4
+    inputs = _pool(MIXED, H, H // ratio, 16, seed=ratio)
+    for terms in (dict(band=CAUSAL), _terms(H)["everything"]):
+        _check(inputs, terms, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_dtypes(dtype):
+    inputs = _pool(MIXED, 4, 2, 16, dtype=dtype, seed=5)
+    for name in ("causal", "everything"):
+        _check(inputs, _terms(4)[name], dtype)
+
+
+def test_decoding_batch_keys_split_among_threads():
+    """Few decoding rows over long caches: their keys are split into ranges merged by log-sum-exp
+    (with one thread and with two: the same result to rounding)."""
+    lengths = [(1, 3000), (1, 1500), (2, 2100)]
+    for terms in (dict(band=CAUSAL), _terms(4)["sinks"], _terms(4)["everything"]):
+        inputs = _pool(lengths, 4, 1, 16, seed=11)
+        _check(inputs, terms, torch.float32)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = _paged(*inputs, terms)
+        finally:
+            torch.set_num_threads(threads)
+        assert (one - _paged(*inputs, terms)).abs().max().item() <= 1e-5
+
+
+def test_pages_that_follow_each_other_are_one_run():
+    """One kv head and pages in pool order: a tile's pages lie one after another and are read as one run."""
+    inputs = _pool([(1, 500), (33, 300)], 2, 1, 3, seed=2, shuffle=False)
+    _check(inputs, dict(band=CAUSAL), torch.float32)
+
+
+def test_strided_pool_and_int32_table():
+    """A pool whose pages and heads lie further apart (a view), int32 tables and offsets."""
+    q, k_pages, v_pages, table, cu, seqlens = _pool(MIXED, 4, 2, 16, seed=9)
+    wide = torch.randn(k_pages.shape[0], k_pages.shape[1] + 1, k_pages.shape[2], 20)
+    wide[:, :2, :, :16] = k_pages
+    k_view = wide[:, :2, :, :16]  # (N, Hkv, P, D): head and slot strides of the wider pool
+    v_view = v_pages.transpose(1, 2).contiguous().transpose(1, 2)  # heads interleaved within a page
+    for terms in (dict(band=CAUSAL), _terms(4)["everything"]):
+        got = _paged(q, k_view, v_view, table.int(), cu.int(), seqlens.int(), terms)
+        want = _reference(q, k_pages, v_pages, table, cu, seqlens, terms)
+        assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_rows_that_see_nothing_are_zeros():
+    inputs = _pool([(5, 5), (1, 40)], 2, 2, 4, seed=4)
+    out = _paged(*inputs, dict(band=Band(None, -10)))  # keys at least 10 before: the first 5 rows see none
+    assert (out[:5] == 0).all() and out[5].abs().sum() > 0
+
+
+@pytest.mark.parametrize("defect", ["page past the pool", "page -1 in use", "keys beyond the table",
+                                    "more rows than keys", "offsets past q", "offsets that decrease"])
+def test_bad_table_is_refused(defect):
+    q, k_pages, v_pages, table, cu, seqlens = _pool([(1, 20), (4, 9)], 2, 1, 4, seed=6)
+    N, M = k_pages.shape[0], table.shape[1]
+    if defect == "page past the pool":
+        table[1, 1] = N
+    elif defect == "page -1 in use":
+        table[0, 4] = -1  # the fifth of five used pages
+    elif defect == "keys beyond the table":
+        seqlens[0] = M * 4 + 1
+    elif defect == "more rows than keys":
+        seqlens[1] = 3
+    elif defect == "offsets past q":
+        cu[-1] = q.shape[0] + 1
+    else:
+        cu[1] = 3
+        cu[2] = 2
+    with pytest.raises((RuntimeError, ValueError)):
+        _paged(q, k_pages, v_pages, table, cu, seqlens, dict(band=CAUSAL))
+
+
+def test_unused_entries_are_never_read():
+    """Entries past a sequence's used pages may hold anything."""
+    q, k_pages, v_pages, table, cu, seqlens = _pool([(1, 20), (4, 9)], 2, 1, 4, seed=6)
+    table[table < 0] = 10 ** 9
+    _check((q, k_pages, v_pages, table, cu, seqlens), dict(band=CAUSAL), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_odd_head_dims(dtype):
+    """Head dims that are not a whole number of vectors (the products' last values one by one)."""
+    inputs = _pool(MIXED, 6, 2, 5, D=13, Dv=7, dtype=dtype, seed=8)
+    for name in ("causal", "everything"):
+        _check(inputs, _terms(6)[name], dtype)

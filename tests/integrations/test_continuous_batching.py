@@ -103,13 +103,13 @@ def test_the_terms_decide_the_tokens_here(kind, term, drop):
 @pytest.mark.slow
 def test_dropping_a_term_in_our_attention_is_caught(monkeypatch):
     """The planted defect: continuous batching's attention without the softcap (or the sinks)."""
-    real = mt.kernels.varlen_attention
+    real = mt.kernels.paged_attention
     for kind, term in (("gemma2", "softcap"), ("gpt-oss", "sinks")):
         model, prompts = _model(kind), _prompts()
         want = _generate(model, prompts)
-        monkeypatch.setattr(mt.kernels, "varlen_attention", lambda *a, term=term, **kw: real(*a, **{**kw, term: None}))
+        monkeypatch.setattr(mt.kernels, "paged_attention", lambda *a, term=term, **kw: real(*a, **{**kw, term: None}))
         assert _generate_batch(model, prompts) != want, term
-        monkeypatch.setattr(mt.kernels, "varlen_attention", real)
+        monkeypatch.setattr(mt.kernels, "paged_attention", real)
 
 
 def test_enabling_is_explicit_and_undone():

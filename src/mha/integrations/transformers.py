@@ -362,9 +362,10 @@ def continuous_batching_forward(module: torch.nn.Module, query: Tensor, key: Ten
     """The attention of one continuous-batching step: q (1, H, T, D) holds every scheduled
     sequence's new rows packed (transformers' cu_seq_lens_q), k and v (1, Hkv, T, D) their new keys,
     which ``cache.update`` writes into transformers' paged cache and returns with each sequence's
-    cached keys (cu_seq_lens_k). One call of mha's varlen attention over them: causal bottom-right
-    within each sequence, the layer's sliding window (flash-attn's: the last ``sliding_window``
-    keys), softcap (Gemma 2), sinks (``s_aux``, GPT-OSS), GQA and scaling. Returns (1, T, H, Dv)."""
+    cached keys (cu_seq_lens_k). One call of mha.kernels.paged_attention over them, each sequence's
+    keys read in place as one run of one-slot pages: causal bottom-right within each sequence, the
+    layer's sliding window (flash-attn's: the last ``sliding_window`` keys), softcap (Gemma 2),
+    sinks (``s_aux``, GPT-OSS), GQA and scaling. Returns (1, T, H, Dv)."""
     from transformers.generation.continuous_batching import PagedAttentionCache
 
     if not isinstance(cache, PagedAttentionCache):
@@ -376,6 +377,11 @@ def continuous_batching_forward(module: torch.nn.Module, query: Tensor, key: Ten
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (1, X, T, D) -> (T, X, D)
     window = None if sliding_window is None else (sliding_window - 1, 0)
     sinks = None if s_aux is None else s_aux.to(q.dtype)
-    out = kernels.varlen_attention(q, k, v, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], is_causal=True,
-                                   scale=scaling, window=window, softcap=softcap, sinks=sinks)
+    # each sequence's keys lie in one run of the packed k: pages of one slot, read as runs in place
+    cu_k = kwargs["cu_seq_lens_k"].to(device="cpu", dtype=torch.int64)
+    lengths_k = cu_k.diff()
+    slots = torch.arange(int(lengths_k.max()) if len(lengths_k) else 0)
+    table = torch.where(slots[None] < lengths_k[:, None], slots[None] + cu_k[:-1, None], -1)  # (B, longest)
+    out = kernels.paged_attention(q, k[:, :, None], v[:, :, None], table, kwargs["cu_seq_lens_q"], lengths_k,
+                                  window=window, alibi_slopes=None, softcap=softcap, sinks=sinks, scale=scaling)
     return out[None], None  # (T, H, Dv) -> (1, T, H, Dv)

@@ -651,11 +651,12 @@ def serving_rows(key_lengths, repeat: int, *, decode_rows: int = 60, chunk: int 
                  block_size: int = 16) -> Iterator[Row]:
     """The attention of one mixed serving step alone: ``decode_rows`` sequences decoding one token
     over S cached keys each, and one prefill chunk of ``chunk`` rows over ``chunk_keys`` keys;
-    H 8 over Hkv 2, D 64, float32 and bfloat16. Three ways: mha.kernels.paged_attention over a
-    PagedKVCache's pages (auto: native in place when built), varlen attention over the same keys
-    packed contiguously (the time of a gather excluded, then included), and torch's SDPA over every
-    key with one dense (new rows x all keys) mask, as transformers' continuous batching runs sdpa."""
-    from ..kernels import paged_attention, varlen_attention
+    H 8 over Hkv 2, D 64, float32 and bfloat16. mha.kernels.paged_attention over a PagedKVCache's
+    pages (auto: native in place when built) against the same attention on contiguous keys: one
+    call of the dispatch per sequence, and one varlen call over them packed (without, then with,
+    the gather that would pack them); and torch's SDPA over every key with one dense (new rows x
+    all keys) mask, as transformers' continuous batching runs sdpa."""
+    from ..kernels import attention, paged_attention, varlen_attention
     from ..modules.paged_cache import PagedKVCache
 
     H, Hkv, D = 8, 2, 64
@@ -681,9 +682,19 @@ def serving_rows(key_lengths, repeat: int, *, decode_rows: int = 60, chunk: int 
             flat = table[table >= 0].long()
             return (pages_k[flat].transpose(1, 2).flatten(0, 1), pages_v[flat].transpose(1, 2).flatten(0, 1))
 
+        alone = [(x[None] for x in (q[a:b].transpose(0, 1), keys[c:d].transpose(0, 1), values[c:d].transpose(0, 1)))
+                 for a, b, c, d in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])]  # (1, X, T, D) per sequence
+        alone = [tuple(x) for x in alone]
+        contracts = [Contract(band=CAUSAL, offset=S_b - L_b) for L_b, S_b in zip(lengths_q, lengths_k)]
+
+        def per_sequence():
+            for (qb, kb, vb), contract in zip(alone, contracts):
+                attention(qb, kb, vb, contract)
+
         with torch.no_grad():
             t = best_times({
                 "paged": lambda: paged_attention(q, *cache.pages(0), table, cu_q, seen),
+                "contiguous, per sequence": per_sequence,
                 "varlen contiguous": lambda: varlen_attention(q, keys, values, cu_q, cu_k, is_causal=True),
                 "gather + varlen": lambda: varlen_attention(q, *_unpad(gathered(), lengths_k, block_size), cu_q, cu_k,
                                                             is_causal=True),
@@ -691,7 +702,8 @@ def serving_rows(key_lengths, repeat: int, *, decode_rows: int = 60, chunk: int 
                 repeat)
         name = str(dtype).removeprefix("torch.")
         yield Row("serving", f"{decode_rows} decode rows over {S} keys + {chunk} rows over {chunk_keys}, {name}", t,
-                  {"paged/contiguous": t["paged"] / t["varlen contiguous"],
+                  {"paged/contiguous": t["paged"] / t["contiguous, per sequence"],
+                   "paged/varlen": t["paged"] / t["varlen contiguous"],
                    "paged/sdpa mask": t["paged"] / t["sdpa dense mask"]},
                   {"keys MiB": 2 * sum(lengths_k) * Hkv * D * keys.element_size() / 2 ** 20})
 

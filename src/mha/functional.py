@@ -108,12 +108,7 @@ def _nested_sdpa(query, key, value, *, attn_mask, dropout_p, is_causal, scale, e
     if attn_mask is not None or dropout_p:
         raise ValueError("with nested tensors, attn_mask and dropout_p are not taken: each sequence's length is its "
                          "mask (window, is_causal and the other terms apply per sequence)")
-    q, cu_q = varlen.from_nested("query", query, seq_dim=1)  # (B, H, j, D) -> (Tq, H, D)
-    k, cu_k = varlen.from_nested("key", key, seq_dim=1)
-    v, cu_v = varlen.from_nested("value", value, seq_dim=1)
-    if not torch.equal(cu_k, cu_v):
-        raise ValueError(f"key and value must hold the same sequence lengths, got {cu_k.diff().tolist()} and "
-                         f"{cu_v.diff().tolist()}")
+    q, k, v, cu_q, cu_k = varlen.packed_qkv(query, key, value, seq_dim=1)  # (B, X, j, D) -> (T, X, D)
     if (is_causal or window is not None) and causal_alignment == "top_left" and not torch.equal(cu_q, cu_k):
         raise ValueError("nested causality and windows align bottom-right within each sequence; with query and key "
                          "lengths that differ pass causal_alignment='bottom_right' (or None)")

@@ -11,6 +11,8 @@ import warnings
 import pytest
 import torch
 
+import mha
+
 transformers = pytest.importorskip("transformers")
 mt = pytest.importorskip("mha.integrations.transformers")
 
@@ -137,3 +139,37 @@ def test_what_it_does_not_know_is_refused(monkeypatch):
     monkeypatch.undo()
     with mt.enable_continuous_batching(model), pytest.raises(ValueError, match="serves continuous batching"):
         model(torch.tensor([[1, 2, 3]]))  # a plain forward: no paged cache
+
+
+class _Passthrough(__import__("transformers.generation.continuous_batching", fromlist=["x"]).PagedAttentionCache):
+    """A paged cache that returns the step's keys as they are (each sequence's keys = its new tokens)."""
+
+    def __init__(self):  # nothing to allocate
+        pass
+
+    def update(self, key_states, value_states, layer_idx, kwargs):
+        return key_states, value_states
+
+
+@pytest.mark.parametrize("sliding_window", [None, 1, 3, 4])
+def test_one_step_equals_each_sequence_alone_with_every_term(sliding_window):
+    """continuous_batching_forward on packed sequences of 5, 1 and 7 tokens equals
+    scaled_dot_product_attention per sequence: flash-attn's sliding window (the last
+    ``sliding_window`` keys, the query's own included: window (w - 1, 0)), softcap, sinks, GQA, scaling."""
+    g = torch.Generator().manual_seed(0)
+    lengths, H, Hkv, D = [5, 1, 7], 4, 2, 8
+    q = torch.randn(1, H, sum(lengths), D, generator=g) * 3
+    k, v = (torch.randn(1, Hkv, sum(lengths), D, generator=g) * 3 for _ in range(2))
+    sinks = torch.randn(H, generator=g)
+    cu = torch.tensor([0, 5, 6, 13])
+    layer = torch.nn.Module()
+    layer.layer_idx = 0
+    out, _ = mt.continuous_batching_forward(layer, q, k, v, None, scaling=0.3, sliding_window=sliding_window,
+                                            softcap=2.0, s_aux=sinks, cache=_Passthrough(), cu_seq_lens_q=cu,
+                                            cu_seq_lens_k=cu)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        x = [t[..., a:b, :] for t in (q, k, v)]
+        window = None if sliding_window is None else (sliding_window - 1, 0)
+        alone = mha.functional.scaled_dot_product_attention(*x, is_causal=True, scale=0.3, enable_gqa=True,
+                                                            window=window, softcap=2.0, sinks=sinks, backend="math")
+        torch.testing.assert_close(out[0, a:b], alone[0].transpose(0, 1), atol=2e-5, rtol=1e-5)

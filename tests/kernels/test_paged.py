@@ -137,3 +137,14 @@ def test_auto_is_chosen_by_the_dispatch_and_logged(caplog):
     assert kernels.dispatch.choose_paged_backend("auto", q64, k_pages.double())[0] == "math"  # native: no float64
     with pytest.raises(ValueError, match="backend must be one of"):
         kernels.paged_attention(q, k_pages, v_pages, table, cu, lengths_k, backend="flash")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_nan_key_reaches_only_its_own_sequence_and_no_sequences_is_empty(backend):
+    q, k_pages, v_pages, table, cu, lengths_k, _, lengths_q = _case(2, dtype=torch.float32)
+    page = int(table[0, 0])
+    k_pages[page, 0, 0, 0] = float("nan")  # sequence 0's first key (kv head 0); no other sequence uses the page
+    out = kernels.paged_attention(q, k_pages, v_pages, table, cu, lengths_k, backend=backend)
+    assert out[:lengths_q[0], 0].isnan().all() and out[lengths_q[0]:].isfinite().all()
+    empty = kernels.paged_attention(q[:0], k_pages, v_pages, table[:0], cu[:1], lengths_k[:0], backend=backend)
+    assert empty.shape == (0, q.shape[1], v_pages.shape[3])

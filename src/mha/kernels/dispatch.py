@@ -187,9 +187,15 @@ def _choose(requested, q, k, v, contract, *, need_weights, dropout_p):
             choice = ("flash", f"not sdpa ({no_sdpa}): flash applies every term tile by tile")
         else:
             choice = ("math", f"not sdpa ({no_sdpa}), not flash ({no_flash})")
-    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):  # logging breaks a compiled graph
-        log.debug("backend %s: %s", *choice)
+    _log_choice("", *choice)
     return (*choice, sdpa_plan)
+
+
+def _log_choice(path: str, name: str, why: str) -> None:
+    """One line of the "mha.dispatch" log: "backend NAME[ (path)]: why" (eager only: logging breaks a
+    compiled graph)."""
+    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
+        log.debug("backend %s%s: %s", name, path, why)
 
 
 NATIVE_DECODE_ROWS = 16  # a decoding step: at most this many query rows per key/value head
@@ -244,8 +250,7 @@ def choose_lse_backend(requested: str, q: Tensor, k: Tensor, v: Tensor, contract
         choice = ("native", "not sdpa (a term its fused kernel lacks): native applies every term, compiled")
     else:
         choice = ("flash", "not sdpa (a term its fused kernel lacks), native not built or not taking it")
-    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
-        log.debug("backend %s (with lse): %s", *choice)
+    _log_choice(" (with lse)", *choice)
     return choice
 
 
@@ -275,8 +280,7 @@ def backward_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract, out: 
     else:
         name, why = "flash", "a term torch's fused kernel lacks: flash takes every term"
         grads = flash_attention_backward(q, k, v, out, lse, grad_out, contract)[:4]
-    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
-        log.debug("backend %s (backward with lse): %s", name, why)
+    _log_choice(" (backward with lse)", name, why)
     return grads
 
 
@@ -298,8 +302,7 @@ def choose_paged_backend(requested: str, q: Tensor, k_pages: Tensor) -> tuple[st
         choice = ("native", "the native kernel reads the pages in place")
     else:
         choice = ("math", f"not native ({refusal or 'not built here'}): each sequence gathered, dense")
-    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
-        log.debug("backend %s (paged): %s", *choice)
+    _log_choice(" (paged)", *choice)
     return choice
 
 

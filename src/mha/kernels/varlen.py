@@ -19,7 +19,7 @@ from .. import _checks, positions
 from .contract import Contract
 from .dispatch import attention
 
-__all__ = ["from_nested", "to_nested", "varlen_attention"]
+__all__ = ["from_nested", "packed_qkv", "to_nested", "varlen_attention"]
 
 _PER_HEAD = "(num_heads,): one value per query head (dim 1 of q)"
 
@@ -86,6 +86,18 @@ def from_nested(name: str, x: Tensor, *, seq_dim: int) -> tuple[Tensor, Tensor]:
                          f"{[tuple(p.shape) for p in x.unbind()]}")
     lengths = torch.tensor([part.shape[0] for part in parts], dtype=torch.int64)
     return torch.cat(parts), F.pad(lengths.cumsum(0), (1, 0))
+
+
+def packed_qkv(query: Tensor, key: Tensor, value: Tensor, *, seq_dim: int):
+    """(q, k, v packed (T, ...), cu_seqlens_q, cu_seqlens_k) of nested query, key and value: as many
+    sequences in each, key and value of the same lengths (a ValueError naming them otherwise)."""
+    q, cu_q = from_nested("query", query, seq_dim=seq_dim)
+    k, cu_k = from_nested("key", key, seq_dim=seq_dim)
+    v, cu_v = from_nested("value", value, seq_dim=seq_dim)
+    if len(cu_q) != len(cu_k) or not torch.equal(cu_k, cu_v):
+        raise ValueError(f"query, key and value must hold as many sequences, key and value of the same lengths: got "
+                         f"{cu_q.diff().tolist()}, {cu_k.diff().tolist()} and {cu_v.diff().tolist()}")
+    return q, k, v, cu_q, cu_k
 
 
 def to_nested(values: Tensor, cu_seqlens: Tensor, like: Tensor, *, seq_dim: int) -> Tensor:

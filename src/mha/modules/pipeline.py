@@ -226,12 +226,7 @@ def nested_forward(query: Tensor, key: Tensor, value: Tensor, *, project: Callab
     nested input, each sequence's (B, [H,] L, S) padded with zeros to the longest."""
     from ..kernels import varlen
 
-    x_q, cu_q = varlen.from_nested("query", query, seq_dim=0)  # (B, j, E) -> (Tq, E)
-    x_k, cu_k = varlen.from_nested("key", key, seq_dim=0)
-    x_v, cu_v = varlen.from_nested("value", value, seq_dim=0)
-    if len(cu_q) != len(cu_k) or not torch.equal(cu_k, cu_v):
-        raise ValueError(f"query, key and value must hold as many sequences, key and value of the same lengths: got "
-                         f"{cu_q.diff().tolist()}, {cu_k.diff().tolist()} and {cu_v.diff().tolist()}")
+    x_q, x_k, x_v, cu_q, cu_k = varlen.packed_qkv(query, key, value, seq_dim=0)  # (B, j, E) -> (T, E)
     q, k, v = (x[0].transpose(0, 1) for x in project(x_q[None], x_k[None], x_v[None]))  # (1, X, T, D) -> (T, X, D)
     out = varlen.varlen_attention(q, k, v, cu_q, cu_k, is_causal=is_causal, backend=backend)  # (Tq, H, Dv)
     out = out_proj(out.flatten(1))  # (Tq, H, Dv) -> (Tq, H*Dv) -> (Tq, E)

@@ -144,6 +144,24 @@ def test_pages_that_follow_each_other_are_one_run():
     _check(inputs, dict(band=CAUSAL), torch.float32)
 
 
+def test_keys_packed_token_by_token_as_pages_of_one_slot():
+    """Keys packed (T, Hkv, D) as transformers' continuous batching hands them, read as one-slot pages
+    (T, Hkv, 1, D): a page's slot stride is then the page stride, and pages that follow each other
+    are one run; sequences in pool order, one in reverse (no run), one whose pages skip a token."""
+    g = torch.Generator().manual_seed(4)
+    H, Hkv, D, T = 4, 2, 16, 900
+    k, v = torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, D, generator=g)
+    rows = [torch.arange(0, 300), torch.arange(599, 299, -1), torch.arange(600, 900, 2)]  # keys of each sequence
+    table = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=-1)
+    seqlens = torch.tensor([len(r) for r in rows])
+    cu = torch.tensor([0, 7, 8, 158])  # a prefill chunk, a decoding row, a whole prefill
+    q = torch.randn(int(cu[-1]), H, D, generator=g)
+    for terms in (dict(band=CAUSAL), _terms(H)["everything"]):
+        got = _paged(q, k[:, :, None], v[:, :, None], table, cu, seqlens, terms)
+        want = _reference(q, k[:, :, None], v[:, :, None], table, cu, seqlens, terms)
+        assert (got - want).abs().max().item() <= 1e-5
+
+
 def test_strided_pool_and_int32_table():
     """A pool whose pages and heads lie further apart (a view), int32 tables and offsets."""
     q, k_pages, v_pages, table, cu, seqlens = _pool(MIXED, 4, 2, 16, seed=9)

@@ -58,13 +58,13 @@ def generate_rates(workload: str, dtype: torch.dtype, *, sequential: bool = True
     return rates
 
 
-def _batch(model, way: str, prompts, config) -> None:
+def _batch(model, way: str, prompts, config, **options) -> None:
     """generate_batch with the attention ``way`` ("mha": mha's continuous batching, switched back after)."""
     from ..integrations import transformers as hf
 
     if way == "mha":
         with hf.enable_continuous_batching(model):
-            model.generate_batch(prompts, generation_config=config, warmup=False)
+            model.generate_batch(prompts, generation_config=config, warmup=False, **options)
     else:
         model.set_attn_implementation(way)
-        model.generate_batch(prompts, generation_config=config, warmup=False)
+        model.generate_batch(prompts, generation_config=config, warmup=False, **options)

@@ -1711,13 +1711,16 @@ Tensor paged_integers(const Tensor& x, const char* name, int64_t dims) {
 
 // The pool's strides (elements) of a pages tensor (N, Hkv, P, X) whose rows of X are contiguous:
 // a dim of size 1 takes the stride a contiguous tensor would have (torch gives such dims any stride).
+// Pages of one slot (keys packed token by token, e.g. (T, Hkv, 1, D)): the slot stride is the page
+// stride, the distance from one page's key to the next page's, so that pages that follow each other
+// in the pool are read as one run of keys (one product per run, not per key).
 std::tuple<int64_t, int64_t, int64_t> page_strides(const Tensor& x, const char* name) {
   const int64_t X = x.size(3), P = x.size(2);
   TORCH_CHECK(X <= 1 || x.stride(3) == 1, "mha paged: ", name, "'s rows must be contiguous (stride 1 along the head dim)");
   const int64_t slot = P <= 1 ? X : x.stride(2);
   TORCH_CHECK(slot >= X, "mha paged: ", name, "'s slots must not overlap (slot stride >= head dim)");
   const int64_t head = x.size(1) <= 1 ? P * slot : x.stride(1), page = x.size(0) <= 1 ? x.size(1) * head : x.stride(0);
-  return {page, head, slot};
+  return {page, head, P == 1 && x.size(0) > 1 ? page : slot};
 }
 
 std::vector<Tensor> paged_forward(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages,

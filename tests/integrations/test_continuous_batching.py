@@ -88,6 +88,63 @@ def test_generate_batch_on_mha_gives_generates_tokens(kind):
     assert model.config._attn_implementation != mt.CONTINUOUS_BATCHING_NAME  # undone after the block
 
 
+def _plain_logprobs(model, prompt):
+    """log p(token) of plain generate's greedy tokens, in float64 from its logits."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(torch.tensor([prompt]), **GREEDY, output_logits=True, return_dict_in_generate=True)
+    chosen = out.sequences[0, len(prompt):]
+    return [torch.log_softmax(step[0].double(), -1)[token].item() for step, token in zip(out.logits, chosen)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_manager_logprobs_equal_plain_generate(kind):
+    """init_continuous_batching's manager (requests added one by one, results read back) on mha: the
+    tokens and their log-probabilities (continuous batching's return_logprobs) equal plain generate's."""
+    model, prompts = _model(kind), _prompts()
+    config = ContinuousBatchingConfig(**SMALL_CACHE, return_logprobs=True)
+    with warnings.catch_warnings(), mt.enable_continuous_batching(model):
+        warnings.simplefilter("ignore")
+        manager = model.init_continuous_batching(generation_config=GenerationConfig(**GREEDY),
+                                                 continuous_batching_config=config)
+        manager.start()
+        try:
+            ids = [manager.add_request(p, max_new_tokens=GREEDY["max_new_tokens"]) for p in prompts]
+            results = {}
+            while len(results) < len(ids):
+                result = manager.get_result(timeout=30)
+                assert result is not None, "the manager stopped answering"
+                if result.is_finished():
+                    results[result.request_id] = result
+        finally:
+            manager.stop(block=True, timeout=30)
+    for request, prompt in zip(ids, prompts):
+        want = _plain_logprobs(model, prompt)
+        assert results[request].generated_tokens == _generate(model, [prompt])[0]
+        assert max(abs(a - b) for a, b in zip(results[request].logprobs, want)) < 2e-5
+
+
+@pytest.mark.slow
+def test_full_attention_cache_is_read_in_place(monkeypatch):
+    """On a Llama (full attention only) the keys are read where transformers' cache holds them:
+    its cache.update (which gathers every sequence's keys) is never called; on a Gemma-2, only its
+    sliding layers call it (a ring the step may overwrite)."""
+    from transformers.generation.continuous_batching import PagedAttentionCache
+
+    calls = []
+    real = PagedAttentionCache.update
+    monkeypatch.setattr(PagedAttentionCache, "update",
+                        lambda self, *a, **kw: calls.append(kw["layer_idx"]) or real(self, *a, **kw))
+    model, prompts = _model("llama"), _prompts()
+    assert _generate_batch(model, prompts) == _generate(model, prompts)
+    assert calls == []
+    model = _model("gemma2")
+    _generate_batch(model, prompts)
+    sliding = {i for i, kind in enumerate(model.config.layer_types) if kind == "sliding_attention"}
+    assert calls and set(calls) == sliding
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "term", "drop"), [
     ("gemma2", "softcap", dict(attn_logit_softcapping=None)),

@@ -361,11 +361,11 @@ def continuous_batching_forward(module: torch.nn.Module, query: Tensor, key: Ten
                                 **kwargs) -> tuple[Tensor, None]:
     """The attention of one continuous-batching step: q (1, H, T, D) holds every scheduled
     sequence's new rows packed (transformers' cu_seq_lens_q), k and v (1, Hkv, T, D) their new keys,
-    which ``cache.update`` writes into transformers' paged cache and returns with each sequence's
-    cached keys (cu_seq_lens_k). One call of mha.kernels.paged_attention over them, each sequence's
-    keys read in place as one run of one-slot pages: causal bottom-right within each sequence, the
-    layer's sliding window (flash-attn's: the last ``sliding_window`` keys), softcap (Gemma 2),
-    sinks (``s_aux``, GPT-OSS), GQA and scaling. Returns (1, T, H, Dv)."""
+    which go into transformers' paged cache beside each sequence's cached keys (cu_seq_lens_k). One
+    call of mha.kernels.paged_attention over them (:func:`_sequence_keys`: read in place where the
+    cache allows it): causal bottom-right within each sequence, the layer's sliding window
+    (flash-attn's: the last ``sliding_window`` keys), softcap (Gemma 2), sinks (``s_aux``, GPT-OSS),
+    GQA and scaling. Returns (1, T, H, Dv)."""
     from transformers.generation.continuous_batching import PagedAttentionCache
 
     if not isinstance(cache, PagedAttentionCache):
@@ -373,15 +373,59 @@ def continuous_batching_forward(module: torch.nn.Module, query: Tensor, key: Ten
                          "(generate_batch) only; use attn_implementation='mha' for other calls")
     if kwargs.get("output_attentions"):
         raise ValueError("continuous batching returns no attention weights (output_attentions)")
-    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (1, X, T, D) -> (T, X, D)
+    k_pages, v_pages, table, lengths_k = _sequence_keys(cache, module.layer_idx, key, value, kwargs)
     window = None if sliding_window is None else (sliding_window - 1, 0)
-    sinks = None if s_aux is None else s_aux.to(q.dtype)
-    # each sequence's keys lie in one run of the packed k: pages of one slot, read as runs in place
-    cu_k = kwargs["cu_seq_lens_k"].to(device="cpu", dtype=torch.int64)
-    lengths_k = cu_k.diff()
-    slots = torch.arange(int(lengths_k.max()) if len(lengths_k) else 0)
-    table = torch.where(slots[None] < lengths_k[:, None], slots[None] + cu_k[:-1, None], -1)  # (B, longest)
-    out = kernels.paged_attention(q, k[:, :, None], v[:, :, None], table, kwargs["cu_seq_lens_q"], lengths_k,
+    sinks = None if s_aux is None else s_aux.to(query.dtype)
+    q = query[0].transpose(0, 1)  # (1, H, T, D) -> (T, H, D)
+    out = kernels.paged_attention(q, k_pages, v_pages, table, kwargs["cu_seq_lens_q"], lengths_k,
                                   window=window, alibi_slopes=None, softcap=softcap, sinks=sinks, scale=scaling)
     return out[None], None  # (T, H, Dv) -> (1, T, H, Dv)
+
+
+def _sequence_keys(cache, layer_idx: int, key: Tensor, value: Tensor, kwargs: dict):
+    """The step's new keys stored, and each sequence's keys as pages of one slot: (k_pages (N, Hkv, 1, D),
+    v_pages, block_table (B, longest) of slots, -1 past a sequence's keys, lengths_k (B,)).
+
+    A full-attention layer's cache is read where it lies: the new keys written through the step's
+    write_index (as ``cache.update`` does), then each sequence's keys named by its read_index: tokens
+    of the cache, consecutive within a transformers page (read by the kernel as one run). A sliding
+    layer's cache is a ring whose new keys may overwrite old ones the step still reads, so there the
+    keys come gathered by ``cache.update`` (a copy: measured in docs/serving.md)."""
+    allocator = getattr(cache, "layer_to_allocator", {}).get(layer_idx)
+    if _reads_in_place(allocator, kwargs):
+        k_cache, v_cache = allocator._kv_token_views[layer_idx]  # (tokens, Hkv, D): token i of v is key i's value
+        tokens = min(len(k_cache), len(v_cache))  # v's view starts a page later
+        k_cache, v_cache = k_cache[:tokens], v_cache[:tokens]
+        write, read = kwargs["write_index"][allocator.index], kwargs["read_index"][allocator.index]
+        cu_k = kwargs["cu_seq_lens_k"][allocator.layer_type]
+        new_k, new_v = (x[0].transpose(0, 1) for x in (key, value))  # (1, Hkv, T, D) -> (T, Hkv, D)
+        k_cache.index_copy_(0, write, new_k)
+        v_cache.index_copy_(0, write, new_v)
+        if read.numel():  # else every sequence is a whole prefill: its keys are the new ones
+            return _one_slot_pages(k_cache, v_cache, cu_k, read)
+        return _one_slot_pages(new_k, new_v, cu_k)
+    key, value = cache.update(key_states=key, value_states=value, layer_idx=layer_idx, kwargs=kwargs)
+    k, v = (x[0].transpose(0, 1) for x in (key, value))  # (1, Hkv, S, D) -> (S, Hkv, D)
+    return _one_slot_pages(k, v, kwargs["cu_seq_lens_k"])
+
+
+def _reads_in_place(allocator, kwargs: dict) -> bool:
+    """Whether transformers' cache of this layer is one whose keys mha reads in place (its full-attention
+    allocator, index-based steps: the block-table path is CUDA flash's)."""
+    from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
+
+    return (type(allocator) is FullAttentionCacheAllocator and kwargs.get("block_table") is None
+            and hasattr(allocator, "_kv_token_views") and "read_index" in kwargs and "write_index" in kwargs)
+
+
+def _one_slot_pages(k: Tensor, v: Tensor, cu_k: Tensor, tokens: Tensor | None = None):
+    """k, v (N, Hkv, D) as pages of one slot, and the block table of sequence b's keys: the rows
+    tokens[cu_k[b]:cu_k[b + 1]] of k (tokens None: the rows themselves)."""
+    cu_k = cu_k.to(device="cpu", dtype=torch.int64)
+    lengths_k = cu_k.diff()
+    slots = torch.arange(int(lengths_k.max()) if len(lengths_k) else 0)
+    at = slots[None] + cu_k[:-1, None]  # (B, longest): the packed position of each sequence's key j
+    valid = slots[None] < lengths_k[:, None]
+    rows = at if tokens is None else tokens.to(device="cpu", dtype=torch.int64)[at.clamp(max=max(len(tokens) - 1, 0))]
+    table = torch.where(valid, rows, -1)
+    return k[:, :, None], v[:, :, None], table, lengths_k  # (N, Hkv, D) -> (N, Hkv, 1, D)

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from mha import cli
 from mha.cli import bench as bench_cli
@@ -146,3 +147,27 @@ def test_peer_rows_time_onnxruntime_beside_torch_and_agree_with_it():
     assert row.point == "fp32 T64" and set(row.times_ms) == {"mha", "torch", "onnxruntime"}
     assert row.ratios["mha/onnxruntime"] > 0
     assert row.extra["mha error"] < 1e-5 and row.extra["onnxruntime error"] < 1e-5
+
+
+def test_serving_step_rows_time_paged_beside_contiguous_and_torch():
+    (row,) = [r for r in bench.serving_rows([64], 1, decode_rows=3, chunk=8, chunk_keys=40) if "float32" in r.point]
+    assert set(row.ratios) == {"paged/contiguous", "paged/varlen", "paged/sdpa mask"}
+    assert all(ratio > 0 for ratio in row.ratios.values())
+
+
+def test_serving_ways_and_a_sized_cache(monkeypatch):
+    """Every way of bench_serving is measured where it fits; generate_batch's cache holds every prompt
+    and its answer (the pages a server would size it to); an unknown way is refused."""
+    pytest.importorskip("transformers")
+    from mha.tools import bench_serving
+
+    assert bench_serving.ways_of("16 x 64-512 x 32", "float32") == bench_serving.WAYS
+    assert "paged|eager" not in bench_serving.ways_of("64 x 256-2048 x 128", "float32")
+    seen = {}
+    monkeypatch.setattr(type(bench_serving._model(torch.float32)), "generate_batch",
+                        lambda self, prompts, **kw: seen.update(kw), raising=True)
+    prompts = [[1] * 300, [2] * 10]
+    bench_serving._run(bench_serving._model(torch.float32), "sdpa", prompts, None, 40)
+    assert seen["continuous_batching_config"].num_blocks == 2 + 1  # 340 tokens: 2 pages of 256, 50: 1
+    with pytest.raises(ValueError, match="way must be one of"):
+        bench_serving.measure_way("16 x 64-512 x 32", torch.float32, "eager")

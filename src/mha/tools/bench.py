@@ -725,14 +725,16 @@ def _unpad(pages: tuple[Tensor, Tensor], lengths_k, block_size: int) -> tuple[Te
 
 
 def serving_generate_rows(workloads, dtypes=("float32", "bfloat16")) -> Iterator[Row]:
-    """Tokens/s of transformers' generate_batch with mha, sdpa and paged|eager, and of one-at-a-time
-    generate, on a small Llama (mha.tools.bench_serving); each way once (minutes, not a best-of)."""
-    from . import bench_serving
+    """Tokens/s and peak memory of transformers' generate_batch with mha, sdpa (and paged|eager
+    where it fits: bench_serving.ways_of), and of one-at-a-time generate, on a small Llama
+    (mha.tools.bench_serving), each way in a fresh process, one after another; each way once
+    (minutes, not a best-of)."""
+    from .bench_serving import ways_of
 
     for workload, name in itertools.product(workloads, dtypes):
-        rates = bench_serving.generate_rates(workload, getattr(torch, name))
-        mha_rate = rates["generate_batch mha"]
-        yield Row("serving", f"generate {workload} new, {name}", {},
-                  {"mha/sdpa tokens/s": mha_rate / rates["generate_batch sdpa"],
-                   "mha/sequential tokens/s": mha_rate / rates["generate, one at a time"]},
-                  {f"{way} tok/s": rate for way, rate in rates.items()})
+        got = {way: run_worker("mha.tools.bench_serving", workload, name, way) for way in ways_of(workload, name)}
+        rate = {way: result["tokens_per_s"] for way, result in got.items()}
+        ratios = {f"mha/{way} tokens/s": rate["mha"] / r for way, r in rate.items() if way != "mha"}
+        yield Row("serving", f"generate {workload} new, {name}", {}, ratios,
+                  {**{f"{way} tok/s": r for way, r in rate.items()},
+                   **{f"{way} peak MiB": result["peak_mib"] for way, result in got.items()}})

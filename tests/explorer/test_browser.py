@@ -183,6 +183,34 @@ def test_general_module_page_every_term(tmp_path, open_page):
     assert page.console_errors() == []
 
 
+def test_cross_attention_at_a_scale_of_its_own(tmp_path, open_page):
+    """Keys of another sequence (L = 3 queries, S = 5 keys) at scale=0.37, not 1/sqrt(D) = 0.25: a
+    row's first term is q . k x 0.37 and its weights the real ones; the keys are labelled with
+    key_tokens on the map's axis, in the row's table and in the tooltip, the queries with tokens."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 3, 16, generator=g)
+    k, v = (torch.randn(1, 2, 5, 16, generator=g) for _ in range(2))
+    with record() as recording:
+        mha.functional.scaled_dot_product_attention(q, k, v, scale=0.37, enable_gqa=True)
+    target, source = ["t0", "t1", "t2"], ["s0", "s1", "s2", "s3", "s4"]
+    page = open_page(mha.view(recording, tokens=target, key_tokens=source, output=tmp_path / "cross.html"))
+    check_weights_and_breakdowns(page, recording, sample=0)
+    raw = page.js("return mhaView.breakdown(0, 3, 2).raw")  # head 3 reads kv head 1
+    np.testing.assert_allclose(raw, (q[0, 3, 2] @ k[0, 1].T).double().numpy() * 0.37, atol=1e-5)
+    page.js("window.drawn = []; const fill = CanvasRenderingContext2D.prototype.fillText;"
+            "CanvasRenderingContext2D.prototype.fillText = function (text, ...rest) {"
+            " window.drawn.push(String(text)); return fill.call(this, text, ...rest); };"
+            "mhaView.open(0, 3); mhaView.select(2);")
+    drawn = page.js("return window.drawn")
+    assert [t for t in drawn if t in target + source] == target + source  # the rows', then the columns' labels
+    rows = page.js("return Array.from(document.querySelectorAll('#breakdown tbody tr'), (row) => row.cells[0].textContent)")
+    assert rows == [f"{j} {token}" for j, token in enumerate(source)]
+    assert "Query 2 “t2”" in page.driver.find_element(By.ID, "breakdown").text
+    text = point_at(page, 1, 4)
+    assert "query 1 “t1” → key 4 “s4”" in text
+    assert page.console_errors() == []
+
+
 def test_diff_of_two_runs_and_averages(tmp_path, open_page):
     x = torch.randn(1, 7, 48)
     first, second = recorded(general(0), x, x, x), recorded(general(1), x, x, x)

@@ -213,6 +213,41 @@ def test_labels_fit_the_calls():
     assert labels_for(call(1, 3, placed=True), 0, ["a", "b"], None) == (["10"], ["0", "1", "2"])
 
 
+@pytest.mark.parametrize("L, S", [(3, 5), (5, 3), (4, 4)])
+def test_cross_attention_keys_are_labelled_with_the_key_sequences_tokens(tmp_path, L, S):
+    """A decoder: self-attention's keys are the target's tokens, cross-attention's the source's
+    (key_tokens, S of them, first even where S = L), never the queries' (nor cut or padded to L)."""
+    torch.manual_seed(0)
+    decoder = mha.nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    target, source = [f"t{i}" for i in range(L)], [f"s{j}" for j in range(S)]
+    path = mha.view(decoder, torch.randn(1, L, 16), torch.randn(1, S, 16), tokens=target, key_tokens=source,
+                    output=tmp_path / "decoder.html")
+    own, cross = manifest_of(path)["runs"][0]["layers"]
+    assert own["name"] == "self_attn" and (own["L"], own["S"]) == (L, L) and own["queries"] == target
+    if L != S:  # (where S = L, key_tokens label every call's keys: the tokens cannot tell the two apart)
+        assert own["keys"] == target
+    assert cross["name"] == "multihead_attn" and (cross["L"], cross["S"]) == (L, S)
+    assert cross["queries"] == target and cross["keys"] == source
+
+
+def test_a_scale_of_its_own_is_the_one_the_breakdown_uses(tmp_path):
+    """The breakdown's first term is q . k x the call's scale: a call with scale=0.37 (not 1/sqrt(D) =
+    0.25) records 0.37, the page carries it, and the weights recomputed with it are the real ones."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 3, 16, generator=g)
+    k, v = (torch.randn(2, 2, 5, 16, generator=g) for _ in range(2))  # GQA, cross-attention: L = 3, S = 5
+    with record() as recording:
+        out = mha.functional.scaled_dot_product_attention(q, k, v, scale=0.37, enable_gqa=True)
+    (call,) = recording.calls
+    assert call.scale == pytest.approx(0.37) and call.q.shape[-1] == 16
+    for b in range(2):
+        np.testing.assert_allclose(reconstruct(call, b), call.weights[b].numpy(), atol=1e-5)
+        v_b = np.repeat(call.v[b].double().numpy(), 2, axis=0)
+        np.testing.assert_allclose(reconstruct(call, b) @ v_b, out[b].double().numpy(), atol=1e-5)
+    layer = manifest_of(mha.view(recording, output=tmp_path / "scale.html"))["runs"][0]["layers"][0]
+    assert layer["scale"] == pytest.approx(0.37) and layer["D"] == 16
+
+
 @pytest.mark.parametrize("call, error, match", [
     (lambda p: mha.view(3, output=p), TypeError, "source must be an nn.Module"),
     (lambda p: mha.view(general(), output=p), ValueError, "pass the inputs"),

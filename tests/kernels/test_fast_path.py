@@ -106,6 +106,26 @@ def test_autocast_forward_ad_and_native_calls_take_the_full_path(monkeypatch):
     assert not took_fast_path(monkeypatch, q, q, q)
 
 
+@pytest.mark.parametrize("H, Hkv", [(8, 8), (8, 2), (8, 1)])  # 1, 4 and 8 query heads per key/value head
+@pytest.mark.parametrize("more", [0, 1])
+def test_a_gqa_decoding_step_counts_its_rows_per_key_value_head(monkeypatch, H, Hkv, more):
+    """A decoding step is at most dispatch.NATIVE_DECODE_ROWS (16) query rows per key/value head,
+    L * H / Hkv (not L, not L * H): on one over enough keys (1024, the pinned crossover) native is
+    measured faster, so the fast path declines it and the dispatch picks native; one query more and
+    it is a prefill torch's kernel takes, on the fast path."""
+    group = H // Hkv
+    L = dispatch.NATIVE_DECODE_ROWS // group + more  # 16 rows per kv head, then 16 + group
+    decoding = more == 0
+    torch.manual_seed(L)
+    q, k, v = torch.randn(1, H, L, 16), torch.randn(1, Hkv, 1024, 16), torch.randn(1, Hkv, 1024, 16)
+    assert dispatch.native_pays(q, k) == decoding
+    assert dispatch.plain_call(q, k, v, enable_gqa=H != Hkv) == (not decoding)
+    assert took_fast_path(monkeypatch, q, k, v, is_causal=True, enable_gqa=H != Hkv) == (not decoding)
+    if mha.kernels.native.ready():
+        chosen = mha.kernels.choose_backend("auto", q, k, v, mha.kernels.Contract())[0]
+        assert chosen == ("native" if decoding else "sdpa")
+
+
 def test_under_vmap_the_full_path_runs(monkeypatch):
     q = torch.randn(3, 1, 2, 4, 8)
     got = torch.vmap(lambda x: sdpa(x, x, x, is_causal=True))(q)

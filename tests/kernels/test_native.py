@@ -154,6 +154,37 @@ def test_gradcheck_in_float64():
     assert torch.autograd.gradcheck(attend, (q, k, v, slopes, sinks))
 
 
+# (threads, S, B, Hkv, L, causal): keys past two tiles (S > 512) over 1 to 3 (batch, kv head) tasks, split
+# into ceil(2 threads / tasks) chunks of whole 256-key tiles: chunks that end in a partial tile, one left
+# empty past the last tile, one tile each, more threads than tiles
+_CHUNKED = [(1, 513, 1, 1, 7, False), (1, 1300, 1, 1, 40, True), (2, 1025, 1, 1, 1, True), (2, 513, 1, 3, 33, False),
+            (2, 1300, 1, 1, 16, False), (3, 1300, 1, 2, 9, True), (3, 1025, 1, 3, 24, False), (8, 513, 1, 2, 40, True),
+            (8, 1300, 3, 1, 5, False), (8, 1025, 2, 1, 17, True)]
+
+
+@pytest.mark.parametrize("threads, S, B, Hkv, L, causal", _CHUNKED, ids=[
+    f"{t}threads-S{S}-B{B}-Hkv{Hkv}-L{L}{'-causal' if c else ''}" for t, S, B, Hkv, L, c in _CHUNKED])
+def test_the_backward_splits_long_keys_among_few_tasks_into_whole_chunks(threads, S, B, Hkv, L, causal):
+    """The native backward, with fewer (batch, kv head) tasks than threads, splits the keys into
+    chunks of whole tiles (native.cpp's backward: min(ceil(2 threads / tasks), tiles) chunks): every
+    key in exactly one chunk, dq summed over the chunks; dq, dk, dv equal the math backend's in float64."""
+    H, D = 2 * Hkv, 32
+    g = torch.Generator().manual_seed(S + L)
+    q = torch.randn(B, H, L, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    grad_out = torch.randn(B, H, L, D, generator=g, dtype=torch.float64)
+    contract = Contract(band=CAUSAL, offset=S - L) if causal else Contract()  # causal: the last query sees every key
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        ours = torch.autograd.grad(native.native_attention(q, k, v, contract), (q, k, v), grad_out)
+    finally:
+        torch.set_num_threads(before)
+    theirs = torch.autograd.grad(mha.kernels.attention(q, k, v, contract, backend="math")[0], (q, k, v), grad_out)
+    for got, want, name in zip(ours, theirs, "qkv"):
+        assert_close(got, want, chain=True, err_msg=f"d{name}")
+
+
 def _errors(dtype, shape, contract, backend):
     """(output error, largest gradient error) of ``backend`` in ``dtype`` against float64."""
     B, H, Hkv, L, S, D = shape

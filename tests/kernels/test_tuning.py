@@ -181,6 +181,20 @@ def test_mha_verify_measures_once_and_says_what_auto_will_do(cache, monkeypatch)
     assert "measured 20" in verify.dispatch_status() and len(timer.asked) == 2 * (2 * 4 + 3)  # stored: not measured again
 
 
+@pytest.mark.parametrize("ratio, wins", [(0.5, True), (0.94, True), (0.95, True), (0.96, False), (0.97, False),
+                                          (1.0, False), (1.2, False)])
+def test_native_counts_as_faster_only_within_the_margin(cache, ratio, wins):
+    """tuning.MARGIN: native must take at most 0.95 of torch's time to count as faster (a 3 % lead
+    is timing noise), at every size from the crossover on, in the table tune() stores."""
+    assert tuning._from_where_it_wins([(1, 2.0), (4, ratio), (9, ratio)]) == (4 if wins else None)
+    assert tuning._from_where_it_wins([(1, ratio), (4, 0.5)]) == (1 if wins else 4)
+
+    def timer(point, shape, native_call, torch_call):
+        return (ratio, 1.0) if shape["L"] == 1 else (2.0, 1.0)  # decoding at this ratio, prefill never
+    table = tuning.tune(timer=timer)
+    assert table["crossovers"]["float32"] == {"prefill_work": None, "decode_keys": 1024 if wins else None}
+
+
 def test_native_must_win_causal_and_not(cache):
     """Faster without a mask at every length but slower causal at 128: from 256 on."""
     table = tuning.tune(timer=fake_timer(lambda s: s["L"] == 1 or not (s.get("causal") and s["L"] == 128)))
@@ -279,6 +293,31 @@ def test_measuring_at_first_use_leaves_the_callers_random_stream_and_autocast_al
 
 def test_the_key_names_the_native_build():
     assert f"native {mha.kernels.native.variant()}" in tuning.machine_key()
+
+
+def test_the_key_and_the_table_are_per_thread_count(cache, monkeypatch):
+    """The crossovers depend on the threads (2 threads share the keys' work, 1 does not): the key
+    names torch's thread count, and a table measured at 2 threads is not read at 1."""
+    monkeypatch.setenv("MHA_TUNE", "off")  # no table: KNOWN, not a measurement
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = tuning.machine_key()
+        tuning.tune(timer=fake_timer(lambda s: True))  # stored under the 2-thread key: native from 128 * 128
+        assert tuning.crossovers(torch.float32) == tuning.Crossover(128 * 128, 1024)
+        torch.set_num_threads(1)
+        one = tuning.machine_key()
+        assert one != two and two.endswith("| 2 threads") and one.endswith("| 1 threads")
+        assert list(json.loads(cache.read_text())) == [two]
+        assert tuning.stored() is None and tuning.stored(two) is not None
+        expected = tuning.KNOWN.get(tuning.cpu()["kind"], {}).get(torch.float32, tuning.NEVER)  # MHA_TUNE=off
+        assert tuning.crossovers(torch.float32) == expected != tuning.Crossover(128 * 128, 1024)
+        tuning.forget()  # and read from the file afresh: the same
+        assert tuning.stored() is None and tuning.crossovers(torch.float32) == expected
+        torch.set_num_threads(2)
+        assert tuning.crossovers(torch.float32) == tuning.Crossover(128 * 128, 1024)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.slow

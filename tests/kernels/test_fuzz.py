@@ -2,6 +2,7 @@
 once each with their smallest case, the exit status, and the checker's own rules."""
 
 import json
+import math
 import os
 import random
 import signal
@@ -9,8 +10,12 @@ import time
 
 import pytest
 import torch
+from torch import Tensor
 
-from mha.tools.fuzz import Case, Finding, check, draw, driver, properties
+from mha.kernels import dispatch, native
+from mha.positions import Band
+from mha.tools.fuzz import Case, Finding, cases, check, draw, driver, properties
+from mha.tools.fuzz.cases import PAGE_SIZES, generator
 from mha.tools.fuzz.driver import Crash, Isolated, Report, shrink
 from mha.tools.fuzz.reference import Spec, reference, tolerance
 
@@ -121,3 +126,103 @@ def test_the_reference_hides_a_nan_behind_a_mask_and_zeroes_a_row_that_sees_noth
     assert outcome.possible[0].all()  # torch's math path adds the mask: every row may be NaN
     empty = reference(q, k, v, Spec(mask=torch.zeros(3, 3, dtype=torch.bool)), None)
     assert torch.equal(empty.out, torch.zeros(1, 3, 4, dtype=torch.float64))
+
+
+# -- paged cases: mha.kernels.paged_attention over a pool of pages ------------------------------------------
+
+
+def _paged_cases(count: int, seed: int) -> list[Case]:
+    """``count`` paged cases as the driver draws them (every other kind drawn and skipped)."""
+    rng, found = random.Random(seed), []
+    while len(found) < count:
+        case = draw(rng)
+        if case.kind == "paged":
+            found.append(case)
+    return found
+
+
+def test_paged_cases_find_nothing():
+    """In this process, one thread (two threads share the machine's cores with whatever else runs)."""
+    drawn = _paged_cases(300, seed=11)
+    assert {c.block_size for c in drawn} == set(PAGE_SIZES) and any(c.poison for c in drawn)
+    assert any(L == S for c in drawn for L, S in zip(c.lengths, c.k_lengths))  # whole prompts
+    assert any(L == 1 and S > 200 for c in drawn for L, S in zip(c.lengths, c.k_lengths))  # decoding over long caches
+    found = {f.signature: f.detail for case in drawn for f in check(case.replace(threads=1))}
+    assert found == {}, found
+
+
+@pytest.mark.slow
+def test_a_short_paged_run_finds_nothing():
+    report = driver.run(60, seed=7, workers=1, kinds=("paged",), shrink_tries=0)  # in a child, threads as drawn
+    assert report.cases == 60 and report.findings == {}, report.findings
+
+
+def test_a_paged_case_replays_from_its_json():
+    case = _paged_cases(1, seed=5)[0]
+    again = Case.from_json(case.to_json())
+    assert again == case and again.block_size == case.block_size >= 1 and not again.grad
+    first, second = (properties.prepare(c) for c in (case, again))
+    assert all(torch.equal(a, b) for a, b in zip(first.inputs[:3], second.inputs[:3]))  # the same pool, drawn again
+
+
+def test_the_pool_holds_each_key_where_the_block_table_says():
+    case = Case(kind="paged", q_lead=(4,), k_lead=(2,), v_lead=(2,), D=5, Dv=3, lengths=(1, 7, 2), k_lengths=(9, 7, 1),
+                block_size=4, layouts=("contiguous", "transposed", "strided"), poison="pool:nan", grad=False)
+    g = generator(case)
+    q, k, v = cases.packed(case, g)  # k (Tk, Hkv, D), v (Tk, Hkv, Dv)
+    k_pages, v_pages, table = cases.pages(case, k, v, g)
+    assert not k_pages.is_contiguous() and not v_pages.is_contiguous()
+    start = 0
+    for b, S in enumerate(case.k_lengths):
+        used = -(-S // 4)
+        assert (table[b, used:] == -1).all() and (table[b, :used] >= 0).all()
+        for pool, x in ((k_pages, k), (v_pages, v)):
+            gathered = pool[table[b, :used].long()].transpose(1, 2).flatten(0, 1)  # (used, Hkv, P, X) -> (used * P, Hkv, X)
+            assert torch.equal(gathered[:S], x[start:start + S]) and gathered[S:].isnan().all()  # the rest: NaN
+        start += S
+    named = table[table >= 0]
+    assert named.unique().numel() == named.numel() == 3 + 2 + 1 <= k_pages.shape[0]  # each page once, spare ones left
+
+
+def _plant(monkeypatch, defect: str, path: str) -> None:
+    """A defect in one paged path (math: dispatch.paged_math_attention; native: native.paged_attention_native):
+    the softcap dropped, the window one key wider, or a NaN that leaks out of its sequence (every row
+    NaN once one is)."""
+    def wrong(band: Band, softcap: float | None) -> tuple[Band, float | None]:
+        if defect == "window":
+            return Band(band.left + 1, band.right), softcap
+        return band, None if defect == "softcap" else softcap
+
+    def leaked(out: Tensor) -> Tensor:
+        return torch.full_like(out, math.nan) if defect == "nan" and out.isnan().any() else out
+
+    if path == "math":
+        original = dispatch.paged_math_attention
+
+        def planted(*args):
+            *pool, terms = args
+            band, softcap = wrong(terms.band, terms.softcap)
+            return leaked(original(*pool, terms.replace(band=band, softcap=softcap)))
+        monkeypatch.setattr(dispatch, "paged_math_attention", planted)
+    else:
+        original = native.paged_attention_native
+
+        def planted(*args, band, softcap, **terms):
+            band, softcap = wrong(band, softcap)
+            return leaked(original(*args, band=band, softcap=softcap, **terms))
+        monkeypatch.setattr(native, "paged_attention_native", planted)
+
+
+@pytest.mark.parametrize("path", ["math", pytest.param("native", marks=pytest.mark.skipif(
+    not native.native_available(), reason="the native kernel is not built here"))])
+@pytest.mark.parametrize("defect", ["softcap", "window", "nan"])
+def test_the_checker_finds_a_planted_defect_in_paged_attention(monkeypatch, defect, path):
+    terms = {"softcap": dict(softcap=1.0), "window": dict(window=(2, 0)), "nan": dict(poison="k:nan")}[defect]
+    case = Case(kind="paged", q_lead=(4,), k_lead=(2,), v_lead=(2,), D=8, Dv=8, lengths=(3, 1, 5), k_lengths=(3, 40, 9),
+                block_size=3, is_causal=True, grad=False, seed=3, **terms)
+    assert check(case) == []  # a NaN key: NaN in the rows of its sequence that see it, and only there
+    _plant(monkeypatch, defect, path)
+    found = {f.signature for f in check(case)}
+    wrong = [path] + (["auto"] if ("native" if native.ready() else "math") == path else [])  # and auto where it runs path
+    expected = {"softcap": "equal:out", "window": "equal:out", "nan": "nan:extra"}[defect]
+    assert found == {f"paged:{backend}:{expected}:float32" for backend in wrong}, found

@@ -131,10 +131,15 @@ def test_auto_is_chosen_by_the_dispatch_and_logged(caplog):
     q, k_pages, v_pages, table, cu, lengths_k, _, _ = _case(0, dtype=torch.float32)
     with caplog.at_level(logging.DEBUG, logger="mha.dispatch"):
         kernels.paged_attention(q, k_pages, v_pages, table, cu, lengths_k)
-    name, why = kernels.dispatch.choose_paged_backend("auto", q, k_pages)
+    name, why = kernels.dispatch.choose_paged_backend("auto", q, k_pages, v_pages)
     assert f"backend {name} (paged): {why}" in caplog.text
-    q64 = q.double()
-    assert kernels.dispatch.choose_paged_backend("auto", q64, k_pages.double())[0] == "math"  # native: no float64
+    assert kernels.dispatch.choose_paged_backend("auto", q.double(), k_pages.double(), v_pages.double())[0] == "math"
+    # a head dim of 0 (found by the fuzzer: native raised a RuntimeError): math, which gives zeros
+    empty = kernels.paged_attention(q[..., :0], k_pages[..., :0], v_pages, table, cu, lengths_k)
+    assert kernels.dispatch.choose_paged_backend("auto", q[..., :0], k_pages[..., :0], v_pages)[0] == "math"
+    want = kernels.paged_attention(torch.zeros_like(q), torch.zeros_like(k_pages), v_pages, table, cu, lengths_k)
+    torch.testing.assert_close(empty, want)  # no dims: every score 0, as with zero vectors
+    assert kernels.paged_attention(q, k_pages, v_pages[..., :0], table, cu, lengths_k).shape == (*q.shape[:2], 0)
     with pytest.raises(ValueError, match="backend must be one of"):
         kernels.paged_attention(q, k_pages, v_pages, table, cu, lengths_k, backend="flash")
 

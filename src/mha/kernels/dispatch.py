@@ -286,12 +286,12 @@ def backward_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract, out: 
 
 # -- over KV-cache pages ------------------------------------------------------------------------
 
-def choose_paged_backend(requested: str, q: Tensor, k_pages: Tensor) -> tuple[str, str]:
+def choose_paged_backend(requested: str, q: Tensor, k_pages: Tensor, v_pages: Tensor) -> tuple[str, str]:
     """(the backend mha.kernels.paged_attention runs, why): native, which reads each page in place,
     when it is built (never built here: native.ready) and takes the call; else math, the reference
     (each sequence's keys gathered, dense). Raises ValueError for an unknown or unfit request."""
     _checks.one_of("backend", requested, ("auto", *PAGED_BACKENDS))
-    refusal = _paged_native_refusal(q, k_pages)
+    refusal = _paged_native_refusal(q, k_pages, v_pages)
     if requested == "native":
         refusal = refusal or (None if native.native_available() else "the native kernel is not built here")
         if refusal:
@@ -306,13 +306,15 @@ def choose_paged_backend(requested: str, q: Tensor, k_pages: Tensor) -> tuple[st
     return choice
 
 
-def _paged_native_refusal(q: Tensor, k_pages: Tensor) -> str | None:
+def _paged_native_refusal(q: Tensor, k_pages: Tensor, v_pages: Tensor) -> str | None:
     if torch.compiler.is_compiling():
         return "torch.compile traces the call (the compiled graph keeps torch's ops)"
     if not (q.is_cpu and k_pages.is_cpu):
         return f"it runs on CPU tensors only (got {q.device.type})"
     if q.dtype not in _FLOATS:
         return f"dtype {q.dtype}"
+    if q.shape[-1] == 0 or v_pages.shape[-1] == 0:
+        return f"a head dim of 0 (q {q.shape[-1]}, values {v_pages.shape[-1]})"
     return None
 
 
@@ -320,7 +322,7 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
                     lengths_k: Tensor, terms: Contract, *, backend: str = "auto") -> Tensor:
     """Run mha.kernels.paged_attention's checked call (q (Tq, H, D), pages, the block table (B, M)
     and lengths (B,) as int64 CPU tensors, terms: the contract's per-sequence terms) on the chosen backend."""
-    name, _ = choose_paged_backend(backend, q, k_pages)
+    name, _ = choose_paged_backend(backend, q, k_pages, v_pages)
     if name == "math":
         return paged_math_attention(q, k_pages, v_pages, block_table, lengths_q, lengths_k, terms)
     cu = torch.nn.functional.pad(lengths_q.cumsum(0), (1, 0))  # (B,) -> (B + 1,) offsets

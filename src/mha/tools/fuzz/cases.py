@@ -1,6 +1,6 @@
 """A fuzz case: every choice that makes one attention call, drawn from a seed, and the inputs it makes.
 
-Four kinds of call:
+Five kinds of call:
 
     sdpa       mha.functional.scaled_dot_product_attention on every backend: batch dims that
                broadcast, GQA (k and v with their own head counts), causality in both alignments,
@@ -9,6 +9,8 @@ Four kinds of call:
     positions  mha.kernels.attention with per-sequence positions and key padding: a KV cache after
                left-padded prompts, on every backend
     varlen     mha.kernels.varlen_attention: packed sequences of different lengths (empty ones too)
+    paged      mha.kernels.paged_attention: sequences' new rows (decoding rows, chunks, whole prompts)
+               over their keys in a pool of pages (shuffled, partly filled, spare ones), inference only
     bad        a bad argument: every backend must refuse it with the same exception type
 
 Sizes come from SIZES, the edges of the kernels' tiles and of the bf16 pairs among them; a case
@@ -18,6 +20,7 @@ is a frozen dataclass, printable as the JSON that replays it (``python -m mha.to
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -40,6 +43,11 @@ BAD = ("scale:nan", "scale:inf", "scale:str", "is_causal:str", "is_causal:int", 
        "alibi:shape", "alibi:int", "sinks:shape", "mask:shape", "mask:int", "dtype:int", "dtype:mixed",
        "head_dim", "key_length", "heads:indivisible", "heads:zero_kv", "dropout:negative", "dropout:big",
        "dropout:str", "alignment", "rank:1", "not_a_tensor")
+PAGE_SIZES = (1, 2, 3, 16, 64, 256)
+CACHE_LENGTHS = (1, 1, 2, 3, 15, 16, 17, 63, 64, 65, 129, 200, 257, 300)
+CHUNKS = (2, 15, 16, 17, 63, 64, 65, 129)
+POOL_LAYOUTS = ("contiguous", "transposed", "mT", "sliced", "strided")  # written in place: no expanded pool
+PAGED_POISONS = ("k:nan", "k:nan", "q:nan", "v:nan", "k:inf", "q:-inf", "pool:nan")
 WORK = 4_000_000  # batch x heads x L x S x (D + Dv) at most: a case stays a few milliseconds
 
 
@@ -70,8 +78,9 @@ class Case:
     scale: float | None = None
     magnitude: float = 1.0
     poison: str | None = None
-    lengths: tuple[int, ...] = ()  # positions: the sequences' key lengths; varlen: their query lengths
-    k_lengths: tuple[int, ...] = ()  # varlen: the sequences' key lengths
+    lengths: tuple[int, ...] = ()  # positions: the sequences' key lengths; varlen, paged: their query lengths
+    k_lengths: tuple[int, ...] = ()  # varlen, paged: the sequences' key lengths
+    block_size: int = 0  # paged: key slots per page of the pool
     bad: str | None = None
     grad: bool = True
     threads: int = 1  # torch's threads for the call (the kernels split work differently with more)
@@ -103,16 +112,18 @@ class Case:
                                       self.poison, self.scale is not None, self.enable_gqa))
         shapes = math.prod(self.q_lead) * (self.L + 1) * (self.S + 1) * (self.D + self.Dv + 1)
         layouts = sum(layout != "contiguous" for layout in self.layouts)
-        return shapes + 1000 * terms + 1000 * layouts + 100 * (len(self.lengths) + len(self.k_lengths))
+        sequences = 100 * (len(self.lengths) + len(self.k_lengths)) + sum(self.lengths) + sum(self.k_lengths)
+        return shapes + 1000 * terms + 1000 * layouts + sequences + self.block_size
 
 
 # -- drawing cases ---------------------------------------------------------------------------------
 
 
 def draw(rng: random.Random) -> Case:
-    """A random case: mostly sdpa, then positions, varlen and bad arguments."""
-    kind = rng.choices(("sdpa", "positions", "varlen", "bad"), weights=(70, 12, 10, 8))[0]
-    case = {"sdpa": _draw_sdpa, "positions": _draw_positions, "varlen": _draw_varlen, "bad": _draw_bad}[kind](rng)
+    """A random case: mostly sdpa, then positions, varlen, paged and bad arguments."""
+    kind = rng.choices(("sdpa", "positions", "varlen", "paged", "bad"), weights=(62, 11, 10, 10, 7))[0]
+    case = {"sdpa": _draw_sdpa, "positions": _draw_positions, "varlen": _draw_varlen, "paged": _draw_paged,
+            "bad": _draw_bad}[kind](rng)
     return case.replace(seed=rng.randrange(2 ** 31), threads=rng.choice((1, 2)))
 
 
@@ -197,6 +208,45 @@ def _draw_varlen(rng: random.Random) -> Case:
                 lengths=lengths, k_lengths=k_lengths, grad=rng.random() < 0.4)
 
 
+def _draw_paged(rng: random.Random) -> Case:
+    """1 to 5 sequences, each L_b >= 1 new rows over S_b >= L_b keys in pages of block_size slots;
+    causal (bottom-right) mostly, GQA, every term, the pool in a layout of its own; no gradients."""
+    k_lengths = tuple(rng.choice(CACHE_LENGTHS) if rng.random() < 0.8 else rng.randint(1, 300)
+                      for _ in range(rng.randint(1, 5)))
+    Hkv = rng.choice((1, 2, 4))
+    D = rng.choice((0, 1, 3, 8, 16, 31, 64, 65, 128))
+    pool = tuple(rng.choice(POOL_LAYOUTS) if rng.random() < 0.3 else "contiguous" for _ in range(2))
+    case = Case(kind="paged", dtype=rng.choice(DTYPES), q_lead=(Hkv * rng.choice((1, 2, 4)),), k_lead=(Hkv,),
+                v_lead=(Hkv,), D=D, Dv=D if rng.random() < 0.7 else rng.choice((0, 1, 7, 8, 64)),
+                layouts=("contiguous", *pool), is_causal=rng.random() < 0.8,
+                window=(rng.choice((-1, 0, 1, 2, 5, 16, 100)), rng.choice((-1, 0, 3))) if rng.random() < 0.25 else None,
+                alibi=rng.random() < 0.15, softcap=rng.choice(SOFTCAPS) if rng.random() < 0.15 else None,
+                sinks=rng.random() < 0.15, scale=rng.choice(SCALES), magnitude=rng.choice(MAGNITUDES),
+                poison=rng.choice(PAGED_POISONS) if rng.random() < 0.1 else None,
+                lengths=tuple(_new_rows(rng, S) for S in k_lengths), k_lengths=k_lengths,
+                block_size=rng.choice(PAGE_SIZES), grad=False)
+    return _paged_within_budget(case)
+
+
+def _new_rows(rng: random.Random, S: int) -> int:
+    """A sequence's new query rows over its S keys: a decoding row, the whole prompt, a chunk."""
+    how = rng.choices(("decode", "prefill", "edge", "any"), weights=(35, 30, 20, 15))[0]
+    return {"decode": 1, "prefill": S, "edge": min(S, rng.choice(CHUNKS)), "any": rng.randint(1, S)}[how]
+
+
+def _paged_within_budget(case: Case) -> Case:
+    """The costliest sequence's query rows halved (its keys once it has one row) until the work is within WORK."""
+    lengths, k_lengths = list(case.lengths), list(case.k_lengths)
+    per_pair = case.heads * (case.D + case.Dv + 2)
+    while per_pair * sum(L * S for L, S in zip(lengths, k_lengths)) > WORK:
+        b = max(range(len(lengths)), key=lambda i: lengths[i] * k_lengths[i])
+        if lengths[b] > 1:
+            lengths[b] //= 2
+        else:
+            k_lengths[b] = max(1, k_lengths[b] // 2)
+    return case.replace(lengths=tuple(lengths), k_lengths=tuple(k_lengths))
+
+
 def _draw_bad(rng: random.Random) -> Case:
     return Case(kind="bad", bad=rng.choice(BAD), dtype=rng.choice(("float32", "bfloat16")), L=rng.choice((1, 4, 17)),
                 S=rng.choice((1, 4, 17)), q_lead=(2, 4), k_lead=(2, 4), v_lead=(2, 4), grad=False)
@@ -243,15 +293,55 @@ def qkv(case: Case) -> tuple[Tensor, Tensor, Tensor]:
     shapes = ((*case.q_lead, case.L, case.D), (*case.k_lead, case.S, case.D), (*case.v_lead, case.S, case.Dv))
     magnitudes = (case.magnitude, case.magnitude, 1.0)
     q, k, v = (tensor(shape, layout, dtype, g, m) for shape, layout, m in zip(shapes, case.layouts, magnitudes))
-    if case.poison:
-        which, kind = case.poison.split(":")
-        target = {"q": q, "k": k, "v": v}[which]
-        if target.numel():
-            target = target.clone()  # an expanded tensor cannot take one element (the clone keeps other layouts)
-            index = int(torch.randint(target.numel(), (), generator=g))
-            target[tuple(_unravel(index, target.shape))] = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[kind]
-            q, k, v = (target if name == which else x for name, x in (("q", q), ("k", k), ("v", v)))
+    return poisoned(case, q, k, v, g)
+
+
+def poisoned(case: Case, q: Tensor, k: Tensor, v: Tensor, g: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v with the case's poison (``which:value``, as "k:nan") at one random element of one of
+    them (a copy of it); the others as they are. A poison of none of them (paged's pool:nan) changes nothing."""
+    which, _, kind = (case.poison or "").partition(":")
+    target = {"q": q, "k": k, "v": v}.get(which)
+    if target is None or not target.numel():
+        return q, k, v
+    target = target.clone()  # an expanded tensor cannot take one element (the clone keeps other layouts)
+    index = int(torch.randint(target.numel(), (), generator=g))
+    target[tuple(_unravel(index, target.shape))] = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[kind]
+    return tuple(target if name == which else x for name, x in (("q", q), ("k", k), ("v", v)))
+
+
+def packed(case: Case, g: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """varlen, paged: the sequences one after another, q (Tq, H, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv)."""
+    dtype, H, Hkv = case.torch_dtype, case.q_lead[-1], case.k_lead[-1]
+    q = tensor((sum(case.lengths), H, case.D), "contiguous", dtype, g, case.magnitude)
+    k = tensor((sum(case.k_lengths), Hkv, case.D), "contiguous", dtype, g, case.magnitude)
+    v = tensor((sum(case.k_lengths), Hkv, case.Dv), "contiguous", dtype, g)
     return q, k, v
+
+
+def pages(case: Case, k: Tensor, v: Tensor, g: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """paged: (k_pages (N, Hkv, P, D), v_pages (N, Hkv, P, Dv), block_table (B, M) int32) holding the
+    packed k (Tk, Hkv, D) and v (Tk, Hkv, Dv): sequence b's key j in page table[b, j // P], slot
+    j % P. The pages come in shuffled order with up to 3 spare ones, the table has up to 2 unused
+    columns, its unused entries are -1, and the pool is laid out as case.layouts[1:] say. Slots that
+    hold no key keep random values, or NaN with the poison pool:nan (a kernel must never read them)."""
+    P = case.block_size
+    used = [-(-S // P) for S in case.k_lengths]  # pages per sequence
+    N = sum(used) + int(torch.randint(0, 4, (), generator=g))
+    order = torch.randperm(N, generator=g).to(torch.int32)
+    table = torch.full((len(used), max(used) + int(torch.randint(0, 3, (), generator=g))), -1, dtype=torch.int32)
+    for b, (first, n) in enumerate(zip(itertools.accumulate(used, initial=0), used)):
+        table[b, :n] = order[first:first + n]
+    keys = torch.cat([torch.arange(S) for S in case.k_lengths])  # (Tk,): each key's index in its sequence
+    owner = torch.repeat_interleave(torch.arange(len(used)), torch.tensor(case.k_lengths))  # (Tk,)
+    page, slot = table[owner, keys // P].long(), keys % P
+    pools = []
+    for x, layout, magnitude in ((k, case.layouts[1], case.magnitude), (v, case.layouts[2], 1.0)):
+        pool = tensor((N, x.shape[1], P, x.shape[2]), layout, x.dtype, g, magnitude)
+        if case.poison == "pool:nan":
+            pool.fill_(math.nan)
+        pool[page, :, slot] = x  # pool[page[t], :, slot[t]] = x[t]: (Tk, Hkv, X) into (N, Hkv, P, X)
+        pools.append(pool)
+    return pools[0], pools[1], table
 
 
 def _unravel(index: int, shape: tuple[int, ...]) -> list[int]:

@@ -1,6 +1,6 @@
 """The fuzz driver: cases run in child processes, each finding reported once with its smallest case.
 
-    python -m mha.tools.fuzz --cases 20000 --seed 1 [--workers 2] [--kinds sdpa,varlen] [--out findings.json]
+    python -m mha.tools.fuzz --cases 20000 --seed 1 [--workers 2] [--kinds sdpa,paged] [--out findings.json]
     python -m mha.tools.fuzz --replay '<case json>'     one case, with the traceback of what it raises
 
 A child process runs the cases (spawned: no state of this one), so that a crash (a signal, as a
@@ -141,10 +141,15 @@ def simpler(case: Case) -> Iterator[Case]:
         for i in range(3):
             if case.layouts[i] != "contiguous":
                 yield case.replace(layouts=tuple("contiguous" if j == i else x for j, x in enumerate(case.layouts)))
+    if case.kind == "paged":  # k's and v's heads together (the pool's pages hold both), smaller pages
+        for m in smaller(case.k_lead[-1] if case.k_lead else 0):
+            yield case.replace(k_lead=(m,), v_lead=(m,))
+        for n in smaller(case.block_size):
+            yield case.replace(block_size=n)
     for name in ("lengths", "k_lengths"):
         values = getattr(case, name)
         for i in range(len(values)):
-            if case.kind == "varlen" and len(values) > 1:
+            if case.kind in ("varlen", "paged") and len(values) > 1:
                 yield case.replace(lengths=case.lengths[:i] + case.lengths[i + 1:],
                                    k_lengths=case.k_lengths[:i] + case.k_lengths[i + 1:])
             for m in smaller(values[i]):
@@ -173,6 +178,8 @@ def _valid(case: Case) -> bool:
     """Whether a shrunk case still describes a call the checker can make (shapes that broadcast)."""
     if case.kind == "varlen":
         return len(case.lengths) == len(case.k_lengths) >= 1
+    if case.kind == "paged":
+        return _valid_paged(case)
     if case.kind == "positions":
         return case.L <= case.S and all(n <= case.S for n in case.lengths) and len(case.lengths) == case.q_lead[0]
     if case.kind != "sdpa":
@@ -189,6 +196,14 @@ def _valid(case: Case) -> bool:
     if case.alibi or case.sinks:
         return bool(case.q_lead)
     return True
+
+
+def _valid_paged(case: Case) -> bool:
+    """One head dim each, kv heads dividing the query heads, 1 <= L_b <= S_b, pages of a slot or more."""
+    heads = len(case.q_lead) == len(case.k_lead) == 1 and case.k_lead == case.v_lead
+    heads = heads and case.q_lead[0] >= 1 and case.k_lead[0] >= 1 and case.q_lead[0] % case.k_lead[0] == 0
+    rows = len(case.lengths) == len(case.k_lengths) >= 1 and all(1 <= L <= S for L, S in zip(case.lengths, case.k_lengths))
+    return heads and rows and case.block_size >= 1
 
 
 # -- the run ------------------------------------------------------------------------------------------
@@ -257,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
-    parser.add_argument("--kinds", default="", help="comma-separated: sdpa, positions, varlen, bad (default: all)")
+    parser.add_argument("--kinds", default="", help="comma-separated: sdpa, positions, varlen, paged, bad (default: all)")
     parser.add_argument("--shrink-tries", type=int, default=80)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one case may take before it is a hang")
     parser.add_argument("--out", help="write the findings as JSON here")
@@ -301,10 +316,11 @@ def _replay(case: Case) -> int:
 
 def _traceback_of(case: Case) -> None:
     from .cases import generator, tensor
-    from .properties import _call, _run, _varlen, backends
-    setup = (_varlen if case.kind == "varlen" else _call)(case)
-    cotangent = tensor(setup.out_shape, "contiguous", setup.inputs[0].dtype, generator(case, 4)) if case.grad else None
-    for backend in backends():
+    from .properties import _run, backends, prepare
+    setup = prepare(case)
+    grad = case.grad and case.kind != "paged"
+    cotangent = tensor(setup.out_shape, "contiguous", setup.inputs[0].dtype, generator(case, 4)) if grad else None
+    for backend in backends(kind=case.kind):
         try:
             _run(setup.call, backend, setup.inputs, cotangent)
         except Exception:  # noqa: BLE001

@@ -26,8 +26,10 @@ import torch
 from torch import Tensor
 
 from ...functional import scaled_dot_product_attention
-from ...kernels import Contract, attention, native, varlen_attention
+from ...kernels import Contract, attention, native, paged_attention, varlen_attention
+from ...kernels.dispatch import PAGED_BACKENDS
 from ...positions import Band
+from . import cases
 from .cases import Case, attn_mask, band_of, generator, offset_of, per_head, qkv, sequence_positions, tensor
 from .reference import Outcome, Spec, error, output_shape, reference, tolerance, torch_own
 
@@ -41,9 +43,16 @@ class Finding:
     detail: str
 
 
-def backends() -> tuple[str, ...]:
-    """The backends this machine has (native where its kernel is built)."""
-    return BACKENDS if native.native_available() else tuple(b for b in BACKENDS if b != "native")
+def backends(*, kind: str = "sdpa") -> tuple[str, ...]:
+    """The backends this machine has for a kind of case (native where its kernel is built): paged
+    cases run mha.kernels.paged_attention's (PAGED_BACKENDS and auto), the others the dispatch's."""
+    names = (*PAGED_BACKENDS, "auto") if kind == "paged" else BACKENDS
+    return names if native.native_available() else tuple(b for b in names if b != "native")
+
+
+def prepare(case: Case) -> Setup:
+    """The case made ready to run on a backend (every kind but bad)."""
+    return {"varlen": _varlen, "paged": _paged}.get(case.kind, _call)(case)
 
 
 def check(case: Case, *, properties: tuple[str, ...] = ("equal", "nan", "repeat", "shape", "raises", "refuse")) -> list[Finding]:
@@ -59,14 +68,14 @@ def check(case: Case, *, properties: tuple[str, ...] = ("equal", "nan", "repeat"
 def _check(case: Case, properties: tuple[str, ...]) -> list[Finding]:
     if case.kind == "bad":
         return _refusals(case) if "refuse" in properties else []
-    setup = (_varlen if case.kind == "varlen" else _call)(case)
+    ready = prepare(case)
     cotangent = None
-    if case.grad and case.poison is None:
-        cotangent = tensor(setup.out_shape, "contiguous", setup.inputs[0].dtype, generator(case, 4))
-    ref, own = setup.reference(cotangent), setup.torch_own(cotangent)
+    if case.grad and case.poison is None and case.kind != "paged":  # paged attention is inference only
+        cotangent = tensor(ready.out_shape, "contiguous", ready.inputs[0].dtype, generator(case, 4))
+    ref, own = ready.reference(cotangent), ready.torch_own(cotangent)
     findings = []
-    for backend in backends():  # varlen too: one call of the dispatch, on each backend
-        findings += _one_backend(case, backend, setup, cotangent, ref, own, properties)
+    for backend in backends(kind=case.kind):  # varlen and paged too: one call of the dispatch, on each backend
+        findings += _one_backend(case, backend, ready, cotangent, ref, own, properties)
     return findings
 
 
@@ -153,7 +162,8 @@ def _nan(case, backend, out: Tensor, ref: Outcome, owns: list[Tensor]) -> list[F
     or exactly where one of torch's own kernels puts them (the sdpa backend is torch's kernel)."""
     nan = ~out.isfinite()
     missing = ref.certain & ~nan
-    if backend in ("sdpa", "auto"):  # torch's fused kernel drops some (a query's NaN against 2 keys, float16 inf)
+    fused = backend == "sdpa" or backend == "auto" and case.kind != "paged"  # paged's auto: native or math
+    if fused:  # torch's fused kernel drops some (a query's NaN against 2 keys, float16 inf)
         missing = missing & False
     extra = nan & ~ref.possible & ref.out.isfinite()
     if (missing.any() or extra.any()) and any(_same_nan(out, own) for own in owns):
@@ -213,11 +223,7 @@ def _call(case: Case) -> Setup:
 def _varlen(case: Case) -> Setup:
     """A varlen case: packed q (Tq, H, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv); the reference and torch's
     own run per sequence (bottom-right aligned) and are packed again."""
-    g, dtype = generator(case), case.torch_dtype
-    H, Hkv = case.q_lead[-1], case.k_lead[-1]
-    q = tensor((sum(case.lengths), H, case.D), "contiguous", dtype, g, case.magnitude)
-    k = tensor((sum(case.k_lengths), Hkv, case.D), "contiguous", dtype, g, case.magnitude)
-    v = tensor((sum(case.k_lengths), Hkv, case.Dv), "contiguous", dtype, g)
+    q, k, v = cases.packed(case, generator(case))
     slopes = per_head(case, 1) if case.alibi else None
     sinks = per_head(case, 2) if case.sinks else None
     cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)]) for n in (case.lengths, case.k_lengths))
@@ -225,6 +231,37 @@ def _varlen(case: Case) -> Setup:
     def call(backend, q, k, v, slopes, sinks):
         return varlen_attention(q, k, v, cu_q, cu_k, is_causal=case.is_causal, scale=case.scale, window=case.window,
                                 alibi_slopes=slopes, softcap=case.softcap, sinks=sinks, backend=backend)
+
+    ref, own = _per_sequence(case, q, k, v, slopes, sinks)
+    return Setup(call, (q, k, v, slopes, sinks), (q.shape[0], q.shape[1], case.Dv), ref, own)
+
+
+def _paged(case: Case) -> Setup:
+    """A paged case: packed q (Tq, H, D) over the keys and values in the pool's pages (cases.pages);
+    the reference and torch's own run per sequence on its keys as drawn (packed as varlen's), so a
+    page read from the wrong place, or a slot past a sequence's keys, is seen."""
+    g = generator(case)
+    q, k, v = cases.poisoned(case, *cases.packed(case, g), g)
+    k_pages, v_pages, table = cases.pages(case, k, v, g)
+    slopes = per_head(case, 1) if case.alibi else None
+    sinks = per_head(case, 2) if case.sinks else None
+    cu_q = torch.tensor([0, *itertools.accumulate(case.lengths)])
+    seqlens_k = torch.tensor(case.k_lengths)
+
+    def call(backend, q, k_pages, v_pages, slopes, sinks):
+        return paged_attention(q, k_pages, v_pages, table, cu_q, seqlens_k, is_causal=case.is_causal,
+                               window=case.window, alibi_slopes=slopes, softcap=case.softcap, sinks=sinks,
+                               scale=case.scale, backend=backend)
+
+    ref, own = _per_sequence(case, q, k, v, slopes, sinks)
+    return Setup(call, (q, k_pages, v_pages, slopes, sinks), (q.shape[0], q.shape[1], case.Dv), ref, own)
+
+
+def _per_sequence(case: Case, q: Tensor, k: Tensor, v: Tensor, slopes, sinks) -> tuple[Callable, Callable]:
+    """(reference, torch's own) of packed q (Tq, H, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv) whose sequences
+    have case.lengths query rows and case.k_lengths keys: each sequence alone, bottom-right aligned,
+    the outcomes packed again (_packed)."""
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)]) for n in (case.lengths, case.k_lengths))
 
     def per_sequence(runner, cotangent, **options):
         outcomes = []
@@ -239,22 +276,23 @@ def _varlen(case: Case) -> Setup:
 
     def own(cotangent):  # torch's formula packed, and its fused kernel where every sequence has it
         parts = per_sequence(torch_own, cotangent, expressible=False, is_causal=case.is_causal)
-        packed = [_packed([o[0] for o in parts], q, k, v)]
+        packed_own = [_packed([o[0] for o in parts], q, k, v)]
         if parts and all(len(o) > 1 for o in parts):
-            packed.append(_packed([o[-1] for o in parts], q, k, v))
-        return packed
+            packed_own.append(_packed([o[-1] for o in parts], q, k, v))
+        return packed_own
 
-    return Setup(call, (q, k, v, slopes, sinks), (q.shape[0], H, case.Dv),
-                 lambda cotangent: _packed(per_sequence(reference, cotangent), q, k, v), own)
+    return (lambda cotangent: _packed(per_sequence(reference, cotangent), q, k, v)), own
 
 
 def _packed(outcomes: list[Outcome], q: Tensor, k: Tensor, v: Tensor) -> Outcome:
-    """Per-sequence outcomes (H, T, X) packed as (T, H, X); per-head gradients summed."""
+    """Per-sequence outcomes (H, T, X) packed as (T, H, X), their NaN zones too; per-head gradients summed."""
     def cat(tensors, like):
         parts = [t.transpose(0, 1) for t in tensors]  # (H, T, X) -> (T, H, X)
         return torch.cat(parts) if parts else like.new_zeros(0, *like.shape[1:])
     out = cat([o.out for o in outcomes], q.new_zeros(0, q.shape[1], v.shape[-1], dtype=torch.float64))
-    packed = Outcome(out=out, certain=torch.zeros(out.shape, dtype=torch.bool), possible=torch.zeros(out.shape, dtype=torch.bool))
+    zones = [cat([torch.zeros(o.out.shape, dtype=torch.bool) if getattr(o, name) is None else getattr(o, name)
+                  for o in outcomes], out.bool()) for name in ("certain", "possible")]  # torch's own have none
+    packed = Outcome(out=out, certain=zones[0], possible=zones[1])
     if outcomes and outcomes[0].grads:
         for name, like in (("dq", q), ("dk", k), ("dv", v)):
             packed.grads[name] = cat([o.grads[name] for o in outcomes], like.new_zeros(0, *like.shape[1:]))

@@ -3,13 +3,19 @@
 ``backend="auto"`` may run either kernel on a call both take. Which is faster depends on the CPU
 (AVX2, AVX-512 with BF16, AMX tiles), the thread count and the torch build, so it is measured, not
 guessed: :func:`tune` times the native kernel against torch's SDPA on a small grid (prefill lengths
-and decoding steps, float32 and bfloat16; a few seconds) and stores, per dtype, the crossovers:
+and decoding steps, float32 and bfloat16, at two (batch, heads) shapes; several seconds) and
+stores, per dtype, the crossovers:
 
     prefill_work  T * T for the least T from which native is faster at every measured length L = S = T
                   (causal and not), or None; auto applies it to calls with L and S both at least T
     decode_keys   the least S from which native is faster on a decoding step (<= 16 query rows per
                   key/value head), or None
 
+A point counts for native only if native takes at most MARGIN of torch's time in every one of
+ROUNDS interleaved rounds over the grid, at both shapes, timed both in back-to-back loops and as
+single calls alternated with other work (as a model calls attention between its other layers);
+the worst of these ratios is stored. One lucky round cannot move the crossover: where native wins
+only sometimes, auto keeps torch's kernel. The tables are stored
 in a per-user cache (``$MHA_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mha/tune.json``) keyed by the CPU
 model, its flags that matter, the native build, the thread count and the torch and mha versions. ``auto`` reads the
 table of this key (:func:`crossovers`). Without one it measures at the first call where the
@@ -38,18 +44,22 @@ import torch
 
 from .._version import __version__
 
-__all__ = ["DECODE_KEYS", "DTYPES", "FLAGS", "KNOWN", "MARGIN", "NEVER", "PREFILL_LENGTHS", "Crossover", "Timer",
-           "best_of", "cache_path", "cpu", "cpu_kind", "crossovers", "forget", "machine_key", "stored",
+__all__ = ["DECODE_KEYS", "DTYPES", "FLAGS", "KNOWN", "MARGIN", "NEVER", "PREFILL_LENGTHS", "ROUNDS", "SHAPES",
+           "Crossover", "Timer", "best_of", "cache_path", "cpu", "cpu_kind", "crossovers", "forget", "machine_key", "stored",
            "switched_off", "tune"]
 
 log = logging.getLogger("mha.dispatch")
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")  # those that matter
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64  # the grid's shape (GQA 4:1 for decoding, as in today's models)
+# the grid's (batch, query heads, key/value heads): GQA 4:1 for decoding, as in today's models, then a
+# second shape whose work splits differently among the threads (native must win at both)
+SHAPES = ((1, 8, 2), (2, 4, 1))
+HEAD_DIM = 64
 PREFILL_LENGTHS = (128, 256, 512, 1024)  # L = S, non-causal and causal (the worse of the two counts)
 DECODE_KEYS = (1024, 4096, 16384)  # L = 1
 MARGIN = 0.95  # native must take at most this fraction of torch's time to count as faster (timing noise: a few %)
+ROUNDS = 3  # interleaved rounds over the whole grid: native must win the point in every one
 
 
 @dataclass(frozen=True)
@@ -212,63 +222,99 @@ def _first_use() -> dict | None:
 Timer = Callable[[str, dict, Callable[[], object], Callable[[], object]], tuple[float, float]]
 
 
-def best_of(point: str, shape: dict, native_call, torch_call, *, repeat: int = 5,
+def best_of(point: str, shape: dict, native_call, torch_call, *, repeat: int = 2, singles: int = 3,
             sample_s: float = 2e-3) -> tuple[float, float]:
-    """(native seconds, torch seconds) per call: the best of ``repeat`` rounds that run the two in
-    turn, each round timing enough calls to last about ``sample_s`` (a short call timed alone is
-    mostly the timer's noise)."""
+    """(native seconds, torch seconds) per call, timed two ways, and the way in which native fares
+    worse (its higher ratio) returned: back-to-back loops (the best of ``repeat`` runs of each in
+    turn, each long enough to last about ``sample_s``: a short call timed alone is mostly the
+    timer's noise), and single calls alternated with other work (the median of ``singles`` calls
+    of each, a sweep over memory larger than the caches between them, as a model's other layers
+    sweep them between its attention calls)."""
     native_call(), torch_call()  # warm-up
     start = time.perf_counter()
     torch_call()
     calls = max(1, min(1000, int(sample_s / max(time.perf_counter() - start, 1e-7))))
-    best = [float("inf"), float("inf")]
+    looped = [float("inf"), float("inf")]
     for _ in range(repeat):
         for i, call in enumerate((native_call, torch_call)):
             start = time.perf_counter()
             for _ in range(calls):
                 call()
-            best[i] = min(best[i], (time.perf_counter() - start) / calls)
-    return best[0], best[1]
+            looped[i] = min(looped[i], (time.perf_counter() - start) / calls)
+    single = [[], []]
+    for _ in range(singles):
+        for i, call in enumerate((native_call, torch_call)):
+            _other_work()
+            start = time.perf_counter()
+            call()
+            single[i].append(time.perf_counter() - start)
+    alternated = [sorted(times)[len(times) // 2] for times in single]
+    return max((looped, alternated), key=lambda pair: pair[0] / pair[1])
+
+
+@functools.cache
+def _sweep() -> torch.Tensor:
+    return torch.zeros(8 << 20, dtype=torch.uint8)  # 8 MiB: past the caches a core of this size has
+
+
+def _other_work() -> None:
+    _sweep().add_(1)
 
 
 def tune(*, timer: Timer | None = None, store: bool = True) -> dict:
     """Measure the grid, store the table under this machine's key (unless ``store`` is False) and
     return it. ``timer(point, shape, native_call, torch_call) -> (native s, torch s)`` (tests give
-    a fake one; default: best_of)."""
-    from .contract import NONE, TOP_LEFT_CAUSAL
-    from .native import native_attention
+    a fake one; default: best_of), asked ROUNDS times for every point at every shape of SHAPES;
+    a point's ratio is the worst of them."""
     timer = timer or best_of
-    ratios, found = {}, {}
-    generator = torch.Generator().manual_seed(0)  # the caller's random stream is left as it was
-
-    def randn(*shape, dtype):
-        return torch.randn(*shape, generator=generator).to(dtype)
+    worst: dict[tuple[str, str, int], float] = {}
     # run at first use inside a caller's call: none of its context (autocast, grad) may reach the timings
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
-        for name, dtype in DTYPES.items():
-            prefill = []
-            for T in PREFILL_LENGTHS:
-                q, k, v = (randn(1, HEADS, T, HEAD_DIM, dtype=dtype) for _ in range(3))
-                ratios_here = []
-                for causal, contract in ((False, NONE), (True, TOP_LEFT_CAUSAL)):  # native must win both
-                    t = timer(f"{name} prefill T={T}{' causal' if causal else ''}", dict(dtype=name, L=T, S=T, causal=causal),
-                              lambda: native_attention(q, k, v, contract), lambda: _torch(q, k, v, causal))
-                    ratios_here.append(t[0] / t[1])
-                prefill.append((T * T, max(ratios_here)))
-            decode = []
-            for S in DECODE_KEYS:
-                q = randn(1, HEADS, 1, HEAD_DIM, dtype=dtype)
-                k, v = (randn(1, KV_HEADS, S, HEAD_DIM, dtype=dtype) for _ in range(2))
-                t = timer(f"{name} decode S={S}", dict(dtype=name, L=1, S=S),
-                          lambda: native_attention(q, k, v, NONE), lambda: _torch(q, k, v))
-                decode.append((S, t[0] / t[1]))
-            found[name] = asdict(Crossover(_from_where_it_wins(prefill), _from_where_it_wins(decode)))
-            ratios[name] = {"prefill L*S": dict(prefill), "decode S": dict(decode)}
+        for round_ in range(ROUNDS):
+            for point, shape, native_call, torch_call in _grid(round_):
+                native_s, torch_s = timer(point, shape, native_call, torch_call)
+                call, size = ("decode S", shape["S"]) if shape["L"] == 1 else ("prefill L*S", shape["L"] * shape["S"])
+                key = (shape["dtype"], call, size)
+                worst[key] = max(worst.get(key, 0.0), native_s / torch_s)
+    found, ratios = {}, {}
+    for name in DTYPES:
+        ratios[name] = {call: {size: r for (d, c, size), r in sorted(worst.items()) if d == name and c == call}
+                        for call in ("prefill L*S", "decode S")}
+        found[name] = asdict(Crossover(_from_where_it_wins(list(ratios[name]["prefill L*S"].items())),
+                                       _from_where_it_wins(list(ratios[name]["decode S"].items()))))
     table = {"crossovers": found, "ratios": ratios, "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
-             "cpu": cpu(), "threads": torch.get_num_threads()}
+             "cpu": cpu(), "threads": torch.get_num_threads(), "rounds": ROUNDS,
+             "shapes": [list(shape) for shape in SHAPES]}
     if store:
         _write(machine_key(), table)
     return table
+
+
+def _grid(round_: int):
+    """(point, shape, native call, torch call) of every point of one round: each dtype, each
+    (batch, heads, kv heads) of SHAPES, the prefill lengths causal and not (native must win both),
+    the decoding steps."""
+    from .contract import NONE, TOP_LEFT_CAUSAL
+    from .native import native_attention
+
+    generator = torch.Generator().manual_seed(round_)  # the caller's random stream is left as it was
+
+    def randn(*size, dtype):
+        return torch.randn(*size, generator=generator).to(dtype)
+    for name, dtype in DTYPES.items():
+        for B, H, Hkv in SHAPES:
+            where = dict(dtype=name, B=B, H=H, Hkv=Hkv, round=round_)
+            for T in PREFILL_LENGTHS:
+                q, k, v = (randn(B, H, T, HEAD_DIM, dtype=dtype) for _ in range(3))
+                for causal, contract in ((False, NONE), (True, TOP_LEFT_CAUSAL)):
+                    yield (f"{name} B{B} H{H} prefill T={T}{' causal' if causal else ''}",
+                           dict(where, L=T, S=T, causal=causal),
+                           functools.partial(native_attention, q, k, v, contract), functools.partial(_torch, q, k, v, causal))
+            for S in DECODE_KEYS:
+                q = randn(B, H, 1, HEAD_DIM, dtype=dtype)
+                k, v = (randn(B, Hkv, S, HEAD_DIM, dtype=dtype) for _ in range(2))
+                yield (f"{name} B{B} H{H}/{Hkv} decode S={S}", dict(where, L=1, S=S),
+                       functools.partial(native_attention, q, k, v, NONE), functools.partial(_torch, q, k, v))
 
 
 def _torch(q, k, v, causal=False):

@@ -141,6 +141,25 @@ def test_broadcast_batch_dims_and_fewer_dims(q_shape, k_shape):
         assert_close(mine, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_that_sees_one_key_has_no_query_gradient(dtype):
+    """One visible key: the softmax is constant, so dq is exactly 0, as
+    torch gives it. The fuzz case of issue 37 (S = 1, D = 256, causal bottom-right, GQA, transposed
+    layouts: native gave 1.35e-5 where the bound was 8e-6), and causal top-left rows where only the
+    first key is visible (row 0), beside rows that see more."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(3, 2, 2, 256, 16, generator=g).to(dtype).transpose(-1, -2).requires_grad_()  # (3, 2, 2, 16, 256)
+    k, v = (torch.randn(3, 2, 1, 256, 1, generator=g).to(dtype).transpose(-1, -2).requires_grad_() for _ in range(2))
+    out = mha.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, backend="native",
+                                                      causal_alignment="bottom_right")
+    (dq,) = torch.autograd.grad(out, (q,), torch.randn(out.shape, generator=g).to(dtype))
+    assert torch.count_nonzero(dq) == 0
+    q, k, v = (torch.randn(1, 4, 40, 32, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    out = mha.functional.scaled_dot_product_attention(q, k, v, is_causal=True, backend="native")
+    (dq,) = torch.autograd.grad(out, (q,), torch.randn(out.shape, generator=g).to(dtype))
+    assert torch.count_nonzero(dq[:, :, 0]) == 0 and torch.count_nonzero(dq[:, :, 1:]) == dq[:, :, 1:].numel()
+
+
 def test_gradcheck_in_float64():
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, 4, 5, 3, generator=g, dtype=torch.float64, requires_grad=True)

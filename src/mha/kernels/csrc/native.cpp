@@ -910,6 +910,7 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
     Products products = shared;  // its per-thread buffers
     std::vector<acc_t> p(kBlockQ * kBlockK), ds(kBlockQ * kBlockK), capped(kBlockQ * kBlockK), dqb(kBlockQ * sh.D),
         shift(kBlockQ), inv_sum(kBlockQ), row_delta(kBlockQ);
+    std::vector<char> one_hot(kBlockQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t chunk = task % chunks, bh = task / chunks, b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
       const int64_t c0 = chunk * chunk_len, c1 = std::min(padded, c0 + chunk_len);
@@ -929,6 +930,10 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
           shift[r] = empty ? inf : stats.max[row_index];
           inv_sum[r] = empty ? acc_t(1) : acc_t(1) / stats.sum[row_index];
           row_delta[r] = delta[row_index];
+          // a row whose softmax sum is 1 to working precision (one visible key, or the others'
+          // weights below its rounding) and no sink: P is one-hot, so dS = P (dP - delta) is 0, exactly
+          // (delta, summed in another order than dP, would leave its rounding in dq and dk)
+          one_hot[r] = !t.sinks && stats.sum[row_index] == acc_t(1);
         }
         std::fill(dqb.begin(), dqb.begin() + R * sh.D, acc_t(0));
         for_each_key_tile(sh, t, rows, products, bh, lo, hi, p.data(), capped.data(),
@@ -940,7 +945,7 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
           for (int64_t r = 0; r < R; ++r) {  // dS = P (dP - delta), in place of dP
             const acc_t* pr = p.data() + r * n;
             acc_t* g = ds.data() + r * n;
-            for (int64_t j = 0; j < n; ++j) g[j] = pr[j] * (g[j] - row_delta[r]);
+            for (int64_t j = 0; j < n; ++j) g[j] = one_hot[r] ? acc_t(0) : pr[j] * (g[j] - row_delta[r]);
             if (t.slopes) {  // d slope_h = -sum dS |rel|
               acc_t total = 0;
               for (int64_t j = 0; j < keys; ++j) {

@@ -44,6 +44,7 @@ from .contract import NONE, TOP_LEFT_CAUSAL, Contract, resolve
 from .flash import flash_attention, flash_attention_backward, flash_attention_with_lse
 from .math import math_attention, paged_math_attention
 from .native import native_attention, native_attention_with_lse
+from .quantize import dequantize
 from .sdpa import sdpa_attention
 
 __all__ = ["BACKENDS", "LSE_BACKENDS", "OBSERVERS", "PAGED_BACKENDS", "attention", "attention_with_lse",
@@ -319,13 +320,20 @@ def _paged_native_refusal(q: Tensor, k_pages: Tensor, v_pages: Tensor) -> str | 
 
 
 def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, lengths_q: Tensor,
-                    lengths_k: Tensor, terms: Contract, *, backend: str = "auto") -> Tensor:
+                    lengths_k: Tensor, terms: Contract, *, backend: str = "auto", k_scales: Tensor | None = None,
+                    v_scales: Tensor | None = None) -> Tensor:
     """Run mha.kernels.paged_attention's checked call (q (Tq, H, D), pages, the block table (B, M)
-    and lengths (B,) as int64 CPU tensors, terms: the contract's per-sequence terms) on the chosen backend."""
+    and lengths (B,) as int64 CPU tensors, terms: the contract's per-sequence terms; int8 pages with
+    their scales) on the chosen backend: math dequantizes 8-bit pages first (the reference)."""
     name, _ = choose_paged_backend(backend, q, k_pages, v_pages)
     if name == "math":
+        if k_scales is not None:
+            wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+            pages = (dequantize(k_pages, k_scales, wide), dequantize(v_pages, v_scales, wide))
+            return paged_math_attention(q.to(wide), *pages, block_table, lengths_q, lengths_k, terms).to(q.dtype)
         return paged_math_attention(q, k_pages, v_pages, block_table, lengths_q, lengths_k, terms)
     cu = torch.nn.functional.pad(lengths_q.cumsum(0), (1, 0))  # (B,) -> (B + 1,) offsets
     return native.paged_attention_native(q, k_pages, v_pages, block_table, cu, lengths_k, band=terms.band,
                                          scale=terms.scale_for(q.shape[-1]), softcap=terms.softcap,
-                                         alibi_slopes=terms.alibi_slopes, sinks=terms.sinks)
+                                         alibi_slopes=terms.alibi_slopes, sinks=terms.sinks, k_scales=k_scales,
+                                         v_scales=v_scales)

@@ -348,7 +348,8 @@ def _batch_heads(lead: tuple[int, ...]) -> tuple[int, int]:
 
 def paged_attention_native(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
                            seqlens_k: Tensor, *, band, scale: float, softcap: float | None,
-                           alibi_slopes: Tensor | None, sinks: Tensor | None) -> Tensor:
+                           alibi_slopes: Tensor | None, sinks: Tensor | None, k_scales: Tensor | None = None,
+                           v_scales: Tensor | None = None) -> Tensor:
     """Attention of packed query rows over KV-cache pages read where they lie (forward only).
 
     q (Tq, H, D): sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] (L_b of them);
@@ -357,7 +358,9 @@ def paged_attention_native(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     anything, -1); seqlens_k (B,): its S_b >= L_b keys. Query r of sequence b sits at position
     S_b - L_b + r (bottom-right), key j at j. band: mha.positions.Band or None; scale: the resolved
     factor; softcap: float or None; alibi_slopes, sinks: (H,) or None. Query head h reads kv head
-    h // (H / Hkv). Returns (Tq, H, Dv) in q's dtype; a row that sees no key gives zeros.
+    h // (H / Hkv). Returns (Tq, H, Dv) in q's dtype; a row that sees no key gives zeros. 8-bit pools
+    (int8 k_pages and v_pages, mha.kernels.quantize): k_scales, v_scales (N, Hkv, P), each slot's
+    row read and multiplied by its scale as it is converted (no dequantized copy).
 
     The caller validates the arguments (mha.kernels.paged); the kernel still checks every index it
     reads (a page outside the pool, S_b beyond the table's pages, L_b > S_b: RuntimeError). No
@@ -372,9 +375,11 @@ def paged_attention_native(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     slopes, sink_logits = (None if x is None else x.detach().to(device="cpu", dtype=acc).contiguous()
                            for x in (alibi_slopes, sinks))
     k_pages, v_pages = (x if _slots_readable(x) else x.contiguous() for x in (k_pages, v_pages))
+    if k_scales is not None:  # one layout for both, as the kernel reads them
+        k_scales, v_scales = (x.detach().to(acc).contiguous() for x in (k_scales, v_scales))
     out, _, _ = kernel.paged_forward(q.detach().contiguous(), k_pages.detach(), v_pages.detach(), block_table,
                                      cu_seqlens_q, seqlens_k, float(scale), float(softcap or 0.0), band is not None,
-                                     left, right, slopes, sink_logits)
+                                     left, right, slopes, sink_logits, k_scales, v_scales)
     return out
 
 

@@ -15,6 +15,10 @@ scaled_dot_product_attention.
 Backends (mha.kernels.dispatch.choose_paged_backend): native reads each page where it lies (no
 gather copy of the cache); math is the reference, each sequence alone and dense (its keys
 gathered from the pages). Inference only: a call that needs gradients is refused.
+
+8-bit pools (mha.kernels.quantize): int8 k_pages and v_pages with k_scales and v_scales (N, Hkv, P),
+one float per (slot, head); native reads the int8 rows in place and scales each as it converts it,
+math dequantizes the pool and attends (the reference).
 """
 
 from __future__ import annotations
@@ -33,17 +37,20 @@ _PER_HEAD = "(num_heads,): one value per query head (dim 1 of q)"
 def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
                     seqlens_k: Tensor, *, is_causal: bool = True, window: tuple[int, int] | None = None,
                     alibi_slopes: Tensor | None = None, softcap: float | None = None, sinks: Tensor | None = None,
-                    scale: float | None = None, backend: str = "auto") -> Tensor:
+                    scale: float | None = None, k_scales: Tensor | None = None, v_scales: Tensor | None = None,
+                    backend: str = "auto") -> Tensor:
     """Attention of packed query rows over their sequences' keys in the pages (module docstring).
 
     q (Tq, H, D); k_pages (N, Hkv, P, D), v_pages (N, Hkv, P, Dv); block_table (B, M) int, the page
     of each sequence's j-th block of keys (entries past a sequence's blocks may be -1);
     cu_seqlens_q (B + 1,) int offsets from 0 to Tq; seqlens_k (B,) int key counts. is_causal and
     window (flash-attn's (left, right), -1 unbounded) are aligned bottom-right per sequence.
-    Returns (Tq, H, Dv) in q's dtype. backend: "auto", "native" or "math".
+    Returns (Tq, H, Dv) in q's dtype. backend: "auto", "native" or "math". int8 pages take their
+    scales, k_scales and v_scales (N, Hkv, P) floating (mha.kernels.quantize.quantize_int8's).
     """
     from . import dispatch  # the dispatch imports the backends; this module only checks and asks it
 
+    _check_scales(q, k_pages, v_pages, k_scales, v_scales)
     table, lengths_q, lengths_k = _check(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k)
     H = q.shape[1]
     terms = Contract(band=positions.band(is_causal, window),
@@ -56,16 +63,43 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
         if torch.is_grad_enabled() and x is not None and x.requires_grad:
             raise ValueError(f"paged_attention is for inference: {name} requires grad; call it under "
                              "torch.no_grad() or torch.inference_mode() (training runs on the other paths)")
-    return dispatch.paged_attention(q, k_pages, v_pages, table, lengths_q, lengths_k, terms, backend=backend)
+    return dispatch.paged_attention(q, k_pages, v_pages, table, lengths_q, lengths_k, terms, backend=backend,
+                                    k_scales=k_scales, v_scales=v_scales)
+
+
+def _check_scales(q, k_pages, v_pages, k_scales, v_scales) -> None:
+    """int8 pools come with their scales (N, Hkv, P), float pools without."""
+    quantized = isinstance(k_pages, Tensor) and k_pages.dtype == torch.int8
+    if not quantized:
+        if k_scales is not None or v_scales is not None:
+            raise ValueError("k_scales and v_scales go with int8 pages (mha.kernels.quantize); k_pages is "
+                             f"{getattr(k_pages, 'dtype', type(k_pages).__name__)}")
+        return
+    if not isinstance(v_pages, Tensor) or v_pages.dtype != torch.int8:
+        raise TypeError(f"v_pages must be int8 like k_pages, got {getattr(v_pages, 'dtype', type(v_pages).__name__)}")
+    for name, scales, pages in (("k_scales", k_scales, k_pages), ("v_scales", v_scales, v_pages)):
+        if scales is None:
+            raise ValueError(f"int8 pages need {name}: one float per (page, kv head, slot), shape {tuple(pages.shape[:3])}")
+        _checks.floating(name, scales)
+        if tuple(scales.shape) != tuple(pages.shape[:3]) or scales.device != pages.device:
+            raise ValueError(f"{name} must be (num_blocks, kv heads, block_size) = {tuple(pages.shape[:3])} on "
+                             f"{pages.device}, got {tuple(scales.shape)} on {scales.device}")
+    _checks.floating("q", q)
 
 
 def _check(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k) -> tuple[Tensor, Tensor, Tensor]:
     """Validate every argument; returns the block table (B, M), the query and key lengths (B,), as
     int64 CPU tensors."""
     _checks.rank("q", _checks.floating("q", q), (3,), "(total query rows, heads, head dim)")
+    quantized = k_pages.dtype == torch.int8  # (with its scales: _check_scales)
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
-        _checks.rank(name, _checks.floating(name, x), (4,), "(num_blocks, kv heads, block_size, head dim)")
-    _checks.same_dtype_device("q", q, k_pages=k_pages, v_pages=v_pages)
+        _checks.rank(name, x if quantized else _checks.floating(name, x), (4,), "(num_blocks, kv heads, block_size, head dim)")
+    if quantized:
+        _checks.same_dtype_device("k_pages", k_pages, v_pages=v_pages)
+        if q.device != k_pages.device:
+            raise ValueError(f"q is on {q.device}, the pages on {k_pages.device}")
+    else:
+        _checks.same_dtype_device("q", q, k_pages=k_pages, v_pages=v_pages)
     if v_pages.shape[:3] != k_pages.shape[:3]:
         raise ValueError(f"v_pages must have k_pages' blocks, heads and block size {tuple(k_pages.shape[:3])}, "
                          f"got shape {tuple(v_pages.shape)}")

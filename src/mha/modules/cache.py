@@ -3,6 +3,7 @@
     cache = mha.KVCache()                   # grows as tokens arrive
     cache = mha.KVCache(max_length=4096)    # preallocated: no copy per step
     cache = mha.KVCache(window=256)         # rolling: keeps the last 256 positions (sliding windows)
+    cache = mha.KVCache(max_length=4096, quantize="int8")   # 8-bit keys and values (inference)
     out = attention(prompt, prompt, prompt, is_causal=True, cache=cache)   # prefill
     out = attention(token, token, token, is_causal=True, cache=cache)      # decode, step by step
 
@@ -17,6 +18,12 @@ cached keys at positions <= p (bottom-right causal alignment).
 Decode under torch.no_grad (or inference_mode): a preallocated cache writes each step into the
 same buffers, which autograd cannot differentiate through across steps.
 
+quantize="int8" stores keys and values as int8 rows with one float32 scale per (token, head)
+(mha.kernels.quantize): a quarter of float32's bytes plus 4 per row. Attention then runs on the
+paged kernel, one page per sequence, reading the int8 rows in place (mha.kernels.paged_attention);
+it serves decoding and chunked prefill of sequences of one length (no key_padding_mask), under
+no_grad, on a growing or preallocated cache.
+
 The filled length is read from the stored tensors' shapes, never kept as a Python int, so a
 decode step compiled with torch.compile traces the length as a symbol (one graph for every
 step after the first recompile) instead of recompiling at each new length.
@@ -30,17 +37,24 @@ import torch
 from torch import Tensor
 
 from .. import _checks, positions
+from ..kernels.quantize import quantize_int8
 
 __all__ = ["KVCache"]
 
 
 class KVCache:
-    def __init__(self, max_length: int | None = None, window: int | None = None) -> None:
+    def __init__(self, max_length: int | None = None, window: int | None = None, *, quantize: str | None = None) -> None:
         self.max_length = None if max_length is None else _checks.positive_int("max_length", max_length)
         self.window = None if window is None else _checks.positive_int("window", window)
         if self.max_length is not None and self.window is not None:
             raise ValueError("a rolling cache (window) needs no max_length; pass one or the other")
-        self.keys = self.values = None  # the filled slots: (B, Hkv, S, D), (B, Hkv, S, Dv)
+        self.quantize = _checks.one_of("quantize", quantize, (None, "int8"))
+        if self.quantize and self.window is not None:
+            raise ValueError("an 8-bit cache (quantize='int8') grows or is preallocated (max_length); it does not roll "
+                             "(window)")
+        self.keys = self.values = None  # the filled slots: (B, Hkv, S, D), (B, Hkv, S, Dv); int8 when quantized
+        self.key_scales = self.value_scales = None  # quantized: each slot's scale per kv head (B, Hkv, S)
+        self._dtype = None  # quantized: the dtype of the keys and values it was given
         # once a key_padding_mask arrives, sequences differ: per-slot positions and validity (B, S), lengths (B,)
         self.positions = self.valid = self._lengths = None
         self._buffers = None  # preallocated: (keys, values[, positions, valid]) with max_length slots
@@ -66,7 +80,8 @@ class KVCache:
     def __repr__(self) -> str:
         kind = (f"window={self.window}" if self.window else
                 f"max_length={self.max_length}" if self.max_length else "growing")
-        return f"KVCache({kind}, size={self.size})"
+        quantized = f", quantize={self.quantize!r}" if self.quantize else ""
+        return f"KVCache({kind}{quantized}, size={self.size})"
 
     @property
     def size(self) -> int:
@@ -104,6 +119,29 @@ class KVCache:
             return start + torch.arange(new, device=device).expand(batch, new)
         return start + valid.cumsum(dim=1) - valid.long()  # valid tokens before each one
 
+    def update_quantized(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """An 8-bit cache's update: store new keys (B, Hkv, L, D), values (B, Hkv, L, Dv) as int8 rows
+        and scales; returns everything attention sees now, (keys, values) int8 (B, Hkv, S, D|Dv) and
+        their scales (B, Hkv, S)."""
+        if keys.requires_grad or values.requires_grad:
+            raise ValueError("an 8-bit cache (quantize='int8') is for inference: call the module under "
+                             "torch.no_grad() or torch.inference_mode()")
+        if self._dtype is not None and (keys.dtype, values.dtype) != (self._dtype, self._dtype):
+            raise ValueError(f"the cache was given keys and values of dtype {self._dtype}, now {keys.dtype} and "
+                             f"{values.dtype}")
+        L = keys.shape[2]
+        self._check_room(L)
+        (k8, k_scales), (v8, v_scales) = quantize_int8(keys), quantize_int8(values)
+        if self.keys is not None:
+            self._check_like_stored(k8, v8)
+        self._dtype = keys.dtype
+        return self._append(k8, v8, k_scales, v_scales)
+
+    def _check_room(self, L: int) -> None:
+        if self.max_length is not None and self.size + L > self.max_length:
+            raise ValueError(f"the cache holds max_length={self.max_length} tokens; {self.size} are stored "
+                             f"and {L} more came")
+
     def update(self, keys: Tensor, values: Tensor, positions: Tensor | None,
                valid: Tensor | None = None) -> tuple[Tensor, ...]:
         """Store new keys (B, Hkv, L, D), values (B, Hkv, L, Dv) with their positions (B|1, L) and
@@ -111,11 +149,11 @@ class KVCache:
         everything attention sees now: (keys, values, positions, valid) over the cached and the new
         tokens, positions and valid None while uniform."""
         L = keys.shape[2]
+        if self.quantize:
+            raise ValueError("an 8-bit cache (quantize='int8') is updated by update_quantized (the module does it)")
         if self.keys is not None:
             self._check_like_stored(keys, values)
-        if self.max_length is not None and self.size + L > self.max_length:
-            raise ValueError(f"the cache holds max_length={self.max_length} tokens; {self.size} are stored "
-                             f"and {L} more came")
+        self._check_room(L)
         if valid is not None:
             if self.window is not None:
                 raise ValueError("a rolling cache (window) takes no key_padding_mask: give each sequence its own cache")
@@ -138,12 +176,18 @@ class KVCache:
             raise ValueError(f"length must be in [0, {self.size}] (the filled slots), got {length}")
         if self.keys is None:
             return
-        stored = (self.keys, self.values) if self.uniform else (self.keys, self.values, self.positions, self.valid)
-        cropped = tuple(t.narrow(_slots(t), 0, length) for t in stored)
-        self.keys, self.values = cropped[:2]
+        fields = self._fields()
+        for name in fields:
+            stored = getattr(self, name)
+            setattr(self, name, stored.narrow(_slots(stored), 0, length))
         if not self.uniform:
-            self.positions, self.valid = cropped[2:]
             self._lengths = self.valid.sum(dim=1)
+
+    def _fields(self) -> tuple[str, ...]:
+        """The names of what the cache stores per slot, in _append's order."""
+        if self.quantize:
+            return ("keys", "values", "key_scales", "value_scales")
+        return ("keys", "values") if self.uniform else ("keys", "values", "positions", "valid")
 
     def _track_each_sequence(self, batch: int, device) -> None:
         """From uniform to per-sequence bookkeeping: the stored slots get positions 0..size-1, all valid."""
@@ -176,15 +220,18 @@ class KVCache:
                                  f"{new.dtype} on {new.device}")
 
     def _append(self, *new: Tensor) -> tuple[Tensor, ...]:
-        """Add the new slots to keys, values (and positions, valid once tracked); returns the filled parts."""
-        stored = (self.keys, self.values, self.positions, self.valid)[:len(new)]
+        """Add the new slots to keys, values (and positions, valid once tracked; scales when quantized);
+        returns the filled parts."""
+        fields = ("keys", "values", "key_scales", "value_scales") if self.quantize else \
+            ("keys", "values", "positions", "valid")
+        stored = tuple(getattr(self, name) for name in fields[:len(new)])
         size, L = self.size, new[0].shape[2]
         if self.max_length is not None:
             if self._buffers is None:
                 self._buffers = tuple(_preallocate(t, self.max_length) for t in new)
             seen = []
             for buffer, t in zip(self._buffers, new):  # narrow + copy_: a slice assignment costs several times more
-                slots = _slots(t)  # keys, values (B, Hkv, slots, D): 2; positions, valid (B, slots): 1
+                slots = _slots(t)  # keys, values (B, Hkv, slots, D), scales (B, Hkv, slots): 2; positions, valid: 1
                 buffer.narrow(slots, size, L).copy_(t)
                 seen.append(buffer.narrow(slots, 0, size + L))
             kept = seen = tuple(seen)
@@ -196,9 +243,8 @@ class KVCache:
                 kept = tuple(t.narrow(_slots(t), drop, self.window) for t in seen)
                 dropped = new[0].new_zeros((), dtype=torch.long) if self._dropped is None else self._dropped
                 self._dropped = dropped + drop
-        self.keys, self.values = kept[:2]
-        if len(kept) == 4:
-            self.positions, self.valid = kept[2:]
+        for name, t in zip(fields, kept):
+            setattr(self, name, t)
         return seen
 
 
@@ -208,8 +254,9 @@ def _preallocate(t: Tensor, slots: int) -> Tensor:
 
 
 def _slots(t: Tensor) -> int:
-    """The slot (sequence) axis: 2 for keys/values (B, H, S, D), 1 for positions/validity (B, S)."""
-    return 2 if t.dim() == 4 else 1
+    """The slot (sequence) axis: 2 for keys/values (B, H, S, D) and scales (B, H, S), 1 for
+    positions/validity (B, S)."""
+    return 2 if t.dim() >= 3 else 1
 
 
 def _concat(old: Tensor, new: Tensor) -> Tensor:

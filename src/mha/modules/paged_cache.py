@@ -19,7 +19,9 @@ by the layers: reserve() once per step, then write() each layer.
 
 Memory per sequence: ceil(S / block_size) pages x num_layers x Hkv x block_size x (D + Dv) x the
 dtype's bytes (fp32, 2 kv heads, D = Dv = 64, block_size 16: 16 KiB per page and layer; 4 layers:
-4 KiB per token).
+4 KiB per token). quantize="int8" stores int8 rows and a float32 scale per (slot, kv head)
+(mha.kernels.quantize): D + 4 bytes per key row, read in place by the native kernel; pass
+``**cache.page_scales(layer)`` to paged_attention beside ``*cache.pages(layer)``.
 
 Sharing. A full block of a sequence whose token ids are known is registered under a hash of its
 tokens and of every token before it (the prefix); add(tokens) gives a new sequence the registered
@@ -41,6 +43,7 @@ import torch
 from torch import Tensor
 
 from .. import _checks
+from ..kernels.quantize import quantize_int8
 
 __all__ = ["PagedKVCache", "PagedStep"]
 
@@ -58,7 +61,7 @@ class PagedKVCache:
 
     def __init__(self, *, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  value_dim: int | None = None, num_layers: int = 1, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", quantize: str | None = None) -> None:
         self.num_blocks = _checks.positive_int("num_blocks", num_blocks)
         self.block_size = _checks.positive_int("block_size", block_size)
         self.num_kv_heads = _checks.positive_int("num_kv_heads", num_kv_heads)
@@ -67,9 +70,14 @@ class PagedKVCache:
         self.num_layers = _checks.positive_int("num_layers", num_layers)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        self.quantize = _checks.one_of("quantize", quantize, (None, "int8"))
         shape = (self.num_blocks, self.num_kv_heads, self.block_size)
-        self.keys = [torch.zeros(*shape, self.head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(*shape, self.value_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        stored = torch.int8 if self.quantize else dtype
+        self.keys = [torch.zeros(*shape, self.head_dim, dtype=stored, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(*shape, self.value_dim, dtype=stored, device=device) for _ in range(num_layers)]
+        # quantized: each slot's scale per kv head (N, Hkv, P), float32
+        self.key_scales, self.value_scales = ([torch.zeros(shape, device=device) for _ in range(num_layers if quantize else 0)]
+                                              for _ in range(2))
         self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
         self._refs = [0] * self.num_blocks
         self._sequences: dict[int, _Sequence] = {}
@@ -82,7 +90,8 @@ class PagedKVCache:
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, value_dim={self.value_dim}, "
-                f"num_layers={self.num_layers}, dtype={self.keys[0].dtype}; {len(self._sequences)} sequences, "
+                f"num_layers={self.num_layers}, dtype={self.keys[0].dtype}"
+                f"{f', quantize={self.quantize!r}' if self.quantize else ''}; {len(self._sequences)} sequences, "
                 f"{self.free_blocks} free blocks)")
 
     # -- sequences ---------------------------------------------------------------------------
@@ -199,12 +208,22 @@ class PagedKVCache:
                                  f"got shape {tuple(x.shape)}")
         slots = slots.to(pool_k.device)
         blocks, offsets = slots // self.block_size, slots % self.block_size
+        if self.quantize:
+            (keys, k_scales), (values, v_scales) = quantize_int8(keys), quantize_int8(values)  # scales (T, Hkv)
+            self.key_scales[layer][blocks, :, offsets] = k_scales
+            self.value_scales[layer][blocks, :, offsets] = v_scales
         pool_k[blocks, :, offsets] = keys.to(pool_k.dtype)  # (T, Hkv, D) into pages (N, Hkv, P, D)
         pool_v[blocks, :, offsets] = values.to(pool_v.dtype)
 
     def pages(self, layer: int) -> tuple[Tensor, Tensor]:
         """(keys (N, Hkv, P, D), values (N, Hkv, P, Dv)) of ``layer``: what paged_attention reads."""
         return self.keys[layer], self.values[layer]
+
+    def page_scales(self, layer: int) -> dict[str, Tensor]:
+        """paged_attention's k_scales and v_scales (N, Hkv, P) of ``layer`` when quantized, else {}."""
+        if not self.quantize:
+            return {}
+        return {"k_scales": self.key_scales[layer], "v_scales": self.value_scales[layer]}
 
     # -- inside --------------------------------------------------------------------------------
 
@@ -252,7 +271,7 @@ class PagedKVCache:
 
     def _copied(self, block: int) -> int:
         new = self._allocate()
-        for pool in (*self.keys, *self.values):
+        for pool in (*self.keys, *self.values, *self.key_scales, *self.value_scales):
             pool[new] = pool[block]
         self._release(block)
         return new

@@ -193,6 +193,10 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, *, rope=None, window=None
     else:
         if L != S:
             raise ValueError(f"with a cache, query and key are the same new tokens: got lengths {L} and {S}")
+        if cache.quantize:
+            return attend_quantized(q, k, v, cache, rope=rope, window=window, alibi_slopes=alibi_slopes,
+                                    softcap=softcap, sinks=sinks, key_valid=key_valid, is_causal=is_causal,
+                                    dropout_p=dropout_p, need_weights=need_weights, backend=backend)
         uniform = cache.uniform and key_valid is None  # every sequence at the same length: an offset suffices
         # positions are needed by RoPE and by sequences of different lengths; a uniform decode step skips them
         q_pos = k_pos = None if uniform and rope is None else cache.next_positions(B, L, q.device, key_valid)
@@ -210,6 +214,30 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, *, rope=None, window=None
     contract = contract_of(band=band, offset=offset, positions=per_sequence, key_valid=key_valid,
                            alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)  # a plain decode step: empty
     return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
+
+
+def attend_quantized(q: Tensor, k: Tensor, v: Tensor, cache, *, rope, window, alibi_slopes, softcap, sinks, key_valid,
+                     is_causal, dropout_p, need_weights, backend):
+    """attend_positional over an 8-bit KVCache (quantize="int8"): q (B, H, L, D), k (B, Hkv, L, D), v
+    (B, Hkv, L, Dv) the new tokens, stored as int8 rows and scales; then each sequence's new rows
+    attend over its whole cache as one page of mha.kernels.paged_attention (bottom-right, the int8
+    rows read in place). Sequences of one length only (no key_padding_mask). Returns (output
+    (B, H, L, Dv), None)."""
+    if need_weights or dropout_p or key_valid is not None:
+        raise ValueError("an 8-bit KVCache (quantize='int8') serves inference over sequences of one length: no "
+                         "weights, no dropout, no key_padding_mask")
+    B, H, L = q.shape[:3]
+    if rope is not None:
+        where = cache.next_positions(B, L, q.device)[..., None, :]  # (1, 1, L) over the heads
+        q, k = rope(q, where), rope(k, where)
+    k8, v8, k_scales, v_scales = cache.update_quantized(k, v)  # (B, Hkv, S, D|Dv) int8, (B, Hkv, S)
+    S = k8.shape[2]
+    rows = q.transpose(1, 2).reshape(B * L, H, q.shape[3])  # (B, H, L, D) -> (B, L, H, D) -> (B*L, H, D)
+    pages = torch.arange(B)[:, None]  # (B, 1): sequence b's keys are page b, all S of its slots
+    out = kernels.paged_attention(rows, k8, v8, pages, torch.arange(B + 1) * L, torch.full((B,), S),
+                                  is_causal=is_causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+                                  sinks=sinks, k_scales=k_scales, v_scales=v_scales, backend=backend)
+    return out.view(B, L, H, -1).transpose(1, 2), None  # (B*L, H, Dv) -> (B, L, H, Dv) -> (B, H, L, Dv)
 
 
 def nested_forward(query: Tensor, key: Tensor, value: Tensor, *, project: Callable, num_heads: int,
@@ -277,7 +305,8 @@ def attend_paged(q: Tensor, k: Tensor, v: Tensor, step: PagedStep, *, rope, wind
     cu = F.pad(step.counts.cumsum(0), (1, 0))  # (B,) -> (B + 1,) offsets
     out = kernels.paged_attention(packed[0], *step.cache.pages(step.layer), step.cache.block_table(step.seq_ids), cu,
                                   step.cache.lengths(step.seq_ids), is_causal=is_causal, window=window,
-                                  alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, backend=backend)
+                                  alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, backend=backend,
+                                  **step.cache.page_scales(step.layer))
     full = out.new_zeros(B, L, *out.shape[1:])  # (B, L, H, Dv), zeros on padding rows
     full[valid] = out
     return full.transpose(1, 2), None  # (B, L, H, Dv) -> (B, H, L, Dv)

@@ -1230,6 +1230,14 @@ struct PagePool {
   int64_t k_page, k_head, k_slot, v_page, v_head, v_slot;
 };
 
+// An 8-bit pool's scales (N, Hkv, P): slot i of kv head h in page p holds its row times
+// scale[p * page + h * head + i * slot] (one float per (token, head)); null for a float pool.
+struct PageScales {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t page = 0, head = 0, slot = 0;  // the same strides for both (checked)
+};
+
 // The products of a few query rows (a decoding step's) with one run of keys, where brgemm's fixed cost
 // per call and its half-empty vectors (N = R) cost more than the products (measured: 1.4x the
 // time of a decoding batch at R = 4, pages of 16 keys, on AVX2): written with the compiler's vector
@@ -1347,16 +1355,20 @@ constexpr int64_t kRunLoopRows = 8;  // at most this many rows: run_scores and r
 //   add_values  acc (R x Dv) += P (R x run) . V (run x Dv, in place)
 // and S^T is turned to the tile's s (R x n). float32 runs on brgemm, float64 on plain loops;
 // bfloat16 and float16 keys and values are converted to float32 run by run (a run at most kBlockK
-// keys, kept in a thread's buffer), never gathered.
-template <typename scalar_t, typename acc_t>
+// keys, kept in a thread's buffer), never gathered; so are 8-bit ones (pool_t int8_t), each row
+// times its (token, head) scale as it is converted.
+template <typename scalar_t, typename acc_t, typename pool_t = scalar_t>
 struct PagedProducts {
   static constexpr int64_t kAlign = 1;
   static constexpr bool kScaled = true;  // the queries are packed scaled
-  struct Run { int64_t first, count, k_at, v_at; };  // keys first.. of the tile, at these offsets in the pools
+  static constexpr bool kQuantized = std::is_same_v<pool_t, int8_t>;
+  // keys first.. of the tile, at these offsets in the pools (and in the scales, for an 8-bit pool)
+  struct Run { int64_t first, count, k_at, v_at, scale_at; };
 
-  const scalar_t* k;
-  const scalar_t* v;
+  const pool_t* k;
+  const pool_t* v;
   PagePool pool;
+  PageScales scales;
   int64_t D, Dv;
   acc_t scale;
   const int64_t* pages = nullptr;  // the bound sequence's block table row (checked)
@@ -1364,8 +1376,9 @@ struct PagedProducts {
   std::vector<Run> runs = {};
   std::vector<acc_t> qt = {}, qr = {}, st = {}, converted = {};  // per thread (each thread copies the products)
 
-  PagedProducts(const scalar_t* k_, const scalar_t* v_, const PagePool& pool_, int64_t D_, int64_t Dv_, acc_t scale_)
-      : k(k_), v(v_), pool(pool_), D(D_), Dv(Dv_), scale(scale_) {}
+  PagedProducts(const pool_t* k_, const pool_t* v_, const PagePool& pool_, const PageScales& scales_, int64_t D_,
+                int64_t Dv_, acc_t scale_)
+      : k(k_), v(v_), pool(pool_), scales(scales_), D(D_), Dv(Dv_), scale(scale_) {}
 
   void bind(const int64_t* table_row, int64_t head, int64_t S) {
     pages = table_row;
@@ -1384,39 +1397,51 @@ struct PagedProducts {
       const int64_t count = std::min(j0 + n, j - slot + pool.block) - j;
       const int64_t k_at = page * pool.k_page + kv_head * pool.k_head + slot * pool.k_slot;
       const int64_t v_at = page * pool.v_page + kv_head * pool.v_head + slot * pool.v_slot;
+      const int64_t scale_at = page * scales.page + kv_head * scales.head + slot * scales.slot;
       Run* last = runs.empty() ? nullptr : &runs.back();
-      if (last && last->k_at + last->count * pool.k_slot == k_at && last->v_at + last->count * pool.v_slot == v_at)
+      if (last && last->k_at + last->count * pool.k_slot == k_at && last->v_at + last->count * pool.v_slot == v_at &&
+          last->scale_at + last->count * scales.slot == scale_at)
         last->count += count;  // the next page follows this one in the pool
       else
-        runs.push_back({j - j0, count, k_at, v_at});
+        runs.push_back({j - j0, count, k_at, v_at, scale_at});
       j += count;
     }
   }
-  // ``count`` rows of width X from base + at (row stride ld) as acc_t: in place, or converted.
-  std::pair<const acc_t*, int64_t> rows_of(const scalar_t* base, int64_t at, int64_t count, int64_t X, int64_t ld) {
-    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+  // ``count`` rows of width X from base + at (row stride ld) as acc_t: in place, or converted (8-bit
+  // rows times their scales, from row_scales, ``scales.slot`` apart).
+  std::pair<const acc_t*, int64_t> rows_of(const pool_t* base, int64_t at, int64_t count, int64_t X, int64_t ld,
+                                           const acc_t* row_scales) {
+    if constexpr (std::is_same_v<pool_t, acc_t>) {
       return {base + at, ld};
     } else {
       if (static_cast<int64_t>(converted.size()) < count * X) converted.resize(count * X);
       for (int64_t i = 0; i < count; ++i) {
-        const scalar_t* src = base + at + i * ld;
+        const pool_t* src = base + at + i * ld;
         acc_t* dst = converted.data() + i * X;
-        for (int64_t d = 0; d < X; ++d) dst[d] = static_cast<acc_t>(src[d]);
+        if constexpr (kQuantized) {
+          const acc_t factor = row_scales[i * scales.slot];
+          for (int64_t d = 0; d < X; ++d) dst[d] = static_cast<acc_t>(src[d]) * factor;
+        } else {
+          for (int64_t d = 0; d < X; ++d) dst[d] = static_cast<acc_t>(src[d]);
+        }
       }
       return {converted.data(), X};
     }
   }
+  const acc_t* scales_of(const void* base, const Run& run) const {
+    return kQuantized ? static_cast<const acc_t*>(base) + run.scale_at : nullptr;
+  }
   // Ask for the rows of keys [a, b) (below S_b) ahead of their use, into the second-level cache: pages lie
   // anywhere in the pool, where the hardware's prefetcher, which follows steadily rising addresses, does not go.
   void prefetch(int64_t a, int64_t b) const {
-    const int64_t k_row = D * static_cast<int64_t>(sizeof(scalar_t)), v_row = Dv * static_cast<int64_t>(sizeof(scalar_t));
+    const int64_t k_row = D * static_cast<int64_t>(sizeof(pool_t)), v_row = Dv * static_cast<int64_t>(sizeof(pool_t));
     for (int64_t j = a; j < b;) {
       const int64_t page = pages[j / pool.block], slot = j % pool.block, count = std::min(b, j - slot + pool.block) - j;
       const char* keys = reinterpret_cast<const char*>(k + page * pool.k_page + kv_head * pool.k_head + slot * pool.k_slot);
       const char* values = reinterpret_cast<const char*>(v + page * pool.v_page + kv_head * pool.v_head + slot * pool.v_slot);
       for (int64_t i = 0; i < count; ++i) {
-        for (int64_t byte = 0; byte < k_row; byte += 64) __builtin_prefetch(keys + i * pool.k_slot * sizeof(scalar_t) + byte, 0, 2);
-        for (int64_t byte = 0; byte < v_row; byte += 64) __builtin_prefetch(values + i * pool.v_slot * sizeof(scalar_t) + byte, 0, 2);
+        for (int64_t byte = 0; byte < k_row; byte += 64) __builtin_prefetch(keys + i * pool.k_slot * sizeof(pool_t) + byte, 0, 2);
+        for (int64_t byte = 0; byte < v_row; byte += 64) __builtin_prefetch(values + i * pool.v_slot * sizeof(pool_t) + byte, 0, 2);
       }
       j += count;
     }
@@ -1427,7 +1452,7 @@ struct PagedProducts {
     if (st.empty()) st.resize(kBlockK * kBlockQ);
     for (size_t x = 0; x < runs.size(); ++x) {
       const Run& run = runs[x];
-      const auto [keys, ld] = rows_of(k, run.k_at, run.count, D, pool.k_slot);
+      const auto [keys, ld] = rows_of(k, run.k_at, run.count, D, pool.k_slot, scales_of(scales.k, run));
       if (R <= kRunLoopRows) run_scores(R, run.count, D, qr.data(), keys, ld, s + run.first, n);
       else gemm_nn(run.count, R, D, keys, ld, qt.data(), kBlockQ, st.data() + run.first * R, R, false);
     }
@@ -1440,7 +1465,7 @@ struct PagedProducts {
   acc_t* weights(acc_t* s) { return s; }  // in place of the scores
   void add_values(int64_t, int64_t R, int64_t, int64_t n, const acc_t* p, acc_t* acc) {  // the runs of scores()
     for (const Run& run : runs) {
-      const auto [values, ld] = rows_of(v, run.v_at, run.count, Dv, pool.v_slot);
+      const auto [values, ld] = rows_of(v, run.v_at, run.count, Dv, pool.v_slot, scales_of(scales.v, run));
       if (R <= kRunLoopRows) run_values(R, run.count, Dv, p + run.first, n, values, ld, acc);
       else gemm_nn(R, Dv, run.count, p + run.first, n, values, ld, acc, Dv, true);
     }
@@ -1479,9 +1504,9 @@ struct PagedGroup {
 constexpr double kKeyCost = 16;
 inline double paged_cost(int64_t R, int64_t keys) { return static_cast<double>(keys) * (R + kKeyCost) + R; }
 
-template <typename scalar_t, typename acc_t>
+template <typename scalar_t, typename acc_t, typename Products>
 void paged_kernel(const PagedCall& call, const Terms<acc_t>& terms, int64_t B, const scalar_t* q,
-                  const PagedProducts<scalar_t, acc_t>& shared, scalar_t* out, const RowStats<acc_t>& stats) {
+                  const Products& shared, scalar_t* out, const RowStats<acc_t>& stats) {
   const int64_t threads = at::get_num_threads(), H = call.H, D = call.D, Dv = call.Dv;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   auto terms_for = [&](const Shape& sh) {
@@ -1534,7 +1559,7 @@ void paged_kernel(const PagedCall& call, const Terms<acc_t>& terms, int64_t B, c
   std::atomic<int64_t> next{0};
   const int64_t count = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min(threads, count), 1, [&](int64_t, int64_t) {
-    PagedProducts<scalar_t, acc_t> products = shared;  // its per-thread buffers
+    Products products = shared;  // its per-thread buffers
     std::vector<acc_t> s(kBlockQ * kBlockK), acc(kBlockQ * Dv), m(kBlockQ), l(kBlockQ);
     for (int64_t x = next.fetch_add(1); x < count; x = next.fetch_add(1)) {
       const PagedItem& item = items[x];
@@ -1728,16 +1753,32 @@ std::tuple<int64_t, int64_t, int64_t> page_strides(const Tensor& x, const char* 
   return {page, head, P == 1 && x.size(0) > 1 ? page : slot};
 }
 
+// The strides (elements) of an 8-bit pool's scales (N, Hkv, P), float of the accumulation dtype, as
+// page_strides reads them (a page of one slot: the page stride).
+std::tuple<int64_t, int64_t, int64_t> scale_strides(const Tensor& x, const Tensor& pages, at::ScalarType acc_type,
+                                                    const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == acc_type && x.dim() == 3 && x.size(0) == pages.size(0) &&
+                  x.size(1) == pages.size(1) && x.size(2) == pages.size(2),
+              "mha paged: ", name, " must be (N, Hkv, P) CPU floats of the accumulation dtype, one per slot of the pool");
+  const int64_t P = x.size(2), slot = P <= 1 ? 1 : x.stride(2);
+  const int64_t head = x.size(1) <= 1 ? P * slot : x.stride(1), page = x.size(0) <= 1 ? x.size(1) * head : x.stride(0);
+  return {page, head, P == 1 && x.size(0) > 1 ? page : slot};
+}
+
 std::vector<Tensor> paged_forward(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages,
                                   const Tensor& block_table_in, const Tensor& cu_seqlens_q_in,
                                   const Tensor& seqlens_k_in, double scale, double softcap, bool has_band,
-                                  int64_t left, int64_t right, const Optional& slopes, const Optional& sinks) {
+                                  int64_t left, int64_t right, const Optional& slopes, const Optional& sinks,
+                                  const Optional& k_scales, const Optional& v_scales) {
   TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.dim() == 4,
               "mha paged: q must be (Tq, H, D), k_pages (N, Hkv, P, D), v_pages (N, Hkv, P, Dv)");
   TORCH_CHECK(q.device().is_cpu() && k_pages.device().is_cpu() && v_pages.device().is_cpu(),
               "mha paged: q and the pages must be CPU tensors");
-  TORCH_CHECK(k_pages.scalar_type() == q.scalar_type() && v_pages.scalar_type() == q.scalar_type(),
-              "mha paged: q and the pages must have one dtype");
+  const bool quantized = k_pages.scalar_type() == at::kChar;
+  TORCH_CHECK(quantized ? v_pages.scalar_type() == at::kChar && k_scales && v_scales
+                        : k_pages.scalar_type() == q.scalar_type() && v_pages.scalar_type() == q.scalar_type() &&
+                              !k_scales && !v_scales,
+              "mha paged: the pages must have q's dtype, or be int8 (keys and values) with their scales");
   TORCH_CHECK(q.is_contiguous(), "mha paged: q must be contiguous");
   const int64_t Tq = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t N = k_pages.size(0), Hkv = k_pages.size(1), P = k_pages.size(2), Dv = v_pages.size(3);
@@ -1783,15 +1824,29 @@ std::vector<Tensor> paged_forward(const Tensor& q, const Tensor& k_pages, const 
   auto row_max = at::empty({Tq, H}, stats_options), row_sum = at::empty({Tq, H}, stats_options);
   if (Tq * H == 0) return {out, row_max, row_sum};
   const PagePool pool{P, k_page, k_head, k_slot, v_page, v_head, v_slot};
+  PageScales page_scales;
+  if (quantized) {
+    const auto k_strides = scale_strides(*k_scales, k_pages, acc_type, "k_scales");
+    TORCH_CHECK(k_strides == scale_strides(*v_scales, v_pages, acc_type, "v_scales"),
+                "mha paged: k_scales and v_scales must have the same strides");
+    page_scales = {k_scales->data_ptr(), v_scales->data_ptr(), std::get<0>(k_strides), std::get<1>(k_strides),
+                   std::get<2>(k_strides)};
+  }
   const PagedCall call{H, Hkv, D, Dv, cu, seqlens, pages, M};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_paged_forward", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto t = terms_of<acc_t>(scale, softcap, has_band, left, right, 0, std::nullopt, std::nullopt, std::nullopt,
                                    std::nullopt, slopes, sinks);
-    const PagedProducts<scalar_t, acc_t> products(k_pages.data_ptr<scalar_t>(), v_pages.data_ptr<scalar_t>(), pool, D,
-                                                  Dv, t.scale);
-    paged_kernel<scalar_t, acc_t>(call, t, B, q.data_ptr<scalar_t>(), products, out.data_ptr<scalar_t>(),
-                                  {row_max.data_ptr<acc_t>(), row_sum.data_ptr<acc_t>()});
+    const RowStats<acc_t> stats{row_max.data_ptr<acc_t>(), row_sum.data_ptr<acc_t>()};
+    if (quantized) {
+      const PagedProducts<scalar_t, acc_t, int8_t> products(k_pages.data_ptr<int8_t>(), v_pages.data_ptr<int8_t>(), pool,
+                                                            page_scales, D, Dv, t.scale);
+      paged_kernel<scalar_t, acc_t>(call, t, B, q.data_ptr<scalar_t>(), products, out.data_ptr<scalar_t>(), stats);
+    } else {
+      const PagedProducts<scalar_t, acc_t> products(k_pages.data_ptr<scalar_t>(), v_pages.data_ptr<scalar_t>(), pool,
+                                                    page_scales, D, Dv, t.scale);
+      paged_kernel<scalar_t, acc_t>(call, t, B, q.data_ptr<scalar_t>(), products, out.data_ptr<scalar_t>(), stats);
+    }
   });
   return {out, row_max, row_sum};
 }

@@ -52,7 +52,8 @@ def test_contract_rows_time_ours_against_torch():
 def test_cli_writes_json_csv_and_plot(tmp_path, monkeypatch, capsys):
     tiny = dict(module=[(1, 16, 32)], causal=[(1, 16, 32)], backends=[32, 64], training=[(1, 16, 32)], contract=64,
                 memory=512, decode=8, window=(256, 16), overhead_decode=[16], auto=([1, 16], [64]), peers=[32], matmul=64,
-                native=dict(forward=[32], training=32, decode=64, window=(128, 8), accuracy=16, short=[16], matmul=128))
+                native=dict(forward=[32], training=32, decode=64, window=(128, 8), accuracy=16, short=[16], matmul=128,
+                            cache_decode=[64]))
     monkeypatch.setattr(bench_cli, "QUICK", tiny)
     few = {name: bench_memory.MEMORY_CASES[name] for name in ("torch causal SDPA", "causal", "window (256, 0)")}
     monkeypatch.setattr(bench_memory, "MEMORY_CASES", few)
@@ -124,18 +125,24 @@ def test_native_rows_time_it_against_torch_beside_a_matmul(tmp_path):
     from helpers.backends import NATIVE
     if not NATIVE:
         pytest.skip("the native kernel does not build here")
-    grid = dict(forward=[64], training=64, decode=256, window=(256, 16), accuracy=32, short=[16], matmul=128)
+    grid = dict(forward=[64], training=64, decode=256, window=(256, 16), accuracy=32, short=[16], matmul=128,
+                cache_decode=[300])
     rows = list(bench.native_rows(grid, repeat=1))
     assert [r.point for r in rows] == [
         "forward fp32 T64", "forward fp32 T64 causal", "forward+backward fp32 T64 causal", "decode fp32 L1 S256 Hq32/Hkv8 D128",
         "forward bf16 T64", "forward bf16 T64 causal", "forward+backward bf16 T64 causal", "decode bf16 L1 S256 Hq32/Hkv8 D128",
+        "decode from a cache B1 S300 Hq32/Hkv8 D128 (paged, in place)",
+        "decode from a cache B8 S300 Hq32/Hkv8 D128 (paged, in place)",
         "short forward fp32 T16", "short forward bf16 T16",
         "window (16, 0) fp32 T256", "accuracy fp32 T32 causal", "accuracy bf16 T32 causal"]
     assert rows[0].ratios["native/sdpa"] == pytest.approx(rows[0].times_ms["native"] / rows[0].times_ms["sdpa"])
     assert rows[0].extra["fp32 matmul GFLOP/s"] > 0 and rows[4].extra["bf16 matmul GFLOP/s"] > 0
     assert rows[3].extra["native GB/s (K, V read)"] > 0 and rows[3].extra["memory read GB/s (sum)"] > 0
-    assert rows[10].ratios["dense causal/window"] > 0
-    assert 0 < rows[11].extra["native error"] < 1e-5 and 0 < rows[12].extra["native error"] < 1e-1
+    cache = rows[8]  # int8 holds (128 + 4) bytes per row where bfloat16 holds 256; its error is within 4x bf16's
+    assert cache.ratios["int8/bf16 bytes"] == pytest.approx(132 / 256) and 0 < cache.ratios["int8/bf16 error"] < 4
+    assert cache.extra["int8 cache GB/s"] > 0 and cache.extra["float32 cache error"] < 1e-5
+    assert rows[12].ratios["dense causal/window"] > 0
+    assert 0 < rows[13].extra["native error"] < 1e-5 and 0 < rows[14].extra["native error"] < 1e-1
     bench.write(rows, bench.machine(matmul_n=64), str(tmp_path))
     assert (tmp_path / "native.png").stat().st_size > 10_000
 

@@ -405,6 +405,18 @@ def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
                   {"native/sdpa": p["native"] / p["sdpa"]},
                   {"native GB/s (K, V read)": p["bytes"] / p["native"] / 1e6, "sdpa GB/s": p["bytes"] / p["sdpa"] / 1e6,
                    "memory read GB/s (sum)": memory})
+    for S in grid["cache_decode"]:
+        for B in (1, 8):
+            p = bench_native.cache_decode_point(S, times, B=B)
+            ms, held = p["ms"], p["bytes"]
+            yield Row("native", f"decode from a cache B{B} S{S} Hq32/Hkv8 D128 (paged, in place)", ms,
+                      {"int8/bf16 time": ms["int8 cache"] / ms["bfloat16 cache"],
+                       "bf16/fp32 time": ms["bfloat16 cache"] / ms["float32 cache"],
+                       "int8/bf16 error": p["errors"]["int8 cache"] / p["errors"]["bfloat16 cache"],
+                       "int8/bf16 bytes": held["int8 cache"] / held["bfloat16 cache"]},
+                      {**{f"{name} GB/s": held[name] / ms[name] / 1e6 for name in ms},
+                       **{f"{name} error": error for name, error in p["errors"].items()},
+                       "memory read GB/s (sum)": memory})
     calls = functools.partial(best_times, repeat=repeat, calls=10)  # short calls: several per timing
     for dtype in bench_native.DTYPES:  # where the dispatch starts to pick it (mha.kernels.dispatch.native_pays)
         for T in grid["short"]:

@@ -29,7 +29,7 @@ from torch import Tensor
 from .. import _checks, positions
 from .contract import Contract
 
-__all__ = ["paged_attention"]
+__all__ = ["batch_paged_attention", "paged_attention"]
 
 _PER_HEAD = "(num_heads,): one value per query head (dim 1 of q)"
 
@@ -65,6 +65,19 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
                              "torch.no_grad() or torch.inference_mode() (training runs on the other paths)")
     return dispatch.paged_attention(q, k_pages, v_pages, table, lengths_q, lengths_k, terms, backend=backend,
                                     k_scales=k_scales, v_scales=v_scales)
+
+
+def batch_paged_attention(q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
+    """paged_attention over a batch whose sequences share one length: q (B, H, L, D), k (B, Hkv, S, D)
+    and v (B, Hkv, S, Dv) (or int8, with k_scales and v_scales (B, Hkv, S)), each sequence's keys one
+    page of S slots, read in place; its rows bottom-right. Returns (B, H, L, Dv). ``options``:
+    paged_attention's (is_causal, window, ..., backend)."""
+    B, H, L = q.shape[:3]
+    S = k.shape[2]
+    rows = q.transpose(1, 2).reshape(B * L, H, q.shape[3])  # (B, H, L, D) -> (B, L, H, D) -> (B*L, H, D)
+    pages = torch.arange(B)[:, None]  # (B, 1): sequence b's keys are page b
+    out = paged_attention(rows, k, v, pages, torch.arange(B + 1) * L, torch.full((B,), S), **options)
+    return out.view(B, L, H, -1).transpose(1, 2)  # (B*L, H, Dv) -> (B, L, H, Dv) -> (B, H, L, Dv)
 
 
 def _check_scales(q, k_pages, v_pages, k_scales, v_scales) -> None:

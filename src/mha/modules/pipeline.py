@@ -22,6 +22,7 @@ from torch import Tensor
 
 from .. import _checks, kernels, masks, positions
 from ..kernels.contract import contract_of
+from ..kernels.paged import batch_paged_attention
 from .paged_cache import PagedStep
 
 __all__ = ["attend", "attend_paged", "attend_positional", "nested_forward", "check_inputs", "finish", "own_tensors",
@@ -226,18 +227,14 @@ def attend_quantized(q: Tensor, k: Tensor, v: Tensor, cache, *, rope, window, al
     if need_weights or dropout_p or key_valid is not None:
         raise ValueError("an 8-bit KVCache (quantize='int8') serves inference over sequences of one length: no "
                          "weights, no dropout, no key_padding_mask")
-    B, H, L = q.shape[:3]
+    B, L = q.shape[0], q.shape[2]
     if rope is not None:
         where = cache.next_positions(B, L, q.device)[..., None, :]  # (1, 1, L) over the heads
         q, k = rope(q, where), rope(k, where)
     k8, v8, k_scales, v_scales = cache.update_quantized(k, v)  # (B, Hkv, S, D|Dv) int8, (B, Hkv, S)
-    S = k8.shape[2]
-    rows = q.transpose(1, 2).reshape(B * L, H, q.shape[3])  # (B, H, L, D) -> (B, L, H, D) -> (B*L, H, D)
-    pages = torch.arange(B)[:, None]  # (B, 1): sequence b's keys are page b, all S of its slots
-    out = kernels.paged_attention(rows, k8, v8, pages, torch.arange(B + 1) * L, torch.full((B,), S),
-                                  is_causal=is_causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
-                                  sinks=sinks, k_scales=k_scales, v_scales=v_scales, backend=backend)
-    return out.view(B, L, H, -1).transpose(1, 2), None  # (B*L, H, Dv) -> (B, L, H, Dv) -> (B, H, L, Dv)
+    out = batch_paged_attention(q, k8, v8, is_causal=is_causal, window=window, alibi_slopes=alibi_slopes,
+                                softcap=softcap, sinks=sinks, k_scales=k_scales, v_scales=v_scales, backend=backend)
+    return out, None
 
 
 def nested_forward(query: Tensor, key: Tensor, value: Tensor, *, project: Callable, num_heads: int,

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..kernels.paged import batch_paged_attention
+from ..kernels.quantize import quantize_int8
 from .bench_variants import VARIANTS
 from .bert import BertCheckpoint, minilm_path
 
@@ -77,6 +79,26 @@ class Swapped(nn.Module):
         q, k, v = projections(self.attention, query)
         out = self.variant(q, k, v, is_causal=self.causal)  # (B, H, T, D)
         return self.attention.out_proj(out.transpose(1, 2).flatten(-2)), None  # (B, H, T, D) -> (B, T, E)
+
+
+class Int8KV(nn.Module):
+    """Exact attention over keys and values held as int8 (mha.kernels.quantize: a scale per token and
+    head), read in place by the paged kernel, each document one page: what an 8-bit KV cache gives."""
+
+    def forward(self, q, k, v, is_causal=False):
+        (k8, k_scales), (v8, v_scales) = quantize_int8(k), quantize_int8(v)  # (B, H, T, D) int8, (B, H, T)
+        return batch_paged_attention(q, k8, v8, is_causal=is_causal, k_scales=k_scales, v_scales=v_scales)
+
+
+def int8_kv_cosines(model: BertCheckpoint, length: int, count: int) -> Tensor:
+    """(count,) cosine of each document's sentence embedding with keys and values in int8 in all six
+    layers (Int8KV) to the exact model's."""
+    x = documents(model, length, count)
+    layers = model.layers()
+    with torch.no_grad():
+        exact, _ = embed(layers, x)
+        int8, _ = embed([_swap(layer, Int8KV(), False) for layer in layers], x)
+    return (int8 * exact).sum(-1)
 
 
 def embed(layers: list[nn.Module], x: Tensor) -> tuple[Tensor, list[Tensor]]:

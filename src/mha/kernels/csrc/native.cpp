@@ -201,6 +201,43 @@ void release_products() {
   if constexpr (Products::kAlign == 2) at::native::cpublas::brgemm_release(true);
 }
 
+// Vectors of acc_t with the compiler's vector extensions: a register's width (64 bytes in the
+// AVX-512 builds, 32 in the others), in the build's instructions.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"  // vectors passed between inline functions, never across the ABI
+#if defined(MHA_AVX512)
+constexpr int64_t kLaneBytes = 64;  // a zmm register
+#else
+constexpr int64_t kLaneBytes = 32;  // a ymm register (two xmm in the portable build)
+#endif
+template <typename acc_t>
+struct Lanes {
+  typedef acc_t vec __attribute__((vector_size(kLaneBytes)));
+  static constexpr int64_t kCount = kLaneBytes / sizeof(acc_t);
+  static vec load(const acc_t* p) {
+    vec v;
+    std::memcpy(&v, p, sizeof(vec));
+    return v;
+  }
+  static void store(acc_t* p, vec v) { std::memcpy(p, &v, sizeof(vec)); }
+  static acc_t sum(vec v) {  // halves added pairwise: log2(kCount) steps, not kCount dependent ones
+    acc_t lanes[kCount];
+    std::memcpy(lanes, &v, sizeof(vec));
+    for (int64_t width = kCount / 2; width >= 1; width /= 2)
+      for (int64_t u = 0; u < width; ++u) lanes[u] += lanes[u + width];
+    return lanes[0];
+  }
+};
+
+// total + q[d] k[d] over d0 <= d < D (the head dim's last values, fewer than a vector).
+template <typename acc_t>
+inline acc_t dot_tail(acc_t total, const acc_t* q, const acc_t* k, int64_t d0, int64_t D) {
+  for (int64_t d = d0; d < D; ++d) total += q[d] * k[d];
+  return total;
+}
+
+#pragma GCC diagnostic pop
+
 // ---- exponentials --------------------------------------------------------------------------------
 
 // w[j] = exp(scale * x[j] - shift) (0 where x is -inf), in the weights' type W; returns their sum
@@ -267,6 +304,73 @@ template <typename acc_t>
 void exp_times(int64_t n, const acc_t* x, acc_t scale, acc_t shift, acc_t factor, acc_t* w) {
   for (int64_t j = 0; j < n; ++j) w[j] = std::exp(scale * x[j] - shift) * factor;
 }
+
+#if !defined(MHA_AVX512)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+// The AVX2 and portable builds: exp of a vector of floats as exp16 computes it (the same reduction
+// and polynomial, in the compiler's vector extensions; std::exp one value at a time was most of a
+// decoding step's time there): about 2 ulp; 0 below -87.3, +inf above 88.3, NaN kept.
+using FloatLanes = Lanes<float>;
+inline FloatLanes::vec exp_lanes(FloatLanes::vec x) {
+  using vec = FloatLanes::vec;
+  typedef int32_t ivec __attribute__((vector_size(kLaneBytes)));
+  const vec c = x < -87.3f ? vec{} - 87.3f : (x > 88.3f ? vec{} + 88.3f : x);
+  const vec magic = vec{} + 12582912.0f;  // 1.5 2^23: adding it rounds to an integer
+  const vec n = (c * 1.44269504088896341f + magic) - magic;
+  vec r = c - n * 0.693145751953125f;  // c - n ln2, ln2's first 16 bits: exact
+  r = r - n * 1.4286068202862268e-06f;  // the rest of ln2
+  vec p = vec{} + 1.3948580815544224e-3f;  // e^r
+  p = p * r + 8.375128890169071e-3f;
+  p = p * r + 4.1666218274417265e-2f;
+  p = p * r + 1.6666415477239332e-1f;
+  p = p * r + 5.000000107749400e-1f;
+  p = p * r + 1.0000000377274472f;
+  p = p * r + 0.9999999999595482f;
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;  // 2^n, n in -126 .. 127
+  vec power;
+  std::memcpy(&power, &bits, sizeof(vec));
+  const vec result = p * power;
+  const vec limited = x < -87.3f ? vec{} : (x > 88.3f ? vec{} + std::numeric_limits<float>::infinity() : result);
+  return x != x ? x : limited;
+}
+
+// exp(scale * x[j] - shift) (times factor) for n values: whole vectors, then the tail through the same
+// code (a padded copy), so that a weight is the same wherever it lies in a tile.
+template <typename Store>
+inline void exp_each(int64_t n, const float* x, float scale, float shift, float factor, Store store) {
+  using V = FloatLanes;
+  int64_t j = 0;
+  for (; j + V::kCount <= n; j += V::kCount) store(j, V::kCount, exp_lanes(V::load(x + j) * scale - shift) * factor);
+  if (j < n) {
+    float tail[V::kCount];
+    for (int64_t i = 0; i < V::kCount; ++i) tail[i] = j + i < n ? x[j + i] : -std::numeric_limits<float>::infinity();
+    store(j, n - j, exp_lanes(V::load(tail) * scale - shift) * factor);
+  }
+}
+
+template <>
+float exp_shifted<float, float>(int64_t n, const float* x, float scale, float shift, float* w) {
+  FloatLanes::vec total = {};
+  exp_each(n, x, scale, shift, 1.0f, [&](int64_t j, int64_t count, FloatLanes::vec e) {
+    float values[FloatLanes::kCount];
+    FloatLanes::store(values, e);
+    std::copy(values, values + count, w + j);
+    total += e;  // the padding's weights are 0
+  });
+  return FloatLanes::sum(total);
+}
+
+template <>
+void exp_times<float>(int64_t n, const float* x, float scale, float shift, float factor, float* w) {
+  exp_each(n, x, scale, shift, factor, [&](int64_t j, int64_t count, FloatLanes::vec e) {
+    float values[FloatLanes::kCount];
+    FloatLanes::store(values, e);
+    std::copy(values, values + count, w + j);
+  });
+}
+#pragma GCC diagnostic pop
+#endif
 
 #if defined(MHA_AVX512)
 template <>
@@ -973,6 +1077,85 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
   });
 }
 
+// The products of a few query rows (a decoding step's) with one run of keys, where brgemm's fixed cost
+// per call and its half-empty vectors (N = R) cost more than the products (measured: 1.4x the
+// time of a decoding batch at R = 4, pages of 16 keys, on AVX2): written with the compiler's vector
+// extensions (a register of acc_t: 64 bytes in the AVX-512 builds, 32 in the others, in the build's
+// instructions), four keys at a time (independent sums; a query's vector loaded once for four keys, a
+// row's output once for four values). Each key's score is the same sum whichever position it has
+// in a run (its own accumulator, the same order). Keys and values in acc_t (bfloat16 and float16
+// ones converted a run at a time first: measured faster than widening each load, which repeats
+// for every row).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+//   s[r * lds + j] = q_r . k_j        q: R rows of D (scaled), k: ``count`` rows ld apart
+template <typename acc_t>
+void run_scores(int64_t R, int64_t count, int64_t D, const acc_t* q, const acc_t* k, int64_t ld, acc_t* s, int64_t lds) {
+  using V = Lanes<acc_t>;
+  using vec = typename V::vec;
+  const int64_t Dw = D / V::kCount * V::kCount;
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) {
+    const acc_t *k0 = k + j * ld, *k1 = k0 + ld, *k2 = k1 + ld, *k3 = k2 + ld;
+    for (int64_t r = 0; r < R; ++r) {
+      const acc_t* qr = q + r * D;
+      vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      for (int64_t d = 0; d < Dw; d += V::kCount) {
+        const vec x = V::load(qr + d);
+        a0 += x * V::load(k0 + d);
+        a1 += x * V::load(k1 + d);
+        a2 += x * V::load(k2 + d);
+        a3 += x * V::load(k3 + d);
+      }
+      acc_t* out = s + r * lds + j;
+      out[0] = dot_tail(V::sum(a0), qr, k0, Dw, D);
+      out[1] = dot_tail(V::sum(a1), qr, k1, Dw, D);
+      out[2] = dot_tail(V::sum(a2), qr, k2, Dw, D);
+      out[3] = dot_tail(V::sum(a3), qr, k3, Dw, D);
+    }
+  }
+  for (; j < count; ++j) {  // the same sums, a key at a time
+    const acc_t* kj = k + j * ld;
+    for (int64_t r = 0; r < R; ++r) {
+      const acc_t* qr = q + r * D;
+      vec a = {};
+      for (int64_t d = 0; d < Dw; d += V::kCount) a += V::load(qr + d) * V::load(kj + d);
+      s[r * lds + j] = dot_tail(V::sum(a), qr, kj, Dw, D);
+    }
+  }
+}
+
+//   acc_r += sum_j p[r * ldp + j] v_j   v: ``count`` rows of Dv, ld apart
+template <typename acc_t>
+void run_values(int64_t R, int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const acc_t* v, int64_t ld,
+                acc_t* acc) {
+  using V = Lanes<acc_t>;
+  const int64_t Dw = Dv / V::kCount * V::kCount;
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) {
+    const acc_t *v0 = v + j * ld, *v1 = v0 + ld, *v2 = v1 + ld, *v3 = v2 + ld;
+    for (int64_t r = 0; r < R; ++r) {
+      const acc_t* w = p + r * ldp + j;
+      const acc_t w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+      acc_t* a = acc + r * Dv;
+      for (int64_t d = 0; d < Dw; d += V::kCount)
+        V::store(a + d, V::load(a + d) + ((w0 * V::load(v0 + d) + w1 * V::load(v1 + d)) +
+                                          (w2 * V::load(v2 + d) + w3 * V::load(v3 + d))));
+      for (int64_t d = Dw; d < Dv; ++d) a[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d]);
+    }
+  }
+  for (; j < count; ++j) {
+    const acc_t* vj = v + j * ld;
+    for (int64_t r = 0; r < R; ++r) {
+      const acc_t w = p[r * ldp + j];
+      acc_t* a = acc + r * Dv;
+      for (int64_t d = 0; d < Dv; ++d) a[d] += w * vj[d];
+    }
+  }
+}
+#pragma GCC diagnostic pop
+constexpr int64_t kRunLoopRows = 8;  // at most this many rows: run_scores and run_values, else brgemm
+
 // ---- decoding: a few query rows against many keys -------------------------------------------------
 //
 // With G * L <= kDecodeRows rows per key/value head (a decoding step), the keys are read straight
@@ -1069,6 +1252,56 @@ void decode_values<at::BFloat16, float>(int64_t R, int64_t n, int64_t Dv, const 
       for (; d < Dv; ++d) a[d] += w * static_cast<float>(vj[d]);
     }
   }
+}
+#endif
+
+#if !defined(MHA_AVX512)
+// The AVX2 and portable builds: the products on the run loops' vectors (run_scores, run_values; the
+// one value at a time of the templates above left a decoding step at a fifth of the memory's read
+// rate), the queries packed once per call, bfloat16 keys and values converted a tile at a time.
+template <typename scalar_t>
+const float* packed_rows(int64_t R, int64_t D, const scalar_t* const* rows) {
+  thread_local std::vector<float> packed;
+  if (static_cast<int64_t>(packed.size()) < R * D) packed.resize(R * D);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d = 0; d < D; ++d) packed[r * D + d] = static_cast<float>(rows[r][d]);
+  return packed.data();
+}
+
+template <typename scalar_t>
+const float* widened(int64_t count, const scalar_t* x) {
+  thread_local std::vector<float> wide;
+  if (static_cast<int64_t>(wide.size()) < count) wide.resize(count);
+  for (int64_t i = 0; i < count; ++i) wide[i] = static_cast<float>(x[i]);
+  return wide.data();
+}
+
+template <>
+void decode_scores<float, float>(int64_t R, int64_t n, int64_t D, const float* const* q_rows, const float* k, float scale,
+                                 float* s) {
+  run_scores(R, n, D, packed_rows(R, D, q_rows), k, D, s, n);
+  for (int64_t i = 0; i < R * n; ++i) s[i] *= scale;
+}
+
+template <>
+void decode_values<float, float>(int64_t R, int64_t n, int64_t Dv, const float* p, const float* v, float* acc) {
+  run_values(R, n, Dv, p, n, v, Dv, acc);
+}
+
+template <>
+void decode_values<at::BFloat16, float>(int64_t R, int64_t n, int64_t Dv, const float* p, const at::BFloat16* v,
+                                        float* acc) {
+  run_values(R, n, Dv, p, n, widened(n * Dv, v), Dv, acc);
+}
+#endif
+
+#if !defined(MHA_AVX512_BF16)
+template <>
+void decode_scores<at::BFloat16, float>(int64_t R, int64_t n, int64_t D, const at::BFloat16* const* q_rows,
+                                        const at::BFloat16* k, float scale, float* s) {
+  const float* rows = packed_rows(R, D, q_rows);  // (its own buffer: widened's is the keys')
+  run_scores(R, n, D, rows, widened(n * D, k), D, s, n);
+  for (int64_t i = 0; i < R * n; ++i) s[i] *= scale;
 }
 #endif
 
@@ -1238,115 +1471,6 @@ struct PageScales {
   int64_t page = 0, head = 0, slot = 0;  // the same strides for both (checked)
 };
 
-// The products of a few query rows (a decoding step's) with one run of keys, where brgemm's fixed cost
-// per call and its half-empty vectors (N = R) cost more than the products (measured: 1.4x the
-// time of a decoding batch at R = 4, pages of 16 keys, on AVX2): written with the compiler's vector
-// extensions (a register of acc_t: 64 bytes in the AVX-512 builds, 32 in the others, in the build's
-// instructions), four keys at a time (independent sums; a query's vector loaded once for four keys, a
-// row's output once for four values). Each key's score is the same sum whichever position it has
-// in a run (its own accumulator, the same order). Keys and values in acc_t (bfloat16 and float16
-// ones converted a run at a time first: measured faster than widening each load, which repeats
-// for every row).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"  // vectors passed between inline functions, never across the ABI
-#if defined(MHA_AVX512)
-constexpr int64_t kLaneBytes = 64;  // a zmm register
-#else
-constexpr int64_t kLaneBytes = 32;  // a ymm register (two xmm in the portable build)
-#endif
-template <typename acc_t>
-struct Lanes {
-  typedef acc_t vec __attribute__((vector_size(kLaneBytes)));
-  static constexpr int64_t kCount = kLaneBytes / sizeof(acc_t);
-  static vec load(const acc_t* p) {
-    vec v;
-    std::memcpy(&v, p, sizeof(vec));
-    return v;
-  }
-  static void store(acc_t* p, vec v) { std::memcpy(p, &v, sizeof(vec)); }
-  static acc_t sum(vec v) {  // halves added pairwise: log2(kCount) steps, not kCount dependent ones
-    acc_t lanes[kCount];
-    std::memcpy(lanes, &v, sizeof(vec));
-    for (int64_t width = kCount / 2; width >= 1; width /= 2)
-      for (int64_t u = 0; u < width; ++u) lanes[u] += lanes[u + width];
-    return lanes[0];
-  }
-};
-
-// total + q[d] k[d] over d0 <= d < D (the head dim's last values, fewer than a vector).
-template <typename acc_t>
-inline acc_t dot_tail(acc_t total, const acc_t* q, const acc_t* k, int64_t d0, int64_t D) {
-  for (int64_t d = d0; d < D; ++d) total += q[d] * k[d];
-  return total;
-}
-
-//   s[r * lds + j] = q_r . k_j        q: R rows of D (scaled), k: ``count`` rows ld apart
-template <typename acc_t>
-void run_scores(int64_t R, int64_t count, int64_t D, const acc_t* q, const acc_t* k, int64_t ld, acc_t* s, int64_t lds) {
-  using V = Lanes<acc_t>;
-  using vec = typename V::vec;
-  const int64_t Dw = D / V::kCount * V::kCount;
-  int64_t j = 0;
-  for (; j + 4 <= count; j += 4) {
-    const acc_t *k0 = k + j * ld, *k1 = k0 + ld, *k2 = k1 + ld, *k3 = k2 + ld;
-    for (int64_t r = 0; r < R; ++r) {
-      const acc_t* qr = q + r * D;
-      vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
-      for (int64_t d = 0; d < Dw; d += V::kCount) {
-        const vec x = V::load(qr + d);
-        a0 += x * V::load(k0 + d);
-        a1 += x * V::load(k1 + d);
-        a2 += x * V::load(k2 + d);
-        a3 += x * V::load(k3 + d);
-      }
-      acc_t* out = s + r * lds + j;
-      out[0] = dot_tail(V::sum(a0), qr, k0, Dw, D);
-      out[1] = dot_tail(V::sum(a1), qr, k1, Dw, D);
-      out[2] = dot_tail(V::sum(a2), qr, k2, Dw, D);
-      out[3] = dot_tail(V::sum(a3), qr, k3, Dw, D);
-    }
-  }
-  for (; j < count; ++j) {  // the same sums, a key at a time
-    const acc_t* kj = k + j * ld;
-    for (int64_t r = 0; r < R; ++r) {
-      const acc_t* qr = q + r * D;
-      vec a = {};
-      for (int64_t d = 0; d < Dw; d += V::kCount) a += V::load(qr + d) * V::load(kj + d);
-      s[r * lds + j] = dot_tail(V::sum(a), qr, kj, Dw, D);
-    }
-  }
-}
-
-//   acc_r += sum_j p[r * ldp + j] v_j   v: ``count`` rows of Dv, ld apart
-template <typename acc_t>
-void run_values(int64_t R, int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const acc_t* v, int64_t ld,
-                acc_t* acc) {
-  using V = Lanes<acc_t>;
-  const int64_t Dw = Dv / V::kCount * V::kCount;
-  int64_t j = 0;
-  for (; j + 4 <= count; j += 4) {
-    const acc_t *v0 = v + j * ld, *v1 = v0 + ld, *v2 = v1 + ld, *v3 = v2 + ld;
-    for (int64_t r = 0; r < R; ++r) {
-      const acc_t* w = p + r * ldp + j;
-      const acc_t w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
-      acc_t* a = acc + r * Dv;
-      for (int64_t d = 0; d < Dw; d += V::kCount)
-        V::store(a + d, V::load(a + d) + ((w0 * V::load(v0 + d) + w1 * V::load(v1 + d)) +
-                                          (w2 * V::load(v2 + d) + w3 * V::load(v3 + d))));
-      for (int64_t d = Dw; d < Dv; ++d) a[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d]);
-    }
-  }
-  for (; j < count; ++j) {
-    const acc_t* vj = v + j * ld;
-    for (int64_t r = 0; r < R; ++r) {
-      const acc_t w = p[r * ldp + j];
-      acc_t* a = acc + r * Dv;
-      for (int64_t d = 0; d < Dv; ++d) a[d] += w * vj[d];
-    }
-  }
-}
-#pragma GCC diagnostic pop
-constexpr int64_t kRunLoopRows = 8;  // at most this many rows: run_scores and run_values, else brgemm
 
 // The forward's two products on keys and values read in place from their pages. A tile's keys
 // j0 .. j0 + n come in runs, each contiguous in memory (the part of one page, or pages that follow

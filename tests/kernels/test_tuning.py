@@ -345,7 +345,7 @@ def test_processes_starting_together_measure_once(tmp_path):
                for _ in range(3)]
     outputs = [w.communicate(timeout=120)[0] for w in workers]
     assert all(w.returncode == 0 for w in workers)
-    assert len(log.read_text().splitlines()) == 2 * len(tuning.PREFILL_LENGTHS) * 2 + 2 * len(tuning.DECODE_KEYS)
+    assert len(log.read_text().splitlines()) == GRID_CALLS
     assert len(set(outputs)) == 1 and "prefill_work=16384" in outputs[0]
 
 

@@ -178,3 +178,14 @@ def test_serving_ways_and_a_sized_cache(monkeypatch):
     assert seen["continuous_batching_config"].num_blocks == 2 + 1  # 340 tokens: 2 pages of 256, 50: 1
     with pytest.raises(ValueError, match="way must be one of"):
         bench_serving.measure_way("16 x 64-512 x 32", torch.float32, "eager")
+
+
+def test_auto_rows_time_loops_and_single_calls_alternated_with_other_work():
+    rows = list(bench.auto_rows([16], [64], 1))
+    assert [r.point for r in rows] == ["fp32 T16 causal", "fp32 decode S64", "bf16 T16 causal", "bf16 decode S64"]
+    for row in rows:
+        assert set(row.ratios) == {"auto/torch", "auto/torch alternated"} and all(v > 0 for v in row.ratios.values())
+        assert {"auto", "torch", "auto alternated", "torch alternated"} <= set(row.times_ms)
+    calls = []
+    times = bench.alternated_times({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3, sweep_mib=1)
+    assert calls == ["a", "b"] * 4 and set(times) == {"a", "b"}  # a warm-up each, then in turn

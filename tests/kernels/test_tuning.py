@@ -298,6 +298,20 @@ def test_the_key_names_the_native_build():
     assert f"native {mha.kernels.native.variant()}" in tuning.machine_key()
 
 
+def test_the_key_names_the_kernels_source(monkeypatch):
+    """A changed kernel is measured again: the key holds a hash of native.cpp (a faster decoding
+    path once kept the crossover measured on the slower one)."""
+    native = mha.kernels.native
+    assert native.source_digest() in tuning.machine_key() and len(native.source_digest()) == 12
+    monkeypatch.setattr(native, "source_digest", lambda: "0123456789ab")
+    tuning._fixed_key.cache_clear()
+    try:
+        assert "0123456789ab" in tuning.machine_key()
+    finally:
+        monkeypatch.undo()
+        tuning._fixed_key.cache_clear()
+
+
 def test_the_key_and_the_table_are_per_thread_count(cache, monkeypatch):
     """The crossovers depend on the threads (2 threads share the keys' work, 1 does not): the key
     names torch's thread count, and a table measured at 2 threads is not read at 1."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import math
 import os
@@ -155,6 +156,12 @@ def ready() -> bool:
     if _extension.cache_info().currsize:  # tried in this process: loaded, or failed
         return _extension(build, sanitize) is not None
     return any(_build_folder(build, sanitize).glob(f"{_module_name(build, sanitize)}*.so")) and native_available()
+
+
+@functools.cache
+def source_digest() -> str:
+    """The kernel's source, hashed (12 hex digits): what a measurement of it (mha.kernels.tuning) is of."""
+    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
 
 
 def _module_name(build: str, sanitize: bool = False) -> str:

@@ -17,7 +17,8 @@ single calls alternated with other work (as a model calls attention between its 
 the worst of these ratios is stored. One lucky round cannot move the crossover: where native wins
 only sometimes, auto keeps torch's kernel. The tables are stored
 in a per-user cache (``$MHA_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mha/tune.json``) keyed by the CPU
-model, its flags that matter, the native build, the thread count and the torch and mha versions. ``auto`` reads the
+model, its flags that matter, the native build and its source (a changed kernel is measured again), the thread
+count and the torch and mha versions. ``auto`` reads the
 table of this key (:func:`crossovers`). Without one it measures at the first call where the
 choice arises (unless ``MHA_TUNE=off``, or in one of several torch.distributed ranks, which would
 measure each other's crowding) and, until then or when told not to, picks native only on
@@ -116,8 +117,8 @@ def _fixed_key() -> str:
     info = cpu()
     from . import native
     build, sanitized = native._this_process()
-    return (f"{info['model']} | {' '.join(info['flags'])} | native {build}{' sanitized' if sanitized else ''} | "
-            f"torch {torch.__version__} | mha {__version__}")
+    return (f"{info['model']} | {' '.join(info['flags'])} | native {build}{' sanitized' if sanitized else ''} "
+            f"{native.source_digest()} | torch {torch.__version__} | mha {__version__}")
 
 
 def cache_path() -> Path:

@@ -111,6 +111,7 @@ def _bad(change):
     (lambda a: a.update(q=a["q"][:, :, :-1]), ValueError, "k_pages must have q's head dim"),
     (lambda a: a.update(q=a["q"].float()), TypeError, "k_pages has dtype torch.float64 but q has dtype torch.float32"),
     (lambda a: a.update(v_pages=a["v_pages"][:-1]), ValueError, "v_pages must have k_pages' blocks"),
+    (lambda a: a.update(k_pages=a["k_pages"].tolist()), TypeError, "k_pages must be a torch.Tensor, got list"),
 ])
 def test_bad_tables_and_shapes_are_refused_naming_the_argument(change, error, message):
     with pytest.raises(error, match=message):

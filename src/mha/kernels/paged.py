@@ -104,7 +104,7 @@ def _check(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k) -> tuple[T
     """Validate every argument; returns the block table (B, M), the query and key lengths (B,), as
     int64 CPU tensors."""
     _checks.rank("q", _checks.floating("q", q), (3,), "(total query rows, heads, head dim)")
-    quantized = k_pages.dtype == torch.int8  # (with its scales: _check_scales)
+    quantized = isinstance(k_pages, Tensor) and k_pages.dtype == torch.int8  # (with its scales: _check_scales)
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
         _checks.rank(name, x if quantized else _checks.floating(name, x), (4,), "(num_blocks, kv heads, block_size, head dim)")
     if quantized:

@@ -1,7 +1,7 @@
 """8-bit keys and values (mha.kernels.quantize, KVCache(quantize="int8"), PagedKVCache(quantize="int8")):
 the rows and their scales, paged attention over int8 pages on every backend against the
 reference (dequantize, then attend), the error against float64 beside a bfloat16 cache's, the
-caches in the modules, and what is refused."""
+caches in the modules, and what is refused (the paged int8 cache: tests/modules/test_paged_cache.py)."""
 
 import pytest
 import torch
@@ -166,38 +166,6 @@ def test_an_int8_cache_refuses_what_it_does_not_serve():
             module.double()(x.double(), x.double(), x.double(), is_causal=True, cache=cache)
     with pytest.raises(ValueError, match="update_quantized"):
         cache.update(torch.zeros(2, 2, 1, 16), torch.zeros(2, 2, 1, 16), None)
-
-
-@torch.no_grad()
-def test_a_paged_int8_cache_serves_a_batch_and_copies_scales_on_write():
-    """PagedKVCache(quantize="int8"): a prefill of two sequences then decoding steps, and a fork whose
-    shared partial page is copied before it is written: each step equals math over the dequantized
-    pages; the copy carries the page's scales."""
-    torch.manual_seed(0)
-    H, Hkv, D = 4, 2, 8
-    cache = mha.PagedKVCache(num_blocks=16, block_size=3, num_kv_heads=Hkv, head_dim=D, quantize="int8")
-    assert cache.keys[0].dtype == torch.int8 and "quantize='int8'" in repr(cache)
-    a, _ = cache.add()
-    b, _ = cache.add()
-
-    def step(seq_ids, counts):
-        slots = cache.reserve(seq_ids, counts)
-        T = sum(counts)
-        q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
-        cache.write(0, slots, k, v)
-        cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
-        table, lengths = cache.block_table(seq_ids), cache.lengths(seq_ids)
-        got = paged_attention(q, *cache.pages(0), table, cu, lengths, **cache.page_scales(0))
-        pages = [dequantize(x, s, torch.float32) for x, s in zip(cache.pages(0), cache.page_scales(0).values())]
-        want = paged_attention(q, *pages, table, cu, lengths, backend="math")
-        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
-
-    step([a, b], [7, 2])
-    step([a, b], [1, 1])
-    c = cache.fork(a)  # a has 8 keys: its last page (3 slots) is partial and now shared
-    step([c, a], [1, 1])  # c's write copies the page (keys, values and scales) first
-    assert cache.block_table([c])[0, 2] != cache.block_table([a])[0, 2]
-    step([a, b, c], [1, 3, 2])
 
 
 @pytest.mark.slow  # 8-20 s: the real checkpoint over 32 documents

@@ -6,6 +6,7 @@ import torch
 
 import mha
 from mha.kernels import paged_attention
+from mha.kernels.quantize import dequantize
 
 
 def _cache(**options):
@@ -146,6 +147,17 @@ def test_bad_sizes_are_refused(options):
 
 
 @torch.no_grad()
+def _serve(cache, seq_ids, counts, H):
+    """One step of layer 0: room reserved for ``counts`` new tokens of each sequence, random keys and
+    values written; returns the new rows' q (T, H, D), k, v (T, Hkv, D) and cu_seqlens_q (B + 1,)."""
+    slots = cache.reserve(seq_ids, counts)
+    T = sum(counts)
+    q, k, v = torch.randn(T, H, cache.head_dim), torch.randn(T, cache.num_kv_heads, cache.head_dim), \
+        torch.randn(T, cache.num_kv_heads, cache.value_dim)
+    cache.write(0, slots, k, v)
+    return q, k, v, torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+
+
 def test_a_serving_loop_equals_dense_attention_for_each_sequence():
     """Two prompts of different lengths prefilled in one step, then decoding steps for both (and a
     third sequence joining late): every step's paged attention equals each sequence's dense causal
@@ -156,11 +168,7 @@ def test_a_serving_loop_equals_dense_attention_for_each_sequence():
     history = {}  # seq -> (keys (S, Hkv, D), values)
 
     def step(seq_ids, counts):
-        slots = cache.reserve(seq_ids, counts)
-        T = sum(counts)
-        q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
-        cache.write(0, slots, k, v)
-        cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+        q, k, v, cu = _serve(cache, seq_ids, counts, H)
         out = paged_attention(q, *cache.pages(0), cache.block_table(seq_ids), cu, cache.lengths(seq_ids))
         for b, seq in enumerate(seq_ids):
             rows = slice(int(cu[b]), int(cu[b + 1]))
@@ -246,3 +254,31 @@ def test_a_paged_step_refuses_weights_and_more_layers_than_it_has():
         step = paged.step([a], [1])
         m(x[:, :1], x[:, :1], x[:, :1], is_causal=True, cache=step)
         other(x[:, :1], x[:, :1], x[:, :1], is_causal=True, cache=step)
+
+
+@torch.no_grad()
+def test_a_paged_int8_cache_serves_a_batch_and_copies_scales_on_write():
+    """PagedKVCache(quantize="int8"): a prefill of two sequences then decoding steps, and a fork whose
+    shared partial page is copied before it is written: each step equals math over the dequantized
+    pages; the copy carries the page's scales."""
+    torch.manual_seed(0)
+    H, Hkv, D = 4, 2, 8
+    cache = mha.PagedKVCache(num_blocks=16, block_size=3, num_kv_heads=Hkv, head_dim=D, quantize="int8")
+    assert cache.keys[0].dtype == torch.int8 and "quantize='int8'" in repr(cache)
+    a, _ = cache.add()
+    b, _ = cache.add()
+
+    def step(seq_ids, counts):
+        q, _, _, cu = _serve(cache, seq_ids, counts, H)
+        table, lengths = cache.block_table(seq_ids), cache.lengths(seq_ids)
+        got = paged_attention(q, *cache.pages(0), table, cu, lengths, **cache.page_scales(0))
+        pages = [dequantize(x, s, torch.float32) for x, s in zip(cache.pages(0), cache.page_scales(0).values())]
+        want = paged_attention(q, *pages, table, cu, lengths, backend="math")
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+    step([a, b], [7, 2])
+    step([a, b], [1, 1])
+    c = cache.fork(a)  # a has 8 keys: its last page (3 slots) is partial and now shared
+    step([c, a], [1, 1])  # c's write copies the page (keys, values and scales) first
+    assert cache.block_table([c])[0, 2] != cache.block_table([a])[0, 2]
+    step([a, b, c], [1, 3, 2])

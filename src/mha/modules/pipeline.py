@@ -237,7 +237,7 @@ def attend_quantized(q: Tensor, k: Tensor, v: Tensor, cache, *, rope, window, al
     return out, None
 
 
-def nested_forward(query: Tensor, key: Tensor, value: Tensor, *, project: Callable, num_heads: int,
+def nested_forward(query: Tensor, key: Tensor, value: Tensor, *, project: Callable,
                    out_proj: Callable[[Tensor], Tensor], is_causal: bool, need_weights: bool,
                    average_attn_weights: bool, backend: str) -> tuple[Tensor, Tensor | None]:
     """The pipeline for nested (ragged) batches: query (B, j, Eq), key (B, j', Ek), value (B, j', Ev)

@@ -168,6 +168,6 @@ class MultiheadAttention(nn.Module):
         proj = ProjectionWeights(in_proj_weight, q_w, k_w, v_w, bias)
         return nested_forward(
             query, key, value, project=lambda q, k, v: proj.heads(q, k, v, self.num_heads, False),
-            num_heads=self.num_heads, out_proj=lambda x: F.linear(x, weight, out_bias), is_causal=is_causal,
+            out_proj=lambda x: F.linear(x, weight, out_bias), is_causal=is_causal,
             need_weights=need_weights, average_attn_weights=average_attn_weights,
             backend=getattr(self, "backend", "auto"))

@@ -1863,30 +1863,33 @@ Tensor paged_integers(const Tensor& x, const char* name, int64_t dims) {
   return x.to(at::kLong).contiguous();
 }
 
-// The pool's strides (elements) of a pages tensor (N, Hkv, P, X) whose rows of X are contiguous:
-// a dim of size 1 takes the stride a contiguous tensor would have (torch gives such dims any stride).
-// Pages of one slot (keys packed token by token, e.g. (T, Hkv, 1, D)): the slot stride is the page
-// stride, the distance from one page's key to the next page's, so that pages that follow each other
-// in the pool are read as one run of keys (one product per run, not per key).
-std::tuple<int64_t, int64_t, int64_t> page_strides(const Tensor& x, const char* name) {
-  const int64_t X = x.size(3), P = x.size(2);
-  TORCH_CHECK(X <= 1 || x.stride(3) == 1, "mha paged: ", name, "'s rows must be contiguous (stride 1 along the head dim)");
-  const int64_t slot = P <= 1 ? X : x.stride(2);
-  TORCH_CHECK(slot >= X, "mha paged: ", name, "'s slots must not overlap (slot stride >= head dim)");
+// The strides (elements) (page, kv head, slot) of a pool (N, Hkv, P, ...) whose slots are
+// ``slot_width`` elements apart when contiguous (a row of X for pages, 1 for scales): a dim of size 1
+// takes the stride a contiguous tensor would have (torch gives such dims any stride). Pages of one
+// slot (keys packed token by token, e.g. (T, Hkv, 1, D)): the slot stride is the page stride, the
+// distance from one page's key to the next page's, so that pages that follow each other in the pool
+// are read as one run of keys (one product per run, not per key).
+std::tuple<int64_t, int64_t, int64_t> pool_strides(const Tensor& x, int64_t slot_width) {
+  const int64_t P = x.size(2), slot = P <= 1 ? slot_width : x.stride(2);
   const int64_t head = x.size(1) <= 1 ? P * slot : x.stride(1), page = x.size(0) <= 1 ? x.size(1) * head : x.stride(0);
   return {page, head, P == 1 && x.size(0) > 1 ? page : slot};
 }
 
-// The strides (elements) of an 8-bit pool's scales (N, Hkv, P), float of the accumulation dtype, as
-// page_strides reads them (a page of one slot: the page stride).
+// A pages tensor (N, Hkv, P, X): its rows of X contiguous, its slots apart by at least a row.
+std::tuple<int64_t, int64_t, int64_t> page_strides(const Tensor& x, const char* name) {
+  const int64_t X = x.size(3);
+  TORCH_CHECK(X <= 1 || x.stride(3) == 1, "mha paged: ", name, "'s rows must be contiguous (stride 1 along the head dim)");
+  TORCH_CHECK(x.size(2) <= 1 || x.stride(2) >= X, "mha paged: ", name, "'s slots must not overlap (slot stride >= head dim)");
+  return pool_strides(x, X);
+}
+
+// An 8-bit pool's scales (N, Hkv, P), floats of the accumulation dtype, one per slot of ``pages``.
 std::tuple<int64_t, int64_t, int64_t> scale_strides(const Tensor& x, const Tensor& pages, at::ScalarType acc_type,
                                                     const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == acc_type && x.dim() == 3 && x.size(0) == pages.size(0) &&
                   x.size(1) == pages.size(1) && x.size(2) == pages.size(2),
               "mha paged: ", name, " must be (N, Hkv, P) CPU floats of the accumulation dtype, one per slot of the pool");
-  const int64_t P = x.size(2), slot = P <= 1 ? 1 : x.stride(2);
-  const int64_t head = x.size(1) <= 1 ? P * slot : x.stride(1), page = x.size(0) <= 1 ? x.size(1) * head : x.stride(0);
-  return {page, head, P == 1 && x.size(0) > 1 ? page : slot};
+  return pool_strides(x, 1);
 }
 
 std::vector<Tensor> paged_forward(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages,

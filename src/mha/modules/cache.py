@@ -184,10 +184,14 @@ class KVCache:
             self._lengths = self.valid.sum(dim=1)
 
     def _fields(self) -> tuple[str, ...]:
-        """The names of what the cache stores per slot, in _append's order."""
-        if self.quantize:
-            return ("keys", "values", "key_scales", "value_scales")
-        return ("keys", "values") if self.uniform else ("keys", "values", "positions", "valid")
+        """The names of what the cache stores per slot now, in _append's order."""
+        every = self._slot_fields()
+        return every[:2] if self.uniform and not self.quantize else every
+
+    def _slot_fields(self) -> tuple[str, ...]:
+        """What the cache can store per slot: keys and values, then their scales (quantized) or each
+        slot's position and validity (tracked once padding came)."""
+        return ("keys", "values", "key_scales", "value_scales") if self.quantize else ("keys", "values", "positions", "valid")
 
     def _track_each_sequence(self, batch: int, device) -> None:
         """From uniform to per-sequence bookkeeping: the stored slots get positions 0..size-1, all valid."""
@@ -222,8 +226,7 @@ class KVCache:
     def _append(self, *new: Tensor) -> tuple[Tensor, ...]:
         """Add the new slots to keys, values (and positions, valid once tracked; scales when quantized);
         returns the filled parts."""
-        fields = ("keys", "values", "key_scales", "value_scales") if self.quantize else \
-            ("keys", "values", "positions", "valid")
+        fields = self._slot_fields()
         stored = tuple(getattr(self, name) for name in fields[:len(new)])
         size, L = self.size, new[0].shape[2]
         if self.max_length is not None:

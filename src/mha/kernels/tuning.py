@@ -46,8 +46,8 @@ import torch
 from .._version import __version__
 
 __all__ = ["DECODE_KEYS", "DTYPES", "FLAGS", "KNOWN", "MARGIN", "NEVER", "PREFILL_LENGTHS", "ROUNDS", "SHAPES",
-           "Crossover", "Timer", "best_of", "cache_path", "cpu", "cpu_kind", "crossovers", "forget", "machine_key", "stored",
-           "switched_off", "tune"]
+           "Crossover", "Timer", "alternated_times", "best_of", "cache_path", "cpu", "cpu_kind", "crossovers", "forget",
+           "machine_key", "stored", "switched_off", "tune"]
 
 log = logging.getLogger("mha.dispatch")
 
@@ -242,15 +242,27 @@ def best_of(point: str, shape: dict, native_call, torch_call, *, repeat: int = 2
             for _ in range(calls):
                 call()
             looped[i] = min(looped[i], (time.perf_counter() - start) / calls)
-    single = [[], []]
-    for _ in range(singles):
-        for i, call in enumerate((native_call, torch_call)):
+    alone = alternated_times({"native": native_call, "torch": torch_call}, singles, warm=False)
+    alternated = [alone["native"], alone["torch"]]
+    return max((looped, alternated), key=lambda pair: pair[0] / pair[1])
+
+
+def alternated_times(calls: dict[str, Callable[[], object]], rounds: int, *, warm: bool = True) -> dict[str, float]:
+    """Seconds of a single call of each, the median of ``rounds`` taken in turn, each call after a
+    sweep over memory larger than the caches (_other_work), as a model's other layers sweep them
+    between its attention calls: how calls meet users, where back-to-back loops keep all warm.
+    ``warm``: one untimed call of each first."""
+    if warm:
+        for call in calls.values():
+            call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
             _other_work()
             start = time.perf_counter()
             call()
-            single[i].append(time.perf_counter() - start)
-    alternated = [sorted(times)[len(times) // 2] for times in single]
-    return max((looped, alternated), key=lambda pair: pair[0] / pair[1])
+            times[name].append(time.perf_counter() - start)
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
 @functools.cache

@@ -468,29 +468,12 @@ def plot_native(rows: list[Row], path: str) -> None:
 
 # -- the attention contract: time against torch on the same calls ---------------------------------
 
-def alternated_times(fns: dict[str, Callable[[], object]], rounds: int, *, sweep_mib: int = 8) -> dict[str, float]:
-    """Median ms of single calls of each function, in turn, each after a sweep over ``sweep_mib``
-    MiB (as a model's other layers run between its attention calls and empty the caches): how
-    calls meet users, where back-to-back loops keep everything warm."""
-    sweep = torch.zeros(sweep_mib << 20, dtype=torch.uint8)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()  # warm-up
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            sweep.add_(1)
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: float(np.median(ts)) * 1e3 for name, ts in times.items()}
-
-
 def auto_rows(lengths, decode_keys, repeat: int) -> Iterator[Row]:
     """backend="auto" (mha.functional.scaled_dot_product_attention: checks, contract, dispatch,
     whichever kernel it picks) against torch's SDPA on the same call, B1 H8 D64, no_grad: prefill
     at every length (causal), fp32 and bf16, and decoding steps (L=1, 2 kv heads, GQA) over
     ``decode_keys`` keys. Timed two ways: back-to-back (short calls several per round, so per-call
-    cost shows) and single calls alternated with other work (alternated_times)."""
+    cost shows) and single calls alternated with other work (tuning.alternated_times)."""
     F = torch.nn.functional
     for name, dtype in bench_native.DTYPES.items():
         points = [(f"T{T}", (1, HEADS, T), (1, HEADS, T), True) for T in lengths]
@@ -504,9 +487,9 @@ def auto_rows(lengths, decode_keys, repeat: int) -> Iterator[Row]:
                    "torch": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)}
             with torch.no_grad():
                 t = best_times(fns, repeat, calls=calls)
-                alone = alternated_times(fns, max(3, min(4 * repeat, calls * repeat)))
+                alone = tuning.alternated_times(fns, max(3, min(4 * repeat, calls * repeat)))
             yield Row("auto", f"{name} {point}{' causal' if causal else ''}",
-                      {**t, **{f"{way} alternated": ms for way, ms in alone.items()}},
+                      {**t, **{f"{way} alternated": seconds * 1e3 for way, seconds in alone.items()}},
                       {"auto/torch": t["auto"] / t["torch"], "auto/torch alternated": alone["auto"] / alone["torch"]})
 
 

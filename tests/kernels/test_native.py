@@ -158,6 +158,12 @@ def test_a_row_that_sees_one_key_has_no_query_gradient(dtype):
     out = mha.functional.scaled_dot_product_attention(q, k, v, is_causal=True, backend="native")
     (dq,) = torch.autograd.grad(out, (q,), torch.randn(out.shape, generator=g).to(dtype))
     assert torch.count_nonzero(dq[:, :, 0]) == 0 and torch.count_nonzero(dq[:, :, 1:]) == dq[:, :, 1:].numel()
+    # with a sink the softmax has two logits: row 0's dq is not zero, and equals math's
+    sinks = torch.randn(4, generator=g)
+    grads = [torch.autograd.grad(mha.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, sinks=sinks, backend=backend).sum(), (q,))[0][:, :, 0] for backend in ("native", "math")]
+    assert torch.count_nonzero(grads[0]) > 0
+    torch.testing.assert_close(grads[0].float(), grads[1].float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
 
 
 def test_gradcheck_in_float64():

@@ -179,3 +179,24 @@ def test_minilm_embeddings_with_int8_keys_and_values(length):
 
     cosines = bench_quality.int8_kv_cosines(bench_quality.checkpoint(), length, 32)
     assert cosines.shape == (32,) and float(cosines.min()) >= 0.999
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("P", "H", "Hkv", "D", "Dv"), [(1, 4, 1, 33, 7), (3, 8, 2, 1, 65), (64, 4, 4, 17, 16),
+                                                       (256, 8, 2, 63, 64)])
+@torch.no_grad()
+def test_int8_pages_at_the_edges(backend, P, H, Hkv, D, Dv):
+    """Odd and tile-edge head dims (vector tails), pages of 1 to 256 slots, GQA 1, 4 and 8, sequences
+    of 1, 15-17, 63-65 and 255-257 keys; a NaN key (its row's scale NaN) makes only its own sequence NaN."""
+    lengths = [(1, 1), (16, 16), (1, 17), (15, 63), (1, 65), (3, 255), (1, 257)]
+    c = _pool(lengths, H=H, Hkv=Hkv, P=P, D=D, Dv=Dv, seed=P + D)
+    ks = c["ks"].clone()
+    ks[int(c["table"][3, 5 // P]), 0, 5 % P] = float("nan")  # key 5 of sequence 3 (its rows 18..32 all see it), kv head 0
+    call = (c["table"], c["cu"], c["seqlens"])
+    got = paged_attention(c["q"], c["k8"], c["v8"], *call, k_scales=ks, v_scales=c["vs"], backend=backend)
+    want = paged_attention(c["q"].double(), dequantize(c["k8"], ks, torch.float64),
+                           dequantize(c["v8"], c["vs"], torch.float64), *call, backend="math")
+    torch.testing.assert_close(got.double(), want, atol=3e-6, rtol=1e-5, equal_nan=True)
+    poisoned = torch.zeros(got.shape[0], dtype=torch.bool)
+    poisoned[int(c["cu"][3]):int(c["cu"][4])] = True
+    assert torch.isnan(got[poisoned][:, :H // Hkv]).all() and not torch.isnan(got[~poisoned]).any()

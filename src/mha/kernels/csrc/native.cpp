@@ -1034,10 +1034,10 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
           shift[r] = empty ? inf : stats.max[row_index];
           inv_sum[r] = empty ? acc_t(1) : acc_t(1) / stats.sum[row_index];
           row_delta[r] = delta[row_index];
-          // a row whose softmax sum is 1 to working precision (one visible key, or the others'
-          // weights below its rounding) and no sink: P is one-hot, so dS = P (dP - delta) is 0, exactly
-          // (delta, summed in another order than dP, would leave its rounding in dq and dk)
-          one_hot[r] = !t.sinks && stats.sum[row_index] == acc_t(1);
+          // a row whose softmax sum (a sink's weight included) is 1 to working precision (one visible
+          // key, or the other weights below its rounding): P is one-hot, so dS = P (dP - delta) is 0,
+          // exactly (delta, summed in another order than dP, would leave its rounding in dq and dk)
+          one_hot[r] = stats.sum[row_index] == acc_t(1);
         }
         std::fill(dqb.begin(), dqb.begin() + R * sh.D, acc_t(0));
         for_each_key_tile(sh, t, rows, products, bh, lo, hi, p.data(), capped.data(),

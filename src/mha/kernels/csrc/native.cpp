@@ -40,9 +40,10 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
-#if defined(MHA_AVX512) || defined(MHA_AVX512_BF16)
+#if defined(__AVX2__) || defined(MHA_AVX512) || defined(MHA_AVX512_BF16)
 #include <immintrin.h>
 #endif
 
@@ -210,6 +211,25 @@ constexpr int64_t kLaneBytes = 64;  // a zmm register
 #else
 constexpr int64_t kLaneBytes = 32;  // a ymm register (two xmm in the portable build)
 #endif
+// The sum of a vector's N lanes, its halves added pairwise (log2(N) steps, not N dependent ones; the
+// same order at every width): lane u += lane u + N / 2, and so on down to two lanes.
+template <typename acc_t, int64_t N>
+struct Halves {
+  typedef acc_t vec __attribute__((vector_size(N * sizeof(acc_t))));
+  typedef acc_t half __attribute__((vector_size(N / 2 * sizeof(acc_t))));
+  static acc_t sum(vec v) {
+    half low, high;
+    std::memcpy(&low, &v, sizeof(half));
+    std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof(half), sizeof(half));
+    return Halves<acc_t, N / 2>::sum(low + high);
+  }
+};
+template <typename acc_t>
+struct Halves<acc_t, 2> {
+  typedef acc_t vec __attribute__((vector_size(2 * sizeof(acc_t))));
+  static acc_t sum(vec v) { return v[0] + v[1]; }
+};
+
 template <typename acc_t>
 struct Lanes {
   typedef acc_t vec __attribute__((vector_size(kLaneBytes)));
@@ -220,21 +240,8 @@ struct Lanes {
     return v;
   }
   static void store(acc_t* p, vec v) { std::memcpy(p, &v, sizeof(vec)); }
-  static acc_t sum(vec v) {  // halves added pairwise: log2(kCount) steps, not kCount dependent ones
-    acc_t lanes[kCount];
-    std::memcpy(lanes, &v, sizeof(vec));
-    for (int64_t width = kCount / 2; width >= 1; width /= 2)
-      for (int64_t u = 0; u < width; ++u) lanes[u] += lanes[u + width];
-    return lanes[0];
-  }
+  static acc_t sum(vec v) { return Halves<acc_t, kCount>::sum(v); }
 };
-
-// total + q[d] k[d] over d0 <= d < D (the head dim's last values, fewer than a vector).
-template <typename acc_t>
-inline acc_t dot_tail(acc_t total, const acc_t* q, const acc_t* k, int64_t d0, int64_t D) {
-  for (int64_t d = d0; d < D; ++d) total += q[d] * k[d];
-  return total;
-}
 
 #pragma GCC diagnostic pop
 
@@ -1077,81 +1084,176 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
   });
 }
 
-// The products of a few query rows (a decoding step's) with one run of keys, where brgemm's fixed cost
-// per call and its half-empty vectors (N = R) cost more than the products (measured: 1.4x the
-// time of a decoding batch at R = 4, pages of 16 keys, on AVX2): written with the compiler's vector
-// extensions (a register of acc_t: 64 bytes in the AVX-512 builds, 32 in the others, in the build's
-// instructions), four keys at a time (independent sums; a query's vector loaded once for four keys, a
-// row's output once for four values). Each key's score is the same sum whichever position it has
-// in a run (its own accumulator, the same order). Keys and values in acc_t (bfloat16 and float16
-// ones converted a run at a time first: measured faster than widening each load, which repeats
-// for every row).
+// The products of a few query rows (a decoding step's, or a block's of at most kRunLoopRows) with one
+// run of keys, where brgemm's fixed cost per call and its half-empty vectors (N = R) cost more than
+// the products (measured: 1.4x the time of a decoding batch at R = 4, pages of 16 keys, on AVX2):
+// written with the compiler's vector extensions (a register of acc_t: 64 bytes in the AVX-512 builds,
+// 32 in the others, in the build's instructions). Keys and values are read as they are stored
+// (float32, bfloat16, float16 or int8) and widened in registers, once for a block of up to four rows
+// (widen): a decoding step reads each byte of the cache once and converts it once. A block holds
+// rows x keys accumulators (8 for 1 row, 4 x 2 for 4: as many independent sums as two FMA units keep
+// busy, with the rows' and keys' vectors, in 16 registers). Each key's score is the same sum whichever
+// position it has in a run (its own accumulator, the same order). An 8-bit key's or value's (token,
+// head) scale multiplies its score or its weight, not its D values.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
-//   s[r * lds + j] = q_r . k_j        q: R rows of D (scaled), k: ``count`` rows ld apart
-template <typename acc_t>
-void run_scores(int64_t R, int64_t count, int64_t D, const acc_t* q, const acc_t* k, int64_t ld, acc_t* s, int64_t lds) {
+template <typename acc_t, typename T>
+inline typename Lanes<acc_t>::vec widen(const T* p) {
+  using V = Lanes<acc_t>;
+  typename V::vec out;
+  if constexpr (std::is_same_v<T, acc_t>) {
+    return V::load(p);
+#if defined(__AVX2__)
+  } else if constexpr (std::is_same_v<T, at::BFloat16> && sizeof(acc_t) == 4) {  // a bfloat16 is a float's top half
+#if defined(MHA_AVX512)
+    const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#else
+    const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#endif
+    std::memcpy(&out, &wide, sizeof(out));
+  } else if constexpr (std::is_same_v<T, int8_t> && sizeof(acc_t) == 4) {
+#if defined(MHA_AVX512)
+    const __m512 wide = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+    const __m256 wide = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#endif
+    std::memcpy(&out, &wide, sizeof(out));
+  } else if constexpr (std::is_same_v<T, at::Half> && sizeof(acc_t) == 4) {
+#if defined(MHA_AVX512)
+    const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+    const __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+    std::memcpy(&out, &wide, sizeof(out));
+#endif
+  } else {  // one value at a time: the portable build, and 8-bit or 16-bit values under float64 queries
+    acc_t values[V::kCount];
+    for (int64_t i = 0; i < V::kCount; ++i) values[i] = static_cast<acc_t>(p[i]);
+    out = V::load(values);
+  }
+  return out;
+}
+
+// Ask for the rows of keys (or values) about kPrefetchBytes ahead of the ones being read, a row at a time:
+// the hardware's prefetcher stops at each 4 KiB page, which a cache's rows cross every few keys.
+constexpr int64_t kPrefetchBytes = 4096;
+template <typename T>
+inline void prefetch_rows(const T* first, int64_t rows, int64_t ld, int64_t width) {
+  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(T)), ld_bytes = ld * static_cast<int64_t>(sizeof(T));
+  const char* at = reinterpret_cast<const char*>(first) + (kPrefetchBytes + ld_bytes - 1) / ld_bytes * ld_bytes;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(at + i * ld_bytes + byte, 0, 3);
+}
+
+// Keys (or values) per block for a block of kRows rows.
+template <int kRows>
+constexpr int kBlockKeys = kRows == 1 ? 8 : (kRows == 2 ? 4 : 2);
+
+//   s[r * lds + j] = q_r . k_j (times scales[j * scale_ld] where given)   q: kRows rows of D, k: ``count`` rows ld apart
+template <int kRows, typename acc_t, typename key_t>
+void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64_t ld, acc_t* s, int64_t lds,
+                 const acc_t* scales, int64_t scale_ld) {
   using V = Lanes<acc_t>;
   using vec = typename V::vec;
   const int64_t Dw = D / V::kCount * V::kCount;
-  int64_t j = 0;
-  for (; j + 4 <= count; j += 4) {
-    const acc_t *k0 = k + j * ld, *k1 = k0 + ld, *k2 = k1 + ld, *k3 = k2 + ld;
-    for (int64_t r = 0; r < R; ++r) {
-      const acc_t* qr = q + r * D;
-      vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
-      for (int64_t d = 0; d < Dw; d += V::kCount) {
-        const vec x = V::load(qr + d);
-        a0 += x * V::load(k0 + d);
-        a1 += x * V::load(k1 + d);
-        a2 += x * V::load(k2 + d);
-        a3 += x * V::load(k3 + d);
+  auto finish = [&](int64_t j, int64_t r, vec sum) {
+    const key_t* kj = k + j * ld;
+    acc_t total = V::sum(sum);
+    for (int64_t d = Dw; d < D; ++d) total += q[r * D + d] * static_cast<acc_t>(kj[d]);
+    s[r * lds + j] = scales == nullptr ? total : total * scales[j * scale_ld];
+  };
+  // keys j .. j + keys: each row's sums over whole vectors, then finished
+  auto block = [&](int64_t j, auto keys) {
+    constexpr int kKeys = decltype(keys)::value;
+    prefetch_rows(k + j * ld, kKeys, ld, D);
+    vec a[kRows][kKeys];
+    for (int r = 0; r < kRows; ++r)
+      for (int i = 0; i < kKeys; ++i) a[r][i] = vec{};
+    for (int64_t d = 0; d < Dw; d += V::kCount) {
+      vec x[kKeys];
+#pragma GCC unroll 8
+      for (int i = 0; i < kKeys; ++i) x[i] = widen<acc_t>(k + (j + i) * ld + d);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        const vec y = V::load(q + r * D + d);
+#pragma GCC unroll 8
+        for (int i = 0; i < kKeys; ++i) a[r][i] += y * x[i];
       }
-      acc_t* out = s + r * lds + j;
-      out[0] = dot_tail(V::sum(a0), qr, k0, Dw, D);
-      out[1] = dot_tail(V::sum(a1), qr, k1, Dw, D);
-      out[2] = dot_tail(V::sum(a2), qr, k2, Dw, D);
-      out[3] = dot_tail(V::sum(a3), qr, k3, Dw, D);
     }
-  }
-  for (; j < count; ++j) {  // the same sums, a key at a time
-    const acc_t* kj = k + j * ld;
-    for (int64_t r = 0; r < R; ++r) {
-      const acc_t* qr = q + r * D;
-      vec a = {};
-      for (int64_t d = 0; d < Dw; d += V::kCount) a += V::load(qr + d) * V::load(kj + d);
-      s[r * lds + j] = dot_tail(V::sum(a), qr, kj, Dw, D);
+    for (int r = 0; r < kRows; ++r)
+      for (int i = 0; i < kKeys; ++i) finish(j + i, r, a[r][i]);
+  };
+  int64_t j = 0;
+  for (; j + kBlockKeys<kRows> <= count; j += kBlockKeys<kRows>) block(j, std::integral_constant<int, kBlockKeys<kRows>>{});
+  for (; j < count; ++j) block(j, std::integral_constant<int, 1>{});
+}
+
+//   acc_r += sum_j w_rj v_j, w_rj = p[r * ldp + j] (times scales[j * scale_ld] where given)   v: ``count`` rows of Dv, ld apart
+template <int kRows, typename acc_t, typename value_t>
+void value_block(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const value_t* v, int64_t ld, acc_t* acc,
+                 const acc_t* scales, int64_t scale_ld) {
+  using V = Lanes<acc_t>;
+  using vec = typename V::vec;
+  const int64_t Dw = Dv / V::kCount * V::kCount;
+  auto block = [&](int64_t j, auto keys) {
+    constexpr int kKeys = decltype(keys)::value;
+    prefetch_rows(v + j * ld, kKeys, ld, Dv);
+    acc_t w[kRows][kKeys];
+    for (int r = 0; r < kRows; ++r)
+      for (int i = 0; i < kKeys; ++i) w[r][i] = scales == nullptr ? p[r * ldp + j + i] : p[r * ldp + j + i] * scales[(j + i) * scale_ld];
+    for (int64_t d = 0; d < Dw; d += V::kCount) {
+      vec x[kKeys];
+#pragma GCC unroll 8
+      for (int i = 0; i < kKeys; ++i) x[i] = widen<acc_t>(v + (j + i) * ld + d);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        vec t = w[r][0] * x[0];
+#pragma GCC unroll 8
+        for (int i = 1; i < kKeys; ++i) t += w[r][i] * x[i];
+        V::store(acc + r * Dv + d, V::load(acc + r * Dv + d) + t);
+      }
+    }
+    for (int64_t d = Dw; d < Dv; ++d)
+      for (int r = 0; r < kRows; ++r) {
+        acc_t t = w[r][0] * static_cast<acc_t>(v[j * ld + d]);
+        for (int i = 1; i < kKeys; ++i) t += w[r][i] * static_cast<acc_t>(v[(j + i) * ld + d]);
+        acc[r * Dv + d] += t;
+      }
+  };
+  int64_t j = 0;
+  for (; j + kBlockKeys<kRows> <= count; j += kBlockKeys<kRows>) block(j, std::integral_constant<int, kBlockKeys<kRows>>{});
+  for (; j < count; ++j) block(j, std::integral_constant<int, 1>{});
+}
+
+// The R rows in blocks of up to four: each block's call of score_block or value_block.
+template <typename Call>
+inline void in_row_blocks(int64_t R, Call call) {
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    switch (std::min<int64_t>(4, R - r0)) {
+      case 1: call(r0, std::integral_constant<int, 1>{}); break;
+      case 2: call(r0, std::integral_constant<int, 2>{}); break;
+      case 3: call(r0, std::integral_constant<int, 3>{}); break;
+      default: call(r0, std::integral_constant<int, 4>{}); break;
     }
   }
 }
 
-//   acc_r += sum_j p[r * ldp + j] v_j   v: ``count`` rows of Dv, ld apart
-template <typename acc_t>
-void run_values(int64_t R, int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const acc_t* v, int64_t ld,
-                acc_t* acc) {
-  using V = Lanes<acc_t>;
-  const int64_t Dw = Dv / V::kCount * V::kCount;
-  int64_t j = 0;
-  for (; j + 4 <= count; j += 4) {
-    const acc_t *v0 = v + j * ld, *v1 = v0 + ld, *v2 = v1 + ld, *v3 = v2 + ld;
-    for (int64_t r = 0; r < R; ++r) {
-      const acc_t* w = p + r * ldp + j;
-      const acc_t w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
-      acc_t* a = acc + r * Dv;
-      for (int64_t d = 0; d < Dw; d += V::kCount)
-        V::store(a + d, V::load(a + d) + ((w0 * V::load(v0 + d) + w1 * V::load(v1 + d)) +
-                                          (w2 * V::load(v2 + d) + w3 * V::load(v3 + d))));
-      for (int64_t d = Dw; d < Dv; ++d) a[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d]);
-    }
-  }
-  for (; j < count; ++j) {
-    const acc_t* vj = v + j * ld;
-    for (int64_t r = 0; r < R; ++r) {
-      const acc_t w = p[r * ldp + j];
-      acc_t* a = acc + r * Dv;
-      for (int64_t d = 0; d < Dv; ++d) a[d] += w * vj[d];
-    }
-  }
+//   s[r * lds + j] = q_r . k_j (times the keys' scales, for 8-bit keys)   q: R rows of D, k: ``count`` rows ld apart
+template <typename acc_t, typename key_t>
+void run_scores(int64_t R, int64_t count, int64_t D, const acc_t* q, const key_t* k, int64_t ld, acc_t* s, int64_t lds,
+                const acc_t* scales = nullptr, int64_t scale_ld = 0) {
+  in_row_blocks(R, [&](int64_t r0, auto rows) {
+    score_block<decltype(rows)::value>(count, D, q + r0 * D, k, ld, s + r0 * lds, lds, scales, scale_ld);
+  });
+}
+
+//   acc_r += sum_j p[r * ldp + j] v_j (times the values' scales, for 8-bit values)   v: ``count`` rows of Dv, ld apart
+template <typename acc_t, typename value_t>
+void run_values(int64_t R, int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const value_t* v, int64_t ld,
+                acc_t* acc, const acc_t* scales = nullptr, int64_t scale_ld = 0) {
+  in_row_blocks(R, [&](int64_t r0, auto rows) {
+    value_block<decltype(rows)::value>(count, Dv, p + r0 * ldp, ldp, v, ld, acc + r0 * Dv, scales, scale_ld);
+  });
 }
 #pragma GCC diagnostic pop
 constexpr int64_t kRunLoopRows = 8;  // at most this many rows: run_scores and run_values, else brgemm
@@ -1159,171 +1261,13 @@ constexpr int64_t kRunLoopRows = 8;  // at most this many rows: run_scores and r
 // ---- decoding: a few query rows against many keys -------------------------------------------------
 //
 // With G * L <= kDecodeRows rows per key/value head (a decoding step), the keys are read straight
-// from the cache's rows, once for the G heads that share them, and never repacked; the keys are
-// split among the threads when there are fewer (batch, kv head) tasks than threads, each split
-// keeping its own running softmax, merged by log-sum-exp at the end (flash-decoding).
+// from the cache's rows, once for the G heads that share them (run_scores, run_values), and never
+// repacked; the keys are split among the threads when there are fewer (batch, kv head) tasks than
+// threads, each split keeping its own running softmax, merged by log-sum-exp at the end
+// (flash-decoding).
 
 constexpr int64_t kDecodeRows = 16;
 constexpr int64_t kDecodeKeys = 64;
-
-// s[r * n + j] = scale * q_r . k_j for n keys, rows q_r (D values each, unscaled, the input dtype).
-template <typename scalar_t, typename acc_t>
-void decode_scores(int64_t R, int64_t n, int64_t D, const scalar_t* const* q_rows, const scalar_t* k, acc_t scale,
-                   acc_t* s) {
-  for (int64_t j = 0; j < n; ++j) {
-    const scalar_t* kj = k + j * D;
-    for (int64_t r = 0; r < R; ++r) {
-      acc_t total = 0;
-      for (int64_t d = 0; d < D; ++d) total += static_cast<acc_t>(q_rows[r][d]) * static_cast<acc_t>(kj[d]);
-      s[r * n + j] = total * scale;
-    }
-  }
-}
-
-// acc_r += sum_j p[r * n + j] v_j, v_j the Dv values of key j.
-template <typename scalar_t, typename acc_t>
-void decode_values(int64_t R, int64_t n, int64_t Dv, const acc_t* p, const scalar_t* v, acc_t* acc) {
-  for (int64_t j = 0; j < n; ++j) {
-    const scalar_t* vj = v + j * Dv;
-    for (int64_t r = 0; r < R; ++r) {
-      const acc_t w = p[r * n + j];
-      acc_t* a = acc + r * Dv;
-      for (int64_t d = 0; d < Dv; ++d) a[d] += w * static_cast<acc_t>(vj[d]);
-    }
-  }
-}
-
-#if defined(MHA_AVX512)
-template <>
-void decode_scores<float, float>(int64_t R, int64_t n, int64_t D, const float* const* q_rows, const float* k,
-                                 float scale, float* s) {
-  for (int64_t j = 0; j < n; ++j) {
-    const float* kj = k + j * D;
-    for (int64_t r = 0; r < R; ++r) {
-      __m512 a = _mm512_setzero_ps();
-      int64_t d = 0;
-      for (; d + 16 <= D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q_rows[r] + d), _mm512_loadu_ps(kj + d), a);
-      if (d < D) {
-        const __mmask16 m = tail_mask(D - d);
-        a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q_rows[r] + d), _mm512_maskz_loadu_ps(m, kj + d), a);
-      }
-      s[r * n + j] = _mm512_reduce_add_ps(a) * scale;
-    }
-  }
-}
-
-template <>
-void decode_values<float, float>(int64_t R, int64_t n, int64_t Dv, const float* p, const float* v, float* acc) {
-  for (int64_t j = 0; j < n; ++j) {
-    const float* vj = v + j * Dv;
-    for (int64_t r = 0; r < R; ++r) {
-      const float w = p[r * n + j];
-      const __m512 wv = _mm512_set1_ps(w);
-      float* a = acc + r * Dv;
-      int64_t d = 0;
-      for (; d + 16 <= Dv; d += 16) _mm512_storeu_ps(a + d, _mm512_fmadd_ps(wv, _mm512_loadu_ps(vj + d), _mm512_loadu_ps(a + d)));
-      if (d < Dv) {
-        const __mmask16 m = tail_mask(Dv - d);
-        _mm512_mask_storeu_ps(a + d, m, _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, vj + d), _mm512_maskz_loadu_ps(m, a + d)));
-      }
-    }
-  }
-}
-
-// 16 bfloat16 as 16 floats (a bfloat16 is the top half of a float).
-static inline __m512 bf16_to_float(__m256i x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-}
-
-template <>
-void decode_values<at::BFloat16, float>(int64_t R, int64_t n, int64_t Dv, const float* p, const at::BFloat16* v,
-                                        float* acc) {
-  for (int64_t j = 0; j < n; ++j) {
-    const at::BFloat16* vj = v + j * Dv;
-    for (int64_t r = 0; r < R; ++r) {
-      const float w = p[r * n + j];
-      const __m512 wv = _mm512_set1_ps(w);
-      float* a = acc + r * Dv;
-      int64_t d = 0;
-      for (; d + 16 <= Dv; d += 16) {
-        const __m512 vv = bf16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vj + d)));
-        _mm512_storeu_ps(a + d, _mm512_fmadd_ps(wv, vv, _mm512_loadu_ps(a + d)));
-      }
-      for (; d < Dv; ++d) a[d] += w * static_cast<float>(vj[d]);
-    }
-  }
-}
-#endif
-
-#if !defined(MHA_AVX512)
-// The AVX2 and portable builds: the products on the run loops' vectors (run_scores, run_values; the
-// one value at a time of the templates above left a decoding step at a fifth of the memory's read
-// rate), the queries packed once per call, bfloat16 keys and values converted a tile at a time.
-template <typename scalar_t>
-const float* packed_rows(int64_t R, int64_t D, const scalar_t* const* rows) {
-  thread_local std::vector<float> packed;
-  if (static_cast<int64_t>(packed.size()) < R * D) packed.resize(R * D);
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t d = 0; d < D; ++d) packed[r * D + d] = static_cast<float>(rows[r][d]);
-  return packed.data();
-}
-
-template <typename scalar_t>
-const float* widened(int64_t count, const scalar_t* x) {
-  thread_local std::vector<float> wide;
-  if (static_cast<int64_t>(wide.size()) < count) wide.resize(count);
-  for (int64_t i = 0; i < count; ++i) wide[i] = static_cast<float>(x[i]);
-  return wide.data();
-}
-
-template <>
-void decode_scores<float, float>(int64_t R, int64_t n, int64_t D, const float* const* q_rows, const float* k, float scale,
-                                 float* s) {
-  run_scores(R, n, D, packed_rows(R, D, q_rows), k, D, s, n);
-  for (int64_t i = 0; i < R * n; ++i) s[i] *= scale;
-}
-
-template <>
-void decode_values<float, float>(int64_t R, int64_t n, int64_t Dv, const float* p, const float* v, float* acc) {
-  run_values(R, n, Dv, p, n, v, Dv, acc);
-}
-
-template <>
-void decode_values<at::BFloat16, float>(int64_t R, int64_t n, int64_t Dv, const float* p, const at::BFloat16* v,
-                                        float* acc) {
-  run_values(R, n, Dv, p, n, widened(n * Dv, v), Dv, acc);
-}
-#endif
-
-#if !defined(MHA_AVX512_BF16)
-template <>
-void decode_scores<at::BFloat16, float>(int64_t R, int64_t n, int64_t D, const at::BFloat16* const* q_rows,
-                                        const at::BFloat16* k, float scale, float* s) {
-  const float* rows = packed_rows(R, D, q_rows);  // (its own buffer: widened's is the keys')
-  run_scores(R, n, D, rows, widened(n * D, k), D, s, n);
-  for (int64_t i = 0; i < R * n; ++i) s[i] *= scale;
-}
-#endif
-
-#if defined(MHA_AVX512_BF16)
-// bfloat16 dot products accumulated in float32 by pairs (vdpbf16ps): no score is rounded to bfloat16.
-template <>
-void decode_scores<at::BFloat16, float>(int64_t R, int64_t n, int64_t D, const at::BFloat16* const* q_rows,
-                                        const at::BFloat16* k, float scale, float* s) {
-  for (int64_t j = 0; j < n; ++j) {
-    const at::BFloat16* kj = k + j * D;
-    for (int64_t r = 0; r < R; ++r) {
-      __m512 a = _mm512_setzero_ps();
-      int64_t d = 0;
-      for (; d + 32 <= D; d += 32)
-        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q_rows[r] + d), (__m512bh)_mm512_loadu_si512(kj + d));
-      float total = _mm512_reduce_add_ps(a);
-      for (; d < D; ++d) total += static_cast<float>(q_rows[r][d]) * static_cast<float>(kj[d]);
-      s[r * n + j] = total * scale;
-    }
-  }
-}
-#endif
 
 // One row's softmax computed in ``splits`` parts over disjoint keys (max m, sum l, accumulator acc
 // of part p at m[p * stride], l[p * stride], acc[p * stride * Dv ..]) merged by log-sum-exp:
@@ -1357,8 +1301,7 @@ void decode_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, co
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   std::vector<acc_t> part_acc(tasks * splits * R * sh.Dv), part_m(tasks * splits * R), part_l(tasks * splits * R);
   at::parallel_for(0, tasks * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> s(R * kDecodeKeys);
-    std::vector<const scalar_t*> q_rows(R);
+    std::vector<acc_t> s(R * kDecodeKeys), q_rows(R * sh.D);  // the task's query rows in acc_t
     for (int64_t task = begin; task < end; ++task) {
       const int64_t split = task % splits, bh = task / splits, b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
       const Rows rows = block_rows(sh, t, b, kv_head, 0, R);
@@ -1366,7 +1309,8 @@ void decode_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, co
       acc_t* m = part_m.data() + task * R;
       acc_t* l = part_l.data() + task * R;
       for (int64_t r = 0; r < R; ++r) {
-        q_rows[r] = q + ((b * sh.H + rows.head[r]) * sh.L + rows.index[r]) * sh.D;
+        const scalar_t* row = q + ((b * sh.H + rows.head[r]) * sh.L + rows.index[r]) * sh.D;
+        std::transform(row, row + sh.D, q_rows.begin() + r * sh.D, [](scalar_t x) { return static_cast<acc_t>(x); });
         const bool sink = t.sinks != nullptr && split == 0;  // the sink joins once, in the first split
         m[r] = sink ? t.sinks[rows.head[r]] : neg_inf;
         l[r] = sink ? acc_t(1) : acc_t(0);
@@ -1379,11 +1323,12 @@ void decode_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, co
       const scalar_t* v_head = v + b * sh.v_batch + kv_head * sh.v_head;
       for (int64_t j0 = lo; j0 < hi; j0 += kDecodeKeys) {
         const int64_t n = std::min(kDecodeKeys, hi - j0);
-        decode_scores<scalar_t, acc_t>(R, n, sh.D, q_rows.data(), k_head + j0 * sh.D, t.scale, s.data());
+        run_scores(R, n, sh.D, q_rows.data(), k_head + j0 * sh.D, sh.D, s.data(), n);
+        for (int64_t i = 0; i < R * n; ++i) s[i] *= t.scale;
         const bool covered = band_covers(t, rows, j0, n);
         if (!plain_tile(t, covered)) shape_tile(t, rows, j0, n, s.data(), n, static_cast<acc_t*>(nullptr), covered);
         for (int64_t r = 0; r < R; ++r) absorb(n, s.data() + r * n, acc_t(1), m[r], l[r], acc + r * sh.Dv, sh.Dv, s.data() + r * n);
-        decode_values<scalar_t, acc_t>(R, n, sh.Dv, s.data(), v_head + j0 * sh.Dv, acc);
+        run_values(R, n, sh.Dv, s.data(), n, v_head + j0 * sh.Dv, sh.Dv, acc);
       }
     }
   });
@@ -1576,9 +1521,13 @@ struct PagedProducts {
     if (st.empty()) st.resize(kBlockK * kBlockQ);
     for (size_t x = 0; x < runs.size(); ++x) {
       const Run& run = runs[x];
+      if (R <= kRunLoopRows) {  // the pool's rows as they are, widened in registers
+        run_scores(R, run.count, D, qr.data(), k + run.k_at, pool.k_slot, s + run.first, n, scales_of(scales.k, run),
+                   scales.slot);
+        continue;
+      }
       const auto [keys, ld] = rows_of(k, run.k_at, run.count, D, pool.k_slot, scales_of(scales.k, run));
-      if (R <= kRunLoopRows) run_scores(R, run.count, D, qr.data(), keys, ld, s + run.first, n);
-      else gemm_nn(run.count, R, D, keys, ld, qt.data(), kBlockQ, st.data() + run.first * R, R, false);
+      gemm_nn(run.count, R, D, keys, ld, qt.data(), kBlockQ, st.data() + run.first * R, R, false);
     }
     if (R > kRunLoopRows)  // S^T (n x R) -> s (R x n), in blocks of 8 x 8 (in the first-level cache)
       for (int64_t j0b = 0; j0b < n; j0b += 8)
@@ -1589,9 +1538,13 @@ struct PagedProducts {
   acc_t* weights(acc_t* s) { return s; }  // in place of the scores
   void add_values(int64_t, int64_t R, int64_t, int64_t n, const acc_t* p, acc_t* acc) {  // the runs of scores()
     for (const Run& run : runs) {
+      if (R <= kRunLoopRows) {
+        run_values(R, run.count, Dv, p + run.first, n, v + run.v_at, pool.v_slot, acc, scales_of(scales.v, run),
+                   scales.slot);
+        continue;
+      }
       const auto [values, ld] = rows_of(v, run.v_at, run.count, Dv, pool.v_slot, scales_of(scales.v, run));
-      if (R <= kRunLoopRows) run_values(R, run.count, Dv, p + run.first, n, values, ld, acc);
-      else gemm_nn(R, Dv, run.count, p + run.first, n, values, ld, acc, Dv, true);
+      gemm_nn(R, Dv, run.count, p + run.first, n, values, ld, acc, Dv, true);
     }
   }
 };

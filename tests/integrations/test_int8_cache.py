@@ -1,0 +1,106 @@
+"""Int8Cache: transformers' generate with 8-bit keys and values read in place by mha's attention,
+against the same model attending over the keys and values dequantized (the reference), and bad
+input refused."""
+
+import pytest
+import torch
+
+from helpers.exact import raises_exactly
+from helpers.tiny_decoders import TINY, left_padded_batch, tiny_model
+
+transformers = pytest.importorskip("transformers")
+hf = pytest.importorskip("mha.integrations.transformers")
+
+from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
+
+from mha.kernels.quantize import dequantize, quantize_int8  # noqa: E402
+
+hf.register()
+
+NEW_TOKENS = 12
+
+
+class DequantizedLayer(DynamicLayer):
+    """The reference: keys and values rounded to int8 and back, kept in float, attended as usual."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return super().update(dequantize(*quantize_int8(key_states), key_states.dtype),
+                              dequantize(*quantize_int8(value_states), value_states.dtype))
+
+
+def sharpened(kind: str):
+    """A tiny model whose attention decides its logits: q and k sharpened, the output projection amplified."""
+    model = tiny_model(kind)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+            layer.self_attn.k_proj.weight.mul_(4.0)
+            layer.self_attn.o_proj.weight.mul_(8.0)
+    model.set_attn_implementation("mha")
+    return model
+
+
+def generate(model, ids, cache):
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits)  # (steps, B, vocab)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_oss", "gemma2"])
+def test_generate_over_int8_keys_equals_attention_over_them_dequantized(kind):
+    model = sharpened(kind)
+    torch.manual_seed(2)
+    ids = torch.randint(1, TINY["vocab_size"], (2, 9))  # two prompts of one length: past the sliding window of 6
+    cache = hf.Int8Cache()
+    tokens, logits = generate(model, ids, cache)
+    expected_tokens, expected = generate(model, ids, Cache(layer_class_to_replicate=DequantizedLayer))
+    _, exact = generate(model, ids, None)  # transformers' float cache
+    assert torch.equal(tokens, expected_tokens)
+    error = (logits - expected).abs().max() / expected.abs().max()
+    assert error < 1e-5
+    # the int8 rounding itself moves the logits far more than the kernel's rounding: the comparison above
+    # would see a dropped scale or a misplaced key
+    assert (exact - expected).abs().max() / expected.abs().max() > 100 * error
+    for layer in cache.layers:  # int8 rows of head_dim values and their float32 scales, one tensor
+        assert layer.keys.dtype == torch.int8 and layer.keys.shape[-2:] == (9 + NEW_TOKENS - 1, TINY["head_dim"] + 4)
+
+
+def test_the_cache_stores_about_half_a_bfloat16_cache():
+    model = sharpened("llama")
+    cache = hf.Int8Cache()
+    generate(model, torch.randint(1, TINY["vocab_size"], (1, 5)), cache)
+    layer = cache.layers[0]
+    D = TINY["head_dim"]
+    assert layer.keys.numel() + layer.values.numel() == 2 * layer.keys.shape[2] * TINY["num_key_value_heads"] * (D + 4)
+
+
+def test_a_cache_cropped_and_reordered_keeps_rows_and_scales_together():
+    torch.manual_seed(3)
+    layer = hf.Int8Layer()
+    k, v = torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 8)
+    layer.update(k, v)
+    layer.crop(-2)
+    layer.batch_select_indices(torch.tensor([1]))
+    rows, scales = hf._rows_and_scales("key", layer.keys)
+    assert torch.equal(dequantize(rows, scales, torch.float32), dequantize(*quantize_int8(k[1:, :, :5]), torch.float32))
+    rows, scales = hf._rows_and_scales("value", layer.values)
+    assert rows.shape == (1, 2, 5, 8)
+
+
+def test_refusals_name_what_is_wrong():
+    model = sharpened("llama")
+    ids, attention_mask = left_padded_batch()
+    with pytest.raises(ValueError, match="padding keys"):
+        model.generate(ids, attention_mask=attention_mask, past_key_values=hf.Int8Cache(), max_new_tokens=2,
+                       do_sample=False)
+    q = torch.randn(1, 4, 1, 16)
+    k8 = torch.zeros(1, 2, 3, 20, dtype=torch.int8)
+    module = model.model.layers[0].self_attn
+    with raises_exactly(TypeError, "key is int8 (an Int8Cache's) but value is torch.float32: both come from the same cache"):
+        hf.attention_forward(module, q, k8, torch.zeros(1, 2, 3, 16), None)
+    with pytest.raises(ValueError, match="as an Int8Cache stores them"):
+        hf.attention_forward(module, q, k8[..., :3], k8[..., :3], None)
+    with pytest.raises(ValueError, match="no output_attentions"):
+        hf.attention_forward(module, q, k8, k8, None, output_attentions=True)
+    with pytest.raises(TypeError, match="key_states"):
+        hf.Int8Layer().update(torch.zeros(1, 2, 3, 4, dtype=torch.int64), torch.zeros(1, 2, 3, 4))

@@ -1145,6 +1145,37 @@ inline void prefetch_rows(const T* first, int64_t rows, int64_t ld, int64_t widt
     for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(at + i * ld_bytes + byte, 0, 3);
 }
 
+// out[n] = the sum of a[n]'s lanes, n < N, each in one fixed order whether a vector is reduced alone
+// or among others (so a key's score does not depend on its place in a block). On AVX2 floats:
+// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), eight vectors at a time by horizontal adds
+// (nine instructions for eight sums; one at a time, a reduction cost a third of a decoding step's
+// products); elsewhere Lanes::sum.
+#if defined(__AVX2__) && !defined(MHA_AVX512)
+inline float lane_sum(__m256 v) {
+  const __m256 pairs = _mm256_hadd_ps(v, v), quads = _mm256_hadd_ps(pairs, pairs);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1)));
+}
+inline __m256 lane_sums8(const __m256* a) {
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // each 128-bit half's sums
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+#endif
+template <typename acc_t, int N>
+inline void lane_sums(const typename Lanes<acc_t>::vec* a, acc_t* out) {
+#if defined(__AVX2__) && !defined(MHA_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    __m256 wide[N];
+    std::memcpy(wide, a, sizeof(wide));
+    int n = 0;
+    for (; n + 8 <= N; n += 8) _mm256_storeu_ps(out + n, lane_sums8(wide + n));
+    for (; n < N; ++n) out[n] = lane_sum(wide[n]);
+    return;
+  }
+#endif
+  for (int n = 0; n < N; ++n) out[n] = Lanes<acc_t>::sum(a[n]);
+}
+
 // Keys (or values) per block for a block of kRows rows.
 template <int kRows>
 constexpr int kBlockKeys = kRows == 1 ? 8 : (kRows == 2 ? 4 : 2);
@@ -1156,13 +1187,7 @@ void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64
   using V = Lanes<acc_t>;
   using vec = typename V::vec;
   const int64_t Dw = D / V::kCount * V::kCount;
-  auto finish = [&](int64_t j, int64_t r, vec sum) {
-    const key_t* kj = k + j * ld;
-    acc_t total = V::sum(sum);
-    for (int64_t d = Dw; d < D; ++d) total += q[r * D + d] * static_cast<acc_t>(kj[d]);
-    s[r * lds + j] = scales == nullptr ? total : total * scales[j * scale_ld];
-  };
-  // keys j .. j + keys: each row's sums over whole vectors, then finished
+  // keys j .. j + keys: each row's sums over whole vectors, their lanes summed, the last values added
   auto block = [&](int64_t j, auto keys) {
     constexpr int kKeys = decltype(keys)::value;
     prefetch_rows(k + j * ld, kKeys, ld, D);
@@ -1180,8 +1205,15 @@ void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64
         for (int i = 0; i < kKeys; ++i) a[r][i] += y * x[i];
       }
     }
+    acc_t totals[kRows][kKeys];
+    lane_sums<acc_t, kRows * kKeys>(&a[0][0], &totals[0][0]);
     for (int r = 0; r < kRows; ++r)
-      for (int i = 0; i < kKeys; ++i) finish(j + i, r, a[r][i]);
+      for (int i = 0; i < kKeys; ++i) {
+        const key_t* kj = k + (j + i) * ld;
+        acc_t total = totals[r][i];
+        for (int64_t d = Dw; d < D; ++d) total += q[r * D + d] * static_cast<acc_t>(kj[d]);
+        s[r * lds + j + i] = scales == nullptr ? total : total * scales[(j + i) * scale_ld];
+      }
   };
   int64_t j = 0;
   for (; j + kBlockKeys<kRows> <= count; j += kBlockKeys<kRows>) block(j, std::integral_constant<int, kBlockKeys<kRows>>{});

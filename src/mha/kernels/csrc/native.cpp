@@ -1178,7 +1178,7 @@ inline void lane_sums(const typename Lanes<acc_t>::vec* a, acc_t* out) {
 
 // Keys (or values) per block for a block of kRows rows.
 template <int kRows>
-constexpr int kBlockKeys = kRows == 1 ? 8 : (kRows == 2 ? 4 : 2);
+constexpr int kBlockKeys = kRows == 1 ? 8 : (kRows == 2 ? 4 : 3);
 
 //   s[r * lds + j] = q_r . k_j (times scales[j * scale_ld] where given)   q: kRows rows of D, k: ``count`` rows ld apart
 template <int kRows, typename acc_t, typename key_t>

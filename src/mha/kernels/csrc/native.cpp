@@ -1042,8 +1042,10 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
           inv_sum[r] = empty ? acc_t(1) : acc_t(1) / stats.sum[row_index];
           row_delta[r] = delta[row_index];
           // a row whose softmax sum (a sink's weight included) is 1 to working precision (one visible
-          // key, or the other weights below its rounding): P is one-hot, so dS = P (dP - delta) is 0,
-          // exactly (delta, summed in another order than dP, would leave its rounding in dq and dk)
+          // key, or the other weights below its rounding): its key of weight 1 gets dS = 0, within
+          // the other weights of the true dS = 1 (dP - delta) = sum_j P_j (dP - dP_j), where delta,
+          // summed in another order than dP, would leave its rounding in dq and dk; the other keys'
+          // dS = P (dP - delta) as everywhere (tiny, and all of a one-hot row's d_slopes)
           one_hot[r] = stats.sum[row_index] == acc_t(1);
         }
         std::fill(dqb.begin(), dqb.begin() + R * sh.D, acc_t(0));
@@ -1056,7 +1058,7 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
           for (int64_t r = 0; r < R; ++r) {  // dS = P (dP - delta), in place of dP
             const acc_t* pr = p.data() + r * n;
             acc_t* g = ds.data() + r * n;
-            for (int64_t j = 0; j < n; ++j) g[j] = one_hot[r] ? acc_t(0) : pr[j] * (g[j] - row_delta[r]);
+            for (int64_t j = 0; j < n; ++j) g[j] = one_hot[r] && pr[j] == acc_t(1) ? acc_t(0) : pr[j] * (g[j] - row_delta[r]);
             if (t.slopes) {  // d slope_h = -sum dS |rel|
               acc_t total = 0;
               for (int64_t j = 0; j < keys; ++j) {

@@ -39,7 +39,7 @@ from torch.autograd import forward_ad
 from .. import _checks
 from . import flash, native, sdpa, tuning
 from ._context import transforms_active
-from ._shapes import matched_kv_heads, unit_last_stride
+from ._shapes import matched_kv_heads
 from .contract import NONE, TOP_LEFT_CAUSAL, Contract, resolve
 from .flash import flash_attention, flash_attention_backward, flash_attention_with_lse
 from .math import math_attention, paged_math_attention
@@ -147,9 +147,10 @@ def plain_call(q, k, v, enable_gqa: bool) -> bool:
         return False
     H, Hkv = qs[1], ks[1]
     return ((H == Hkv or (enable_gqa and Hkv and H % Hkv == 0)) and not OBSERVERS and q.is_cpu and k.is_cpu and v.is_cpu
-            and q.numel() and v.numel() and unit_last_stride(q, k, v) and not torch.is_autocast_enabled("cpu")
-            and forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
-            and not native_pays_for(q.dtype, qs[2] * (H // Hkv), qs[2], ks[2]))
+            and q.numel() and v.numel() and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1  # (unit_last_stride)
+            and not torch.is_autocast_enabled("cpu") and forward_ad._current_level < 0
+            and not torch._C._are_functorch_transforms_active()
+            and not _measured_faster(q.dtype, qs[2] * (H // Hkv), qs[2], ks[2]))
 
 
 def share_kv_heads(x: Tensor, num_heads: int) -> Tensor:
@@ -215,6 +216,12 @@ def native_pays_for(dtype: torch.dtype, rows_per_kv_head: int, L: int, S: int) -
     """native_pays from the numbers alone (the query rows that share a key/value head: L * H / Hkv)."""
     if dtype not in _FLOATS or torch.compiler.is_compiling() or transforms_active():
         return False  # a compiled graph keeps torch's ops; under torch.func native never runs
+    return _measured_faster(dtype, rows_per_kv_head, L, S)
+
+
+def _measured_faster(dtype: torch.dtype, rows_per_kv_head: int, L: int, S: int) -> bool:
+    """native_pays_for's rule on the tuning's crossovers, for a dtype of _FLOATS (plain_call asks it
+    directly: it has checked the rest, and it is on every call's path)."""
     found = tuning.crossovers(dtype)
     if rows_per_kv_head <= NATIVE_DECODE_ROWS and found.decode_keys is not None and S >= found.decode_keys:
         return True

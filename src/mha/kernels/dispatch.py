@@ -150,7 +150,7 @@ def plain_call(q, k, v, enable_gqa: bool) -> bool:
             and q.numel() and v.numel() and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1  # (unit_last_stride)
             and not torch.is_autocast_enabled("cpu") and forward_ad._current_level < 0
             and not torch._C._are_functorch_transforms_active()
-            and not _measured_faster(q.dtype, qs[2] * (H // Hkv), qs[2], ks[2]))
+            and (torch.compiler.is_compiling() or not _measured_faster(q.dtype, qs[2] * (H // Hkv), qs[2], ks[2])))
 
 
 def share_kv_heads(x: Tensor, num_heads: int) -> Tensor:
@@ -220,8 +220,8 @@ def native_pays_for(dtype: torch.dtype, rows_per_kv_head: int, L: int, S: int) -
 
 
 def _measured_faster(dtype: torch.dtype, rows_per_kv_head: int, L: int, S: int) -> bool:
-    """native_pays_for's rule on the tuning's crossovers, for a dtype of _FLOATS (plain_call asks it
-    directly: it has checked the rest, and it is on every call's path)."""
+    """native_pays_for's rule on the tuning's crossovers, for a dtype of _FLOATS, outside torch.compile
+    and torch.func (plain_call asks it directly: it has checked those, and it is on every call's path)."""
     found = tuning.crossovers(dtype)
     if rows_per_kv_head <= NATIVE_DECODE_ROWS and found.decode_keys is not None and S >= found.decode_keys:
         return True

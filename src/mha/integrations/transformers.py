@@ -63,8 +63,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError("mha.integrations.transformers needs transformers: "
                       "python -m pip install -c constraints.txt -e '.[hf]'") from error
 
-__all__ = ["ContinuousBatching", "Int8Cache", "Int8Layer", "KeyMask", "attention_forward", "continuous_batching_forward", "eager_mask_forward",
-           "enable_continuous_batching", "mask_forward", "register"]
+__all__ = ["ContinuousBatching", "Int8Cache", "Int8Layer", "KeyMask", "attention_forward", "continuous_batching_forward",
+           "eager_mask_forward", "enable_continuous_batching", "mask_forward", "register"]
 
 _VERIFY_ELEMENTS = 1 << 22  # the mask pattern is checked in blocks of at most this many (b, q, kv)
 

@@ -101,6 +101,28 @@ def int8_kv_cosines(model: BertCheckpoint, length: int, count: int) -> Tensor:
     return (int8 * exact).sum(-1)
 
 
+def kv_format_errors(S: int, D: int, *, seed: int = 0) -> dict[str, float]:
+    """The largest error against float64 of one decoding step (Hq 32 over Hkv 8, S keys of D) whose
+    keys and values are held as bfloat16, as int8 (a scale per token and head) or as float8 e4m3 (the
+    same scale, max |x| / 448), each rounded and attended in float64: the formats' own error."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 32, 1, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 8, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def e4m3(x: Tensor) -> Tensor:
+        scale = x.abs().amax(-1, keepdim=True) / 448.0  # (..., 1): e4m3's largest finite value is 448
+        return (x / scale).to(torch.float8_e4m3fn).double() * scale
+
+    def int8(x: Tensor) -> Tensor:
+        data, scales = quantize_int8(x)
+        return data.double() * scales.double()[..., None]  # (...,) -> (..., 1)
+
+    exact = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    formats = {"bfloat16": lambda x: x.bfloat16().double(), "int8": int8, "float8 e4m3": e4m3}
+    return {name: float((F.scaled_dot_product_attention(q, held(k), held(v), enable_gqa=True) - exact).abs().max())
+            for name, held in formats.items()}
+
+
 def embed(layers: list[nn.Module], x: Tensor) -> tuple[Tensor, list[Tensor]]:
     """(normalised sentence embeddings (B, hidden), each layer's input)."""
     inputs = []

@@ -1182,6 +1182,15 @@ inline void lane_sums(const typename Lanes<acc_t>::vec* a, acc_t* out) {
 template <int kRows>
 constexpr int kBlockKeys = kRows == 1 ? 8 : (kRows == 2 ? 4 : 3);
 
+// block(j, keys) for the ``count`` keys in blocks of kBlockKeys, then one at a time (keys: an
+// integral_constant, the block's key count).
+template <int kRows, typename Block>
+inline void in_key_blocks(int64_t count, Block block) {
+  int64_t j = 0;
+  for (; j + kBlockKeys<kRows> <= count; j += kBlockKeys<kRows>) block(j, std::integral_constant<int, kBlockKeys<kRows>>{});
+  for (; j < count; ++j) block(j, std::integral_constant<int, 1>{});
+}
+
 //   s[r * lds + j] = q_r . k_j (times scales[j * scale_ld] where given)   q: kRows rows of D, k: ``count`` rows ld apart
 template <int kRows, typename acc_t, typename key_t>
 void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64_t ld, acc_t* s, int64_t lds,
@@ -1190,7 +1199,7 @@ void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64
   using vec = typename V::vec;
   const int64_t Dw = D / V::kCount * V::kCount;
   // keys j .. j + keys: each row's sums over whole vectors, their lanes summed, the last values added
-  auto block = [&](int64_t j, auto keys) {
+  in_key_blocks<kRows>(count, [&](int64_t j, auto keys) {
     constexpr int kKeys = decltype(keys)::value;
     prefetch_rows(k + j * ld, kKeys, ld, D);
     vec a[kRows][kKeys];
@@ -1216,10 +1225,7 @@ void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64
         for (int64_t d = Dw; d < D; ++d) total += q[r * D + d] * static_cast<acc_t>(kj[d]);
         s[r * lds + j + i] = scales == nullptr ? total : total * scales[(j + i) * scale_ld];
       }
-  };
-  int64_t j = 0;
-  for (; j + kBlockKeys<kRows> <= count; j += kBlockKeys<kRows>) block(j, std::integral_constant<int, kBlockKeys<kRows>>{});
-  for (; j < count; ++j) block(j, std::integral_constant<int, 1>{});
+  });
 }
 
 //   acc_r += sum_j w_rj v_j, w_rj = p[r * ldp + j] (times scales[j * scale_ld] where given)   v: ``count`` rows of Dv, ld apart
@@ -1229,7 +1235,7 @@ void value_block(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const v
   using V = Lanes<acc_t>;
   using vec = typename V::vec;
   const int64_t Dw = Dv / V::kCount * V::kCount;
-  auto block = [&](int64_t j, auto keys) {
+  in_key_blocks<kRows>(count, [&](int64_t j, auto keys) {
     constexpr int kKeys = decltype(keys)::value;
     prefetch_rows(v + j * ld, kKeys, ld, Dv);
     acc_t w[kRows][kKeys];
@@ -1253,10 +1259,7 @@ void value_block(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const v
         for (int i = 1; i < kKeys; ++i) t += w[r][i] * static_cast<acc_t>(v[(j + i) * ld + d]);
         acc[r * Dv + d] += t;
       }
-  };
-  int64_t j = 0;
-  for (; j + kBlockKeys<kRows> <= count; j += kBlockKeys<kRows>) block(j, std::integral_constant<int, kBlockKeys<kRows>>{});
-  for (; j < count; ++j) block(j, std::integral_constant<int, 1>{});
+  });
 }
 
 // The R rows in blocks of up to four: each block's call of score_block or value_block.

@@ -153,7 +153,7 @@ class _Tiles:
         self.out_dtype = v.dtype
         self.contract, self.dropout_p = contract, dropout_p
         self.scale = contract.scale_for(q.shape[-1])
-        self.q = _flat(q, self.dtype, self.lead)  # (BH, L, D); the scores scaled after the products (math's rule)
+        self.q = _flat(q, self.dtype, self.lead) * self.scale  # (BH, L, D), pre-scaled
         self.k, self.v = _flat(k, self.dtype, self.kv_lead), _flat(v, self.dtype, self.kv_lead)  # (BHkv, S, D|Dv)
         self.kT = self.k.transpose(1, 2)  # (BHkv, D, S)
         self._block: tuple[range, Tensor] | None = None  # the query rows of the block being visited
@@ -209,7 +209,7 @@ class _Tiles:
         """The tile's scores (BH, r, c), ready for the softmax, and what its backward needs."""
         if self._block is None or self._block[0] != rows:
             self._block = (rows, self.query_rows(self.q, rows))
-        s = torch.bmm(self._block[1], self.kT[:, :, cols.start:cols.stop]).mul_(self.scale)  # (BHkv, G*r, c)
+        s = torch.bmm(self._block[1], self.kT[:, :, cols.start:cols.stop])  # (BHkv, G*r, c)
         s = s.view(self.BH, len(rows), len(cols))  # (BHkv, G*r, c) -> (BH, r, c)
         s, capped = self.contract.cap(s, inplace=True)  # capped: tanh(s / c), or None
         rel, bias, band_hidden = self._position_terms(rows, cols)
@@ -362,7 +362,7 @@ def _backward(tiles: _Tiles, inputs, out, grad_out, block_q, block_k, *, shift: 
                 ds.mul_(tile.capped.mul_(tile.capped).neg_().add_(1.0))
             ds = tiles.by_kv_head(ds)  # (BHkv, G*r, c)
             dq_rows.baddbmm_(ds, tiles.k[:, j0:j1], alpha=tiles.scale)  # dS K * scale
-            dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), q_rows, alpha=tiles.scale)  # dS^T Q * scale
+            dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), q_rows)  # dS^T (Q * scale)
         tiles.put_query_rows(dq, rows, dq_rows)
     kinds = (lead, tiles.kv_lead, tiles.kv_lead)
     grads = [unflat(grad, x, shape) for grad, x, shape in zip((dq, dk, dv), inputs, kinds)]

@@ -85,9 +85,7 @@ def _math(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float)
     inference = _may_overwrite(q, k, v, contract.mask, contract.alibi_slopes, contract.sinks)
     if out_dtype != work:
         q, k, v = q.to(work), k.to(work), v.to(work)
-    # the scale after the products, as torch's fused kernel applies it (scaling q first rounds each of its
-    # values: a float32 error up to 3x torch's own on a call with large scores, measured)
-    scores = (q @ k.transpose(-2, -1)).mul_(contract.scale_for(q.shape[-1]))  # (..., L, D) @ (..., D, S) -> (..., L, S)
+    scores = (q * contract.scale_for(q.shape[-1])) @ k.transpose(-2, -1)  # (..., L, D) @ (..., D, S) -> (..., L, S)
     scores, _ = contract.cap(scores, inplace=inference)
     scores = contract.shape_scores(scores, positions.whole(L), positions.whole(S), inplace=inference)
     if contract.sinks is None:

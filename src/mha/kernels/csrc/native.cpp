@@ -17,7 +17,7 @@
 // decoding step (L = 1) of GQA reads the cache once per kv head, not G times.
 //
 // The scores of a tile, as the contract defines them (written once, in shape_tile):
-//   s = (q . k) * scale                       scaled after the products, as torch's fused kernel does
+//   s = (q * scale) . k                       the query is scaled once, when packed
 //   s = softcap * tanh(s / softcap)           softcap > 0
 //   s = s - slope_h * |rel|                   ALiBi, rel = key position - query position
 //   s = s + mask  /  -inf where a bool mask is false, a key is padding, or the band hides rel
@@ -669,23 +669,25 @@ pointer kt_block(pointer kt_head, int64_t D, int64_t j0) {
 }
 
 // The two tile products of the forward, on operands packed once per call:
-//   scores      s (R x n) = (q rows) . K^T (keys j0 .. j0 + n), scaled after (for_each_key_tile)
+//   scores      s (R x n) = scale * (q rows) . K^T (keys j0 .. j0 + n)
 //   add_values  acc (R x Dv) += p (R x n) . V (keys j0 .. j0 + n)
 // PlainProducts work in acc_t (float32 on brgemm, float64 on loops). kAlign: the key offsets and
 // counts a product takes come in multiples of it.
 template <typename scalar_t, typename acc_t>
 struct PlainProducts {
   static constexpr int64_t kAlign = 1;
+  static constexpr bool kScaled = true;  // the scores come scaled (the queries are packed scaled)
   const Shape& sh;
+  acc_t scale;
   Operands<acc_t> ops;
-  std::vector<acc_t> qp = {};  // the block's queries (per thread: each thread copies the products)
+  std::vector<acc_t> qp = {};  // the block's scaled queries (per thread: each thread copies the products)
 
-  PlainProducts(const Shape& shape, const scalar_t* k, const scalar_t* v)
-      : sh(shape), ops(operands<scalar_t, acc_t>(shape, k, v)) {}
+  PlainProducts(const Shape& shape, acc_t scale_, const scalar_t* k, const scalar_t* v)
+      : sh(shape), scale(scale_), ops(operands<scalar_t, acc_t>(shape, k, v)) {}
 
   void pack_row(int64_t r, const scalar_t* src) {
     if (qp.empty()) qp.resize(kBlockQ * sh.D);
-    for (int64_t d = 0; d < sh.D; ++d) qp[r * sh.D + d] = static_cast<acc_t>(src[d]);
+    for (int64_t d = 0; d < sh.D; ++d) qp[r * sh.D + d] = static_cast<acc_t>(src[d]) * scale;
   }
   void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, acc_t* s) {
     const acc_t* kt_head = ops.kt_ptr + bh * tiles_of(sh.S) * sh.D * kBlockK;
@@ -726,14 +728,17 @@ inline void pack_pairs(const at::BFloat16* x, int64_t BH, int64_t S, int64_t X, 
 //   K^T (B, Hkv, tiles, D2 / 2, kBlockK, 2)   V (B, Hkv, tiles, kBlockK / 2, Dv, 2)   D2 = D rounded up to even
 struct Bf16Products {
   static constexpr int64_t kAlign = 2;
+  static constexpr bool kScaled = false;
   using bf16 = at::BFloat16;
   const Shape& sh;
+  float scale;
   int64_t D2;
   const bf16* kt;
   const bf16* vv;
   std::vector<bf16> qb = {}, pb = {};
 
-  Bf16Products(const Shape& shape, const bf16* k, const bf16* v) : sh(shape), D2(shape.D + shape.D % 2) {
+  Bf16Products(const Shape& shape, float scale_, const bf16* k, const bf16* v)
+      : sh(shape), scale(scale_), D2(shape.D + shape.D % 2) {
     const int64_t tiles = tiles_of(sh.S), BH = sh.B * sh.Hkv;
     bf16* kt_ = workspace<bf16>(0, BH * tiles * D2 * kBlockK);
     bf16* vv_ = workspace<bf16>(1, BH * tiles * kBlockK * sh.Dv);
@@ -788,8 +793,9 @@ std::pair<int64_t, int64_t> block_keys(const Terms<acc_t>& t, const Rows& rows, 
 // The walk of the forward and the backward over a block's key tiles: for each tile of [lo, hi) (whole
 // tiles of kBlockK, but at the ends), s (rows x n) receives the tile's scores from the products, shaped
 // by the contract (shape_tile, ``capped`` its tanh for the backward; skipped for a plain tile, one the
-// band covers with no other term), with -inf past S; then ``tile(j0, n, keys)``: the tile's first
-// key, its width, and how many of its keys lie before S.
+// band covers with no other term), with -inf past S; then ``tile(j0, n, keys, scale)``: the tile's
+// first key, its width, how many of its keys lie before S, and the scale the exponential still
+// applies (1 when the products or s carry it).
 template <typename acc_t, typename Products, typename Tile>
 void for_each_key_tile(const Shape& sh, const Terms<acc_t>& t, const Rows& rows, Products& products, int64_t bh,
                        int64_t lo, int64_t hi, acc_t* s, acc_t* capped, Tile&& tile) {
@@ -798,10 +804,14 @@ void for_each_key_tile(const Shape& sh, const Terms<acc_t>& t, const Rows& rows,
     const int64_t n = std::min((j0 / kBlockK + 1) * kBlockK, hi) - j0, keys = std::min(n, sh.S - j0);
     products.scores(bh, R, j0, n, s);
     const bool covered = band_covers(t, rows, j0, keys), plain = plain_tile(t, covered);
-    for (int64_t x = 0; x < R * n; ++x) s[x] *= t.scale;  // after the products, each score rounded, as torch's kernel
+    acc_t scale = 1;
+    if (!Products::kScaled) {
+      if (plain && t.scale > 0) scale = t.scale;
+      else for (int64_t x = 0; x < R * n; ++x) s[x] *= t.scale;
+    }
     hide_padding(R, n, keys, s);  // after the scale: -inf times a scale <= 0 is NaN or +inf
     if (!plain) shape_tile(t, rows, j0, keys, s, n, capped, covered);
-    tile(j0, n, keys);
+    tile(j0, n, keys, scale);
   }
 }
 
@@ -813,9 +823,9 @@ template <typename acc_t, typename Products>
 void absorb_keys(const Shape& sh, const Terms<acc_t>& t, const Rows& rows, Products& products, int64_t bh, int64_t lo,
                  int64_t hi, acc_t* s, acc_t* m, acc_t* l, acc_t* acc) {
   for_each_key_tile(sh, t, rows, products, bh, lo, hi, s, static_cast<acc_t*>(nullptr),
-                    [&](int64_t j0, int64_t n, int64_t) {
+                    [&](int64_t j0, int64_t n, int64_t, acc_t scale) {
     auto* w = products.weights(s);
-    for (int64_t r = 0; r < rows.count; ++r) absorb(n, s + r * n, acc_t(1), m[r], l[r], acc + r * sh.Dv, sh.Dv, w + r * n);
+    for (int64_t r = 0; r < rows.count; ++r) absorb(n, s + r * n, scale, m[r], l[r], acc + r * sh.Dv, sh.Dv, w + r * n);
     products.add_values(bh, rows.count, j0, n, s, acc);
   });
 }
@@ -855,17 +865,20 @@ void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, c
 // query block (q and dO, and their transposes):
 //   scores     s = q . K^T             dvalues   dV^T += dO^T . P      dprobs  dP = dO . V^T
 //   dqueries   dQ += dS . K            dkeys     dK^T += q^T . dS
-// weights(P) and gradients(dS) let a products object prepare its own forms of them. q is packed as it
-// is: the scores are scaled after (for_each_key_tile), dQ and dK^T at the end.
+// weights(P) and gradients(dS) let a products object prepare its own forms of them. kScaled: q is
+// packed scaled (the scores come scaled and dK^T needs no scaling), else the caller scales both.
 template <typename scalar_t, typename acc_t>
 struct PlainBackward {
   static constexpr int64_t kAlign = 1;
+  static constexpr bool kScaled = true;
   const Shape& sh;
+  acc_t scale;
   Tensor kt_, k_, vt_;  // (BH, tiles, D, kBlockK), (BH, S, D), (BH, tiles, Dv, kBlockK)
   const acc_t *kt, *k, *vt;
   std::vector<acc_t> qp = {}, qpt = {}, dop = {}, dopt = {};
 
-  PlainBackward(const Shape& shape, const Tensor& keys, const Tensor& values) : sh(shape) {
+  PlainBackward(const Shape& shape, acc_t scale_, const Tensor& keys, const Tensor& values)
+      : sh(shape), scale(scale_) {
     const auto acc = c10::CppTypeToScalarType<acc_t>::value;
     kt_ = tile_major(keys, acc), k_ = keys.to(acc).contiguous(), vt_ = tile_major(values, acc);
     kt = kt_.data_ptr<acc_t>(), k = k_.data_ptr<acc_t>(), vt = vt_.data_ptr<acc_t>();
@@ -873,7 +886,7 @@ struct PlainBackward {
 
   void pack_row(int64_t r, int64_t R, const scalar_t* q, const scalar_t* dout) {  // and the transposes
     if (qp.empty()) qp.resize(kBlockQ * sh.D), qpt.resize(sh.D * kBlockQ), dop.resize(kBlockQ * sh.Dv), dopt.resize(sh.Dv * kBlockQ);
-    for (int64_t d = 0; d < sh.D; ++d) qpt[d * R + r] = qp[r * sh.D + d] = static_cast<acc_t>(q[d]);
+    for (int64_t d = 0; d < sh.D; ++d) qpt[d * R + r] = qp[r * sh.D + d] = static_cast<acc_t>(q[d]) * scale;
     for (int64_t d = 0; d < sh.Dv; ++d) dopt[d * R + r] = dop[r * sh.Dv + d] = static_cast<acc_t>(dout[d]);
   }
   const acc_t* head(const acc_t* base, int64_t bh, int64_t width) const { return base + bh * tiles_of(sh.S) * width * kBlockK; }
@@ -903,15 +916,17 @@ struct PlainBackward {
 //   K^T (BH, tiles, D2 / 2, kBlockK, 2)   K (BH, tiles, kBlockK / 2, D, 2)   V^T (BH, tiles, Dv2 / 2, kBlockK, 2)
 struct Bf16Backward {
   static constexpr int64_t kAlign = 2;
+  static constexpr bool kScaled = false;
   using bf16 = at::BFloat16;
   const Shape& sh;
+  float scale;
   int64_t D2, Dv2;
   const bf16 *kt, *k, *vt;
   std::vector<bf16> qb = {}, qt = {}, db = {}, dt = {}, pv = {}, sb = {}, sv = {};
   int64_t rows2 = 0;
 
-  Bf16Backward(const Shape& shape, const Tensor& keys, const Tensor& values)
-      : sh(shape), D2(shape.D + shape.D % 2), Dv2(shape.Dv + shape.Dv % 2) {
+  Bf16Backward(const Shape& shape, float scale_, const Tensor& keys, const Tensor& values)
+      : sh(shape), scale(scale_), D2(shape.D + shape.D % 2), Dv2(shape.Dv + shape.Dv % 2) {
     const int64_t tiles = tiles_of(sh.S), BH = sh.B * sh.Hkv;
     bf16* kt_ = workspace<bf16>(0, BH * tiles * D2 * kBlockK);
     bf16* k_ = workspace<bf16>(1, BH * tiles * kBlockK * sh.D);
@@ -1035,8 +1050,8 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
         }
         std::fill(dqb.begin(), dqb.begin() + R * sh.D, acc_t(0));
         for_each_key_tile(sh, t, rows, products, bh, lo, hi, p.data(), capped.data(),
-                          [&](int64_t j0, int64_t n, int64_t keys) {
-          for (int64_t r = 0; r < R; ++r) exp_times(n, p.data() + r * n, acc_t(1), shift[r], inv_sum[r], p.data() + r * n);  // P = e^(S - m) / l
+                          [&](int64_t j0, int64_t n, int64_t keys, acc_t scale) {
+          for (int64_t r = 0; r < R; ++r) exp_times(n, p.data() + r * n, scale, shift[r], inv_sum[r], p.data() + r * n);  // P = e^(S - m) / l
           products.weights(R, n, p.data());
           products.dvalues(R, n, p.data(), kt_block(dvt_head, sh.Dv, j0));  // dV^T += dO^T P
           products.dprobs(bh, R, j0, n, ds.data());  // dP = dO V^T
@@ -1384,27 +1399,28 @@ void run_forward(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, cons
   }
 #if defined(MHA_AVX512_BF16)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    forward_kernel<scalar_t, acc_t>(sh, t, q, Bf16Products(sh, k, v), out, stats);
+    forward_kernel<scalar_t, acc_t>(sh, t, q, Bf16Products(sh, t.scale, k, v), out, stats);
     return;
   }
 #endif
-  forward_kernel<scalar_t, acc_t>(sh, t, q, PlainProducts<scalar_t, acc_t>(sh, k, v), out, stats);
+  forward_kernel<scalar_t, acc_t>(sh, t, q, PlainProducts<scalar_t, acc_t>(sh, t.scale, k, v), out, stats);
 }
 
-// The backward of one call, on the products for the dtype; q enters them unscaled, so dK^T is scaled last.
+// The backward of one call, on the products for the dtype; dK^T comes out scaled either way.
 template <typename scalar_t, typename acc_t>
 void run_backward(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const Tensor& k, const Tensor& v,
                   const scalar_t* dout, const RowStats<const acc_t>& stats, const acc_t* delta, acc_t* dq_parts, int64_t chunks,
                   Tensor& dkt, Tensor& dvt, acc_t* d_slopes_parts) {
 #if defined(MHA_AVX512_BF16)
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>)
-    backward_kernel<scalar_t, acc_t>(sh, t, q, Bf16Backward(sh, k, v), dout, stats, delta, dq_parts, chunks,
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    backward_kernel<scalar_t, acc_t>(sh, t, q, Bf16Backward(sh, t.scale, k, v), dout, stats, delta, dq_parts, chunks,
                                      dkt.data_ptr<acc_t>(), dvt.data_ptr<acc_t>(), d_slopes_parts);
-  else
+    dkt.mul_(t.scale);  // q entered the products unscaled
+    return;
+  }
 #endif
-    backward_kernel<scalar_t, acc_t>(sh, t, q, PlainBackward<scalar_t, acc_t>(sh, k, v), dout, stats, delta,
-                                     dq_parts, chunks, dkt.data_ptr<acc_t>(), dvt.data_ptr<acc_t>(), d_slopes_parts);
-  dkt.mul_(t.scale);
+  backward_kernel<scalar_t, acc_t>(sh, t, q, PlainBackward<scalar_t, acc_t>(sh, t.scale, k, v), dout, stats, delta,
+                                   dq_parts, chunks, dkt.data_ptr<acc_t>(), dvt.data_ptr<acc_t>(), d_slopes_parts);
 }
 
 // ---- paged: keys and values read where they lie in a pool of KV-cache pages ------------------------
@@ -1441,7 +1457,7 @@ struct PageScales {
 // The forward's two products on keys and values read in place from their pages. A tile's keys
 // j0 .. j0 + n come in runs, each contiguous in memory (the part of one page, or pages that follow
 // each other in the pool); per run:
-//   scores      S^T (run x R) = K (run x D, in place, ld = slot stride) . q^T (D x R), scaled after
+//   scores      S^T (run x R) = K (run x D, in place, ld = slot stride) . (scale q)^T (D x R)
 //   add_values  acc (R x Dv) += P (R x run) . V (run x Dv, in place)
 // and S^T is turned to the tile's s (R x n). float32 runs on brgemm, float64 on plain loops;
 // bfloat16 and float16 keys and values are converted to float32 run by run (a run at most kBlockK
@@ -1450,6 +1466,7 @@ struct PageScales {
 template <typename scalar_t, typename acc_t, typename pool_t = scalar_t>
 struct PagedProducts {
   static constexpr int64_t kAlign = 1;
+  static constexpr bool kScaled = true;  // the queries are packed scaled
   static constexpr bool kQuantized = std::is_same_v<pool_t, int8_t>;
   // keys first.. of the tile, at these offsets in the pools (and in the scales, for an 8-bit pool)
   struct Run { int64_t first, count, k_at, v_at, scale_at; };
@@ -1459,23 +1476,24 @@ struct PagedProducts {
   PagePool pool;
   PageScales scales;
   int64_t D, Dv;
+  acc_t scale;
   const int64_t* pages = nullptr;  // the bound sequence's block table row (checked)
   int64_t kv_head = 0, keys_total = 0;  // and its S_b
   std::vector<Run> runs = {};
   std::vector<acc_t> qt = {}, qr = {}, st = {}, converted = {};  // per thread (each thread copies the products)
 
   PagedProducts(const pool_t* k_, const pool_t* v_, const PagePool& pool_, const PageScales& scales_, int64_t D_,
-                int64_t Dv_)
-      : k(k_), v(v_), pool(pool_), scales(scales_), D(D_), Dv(Dv_) {}
+                int64_t Dv_, acc_t scale_)
+      : k(k_), v(v_), pool(pool_), scales(scales_), D(D_), Dv(Dv_), scale(scale_) {}
 
   void bind(const int64_t* table_row, int64_t head, int64_t S) {
     pages = table_row;
     kv_head = head;
     keys_total = S;
   }
-  void pack_row(int64_t r, const scalar_t* src) {  // q: (D x kBlockQ) for brgemm, rows for run_scores
+  void pack_row(int64_t r, const scalar_t* src) {  // scale q: (D x kBlockQ) for brgemm, rows for run_scores
     if (qt.empty()) qt.resize(D * kBlockQ), qr.resize(kBlockQ * D);
-    for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + r] = qr[r * D + d] = static_cast<acc_t>(src[d]);
+    for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + r] = qr[r * D + d] = static_cast<acc_t>(src[d]) * scale;
   }
   // The runs of keys j0 .. j0 + n (all below the sequence's S_b: their pages are checked).
   void find_runs(int64_t j0, int64_t n) {
@@ -1939,11 +1957,11 @@ std::vector<Tensor> paged_forward(const Tensor& q, const Tensor& k_pages, const 
     const RowStats<acc_t> stats{row_max.data_ptr<acc_t>(), row_sum.data_ptr<acc_t>()};
     if (quantized) {
       const PagedProducts<scalar_t, acc_t, int8_t> products(k_pages.data_ptr<int8_t>(), v_pages.data_ptr<int8_t>(), pool,
-                                                            page_scales, D, Dv);
+                                                            page_scales, D, Dv, t.scale);
       paged_kernel<scalar_t, acc_t>(call, t, B, q.data_ptr<scalar_t>(), products, out.data_ptr<scalar_t>(), stats);
     } else {
       const PagedProducts<scalar_t, acc_t> products(k_pages.data_ptr<scalar_t>(), v_pages.data_ptr<scalar_t>(), pool,
-                                                    page_scales, D, Dv);
+                                                    page_scales, D, Dv, t.scale);
       paged_kernel<scalar_t, acc_t>(call, t, B, q.data_ptr<scalar_t>(), products, out.data_ptr<scalar_t>(), stats);
     }
   });

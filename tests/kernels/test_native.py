@@ -676,3 +676,21 @@ def test_a_view_with_more_rows_than_a_decoding_step_is_copied_and_right():
     q.requires_grad_(True)
     grads = torch.autograd.grad(native.native_attention(q, k, v).sum(), q)[0]
     assert torch.equal(grads, torch.autograd.grad(native.native_attention(q, k.contiguous(), v.contiguous()).sum(), q)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 16])
+def test_decoding_rows_of_every_block_shape(dtype, rows):
+    """The decoding path's blocks of 1-4 rows (by 8, 4, 3 and 3 keys; keys left over one at a time)
+    and head dims below, at and across a vector's width: G query heads x L rows per kv head, against
+    math in float64."""
+    g = torch.Generator().manual_seed(rows)
+    tolerance = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
+    G, L = (rows, 1) if rows <= 8 else (rows // 4, 4)
+    for D, S in [(1, 5), (7, 19), (8, 64), (9, 130), (33, 67), (128, 257)]:
+        q = torch.randn(2, 2 * G, L, D, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(2, 2, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+        with torch.no_grad():
+            out = mha.kernels.native.native_attention(*(x.to(dtype) for x in (q, k, v)))
+            exact = mha.kernels.math_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1))[0]
+        assert (out.double() - exact).abs().max() < tolerance, (D, S)

@@ -104,3 +104,29 @@ def test_refusals_name_what_is_wrong():
         hf.attention_forward(module, q, k8, k8, None, output_attentions=True)
     with pytest.raises(TypeError, match="key_states"):
         hf.Int8Layer().update(torch.zeros(1, 2, 3, 4, dtype=torch.int64), torch.zeros(1, 2, 3, 4))
+
+
+@pytest.mark.parametrize(("D", "Dv"), [(1, 1), (6, 5), (17, 16), (64, 63)])
+@pytest.mark.parametrize(("L", "S"), [(1, 1), (1, 9), (3, 17)])
+def test_attention_over_the_layer_equals_attention_over_its_rows_dequantized(D, Dv, L, S):
+    """Head dims whose scale bytes fall off a float's alignment (D + 4 not a multiple of 4: the scales
+    are copied out) and ones that do (read as a view), decoding and prefill rows bottom-right, GQA 2,
+    against math attention over the int8 rows turned back into floats."""
+    from types import SimpleNamespace
+
+    from mha.kernels import math_attention
+    from mha.kernels.contract import Contract
+    from mha.positions import CAUSAL
+
+    torch.manual_seed(D * 100 + S)
+    layer = hf.Int8Layer()
+    k, v = torch.randn(2, 2, S, D).transpose(2, 3).contiguous().transpose(2, 3), torch.randn(2, 2, S, Dv)  # k strided
+    keys, values = layer.update(k, v)
+    q = torch.randn(2, 4, L, D)
+    module = SimpleNamespace(training=False, is_causal=True)
+    with torch.no_grad():
+        out, weights = hf.attention_forward(module, q, keys, values, None)
+        kd, vd = (dequantize(*quantize_int8(x), torch.float64).repeat_interleave(2, 1) for x in (k, v))
+        exact, _ = math_attention(q.double(), kd, vd, Contract(band=CAUSAL if L > 1 else None, offset=S - L))
+    assert weights is None and out.shape == (2, L, 4, Dv)
+    assert (out.transpose(1, 2).double() - exact).abs().max() < 1e-5

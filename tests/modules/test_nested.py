@@ -65,7 +65,9 @@ def test_self_attention_equals_torchs_fast_path_and_takes_gradients():
     for p in parts:
         p.grad = None
         ours(p[None], p[None], p[None], need_weights=False)[0].sum().backward()
-    torch.testing.assert_close([p.grad for p in parts] + [ours.in_proj_weight.grad], grads)
+    torch.testing.assert_close([p.grad for p in parts], grads[:-1])
+    # the weight's gradient sums over every token: one packed call and two calls add them in other orders
+    torch.testing.assert_close(ours.in_proj_weight.grad, grads[-1], rtol=1e-5, atol=1e-5)
 
 
 def test_causal_ragged_self_attention_is_causal_within_each_sequence():

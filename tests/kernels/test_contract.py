@@ -435,9 +435,9 @@ DECISIONS = {  # name: (q, k, v, contract, options, (backend, reason))
                   ("sdpa", "torch's fused kernel takes the whole contract")),
     "shifted causal": (_f32(1, 2, 16, 4), *_QKV[1:], Contract(band=Band(None, 0), offset=48), {},
                        ("sdpa", "torch's fused kernel takes the whole contract")),
-    "softcap": (*_QKV, Contract(softcap=5.0), {}, (TILED, _NOT_SDPA.format("torch's kernel has no softcap"))),
+    "softcap": (*_QKV, Contract(softcap=5.0), {}, (TILED, _NOT_SDPA.format("torch's kernel does not take softcap"))),
     "sinks": (*_QKV, Contract(sinks=torch.zeros(2)), {},
-              (TILED, _NOT_SDPA.format("torch's kernel has no attention sinks"))),
+              (TILED, _NOT_SDPA.format("torch's kernel does not take sinks"))),
     "dropout": (*_QKV, Contract(), dict(dropout_p=0.1),  # the native kernel has no dropout
                 ("flash", "not sdpa ({}): flash applies every term tile by tile".format(_BUILDS.format("dropout", "1,536")))),
     "fewer kv heads (GQA)": (_QKV[0], _f32(1, 1, 64, 4), _f32(1, 1, 64, 4), Contract(), {},
@@ -495,13 +495,13 @@ def test_dispatch_refusals_are_exact():
 
     with refused("flash", "does not return attention weights; use backend='math' or need_weights=False"):
         kernels.choose_backend("flash", *_QKV, Contract(), need_weights=True)
-    with refused("sdpa", "cannot run this call: torch's kernel has no softcap"):
+    with refused("sdpa", "cannot run this call: torch's kernel does not take softcap"):
         kernels.choose_backend("sdpa", *_QKV, Contract(softcap=1.0))
-    with raises_exactly(ValueError, "backend must be one of ('auto', 'math', 'sdpa', 'flash', 'native'), "
+    with raises_exactly(ValueError, "backend must be one of ('auto', 'math', 'sdpa', 'flash', 'native', 'flex'), "
                                                          "got 'warp'"):
         kernels.choose_backend("warp", *_QKV, Contract())
-    with raises_exactly(ValueError, "the sdpa backend cannot run this call: torch's kernel has "
-                                                         "no softcap; use backend='flash' or 'math'"):
+    with raises_exactly(ValueError, "the sdpa backend cannot run this call: torch's kernel does not "
+                                                         "take softcap; use backend='flash' or 'math'"):
         kernels.sdpa_attention(*_QKV, Contract(softcap=1.0))
     with raises_exactly(TypeError, "contract must be an mha.kernels.Contract or None, got "
                                                         "dict"):

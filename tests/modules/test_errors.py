@@ -215,7 +215,7 @@ SDPA_CALLS = {
     "sinks shape": (_sdpa(sinks=_x(1)), ValueError,
                     "sinks must have shape (2,) (num_heads,): one value per query head (dim -3 of query), got (1,)"),
     "unknown backend": (_sdpa(backend="cuda"), ValueError,
-                        "backend must be one of ('auto', 'math', 'sdpa', 'flash', 'native'), got 'cuda'"),
+                        "backend must be one of ('auto', 'math', 'sdpa', 'flash', 'native', 'flex'), got 'cuda'"),
 }
 
 

@@ -429,7 +429,7 @@ def test_unbatched_alibi_input_with_or_without_key_padding(padded):
 def test_the_backend_asked_for_is_the_one_that_runs(options):
     m = _module(**options)
     q, k, v = _inputs()
-    message = "backend must be one of ('auto', 'math', 'sdpa', 'flash', 'native'), got 'fast'"
+    message = "backend must be one of ('auto', 'math', 'sdpa', 'flash', 'native', 'flex'), got 'fast'"
     with raises_exactly(ValueError, message):
         m(q, k, v, backend="fast")
     with torch.no_grad():

@@ -3,10 +3,11 @@
 It says which keys each query sees and how its scores are shaped before the softmax:
 
     s = (q . k) * scale                          scale: 1 / sqrt(D) unless given
+    s = score_mod(s, b, h, q_idx, kv_idx)        the caller's function, FlexAttention's signature, optional
     s = softcap * tanh(s / softcap)              logit soft-capping (Gemma 2), optional
     s = s - slope_h * |rel|                      ALiBi, optional (rel: mha.positions.relative)
     s = s + mask     /  s = -inf where not mask  the caller's mask: additive float, or bool True = attend
-    s = -inf where the band or padding hides the key
+    s = -inf where the band, padding or the caller's mask_mod hides the key
     p = softmax over the keys and, per head, one sink logit that joins every row's softmax and
         is then dropped (GPT-OSS's attention sinks), optional
 
@@ -14,7 +15,9 @@ Positions follow mha.positions: query i sits at i + offset and key j at j, unles
 gives them per sequence (a KV cache holding sequences of different lengths). A backend either
 honours the whole contract at O(L + S) memory or says it cannot (mha.kernels.choose_backend routes
 around it); the math backend honours everything by building the L x S scores, as it must to
-return the weights. The score shaping is written here once and used by every backend: the math
+return the weights. Each backend declares the terms it takes (its TAKES, names of these fields); the
+dispatch refuses a contract with a term a backend does not declare (Contract.terms), so that a new
+field is refused everywhere until a backend says it takes it. The score shaping is written here once and used by every backend: the math
 backend applies it to the whole (L, S) range, the flash backend tile by tile (the native kernel
 mirrors it in C++: csrc/native.cpp's Terms).
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -32,8 +36,9 @@ from torch import Tensor
 
 from .. import _checks, masks, positions
 from ..positions import CAUSAL, Band
+from . import mods
 
-__all__ = ["NONE", "TOP_LEFT_CAUSAL", "Contract", "contract_of", "mask_tile", "resolve"]
+__all__ = ["NONE", "TERMS", "TOP_LEFT_CAUSAL", "Contract", "contract_of", "mask_tile", "resolve", "undeclared"]
 
 _NEG_INF = float("-inf")
 
@@ -52,6 +57,8 @@ class Contract:
     scale:         the factor of q . k; None means 1 / sqrt(D)
     softcap:       logit soft-capping c > 0, or None
     sinks:         (H,) per-head sink logits, or None
+    score_mod:     score_mod(score, b, h, q_idx, kv_idx) -> score (mha.kernels.mods), or None
+    mask_mod:      mask_mod(b, h, q_idx, kv_idx) -> bool, True = attend (mha.kernels.mods), or None
     """
     band: Band | None = None
     offset: int = 0
@@ -62,6 +69,8 @@ class Contract:
     scale: float | None = None
     softcap: float | None = None
     sinks: Tensor | None = None
+    score_mod: Callable | None = None
+    mask_mod: Callable | None = None
 
     def __repr__(self) -> str:
         shown = []
@@ -73,11 +82,19 @@ class Contract:
                 value = f"<{tuple(value.shape)} {value.dtype}>"
             elif isinstance(value, tuple):
                 value = "(" + ", ".join(f"<{tuple(t.shape)}>" for t in value) + ")"
+            elif callable(value):
+                value = getattr(value, "__name__", type(value).__name__)
             shown.append(f"{f.name}={value}")
         return f"Contract({', '.join(shown)})"
 
     def __post_init__(self):
         _checks.optional_finite_real("scale", self.scale)  # NaN or inf would make every score NaN
+        mods.check("score_mod", self.score_mod)
+        mods.check("mask_mod", self.mask_mod)
+        # the names of the terms it sets: every field that is not None (the offset is the band's and
+        # ALiBi's alignment, not a term of its own); a backend takes it only if it declares each (its TAKES)
+        object.__setattr__(self, "terms", frozenset(
+            f.name for f in fields(self) if f.name != "offset" and getattr(self, f.name) is not None))
 
     def replace(self, **changes) -> Contract:
         return dataclasses.replace(self, **changes)
@@ -133,6 +150,10 @@ class Contract:
             masks_.append(~mask_tile(self.mask, rows, cols))  # True = attend -> True = hidden
         return masks_
 
+    def modified(self, s: Tensor, rows: range, cols: range) -> Tensor:
+        """The caller's score_mod applied to the scaled scores s (..., H, r, c) (a new tensor), or s."""
+        return s if self.score_mod is None else mods.modified(self.score_mod, s, rows, cols)
+
     def shape_scores(self, s: Tensor, rows: range, cols: range, *, inplace: bool,
               bias: Tensor | None = None, hidden: list[Tensor] | None = None) -> Tensor:
         """s (B, H, r, c), the capped scores of query ``rows`` and key ``cols``, plus the ALiBi
@@ -143,6 +164,8 @@ class Contract:
             if self.needs_positions:
                 bias, band_hidden = self.position_terms(self.distances(rows, cols, s.device), s.dtype)
             hidden = self.hidden(rows, cols, band_hidden)
+        if self.mask_mod is not None:
+            hidden = [*hidden, ~mods.allowed(self.mask_mod, tuple(s.shape[:-2]), rows, cols, s.device)]
         if bias is not None:
             s = s.add_(bias) if inplace else s + bias
         if self.mask is not None and self.mask.dtype != torch.bool:
@@ -167,24 +190,34 @@ class Contract:
         return self.band.covers(rows.start + self.offset, rows.stop - 1 + self.offset, cols.start, cols.stop)
 
 
+TERMS = frozenset(f.name for f in fields(Contract)) - {"offset"}  # every term a backend may declare
 NONE = Contract()
 TOP_LEFT_CAUSAL = Contract(band=CAUSAL)  # torch's is_causal: what its kernel takes as it is
 
 
 def contract_of(*, band: Band | None = None, offset: int = 0, positions: tuple[Tensor, Tensor] | None = None,
                 key_valid: Tensor | None = None, mask: Tensor | None = None, alibi_slopes: Tensor | None = None,
-                scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None) -> Contract:
+                scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None,
+                score_mod: Callable | None = None, mask_mod: Callable | None = None) -> Contract:
     """A Contract of these terms; the shared NONE when every term but the offset (which only places
     a band or ALiBi) is None, the shared TOP_LEFT_CAUSAL for causality alone: the common calls build
     no value, and the dispatch knows them by identity."""
     if (positions is None and key_valid is None and mask is None and alibi_slopes is None and scale is None
-            and softcap is None and sinks is None):
+            and softcap is None and sinks is None and score_mod is None and mask_mod is None):
         if band is None:
             return NONE
         if band is CAUSAL and offset == 0:
             return TOP_LEFT_CAUSAL
     return Contract(band=band, offset=offset, positions=positions, key_valid=key_valid, mask=mask,
-                    alibi_slopes=alibi_slopes, scale=scale, softcap=softcap, sinks=sinks)
+                    alibi_slopes=alibi_slopes, scale=scale, softcap=softcap, sinks=sinks, score_mod=score_mod,
+                    mask_mod=mask_mod)
+
+
+def undeclared(takes: frozenset[str], contract: Contract, who: str = "it") -> str | None:
+    """Why a backend refuses the contract for its terms alone: the terms it does not declare (its
+    TAKES), named ("WHO does not take softcap, sinks"); or None."""
+    extra = contract.terms - takes
+    return f"{who} does not take {', '.join(sorted(extra))}" if extra else None
 
 
 def resolve(contract: Contract | None) -> Contract:

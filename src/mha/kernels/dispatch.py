@@ -37,11 +37,13 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from .. import _checks
-from . import flash, native, sdpa, tuning
+from . import flash, flex, native, sdpa, tuning
+from . import math as math_kernel
 from ._context import transforms_active
 from ._shapes import matched_kv_heads
 from .contract import NONE, TOP_LEFT_CAUSAL, Contract, resolve
 from .flash import flash_attention, flash_attention_backward, flash_attention_with_lse
+from .flex import flex_attention, flex_attention_with_lse
 from .math import math_attention, paged_math_attention
 from .native import native_attention, native_attention_with_lse
 from .quantize import dequantize
@@ -51,10 +53,15 @@ __all__ = ["BACKENDS", "LSE_BACKENDS", "OBSERVERS", "PAGED_BACKENDS", "attention
            "backward_with_lse", "choose_backend", "choose_lse_backend", "choose_paged_backend", "native_pays",
            "paged_attention", "plain_call", "plain_sdpa", "share_kv_heads"]
 
-BACKENDS = {"math": math_attention, "sdpa": sdpa_attention, "flash": flash_attention, "native": native_attention}
+BACKENDS = {"math": math_attention, "sdpa": sdpa_attention, "flash": flash_attention, "native": native_attention,
+            "flex": flex_attention}
+TAKES = {"math": math_kernel.TAKES, "sdpa": sdpa.TAKES, "flash": flash.TAKES, "native": native.TAKES, "flex": flex.TAKES}
 PAGED_BACKENDS = ("native", "math")  # paged_attention's: native reads the pages in place, math gathers (the reference)
 # the backends returning (out, lse): attention_with_lse's choice
-LSE_BACKENDS = {"sdpa": sdpa.attention_with_lse, "native": native_attention_with_lse, "flash": flash_attention_with_lse}
+LSE_BACKENDS = {"sdpa": sdpa.attention_with_lse, "native": native_attention_with_lse, "flash": flash_attention_with_lse,
+                "flex": flex_attention_with_lse}
+SMALL_SCORES = 1 << 22  # (B*H*L*S) up to which the math backend's L x S scores are cheap: the caller's functions
+#                         on CPU (flex would compile first), the last resort off CPU (past it: flash's tiles)
 
 log = logging.getLogger("mha.dispatch")
 _NAMES = ("auto", *BACKENDS)
@@ -107,10 +114,10 @@ def _run(q, k, v, contract, *, dropout_p, need_weights, backend):
     for name, x in (("q", q), ("k", k), ("v", v)):
         _checks.tensor(name, x)  # a tensor, not nested (the fast path took the plain ones)
     k, v = matched_kv_heads(q, k, v)  # one head count for k and v (torch's enable_gqa shares them separately)
-    if q.dim() >= 3 and not q.is_cpu:
-        k, v = share_kv_heads(k, q.shape[-3]), share_kv_heads(v, q.shape[-3])  # (..., Hkv, S, D) -> (..., H, S, D)
     name, _, sdpa_plan = _choose(backend, q, k, v, contract, need_weights=need_weights, dropout_p=dropout_p)
     if name == "sdpa":  # planned once, while choosing
+        if q.dim() >= 3 and not q.is_cpu:  # torch's CUDA kernels take no shared heads beside a mask (their math path would)
+            k, v = share_kv_heads(k, q.shape[-3]), share_kv_heads(v, q.shape[-3])  # (..., Hkv, S, D) -> (..., H, S, D)
         return sdpa.run_planned(q, k, v, contract, dropout_p=dropout_p, planned=sdpa_plan), None
     if name == "math" and q.dim() >= 3:
         k, v = share_kv_heads(k, q.shape[-3]), share_kv_heads(v, q.shape[-3])  # (..., Hkv, S, D) -> (..., H, S, D)
@@ -135,10 +142,10 @@ def plain_call(q, k, v, enable_gqa: bool) -> bool:
     """Whether a call of q (B, H, L, D), k and v (B, Hkv, S, D) with no contract but top-left
     causality is one auto hands to torch's fused kernel as it is: the per-call fast path (a few
     microseconds of checks where the full path takes tens). Every condition is one the full path
-    checks on its way to the same torch call: plain dense CPU tensors of one floating dtype, no
+    checks on its way to the same torch call: plain dense CPU (or CUDA) tensors of one floating dtype, no
     autocast, no forward-mode AD or torch.func transform, nothing empty, contiguous rows, Hkv = H
     (or dividing it with enable_gqa), no observer (OBSERVERS) and a call native is not measured
-    faster on."""
+    faster on. On CUDA the same: torch's own call, its result bitwise."""
     if not (q.__class__ is k.__class__ is v.__class__ is Tensor) or q.is_nested or k.is_nested or v.is_nested:
         return False  # (a nested tensor has no shape to read)
     qs, ks, vs = q.shape, k.shape, v.shape
@@ -146,11 +153,13 @@ def plain_call(q, k, v, enable_gqa: bool) -> bool:
             and qs[3] == vs[3] and q.dtype == k.dtype == v.dtype and q.dtype in _FLOATS):
         return False
     H, Hkv = qs[1], ks[1]
-    return ((H == Hkv or (enable_gqa and Hkv and H % Hkv == 0)) and not OBSERVERS and q.is_cpu and k.is_cpu and v.is_cpu
+    cpu = q.is_cpu
+    return ((H == Hkv or (enable_gqa and Hkv and H % Hkv == 0)) and not OBSERVERS
+            and (k.is_cpu and v.is_cpu if cpu else q.is_cuda and q.device == k.device == v.device)
             and q.numel() and v.numel() and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1  # (unit_last_stride)
-            and not torch.is_autocast_enabled("cpu") and forward_ad._current_level < 0
+            and not torch.is_autocast_enabled("cpu" if cpu else "cuda") and forward_ad._current_level < 0
             and not torch._C._are_functorch_transforms_active()
-            and (torch.compiler.is_compiling() or not _measured_faster(q.dtype, qs[2] * (H // Hkv), qs[2], ks[2])))
+            and (not cpu or torch.compiler.is_compiling() or not _measured_faster(q.dtype, qs[2] * (H // Hkv), qs[2], ks[2])))
 
 
 def share_kv_heads(x: Tensor, num_heads: int) -> Tensor:
@@ -163,34 +172,90 @@ def share_kv_heads(x: Tensor, num_heads: int) -> Tensor:
 def _choose(requested, q, k, v, contract, *, need_weights, dropout_p):
     """(name, reason, the sdpa plan when sdpa was considered: dispatch runs it without planning again)."""
     _checks.one_of("backend", requested, _NAMES)
-    sdpa_plan = sdpa.plan(q, k, v, contract, dropout_p) if not need_weights and requested in ("auto", "sdpa") else None
+    plan = None
     if need_weights:
         if requested not in ("auto", "math"):
             raise ValueError(f"backend={requested!r} does not return attention weights; "
                              "use backend='math' or need_weights=False")
         choice = ("math", "attention weights requested: only the math backend returns them")
     elif requested != "auto":
-        reason = {"sdpa": lambda: sdpa_plan[1], "flash": lambda: flash.unsupported(q, k, v, contract),
-                  "native": lambda: native.unsupported(q, k, v, contract, dropout_p),
-                  "math": lambda: None}[requested]()  # math honours every contract
-        if reason:
+        plan = sdpa.plan(q, k, v, contract, dropout_p) if requested == "sdpa" else None
+        if reason := refusal(requested, q, k, v, contract, dropout_p, sdpa_plan=plan):
             raise ValueError(f"backend={requested!r} cannot run this call: {reason}")
         choice = (requested, "requested explicitly")
     else:
-        no_sdpa = sdpa_plan[1]
-        if not no_sdpa:  # both could run it: native where it is measured faster (asked first: it is cheap)
-            if native_pays(q, k) and _native_ready(q, k, v, contract, dropout_p):
-                choice = ("native", "mha's compiled kernel is faster than torch's on this call (native_pays)")
-            else:
-                choice = ("sdpa", "torch's fused kernel takes the whole contract")
-        elif _native_ready(q, k, v, contract, dropout_p):
-            choice = ("native", f"not sdpa ({no_sdpa}): native applies every term tile by tile, compiled")
-        elif not (no_flash := flash.unsupported(q, k, v, contract)):
-            choice = ("flash", f"not sdpa ({no_sdpa}): flash applies every term tile by tile")
+        plan = sdpa.plan(q, k, v, contract, dropout_p)
+        if contract.score_mod is not None or contract.mask_mod is not None:
+            choice = _auto_user_functions(q, k, v, contract, dropout_p)
+        elif q.is_cpu:
+            choice = _auto_cpu(q, k, v, contract, dropout_p, plan)
         else:
-            choice = ("math", f"not sdpa ({no_sdpa}), not flash ({no_flash})")
+            choice = _auto_off_cpu(q, k, v, contract, dropout_p, plan)
     _log_choice("", *choice)
-    return (*choice, sdpa_plan)
+    return (*choice, plan)
+
+
+def refusal(name: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float = 0.0, *,
+            sdpa_plan=None) -> str | None:
+    """Why backend ``name`` cannot run this call, or None: a term it does not declare (its TAKES,
+    named), else its own check."""
+    if name == "sdpa":
+        return (sdpa_plan or sdpa.plan(q, k, v, contract, dropout_p))[1]
+    return _UNSUPPORTED[name](q, k, v, contract, dropout_p)
+
+
+_UNSUPPORTED = {"math": math_kernel.unsupported, "flash": flash.unsupported, "native": native.unsupported,
+                "flex": flex.unsupported}
+
+
+def _auto_cpu(q, k, v, contract, dropout_p, plan) -> tuple[str, str]:
+    """auto on CPU: torch's kernel or native (where measured faster), else native, flash, math."""
+    no_sdpa = plan[1]
+    if not no_sdpa:  # both could run it: native where it is measured faster (asked first: it is cheap)
+        if native_pays(q, k) and _native_ready(q, k, v, contract, dropout_p):
+            return "native", "mha's compiled kernel is faster than torch's on this call (native_pays)"
+        return "sdpa", "torch's fused kernel takes the whole contract"
+    if _native_ready(q, k, v, contract, dropout_p):
+        return "native", f"not sdpa ({no_sdpa}): native applies every term tile by tile, compiled"
+    if not (no_flash := refusal("flash", q, k, v, contract)):
+        return "flash", f"not sdpa ({no_sdpa}): flash applies every term tile by tile"
+    return "math", f"not sdpa ({no_sdpa}), not flash ({no_flash})"
+
+
+def _auto_off_cpu(q, k, v, contract, dropout_p, plan) -> tuple[str, str]:
+    """auto on CUDA (any device but the CPU): torch's kernel where it takes the call as it is, else
+    FlexAttention; where flex cannot, torch's kernel with the terms folded into one mask, else math
+    while its scores are small, else flash's tiles (the slowest here: Python tiles)."""
+    folded, no_sdpa = plan
+    if not no_sdpa and folded is None:
+        return "sdpa", "torch's fused kernel takes the whole contract as it is"
+    no_flex = refusal("flex", q, k, v, contract, dropout_p)
+    if not no_flex:
+        why = no_sdpa or "it would need the terms folded into one mask"
+        return "flex", f"not sdpa as it is ({why}): FlexAttention compiles every term into one kernel"
+    if not no_sdpa:
+        return "sdpa", f"not flex ({no_flex}): torch's fused kernel with the terms folded into one mask"
+    if _scores(q, k) <= SMALL_SCORES:
+        return "math", f"not sdpa ({no_sdpa}), not flex ({no_flex}): math, the scores being small"
+    if not (no_flash := refusal("flash", q, k, v, contract)):
+        return "flash", f"not sdpa ({no_sdpa}), not flex ({no_flex}): flash's tiles (Python; slow off the CPU)"
+    return "math", f"not sdpa ({no_sdpa}), not flex ({no_flex}), not flash ({no_flash})"
+
+
+def _auto_user_functions(q, k, v, contract, dropout_p) -> tuple[str, str]:
+    """auto for the caller's score_mod / mask_mod: flex, which compiles them into its kernel; math
+    (which evaluates them eagerly) where flex cannot, and on CPU while the scores are small (flex
+    would compile first: seconds)."""
+    if q.is_cpu and _scores(q, k) <= SMALL_SCORES:
+        return "math", "the caller's score or mask function on CPU at small scores: math evaluates it eagerly"
+    if not (no_flex := refusal("flex", q, k, v, contract, dropout_p)):
+        return "flex", "the caller's score or mask function: FlexAttention compiles it into its kernel"
+    return "math", f"the caller's score or mask function, not flex ({no_flex}): math evaluates it eagerly"
+
+
+def _scores(q: Tensor, k: Tensor) -> int:
+    """The number of scores of the call: (*lead, L, S), the leading dims those of q."""
+    return q.numel() // max(q.shape[-1], 1) * k.shape[-2]
 
 
 def _log_choice(path: str, name: str, why: str) -> None:
@@ -245,21 +310,31 @@ def choose_lse_backend(requested: str, q: Tensor, k: Tensor, v: Tensor, contract
     _checks.one_of("backend", requested, ("auto", *LSE_BACKENDS))
     contract = resolve(contract)
     if requested != "auto":
-        reason = {"sdpa": lambda: None if sdpa.lse_form(q, k, v, contract) else
-                  "torch's fused kernel returns the log-sum-exp of 4-D calls with no term but lagging causality",
-                  "native": lambda: native.unsupported(q, k, v, contract),
-                  "flash": lambda: flash.unsupported(q, k, v, contract)}[requested]()
-        if reason:
+        if reason := _lse_refusal(requested, q, k, v, contract):
             raise ValueError(f"backend={requested!r} cannot run this call: {reason}")
         choice = (requested, "requested explicitly")
     elif sdpa.lse_form(q, k, v, contract) is not None:
         choice = ("sdpa", "torch's fused CPU kernel computes the call and its log-sum-exp as they are")
     elif _native_ready(q, k, v, contract, 0.0):
         choice = ("native", "not sdpa (a term its fused kernel lacks): native applies every term, compiled")
-    else:
+    elif not q.is_cpu and not _lse_refusal("flex", q, k, v, contract):
+        choice = ("flex", "not sdpa (a term its fused kernel lacks): FlexAttention, with its log-sum-exp")
+    elif not (no_flash := _lse_refusal("flash", q, k, v, contract)):
         choice = ("flash", "not sdpa (a term its fused kernel lacks), native not built or not taking it")
+    else:
+        raise ValueError(f"no backend returns the log-sum-exp of this call: flash cannot ({no_flash})")
     _log_choice(" (with lse)", *choice)
     return choice
+
+
+def _lse_refusal(name: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> str | None:
+    """Why backend ``name`` cannot return this call's log-sum-exp, or None."""
+    if name == "sdpa":
+        return None if sdpa.lse_form(q, k, v, contract) else \
+            "torch's fused kernel returns the log-sum-exp of 4-D calls with no term but lagging causality"
+    if name == "flex":
+        return flex.unsupported(q, k, v, contract, need_lse=True)
+    return refusal(name, q, k, v, contract)
 
 
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,

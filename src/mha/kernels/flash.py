@@ -33,12 +33,13 @@ from torch import Tensor
 from .. import masks
 from ._context import autocast_enabled, autocast_inputs, autograd_function_refusal
 from ._shapes import leads, matched_kv_heads, unflat
-from .contract import Contract, resolve
+from .contract import TERMS, Contract, resolve, undeclared
 from .merge import sink_gradient
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "WINDOW_BLOCKS", "flash_attention", "flash_attention_backward",
+__all__ = ["BLOCK_K", "BLOCK_Q", "TAKES", "WINDOW_BLOCKS", "flash_attention", "flash_attention_backward",
            "flash_attention_with_lse", "unsupported"]
 
+TAKES = TERMS - {"score_mod", "mask_mod"}  # every term but the caller's functions (math and flex take them)
 BLOCK_Q = 256
 BLOCK_K = 256
 WINDOW_BLOCKS = (64, 128)  # a sliding window: smaller blocks waste less work on its edges
@@ -88,9 +89,10 @@ def _block_sizes(contract: Contract, block_q: int | None, block_k: int | None) -
     return block_q or default_q, block_k or default_k
 
 
-def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> str | None:
-    """Why flash cannot run this call, or None. (It honours every term of the contract.)"""
-    return autograd_function_refusal(q, k, v, contract.mask)
+def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float = 0.0) -> str | None:
+    """Why flash cannot run this call, or None. (It honours every term of the contract but the
+    caller's functions, TAKES.)"""
+    return undeclared(TAKES, contract) or autograd_function_refusal(q, k, v, contract.mask)
 
 
 class _Flash(torch.autograd.Function):

@@ -15,9 +15,11 @@ from torch import Tensor
 from .. import masks, positions
 from ._context import autocast_enabled, autocast_inputs, forward_mode, may_branch_on_values, transforms_active
 from ._shapes import matched_kv_heads
-from .contract import Contract, resolve
+from .contract import TERMS, Contract, resolve, undeclared
 
-__all__ = ["math_attention", "paged_math_attention", "safe_softmax"]
+__all__ = ["TAKES", "math_attention", "paged_math_attention", "safe_softmax", "unsupported"]
+
+TAKES = TERMS  # every term of the contract: the reference
 
 _OUT_OF_PLACE_BELOW = 1 << 15  # scores (elements) below which the in-place softmax allocates anyway
 
@@ -39,7 +41,7 @@ def safe_softmax(scores: Tensor, *, inplace: bool = False) -> Tensor:
             blocked = row_max.isneginf()
     if blocked is not None:  # finite row -> finite softmax and gradient
         scores = scores.masked_fill_(blocked, 0.0) if inplace else scores.masked_fill(blocked, 0.0)
-    if inplace and scores.numel() >= _OUT_OF_PLACE_BELOW:
+    if inplace and scores.numel() >= _OUT_OF_PLACE_BELOW and not torch.compiler.is_compiling():  # (no out= in a graph)
         weights = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
     else:  # small: torch.ops' Python dispatch costs more than the second buffer
         weights = torch.softmax(scores, dim=-1)
@@ -73,19 +75,28 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = 
     weights are rounded back once. Under torch.autocast the inputs are in the autocast dtype first.
     """
     contract = resolve(contract)
+    if reason := unsupported(q, k, v, contract):
+        raise ValueError(f"the math backend cannot run this call: {reason}")
     k, v = matched_kv_heads(q, k, v)
     q, k, v = autocast_inputs(q, k, v)  # as torch's SDPA; no op below is autocast's to change
     with _autocast_off(q.device.type):
         return _math(q, k, v, contract, dropout_p)
 
 
+def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float = 0.0) -> str | None:
+    """Why the math backend cannot run this call, or None: only a term it does not know."""
+    return undeclared(TAKES, contract)
+
+
 def _math(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float) -> tuple[Tensor, Tensor]:
     L, S, out_dtype = q.shape[-2], k.shape[-2], q.dtype
     work = masks.additive_dtype(out_dtype)  # float32 for float16/bfloat16
-    inference = _may_overwrite(q, k, v, contract.mask, contract.alibi_slopes, contract.sinks)
+    inference = _may_overwrite(q, k, v, contract.mask, contract.alibi_slopes, contract.sinks) and not (
+        contract.score_mod is not None and torch.is_grad_enabled())  # (a score_mod may close over a learned table)
     if out_dtype != work:
         q, k, v = q.to(work), k.to(work), v.to(work)
     scores = (q * contract.scale_for(q.shape[-1])) @ k.transpose(-2, -1)  # (..., L, D) @ (..., D, S) -> (..., L, S)
+    scores = contract.modified(scores, positions.whole(L), positions.whole(S))
     scores, _ = contract.cap(scores, inplace=inference)
     scores = contract.shape_scores(scores, positions.whole(L), positions.whole(S), inplace=inference)
     if contract.sinks is None:

@@ -39,9 +39,9 @@ from torch import Tensor
 from . import merge
 from ._context import autocast_inputs, autograd_function_refusal
 from ._shapes import leads, matched_kv_heads, unflat
-from .contract import Contract, resolve
+from .contract import TERMS, Contract, resolve, undeclared
 
-__all__ = ["native_attention", "native_attention_with_lse", "native_available", "paged_attention_native", "ready",
+__all__ = ["TAKES", "native_attention", "native_attention_with_lse", "native_available", "paged_attention_native", "ready",
            "sanitized", "unsupported", "variant"]
 
 log = logging.getLogger("mha.dispatch")
@@ -54,6 +54,7 @@ _FLAGS = {"avx512bf16": [*_AVX512, "-mavx512bf16", "-DMHA_AVX512_BF16"], "avx512
 # MHA_NATIVE_SANITIZE=1: a build of its own with AddressSanitizer and UBSan (docs/testing.md)
 _SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g", "-O1",
              "-D_GLIBCXX_ASSERTIONS", "-D_GLIBCXX_SANITIZE_VECTOR"]
+TAKES = TERMS - {"score_mod", "mask_mod"}  # every term but the caller's functions (math and flex take them)
 _UNBOUNDED = 2 ** 63 - 1  # the kernel's "no bound on this side of the band"
 
 
@@ -177,7 +178,9 @@ def _build_folder(build: str, sanitize: bool = False) -> Path:
 
 
 def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float = 0.0) -> str | None:
-    """Why the native backend cannot run this call, or None."""
+    """Why the native backend cannot run this call, or None. (The terms it takes: TAKES.)"""
+    if reason := undeclared(TAKES, contract):
+        return reason
     if not native_available():
         return "the native kernel is not built here (see the mha.dispatch log)"
     if not (q.device.type == k.device.type == v.device.type == "cpu"):

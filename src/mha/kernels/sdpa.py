@@ -31,7 +31,10 @@ are no larger than q, k and v. A causal call with a scale <= 0 reaches torch wit
 (k negated, or q zeroed): torch's causal kernel scales after masking, and -inf times 0 is NaN.
 No rows, or no keys, give zeros without a call (torch's answers vary there: see run_planned).
 
-On CPU torch's kernels return zeros (not NaN) for a query row whose keys are all masked.
+On CPU torch's kernels return zeros (not NaN) for a query row whose keys are all masked. Off the
+CPU (CUDA) a mask reaches torch's kernel in the query's dtype, the only one its CUDA kernels read
+right, and a row that sees no key is zeroed after the call (they return garbage there in half
+precision); ALiBi is not folded into a float16 or bfloat16 mask there (too coarse: flex takes it).
 Shapes: q (..., L, D), k (..., S, D), v (..., S, Dv).
 """
 
@@ -47,10 +50,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .. import masks, positions
 from ._context import forward_mode
 from ._shapes import attached_zeros, broadcast, matched_kv_heads, unit_last_stride
-from .contract import Contract, resolve
+from .contract import Contract, resolve, undeclared
 
-__all__ = ["attention_with_lse", "backward_with_lse", "lse_form", "plan", "run_planned", "sdpa_attention"]
+__all__ = ["TAKES", "attention_with_lse", "backward_with_lse", "guarded", "lse_form", "plan", "run_planned", "sdpa_attention"]
 
+TAKES = frozenset({"band", "positions", "key_valid", "mask", "alibi_slopes", "scale"})  # as it is, or folded into one mask
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -83,10 +87,8 @@ def run_planned(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_
 def plan(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float):
     """(the shape of the one mask the contract folds into, or None when torch's kernel takes it as
     it is; why torch's kernel cannot take the call within the memory of q, k and v, or None)."""
-    if contract.softcap is not None:
-        return None, "torch's kernel has no softcap"
-    if contract.sinks is not None:
-        return None, "torch's kernel has no attention sinks"
+    if reason := undeclared(TAKES, contract, "torch's kernel"):
+        return None, reason
     if forward_mode(q, k, v):
         return None, "torch's kernel has no forward-mode AD (jvp)"
     why = _builds_weights(q, k, v, dropout_p)
@@ -100,6 +102,9 @@ def plan(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float):
                           f"more than q, k and v hold ({budget:,})")
     if _takes_as_is(q, k, v, contract, builds_weights=why is not None):
         return None, None
+    if not q.is_cpu and contract.alibi_slopes is not None and q.dtype in (torch.float16, torch.bfloat16):
+        return None, (f"ALiBi would reach torch's kernel in a {q.dtype} mask (off the CPU its kernels take masks "
+                      "in the query's dtype only), too coarse for the distances")
     shape = _folded_shape(q, k, v, contract)
     if math.prod(shape) > budget:
         return None, (f"torch's kernel would need the band, ALiBi or padding as a {tuple(shape)} mask, more "
@@ -110,24 +115,55 @@ def plan(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float):
 def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_p: float, folded) -> Tensor:
     L, S, scale = q.shape[-2], k.shape[-2], contract.scale
     if folded is not None:  # one dense mask within the memory of q, k and v
-        mask = torch.zeros(folded, dtype=masks.additive_dtype(q.dtype), device=q.device)
+        mask = torch.zeros(folded, dtype=_mask_dtype(q), device=q.device)
         mask = contract.shape_scores(mask, positions.whole(L), positions.whole(S), inplace=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                              enable_gqa=_grouped(q, k))
+        return _masked(q, k, v, mask, dropout_p=dropout_p, scale=scale)
     mask = _with_padding(contract.mask, contract.key_valid)
     band = contract.band
     if band is not None and mask is not None:  # causality folded into a copy of the caller's (..., L, S) mask
         hidden = ~band.allowed(contract.distances(positions.whole(L), positions.whole(S), q.device))  # (L, S)
         mask, band = (mask & ~hidden if mask.dtype == torch.bool else mask.masked_fill(hidden, float("-inf"))), None
     if band is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                              enable_gqa=_grouped(q, k))
+        return _masked(q, k, v, mask, dropout_p=dropout_p, scale=scale)
     q, k, scale = _positive_scale(q, k, contract.scale_for(q.shape[-1]))
     shift = band.causal_shift(contract.offset)  # plan took the band: causality, shifted
     if shift == 0:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
                                               enable_gqa=_grouped(q, k))
     return _shifted_causal(q, k, v, shift, scale)
+
+
+def _mask_dtype(q: Tensor) -> torch.dtype:
+    """The dtype of an additive mask for torch's kernel: on CPU the contract's (float32 for float16 and
+    bfloat16 queries: its CPU kernels add it in float32), elsewhere the query's own (torch's CUDA
+    kernels read a float32 mask beside float16 or bfloat16 queries wrongly instead of refusing it:
+    errors of 0.6-1.2, NaN, measured on an H100 with torch 2.11)."""
+    return masks.additive_dtype(q.dtype) if q.is_cpu else q.dtype
+
+
+def _masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout_p: float, scale: float | None) -> Tensor:
+    """torch's kernel with a mask (or none). Off the CPU, the mask in the query's dtype, and each row
+    that sees no key computed as if it saw them all and then zeroed: torch's CUDA kernels return
+    garbage there in half precision (torch's CPU kernels give zeros, as mha promises everywhere)."""
+    if mask is None or q.is_cpu:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=_grouped(q, k))
+    return guarded(q, k, v, mask, dropout_p=dropout_p, scale=scale)
+
+
+def guarded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, dropout_p: float = 0.0, scale: float | None = None) -> Tensor:
+    """_masked's call off the CPU (any device: the tests run it on CPU tensors): the mask in q's dtype,
+    rows that see nothing unmasked for the call and zeroed after it (zero gradients too)."""
+    if mask.dtype == torch.bool:
+        blind = ~mask.any(-1, keepdim=True)  # (..., L|1, 1): rows that see nothing
+        mask = mask | blind
+    else:
+        mask = masks.to_dtype(mask, q.dtype)
+        blind = (mask == float("-inf")).all(-1, keepdim=True)
+        mask = mask.masked_fill(blind, 0.0)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                         enable_gqa=_grouped(q, k))
+    return out.masked_fill(blind, 0.0)
 
 
 def _positive_scale(q: Tensor, k: Tensor, scale: float) -> tuple[Tensor, Tensor, float]:
@@ -247,6 +283,7 @@ def _shifted_causal(q: Tensor, k: Tensor, v: Tensor, shift: int, scale: float) -
 # -- with the log-sum-exp: attention over one part of the keys (the dispatch's attention_with_lse) --
 
 _FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_LSE_TERMS = frozenset({"band", "scale"})  # all the fused kernel's log-sum-exp form takes (the band: lagging causality)
 _FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
@@ -256,9 +293,7 @@ def lse_form(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> tuple[bool,
     lag >= 0 (query i sees keys j <= i - lag: a striped layout's block), no other term, Dv = D,
     4-D q (B, H, L, D), k and v (B, H, S, D). The rows lag.. against keys ..S-lag are then top-left
     causal, and the first lag rows see nothing."""
-    if not (q.is_cpu and contract.alibi_slopes is None and contract.softcap is None and contract.positions is None
-            and contract.mask is None and contract.key_valid is None and contract.sinks is None
-            and q.shape[-1] == v.shape[-1] and q.dim() == 4):
+    if not (q.is_cpu and contract.terms <= _LSE_TERMS and q.shape[-1] == v.shape[-1] and q.dim() == 4):
         return None
     band = contract.band
     if band is None:

@@ -40,7 +40,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  enable_gqa: bool = False, *, backend: str = "auto",
                                  causal_alignment: str | None = None, window: tuple[int, int] | None = None,
                                  alibi_slopes: Tensor | None = None, softcap: float | None = None,
-                                 sinks: Tensor | None = None) -> Tensor:
+                                 sinks: Tensor | None = None, score_mod=None, mask_mod=None) -> Tensor:
     """softmax(query key^T * scale + mask) value, as torch.nn.functional.scaled_dot_product_attention.
 
     query (..., L, D), key (..., S, D), value (..., S, Dv) -> (..., L, Dv).
@@ -61,15 +61,24 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
       softcap           c > 0: scores become c * tanh(scores / c) before ALiBi and masks (Gemma 2).
       sinks             (H,): one logit per head that joins every row's softmax and is then dropped
                         (GPT-OSS); differentiable.
+      score_mod         score_mod(score, b, h, q_idx, kv_idx) -> score, FlexAttention's signature: a
+                        term of your own, applied to the scaled score q.k * scale (before softcap,
+                        ALiBi and attn_mask); b indexes the leading dims before the heads (flattened),
+                        h the query head. Differentiable, also through the tensors it closes over.
+      mask_mod          mask_mod(b, h, q_idx, kv_idx) -> bool (True = attend), FlexAttention's
+                        signature: which keys each query sees, beside is_causal, window and attn_mask.
     None of them builds an L x S tensor: the dispatch runs them on a backend that applies them tile
-    by tile (native, or flash where native is not built), or, at short T, folds windows and ALiBi
-    into one mask for torch's kernel when that mask is no larger than query, key and value
-    together (see mha.kernels.dispatch).
+    by tile (native, or flash where native is not built; FlexAttention on CUDA), or, at short T,
+    folds windows and ALiBi into one mask for torch's kernel when that mask is no larger than
+    query, key and value together (see mha.kernels.dispatch). score_mod and mask_mod run on flex
+    (torch's FlexAttention, compiled; on CPU forward only) and math (eager, any device: the
+    reference, which builds the L x S scores); the other backends refuse them.
     """
     # a plain call: the dispatch's per-call fast path (torch's kernel, when that is what auto would run)
     if (attn_mask is None and dropout_p.__class__ is float and dropout_p == 0.0 and scale is None
             and backend == "auto" and causal_alignment is None and window is None and alibi_slopes is None
-            and softcap is None and sinks is None and (is_causal is False or is_causal is True)
+            and softcap is None and sinks is None and score_mod is None and mask_mod is None
+            and (is_causal is False or is_causal is True)
             and (enable_gqa is False or enable_gqa is True)):
         out = kernels.dispatch.plain_sdpa(query, key, value, is_causal=is_causal, enable_gqa=enable_gqa)
         if out is not None:
@@ -77,7 +86,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     if _checks.nested(query) or _checks.nested(key) or _checks.nested(value):
         return _nested_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa, backend=backend, causal_alignment=causal_alignment,
-                            window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
+                            window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
+                            score_mod=score_mod, mask_mod=mask_mod)
     query, key, value, unbatched = _at_least_3d(query, key, value)
     query, key, value = autocast_inputs(query, key, value)  # under torch.autocast, as torch's SDPA
     batch_shape = _check_sdpa_inputs(query, key, value, enable_gqa)
@@ -89,17 +99,19 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         band=positions.band(is_causal, window), offset=positions.offset_of(causal_alignment, L, S),
         mask=masks.from_sdpa(attn_mask, L=L, S=S, batch_shape=batch_shape, like=query),
         alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, H, query), scale=_checks.optional_finite_real("scale", scale),
-        softcap=_checks.optional_positive_real("softcap", softcap), sinks=_checks.per_head("sinks", sinks, H, query))
+        softcap=_checks.optional_positive_real("softcap", softcap), sinks=_checks.per_head("sinks", sinks, H, query),
+        score_mod=score_mod, mask_mod=mask_mod)
     out, _ = kernels.attention(query, key, value, contract, dropout_p=dropout_p, backend=backend)
     return out[0] if unbatched else out
 
 
 def _nested_sdpa(query, key, value, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, causal_alignment,
-                 window, alibi_slopes, softcap, sinks) -> Tensor:
+                 window, alibi_slopes, softcap, sinks, score_mod, mask_mod) -> Tensor:
     """Nested query (B, H, j, D), key (B, Hkv, j', D), value (B, Hkv, j', Dv) (torch.nested, jagged
     as torch's SDPA takes them, or strided): packed, one call of varlen attention (no padding to the
     longest), the output nested like the query. Causality and windows align bottom-right within each
-    sequence (the same as top-left where a sequence's query and key lengths are equal)."""
+    sequence (the same as top-left where a sequence's query and key lengths are equal); score_mod and
+    mask_mod index the packed rows (see varlen_attention)."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not x.is_nested:
             raise ValueError(f"{name} must be nested too: a nested query, key and value, or none")
@@ -115,7 +127,8 @@ def _nested_sdpa(query, key, value, *, attn_mask, dropout_p, is_causal, scale, e
     if not _checks.flag("enable_gqa", enable_gqa) and k.shape[1] != q.shape[1]:
         raise ValueError(f"key has {k.shape[1]} heads and query {q.shape[1]}: pass enable_gqa=True to share them")
     out = varlen.varlen_attention(q, k, v, cu_q, cu_k, is_causal=is_causal, scale=scale, window=window,
-                                  alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, backend=backend)
+                                  alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, score_mod=score_mod,
+                                  mask_mod=mask_mod, backend=backend)
     return varlen.to_nested(out, cu_q, query, seq_dim=1)  # (Tq, H, Dv) -> (B, H, j, Dv)
 
 

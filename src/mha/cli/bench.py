@@ -7,7 +7,9 @@ when it is installed), backends (sdpa, flash, math, numpy blocked;
 GFLOP/s beside a matmul's), training (forward + backward), contract (our SDPA vs torch's on causal,
 bottom-right, padding, windows, ALiBi), memory (peak RSS of every default path in fresh
 processes), modern (KV-cache decoding, sliding windows), serving (one mixed step's attention over a
-paged cache: paged vs contiguous varlen vs torch's SDPA with a dense mask), variants (the efficient variants: speed,
+paged cache: paged vs contiguous varlen vs torch's SDPA with a dense mask), gpu (on a CUDA device: plain calls against
+torch's SDPA, the terms it lacks against FlexAttention by hand, half-precision errors), flex (FlexAttention on CPU
+beside the native kernel), variants (the efficient variants: speed,
 and quality on all-MiniLM-L6-v2's real attention; the hf extra), hf (transformers models with
 attn_implementation="mha"; the hf extra) and distributed (ring and Ulysses attention on spawned
 ranks against one process: memory per rank, balance). See mha.tools.bench for how each is measured.
@@ -23,7 +25,7 @@ import torch
 from rich.progress import Progress
 from rich.table import Table
 
-from ..tools import bench
+from ..tools import bench, bench_gpu
 from . import _common
 from ._common import UsageError
 
@@ -35,6 +37,7 @@ FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [25
             window=(16384, 256), variants=[256, 1024, 4096, 16384], quality=([128, 256, 512], 32),
             hf={"minilm": 128, "gpt-oss": 4096}, distributed=(65536, 4), serving=[1024, 4096],
             serving_generate=["16 x 64-512 x 32", "32 x 256-1536 x 64", "64 x 256-2048 x 128"],
+            gpu=dict(plain=[1024, 4096], terms=4096, term_sets=list(bench_gpu.TERMS)), flex=[1024, 4096],
             native=dict(forward=[1024, 4096], training=2048, decode=16384, window=(16384, 256), accuracy=1024,
                         short=[16, 64, 128, 256, 512], matmul=2048, cache_decode=[4096, 16384, 65536]))
 QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 2048, 256)],
@@ -42,11 +45,12 @@ QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 
              contract=1024, memory=2048, decode=128, overhead_decode=[1024],
              window=(4096, 128), variants=[256, 1024], quality=([64, 128], 16), hf={"minilm": 128, "gpt-oss": 1024},
              distributed=(8192, 4), serving=[512], serving_generate=["16 x 64-512 x 32"],
+             gpu=dict(plain=[1024], terms=2048, term_sets=["window", "softcap", "sinks", "documents"]), flex=[1024],
              native=dict(forward=[512, 1024], training=512, decode=4096, window=(4096, 128), accuracy=256,
                          short=[64, 256], matmul=1024, cache_decode=[4096]))
 SECTIONS = ("module", "causal", "overhead", "auto", "peers", "backends", "training", "contract", "memory", "modern", "native",
-            "serving", "variants", "hf", "distributed")
-OPT_IN = ("serving", "variants", "hf", "distributed")  # not in the default run: long, or the hf extra
+            "serving", "variants", "hf", "distributed", "gpu", "flex")
+OPT_IN = ("serving", "variants", "hf", "distributed", "gpu", "flex")  # not in the default run: long, a GPU, or an extra
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -144,6 +148,13 @@ def _jobs(grid, sections, repeat):
                      for w in grid["serving_generate"]]
         else:
             print("mha bench: generate_batch is left out of the serving section: transformers is not installed (hf extra)")
+    if "gpu" in sections:
+        if torch.cuda.is_available():
+            jobs.append(("gpu", lambda: list(bench.gpu_rows(grid["gpu"], repeat))))
+        else:
+            print("mha bench: the gpu section is left out: no CUDA device here")
+    if "flex" in sections:
+        jobs += [(f"flex T{T}", lambda T=T: list(bench.flex_rows([T], repeat))) for T in grid["flex"]]
     if "modern" in sections:
         jobs.append((f"decode {grid['decode']} tokens", lambda: [bench.decode_row(grid["decode"])]))
         jobs.append((f"window {grid['window']}", lambda: [bench.window_row(*grid["window"], repeat)]))

@@ -291,13 +291,19 @@ class _Running:
     """Buffers of the running softmax of one query block (B*H, rows, ...), reused block to block."""
 
     def __init__(self, BH, rows, Dv, dtype, device, sinks):
-        make = lambda *shape: torch.empty(BH, *shape, dtype=dtype, device=device)  # noqa: E731
-        self.m, self.m_new, self.alpha, self.l = (make(rows, 1) for _ in range(4))
-        self.acc = make(rows, Dv)
+        self.shape, self.dtype, self.device = (BH, rows, Dv), dtype, device
+        self.buffers = self._make(rows)
         self.sinks = sinks  # (BH, 1, 1) or None
 
+    def _make(self, rows):
+        """(m, m_new, alpha, l (BH, rows, 1), acc (BH, rows, Dv)): contiguous, as ops with out= want them."""
+        BH, _, Dv = self.shape
+        make = lambda *shape: torch.empty(BH, *shape, dtype=self.dtype, device=self.device)  # noqa: E731
+        return (*(make(rows, 1) for _ in range(4)), make(rows, Dv))
+
     def start(self, rows):
-        state = tuple(x[:, :rows] for x in (self.m, self.m_new, self.alpha, self.l, self.acc))
+        # a block of fewer rows (the last) gets buffers of its own: a slice of the others would not be contiguous
+        state = self.buffers if rows == self.shape[1] else self._make(rows)
         if self.sinks is None:
             state[0].fill_(_NEG_INF)
             state[3].zero_()
@@ -323,7 +329,7 @@ class _Running:
     @staticmethod
     def finish(state, out, row_max, row_sum):
         m, _, _, l, acc = state
-        torch.div(acc, l.clamp_min(torch.finfo(l.dtype).tiny), out=out)  # rows that saw nothing: 0
+        out.copy_(acc.div_(l.clamp_min(torch.finfo(l.dtype).tiny)))  # rows that saw nothing: 0 (out: a view)
         row_max.copy_(m.squeeze(-1))
         row_sum.copy_(l.squeeze(-1))
 

@@ -17,7 +17,8 @@ A call of few query rows (a decoding step: L <= DECODE_ROWS) takes the mask term
 instead (-inf where hidden) and no block mask: a decoding loop, whose key count and offset change at
 every step, builds nothing per step; the offsets are device tensors, so the compiled kernel is reused.
 
-What it refuses, by name: dropout; float64 (FlexAttention compiles float32, float16 and bfloat16);
+What it refuses, by name: dropout; float64 (FlexAttention compiles float32, float16 and bfloat16;
+flex.eager() takes float64);
 head dims below 16 on CUDA (its Triton kernel's minimum); on CPU, gradients and the log-sum-exp
 (sinks), which torch's compiled CPU kernel lacks (torch 2.13); torch.func transforms and forward-mode
 AD; a mask that needs its gradient. :func:`eager` runs torch's uncompiled FlexAttention instead (its
@@ -82,15 +83,18 @@ def eager():
         _EAGER.pop()
 
 
-def _compiled_or_eager() -> Callable:
+def _compiled_or_eager(device: torch.device) -> Callable:
     if _EAGER[-1] or torch.compiler.is_compiling():  # inside a compiled graph FlexAttention is compiled with it
         return _flex.flex_attention
-    return _compiled_flex()
+    return _compiled_flex(device.type)
 
 
 @functools.cache
-def _compiled_flex() -> Callable:
-    return torch.compile(_flex.flex_attention)
+def _compiled_flex(device_type: str) -> Callable:
+    """torch.compile(flex_attention): with dynamic shapes on CUDA (a decoding loop's growing key count
+    compiles once more, then never), static on CPU (torch 2.13's CPU code for dynamic shapes fails to
+    compile for some masks, measured: a document mask after a recompile; a new shape compiles anew)."""
+    return torch.compile(_flex.flex_attention, dynamic=False if device_type == "cpu" else None)
 
 
 @functools.cache
@@ -114,7 +118,7 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: 
         return f"this torch ({torch.__version__}) has no torch.nn.attention.flex_attention"
     if dropout_p > 0.0:
         return "FlexAttention has no dropout"
-    if not (q.dtype == k.dtype == v.dtype and q.dtype in _DTYPES):
+    if not (q.dtype == k.dtype == v.dtype and (q.dtype in _DTYPES or _EAGER[-1] and q.dtype == torch.float64)):
         return f"FlexAttention compiles float32, float16 and bfloat16 (got {q.dtype}, {k.dtype}, {v.dtype})"
     if not (q.device == k.device == v.device) or q.device.type not in ("cuda", "cpu"):
         return f"it runs on CUDA or CPU tensors, all on one device (got {q.device}, {k.device}, {v.device})"
@@ -193,7 +197,7 @@ def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, with_lse: bool)
         out = attached_zeros((*lead, L, Dv), q, k, v)
         return out, torch.full((*lead, L), float("-inf"), device=q.device) if with_lse else None
     q4, k4, v4 = _as_4d(q, lead), _as_4d(k, kv_lead), _as_4d(v, kv_lead)  # (B, H, L, D), (B, Hkv, S, D|Dv)
-    functions = _Functions(contract, q4.shape[0], q4.shape[1], L, S, q.device)
+    functions = _Functions(contract, q4.shape[0], q4.shape[1], L, S, q.device, q.dtype)
     need_lse = with_lse or contract.sinks is not None
     result = _call(q4, k4, v4, functions, scale=contract.scale_for(q.shape[-1]), need_lse=need_lse)
     out, lse = result if need_lse else (result, None)
@@ -208,11 +212,11 @@ def _call(q4, k4, v4, functions: _Functions, *, scale: float, need_lse: bool):
     options = {"score_mod": functions.score_mod, "block_mask": functions.block_mask, "scale": scale,
                "enable_gqa": k4.shape[1] != q4.shape[1]}
     if not need_lse:
-        return _compiled_or_eager()(q4, k4, v4, **options)
+        return _compiled_or_eager(q4.device)(q4, k4, v4, **options)
     if hasattr(_flex, "AuxRequest"):
-        out, aux = _compiled_or_eager()(q4, k4, v4, return_aux=_flex.AuxRequest(lse=True), **options)
+        out, aux = _compiled_or_eager(q4.device)(q4, k4, v4, return_aux=_flex.AuxRequest(lse=True), **options)
         return out, aux.lse
-    return _compiled_or_eager()(q4, k4, v4, return_lse=True, **options)  # torch before AuxRequest
+    return _compiled_or_eager(q4.device)(q4, k4, v4, return_lse=True, **options)  # torch before AuxRequest
 
 
 def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
@@ -259,8 +263,9 @@ class _Functions:
     """The contract as FlexAttention's score_mod and block mask (whose mask_mod holds the hiding
     terms), or, for a call of few rows, one score_mod with the hiding terms as -inf."""
 
-    def __init__(self, contract: Contract, B: int, H: int, L: int, S: int, device):
+    def __init__(self, contract: Contract, B: int, H: int, L: int, S: int, device, dtype=torch.float32):
         self.contract, self.device = contract, device
+        self.score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # the scores' in the kernel
         self.hides: list[Callable] = []  # predicates: True = the query sees the key
         self.mask_batch = self.mask_heads = 1  # the block mask's batch and heads: 1 where nothing depends on them
         self.rel = _relative(contract, device)
@@ -289,8 +294,8 @@ class _Functions:
     def _score_mod(self) -> Callable | None:
         c = self.contract
         user, additive, rel = c.score_mod, self.additive, self.rel
-        cap = None if c.softcap is None else torch.full((), c.softcap, dtype=torch.float32, device=self.device)
-        slopes = None if c.alibi_slopes is None else c.alibi_slopes.to(torch.float32)
+        cap = None if c.softcap is None else torch.full((), c.softcap, dtype=self.score_dtype, device=self.device)
+        slopes = None if c.alibi_slopes is None else c.alibi_slopes.to(self.score_dtype)
         hidden = self.mask_mod if self.hides and self.decoding else None
         if not any(x is not None for x in (user, cap, slopes, additive, hidden)):
             return None

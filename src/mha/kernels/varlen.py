@@ -11,6 +11,8 @@ sequences; where it is not built, the dispatch says which backend runs instead a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -27,13 +29,18 @@ _PER_HEAD = "(num_heads,): one value per query head (dim 1 of q)"
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
                      is_causal: bool = False, scale: float | None = None, window: tuple[int, int] | None = None,
                      alibi_slopes: Tensor | None = None, softcap: float | None = None,
-                     sinks: Tensor | None = None, backend: str = "auto") -> Tensor:
+                     sinks: Tensor | None = None, score_mod=None, mask_mod=None, backend: str = "auto") -> Tensor:
     """Attention over a packed batch: q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv);
     cu_seqlens_q / cu_seqlens_k: int tensors of B + 1 offsets from 0. Returns (total_q, H, Dv); a
     query sees only its own sequence's keys. Causality and windows are aligned bottom-right within
     each sequence (its last query faces its last key), as flash-attn's; ALiBi, softcap and sinks as
-    in scaled_dot_product_attention. Differentiable. backend: "auto" (mha.kernels.choose_backend)
-    or a backend's name.
+    in scaled_dot_product_attention. score_mod(score, b, h, q_idx, kv_idx) and mask_mod(b, h, q_idx,
+    kv_idx), FlexAttention's signatures, as there, with q_idx and kv_idx rows of the packed q and k
+    (a vector of each row's document or segment id indexes them as it is) and b = 0. Differentiable.
+    backend: "auto" (mha.kernels.choose_backend) or a backend's name.
+
+    On flex (CUDA) the packing is a document mask whose block mask is built once per set of lengths
+    (the positions of a set of lengths are cached, so the same lengths reuse it).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _checks.floating(name, x)
@@ -49,15 +56,27 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"k must have q's head dim ({q.shape[2]}), got shape {tuple(k.shape)}")
     _checks.shared_heads(q.shape[1], "k", k.shape[1], dim=1)
-    q_pos, k_pos, band = positions.packed(lengths_q, lengths_k, positions.band(is_causal, window))
-    contract = Contract(band=band, positions=(q_pos[None].to(q.device), k_pos[None].to(q.device)),
+    q_pos, k_pos, band = _packed(tuple(lengths_q.tolist()), tuple(lengths_k.tolist()),
+                                 positions.band(is_causal, window), q.device)
+    contract = Contract(band=band, positions=(q_pos, k_pos),
                         alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, q.shape[1], q, _PER_HEAD),
                         scale=_checks.optional_finite_real("scale", scale),
                         softcap=_checks.optional_positive_real("softcap", softcap),
-                        sinks=_checks.per_head("sinks", sinks, q.shape[1], q, _PER_HEAD))
+                        sinks=_checks.per_head("sinks", sinks, q.shape[1], q, _PER_HEAD),
+                        score_mod=score_mod, mask_mod=mask_mod)
     rows = [x.transpose(0, 1)[None] for x in (q, k, v)]  # (T, H, D) -> (1, H, T, D)
     out, _ = attention(*rows, contract, backend=backend)
     return out[0].transpose(0, 1)  # (1, H, Tq, Dv) -> (Tq, H, Dv)
+
+
+@functools.lru_cache(maxsize=16)
+def _packed(lengths_q: tuple[int, ...], lengths_k: tuple[int, ...], band, device) -> tuple[Tensor, Tensor, object]:
+    """positions.packed for these lengths on ``device``: query positions (1, Tq), key positions (1, Tk)
+    and the band; the same tensors for the same lengths (the flex backend's block masks know a
+    term's tensors by identity, so a training loop over one packing builds its mask once)."""
+    q_pos, k_pos, band = positions.packed(torch.tensor(lengths_q, dtype=torch.long),
+                                          torch.tensor(lengths_k, dtype=torch.long), band)
+    return q_pos[None].to(device), k_pos[None].to(device), band
 
 
 def _lengths(name: str, cu: Tensor, total: int) -> Tensor:

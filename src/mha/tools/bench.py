@@ -33,6 +33,11 @@ drift in the machine's speed hits them alike). Sections:
               against one process running flash over the whole causal sequence: peak memory per
               rank, balance of the ranks' attention CPU time, scores per ring step, a check
               (mha.tools.bench_distributed)
+    gpu       (a CUDA device) plain calls against torch's SDPA (time, bitwise), the terms torch's SDPA
+              lacks against FlexAttention written by hand (forward, forward + backward), float16 and
+              bfloat16 errors against float64 beside torch's own and math's (mha.tools.bench_gpu)
+    flex      (CPU) mha's flex backend (FlexAttention compiled) beside the native kernel and
+              FlexAttention by hand: a causal window with softcap, forward
     hf        transformers models, one forward with attn_implementation="mha" against "sdpa" and
               "eager": the all-MiniLM-L6-v2 checkpoint (batch 32) and a tiny GPT-OSS (sinks, sliding
               window); time interleaved here, peak memory each in a fresh process (python -m
@@ -65,7 +70,7 @@ from ..modules.cache import KVCache
 from ..modules.general import GeneralAttention
 from ..nn import MultiheadAttention
 from ..positions import CAUSAL, Band
-from . import bench_distributed, bench_hf, bench_memory, bench_native, bench_quality, bench_variants, plot_variants
+from . import bench_distributed, bench_gpu, bench_hf, bench_memory, bench_native, bench_quality, bench_variants, plot_variants
 from . import distributed_demo as demo
 from .bench_memory import HEAD_DIM, HEADS
 
@@ -431,6 +436,42 @@ def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
         yield Row("native", f"accuracy {dtype} T{grid['accuracy']} causal", {},
                   {"native/sdpa error": errors["native"] / errors["sdpa"]},
                   {"native error": errors["native"], "sdpa error": errors["sdpa"]})
+
+
+def gpu_rows(grid: dict, repeat: int, device="cuda") -> Iterator[Row]:
+    """The gpu section (mha.tools.bench_gpu) on ``device``: plain calls, the terms torch's SDPA lacks
+    against FlexAttention by hand, half-precision errors. The device's name goes in each row."""
+    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else str(device)
+    for T in grid["plain"]:
+        for causal in (False, True):
+            p = bench_gpu.plain_point(T, causal, repeat, device=device)
+            yield Row("gpu", f"plain bf16 B4 H16 T{T} D128{' causal' if causal else ''} ({name})", p["times"],
+                      {"mha/torch": p["times"]["mha"] / p["times"]["torch"]}, {"bitwise": p["bitwise"]})
+    T = grid["terms"]
+    backward = torch.device(device).type == "cuda"  # FlexAttention has no CPU backward
+    for term in grid["term_sets"]:
+        p = bench_gpu.terms_point(term, T, repeat, device=device, backward=backward)
+        ratios = {f"{part} mha/flex": ms["mha"] / ms["flex"] for part in ("forward", "forward+backward")
+                  if (ms := p.get(part))}
+        yield Row("gpu", f"{term} bf16 B4 H16 T{T} D128 ({name}, mha ran {p['backend']})",
+                  {f"{part} {who}": ms for part in ("forward", "forward+backward") for who, ms in p.get(part, {}).items()},
+                  ratios, {"mha vs flex error": p["error"]})
+    for dtype in (torch.float16, torch.bfloat16):
+        for case, errors in bench_gpu.error_points(dtype, device=device).items():
+            yardstick = errors.get("torch", errors["math"])
+            yield Row("gpu", f"error {str(dtype)[6:]} {case} ({name})", {},
+                      {f"mha/{'torch' if 'torch' in errors else 'math'} error": errors["mha"] / max(yardstick, 1e-30)},
+                      {f"{who} error": e for who, e in errors.items()})
+
+
+def flex_rows(lengths, repeat: int) -> Iterator[Row]:
+    """The flex section: mha's flex backend on CPU beside the native kernel and FlexAttention by hand."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for T in lengths:
+            ms = bench_gpu.cpu_flex_point(T, dtype, repeat)
+            ratios = {f"{who}/native": ms[who] / ms["native"] for who in ("mha flex", "flex by hand") if "native" in ms}
+            yield Row("flex", f"causal window 256 + softcap {str(dtype)[6:]} B1 H8 T{T} D64 (no grad)", ms,
+                      {**ratios, "mha flex/flex by hand": ms["mha flex"] / ms["flex by hand"]})
 
 
 def plot_native(rows: list[Row], path: str) -> None:

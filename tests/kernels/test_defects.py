@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import mha
 from helpers.backends import ALL, NATIVE
@@ -47,6 +48,15 @@ EMPTY = {"batch": ((0, 2, 16, 8),) * 3, "heads": ((2, 0, 16, 8),) * 3, "queries"
          "value dim": ((2, 2, 16, 8), (2, 2, 16, 8), (2, 2, 16, 0))}
 
 
+def _torch_empty(q, k, v, **options):
+    """torch's own result for a call with an empty dim, on its math path: torch's fused CPU op dies of
+    SIGFPE at 0 heads or 0 rows (it divides its work by them: measured, torch 2.13); torch 2.13's
+    scaled_dot_product_attention returns before calling it, torch 2.11's did not (issue 42: the fast
+    set died here)."""
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, **options)
+
+
 def _seeded(shapes) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return [torch.randn(s, generator=g, requires_grad=True) for s in shapes]
@@ -69,7 +79,7 @@ def test_a_zero_sized_dim_gives_torchs_empty_result_forward_and_backward(backend
     got = isolated(_empty_on, backend, EMPTY[dims]) if backend in ("native", "auto") else _empty_on(backend, EMPTY[dims])
     q, k, v = _seeded(EMPTY[dims])
     for causal, (out, *grads) in zip((False, True), got):
-        want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        want = _torch_empty(q, k, v, is_causal=causal)
         torch.testing.assert_close(out, want.detach())  # zeros where there are no keys, torch's mean of v at D = 0
         for grad, x in zip(grads, (q, k, v)):
             assert grad is not None and grad.shape == x.shape and torch.isfinite(grad).all()
@@ -82,7 +92,7 @@ def test_zero_heads_and_head_dim_zero_give_torchs_result(backend, shape):
     ZeroDivisionError on math/flash/native (the default scale 1 / sqrt(0))."""
     q = torch.randn(shape, requires_grad=True)
     out = sdpa(q, q, q, backend=backend)
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q))
+    torch.testing.assert_close(out, _torch_empty(q, q, q))
     (grad,) = _grads(out, q)
     assert grad.shape == q.shape
     k, v = torch.randn(2, 2, 5, 0), torch.randn(2, 2, 5, 3)  # D = 0 with values: every score 0, the mean of v
@@ -91,6 +101,46 @@ def test_zero_heads_and_head_dim_zero_give_torchs_result(backend, shape):
             sdpa(torch.randn(2, 2, 4, 0), k, v, backend=backend)
         return
     torch.testing.assert_close(sdpa(torch.randn(2, 2, 4, 0), k, v, backend=backend), v.mean(-2, keepdim=True).expand(2, 2, 4, 3))
+
+
+def _lse_on_empty(shape):
+    """attention_with_lse and its backward (ring attention's parts) on q, k, v of ``shape``."""
+    q = torch.randn(shape, requires_grad=True)
+    out, lse = mha.kernels.attention_with_lse(q, q, q, Contract(band=CAUSAL))
+    grads = mha.kernels.dispatch.backward_with_lse(q, q, q, Contract(band=CAUSAL), out.detach(), lse, torch.ones_like(out))
+    return out.shape, lse.shape, [None if g is None else g.shape for g in grads]
+
+
+@pytest.mark.parametrize("shape", [(2, 0, 7, 16), (2, 2, 0, 16), (0, 2, 7, 16), (2, 2, 7, 0)],
+                         ids=["no heads", "no rows", "no batch", "head dim 0"])
+def test_the_lse_path_never_crashes_at_a_zero_sized_dim(shape, isolated):
+    """attention_with_lse handed 0 heads or 0 rows to torch's fused CPU op, which died of SIGFPE
+    (issue 42, found by reading whose call divides: torch's op, also on torch 2.13)."""
+    out, lse, grads = isolated(_lse_on_empty, shape)
+    assert out == shape and lse == shape[:-1] and grads[:3] == [shape] * 3
+
+
+def test_mha_never_hands_an_empty_tensor_to_torchs_fused_kernels(monkeypatch):
+    """Every entry that reaches torch's kernels, with each dim empty in turn: torch's fused CPU op and
+    its scaled_dot_product_attention are never called with an empty tensor (torch before 2.13 passes
+    those to the op that dies of SIGFPE)."""
+    def refuse_empty(real):
+        def call(*args, **kwargs):
+            assert all(x.numel() for x in args[:3]), f"an empty tensor reached torch: {[tuple(x.shape) for x in args[:3]]}"
+            return real(*args, **kwargs)
+        return call
+    monkeypatch.setattr(F, "scaled_dot_product_attention", refuse_empty(F.scaled_dot_product_attention))
+    monkeypatch.setattr(mha.kernels.sdpa, "_FUSED", refuse_empty(mha.kernels.sdpa._FUSED))
+    monkeypatch.setattr(mha.kernels.sdpa, "_FUSED_BACKWARD", refuse_empty(mha.kernels.sdpa._FUSED_BACKWARD))
+    for name, shapes in EMPTY.items():
+        q, k, v = _seeded(shapes)
+        for backend in ("auto", "sdpa"):
+            for causal in (False, True):
+                if backend == "sdpa" and name == "head dims":
+                    continue  # declined: torch's math path would build weights larger than q, k and v
+                sdpa(q, k, v, is_causal=causal, backend=backend).sum().backward()
+        if q.shape[-1] == v.shape[-1]:
+            mha.kernels.attention_with_lse(q, k, v, Contract(band=CAUSAL))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

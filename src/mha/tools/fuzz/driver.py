@@ -2,6 +2,7 @@
 
     python -m mha.tools.fuzz --cases 20000 --seed 1 [--workers 2] [--kinds sdpa,paged] [--out findings.json]
     python -m mha.tools.fuzz --replay '<case json>'     one case, with the traceback of what it raises
+    python -m mha.tools.fuzz --device cuda ...           the calls on a CUDA device (fuzz.properties)
 
 A child process runs the cases (spawned: no state of this one), so that a crash (a signal, as a
 SIGFPE or SIGSEGV in a compiled kernel) or a hang is a finding of its own, and the run goes on in a
@@ -277,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one case may take before it is a hang")
     parser.add_argument("--out", help="write the findings as JSON here")
     parser.add_argument("--replay", help="one case (its JSON): print what is wrong with it, tracebacks included")
+    parser.add_argument("--device", default="cpu", help="where the calls run: cpu (default) or cuda")
     args = parser.parse_args(argv)
+    os.environ["MHA_FUZZ_DEVICE"] = args.device  # read by fuzz.properties in the children (and in a replay)
     if args.replay:
         return _replay(Case.from_json(args.replay))
     kinds = tuple(k for k in args.kinds.split(",") if k) or None

@@ -12,12 +12,19 @@ Properties (each finding's signature names one: kind:backend:property:dtype):
                 backends only; auto runs everything)
     refuse      bad arguments: every backend refuses with the same exception type, ValueError or
                 TypeError (no crash deep in torch, no silent acceptance)
+
+MHA_FUZZ_DEVICE (the driver's --device; default cpu): the device the calls run on. The cases are
+drawn on the CPU and every tensor a call takes (inputs, masks, positions, pages) moves to the device
+inside the call, so the gradients come back to the CPU leaves; the reference and torch's own
+outcomes stay the CPU's (float64 NumPy-free reference; torch's CPU kernels as the yardstick). On
+CUDA, repeat is not checked (torch's and FlexAttention's CUDA backward accumulate with atomics).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -33,7 +40,9 @@ from . import cases
 from .cases import Case, attn_mask, band_of, generator, offset_of, per_head, qkv, sequence_positions, tensor
 from .reference import Outcome, Spec, error, output_shape, reference, tolerance, torch_own
 
-BACKENDS = ("math", "sdpa", "flash", "native", "auto")
+DEVICE = torch.device(os.environ.get("MHA_FUZZ_DEVICE", "cpu"))
+# flex on CUDA only: on CPU it compiles each case anew (seconds) and has no backward
+BACKENDS = ("math", "sdpa", "flash", "native", *(("flex",) if DEVICE.type == "cuda" else ()), "auto")
 GRADIENTS = ("dq", "dk", "dv", "d_alibi", "d_sinks")
 
 
@@ -50,6 +59,11 @@ def backends(*, kind: str = "sdpa") -> tuple[str, ...]:
     return names if native.native_available() else tuple(b for b in names if b != "native")
 
 
+def _dev(x):
+    """A tensor a call captures, on the fuzz's device (the CPU's own when that is the CPU)."""
+    return x if x is None else x.to(DEVICE)
+
+
 def prepare(case: Case) -> Setup:
     """The case made ready to run on a backend (every kind but bad)."""
     return {"varlen": _varlen, "paged": _paged}.get(case.kind, _call)(case)
@@ -57,6 +71,8 @@ def prepare(case: Case) -> Setup:
 
 def check(case: Case, *, properties: tuple[str, ...] = ("equal", "nan", "repeat", "shape", "raises", "refuse")) -> list[Finding]:
     """What is wrong with the case on every backend (an empty list: nothing)."""
+    if DEVICE.type == "cuda":
+        properties = tuple(p for p in properties if p != "repeat")
     threads = torch.get_num_threads()
     torch.set_num_threads(case.threads)  # the kernels split their work by the threads they have
     try:
@@ -127,7 +143,7 @@ def _one_backend(case, backend, setup: Setup, cotangent, ref: Outcome, own: list
 def _run(call, backend: str, inputs, cotangent) -> tuple[Tensor, dict[str, Tensor]]:
     """(output, gradients by name) of one call, the inputs taken as leaves in their own layouts."""
     leaves = [None if x is None else x.detach().requires_grad_(cotangent is not None) for x in inputs]
-    out = call(backend, *leaves)
+    out = call(backend, *(_dev(x) for x in leaves)).to("cpu")
     grads = {}
     if cotangent is not None and out.requires_grad:
         named = [(name, x) for name, x in zip(GRADIENTS, leaves) if x is not None]
@@ -200,7 +216,8 @@ def _call(case: Case) -> Setup:
                       slopes=slopes, softcap=case.softcap, sinks=sinks)
 
         def call(backend, q, k, v, slopes, sinks):
-            contract = Contract(band=Band(*band) if band else None, positions=(q_pos, k_pos), key_valid=key_valid,
+            contract = Contract(band=Band(*band) if band else None, positions=(_dev(q_pos), _dev(k_pos)),
+                                key_valid=_dev(key_valid),
                                 alibi_slopes=slopes, scale=case.scale, softcap=case.softcap, sinks=sinks)
             return attention(q, k, v, contract, backend=backend)[0]
         expressible = False
@@ -211,7 +228,7 @@ def _call(case: Case) -> Setup:
                       k_pos=torch.arange(case.S), mask=mask, slopes=slopes, softcap=case.softcap, sinks=sinks)
 
         def call(backend, q, k, v, slopes, sinks):
-            return scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=case.is_causal, scale=case.scale,
+            return scaled_dot_product_attention(q, k, v, attn_mask=_dev(mask), is_causal=case.is_causal, scale=case.scale,
                                                 enable_gqa=case.enable_gqa, backend=backend, causal_alignment=case.alignment,
                                                 window=case.window, alibi_slopes=slopes, softcap=case.softcap, sinks=sinks)
         expressible = not (case.window or case.alibi or case.softcap or case.sinks) and (not case.is_causal or offset == 0)
@@ -340,7 +357,7 @@ def _family(kind: type) -> str:
 def _bad_arguments(case: Case) -> dict:
     """A valid call with one argument made bad, as case.bad says."""
     g, dtype = generator(case), case.torch_dtype
-    q, k, v = (torch.randn(2, 4, n, 8, generator=g).to(dtype) for n in (case.L, case.S, case.S))
+    q, k, v = (torch.randn(2, 4, n, 8, generator=g).to(device=DEVICE, dtype=dtype) for n in (case.L, case.S, case.S))
     call = dict(query=q, key=k, value=v)
     what, _, how = case.bad.partition(":")
     H = q.shape[1]

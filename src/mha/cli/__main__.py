@@ -1,0 +1,5 @@
+"""python -m mha.cli: the mha command (where the console script is not installed: PYTHONPATH=src)."""
+
+from . import main
+
+raise SystemExit(main())

@@ -25,7 +25,19 @@ def _cases():
     encoder = mha.nn.TransformerEncoderLayer(E, H, 64, dropout=0.0).eval()
     decoder = mha.nn.TransformerDecoderLayer(E, H, 64, dropout=0.0).eval()
     q = torch.randn(2, H, 6, 8)
+    long = torch.randn(1, 2, 100, 16)  # more rows than flash's window block (64): a partial last block
+    table, document = torch.randn(2, 256), torch.arange(100) // 30
+    score_mod = lambda s, b, h, i, j: s + table[h, (i - j) % 256]  # noqa: E731
+    mask_mod = lambda b, h, i, j: document[i] == document[j]  # noqa: E731
+    sdpa = mha.functional.scaled_dot_product_attention
     return {
+        "functional SDPA, window + softcap on flash's tiles":
+            (lambda a: sdpa(a, a, a, window=(64, 0), softcap=20.0, backend="flash"), long),
+        "functional SDPA, score_mod + mask_mod on math":
+            (lambda a: sdpa(a, a, a, is_causal=True, score_mod=score_mod, mask_mod=mask_mod, backend="math"), long),
+        "functional SDPA on flex, every term":
+            (lambda a: sdpa(a, a, a, window=(40, 0), softcap=20.0, alibi_slopes=torch.tensor([0.5, 0.25], dtype=torch.float16),
+                            score_mod=score_mod, mask_mod=mask_mod, backend="flex"), long),
         "drop-in, weights": (lambda a: drop_in(a, a, a), x),
         "drop-in, no weights, causal": (lambda a: drop_in(a, a, a, need_weights=False, is_causal=True), x),
         "general, RoPE + GQA + causal": (lambda a: general(a, a, a, is_causal=True), xb),
@@ -65,6 +77,28 @@ def test_a_cache_decode_step_has_no_graph_break(cache_kind):
         traced.crop(5)
         step = torch.compile(lambda t: module(t, t, t, is_causal=True, cache=traced), fullgraph=True, backend="eager")
         torch.testing.assert_close(step(token), want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [100, 200], ids=["decoding rows", "block mask"])
+def test_inductor_compiles_flex_with_every_term_inside_a_graph(rows):
+    """FlexAttention inside the caller's compiled graph (CPU: inference): window, softcap, ALiBi with
+    float16 slopes, a score_mod and a mask_mod; offsets and caps are plain numbers there. (A tensor the
+    functions read must come from outside the graph: one made in it is no input of the kernel, and
+    torch 2.13's CPU lowering finds no kernel then.)"""
+    x = torch.randn(1, 2, rows, 16)
+    table, document = torch.randn(2, 256), torch.arange(rows) // 30
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float16)  # (made outside: see the docstring)
+
+    def fn(a):
+        return mha.functional.scaled_dot_product_attention(
+            a, a, a, window=(40, 0), softcap=20.0, alibi_slopes=slopes,
+            score_mod=lambda s, b, h, i, j: s + table[h, (i - j) % 256], mask_mod=lambda b, h, i, j: document[i] == document[j],
+            backend="flex")
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(fn, fullgraph=True)(x), fn(x))
 
 
 @pytest.mark.slow

@@ -102,6 +102,7 @@ def _compiled_block_mask() -> Callable:
     return torch.compile(_flex.create_block_mask)
 
 
+@functools.cache
 def _cpu_compiler() -> bool:
     """Whether Inductor finds a C++ compiler for CPU kernels."""
     return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c)
@@ -132,7 +133,7 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: 
     if reason := _batch_refusal(q, k, v, contract):
         return reason
     if q.is_cpu and not _EAGER[-1]:
-        if not _cpu_compiler():
+        if not torch.compiler.is_compiling() and not _cpu_compiler():  # (compiling: the outer graph's own)
             return "no C++ compiler for torch's compiled CPU kernel (flex.eager() runs without one)"
         if need_lse or contract.sinks is not None:
             return "torch's compiled FlexAttention returns no log-sum-exp on CPU (sinks and the lse path need it)"
@@ -294,8 +295,8 @@ class _Functions:
     def _score_mod(self) -> Callable | None:
         c = self.contract
         user, additive, rel = c.score_mod, self.additive, self.rel
-        cap = None if c.softcap is None else torch.full((), c.softcap, dtype=self.score_dtype, device=self.device)
-        slopes = None if c.alibi_slopes is None else c.alibi_slopes.to(self.score_dtype)
+        cap = None if c.softcap is None else _scalar(c.softcap, self.score_dtype, self.device)
+        slopes = c.alibi_slopes  # as given: a converted copy made inside torch.compile is no input of the kernel
         hidden = self.mask_mod if self.hides and self.decoding else None
         if not any(x is not None for x in (user, cap, slopes, additive, hidden)):
             return None
@@ -306,13 +307,20 @@ class _Functions:
             if cap is not None:
                 score = cap * torch.tanh(score / cap)
             if slopes is not None:
-                score = score - slopes[h] * rel(b, q_idx, kv_idx).abs()
+                score = score - slopes[h].to(score.dtype) * rel(b, q_idx, kv_idx).abs()
             if additive is not None:
                 score = score + additive(b, h, q_idx, kv_idx)
             if hidden is not None:
                 score = torch.where(hidden(b, h, q_idx, kv_idx), score, -float("inf"))
             return score
         return score_mod
+
+
+def _scalar(value, dtype: torch.dtype, device):
+    """A number a score or mask function closes over: a 0-d device tensor, so that the compiled kernel
+    takes any value (a Python number is compiled in); inside torch.compile the number itself (a tensor
+    made in the graph is no input of FlexAttention's: torch 2.13's CPU lowering finds no kernel then)."""
+    return value if torch.compiler.is_compiling() else torch.full((), value, dtype=dtype, device=device)
 
 
 def _all_of(hides: tuple[Callable, ...]) -> Callable:
@@ -327,11 +335,11 @@ def _all_of(hides: tuple[Callable, ...]) -> Callable:
 
 def _relative(contract: Contract, device) -> Callable | None:
     """rel(b, q_idx, kv_idx) = key position - query position (mha.positions' rule), or None when no
-    term reads positions. The offset is a device tensor: the compiled kernel takes any."""
+    term reads positions. The offset: _scalar's."""
     if not contract.needs_positions:
         return None
     if contract.positions is None:
-        offset = torch.full((), contract.offset, dtype=torch.int64, device=device)
+        offset = _scalar(contract.offset, torch.int64, device)
         return lambda b, q_idx, kv_idx: kv_idx - (q_idx + offset)
     q_pos, k_pos = contract.positions  # (B|1, L), (B|1, S)
     q_one, k_one = q_pos.shape[0] == 1, k_pos.shape[0] == 1
@@ -358,6 +366,8 @@ def _reads_batch_or_head(mask_mod: Callable) -> bool:
     """Whether the caller's mask_mod uses its b or h argument: called once with index tensors that
     record their use. One that does gets a block mask per batch and head; one that does not, one
     shared block mask (a document mask, a window), as FlexAttention's users build with B = H = None."""
+    if torch.compiler.is_compiling():  # (no class made while tracing: the block mask is built in the graph either way)
+        return True
     used = []
 
     class Recording(Tensor):

@@ -50,14 +50,13 @@ def check(name: str, fn) -> Callable | None:
 
 def _positional_count(fn) -> int | None:
     """How many positional arguments ``fn`` takes without a default, or None when that cannot be read
-    (a builtin, *args)."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
+    (a builtin, a callable object, *args). Read off its code, not inspect.signature (which
+    torch.compile cannot trace)."""
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_flags & inspect.CO_VARARGS:
         return None
-    if any(p.kind == p.VAR_POSITIONAL for p in parameters):
-        return None
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in parameters)
+    bound = 1 if getattr(fn, "__func__", None) is not None else 0  # a bound method: self is given
+    return code.co_argcount - len(getattr(fn, "__defaults__", None) or ()) - bound
 
 
 def _indices(lead: tuple[int, ...], rows, cols, device) -> tuple[Tensor, ...]:

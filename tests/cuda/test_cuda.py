@@ -189,7 +189,8 @@ def test_compile_fullgraph_takes_every_term(term):
     table = torch.randn(H, 512, device=DEVICE)
     padding = torch.ones(B, 1, 1, S, dtype=torch.bool, device=DEVICE)
     padding[1, ..., 120:] = False
-    options = {"every term at once": dict(window=(32, 0), softcap=20.0, alibi_slopes=torch.exp2(-torch.arange(1.0, H + 1)).to(DEVICE),
+    slopes = torch.exp2(-torch.arange(1.0, H + 1)).to(DEVICE)
+    options = {"every term at once": dict(window=(32, 0), softcap=20.0, alibi_slopes=slopes,
                                           sinks=torch.zeros(H, device=DEVICE), attn_mask=padding,
                                           score_mod=lambda s, b, h, i, j: s + table[h, (i - j) % 512]),
                "a float mask": dict(attn_mask=torch.randn(L, S, device=DEVICE, dtype=torch.bfloat16))}[term]
@@ -383,9 +384,8 @@ def test_transformers_llama_padded_batch(dtype):
     attn_implementation="mha" against "sdpa" on the device, within the rule against float64 sdpa on
     the CPU (transformers' eager gives NaN in float64)."""
     pytest.importorskip("transformers")
-    from helpers.tiny_decoders import left_padded_batch, tiny_model
-
     import mha.integrations.transformers
+    from helpers.tiny_decoders import left_padded_batch, tiny_model
     model = tiny_model("llama")
     with torch.no_grad():
         for layer in model.model.layers:
@@ -422,6 +422,7 @@ def test_ring_and_ulysses_in_a_world_of_one():
 def rank_ring_over_gloo() -> dict:
     """A spawned rank: ring attention over gloo with this rank's shards on the one CUDA device."""
     import torch.distributed as dist
+
     from mha.distributed import SequenceLayout, ring_attention
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, 64, 32, generator=g, dtype=torch.float64) for _ in range(3))

@@ -14,10 +14,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.exact import raises_exactly
-from helpers.tolerance import assert_close
 
 import mha
+from helpers.exact import raises_exactly
+from helpers.tolerance import assert_close
 from mha import kernels
 from mha.functional import scaled_dot_product_attention as sdpa
 from mha.kernels import Contract, dispatch, flex, mods
@@ -439,8 +439,12 @@ def test_mha_terms_reach_torch_in_the_querys_dtype_off_the_cpu(monkeypatch):
     gradients, the others equal math."""
     seen = []
     real = F.scaled_dot_product_attention
-    monkeypatch.setattr(F, "scaled_dot_product_attention",
-                        lambda *args, attn_mask=None, **kw: seen.append(attn_mask.dtype) or real(*args, attn_mask=attn_mask, **kw))
+
+    def recording(*args, attn_mask=None, **kw):
+        seen.append(attn_mask.dtype)
+        return real(*args, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 6, 8, generator=g, dtype=torch.float16, requires_grad=True) for _ in range(3))
     mask = torch.randn(6, 6, generator=g)

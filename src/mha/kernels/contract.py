@@ -17,9 +17,9 @@ honours the whole contract at O(L + S) memory or says it cannot (mha.kernels.cho
 around it); the math backend honours everything by building the L x S scores, as it must to
 return the weights. Each backend declares the terms it takes (its TAKES, names of these fields); the
 dispatch refuses a contract with a term a backend does not declare (Contract.terms), so that a new
-field is refused everywhere until a backend says it takes it. The score shaping is written here once and used by every backend: the math
-backend applies it to the whole (L, S) range, the flash backend tile by tile (the native kernel
-mirrors it in C++: csrc/native.cpp's Terms).
+field is refused everywhere until a backend says it takes it. The score shaping is written here
+once and used by every backend: the math backend applies it to the whole (L, S) range, the flash
+backend tile by tile (the native kernel mirrors it in C++: csrc/native.cpp's Terms).
 
 Shapes: B batch, H heads, L query length, S key length.
 """

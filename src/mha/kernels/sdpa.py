@@ -293,8 +293,8 @@ def lse_form(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> tuple[bool,
     lag >= 0 (query i sees keys j <= i - lag: a striped layout's block), no other term, Dv = D,
     4-D q (B, H, L, D), k and v (B, H, S, D), none of them empty (torch's op divides by the heads
     and the query blocks: a process crash, SIGFPE, at 0 of either, measured on torch 2.13; its
-    scaled_dot_product_attention returns before calling it, from torch 2.12 or 2.13). The rows lag.. against keys ..S-lag are then top-left
-    causal, and the first lag rows see nothing."""
+    scaled_dot_product_attention returns before calling it, from torch 2.12 or 2.13). The rows lag..
+    against keys ..S-lag are then top-left causal, and the first lag rows see nothing."""
     if not (q.is_cpu and contract.terms <= _LSE_TERMS and q.shape[-1] == v.shape[-1] and q.dim() == 4
             and q.numel() and k.numel() and v.numel()):  # (the op dies of SIGFPE at 0 heads or rows: torch 2.13)
         return None

@@ -136,7 +136,8 @@ def test_leading_dims_are_flattened_into_flexattentions_batch(shapes):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(s, generator=g, dtype=torch.float64) for s in shapes)
     table = torch.randn(64, generator=g, dtype=torch.float64)
-    contract = Contract(band=Band(10, 2), score_mod=lambda s, b, h, q_idx, kv_idx: s + table[(b * 7 + h) % 64])
+    mask = torch.rand(*shapes[0][:-3], 1, 30, 40, generator=g) < 0.8  # per batch, broadcast over the heads
+    contract = Contract(band=Band(10, 2), mask=mask, score_mod=lambda s, b, h, q_idx, kv_idx: s + table[(b * 7 + h) % 64])
     with flex.eager():
         out = kernels.attention(q, k, v, contract, backend="flex")[0]
     assert_close(out, kernels.attention(q, k, v, contract, backend="math")[0])
@@ -359,9 +360,9 @@ def test_a_mask_function_that_ignores_batch_and_head_gets_one_shared_block_mask(
     q, k, v = _inputs(L=256, S=256, dtype=torch.float32)
     with flex.eager(), torch.no_grad():
         functions = flex._Functions(Contract(mask_mod=lambda b, h, q_idx, kv_idx: heads[h] | (q_idx >= kv_idx)),
-                                    2, 4, 256, 256, q.device)
+                                    (2, 4), 256, 256, q.device)
         assert functions.block_mask.shape[:2] == (2, 4)
-        functions = flex._Functions(Contract(mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx), 2, 4, 256, 256, q.device)
+        functions = flex._Functions(Contract(mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx), (2, 4), 256, 256, q.device)
         assert functions.block_mask.shape[:2] == (1, 1)
 
 

@@ -198,7 +198,7 @@ def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, with_lse: bool)
         out = attached_zeros((*lead, L, Dv), q, k, v)
         return out, torch.full((*lead, L), float("-inf"), device=q.device) if with_lse else None
     q4, k4, v4 = _as_4d(q, lead), _as_4d(k, kv_lead), _as_4d(v, kv_lead)  # (B, H, L, D), (B, Hkv, S, D|Dv)
-    functions = _Functions(contract, q4.shape[0], q4.shape[1], L, S, q.device, q.dtype)
+    functions = _Functions(contract, lead, L, S, q.device, q.dtype)
     need_lse = with_lse or contract.sinks is not None
     result = _call(q4, k4, v4, functions, scale=contract.scale_for(q.shape[-1]), need_lse=need_lse)
     out, lse = result if need_lse else (result, None)
@@ -253,7 +253,7 @@ def _reader(t: Tensor) -> Callable:
 
 def _as_4d_mask(mask: Tensor, lead: tuple[int, ...], B: int) -> Tensor:
     """The caller's mask (..., H|1, L|1, S|1), broadcastable to (*lead, L, S), as (B|1, H|1, L|1, S|1)."""
-    mask = mask.reshape((1,) * (len(lead) + 2 - mask.dim()) + tuple(mask.shape))
+    mask = mask.reshape((1,) * max(0, max(len(lead), 1) + 2 - mask.dim()) + tuple(mask.shape))
     batch = mask.shape[:-3]
     if all(n == 1 for n in batch):
         return mask.reshape(1, *mask.shape[-3:])
@@ -264,7 +264,9 @@ class _Functions:
     """The contract as FlexAttention's score_mod and block mask (whose mask_mod holds the hiding
     terms), or, for a call of few rows, one score_mod with the hiding terms as -inf."""
 
-    def __init__(self, contract: Contract, B: int, H: int, L: int, S: int, device, dtype=torch.float32):
+    def __init__(self, contract: Contract, lead: tuple[int, ...], L: int, S: int, device, dtype=torch.float32):
+        """lead: the call's leading dims (..., H), flattened to FlexAttention's (B, H)."""
+        B, H = math.prod(lead[:-1]), (lead[-1] if lead else 1)
         self.contract, self.device = contract, device
         self.score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # the scores' in the kernel
         self.hides: list[Callable] = []  # predicates: True = the query sees the key
@@ -278,7 +280,7 @@ class _Functions:
             valid = contract.key_valid  # (B|1, S)
             self.mask_batch = max(self.mask_batch, valid.shape[0])
             self.hides.append(_reader(valid[:, None, None, :]))  # (B|1, S) -> (B|1, 1, 1, S)
-        mask = None if contract.mask is None else _as_4d_mask(contract.mask, (B, H), B)
+        mask = None if contract.mask is None else _as_4d_mask(contract.mask, lead, B)
         if mask is not None and mask.dtype == torch.bool:
             self.mask_batch, self.mask_heads = max(self.mask_batch, mask.shape[0]), max(self.mask_heads, mask.shape[1])
             self.hides.append(_reader(mask))

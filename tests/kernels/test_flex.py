@@ -246,6 +246,13 @@ def test_the_callers_functions_are_checked():
         sdpa(q, q, q, mask_mod=lambda s, b, h, q_idx, kv_idx: True)
     with raises_exactly(TypeError, "mask_mod must return a bool tensor (True = attend), got torch.int32"):
         sdpa(q, q, q, mask_mod=lambda b, h, q_idx, kv_idx: q_idx - kv_idx, backend="math")
+    elsewhere = q.to("meta")
+    table = torch.ones(4)
+    for backend in ("math", "flex"):
+        with raises_exactly(ValueError, "score_mod closes over a tensor on cpu but query is on meta; move the "
+                                        "tensors it reads to the query's device"):
+            kernels.attention(elsewhere, elsewhere, elsewhere, Contract(score_mod=lambda s, b, h, i, j: s + table[i]),
+                              backend=backend)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flash", *(["native"] if kernels.native_available() else [])])

@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from .. import _checks
-from . import flash, flex, native, sdpa, tuning
+from . import flash, flex, mods, native, sdpa, tuning
 from . import math as math_kernel
 from ._context import transforms_active
 from ._shapes import matched_kv_heads
@@ -114,6 +114,8 @@ def _run(q, k, v, contract, *, dropout_p, need_weights, backend):
     for name, x in (("q", q), ("k", k), ("v", v)):
         _checks.tensor(name, x)  # a tensor, not nested (the fast path took the plain ones)
     k, v = matched_kv_heads(q, k, v)  # one head count for k and v (torch's enable_gqa shares them separately)
+    if contract.score_mod is not None or contract.mask_mod is not None:
+        mods.check_devices(q.device, score_mod=contract.score_mod, mask_mod=contract.mask_mod)  # bad input: named first
     name, _, sdpa_plan = _choose(backend, q, k, v, contract, need_weights=need_weights, dropout_p=dropout_p)
     if name == "sdpa":  # planned once, while choosing
         if q.dim() >= 3 and not q.is_cpu:  # torch's CUDA kernels take no shared heads beside a mask (their math path would)
@@ -346,6 +348,8 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract | Non
     part's contract and merge them once (merge.add_sinks). Inputs in float32 or float64 give the
     log-sum-exp in that dtype. Differentiable through out (not through lse) on flash and native."""
     contract = resolve(contract)
+    if contract.score_mod is not None or contract.mask_mod is not None:
+        mods.check_devices(q.device, score_mod=contract.score_mod, mask_mod=contract.mask_mod)
     name, _ = choose_lse_backend(backend, q, k, v, contract)
     return LSE_BACKENDS[name](q, k, v, contract)
 

@@ -42,6 +42,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from . import mods
 from ._context import autograd_function_refusal
 from ._shapes import attached_zeros, leads, matched_kv_heads
 from .contract import Contract, resolve, undeclared
@@ -186,6 +187,7 @@ def flex_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract 
 
 def _checked_run(q, k, v, contract: Contract, dropout_p: float, *, with_lse: bool):
     k, v = matched_kv_heads(q, k, v)
+    mods.check_devices(q.device, score_mod=contract.score_mod, mask_mod=contract.mask_mod)
     if reason := unsupported(q, k, v, contract, dropout_p, need_lse=with_lse):
         raise ValueError(f"the flex backend cannot run this call: {reason}")
     return _run(q, k, v, contract, with_lse=with_lse)

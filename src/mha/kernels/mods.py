@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["allowed", "check", "modified"]
+__all__ = ["allowed", "check", "check_device", "check_devices", "modified"]
 
 _SIGNATURES = {"score_mod": "score_mod(score, b, h, q_idx, kv_idx) -> score",
                "mask_mod": "mask_mod(b, h, q_idx, kv_idx) -> bool"}
@@ -46,6 +46,25 @@ def check(name: str, fn) -> Callable | None:
         raise TypeError(f"{name} must take {wanted} arguments, {_SIGNATURES[name]} (FlexAttention's "
                         f"signature), got a function of {_positional_count(fn)}")
     return fn
+
+
+def check_device(name: str, fn: Callable | None, device) -> None:
+    """A ValueError naming ``name`` when ``fn`` closes over a tensor on another device than the
+    query's (it would fail deep in torch, or in a compiled kernel)."""
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, Tensor) and value.device != torch.device(device):
+            raise ValueError(f"{name} closes over a tensor on {value.device} but query is on {device}; "
+                             "move the tensors it reads to the query's device")
+
+
+def check_devices(device, **functions: Callable | None) -> None:
+    """check_device for each function by its name (score_mod=..., mask_mod=...)."""
+    for name, fn in functions.items():
+        check_device(name, fn, device)
 
 
 def _positional_count(fn) -> int | None:
@@ -85,6 +104,7 @@ def modified(score_mod: Callable, s: Tensor, rows, cols) -> Tensor:
     lead = tuple(s.shape[:-2])
     if s.numel() == 0:
         return s
+    check_device("score_mod", score_mod, s.device)
     b, h, q, kv = _indices(lead, rows, cols, s.device)
     grid = s.reshape(len(b), len(h), len(q), len(kv))  # (*lead, r, c) -> (B, H, r, c)
     out = _over_grid(score_mod, with_score=True)(grid, b, h, q, kv)
@@ -93,6 +113,7 @@ def modified(score_mod: Callable, s: Tensor, rows, cols) -> Tensor:
 
 def allowed(mask_mod: Callable, lead: tuple[int, ...], rows, cols, device) -> Tensor:
     """mask_mod over (*lead, r, c): bool, True where the query sees the key."""
+    check_device("mask_mod", mask_mod, device)
     b, h, q, kv = _indices(lead, rows, cols, device)
     if 0 in (len(b), len(h), len(q), len(kv)):
         return torch.ones(*lead, len(q), len(kv), dtype=torch.bool, device=device)

@@ -9,6 +9,7 @@ kernel (forward) runs in a few tests; CUDA in tests/cuda.
 """
 
 import math
+import sys
 import warnings
 
 import pytest
@@ -356,6 +357,80 @@ def test_a_mask_function_is_known_by_its_code_and_what_it_closes_over():
         assert flex.BLOCK_MASKS.built == built + 1
         call(document.clone())  # another tensor: built anew
         assert flex.BLOCK_MASKS.built == built + 2
+
+
+DOCUMENT = torch.arange(200) // 50  # read as a global by _same_document
+
+
+def _same_document(b, h, q_idx, kv_idx):
+    return DOCUMENT[q_idx] == DOCUMENT[kv_idx]
+
+
+def test_a_mask_function_is_keyed_by_the_globals_defaults_and_objects_it_reads(monkeypatch):
+    """A global reassigned, a default changed, a list or an object read: never a stale block mask
+    (what cannot be keyed is built per call); an inference-mode tensor is not cached (no version)."""
+    flex.BLOCK_MASKS.clear()
+    q, k, v = _inputs(L=200, S=200, Hkv=4, dtype=torch.float32)
+    shift = [0]
+
+    def reads_a_list(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx + shift[0]
+
+    def with_default(b, h, q_idx, kv_idx, width=10):
+        return (q_idx - kv_idx).abs() <= width
+
+    def check(mask_mod):
+        with flex.eager(), torch.no_grad():
+            got = sdpa(q, k, v, mask_mod=mask_mod, backend="flex")
+        assert_close(got, sdpa(q, k, v, mask_mod=mask_mod, backend="math"), torch.float32)
+
+    check(_same_document)
+    monkeypatch.setattr(sys.modules[__name__], "DOCUMENT", torch.arange(200) // 20)
+    check(_same_document)  # the global is another tensor now: another block mask
+    check(reads_a_list)
+    shift[0] = 60
+    check(reads_a_list)  # the list changed in place: its mask was never cached
+    check(with_default)
+    with_default.__defaults__ = (70,)
+    check(with_default)
+    with torch.inference_mode():
+        padding = _bool(2, 200, p=0.9)
+        for _ in range(2):
+            kernels.attention(q, k, v, Contract(band=CAUSAL, key_valid=padding), backend="flex")
+    lengths = torch.tensor([0, 80, 200])
+    with torch.inference_mode(), flex.eager():  # varlen's cached positions, made in inference mode first
+        varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), lengths, lengths,
+                         is_causal=True, backend="flex")
+    with flex.eager(), torch.no_grad():
+        varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), lengths, lengths,
+                         is_causal=True, backend="flex")
+
+
+def test_rows_that_see_no_key_have_the_sinks_log_sum_exp_and_dv_0_keeps_the_keys():
+    q, k, v = _inputs(L=3, S=0, Dv=8)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)
+    with flex.eager():
+        out, lse = flex.flex_attention_with_lse(q, k, v, Contract(sinks=sinks))
+        assert not out.any() and torch.equal(lse, sinks[:, None].expand(2, 4, 3))
+        q, k, v = _inputs(L=3, S=5, Dv=0)
+        out, lse = flex.flex_attention_with_lse(q, k, v, Contract())
+    assert out.shape == (2, 4, 3, 0)
+    assert_close(lse, _math_lse(q, k, Contract()))
+
+
+def test_a_decoding_step_reads_only_the_keys_its_window_sees(monkeypatch):
+    """A few rows over a window of a long cache: FlexAttention is handed the window's keys alone
+    (the offset, padding and mask moved with them), and equals math."""
+    seen = []
+    real = flex._call
+    monkeypatch.setattr(flex, "_call", lambda q4, k4, *args, **kw: seen.append(k4.shape[-2]) or real(q4, k4, *args, **kw))
+    q, k, v = _inputs(L=2, S=300)
+    contract = Contract(band=Band(40, 0), offset=298, key_valid=_bool(2, 300, p=0.9), mask=torch.randn(1, 1, 2, 300,
+                        dtype=torch.float64), alibi_slopes=torch.rand(4, dtype=torch.float64))
+    with flex.eager():
+        got = kernels.attention(q, k, v, contract, backend="flex")[0]
+    assert seen == [42]  # keys 258..299
+    assert_close(got, kernels.attention(q, k, v, contract, backend="math")[0])
 
 
 def test_a_mask_function_that_ignores_batch_and_head_gets_one_shared_block_mask():

@@ -36,6 +36,7 @@ import functools
 import math
 import os
 import shutil
+import types
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -195,10 +196,16 @@ def _checked_run(q, k, v, contract: Contract, dropout_p: float, *, with_lse: boo
 
 def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, with_lse: bool) -> tuple[Tensor, Tensor | None]:
     lead, kv_lead = leads(q, k, v)
-    L, S, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
-    if 0 in (math.prod(lead), L, S, Dv):  # nothing to compute, or rows that see nothing: zeros
+    L, Dv = q.shape[-2], v.shape[-1]
+    if q.shape[-2] <= DECODE_ROWS:
+        k, v, contract = _visible_keys(k, v, contract, L)
+    S = k.shape[-2]
+    if 0 in (math.prod(lead), L, S):  # nothing to compute, or rows that see no key: zeros (and the sinks' lse)
         out = attached_zeros((*lead, L, Dv), q, k, v)
-        return out, torch.full((*lead, L), float("-inf"), device=q.device) if with_lse else None
+        return out, (_empty_lse(lead, L, contract.sinks, q) if with_lse else None)
+    if Dv == 0:  # one zero column to compute with (the log-sum-exp is still the keys'), dropped after
+        out, lse = _run(q, k, v.new_zeros(*v.shape[:-1], 1), contract, with_lse=with_lse)
+        return out[..., :0], lse
     q4, k4, v4 = _as_4d(q, lead), _as_4d(k, kv_lead), _as_4d(v, kv_lead)  # (B, H, L, D), (B, Hkv, S, D|Dv)
     functions = _Functions(contract, lead, L, S, q.device, q.dtype)
     need_lse = with_lse or contract.sinks is not None
@@ -208,6 +215,36 @@ def _run(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, with_lse: bool)
         out, lse = _with_sinks(out, lse, contract.sinks)
     out = out.view(*lead, L, Dv)
     return out, (lse.view(*lead, L) if with_lse else None)
+
+
+def _visible_keys(k: Tensor, v: Tensor, contract: Contract, L: int) -> tuple[Tensor, Tensor, Contract]:
+    """A call of few rows (a decoding step) over the keys its band lets them see, [lo, hi) of S
+    (Contract.key_range): a window over a long cache reads only the window. Default positions and
+    none of the caller's functions (they index the keys as given) only; the offset, padding and mask
+    follow the keys."""
+    S = k.shape[-2]
+    if contract.band is None or contract.positions is not None or contract.score_mod is not None \
+            or contract.mask_mod is not None:
+        return k, v, contract
+    lo, hi = contract.key_range(range(L), S)
+    if (lo, hi) == (0, S):
+        return k, v, contract
+    keys = slice(lo, hi)
+    mask = contract.mask
+    if mask is not None and mask.shape[-1] > 1:
+        mask = mask[..., keys]
+    key_valid = None if contract.key_valid is None else contract.key_valid[:, keys]
+    moved = contract.replace(offset=contract.offset - lo, mask=mask, key_valid=key_valid)
+    return k[..., keys, :], v[..., keys, :], moved
+
+
+def _empty_lse(lead: tuple[int, ...], L: int, sinks: Tensor | None, q: Tensor) -> Tensor:
+    """The log-sum-exp of rows that see no key: -inf, or the sink's logit (the sink is all they see);
+    float32 (float64 for float64 queries), as FlexAttention's."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if sinks is None:
+        return torch.full((*lead, L), float("-inf"), dtype=dtype, device=q.device)
+    return sinks.to(dtype)[:, None].expand(*lead, L).clone()  # (H,) -> (..., H, L)
 
 
 def _call(q4, k4, v4, functions: _Functions, *, scale: float, need_lse: bool):
@@ -398,10 +435,15 @@ class _Used(Exception):
 
 class BlockMasks:
     """A small cache of FlexAttention BlockMasks: one is built once per (device, shapes, terms) and
-    reused while the same call repeats (a training step, a prefill of the same length). A term's
-    tensor is known by its identity and version (an in-place change builds anew), a function by its
-    code and what it closes over; an entry holds them, so no id is reused while it lives.
-    Inside torch.compile nothing is cached: the block mask is built in the graph."""
+    reused while the same call repeats (a training step, a prefill of the same length).
+
+    The key holds what decides which blocks are seen: the band and offset, and the tensors of the
+    positions, the key padding and a bool mask by identity and version (an in-place change builds
+    anew); the caller's mask_mod by its code, its defaults, what it closes over and the globals it
+    names, the same way. What cannot be known so (a list, a dict or an object a function reads, an
+    inference-mode tensor, which has no version) is not cached: its block mask is built per call.
+    An entry holds the objects its key names by identity, so no id is reused while it lives. Inside
+    torch.compile nothing is cached: the block mask is built in the graph."""
 
     def __init__(self, size: int = 16):
         self.size = size
@@ -413,16 +455,17 @@ class BlockMasks:
         if torch.compiler.is_compiling():
             return _flex.create_block_mask(functions.mask_mod, B, H, L, S, device=functions.device)
         key, held = _key((functions.device, B, H, L, S), functions.contract)
-        entry = self.entries.get(key)
+        entry = None if key is None else self.entries.get(key)
         if entry is not None:
             self.entries.move_to_end(key)
             return entry[0]
         build = _flex.create_block_mask if B * H * L * S <= _EAGER_BUILD or _EAGER[-1] else _compiled_block_mask()
         block_mask = build(functions.mask_mod, B, H, L, S, device=functions.device)
         self.built += 1
-        self.entries[key] = (block_mask, held)
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
+        if key is not None:
+            self.entries[key] = (block_mask, held)
+            while len(self.entries) > self.size:
+                self.entries.popitem(last=False)
         return block_mask
 
     def clear(self) -> None:
@@ -432,30 +475,58 @@ class BlockMasks:
 BLOCK_MASKS = BlockMasks()
 
 
-def _key(shapes: tuple, contract: Contract) -> tuple[tuple, list]:
-    """(a hashable key of the contract's hiding terms, the objects the key names by identity)."""
+class _Uncacheable(Exception):
+    """A value whose changes a key cannot see."""
+
+
+def _key(shapes: tuple, contract: Contract) -> tuple[tuple | None, list]:
+    """(a hashable key of the contract's hiding terms, or None when one cannot be made; the objects
+    the key names by identity)."""
     held: list = []
+    bool_mask = contract.mask if contract.mask is not None and contract.mask.dtype == torch.bool else None
     parts = [shapes, contract.band, contract.offset if contract.positions is None else None]
-    for value in (contract.positions, contract.key_valid, contract.mask, contract.mask_mod):
-        parts.append(_value_key(value, held))
+    try:
+        for value in (contract.positions, contract.key_valid, bool_mask, contract.mask_mod):
+            parts.append(_value_key(value, held, depth=0))
+    except _Uncacheable:
+        return None, held
     return tuple(parts), held
 
 
-def _value_key(value, held: list):
-    if value is None or isinstance(value, (bool, int, float, str)):
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _value_key(value, held: list, *, depth: int):
+    """A hashable stand-in for ``value`` that changes when it does (_Uncacheable where none can)."""
+    if isinstance(value, _PLAIN):
         return value
     if isinstance(value, Tensor):
+        if value.is_inference():  # no version counter: an in-place change would go unseen
+            raise _Uncacheable
         held.append(value)
         return ("tensor", id(value), value._version, tuple(value.shape), value.dtype, value.device)
-    if isinstance(value, tuple):
-        return tuple(_value_key(x, held) for x in value)
+    if isinstance(value, (tuple, frozenset)):
+        return (type(value).__name__, *(_value_key(x, held, depth=depth) for x in value))
     code = getattr(value, "__code__", None)
-    if code is not None:  # a function: its code and what it closes over
-        cells = tuple(_value_key(_cell(c), held) for c in value.__closure__ or ())
+    if code is not None and depth < 4:  # a function: its code, defaults, cells, globals and bound object
         held.append(value)
-        return ("function", code, cells)
-    held.append(value)
-    return ("object", id(value))
+        scope = getattr(value, "__globals__", {})
+        names = {name: scope[name] for name in code.co_names if name in scope}
+        parts = (getattr(value, "__defaults__", None), getattr(value, "__kwdefaults__", None),
+                 tuple(_cell(c) for c in getattr(value, "__closure__", None) or ()),
+                 tuple(sorted(names.items(), key=lambda item: item[0])), getattr(value, "__self__", None))
+        return ("function", code, *(_value_key(_freeze(part), held, depth=depth + 1) for part in parts))
+    if isinstance(value, (type, types.BuiltinFunctionType, types.ModuleType)):  # a class, torch.where, torch itself
+        return ("named", getattr(value, "__module__", None), getattr(value, "__qualname__", None),
+                getattr(value, "__name__", None))
+    raise _Uncacheable  # a list, a dict, an object: its contents may change under the same id
+
+
+def _freeze(part):
+    """dicts of keyword defaults and of globals as tuples of their items (keyed like any tuple)."""
+    if isinstance(part, dict):
+        return tuple(sorted(part.items(), key=lambda item: item[0]))
+    return part
 
 
 def _cell(cell):

@@ -50,7 +50,10 @@ def check(name: str, fn) -> Callable | None:
 
 def check_device(name: str, fn: Callable | None, device) -> None:
     """A ValueError naming ``name`` when ``fn`` closes over a tensor on another device than the
-    query's (it would fail deep in torch, or in a compiled kernel)."""
+    query's (it would fail deep in torch, or in a compiled kernel). Eager only: reading the cells
+    while torch.compile traces would break the graph."""
+    if torch.compiler.is_compiling():
+        return
     for cell in getattr(fn, "__closure__", None) or ():
         try:
             value = cell.cell_contents

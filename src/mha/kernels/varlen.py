@@ -74,9 +74,10 @@ def _packed(lengths_q: tuple[int, ...], lengths_k: tuple[int, ...], band, device
     """positions.packed for these lengths on ``device``: query positions (1, Tq), key positions (1, Tk)
     and the band; the same tensors for the same lengths (the flex backend's block masks know a
     term's tensors by identity, so a training loop over one packing builds its mask once)."""
-    q_pos, k_pos, band = positions.packed(torch.tensor(lengths_q, dtype=torch.long),
-                                          torch.tensor(lengths_k, dtype=torch.long), band)
-    return q_pos[None].to(device), k_pos[None].to(device), band
+    with torch.inference_mode(False):  # cached: plain tensors, whatever mode the first call came in
+        q_pos, k_pos, band = positions.packed(torch.tensor(lengths_q, dtype=torch.long),
+                                              torch.tensor(lengths_k, dtype=torch.long), band)
+        return q_pos[None].to(device), k_pos[None].to(device), band
 
 
 def _lengths(name: str, cu: Tensor, total: int) -> Tensor:

@@ -63,7 +63,7 @@ EOF
             ;;
         bench)  # mha against torch's SDPA and hand-written FlexAttention, half-precision errors
             if [ "$device" = cuda ]; then
-                step bench 120 python -m mha.cli bench --sections gpu --quick --repeat 3 --out "$out/bench"
+                step bench 120 python -m mha bench --sections gpu --quick --repeat 3 --out "$out/bench"
             else
                 step bench 120 python -c "
 from mha.tools import bench

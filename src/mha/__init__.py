@@ -3,7 +3,7 @@
     mha.numpy               the float64 NumPy oracle, readable beside the paper
     mha.functional          scaled_dot_product_attention, multi_head_attention_forward (torch's signatures)
     mha.nn                  torch's drop-ins: MultiheadAttention, TransformerEncoderLayer, TransformerDecoderLayer
-    mha.GeneralAttention    the general module: widths cq, ck, cv, dk, dv, do and h heads (seed 002),
+    mha.GeneralAttention    the general module: widths cq, ck, cv, dk, dv, do and h heads, each its own,
                             GQA (num_kv_heads), RoPE, ALiBi, sliding windows, softcap, sinks, a KV cache
                             (formerly mha.MultiHeadAttention, one letter from torch's drop-in
                             mha.nn.MultiheadAttention: the old name is a deprecated alias for one release)
@@ -29,8 +29,8 @@
 
 Shape legend (the same letters everywhere): B batch, H query heads, Hkv key/value heads, L query
 length, S key length, T a length where L = S, E embedding width, D per-head width of queries and
-keys, Dv per-head width of values. The general module's constructor keeps seed 002's names
-(cq, ck, cv the input widths, dk = D, dv = Dv, do the output width, h = H).
+keys, Dv per-head width of values. The general module's constructor keeps the names of the
+write-up it rebuilds (cq, ck, cv the input widths, dk = D, dv = Dv, do the output width, h = H).
 
 The tools the ``mha`` command runs (verify, bench, explain, plot, convert) live in mha.tools;
 ``mha distributed`` runs mha.tools.distributed_demo.

@@ -41,6 +41,8 @@ __all__ = ["Exact", "Local", "Strided", "Fixed", "Linformer", "Nystrom", "Linear
 
 
 class Exact(nn.Module):
+    """Softmax attention itself (the dispatch's choice of backend): the reference of the variants."""
+
     def forward(self, q, k, v, is_causal=False):
         return attention(q, k, v, Contract(band=positions.band(is_causal)))[0]
 

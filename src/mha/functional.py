@@ -53,8 +53,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     Beyond torch's signature (keyword-only; see mha.positions for the position rule):
       causal_alignment  "top_left" (offset 0, torch's) or "bottom_right" (offset S - L: the last
                         query faces the last key, as after a KV cache): the alignment of is_causal,
-                        window and ALiBi alike. Default: "bottom_right" when window or alibi_slopes
-                        is given (flash-attn's convention), else "top_left".
+                        window and ALiBi alike. Default: "bottom_right" when a window bounds what
+                        is_causal alone does not, or alibi_slopes is given (flash-attn's convention),
+                        else "top_left" (window=(-1, -1) bounds nothing: is_causal keeps torch's).
       window            (left, right), flash-attn's window_size: query i sees keys with
                         -left <= j - (i + offset) <= right; -1 = unbounded; with is_causal right = 0.
       alibi_slopes      (H,): ALiBi adds -slope_h * |j - (i + offset)| (mha.positions.alibi_slopes).
@@ -93,10 +94,12 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     batch_shape = _check_sdpa_inputs(query, key, value, enable_gqa)
     dropout_p = _checks.probability("dropout_p", dropout_p)
     L, S, H = query.shape[-2], key.shape[-2], query.shape[-3]
-    if causal_alignment is None:
-        causal_alignment = "bottom_right" if window is not None or alibi_slopes is not None else "top_left"
+    band = positions.band(is_causal, window)
+    if causal_alignment is None:  # bottom-right where a window bounds something is_causal alone does not, or ALiBi
+        windowed = window is not None and band != positions.band(is_causal)
+        causal_alignment = "bottom_right" if windowed or alibi_slopes is not None else "top_left"
     contract = contract_of(
-        band=positions.band(is_causal, window), offset=positions.offset_of(causal_alignment, L, S),
+        band=band, offset=positions.offset_of(causal_alignment, L, S),
         mask=masks.from_sdpa(attn_mask, L=L, S=S, batch_shape=batch_shape, like=query),
         alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, H, query), scale=_checks.optional_finite_real("scale", scale),
         softcap=_checks.optional_positive_real("softcap", softcap), sinks=_checks.per_head("sinks", sinks, H, query),

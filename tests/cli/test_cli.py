@@ -61,6 +61,18 @@ def test_verify_rejects_a_bad_option(capsys):
     assert "mha verify: error: --per-group must be positive, got 0" in capsys.readouterr().err
 
 
+def test_help_is_plain_text_and_counts_verifys_groups(capsys):
+    """--help of the command and of each subcommand: no reStructuredText literals; verify's group
+    count is the grid's."""
+    for argv in (["--help"], *([name, "--help"] for name in cli.COMMANDS)):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        text = capsys.readouterr().out
+        assert "``" not in text, argv
+        if argv[0] == "verify":
+            assert f"{len(verify.GROUPS)} groups" in " ".join(text.split())
+
+
 @pytest.mark.slow
 def test_module_and_console_script_entry_points():
     done = subprocess.run([sys.executable, "-m", "mha", "--help"], capture_output=True, text=True)

@@ -493,6 +493,8 @@ def test_dispatch_refusals_are_exact():
     def refused(backend, reason, **options):
         return raises_exactly(ValueError, f"backend={backend!r} {reason}")
 
+    assert kernels.choose_backend("auto", *_QKV, None) == kernels.choose_backend("auto", *_QKV, Contract())  # None: no term
+    assert kernels.choose_lse_backend("auto", *_QKV) == kernels.choose_lse_backend("auto", *_QKV, Contract())
     with refused("flash", "does not return attention weights; use backend='math' or need_weights=False"):
         kernels.choose_backend("flash", *_QKV, Contract(), need_weights=True)
     with refused("sdpa", "cannot run this call: torch's kernel does not take softcap"):

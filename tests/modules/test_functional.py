@@ -342,3 +342,18 @@ def test_multi_head_attention_forward_backend_override():
     a, _ = multi_head_attention_forward(x, x, x, E, H, *params, need_weights=False, backend="math")
     b, _ = multi_head_attention_forward(x, x, x, E, H, *params, need_weights=False, backend="sdpa")
     torch.testing.assert_close(a, b)
+
+
+def test_a_window_that_bounds_nothing_keeps_torchs_causal_alignment():
+    """window=(-1, -1) beside is_causal with L < S flipped the alignment to bottom-right (a window's
+    default) while hiding nothing: the call then differed from is_causal alone."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g)
+    causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for window in ((-1, -1), (-1, 4)):  # with is_causal the right side is 0 anyway
+        torch.testing.assert_close(mha.functional.scaled_dot_product_attention(q, k, v, is_causal=True, window=window),
+                                   causal)
+    bounded = mha.functional.scaled_dot_product_attention(q, k, v, is_causal=True, window=(2, 0))  # bottom-right
+    rows = torch.arange(3)[:, None] + 4
+    keep = (torch.arange(7) <= rows) & (torch.arange(7) >= rows - 2)
+    torch.testing.assert_close(bounded, F.scaled_dot_product_attention(q, k, v, attn_mask=keep))

@@ -22,13 +22,18 @@ COMMANDS = {"verify": verify, "convert": convert, "bench": bench, "explain": exp
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mha", description=__doc__)
+    parser = argparse.ArgumentParser(prog="mha", description=_plain(__doc__))
     parser.add_argument("--version", action="version", version=f"mha {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, module in COMMANDS.items():
-        module.add_arguments(commands.add_parser(name, help=module.__doc__.splitlines()[0],
-                                                 description=module.__doc__))
+        text = _plain(module.__doc__)
+        module.add_arguments(commands.add_parser(name, help=text.splitlines()[0], description=text))
     return parser
+
+
+def _plain(doc: str) -> str:
+    """A module's docstring as --help prints it: no reStructuredText literals (``mha verify``)."""
+    return doc.replace("``", "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """Walk one forward of torch.nn.MultiheadAttention step by step, checked against torch's own.
 
 Each step prints its line of computation, the tensor's shape and (small) values, and whether it
-equals what torch computed at that step. --readable uses seed 000's integer inputs and weights.
+equals what torch computed at that step. --readable uses small integer inputs and weights (those of
+examples/seed000_per_head_from_torch.py), easy to check by hand.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--embed-dim", type=int, default=4, help="E (default 4)")
     parser.add_argument("--heads", type=int, default=2, help="h (default 2)")
     parser.add_argument("--length", type=int, default=2, help="sequence length L (default 2)")
-    parser.add_argument("--batch", type=int, default=0, help="N; 0 = unbatched input (L, E), as seed 000")
+    parser.add_argument("--batch", type=int, default=0, help="N; 0 = unbatched input (L, E)")
     parser.add_argument("--readable", action="store_true", help="integer inputs 51, 52, ... and weights 1, 2, ...")
     parser.add_argument("--causal", action="store_true", help="with a causal attn_mask")
     parser.add_argument("--seed", type=int, default=0)

@@ -1,6 +1,6 @@
 """Draw attention maps: per-head heatmaps and the head average, as a PNG.
 
-Without --checkpoint: seed 003's sentence "Life is short, eat dessert first" through three heads.
+Without --checkpoint: the sentence "Life is short, eat dessert first" through three heads.
 With --checkpoint DIR (config.json, model.safetensors, vocab.txt of a BERT-family model): the
 attention of --text at --layer, heads --heads (default all), run on mha's own layers.
 """
@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", type=Path, default=None, help="a BERT-family checkpoint directory")
     parser.add_argument("--text", default=None,
                         help="the sentence to run through --checkpoint (default: 'The quick brown fox jumps over the "
-                             "lazy dog.'); without a checkpoint the seed 003 example is drawn and --text is refused")
+                             "lazy dog.'); without a checkpoint the example sentence is drawn and --text is refused")
     parser.add_argument("--layer", type=int, default=0, help="which layer (default 0)")
     parser.add_argument("--heads", type=int, nargs="+", default=None, help="which heads (default all)")
     parser.add_argument("--out", type=Path, default=Path("attention.png"))
@@ -32,10 +32,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.checkpoint is None:
             if args.text is not None:
-                raise ValueError("--text needs --checkpoint (a model to run it through); without one the seed 003 "
+                raise ValueError("--text needs --checkpoint (a model to run it through); without one the example "
                                  "sentence 'Life is short, eat dessert first' is drawn")
             weights, tokens = plot.sentence_example()
-            title = "seed 003: 'Life is short, eat dessert first', 3 heads (d_k=24, d_v=28)"
+            title = "'Life is short, eat dessert first', 3 heads (d_k=24, d_v=28)"
         else:
             from ..tools.bert import attention_maps
 

@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_PER_GROUP} cases per group instead of the full grid")
     parser.add_argument("--per-group", type=int, default=14, metavar="N",
-                        help="cases per configuration group (default 14, 16 groups)")
+                        help=f"cases per configuration group (default 14; {len(verify.GROUPS)} groups, the native "
+                             "backend's where its kernel builds)")
     parser.add_argument("--seed", type=int, default=0, help="grid seed (default 0)")
     parser.add_argument("--json", metavar="PATH", help="also write every case's errors as JSON")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

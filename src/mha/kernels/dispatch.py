@@ -73,10 +73,11 @@ _NAMES = ("auto", *BACKENDS)
 OBSERVERS: list = []
 
 
-def choose_backend(requested: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, *,
+def choose_backend(requested: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
                    need_weights: bool = False, dropout_p: float = 0.0) -> tuple[str, str]:
-    """(the backend that will run, why). Raises ValueError for an unknown or unfit request."""
-    name, reason, _ = _choose(requested, q, k, v, contract, need_weights=need_weights, dropout_p=dropout_p)
+    """(the backend that will run, why). Raises ValueError for an unknown or unfit request. contract:
+    an mha.kernels.Contract, or None (no term)."""
+    name, reason, _ = _choose(requested, q, k, v, resolve(contract), need_weights=need_weights, dropout_p=dropout_p)
     return name, reason
 
 
@@ -307,7 +308,7 @@ def _native_ready(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p
 
 # -- with the log-sum-exp -----------------------------------------------------------------------
 
-def choose_lse_backend(requested: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> tuple[str, str]:
+def choose_lse_backend(requested: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None) -> tuple[str, str]:
     """(the backend :func:`attention_with_lse` runs, why). Raises ValueError for an unknown or unfit request."""
     _checks.one_of("backend", requested, ("auto", *LSE_BACKENDS))
     contract = resolve(contract)

@@ -60,6 +60,9 @@ _FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
                    dropout_p: float = 0.0) -> Tensor:
+    """The backend entry point: output (..., L, Dv) of torch's fused kernel under the contract (as
+    it is, or its terms folded into one mask: the module docstring); a ValueError saying why for a
+    call it cannot run."""
     contract = resolve(contract)
     k, v = matched_kv_heads(q, k, v)
     return run_planned(q, k, v, contract, dropout_p=dropout_p, planned=plan(q, k, v, contract, dropout_p))

@@ -43,6 +43,21 @@ __all__ = ["KVCache"]
 
 
 class KVCache:
+    """The keys and values of past tokens of one attention module (one layer), for decoding.
+
+        KVCache()                        grows as tokens arrive
+        KVCache(max_length=4096)         preallocated: each step writes into the same buffers
+        KVCache(window=256)              rolling: keeps the last 256 positions (sliding windows)
+        KVCache(quantize="int8")         8-bit keys and values (inference; growing or preallocated)
+
+    Pass it as ``cache=`` to mha.GeneralAttention's forward: the prompt first (prefill), then one token
+    (or chunk) at a time; each new query sees the cached keys at positions up to its own. Sequences
+    of a batch may differ in length (prefill right-padded prompts with a key_padding_mask). crop(n)
+    forgets all but the first n slots (rejected draft tokens); ``size``, ``lengths`` and
+    ``next_positions`` say where the sequences are. The module docstring (mha.modules.cache) says
+    what is stored.
+    """
+
     def __init__(self, max_length: int | None = None, window: int | None = None, *, quantize: str | None = None) -> None:
         self.max_length = None if max_length is None else _checks.positive_int("max_length", max_length)
         self.window = None if window is None else _checks.positive_int("window", window)

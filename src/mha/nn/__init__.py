@@ -4,7 +4,7 @@
     TransformerEncoderLayer     torch.nn.TransformerEncoderLayer
     TransformerDecoderLayer     torch.nn.TransformerDecoderLayer
 
-The general module of seed 002 (free widths, GQA, RoPE, a KV cache) is mha.GeneralAttention.
+The general module (free widths, GQA, RoPE, a KV cache) is mha.GeneralAttention.
 """
 
 from .multihead_attention import MultiheadAttention

@@ -5,7 +5,7 @@
     bench_memory    its worker: one default path's peak memory, in a fresh process (python -m)
     bench_variants  its worker: one efficient variant's time, memory and error (python -m)
     explain         mha explain: the computation step by step, with the shapes
-    plot            mha plot: attention maps (seed 003's sentence, or a BERT checkpoint's)
+    plot            mha plot: attention maps (an example sentence, or a BERT checkpoint's)
     bert            the small BERT encoder that mha plot runs
     convert         mha convert: weights files from one layout to another
 

@@ -79,7 +79,7 @@ def _readable_module(E: int, h: int) -> torch.nn.MultiheadAttention:
 
 def trace(*, embed_dim: int = 4, num_heads: int = 2, length: int = 2, batch: int = 0,
           readable: bool = False, causal: bool = False, seed: int = 0) -> list[Step]:
-    """The steps of one self-attention forward (batch=0: unbatched input (L, E), as seed 000)."""
+    """The steps of one self-attention forward (batch=0: unbatched input (L, E))."""
     E, h, L = embed_dim, num_heads, length
     if E % h:
         raise ValueError(f"embed_dim must be divisible by num_heads, got {E} and {h}")

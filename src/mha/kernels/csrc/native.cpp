@@ -27,8 +27,13 @@
 // computed. Sinks start each row's running softmax (max = sink, sum = 1). A row that sees
 // no key gives zeros (max -inf, sum 0); a row with a NaN or +inf score (or sink) gives NaN.
 //
-// Tile products run on torch's brgemm (oneDNN) for float32 and on plain loops otherwise; the
-// exponentials are vectorised with AVX-512 where the build has it (MHA_AVX512).
+// Builds (mha.kernels.native picks one for the CPU): avx512bf16 (MHA_AVX512 and MHA_AVX512_BF16:
+// bfloat16 dot products), avx512 (MHA_AVX512), avx2 (AVX2 and FMA: the compiler's vector extensions
+// at 32 bytes), portable (plain C++). Tile products run on torch's brgemm (oneDNN, which picks its own
+// instructions) for float32 and bfloat16 pairs, and on plain loops otherwise; the exponentials are
+// vectorised in every build (exp16 with AVX-512 intrinsics, the same reduction and polynomial in
+// vector extensions elsewhere), and a decoding step's few rows run on the run loops (run_scores,
+// run_values) in every build.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -1085,6 +1090,8 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
     release_products<Products>();
   });
 }
+
+// ---- run loops: the products of a few rows, in vector extensions -----------------------------------
 
 // The products of a few query rows (a decoding step's, or a block's of at most kRunLoopRows) with one
 // run of keys, where brgemm's fixed cost per call and its half-empty vectors (N = R) cost more than

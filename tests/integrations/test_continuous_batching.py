@@ -162,13 +162,13 @@ def test_the_terms_decide_the_tokens_here(kind, term, drop):
 @pytest.mark.slow
 def test_dropping_a_term_in_our_attention_is_caught(monkeypatch):
     """The planted defect: continuous batching's attention without the softcap (or the sinks)."""
-    real = mt.kernels.paged_attention
+    real = mt.continuous_batching.kernels.paged_attention
     for kind, term in (("gemma2", "softcap"), ("gpt-oss", "sinks")):
         model, prompts = _model(kind), _prompts()
         want = _generate(model, prompts)
-        monkeypatch.setattr(mt.kernels, "paged_attention", lambda *a, term=term, **kw: real(*a, **{**kw, term: None}))
+        monkeypatch.setattr(mt.continuous_batching.kernels, "paged_attention", lambda *a, term=term, **kw: real(*a, **{**kw, term: None}))
         assert _generate_batch(model, prompts) != want, term
-        monkeypatch.setattr(mt.kernels, "paged_attention", real)
+        monkeypatch.setattr(mt.continuous_batching.kernels, "paged_attention", real)
 
 
 def test_enabling_is_explicit_and_undone():
@@ -191,7 +191,7 @@ def test_what_it_does_not_know_is_refused(monkeypatch):
     with pytest.raises(TypeError, match="model must be a transformers PreTrainedModel"):
         mt.enable_continuous_batching(object())
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "6.0.0")  # (the module transformers imports as)
-    with pytest.raises(RuntimeError, match="follows transformers 5.x .* not 6.0.0"):
+    with pytest.raises(RuntimeError, match="transformers 6.0.0 does not have or mha does not follow there .mha follows transformers 5.x"):
         mt.enable_continuous_batching(model)
     monkeypatch.undo()
     with mt.enable_continuous_batching(model), pytest.raises(ValueError, match="serves continuous batching"):

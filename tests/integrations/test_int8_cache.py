@@ -81,9 +81,9 @@ def test_a_cache_cropped_and_reordered_keeps_rows_and_scales_together():
     layer.update(k, v)
     layer.crop(-2)
     layer.batch_select_indices(torch.tensor([1]))
-    rows, scales = hf._rows_and_scales("key", layer.keys)
+    rows, scales = hf.int8_cache._rows_and_scales("key", layer.keys)
     assert torch.equal(dequantize(rows, scales, torch.float32), dequantize(*quantize_int8(k[1:, :, :5]), torch.float32))
-    rows, scales = hf._rows_and_scales("value", layer.values)
+    rows, scales = hf.int8_cache._rows_and_scales("value", layer.values)
     assert rows.shape == (1, 2, 5, 8)
 
 

@@ -406,7 +406,7 @@ def test_import_mha_does_not_import_transformers():
 
 
 def test_the_pattern_check_spans_blocks_and_recognises_plain_patterns_it_does_not_know(monkeypatch):
-    monkeypatch.setattr(hf, "_VERIFY_ELEMENTS", 8)  # one query row per block: every block is checked
+    monkeypatch.setattr(hf.masks, "_VERIFY_ELEMENTS", 8)  # one query row per block: every block is checked
     window = masking_utils.sliding_window_causal_mask_function(3)
     mask = hf.mask_forward(batch_size=2, q_length=6, kv_length=6, mask_function=window, local_size=3)
     assert mask.band == Band(2, 0) and (mask.L, mask.S) == (6, 6)

@@ -166,7 +166,8 @@ def test_dropping_a_term_in_our_attention_is_caught(monkeypatch):
     for kind, term in (("gemma2", "softcap"), ("gpt-oss", "sinks")):
         model, prompts = _model(kind), _prompts()
         want = _generate(model, prompts)
-        monkeypatch.setattr(mt.continuous_batching.kernels, "paged_attention", lambda *a, term=term, **kw: real(*a, **{**kw, term: None}))
+        monkeypatch.setattr(mt.continuous_batching.kernels, "paged_attention",
+                            lambda *a, term=term, **kw: real(*a, **{**kw, term: None}))
         assert _generate_batch(model, prompts) != want, term
         monkeypatch.setattr(mt.continuous_batching.kernels, "paged_attention", real)
 
@@ -191,7 +192,8 @@ def test_what_it_does_not_know_is_refused(monkeypatch):
     with pytest.raises(TypeError, match="model must be a transformers PreTrainedModel"):
         mt.enable_continuous_batching(object())
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "6.0.0")  # (the module transformers imports as)
-    with pytest.raises(RuntimeError, match="transformers 6.0.0 does not have or mha does not follow there .mha follows transformers 5.x"):
+    with pytest.raises(RuntimeError, match="transformers 6.0.0 does not have or mha does not follow there "
+                                           r"\(mha follows transformers 5.x"):
         mt.enable_continuous_batching(model)
     monkeypatch.undo()
     with mt.enable_continuous_batching(model), pytest.raises(ValueError, match="serves continuous batching"):

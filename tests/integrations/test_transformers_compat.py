@@ -11,11 +11,12 @@ transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("mha.integrations.transformers")
 compat = hf.compat
 
-from helpers.tiny_decoders import tiny_model  # noqa: E402
 from transformers import AttentionInterface  # noqa: E402
 from transformers import modeling_flash_attention_utils as flash_utils  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 from transformers.utils import output_capturing  # noqa: E402
+
+from helpers.tiny_decoders import tiny_model  # noqa: E402
 
 
 class _Allocator:

@@ -199,10 +199,10 @@ def _plant(monkeypatch, defect: str, path: str) -> None:
     if path == "math":
         original = dispatch.paged_math_attention
 
-        def planted(*args):
+        def planted(*args, **options):
             *pool, terms = args
             band, softcap = wrong(terms.band, terms.softcap)
-            return leaked(original(*pool, terms.replace(band=band, softcap=softcap)))
+            return leaked(original(*pool, terms.replace(band=band, softcap=softcap), **options))
         monkeypatch.setattr(dispatch, "paged_math_attention", planted)
     else:
         original = native.paged_attention_native

@@ -73,3 +73,81 @@ def test_without_capture_no_weights_are_computed(monkeypatch):
     with pytest.raises(AssertionError, match="outside"):
         with mha.capture_attention():
             m(x, x, x, need_weights=False)
+
+
+# -- every entry of the dispatch reaches the observers ---------------------------------------------------
+
+def _watched(call):
+    """(what call() returned, the observed (q, k, v, contract, out, weights) of each call)."""
+    seen = []
+    kernels.dispatch.OBSERVERS.append(lambda q, k, v, contract, out, weights, dropout_p=0.0:
+                                      seen.append((q, k, v, contract, out, weights)))
+    try:
+        return call(), seen
+    finally:
+        kernels.dispatch.OBSERVERS.pop()
+
+
+def _softmax_weights(q, k, contract):
+    """The weights by hand: softmax of the scaled scores under the contract (float64)."""
+    s = (q @ k.transpose(-1, -2)) * contract.scale_for(q.shape[-1])
+    s = contract.shape_scores(contract.cap(s, inplace=False)[0], range(q.shape[-2]), range(k.shape[-2]), inplace=False)
+    return torch.softmax(s, -1).nan_to_num()
+
+
+def test_the_lse_path_is_observed_with_its_output_and_the_weights():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    contract = kernels.Contract(band=mha.positions.Band(3, 0), softcap=5.0)
+    (out, lse), seen = _watched(lambda: kernels.attention_with_lse(q, k, v, contract))
+    ((_, _, _, c, o, w),) = seen
+    assert c is contract and o is out
+    torch.testing.assert_close(w, _softmax_weights(q, k, contract))
+    torch.testing.assert_close(torch.logsumexp((q @ k.transpose(-1, -2)).div(8 ** 0.5).div(5).tanh().mul(5)
+                                               .masked_fill(~mha.positions.Band(3, 0).visible(6, 6), float("-inf")), -1), lse)
+
+
+def test_varlen_is_observed_as_one_packed_call():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(9, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 4, 9])
+    out, seen = _watched(lambda: kernels.varlen_attention(q, k, v, cu, cu, is_causal=True))
+    ((oq, _, _, contract, o, w),) = seen
+    assert oq.shape == (1, 2, 9, 8) and w.shape == (1, 2, 9, 9)
+    assert not w[0, :, :4, 4:].any() and not w[0, :, 4:, :4].any()  # no row sees another sequence's keys
+    torch.testing.assert_close(o[0].transpose(0, 1), out)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_paged_attention_is_observed_per_sequence(quantize):
+    cache = mha.PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=1, head_dim=8, quantize=quantize)
+    a, _ = cache.add()
+    b, _ = cache.add()
+    slots = cache.reserve([a, b], [6, 3])
+    g = torch.Generator().manual_seed(2)
+    cache.write(0, slots, torch.randn(9, 1, 8, generator=g), torch.randn(9, 1, 8, generator=g))
+    q = torch.randn(2, 2, 8, generator=g)  # one new row per sequence (its last key)
+    call = lambda: kernels.paged_attention(q, *cache.pages(0), cache.block_table([a, b]), torch.tensor([0, 1, 2]),  # noqa: E731
+                                           cache.lengths([a, b]), **cache.page_scales(0))
+    out, seen = _watched(call)
+    assert [w.shape for *_, w in seen] == [(2, 1, 6), (2, 1, 3)]
+    for row, (rows, keys, _values, contract, o, w) in enumerate(seen):
+        torch.testing.assert_close(o[:, 0], out[row])
+        torch.testing.assert_close(w, _softmax_weights(rows, keys, contract))
+    with mha.capture_attention() as maps:
+        call()
+    assert [x.shape for x in maps["attention"]] == [(1, 2, 1, 6), (1, 2, 1, 3)]
+
+
+def test_what_cannot_be_recorded_is_refused_by_name():
+    from mha.distributed import SequenceLayout, ring_attention
+    q = torch.randn(1, 2, 6, 8)
+    with mha.capture_attention(), pytest.raises(ValueError, match="ring attention cannot be recorded"):
+        ring_attention(q, q, q, SequenceLayout(6))
+    with mha.explorer.record() as recording, pytest.raises(ValueError, match="a call with score_mod or mask_mod cannot "
+                                                                             "be recorded"):
+        mha.functional.scaled_dot_product_attention(q, q, q, score_mod=lambda s, b, h, i, j: s)
+    assert not recording.calls
+    with mha.capture_attention() as maps:  # its weights are what capture keeps
+        mha.functional.scaled_dot_product_attention(q, q, q, mask_mod=lambda b, h, i, j: i >= j)
+    assert not maps["attention"][0].triu(1).any()

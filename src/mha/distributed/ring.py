@@ -69,6 +69,10 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, *, i
     """
     terms = check(q, k, v, layout, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window=window,
                   alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
+    if dispatch.OBSERVERS:
+        raise ValueError("ring attention cannot be recorded (mha.capture_attention, mha.explorer.record): each block it "
+                         "computes is a part of a row's softmax, no call sees a whole row; record the model on one "
+                         "process, or use ulysses_attention, whose calls see whole sequences")
     return _Ring.apply(q, k, v, terms.alibi_slopes, terms.sinks, layout, terms)
 
 

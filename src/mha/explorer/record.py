@@ -195,6 +195,9 @@ def call_of(name: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, out:
     """An AttentionCall of one dispatch call: q (..., H, L, D) with any batch dims (none: one sequence)."""
     if q.dim() < 3:
         raise ValueError(f"the explorer records calls with a head dim: q (..., H, L, D), got shape {tuple(q.shape)}")
+    if contract.score_mod is not None or contract.mask_mod is not None:
+        raise ValueError("the explorer breaks a score down into mha's own terms: a call with score_mod or mask_mod "
+                         "cannot be recorded (mha.capture_attention records its weights)")
     batch = q.shape[:-3]
     sequences = math.prod(batch)
 

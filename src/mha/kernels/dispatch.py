@@ -67,9 +67,11 @@ log = logging.getLogger("mha.dispatch")
 _NAMES = ("auto", *BACKENDS)
 
 # Callables observer(q, k, v, contract, out, weights, dropout_p=), called with every call's inputs and results
-# while non-empty (mha.explorer.record adds one); each call then runs on the math backend, which
-# returns the weights. q (..., H, L, D), k and v (..., Hkv, S, D|Dv), out (..., H, L, Dv), weights
-# (..., H, L, S).
+# while non-empty (mha.explorer.record adds one), at every entry: attention (and varlen, one call of it),
+# attention_with_lse and paged_attention (one call per sequence, its keys gathered from the pages).
+# The weights come from the math backend (the dense call runs on it; the lse path runs its own backend
+# for the output and the log-sum-exp, and math beside it for the weights). q (..., H, L, D), k and v
+# (..., Hkv, S, D|Dv), out (..., H, L, Dv), weights (..., H, L, S).
 OBSERVERS: list = []
 
 
@@ -101,8 +103,7 @@ def _observed(q, k, v, contract, *, dropout_p, need_weights):
     """A call while OBSERVERS watch: on the math backend (the only one returning the weights),
     its inputs and results handed to each observer."""
     out, weights = _run(q, k, v, contract, dropout_p=dropout_p, need_weights=True, backend="math")
-    for observer in OBSERVERS:
-        observer(q, k, v, contract, out, weights, dropout_p=dropout_p)
+    _notify(q, k, v, contract, out, weights, dropout_p)
     return out, (weights if need_weights else None)
 
 
@@ -352,7 +353,16 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract | Non
     if contract.score_mod is not None or contract.mask_mod is not None:
         mods.check_devices(q.device, score_mod=contract.score_mod, mask_mod=contract.mask_mod)
     name, _ = choose_lse_backend(backend, q, k, v, contract)
-    return LSE_BACKENDS[name](q, k, v, contract)
+    out, lse = LSE_BACKENDS[name](q, k, v, contract)
+    if OBSERVERS:
+        _notify(q, k, v, contract, out, _run(q, *matched_kv_heads(q, k, v), contract, dropout_p=0.0, need_weights=True,
+                                          backend="math")[1])
+    return out, lse
+
+
+def _notify(q, k, v, contract, out, weights, dropout_p: float = 0.0) -> None:
+    for observer in OBSERVERS:
+        observer(q, k, v, contract, out, weights, dropout_p=dropout_p)
 
 
 def backward_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract, out: Tensor, lse: Tensor,
@@ -412,13 +422,15 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
     """Run mha.kernels.paged_attention's checked call (q (Tq, H, D), pages, the block table (B, M)
     and lengths (B,) as int64 CPU tensors, terms: the contract's per-sequence terms; int8 pages with
     their scales) on the chosen backend: math dequantizes 8-bit pages first (the reference)."""
-    name, _ = choose_paged_backend(backend, q, k_pages, v_pages)
+    name, _ = choose_paged_backend(backend, q, k_pages, v_pages) if not OBSERVERS else ("math", "observed")
     if name == "math":
+        observe = _notify if OBSERVERS else None
         if k_scales is not None:
             wide = torch.float64 if q.dtype == torch.float64 else torch.float32
             pages = (dequantize(k_pages, k_scales, wide), dequantize(v_pages, v_scales, wide))
-            return paged_math_attention(q.to(wide), *pages, block_table, lengths_q, lengths_k, terms).to(q.dtype)
-        return paged_math_attention(q, k_pages, v_pages, block_table, lengths_q, lengths_k, terms)
+            return paged_math_attention(q.to(wide), *pages, block_table, lengths_q, lengths_k, terms,
+                                        observe=observe).to(q.dtype)
+        return paged_math_attention(q, k_pages, v_pages, block_table, lengths_q, lengths_k, terms, observe=observe)
     cu = torch.nn.functional.pad(lengths_q.cumsum(0), (1, 0))  # (B,) -> (B + 1,) offsets
     return native.paged_attention_native(q, k_pages, v_pages, block_table, cu, lengths_k, band=terms.band,
                                          scale=terms.scale_for(q.shape[-1]), softcap=terms.softcap,

@@ -119,10 +119,11 @@ def _autocast_off(device_type: str):
 
 
 def paged_math_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, lengths_q: Tensor,
-                         lengths_k: Tensor, terms: Contract) -> Tensor:
+                         lengths_k: Tensor, terms: Contract, *, observe=None) -> Tensor:
     """The reference of mha.kernels.paged_attention: each sequence alone, its keys gathered from the
     pages, dense, bottom-right (query r at S_b - L_b + r). q (Tq, H, D), pages (N, Hkv, P, D|Dv),
-    block_table (B, M), lengths (B,) -> (Tq, H, Dv)."""
+    block_table (B, M), lengths (B,) -> (Tq, H, Dv). observe(q, k, v, contract, out, weights): called
+    for each sequence with its rows (H, L_b, D), keys (H, S_b, D|Dv) and weights (H, L_b, S_b)."""
     H, P = q.shape[1], k_pages.shape[2]
     out = q.new_empty(q.shape[0], H, v_pages.shape[3])
     start = 0
@@ -132,7 +133,10 @@ def paged_math_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_tabl
                 for pages in (k_pages, v_pages))
         k, v = (x.repeat_interleave(H // x.shape[0], dim=0) for x in (k, v))  # (Hkv, S, X) -> (H, S, X)
         rows = q[start:start + L].transpose(0, 1)  # (L, H, D) -> (H, L, D)
-        o, _ = math_attention(rows, k, v, terms.replace(offset=positions.offset_of("bottom_right", L, S)))
+        placed = terms.replace(offset=positions.offset_of("bottom_right", L, S))
+        o, w = math_attention(rows, k, v, placed)
+        if observe is not None:
+            observe(rows, k, v, placed, o, w)
         out[start:start + L] = o.transpose(0, 1)  # (H, L, Dv) -> (L, H, Dv)
         start += L
     return out

@@ -191,3 +191,23 @@ def test_auto_rows_time_loops_and_single_calls_alternated_with_other_work():
     calls = []
     times = tuning.alternated_times({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3)
     assert calls == ["a", "b"] * 4 and set(times) == {"a", "b"}  # a warm-up each, then in turn
+
+
+def test_a_section_of_rows_with_different_columns_prints_one_table_per_kind_of_row():
+    """The native section's rows (forward, decode, cache decode, window, accuracy) each have columns
+    of their own: in one table they made 30 columns, blank cells at a terminal of 140."""
+    from rich.console import Console
+
+    from mha.cli import bench as cli_bench
+    rows = [bench.Row("native", "forward", {"native": 1.0, "sdpa": 2.0}, {"native/sdpa": 0.5}, {"GFLOP/s": 3.0}),
+            bench.Row("native", "forward 2", {"native": 1.5, "sdpa": 2.5}, {"native/sdpa": 0.6}, {"GFLOP/s": 3.5}),
+            bench.Row("native", "decode", {"native": 4.0, "sdpa": 5.0}, {"native/sdpa": 0.8}, {"GB/s": 9.0}),
+            bench.Row("native", "accuracy", {}, {"native/sdpa error": 1.1}, {"native error": 1e-7})]
+    parts = cli_bench._parts("native", rows)
+    assert [(title, [r.point for r in part]) for title, part in parts] == [
+        ("native (1 of 3)", ["forward", "forward 2"]), ("native (2 of 3)", ["decode"]), ("native (3 of 3)", ["accuracy"])]
+    console = Console(width=140, record=True)
+    for title, part in parts:
+        console.print(cli_bench._table(title, part, "here"))
+    assert " - " not in console.export_text()  # no blank cell: each table has its rows' columns only
+    assert cli_bench._parts("module", rows[:2]) == [("module", rows[:2])]

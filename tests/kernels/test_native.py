@@ -694,3 +694,17 @@ def test_decoding_rows_of_every_block_shape(dtype, rows):
             out = mha.kernels.native.native_attention(*(x.to(dtype) for x in (q, k, v)))
             exact = mha.kernels.math_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1))[0]
         assert (out.double() - exact).abs().max() < tolerance, (D, S)
+
+
+def test_the_build_folder_is_one_per_compile_environment(monkeypatch):
+    """Two virtual environments with the same torch shared one build folder and rebuilt each other's
+    kernel in turn (their include paths differ): the folder is keyed by what the command depends on."""
+    import sysconfig
+    here = native._build_folder("avx2")
+    assert here == native._build_folder("avx2") and here != native._build_folder("portable")
+    paths = sysconfig.get_paths()
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {**paths, "include": "/another/venv/include/python3.11"})
+    assert native._build_folder("avx2") != here  # another environment's Python headers
+    monkeypatch.undo()
+    monkeypatch.setenv("CXX", "clang++")
+    assert native._build_folder("avx2") != here  # another compiler

@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
             rows.extend(job())
             progress.advance(task)
     for section in dict.fromkeys(r.section for r in rows):
-        console.print(_table(section, [r for r in rows if r.section == section], where))
+        for title, part in _parts(section, [r for r in rows if r.section == section]):
+            console.print(_table(title, part, where))
     for path in bench.write(rows, info, args.out):
         console.print(f"wrote {path}")
     return 0
@@ -159,6 +160,18 @@ def _jobs(grid, sections, repeat):
         jobs.append((f"decode {grid['decode']} tokens", lambda: [bench.decode_row(grid["decode"])]))
         jobs.append((f"window {grid['window']}", lambda: [bench.window_row(*grid["window"], repeat)]))
     return jobs
+
+
+def _parts(section: str, rows) -> list[tuple[str, list]]:
+    """A section's rows in tables of their own columns: rows that share their columns (times,
+    ratios, extras) go together, in the order they came, so that no table carries the union of
+    every row's columns (the native section's was 30 wide, blank cells at a terminal of 140)."""
+    groups: dict[tuple, list] = {}
+    for row in rows:
+        groups.setdefault((tuple(row.times_ms), tuple(row.ratios), tuple(row.extra)), []).append(row)
+    if len(groups) == 1:
+        return [(section, rows)]
+    return [(f"{section} ({i} of {len(groups)})", part) for i, part in enumerate(groups.values(), 1)]
 
 
 def _table(section: str, rows, where: str) -> Table:

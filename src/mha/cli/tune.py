@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
                           f"{_defaults()} until `mha tune` or its first call measures")
             return 0
     else:
-        with console.status("building the native kernel if it is not built yet (about 30 s, once)"):
+        with console.status("building the native kernel if it is not built yet (about 40 s on 2 cores, once)"):
             built = native.native_available()
         if not built:
             raise UsageError("the native kernel cannot be built or loaded here (no compiler, or MHA_NATIVE=off; "

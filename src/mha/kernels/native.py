@@ -143,7 +143,7 @@ def _one_process_at_a_time(folder: Path):
 
 
 def native_available() -> bool:
-    """Whether the native kernel is built (building it on first use: about 30 s, once per user)."""
+    """Whether the native kernel is built (building it on first use: about 40 s on 2 cores, once per build and environment)."""
     return _kernel() is not None
 
 
@@ -171,10 +171,22 @@ def _module_name(build: str, sanitize: bool = False) -> str:
 
 def _build_folder(build: str, sanitize: bool = False) -> Path:
     """Where the build lives: torch's extension cache (TORCH_EXTENSIONS_DIR, or ~/.cache/torch_extensions),
-    one folder per build and torch version."""
+    one folder per build and compile environment (_environment_key): two virtual environments with
+    the same torch compile with different include paths, and in one folder they rebuilt each other's
+    kernel in turn (measured: five 60-80 s rebuilds in 20 minutes)."""
     from torch.utils.cpp_extension import get_default_build_root
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    return Path(root) / f"{_module_name(build, sanitize)}_torch{torch.__version__.replace('+', '_')}"
+    version = torch.__version__.replace("+", "_")
+    return Path(root) / f"{_module_name(build, sanitize)}_torch{version}_{_environment_key(build, sanitize)}"
+
+
+def _environment_key(build: str, sanitize: bool) -> str:
+    """8 hex digits of what the compile command depends on besides the source: torch's install (its
+    headers and libraries), Python's headers, the flags of the build and the compiler asked for."""
+    import sysconfig
+    parts = (torch.__version__, str(Path(torch.__file__).resolve().parent), sysconfig.get_paths()["include"],
+             *_FLAGS[build], *(_SANITIZE if sanitize else ()), os.environ.get("CXX", ""), os.environ.get("CC", ""))
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
 
 
 def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float = 0.0) -> str | None:

@@ -22,7 +22,7 @@ from . import _checks, kernels, masks, positions
 from .kernels import varlen
 from .kernels._context import autocast_inputs
 from .kernels._shapes import broadcast
-from .kernels.contract import contract_of
+from .kernels.contract import from_keywords
 from .modules.pipeline import attend, check_inputs, pipeline
 from .modules.projections import ProjectionWeights
 
@@ -98,12 +98,11 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     if causal_alignment is None:  # bottom-right where a window bounds something is_causal alone does not, or ALiBi
         windowed = window is not None and band != positions.band(is_causal)
         causal_alignment = "bottom_right" if windowed or alibi_slopes is not None else "top_left"
-    contract = contract_of(
-        band=band, offset=positions.offset_of(causal_alignment, L, S),
-        mask=masks.from_sdpa(attn_mask, L=L, S=S, batch_shape=batch_shape, like=query),
-        alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, H, query), scale=_checks.optional_finite_real("scale", scale),
-        softcap=_checks.optional_positive_real("softcap", softcap), sinks=_checks.per_head("sinks", sinks, H, query),
-        score_mod=score_mod, mask_mod=mask_mod)
+    contract = from_keywords(
+        query, H, is_causal=is_causal, window=window, alibi_slopes=alibi_slopes, scale=scale, softcap=softcap, sinks=sinks,
+        offset=positions.offset_of(causal_alignment, L, S),
+        mask=masks.from_sdpa(attn_mask, L=L, S=S, batch_shape=batch_shape, like=query), score_mod=score_mod,
+        mask_mod=mask_mod)
     out, _ = kernels.attention(query, key, value, contract, dropout_p=dropout_p, backend=backend)
     return out[0] if unbatched else out
 

@@ -162,14 +162,14 @@ def test_the_terms_decide_the_tokens_here(kind, term, drop):
 @pytest.mark.slow
 def test_dropping_a_term_in_our_attention_is_caught(monkeypatch):
     """The planted defect: continuous batching's attention without the softcap (or the sinks)."""
-    real = mt.continuous_batching.kernels.paged_attention
+    real = mt.continuous_batching.attend_pages
     for kind, term in (("gemma2", "softcap"), ("gpt-oss", "sinks")):
         model, prompts = _model(kind), _prompts()
         want = _generate(model, prompts)
-        monkeypatch.setattr(mt.continuous_batching.kernels, "paged_attention",
-                            lambda *a, term=term, **kw: real(*a, **{**kw, term: None}))
+        monkeypatch.setattr(mt.continuous_batching, "attend_pages",
+                            lambda *a, term=term, **kw: real(*a[:-1], a[-1].replace(**{term: None}), **kw))
         assert _generate_batch(model, prompts) != want, term
-        monkeypatch.setattr(mt.continuous_batching.kernels, "paged_attention", real)
+        monkeypatch.setattr(mt.continuous_batching, "attend_pages", real)
 
 
 def test_enabling_is_explicit_and_undone():

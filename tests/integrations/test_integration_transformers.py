@@ -311,7 +311,7 @@ def test_errors_name_the_argument():
     with raises_exactly(ValueError, "attn_implementation 'mha' takes no paged cache: for continuous batching "
                                     "(generate_batch) call mha.integrations.transformers.enable_continuous_batching(model)"):
         hf.attention_forward(layer, q, k, v, None, cache=object())
-    with raises_exactly(ValueError, "s_aux must have shape (4,) (num_heads,): one sink logit per query head, "
+    with raises_exactly(ValueError, "s_aux must have shape (4,) (num_heads,): one value per query head (dim 1 of query), "
                                     "got (2,)"):
         hf.attention_forward(layer, q, k, v, None, s_aux=torch.zeros(2))
     with raises_exactly(ValueError, "the query heads (dim 1: 4) must be a multiple of key's heads (3)"):

@@ -207,9 +207,10 @@ def _plant(monkeypatch, defect: str, path: str) -> None:
     else:
         original = native.paged_attention_native
 
-        def planted(*args, band, softcap, **terms):
-            band, softcap = wrong(band, softcap)
-            return leaked(original(*args, band=band, softcap=softcap, **terms))
+        def planted(*args, **options):
+            *pool, terms = args
+            band, softcap = wrong(terms.band, terms.softcap)
+            return leaked(original(*pool, terms.replace(band=band, softcap=softcap), **options))
         monkeypatch.setattr(native, "paged_attention_native", planted)
 
 

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from mha.kernels import native
+from mha.kernels import Contract, native
 from mha.positions import Band
 
 BANDS = [Band(None, 0), Band(3, 0), Band(2, 1), Band(0, 0), Band(4, None), Band(None, 2), Band(1, -1), Band(-1, 3)]
@@ -23,24 +23,27 @@ def _python(band: Band, L: int, S: int, offset: int, positions=None):
     return band.interval(q_pos, k_pos)
 
 
+def _cpp(band: Band, offset: int, L: int, S: int, positions=None):
+    """The kernel's (first, stop, visible) of each query, the band handed over as every call hands it
+    (native._terms of a Contract)."""
+    terms = native._terms(Contract(band=band, offset=offset, positions=positions), 1, torch.float32)
+    return native._kernel().key_intervals(terms, L, S)
+
+
 @pytest.mark.skipif(not native.native_available(), reason="the compiled kernel is not available here")
 @pytest.mark.parametrize("band", BANDS, ids=repr)
 def test_python_and_cpp_give_every_query_the_same_keys(band):
-    kernel = native._kernel()
-    unbounded = native._UNBOUNDED
     for (L, S), alignment in itertools.product(SHAPES, ("top_left", "bottom_right")):
         offset = 0 if alignment == "top_left" else S - L
-        left = unbounded if band.left is None else band.left
-        right = unbounded if band.right is None else band.right
         want = _python(band, L, S, offset)
-        got = kernel.key_intervals(left, right, offset, L, S, None, None)
+        got = _cpp(band, offset, L, S)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, torch.as_tensor(b).expand(L).long(), atol=0, rtol=0)
         g = torch.Generator().manual_seed(L * 100 + S)  # given positions: a cache after padded prompts
         k_pos = torch.randint(0, 3, (S,), generator=g).cumsum(0)  # non-decreasing, repeats and gaps
         q_pos = torch.randint(-2, int(k_pos[-1]) + 3, (L,), generator=g).sort().values
         want = _python(band, L, S, 0, (q_pos, k_pos))
-        got = kernel.key_intervals(left, right, 0, L, S, q_pos[None].contiguous(), k_pos[None].contiguous())
+        got = _cpp(band, 0, L, S, (q_pos[None].contiguous(), k_pos[None].contiguous()))
         for a, b in zip(got, want):
             torch.testing.assert_close(a, torch.as_tensor(b).expand(L).long(), atol=0, rtol=0)
 
@@ -95,20 +98,17 @@ def test_cpp_band_rule_is_band_allowed_on_random_bands_and_positions():
     set of keys whose distance Band.allowed accepts, and equals Band.interval; the kernel's per-key
     test (what a tile of keys out of order or with ALiBi reads) is Band.allowed too, keys in any order."""
     rng, g = random.Random(0), torch.Generator().manual_seed(0)
-    kernel, unbounded = native._kernel(), native._UNBOUNDED
     for _ in range(1500):
         L, S = rng.randint(0, 12), rng.randint(0, 40)
         band = Band(_random_side(rng, S), _random_side(rng, S))
-        left = unbounded if band.left is None else band.left
-        right = unbounded if band.right is None else band.right
         offset, q_pos, k_pos, given = _random_positions(rng, g, L, S)
         if given and S and rng.random() < 0.3:  # keys out of order: the per-key test alone applies
             k_pos = k_pos[torch.randperm(S, generator=g)]
             sorted_keys = False
         else:
             sorted_keys = True
-        positions = (q_pos[None].contiguous(), k_pos[None].contiguous()) if given else (None, None)
-        first, stop, visible = kernel.key_intervals(left, right, offset, L, S, *positions)
+        positions = (q_pos[None].contiguous(), k_pos[None].contiguous()) if given else None
+        first, stop, visible = _cpp(band, offset, L, S, positions)
         allowed = band.allowed(k_pos[None, :] - q_pos[:, None])  # (L, S): the rule in Python
         case = f"{band}, offset {offset}, L {L}, S {S}, q_pos {q_pos.tolist()}, k_pos {k_pos.tolist()}"
         assert torch.equal(visible, allowed), case

@@ -601,8 +601,7 @@ def test_the_kernel_refuses_shapes_it_cannot_read():
                           (torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 6, 4), "v must have k's heads and length"),
                           (torch.zeros(1, 3, 5, 4), torch.zeros(1, 3, 5, 4), "key/value heads must divide query heads")]:
         with pytest.raises(RuntimeError, match=message):
-            native._extension(native.variant()).forward(q, k, v, *native._Inputs(q, q, q, Contract()).terms(with_sinks=True),
-                                                         False)
+            native._extension(native.variant()).forward(q, k, v, native._Inputs(q, q, q, Contract()).terms(), False)
 
 
 def test_a_kv_cache_decoding_step_runs_on_native(caplog):

@@ -62,10 +62,7 @@ def _reference(q, k_pages, v_pages, table, cu, seqlens, terms: dict):
 
 
 def _paged(q, k_pages, v_pages, table, cu, seqlens, terms: dict):
-    scale = terms.get("scale") or 1.0 / q.shape[-1] ** 0.5
-    return native.paged_attention_native(q, k_pages, v_pages, table, cu, seqlens, band=terms.get("band"),
-                                         scale=scale, softcap=terms.get("softcap"),
-                                         alibi_slopes=terms.get("alibi_slopes"), sinks=terms.get("sinks"))
+    return native.paged_attention_native(q, k_pages, v_pages, table, cu, seqlens, Contract(**terms))
 
 
 def _check(inputs, terms: dict, dtype):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .. import _checks, positions
-from ..kernels.contract import Contract, contract_of
+from .. import _checks
+from ..kernels.contract import Contract, from_keywords
 from .layout import SequenceLayout
 
 __all__ = ["check"]
@@ -38,8 +38,5 @@ def check(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, *, is_causal,
         raise ValueError(f"k and v have {Hkv} heads and q has {H}: pass enable_gqa=True with key/value heads "
                          f"that divide the query heads")
     _checks.shared_heads(H, "k", Hkv, dim=1, option="enable_gqa")
-    return contract_of(band=positions.band(is_causal, window),
-                       alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, H, q),
-                       scale=_checks.optional_finite_real("scale", scale),
-                       softcap=_checks.optional_positive_real("softcap", softcap),
-                       sinks=_checks.per_head("sinks", sinks, H, q))
+    return from_keywords(q, H, is_causal=is_causal, window=window, alibi_slopes=alibi_slopes, scale=scale,
+                         softcap=softcap, sinks=sinks)

@@ -38,7 +38,8 @@ from .. import _checks, masks, positions
 from ..positions import CAUSAL, Band
 from . import mods
 
-__all__ = ["NONE", "TERMS", "TOP_LEFT_CAUSAL", "Contract", "contract_of", "mask_tile", "resolve", "undeclared"]
+__all__ = ["NONE", "TERMS", "TOP_LEFT_CAUSAL", "Contract", "contract_of", "from_keywords", "mask_tile", "resolve",
+           "undeclared"]
 
 _NEG_INF = float("-inf")
 
@@ -211,6 +212,28 @@ def contract_of(*, band: Band | None = None, offset: int = 0, positions: tuple[T
     return Contract(band=band, offset=offset, positions=positions, key_valid=key_valid, mask=mask,
                     alibi_slopes=alibi_slopes, scale=scale, softcap=softcap, sinks=sinks, score_mod=score_mod,
                     mask_mod=mask_mod)
+
+
+_PER_HEAD = "(num_heads,): one value per query head (dim {dim} of {query})"
+
+
+def from_keywords(like: Tensor, heads: int, *, is_causal: bool = False, window: tuple[int, int] | None = None,
+                  band: Band | None = None, alibi_slopes: Tensor | None = None, scale: float | None = None,
+                  softcap: float | None = None, sinks: Tensor | None = None, head_dim: str = "-3", query: str = "query",
+                  names: dict | None = None, **terms) -> Contract:
+    """The Contract of the keywords every entry point takes (is_causal, window, alibi_slopes, scale,
+    softcap, sinks), each checked here, the one place they are turned into terms; ``band`` instead of
+    is_causal and window where the caller has one (a packing's, a mask's); ``terms`` are the rest as
+    they are (offset, positions, key_valid, mask, score_mod, mask_mod). like: the query (its device);
+    heads: its head count, at dim ``head_dim`` of the tensor called ``query``. names: another name
+    for a keyword in the messages (transformers' "scaling", "s_aux")."""
+    named = {"scale": "scale", "softcap": "softcap", "sinks": "sinks", **(names or {})}
+    meaning = _PER_HEAD.format(dim=head_dim, query=query)
+    return contract_of(band=band if band is not None else positions.band(is_causal, window),
+                       alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, heads, like, meaning),
+                       scale=_checks.optional_finite_real(named["scale"], scale),
+                       softcap=_checks.optional_positive_real(named["softcap"], softcap),
+                       sinks=_checks.per_head(named["sinks"], sinks, heads, like, meaning), **terms)
 
 
 def undeclared(takes: frozenset[str], contract: Contract, who: str = "it") -> str | None:

@@ -432,7 +432,5 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
                                         observe=observe).to(q.dtype)
         return paged_math_attention(q, k_pages, v_pages, block_table, lengths_q, lengths_k, terms, observe=observe)
     cu = torch.nn.functional.pad(lengths_q.cumsum(0), (1, 0))  # (B,) -> (B + 1,) offsets
-    return native.paged_attention_native(q, k_pages, v_pages, block_table, cu, lengths_k, band=terms.band,
-                                         scale=terms.scale_for(q.shape[-1]), softcap=terms.softcap,
-                                         alibi_slopes=terms.alibi_slopes, sinks=terms.sinks, k_scales=k_scales,
+    return native.paged_attention_native(q, k_pages, v_pages, block_table, cu, lengths_k, terms, k_scales=k_scales,
                                          v_scales=v_scales)

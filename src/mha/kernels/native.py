@@ -248,7 +248,7 @@ def _forward(inputs: _Inputs, *, for_backward: bool) -> tuple[Tensor, tuple[Tens
     """(output (..., L, Dv), and what the backward needs: the kernel's own output (B, H, L, Dv) and
     each row's softmax max and sum (B, H, L); csrc/native.cpp: the backward's P = e^(s - max) / sum).
     The backward's forward takes the tiled kernel always (run_forward)."""
-    out, row_max, row_sum = _kernel().forward(*inputs.tensors(), *inputs.terms(with_sinks=True), for_backward)
+    out, row_max, row_sum = _kernel().forward(*inputs.tensors(), inputs.terms(), for_backward)
     return inputs.output(out), (out, row_max, row_sum)
 
 
@@ -279,8 +279,7 @@ class _Native(torch.autograd.Function):
         inputs = _Inputs(q, k, v, contract)
         grad4 = _at_least_one_column(inputs.as_rows(grad_out, inputs.lead))  # (B, H, L, Dv)
         delta = (grad4.to(row_max.dtype) * out.to(row_max.dtype)).sum(-1)  # rowsum(dO * O): (B, H, L)
-        dq, dk, dv, d_slopes = _kernel().backward(*inputs.tensors(), grad4, row_max, row_sum, delta,
-                                                  *inputs.terms(with_sinks=False))
+        dq, dk, dv, d_slopes = _kernel().backward(*inputs.tensors(), grad4, row_max, row_sum, delta, inputs.terms())
         grads = [unflat(g.flatten(0, 1)[..., :x.shape[-1]], x, lead) for g, x, lead in  # padded head dims dropped
                  zip((dq, dk, dv), (q, k, v), (inputs.lead, inputs.kv_lead, inputs.kv_lead))]
         d_slopes = None if contract.alibi_slopes is None else d_slopes.to(contract.alibi_slopes.dtype)
@@ -328,24 +327,41 @@ class _Inputs:
     def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
         return self.q, self.k, self.v
 
-    def terms(self, *, with_sinks: bool) -> tuple:
-        """The contract as the kernel's arguments: scale, softcap, band, positions, padding, mask, slopes (and sinks)."""
-        c, acc = self.contract, (torch.float64 if self.dtype == torch.float64 else torch.float32)
-        band = c.band
-        left = _UNBOUNDED if band is None or band.left is None else band.left
-        right = _UNBOUNDED if band is None or band.right is None else band.right
-        q_pos = k_pos = key_valid = mask = None
-        if c.positions is not None:
-            q_pos, k_pos = (p.to(torch.int64).contiguous() for p in c.positions)
-        if c.key_valid is not None:
-            key_valid = c.key_valid.contiguous()  # bool (the contract's)
-        if c.mask is not None:
-            mask = c.mask if c.mask.dtype == torch.bool else c.mask.to(acc)
-            mask = _mask_view(mask, self.lead, self.L, self.S)
-        per_head = [None if x is None else x.to(acc).contiguous() for x in (c.alibi_slopes, c.sinks)]
-        terms = (c.scale_for(self.D), c.softcap or 0.0, band is not None, left, right, c.offset,
-                 q_pos, k_pos, key_valid, mask, per_head[0])
-        return (*terms, per_head[1]) if with_sinks else terms
+    def terms(self):
+        """The contract as the kernel takes it (_terms), the mask broadcast to (B, H, L, S) as a view."""
+        mask = None if self.contract.mask is None else _mask_view(
+            self.contract.mask if self.contract.mask.dtype == torch.bool else self.contract.mask.to(_acc(self.dtype)),
+            self.lead, self.L, self.S)
+        return _terms(self.contract, self.D, self.dtype, mask=mask)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype: float64 for float64, float32 for the rest."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _terms(contract: Contract, D: int, dtype: torch.dtype, *, mask: Tensor | None = None):
+    """The contract as the kernel's one terms value (csrc/native.cpp's TermArgs), for queries of head dim
+    D and ``dtype``: the only place its fields are read for C++. mask: the contract's, as the kernel
+    reads it (expanded to (B, H, L, S)); positions and padding as int64 and bool, per-head terms in
+    the accumulation dtype, contiguous."""
+    c, acc, terms = contract, _acc(dtype), _kernel().Terms()
+    terms.scale, terms.softcap = c.scale_for(D), c.softcap or 0.0
+    if c.band is not None:
+        terms.has_band = True
+        terms.left = _UNBOUNDED if c.band.left is None else c.band.left
+        terms.right = _UNBOUNDED if c.band.right is None else c.band.right
+    terms.offset = c.offset
+    if c.positions is not None:
+        terms.q_pos, terms.k_pos = (p.to(torch.int64).contiguous() for p in c.positions)
+    if c.key_valid is not None:
+        terms.key_valid = c.key_valid.contiguous()  # bool (the contract's)
+    terms.mask = mask
+    if c.alibi_slopes is not None:
+        terms.slopes = c.alibi_slopes.detach().to(device="cpu", dtype=acc).contiguous()
+    if c.sinks is not None:
+        terms.sinks = c.sinks.detach().to(device="cpu", dtype=acc).contiguous()
+    return terms
 
 
 def _at_least_one_column(x: Tensor) -> Tensor:
@@ -369,8 +385,7 @@ def _batch_heads(lead: tuple[int, ...]) -> tuple[int, int]:
 
 
 def paged_attention_native(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
-                           seqlens_k: Tensor, *, band, scale: float, softcap: float | None,
-                           alibi_slopes: Tensor | None, sinks: Tensor | None, k_scales: Tensor | None = None,
+                           seqlens_k: Tensor, contract: Contract, *, k_scales: Tensor | None = None,
                            v_scales: Tensor | None = None) -> Tensor:
     """Attention of packed query rows over KV-cache pages read where they lie (forward only).
 
@@ -378,11 +393,11 @@ def paged_attention_native(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     k_pages (N, Hkv, P, D), v_pages (N, Hkv, P, Dv): the pool; block_table (B, M) int32/int64: key j
     of sequence b is in page block_table[b, j // P], slot j % P (entries past its used pages may be
     anything, -1); seqlens_k (B,): its S_b >= L_b keys. Query r of sequence b sits at position
-    S_b - L_b + r (bottom-right), key j at j. band: mha.positions.Band or None; scale: the resolved
-    factor; softcap: float or None; alibi_slopes, sinks: (H,) or None. Query head h reads kv head
-    h // (H / Hkv). Returns (Tq, H, Dv) in q's dtype; a row that sees no key gives zeros. 8-bit pools
-    (int8 k_pages and v_pages, mha.kernels.quantize): k_scales, v_scales (N, Hkv, P), each slot's
-    row read and multiplied by its scale as it is converted (no dequantized copy).
+    S_b - L_b + r (bottom-right), key j at j. contract: the band, ALiBi slopes, scale, softcap and
+    sinks (the positions come from the pages: no positions, padding or mask). Query head h reads kv
+    head h // (H / Hkv). Returns (Tq, H, Dv) in q's dtype; a row that sees no key gives zeros. 8-bit
+    pools (int8 k_pages and v_pages, mha.kernels.quantize): k_scales, v_scales (N, Hkv, P), each
+    slot's row read and multiplied by its scale as it is converted (no dequantized copy).
 
     The caller validates the arguments (mha.kernels.paged); the kernel still checks every index it
     reads (a page outside the pool, S_b beyond the table's pages, L_b > S_b: RuntimeError). No
@@ -391,17 +406,11 @@ def paged_attention_native(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("the native kernel is not built here (see the mha.dispatch log)")
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    left = _UNBOUNDED if band is None or band.left is None else band.left
-    right = _UNBOUNDED if band is None or band.right is None else band.right
-    slopes, sink_logits = (None if x is None else x.detach().to(device="cpu", dtype=acc).contiguous()
-                           for x in (alibi_slopes, sinks))
     k_pages, v_pages = (x if _slots_readable(x) else x.contiguous() for x in (k_pages, v_pages))
     if k_scales is not None:  # one layout for both, as the kernel reads them
-        k_scales, v_scales = (x.detach().to(acc).contiguous() for x in (k_scales, v_scales))
+        k_scales, v_scales = (x.detach().to(_acc(q.dtype)).contiguous() for x in (k_scales, v_scales))
     out, _, _ = kernel.paged_forward(q.detach().contiguous(), k_pages.detach(), v_pages.detach(), block_table,
-                                     cu_seqlens_q, seqlens_k, float(scale), float(softcap or 0.0), band is not None,
-                                     left, right, slopes, sink_logits, k_scales, v_scales)
+                                     cu_seqlens_q, seqlens_k, _terms(contract, q.shape[-1], q.dtype), k_scales, v_scales)
     return out
 
 

@@ -26,12 +26,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import _checks, positions
-from .contract import Contract
+from .. import _checks
+from .contract import Contract, from_keywords
 
-__all__ = ["batch_paged_attention", "paged_attention"]
-
-_PER_HEAD = "(num_heads,): one value per query head (dim 1 of q)"
+__all__ = ["attend_pages", "batch_paged_attention", "paged_attention"]
 
 
 def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
@@ -48,35 +46,43 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
     Returns (Tq, H, Dv) in q's dtype. backend: "auto", "native" or "math". int8 pages take their
     scales, k_scales and v_scales (N, Hkv, P) floating (mha.kernels.quantize.quantize_int8's).
     """
+    _checks.rank("q", _checks.floating("q", q), (3,), "(total query rows, heads, head dim)")  # (its heads: below)
+    contract = from_keywords(q, q.shape[1], is_causal=is_causal, window=window, alibi_slopes=alibi_slopes, scale=scale,
+                             softcap=softcap, sinks=sinks, head_dim="1", query="q")
+    return attend_pages(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k, contract, k_scales=k_scales,
+                        v_scales=v_scales, backend=backend)
+
+
+def attend_pages(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
+                 seqlens_k: Tensor, contract: Contract, *, k_scales: Tensor | None = None, v_scales: Tensor | None = None,
+                 backend: str = "auto") -> Tensor:
+    """paged_attention under a contract (the band, ALiBi, scale, softcap and sinks: its per-sequence
+    terms; the positions come from the pages), every other argument as paged_attention's. What the
+    entry points that hold a contract already call (the caches, the integrations)."""
     from . import dispatch  # the dispatch imports the backends; this module only checks and asks it
 
     _check_scales(q, k_pages, v_pages, k_scales, v_scales)
     table, lengths_q, lengths_k = _check(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k)
-    H = q.shape[1]
-    terms = Contract(band=positions.band(is_causal, window),
-                     alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, H, q, _PER_HEAD),
-                     scale=_checks.optional_finite_real("scale", scale),
-                     softcap=_checks.optional_positive_real("softcap", softcap),
-                     sinks=_checks.per_head("sinks", sinks, H, q, _PER_HEAD))
-    for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("alibi_slopes", alibi_slopes),
-                    ("sinks", sinks)):
+    for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("alibi_slopes", contract.alibi_slopes),
+                    ("sinks", contract.sinks)):
         if torch.is_grad_enabled() and x is not None and x.requires_grad:
             raise ValueError(f"paged_attention is for inference: {name} requires grad; call it under "
                              "torch.no_grad() or torch.inference_mode() (training runs on the other paths)")
-    return dispatch.paged_attention(q, k_pages, v_pages, table, lengths_q, lengths_k, terms, backend=backend,
+    return dispatch.paged_attention(q, k_pages, v_pages, table, lengths_q, lengths_k, contract, backend=backend,
                                     k_scales=k_scales, v_scales=v_scales)
 
 
-def batch_paged_attention(q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
-    """paged_attention over a batch whose sequences share one length: q (B, H, L, D), k (B, Hkv, S, D)
+def batch_paged_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, k_scales: Tensor | None = None,
+                          v_scales: Tensor | None = None, backend: str = "auto") -> Tensor:
+    """attend_pages over a batch whose sequences share one length: q (B, H, L, D), k (B, Hkv, S, D)
     and v (B, Hkv, S, Dv) (or int8, with k_scales and v_scales (B, Hkv, S)), each sequence's keys one
-    page of S slots, read in place; its rows bottom-right. Returns (B, H, L, Dv). ``options``:
-    paged_attention's (is_causal, window, ..., backend)."""
+    page of S slots, read in place; its rows bottom-right. Returns (B, H, L, Dv)."""
     B, H, L = q.shape[:3]
     S = k.shape[2]
     rows = q.transpose(1, 2).reshape(B * L, H, q.shape[3])  # (B, H, L, D) -> (B, L, H, D) -> (B*L, H, D)
     pages = torch.arange(B)[:, None]  # (B, 1): sequence b's keys are page b
-    out = paged_attention(rows, k, v, pages, torch.arange(B + 1) * L, torch.full((B,), S), **options)
+    out = attend_pages(rows, k, v, pages, torch.arange(B + 1) * L, torch.full((B,), S), contract, k_scales=k_scales,
+                       v_scales=v_scales, backend=backend)
     return out.view(B, L, H, -1).transpose(1, 2)  # (B*L, H, Dv) -> (B, L, H, Dv) -> (B, H, L, Dv)
 
 

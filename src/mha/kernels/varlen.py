@@ -18,12 +18,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks, positions
-from .contract import Contract
+from .contract import from_keywords
 from .dispatch import attention
 
 __all__ = ["from_nested", "packed_qkv", "to_nested", "varlen_attention"]
-
-_PER_HEAD = "(num_heads,): one value per query head (dim 1 of q)"
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
@@ -58,12 +56,9 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     _checks.shared_heads(q.shape[1], "k", k.shape[1], dim=1)
     q_pos, k_pos, band = _packed(tuple(lengths_q.tolist()), tuple(lengths_k.tolist()),
                                  positions.band(is_causal, window), q.device)
-    contract = Contract(band=band, positions=(q_pos, k_pos),
-                        alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, q.shape[1], q, _PER_HEAD),
-                        scale=_checks.optional_finite_real("scale", scale),
-                        softcap=_checks.optional_positive_real("softcap", softcap),
-                        sinks=_checks.per_head("sinks", sinks, q.shape[1], q, _PER_HEAD),
-                        score_mod=score_mod, mask_mod=mask_mod)
+    contract = from_keywords(q, q.shape[1], band=band, alibi_slopes=alibi_slopes, scale=scale, softcap=softcap,
+                             sinks=sinks, head_dim="1", query="q", positions=(q_pos, k_pos), score_mod=score_mod,
+                             mask_mod=mask_mod)  # the packing's band: within each sequence
     rows = [x.transpose(0, 1)[None] for x in (q, k, v)]  # (T, H, D) -> (1, H, T, D)
     out, _ = attention(*rows, contract, backend=backend)
     return out[0].transpose(0, 1)  # (1, H, Tq, Dv) -> (Tq, H, Dv)

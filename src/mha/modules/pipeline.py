@@ -232,8 +232,8 @@ def attend_quantized(q: Tensor, k: Tensor, v: Tensor, cache, *, rope, window, al
         where = cache.next_positions(B, L, q.device)[..., None, :]  # (1, 1, L) over the heads
         q, k = rope(q, where), rope(k, where)
     k8, v8, k_scales, v_scales = cache.update_quantized(k, v)  # (B, Hkv, S, D|Dv) int8, (B, Hkv, S)
-    out = batch_paged_attention(q, k8, v8, is_causal=is_causal, window=window, alibi_slopes=alibi_slopes,
-                                softcap=softcap, sinks=sinks, k_scales=k_scales, v_scales=v_scales, backend=backend)
+    contract = contract_of(band=positions.band(is_causal, window), alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
+    out = batch_paged_attention(q, k8, v8, contract, k_scales=k_scales, v_scales=v_scales, backend=backend)
     return out, None
 
 

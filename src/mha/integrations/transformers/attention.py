@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ... import _checks, kernels, masks
-from ...kernels.contract import contract_of
+from ...kernels.contract import from_keywords
 from ...positions import CAUSAL
 from . import compat
 from .int8_cache import int8_attention
@@ -47,10 +47,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                               dropout=dropout, position_bias=position_bias, output_attentions=need_weights)
     _check_qkv(query, key, value)
     B, H, L, S = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
-    contract = contract_of(
-        **_mask_terms(attention_mask, position_bias, module, is_causal, B=B, H=H, L=L, S=S, like=query),
-        scale=_checks.optional_finite_real("scaling", scaling), softcap=_checks.optional_positive_real("softcap", softcap),
-        sinks=_checks.per_head("s_aux", s_aux, H, query, "(num_heads,): one sink logit per query head"))
+    contract = from_keywords(query, H, scale=scaling, softcap=softcap, sinks=s_aux, head_dim="1",
+                             names={"scale": "scaling", "sinks": "s_aux"},
+                             **_mask_terms(attention_mask, position_bias, module, is_causal, B=B, H=H, L=L, S=S, like=query))
     dropout_p = _checks.probability("dropout", dropout) if module.training else 0.0
     out, weights = kernels.attention(query, key, value, contract, dropout_p=dropout_p, need_weights=need_weights)
     return out.transpose(1, 2).contiguous(), weights  # (B, H, L, Dv) -> (B, L, H, Dv)

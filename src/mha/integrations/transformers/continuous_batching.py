@@ -12,7 +12,8 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ... import kernels
+from ...kernels.contract import from_keywords
+from ...kernels.paged import attend_pages
 from . import compat
 
 __all__ = ["CONTINUOUS_BATCHING_NAME", "ContinuousBatching", "continuous_batching_forward", "enable_continuous_batching"]
@@ -103,11 +104,11 @@ def continuous_batching_forward(module: torch.nn.Module, query: Tensor, key: Ten
     if kwargs.get("output_attentions"):
         raise ValueError("continuous batching returns no attention weights (output_attentions)")
     k_pages, v_pages, table, lengths_k = _sequence_keys(cache, module.layer_idx, key, value, kwargs)
-    window = None if sliding_window is None else (sliding_window - 1, 0)
-    sinks = None if s_aux is None else s_aux.to(query.dtype)
     q = query[0].transpose(0, 1)  # (1, H, T, D) -> (T, H, D)
-    out = kernels.paged_attention(q, k_pages, v_pages, table, kwargs["cu_seq_lens_q"], lengths_k,
-                                  window=window, alibi_slopes=None, softcap=softcap, sinks=sinks, scale=scaling)
+    contract = from_keywords(q, q.shape[1], is_causal=True, softcap=softcap, scale=scaling, head_dim="1",
+                             window=None if sliding_window is None else (sliding_window - 1, 0),
+                             sinks=None if s_aux is None else s_aux.to(query.dtype), names={"scale": "scaling", "sinks": "s_aux"})
+    out = attend_pages(q, k_pages, v_pages, table, kwargs["cu_seq_lens_q"], lengths_k, contract)
     return out[None], None  # (T, H, Dv) -> (1, T, H, Dv)
 
 

@@ -13,6 +13,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ... import _checks
+from ...kernels.contract import from_keywords
 from ...kernels.paged import batch_paged_attention
 from ...kernels.quantize import quantize_int8
 from ...positions import CAUSAL, Band
@@ -84,12 +85,9 @@ def int8_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_
     if k8.shape[0] != B or k8.shape[-1] != query.shape[-1] or v8.shape[:3] != k8.shape[:3]:
         raise ValueError(f"key {tuple(k8.shape)} and value {tuple(v8.shape)} (without their scales) do not fit "
                          f"query {tuple(query.shape)}")
-    band = _int8_band(attention_mask, module, L=L, S=S)
-    window = None if band is None else tuple(-1 if side is None else side for side in (band.left, band.right))
-    out = batch_paged_attention(
-        query, k8, v8, is_causal=False, window=window, scale=_checks.optional_finite_real("scaling", scaling),
-        softcap=_checks.optional_positive_real("softcap", softcap), k_scales=k_scales, v_scales=v_scales,
-        sinks=_checks.per_head("s_aux", s_aux, H, query, "(num_heads,): one sink logit per query head"))
+    contract = from_keywords(query, H, band=_int8_band(attention_mask, module, L=L, S=S), scale=scaling, softcap=softcap,
+                             sinks=s_aux, head_dim="1", names={"scale": "scaling", "sinks": "s_aux"})
+    out = batch_paged_attention(query, k8, v8, contract, k_scales=k_scales, v_scales=v_scales)
     return out.transpose(1, 2).contiguous(), None  # (B, H, L, Dv) -> (B, L, H, Dv)
 
 

@@ -1,7 +1,7 @@
 // mha's native attention kernel: exact attention under the whole contract (mha.kernels.Contract),
 // in tiles, with float32 accumulation (float64 for float64), forward and backward.
 //
-//   forward(q, k, v, terms)                                -> out (B, H, L, Dv), row max, row sum (B, H, L)
+//   forward(q, k, v, terms, for_backward)                  -> out (B, H, L, Dv), row max, row sum (B, H, L)
 //   backward(q, k, v, dout, row max, row sum, delta, terms) -> dq, dk, dv, d_slopes
 //   paged_forward(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k, terms)
 //                                                          -> out (Tq, H, Dv), row max, row sum (Tq, H)
@@ -1727,23 +1727,35 @@ void paged_kernel(const PagedCall& call, const Terms<acc_t>& terms, int64_t B, c
   });
 }
 
-// ---- the Python-facing functions -------------------------------------------------------------------
+// ---- the Python-facing functions: each takes the contract as one TermArgs -----------------------------
 
 using Optional = std::optional<Tensor>;
 
+// The contract as Python hands it over, one value for every entry point (mha.kernels.native._terms
+// builds it once per call from a mha.kernels.Contract): the scale and softcap (0: none), the band's
+// two bounds (kUnbounded: none on that side) and the offset of the default positions, or positions
+// per sequence (B|1, L) and (B|1, S) int64; key padding (B|1, S) bool; a mask expanded to (B, H, L,
+// S) (bool True = attend, or additive in the accumulation dtype); ALiBi slopes and sinks (H,) in
+// the accumulation dtype. terms_of reads it into the kernels' Terms.
+struct TermArgs {
+  double scale = 1, softcap = 0;
+  bool has_band = false;
+  int64_t left = kUnbounded, right = kUnbounded, offset = 0;
+  Optional q_pos, k_pos, key_valid, mask, slopes, sinks;
+};
+
 template <typename acc_t>
-Terms<acc_t> terms_of(double scale, double softcap, bool has_band, int64_t left, int64_t right, int64_t offset,
-                      const Optional& q_pos_, const Optional& k_pos_, const Optional& key_valid_,
-                      const Optional& mask_, const Optional& slopes, const Optional& sinks) {
+Terms<acc_t> terms_of(const TermArgs& a, bool with_sinks = true) {
   Terms<acc_t> t;
-  t.scale = static_cast<acc_t>(scale);
-  t.softcap = static_cast<acc_t>(softcap);
-  t.has_band = has_band;
-  t.left = left;
-  t.right = right;
-  t.offset = offset;
-  if (q_pos_) {
-    const Tensor &q_pos = *q_pos_, &k_pos = *k_pos_;
+  t.scale = static_cast<acc_t>(a.scale);
+  t.softcap = static_cast<acc_t>(a.softcap);
+  t.has_band = a.has_band;
+  t.left = a.left;
+  t.right = a.right;
+  t.offset = a.offset;
+  if (a.q_pos) {
+    TORCH_CHECK(a.k_pos.has_value(), "mha native: positions come as a pair (queries', keys')");
+    const Tensor &q_pos = *a.q_pos, &k_pos = *a.k_pos;
     TORCH_CHECK(q_pos.dim() == 2 && k_pos.dim() == 2 && q_pos.stride(1) == 1 && k_pos.stride(1) == 1,
                 "mha native: positions must be (B|1, length) with unit row stride");
     t.q_pos = q_pos.data_ptr<int64_t>(); t.q_pos_b = q_pos.size(0) == 1 ? 0 : q_pos.stride(0);
@@ -1751,18 +1763,18 @@ Terms<acc_t> terms_of(double scale, double softcap, bool has_band, int64_t left,
     for (int64_t b = 0; b < k_pos.size(0) && t.k_sorted; ++b)
       t.k_sorted = std::is_sorted(t.k_pos + b * k_pos.stride(0), t.k_pos + b * k_pos.stride(0) + k_pos.size(1));
   }
-  if (key_valid_) {
-    const Tensor& key_valid = *key_valid_;
+  if (a.key_valid) {
+    const Tensor& key_valid = *a.key_valid;
     t.key_valid = key_valid.data_ptr<bool>(); t.key_valid_b = key_valid.size(0) == 1 ? 0 : key_valid.stride(0);
   }
-  if (mask_) {  // expanded to (B, H, L, S): broadcast dims have stride 0
-    const Tensor& mask = *mask_;
+  if (a.mask) {  // expanded to (B, H, L, S): broadcast dims have stride 0
+    const Tensor& mask = *a.mask;
     if (mask.scalar_type() == at::kBool) t.bool_mask = mask.data_ptr<bool>();
     else t.mask = mask.data_ptr<acc_t>();
     t.mb = mask.stride(0); t.mh = mask.stride(1); t.ml = mask.stride(2); t.ms = mask.stride(3);
   }
-  if (slopes) t.slopes = slopes->data_ptr<acc_t>();
-  if (sinks) t.sinks = sinks->data_ptr<acc_t>();
+  if (a.slopes) t.slopes = a.slopes->data_ptr<acc_t>();
+  if (a.sinks && with_sinks) t.sinks = a.sinks->data_ptr<acc_t>();
   return t;
 }
 
@@ -1789,10 +1801,8 @@ Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, bool strided_k
   return sh;
 }
 
-std::vector<Tensor> forward(const Tensor& q, const Tensor& k_in, const Tensor& v_in, double scale, double softcap,
-                            bool has_band, int64_t left, int64_t right, int64_t offset, const Optional& q_pos,
-                            const Optional& k_pos, const Optional& key_valid, const Optional& mask,
-                            const Optional& slopes, const Optional& sinks, bool for_backward) {
+std::vector<Tensor> forward(const Tensor& q, const Tensor& k_in, const Tensor& v_in, const TermArgs& terms,
+                            bool for_backward) {
   // the decoding path reads k and v where they are; the tiled kernel packs them from contiguous ones
   const bool decode = q.dim() == 4 && k_in.dim() == 4 && k_in.size(1) > 0 && q.size(1) % k_in.size(1) == 0 &&
                       q.size(1) / k_in.size(1) * q.size(2) <= kDecodeRows && !for_backward;
@@ -1804,12 +1814,11 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k_in, const Tensor& v
   const auto stats_options = q.options().dtype(wide ? at::kDouble : at::kFloat);
   auto row_max = at::empty({sh.B, sh.H, sh.L}, stats_options), row_sum = at::empty({sh.B, sh.H, sh.L}, stats_options);
   if (sh.B * sh.H * sh.L == 0) return {out, row_max, row_sum};  // no rows: nothing to compute (and no row to take a band's range of)
-  if (sh.S == 0 && sinks == std::nullopt)  // rows that see nothing
+  if (sh.S == 0 && !terms.sinks)  // rows that see nothing
     return {out.zero_(), row_max.fill_(-std::numeric_limits<double>::infinity()), row_sum.zero_()};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_native_forward", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    const auto t = terms_of<acc_t>(scale, softcap, has_band, left, right, offset, q_pos, k_pos, key_valid, mask,
-                                   slopes, sinks);
+    const auto t = terms_of<acc_t>(terms);
     run_forward<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                                  out.data_ptr<scalar_t>(), {row_max.data_ptr<acc_t>(), row_sum.data_ptr<acc_t>()},
                                  for_backward);
@@ -1818,10 +1827,7 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k_in, const Tensor& v
 }
 
 std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout, const Tensor& row_max,
-                             const Tensor& row_sum, const Tensor& delta, double scale, double softcap, bool has_band,
-                             int64_t left, int64_t right, int64_t offset, const Optional& q_pos,
-                             const Optional& k_pos, const Optional& key_valid, const Optional& mask,
-                             const Optional& slopes) {
+                             const Tensor& row_sum, const Tensor& delta, const TermArgs& terms) {
   const Shape sh = shape_of(q, k, v);  // the forward's inputs, contiguous (mha.kernels.native saves them so)
   const int64_t threads = at::get_num_threads();
   const int64_t tasks = std::max<int64_t>(1, sh.B * sh.Hkv);  // split the keys when there are fewer (batch, kv head) tasks than threads
@@ -1834,8 +1840,7 @@ std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, 
   auto d_slopes_parts = at::zeros({sh.B, sh.Hkv, chunks, sh.G}, acc_options);
   if (sh.B * sh.H * sh.L > 0 && sh.S > 0) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_native_backward", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    const auto t = terms_of<acc_t>(scale, softcap, has_band, left, right, offset, q_pos, k_pos, key_valid, mask,
-                                   slopes, std::nullopt);
+    const auto t = terms_of<acc_t>(terms, /*with_sinks=*/false);  // the sinks' share is in row_sum already
     const RowStats<const acc_t> stats{row_max.data_ptr<acc_t>(), row_sum.data_ptr<acc_t>()};
     run_backward<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), k, v, dout.data_ptr<scalar_t>(), stats,
                                   delta.data_ptr<acc_t>(), dq_parts.data_ptr<acc_t>(), chunks, dkt, dvt,
@@ -1891,9 +1896,8 @@ std::tuple<int64_t, int64_t, int64_t> scale_strides(const Tensor& x, const Tenso
 
 std::vector<Tensor> paged_forward(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages,
                                   const Tensor& block_table_in, const Tensor& cu_seqlens_q_in,
-                                  const Tensor& seqlens_k_in, double scale, double softcap, bool has_band,
-                                  int64_t left, int64_t right, const Optional& slopes, const Optional& sinks,
-                                  const Optional& k_scales, const Optional& v_scales) {
+                                  const Tensor& seqlens_k_in, const TermArgs& terms, const Optional& k_scales,
+                                  const Optional& v_scales) {
   TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.dim() == 4,
               "mha paged: q must be (Tq, H, D), k_pages (N, Hkv, P, D), v_pages (N, Hkv, P, Dv)");
   TORCH_CHECK(q.device().is_cpu() && k_pages.device().is_cpu() && v_pages.device().is_cpu(),
@@ -1938,7 +1942,9 @@ std::vector<Tensor> paged_forward(const Tensor& q, const Tensor& k_pages, const 
   }
   const bool wide = q.scalar_type() == at::kDouble;
   const auto acc_type = wide ? at::kDouble : at::kFloat;
-  for (const auto* term : {&slopes, &sinks})
+  TORCH_CHECK(!terms.q_pos && !terms.key_valid && !terms.mask && terms.offset == 0,
+              "mha paged: a sequence's positions come from its pages (bottom-right): no positions, padding, mask or offset");
+  for (const auto* term : {&terms.slopes, &terms.sinks})
     if (*term)
       TORCH_CHECK((*term)->device().is_cpu() && (*term)->scalar_type() == acc_type && (*term)->numel() == H &&
                       (*term)->is_contiguous(),
@@ -1959,8 +1965,7 @@ std::vector<Tensor> paged_forward(const Tensor& q, const Tensor& k_pages, const 
   const PagedCall call{H, Hkv, D, Dv, cu, seqlens, pages, M};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_paged_forward", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    const auto t = terms_of<acc_t>(scale, softcap, has_band, left, right, 0, std::nullopt, std::nullopt, std::nullopt,
-                                   std::nullopt, slopes, sinks);
+    const auto t = terms_of<acc_t>(terms);
     const RowStats<acc_t> stats{row_max.data_ptr<acc_t>(), row_sum.data_ptr<acc_t>()};
     if (quantized) {
       const PagedProducts<scalar_t, acc_t, int8_t> products(k_pages.data_ptr<int8_t>(), v_pages.data_ptr<int8_t>(), pool,
@@ -1980,9 +1985,8 @@ std::vector<Tensor> paged_forward(const Tensor& q, const Tensor& k_pages, const 
 // whether query i sees key j by its reach (Reach::holds, what a tile of keys out of order or with
 // ALiBi reads per key). left, right: kUnbounded for no bound on that side; default positions (query
 // i at i + offset, keys 0..S-1) or given ones, q_pos (1, L) and k_pos (1, S).
-std::vector<Tensor> key_intervals(int64_t left, int64_t right, int64_t offset, int64_t L, int64_t S,
-                                  const Optional& q_pos, const Optional& k_pos) {
-  const auto t = terms_of<float>(1.0, 0.0, true, left, right, offset, q_pos, k_pos, {}, {}, {}, {});
+std::vector<Tensor> key_intervals(const TermArgs& terms, int64_t L, int64_t S) {
+  const auto t = terms_of<float>(terms);
   Tensor first = at::empty({L}, at::kLong), stop = at::empty({L}, at::kLong), visible = at::empty({L, S}, at::kBool);
   int64_t *f = first.data_ptr<int64_t>(), *e = stop.data_ptr<int64_t>();
   bool* seen = visible.data_ptr<bool>();
@@ -2006,6 +2010,20 @@ std::string build_info() {
 }  // namespace mha_native
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<mha_native::TermArgs>(m, "Terms", "the contract as the kernel takes it (mha.kernels.native._terms)")
+      .def(pybind11::init<>())
+      .def_readwrite("scale", &mha_native::TermArgs::scale)
+      .def_readwrite("softcap", &mha_native::TermArgs::softcap)
+      .def_readwrite("has_band", &mha_native::TermArgs::has_band)
+      .def_readwrite("left", &mha_native::TermArgs::left)
+      .def_readwrite("right", &mha_native::TermArgs::right)
+      .def_readwrite("offset", &mha_native::TermArgs::offset)
+      .def_readwrite("q_pos", &mha_native::TermArgs::q_pos)
+      .def_readwrite("k_pos", &mha_native::TermArgs::k_pos)
+      .def_readwrite("key_valid", &mha_native::TermArgs::key_valid)
+      .def_readwrite("mask", &mha_native::TermArgs::mask)
+      .def_readwrite("slopes", &mha_native::TermArgs::slopes)
+      .def_readwrite("sinks", &mha_native::TermArgs::sinks);
   m.def("forward", &mha_native::forward, "attention forward: (out, row max, row sum)");
   m.def("backward", &mha_native::backward, "attention backward: (dq, dk, dv, d_slopes)");
   m.def("paged_forward", &mha_native::paged_forward,

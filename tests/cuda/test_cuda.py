@@ -389,7 +389,7 @@ def test_paged_attention_over_a_paged_cache(quantize, dtype):
     cu = torch.tensor([0, 1, 2])
     with torch.no_grad():
         got = kernels.paged_attention(q64.to(DEVICE, dtype), *cache.pages(0), cache.block_table([a, b]), cu,
-                                      cache.lengths([a, b]), window=(10, 0), **cache.page_scales(0))
+                                      cache.lengths([a, b]), window=(10, 0))
     for row, (start, n) in enumerate(((0, 19), (19, 7))):
         keys, values = (x[start:start + n].transpose(0, 1) for x in (k64, v64))  # (n, Hkv, D) -> (Hkv, n, D)
         want = sdpa(q64[row][:, None], keys, values, window=(10, 0), enable_gqa=True, backend="math")

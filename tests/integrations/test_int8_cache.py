@@ -13,6 +13,7 @@ hf = pytest.importorskip("mha.integrations.transformers")
 
 from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
 
+from mha.kernels import storage  # noqa: E402
 from mha.kernels.quantize import dequantize, quantize_int8  # noqa: E402
 
 hf.register()
@@ -81,9 +82,9 @@ def test_a_cache_cropped_and_reordered_keeps_rows_and_scales_together():
     layer.update(k, v)
     layer.crop(-2)
     layer.batch_select_indices(torch.tensor([1]))
-    rows, scales = hf.int8_cache._rows_and_scales("key", layer.keys)
+    rows, scales = storage.split(layer.keys)
     assert torch.equal(dequantize(rows, scales, torch.float32), dequantize(*quantize_int8(k[1:, :, :5]), torch.float32))
-    rows, scales = hf.int8_cache._rows_and_scales("value", layer.values)
+    rows, scales = storage.split(layer.values)
     assert rows.shape == (1, 2, 5, 8)
 
 
@@ -98,7 +99,7 @@ def test_refusals_name_what_is_wrong():
     module = model.model.layers[0].self_attn
     with raises_exactly(TypeError, "key is int8 (an Int8Cache's) but value is torch.float32: both come from the same cache"):
         hf.attention_forward(module, q, k8, torch.zeros(1, 2, 3, 16), None)
-    with pytest.raises(ValueError, match="as an Int8Cache stores them"):
+    with pytest.raises(ValueError, match=r"an Int8Cache keeps \(batch, kv heads, length, head_dim \+ 4\)"):
         hf.attention_forward(module, q, k8[..., :3], k8[..., :3], None)
     with pytest.raises(ValueError, match="no output_attentions"):
         hf.attention_forward(module, q, k8, k8, None, output_attentions=True)

@@ -210,6 +210,48 @@ def test_the_backward_splits_long_keys_among_few_tasks_into_whole_chunks(threads
         assert_close(got, want, chain=True, err_msg=f"d{name}")
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("S", [1025, 2100, 4097])
+def test_a_decoding_sink_joins_one_split_of_the_keys(threads, S):
+    """One decoding row per head over long keys of one (batch, kv head) task: the keys are split into
+    min(ceil(2 threads / tasks), ceil(S / 1024)) ranges merged by log-sum-exp (native.cpp's
+    decode_kernel), and each head's sink joins the first range only: equal to float64 math."""
+    g = torch.Generator().manual_seed(S)
+    q = torch.randn(1, 4, 1, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 1, S, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    contract = Contract(band=CAUSAL, offset=S - 1, sinks=torch.randn(4, generator=g, dtype=torch.float64) + 5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = native.native_attention(q, k, v, contract)
+    finally:
+        torch.set_num_threads(before)
+    want, _ = mha.kernels.attention(q, k, v, contract, backend="math")
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("L", [1, 40])
+@pytest.mark.parametrize("band", [Band(30, 0), Band(100, 20), Band(0, 0)], ids=repr)
+def test_a_band_over_key_positions_out_of_order_tests_every_key(L, band):
+    """Given key positions that are not sorted (keys shuffled across tiles): no key interval by
+    binary search, no tile skipped or taken whole by its ends; each key's own distance decides.
+    Equal to float64 math, forward and gradients, one sequence sorted and one not."""
+    B, H, S, D = 2, 2, 700, 8
+    g = torch.Generator().manual_seed(L)
+    k_pos = torch.stack([torch.arange(S), torch.randperm(S, generator=g)])  # (B, S): sorted, then shuffled
+    q_pos = torch.randint(0, S, (B, L), generator=g)
+    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64, requires_grad=True) for n in (L, S, S))
+    contract = Contract(band=band, positions=(q_pos, k_pos))
+    got = native.native_attention(q, k, v, contract)
+    want, _ = mha.kernels.attention(q, k, v, contract, backend="math")
+    assert_close(got, want)
+    grad_out = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    ours = torch.autograd.grad(got, (q, k, v), grad_out)
+    theirs = torch.autograd.grad(want, (q, k, v), grad_out)
+    for a, b, name in zip(ours, theirs, "qkv"):
+        assert_close(a, b, chain=True, err_msg=f"d{name}")
+
+
 def _errors(dtype, shape, contract, backend):
     """(output error, largest gradient error) of ``backend`` in ``dtype`` against float64."""
     B, H, Hkv, L, S, D = shape

@@ -312,6 +312,19 @@ def test_the_key_names_the_kernels_source(monkeypatch):
         tuning._fixed_key.cache_clear()
 
 
+def test_the_source_digest_follows_the_kernels_text_not_its_path(tmp_path, monkeypatch):
+    """The same text elsewhere hashes the same; one changed byte hashes differently."""
+    native = mha.kernels.native
+    before = native.source_digest()
+    copy = tmp_path / "elsewhere.cpp"
+    copy.write_bytes(native._SOURCE.read_bytes())
+    monkeypatch.setattr(native, "_SOURCE", copy)
+    digest = native.source_digest.__wrapped__  # (the cached one is read once per process)
+    assert digest() == before
+    copy.write_bytes(copy.read_bytes() + b"\n")
+    assert digest() != before
+
+
 def test_the_key_and_the_table_are_per_thread_count(cache, monkeypatch):
     """The crossovers depend on the threads (2 threads share the keys' work, 1 does not): the key
     names torch's thread count, and a table measured at 2 threads is not read at 1."""

@@ -128,7 +128,7 @@ def test_paged_attention_is_observed_per_sequence(quantize):
     cache.write(0, slots, torch.randn(9, 1, 8, generator=g), torch.randn(9, 1, 8, generator=g))
     q = torch.randn(2, 2, 8, generator=g)  # one new row per sequence (its last key)
     call = lambda: kernels.paged_attention(q, *cache.pages(0), cache.block_table([a, b]), torch.tensor([0, 1, 2]),  # noqa: E731
-                                           cache.lengths([a, b]), **cache.page_scales(0))
+                                           cache.lengths([a, b]))
     out, seen = _watched(call)
     assert [w.shape for *_, w in seen] == [(2, 1, 6), (2, 1, 3)]
     for row, (rows, keys, _values, contract, o, w) in enumerate(seen):

@@ -362,3 +362,57 @@ def test_a_rolling_cache_counts_what_it_dropped_in_int64():
     assert cache.size == 3 and cache.lengths.tolist() == [6] and cache.lengths.dtype == torch.long
     positions = cache.next_positions(1, 2, "cpu")
     assert positions.tolist() == [[6, 7]] and positions.dtype == torch.long
+
+
+@pytest.mark.parametrize("kind", [dict(), dict(max_length=16), dict(quantize="int8"), dict(max_length=16, quantize="int8"),
+                                  dict(window=6)], ids=["growing", "preallocated", "int8", "int8 preallocated", "rolling"])
+@pytest.mark.parametrize("padded", [False, True], ids=["uniform", "padded"])
+def test_a_selected_cache_decodes_the_sequences_it_kept(kind, padded):
+    """select([2, 0, 0]) after a prefill of three sequences: the next steps equal a cache that only
+    ever held those (sequence 0 twice: beam search's copies), every kind of cache."""
+    if padded and (kind.get("quantize") or kind.get("window")):
+        pytest.skip("an 8-bit or a rolling cache takes sequences of one length")
+    m = _module(**VARIANTS["everything"] if "window" in kind else VARIANTS["rope"])
+    g = torch.Generator().manual_seed(5)
+    x, steps = torch.randn(3, 5, E, generator=g), torch.randn(3, 3, 1, E, generator=g)
+    padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] * 4 + [True]]) if padded else None
+    order = [2, 0, 0]
+    selected, alone = mha.KVCache(**kind), mha.KVCache(**kind)
+    with torch.no_grad():
+        m(x, x, x, key_padding_mask=padding, is_causal=True, cache=selected)
+        selected.select(order)
+        m(x[order], x[order], x[order], key_padding_mask=None if padding is None else padding[order], is_causal=True,
+          cache=alone)
+        for t in range(3):
+            token = steps[t][order]
+            assert_close(m(token, token, token, is_causal=True, cache=selected),
+                         m(token, token, token, is_causal=True, cache=alone), chain=True)
+    if padded:
+        assert selected.lengths.tolist() == [7, 8, 8]  # 4 + 3 steps, 5 + 3
+
+
+def test_select_refuses_what_is_not_a_list_of_sequences():
+    cache = mha.KVCache()
+    cache.update(torch.zeros(2, 1, 3, D), torch.zeros(2, 1, 3, D), None)
+    for bad in ([2], [[0, 1]], [0.5], [True, False]):
+        with pytest.raises(ValueError, match=r"indices must be a 1-D list of sequences of the batch \(0..1\)"):
+            cache.select(bad)
+    cache.select([])
+    assert cache.keys.shape[0] == 0
+
+
+def test_the_scales_apart_are_deprecated_and_still_given():
+    cache = mha.KVCache(quantize="int8")
+    keys, values = torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 4)
+    with pytest.warns(DeprecationWarning, match="update_quantized is deprecated"):
+        k8, v8, k_scales, v_scales = cache.update_quantized(keys, values)
+    rows, scales = mha.kernels.quantize.quantize_int8(values)
+    assert torch.equal(v8, rows) and torch.equal(v_scales, scales) and k8.shape == (2, 2, 3, 8)
+    for name in ("key_scales", "value_scales"):
+        with pytest.warns(DeprecationWarning, match=f"KVCache.{name} is deprecated"):
+            assert getattr(cache, name).shape == (2, 2, 3)
+    paged = mha.PagedKVCache(num_blocks=2, block_size=4, num_kv_heads=2, head_dim=8, quantize="int8")
+    with pytest.warns(DeprecationWarning, match="page_scales is deprecated"):
+        assert paged.page_scales(0) == {}
+    with pytest.warns(DeprecationWarning, match="PagedKVCache.value_scales is deprecated"):
+        assert [s.shape for s in paged.value_scales] == [(2, 2, 4)]

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 import mha
-from mha.kernels import paged_attention
-from mha.kernels.quantize import dequantize
+from mha.kernels import paged_attention, storage
 
 
 def _cache(**options):
@@ -120,6 +119,35 @@ def test_fork_shares_and_copies_a_shared_partial_block_on_write():
     for layer in range(2):
         torch.testing.assert_close(_keys(cache, child, layer)[:6], first[layer][0])  # the copy kept every layer
         torch.testing.assert_close(_keys(cache, a, layer), first[layer][0])  # the parent unchanged
+
+
+def test_crop_frees_the_blocks_past_the_kept_tokens_and_rewrites_the_last_one_safely():
+    """crop(seq, 6) of 10 tokens: the third block returns to the pool, the second (partial now) is
+    written anew without touching a sequence that shares it or offering stale keys to a new prompt."""
+    cache = _cache()
+    prompt = list(range(100, 110))
+    a, _ = cache.add(prompt)
+    first = _fill(cache, cache.reserve([a], [10], tokens=[prompt]))
+    cache.crop(a, 6)
+    assert cache.lengths([a]).tolist() == [6] and cache.free_blocks == 8 - 2
+    assert cache.block_table([a]).shape == (1, 2)
+    torch.testing.assert_close(_keys(cache, a), first[0][0][:6])
+    _fill(cache, cache.reserve([a], [2], tokens=[[7, 7]]), seed=3)  # block 2 (tokens 4..7) written anew
+    b, cached = cache.add(prompt)  # its block 2 no longer holds prompt[4:8]: only block 1 is shared
+    assert cached == 4
+    c = cache.fork(a)  # a shared partial block: a crop of one, then a write, copies it
+    cache.crop(c, 5)
+    before = _keys(cache, a).clone()
+    _fill(cache, cache.reserve([c], [1]), seed=4)
+    assert cache.block_table([c])[0, 1] != cache.block_table([a])[0, 1]
+    torch.testing.assert_close(_keys(cache, a), before)
+    torch.testing.assert_close(_keys(cache, c)[:5], before[:5])
+    cache.crop(c, 0)
+    assert cache.lengths([c]).tolist() == [0] and cache.block_table([c]).shape == (1, 0)
+    with pytest.raises(ValueError, match="length must be between 0 and the sequence's 8 tokens, got 9"):
+        cache.crop(a, 9)
+    with pytest.raises(TypeError, match="length must be an int"):
+        cache.crop(a, 2.0)
 
 
 @pytest.mark.parametrize(("call", "error", "message"), [
@@ -247,7 +275,7 @@ def test_a_paged_step_refuses_weights_and_more_layers_than_it_has():
     paged = mha.PagedKVCache(num_blocks=4, block_size=2, num_kv_heads=2, head_dim=4)
     a, _ = paged.add()
     x = torch.randn(1, 2, 8)
-    with pytest.raises(ValueError, match="returns no weights"):
+    with pytest.raises(ValueError, match="serves inference: no weights"):
         m.forward_with_weights(x, x, x, is_causal=True, cache=paged.step([a], [2]))
     other = mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, rope=mha.RotaryEmbedding(4)).eval()
     with torch.no_grad(), pytest.raises(ValueError, match="this PagedKVCache has 1 layers, all taken"):
@@ -257,6 +285,35 @@ def test_a_paged_step_refuses_weights_and_more_layers_than_it_has():
 
 
 @torch.no_grad()
+def _kept(cache, seq_id, layer=0):
+    """(keys (S, Hkv, D), values (S, Hkv, Dv)) float64 of a sequence, read from its pages as kept."""
+    P, S = cache.block_size, int(cache.lengths([seq_id])[0])
+    slots = torch.arange(S)
+    pages = cache.block_table([seq_id])[0].long()[slots // P]
+    return tuple(storage.load(pool[pages, :, slots % P], torch.float64) for pool in cache.pages(layer))
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_a_paged_cache_keeps_what_it_was_given_and_a_copy_keeps_all_of_it(quantize):
+    """Each row read back from the pages is the row written (int8: within half a level of it, its
+    own scale: keys and values of different widths and ranges), and the copy a shared partial page
+    gets before a write holds that page's keys and values, scales and all."""
+    cache = mha.PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8, value_dim=4, quantize=quantize)
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(6, 2, 8, generator=g) * 30, torch.randn(6, 2, 4, generator=g) / 30
+    a, _ = cache.add()
+    cache.write(0, cache.reserve([a], [6]), k, v)
+    for got, given in zip(_kept(cache, a), (k, v)):
+        step = given.abs().amax(-1, keepdim=True).double() / 127 if quantize else 0
+        assert bool(((got - given.double()).abs() <= step / 2 * (1 + 1e-6)).all())
+    before = _kept(cache, a)
+    b = cache.fork(a)  # page 1 (slots 4, 5) is partial and shared
+    cache.write(0, cache.reserve([b], [1]), torch.randn(1, 2, 8), torch.randn(1, 2, 4))
+    assert cache.block_table([b])[0, 1] != cache.block_table([a])[0, 1]  # copied
+    for got, kept in zip(_kept(cache, b), before):
+        assert torch.equal(got[:6], kept)
+
+
 def test_a_paged_int8_cache_serves_a_batch_and_copies_scales_on_write():
     """PagedKVCache(quantize="int8"): a prefill of two sequences then decoding steps, and a fork whose
     shared partial page is copied before it is written: each step equals math over the dequantized
@@ -271,8 +328,8 @@ def test_a_paged_int8_cache_serves_a_batch_and_copies_scales_on_write():
     def step(seq_ids, counts):
         q, _, _, cu = _serve(cache, seq_ids, counts, H)
         table, lengths = cache.block_table(seq_ids), cache.lengths(seq_ids)
-        got = paged_attention(q, *cache.pages(0), table, cu, lengths, **cache.page_scales(0))
-        pages = [dequantize(x, s, torch.float32) for x, s in zip(cache.pages(0), cache.page_scales(0).values())]
+        got = paged_attention(q, *cache.pages(0), table, cu, lengths)
+        pages = [storage.load(x, torch.float32) for x in cache.pages(0)]
         want = paged_attention(q, *pages, table, cu, lengths, backend="math")
         torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 

@@ -16,9 +16,10 @@ Backends (mha.kernels.dispatch.choose_paged_backend): native reads each page whe
 gather copy of the cache); math is the reference, each sequence alone and dense (its keys
 gathered from the pages). Inference only: a call that needs gradients is refused.
 
-8-bit pools (mha.kernels.quantize): int8 k_pages and v_pages with k_scales and v_scales (N, Hkv, P),
-one float per (slot, head); native reads the int8 rows in place and scales each as it converts it,
-math dequantizes the pool and attends (the reference).
+8-bit pools: int8 pages as every mha cache keeps them (mha.kernels.storage: (N, Hkv, P, D + 4), each
+row's int8 values then its float32 scale, one per (slot, head)), or int8 rows (N, Hkv, P, D) with
+their scales apart, k_scales and v_scales (N, Hkv, P); native reads the int8 rows in place and
+scales each as it converts it, math dequantizes the pool and attends (the reference).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .. import _checks
+from . import storage
 from .contract import Contract, from_keywords
 
 __all__ = ["attend_pages", "batch_paged_attention", "paged_attention"]
@@ -43,8 +45,10 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
     of each sequence's j-th block of keys (entries past a sequence's blocks may be -1);
     cu_seqlens_q (B + 1,) int offsets from 0 to Tq; seqlens_k (B,) int key counts. is_causal and
     window (flash-attn's (left, right), -1 unbounded) are aligned bottom-right per sequence.
-    Returns (Tq, H, Dv) in q's dtype. backend: "auto", "native" or "math". int8 pages take their
-    scales, k_scales and v_scales (N, Hkv, P) floating (mha.kernels.quantize.quantize_int8's).
+    Returns (Tq, H, Dv) in q's dtype. backend: "auto", "native" or "math". int8 pages: as mha's
+    caches keep them, (N, Hkv, P, D + 4) and (N, Hkv, P, Dv + 4), each row's scale after it
+    (mha.kernels.storage; PagedKVCache.pages()), or (N, Hkv, P, D|Dv) with their scales apart,
+    k_scales and v_scales (N, Hkv, P) floating (mha.kernels.quantize.quantize_int8's).
     """
     _checks.rank("q", _checks.floating("q", q), (3,), "(total query rows, heads, head dim)")  # (its heads: below)
     contract = from_keywords(q, q.shape[1], is_causal=is_causal, window=window, alibi_slopes=alibi_slopes, scale=scale,
@@ -61,6 +65,7 @@ def attend_pages(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
     entry points that hold a contract already call (the caches, the integrations)."""
     from . import dispatch  # the dispatch imports the backends; this module only checks and asks it
 
+    k_pages, v_pages, k_scales, v_scales = _rows_and_scales(q, k_pages, v_pages, k_scales, v_scales)
     _check_scales(q, k_pages, v_pages, k_scales, v_scales)
     table, lengths_q, lengths_k = _check(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k)
     for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("alibi_slopes", contract.alibi_slopes),
@@ -75,8 +80,8 @@ def attend_pages(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
 def batch_paged_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, k_scales: Tensor | None = None,
                           v_scales: Tensor | None = None, backend: str = "auto") -> Tensor:
     """attend_pages over a batch whose sequences share one length: q (B, H, L, D), k (B, Hkv, S, D)
-    and v (B, Hkv, S, Dv) (or int8, with k_scales and v_scales (B, Hkv, S)), each sequence's keys one
-    page of S slots, read in place; its rows bottom-right. Returns (B, H, L, Dv)."""
+    and v (B, Hkv, S, Dv) (or int8 as attend_pages takes them), each sequence's keys one page of S
+    slots, read in place; its rows bottom-right. Returns (B, H, L, Dv)."""
     B, H, L = q.shape[:3]
     S = k.shape[2]
     rows = q.transpose(1, 2).reshape(B * L, H, q.shape[3])  # (B, H, L, D) -> (B, L, H, D) -> (B*L, H, D)
@@ -84,6 +89,22 @@ def batch_paged_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *
     out = attend_pages(rows, k, v, pages, torch.arange(B + 1) * L, torch.full((B,), S), contract, k_scales=k_scales,
                        v_scales=v_scales, backend=backend)
     return out.view(B, L, H, -1).transpose(1, 2)  # (B*L, H, Dv) -> (B, L, H, Dv) -> (B, H, L, Dv)
+
+
+def _rows_and_scales(q, k_pages, v_pages, k_scales, v_scales) -> tuple:
+    """int8 pages without scales are kept as mha.kernels.storage keeps them: their rows and scales
+    (views). Anything else as given (checked next)."""
+    if not all(isinstance(x, Tensor) and x.dtype == torch.int8 for x in (k_pages, v_pages)) or (
+            k_scales is not None or v_scales is not None):
+        return k_pages, v_pages, k_scales, v_scales
+    D = q.shape[-1] if isinstance(q, Tensor) and q.dim() == 3 else None
+    for name, pages, width in (("k_pages", k_pages, D), ("v_pages", v_pages, None)):
+        if pages.dim() != 4 or pages.shape[3] <= storage.SCALE_BYTES or width not in (None, storage.width(pages)):
+            raise ValueError(f"{name} is int8 {tuple(pages.shape)} without its scales: 8-bit pages are kept as "
+                             f"(num_blocks, kv heads, block_size, {width or 'head dim'} + {storage.SCALE_BYTES}), each "
+                             "row then its float32 scale (mha.kernels.storage), or come with k_scales and v_scales")
+    (k_rows, k_scales), (v_rows, v_scales) = storage.split(k_pages), storage.split(v_pages)
+    return k_rows, v_rows, k_scales, v_scales
 
 
 def _check_scales(q, k_pages, v_pages, k_scales, v_scales) -> None:

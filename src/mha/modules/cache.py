@@ -18,11 +18,16 @@ cached keys at positions <= p (bottom-right causal alignment).
 Decode under torch.no_grad (or inference_mode): a preallocated cache writes each step into the
 same buffers, which autograd cannot differentiate through across steps.
 
-quantize="int8" stores keys and values as int8 rows with one float32 scale per (token, head)
-(mha.kernels.quantize): a quarter of float32's bytes plus 4 per row. Attention then runs on the
-paged kernel, one page per sequence, reading the int8 rows in place (mha.kernels.paged_attention);
-it serves decoding and chunked prefill of sequences of one length (no key_padding_mask), under
-no_grad, on a growing or preallocated cache.
+quantize="int8" keeps keys and values as int8 rows, each followed by its float32 scale (one per
+(token, head)): mha.kernels.storage's one layout, as PagedKVCache and transformers' Int8Cache keep
+them, a quarter of float32's bytes plus 4 per row. Attention then reads them in place through the
+paged kernel, one page per sequence (mha.kernels.paged_attention); it serves decoding and chunked
+prefill of sequences of one length (no key_padding_mask), under no_grad, on a growing or
+preallocated cache.
+
+Every cache an attention module takes (this one, and a PagedKVCache's step) answers the same two
+questions of the module (mha.modules.pipeline.attend_positional, the one path): where the new tokens
+sit (new_positions) and, once it stored them, what the new queries see (store: a Seen).
 
 The filled length is read from the stored tensors' shapes, never kept as a Python int, so a
 decode step compiled with torch.compile traces the length as a symbol (one graph for every
@@ -31,15 +36,38 @@ step after the first recompile) instead of recompiling at each new length.
 
 from __future__ import annotations
 
+import warnings
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .. import _checks, positions
-from ..kernels.quantize import quantize_int8
+from ..kernels import storage
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "Seen"]
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What a step's queries see once a cache stored the step's tokens (a cache's store()).
+
+    keys, values:  kept as mha.kernels.storage keeps them: (B, Hkv, S, D|Dv) rows of every sequence,
+                   or, with a block_table, a pool of pages (N, Hkv, P, D|Dv), read in place
+    positions:     (query positions (B|1, L), key positions (B|1, S)) where the sequences differ; None:
+                   the queries are the last L of the S keys of every sequence (bottom-right)
+    key_valid:     (B|1, S) bool, False where a key is padding, or None
+    block_table:   (B, M) the pages of each sequence's keys (pages only), with lengths_k (B,) its key
+                   count and rows (B, L) bool, the query rows that are new tokens (None: all)
+    """
+    keys: Tensor
+    values: Tensor
+    positions: tuple[Tensor, Tensor] | None = None
+    key_valid: Tensor | None = None
+    block_table: Tensor | None = None
+    lengths_k: Tensor | None = None
+    rows: Tensor | None = None
 
 
 class KVCache:
@@ -67,8 +95,7 @@ class KVCache:
         if self.quantize and self.window is not None:
             raise ValueError("an 8-bit cache (quantize='int8') grows or is preallocated (max_length); it does not roll "
                              "(window)")
-        self.keys = self.values = None  # the filled slots: (B, Hkv, S, D), (B, Hkv, S, Dv); int8 when quantized
-        self.key_scales = self.value_scales = None  # quantized: each slot's scale per kv head (B, Hkv, S)
+        self.keys = self.values = None  # the filled slots, as mha.kernels.storage keeps them: (B, Hkv, S, D|Dv)
         self._dtype = None  # quantized: the dtype of the keys and values it was given
         # once a key_padding_mask arrives, sequences differ: per-slot positions and validity (B, S), lengths (B,)
         self.positions = self.valid = self._lengths = None
@@ -134,23 +161,74 @@ class KVCache:
             return start + torch.arange(new, device=device).expand(batch, new)
         return start + valid.cumsum(dim=1) - valid.long()  # valid tokens before each one
 
-    def update_quantized(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """An 8-bit cache's update: store new keys (B, Hkv, L, D), values (B, Hkv, L, Dv) as int8 rows
-        and scales; returns everything attention sees now, (keys, values) int8 (B, Hkv, S, D|Dv) and
-        their scales (B, Hkv, S)."""
+    @property
+    def reads_pages(self) -> bool:
+        """Whether attention reads this cache as pages (an 8-bit one: inference, no weights)."""
+        return self.quantize is not None
+
+    def new_positions(self, batch: int, new: int, device, valid: Tensor | None = None) -> Tensor:
+        """Where the next ``new`` tokens sit (the cache protocol's question; next_positions)."""
+        return self.next_positions(batch, new, device, valid)
+
+    def store(self, keys: Tensor, values: Tensor, positions: Tensor | None, valid: Tensor | None = None) -> Seen:
+        """Store a step's keys (B, Hkv, L, D) and values (B, Hkv, L, Dv) at ``positions`` (B|1, L), with
+        ``valid`` (B, L) (None: all valid); returns what the step's queries see (a Seen): every
+        sequence's keys, placed by their positions where the sequences differ; an 8-bit cache's as
+        one page per sequence, read in place."""
+        if self.quantize:
+            if valid is not None:
+                raise ValueError("an 8-bit KVCache (quantize='int8') serves inference over sequences of one length: "
+                                 "no key_padding_mask")
+            kept_k, kept_v = self._append(*self._quantized(keys, values))
+            B = kept_k.shape[0]
+            return Seen(kept_k, kept_v, block_table=torch.arange(B)[:, None],
+                        lengths_k=torch.full((B,), kept_k.shape[2], dtype=torch.int64))
+        uniform = self.uniform and valid is None
+        kept_k, kept_v, k_pos, key_valid = self.update(keys, values, positions, valid)
+        if uniform:
+            return Seen(kept_k, kept_v)
+        return Seen(kept_k, kept_v, positions=(positions.expand(keys.shape[0], -1), k_pos), key_valid=key_valid)
+
+    def _quantized(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """New keys and values as an 8-bit cache keeps them (mha.kernels.storage), checked against the
+        stored ones."""
         if keys.requires_grad or values.requires_grad:
             raise ValueError("an 8-bit cache (quantize='int8') is for inference: call the module under "
                              "torch.no_grad() or torch.inference_mode()")
         if self._dtype is not None and (keys.dtype, values.dtype) != (self._dtype, self._dtype):
             raise ValueError(f"the cache was given keys and values of dtype {self._dtype}, now {keys.dtype} and "
                              f"{values.dtype}")
-        L = keys.shape[2]
-        self._check_room(L)
-        (k8, k_scales), (v8, v_scales) = quantize_int8(keys), quantize_int8(values)
+        self._check_room(keys.shape[2])
+        kept = storage.store(keys, True), storage.store(values, True)
         if self.keys is not None:
-            self._check_like_stored(k8, v8)
+            self._check_like_stored(*kept)
         self._dtype = keys.dtype
-        return self._append(k8, v8, k_scales, v_scales)
+        return kept
+
+    def update_quantized(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Deprecated: store() (the scales are kept after each row now, mha.kernels.storage). Returns
+        (keys, values) int8 (B, Hkv, S, D|Dv) and their scales (B, Hkv, S), as before."""
+        warnings.warn("KVCache.update_quantized is deprecated (it goes in the next release): the module calls "
+                      "store(), which keeps each row's scale after it (mha.kernels.storage)", DeprecationWarning,
+                      stacklevel=2)
+        kept_k, kept_v = self._append(*self._quantized(keys, values))
+        (k8, k_scales), (v8, v_scales) = storage.split(kept_k), storage.split(kept_v)
+        return k8, v8, k_scales, v_scales
+
+    @property
+    def key_scales(self) -> Tensor | None:
+        """Deprecated: an 8-bit cache's key scales (B, Hkv, S), kept after each row (mha.kernels.storage.split)."""
+        return self._scales("key_scales", self.keys)
+
+    @property
+    def value_scales(self) -> Tensor | None:
+        """Deprecated: an 8-bit cache's value scales (B, Hkv, S) (mha.kernels.storage.split)."""
+        return self._scales("value_scales", self.values)
+
+    def _scales(self, name: str, kept: Tensor | None) -> Tensor | None:
+        warnings.warn(f"KVCache.{name} is deprecated (it goes in the next release): the scales are kept after "
+                      "each row, mha.kernels.storage.split(cache.keys) gives them", DeprecationWarning, stacklevel=3)
+        return None if kept is None or not self.quantize else storage.split(kept)[1]
 
     def _check_room(self, L: int) -> None:
         if self.max_length is not None and self.size + L > self.max_length:
@@ -165,7 +243,8 @@ class KVCache:
         tokens, positions and valid None while uniform."""
         L = keys.shape[2]
         if self.quantize:
-            raise ValueError("an 8-bit cache (quantize='int8') is updated by update_quantized (the module does it)")
+            raise ValueError("an 8-bit cache (quantize='int8') keeps its rows by store() (the module calls it), not "
+                             "update")
         if self.keys is not None:
             self._check_like_stored(keys, values)
         self._check_room(L)
@@ -198,15 +277,38 @@ class KVCache:
         if not self.uniform:
             self._lengths = self.valid.sum(dim=1)
 
+    def select(self, indices) -> None:
+        """Keep these sequences of the batch, in this order (beam search's reordering, a batch that
+        lost a finished sequence): ``indices`` (B',) into the batch, repeats allowed."""
+        if self.keys is None:
+            return
+        index = torch.as_tensor(indices, device=self.keys.device)
+        index = index.long() if index.numel() == 0 else index  # ([] is read as floats)
+        B = self.keys.shape[0]
+        if (index.dim() != 1 or index.is_floating_point() or index.dtype == torch.bool
+                or (index.numel() and not (0 <= int(index.min()) and int(index.max()) < B))):
+            raise ValueError(f"indices must be a 1-D list of sequences of the batch (0..{B - 1}), got {indices!r}")
+        if self._buffers is not None:  # the filled slots stay views of the (selected) buffers
+            size = self.size
+            self._buffers = tuple(buffer.index_select(0, index) for buffer in self._buffers)
+            for name, buffer in zip(self._fields(), self._buffers):
+                setattr(self, name, buffer.narrow(_slots(buffer), 0, size))
+        else:
+            for name in self._fields():
+                setattr(self, name, getattr(self, name).index_select(0, index))
+        if self._lengths is not None:
+            self._lengths = self._lengths.index_select(0, index)
+
     def _fields(self) -> tuple[str, ...]:
         """The names of what the cache stores per slot now, in _append's order."""
         every = self._slot_fields()
-        return every[:2] if self.uniform and not self.quantize else every
+        return every[:2] if self.uniform else every
 
-    def _slot_fields(self) -> tuple[str, ...]:
-        """What the cache can store per slot: keys and values, then their scales (quantized) or each
-        slot's position and validity (tracked once padding came)."""
-        return ("keys", "values", "key_scales", "value_scales") if self.quantize else ("keys", "values", "positions", "valid")
+    @staticmethod
+    def _slot_fields() -> tuple[str, ...]:
+        """What the cache can store per slot: keys and values (mha.kernels.storage's rows, an 8-bit
+        row's scale after it), then each slot's position and validity (tracked once padding came)."""
+        return ("keys", "values", "positions", "valid")
 
     def _track_each_sequence(self, batch: int, device) -> None:
         """From uniform to per-sequence bookkeeping: the stored slots get positions 0..size-1, all valid."""
@@ -249,7 +351,7 @@ class KVCache:
                 self._buffers = tuple(_preallocate(t, self.max_length) for t in new)
             seen = []
             for buffer, t in zip(self._buffers, new):  # narrow + copy_: a slice assignment costs several times more
-                slots = _slots(t)  # keys, values (B, Hkv, slots, D), scales (B, Hkv, slots): 2; positions, valid: 1
+                slots = _slots(t)  # keys, values (B, Hkv, slots, D): 2; positions, valid (B, slots): 1
                 buffer.narrow(slots, size, L).copy_(t)
                 seen.append(buffer.narrow(slots, 0, size + L))
             kept = seen = tuple(seen)
@@ -272,8 +374,7 @@ def _preallocate(t: Tensor, slots: int) -> Tensor:
 
 
 def _slots(t: Tensor) -> int:
-    """The slot (sequence) axis: 2 for keys/values (B, H, S, D) and scales (B, H, S), 1 for
-    positions/validity (B, S)."""
+    """The slot (sequence) axis: 2 for keys/values (B, H, S, D), 1 for positions/validity (B, S)."""
     return 2 if t.dim() >= 3 else 1
 
 

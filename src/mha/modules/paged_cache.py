@@ -19,9 +19,10 @@ by the layers: reserve() once per step, then write() each layer.
 
 Memory per sequence: ceil(S / block_size) pages x num_layers x Hkv x block_size x (D + Dv) x the
 dtype's bytes (fp32, 2 kv heads, D = Dv = 64, block_size 16: 16 KiB per page and layer; 4 layers:
-4 KiB per token). quantize="int8" stores int8 rows and a float32 scale per (slot, kv head)
-(mha.kernels.quantize): D + 4 bytes per key row, read in place by the native kernel; pass
-``**cache.page_scales(layer)`` to paged_attention beside ``*cache.pages(layer)``.
+4 KiB per token). quantize="int8" keeps int8 rows each followed by its float32 scale (one per
+(slot, kv head): mha.kernels.storage's one layout, as KVCache and transformers' Int8Cache keep
+them): D + 4 bytes per key row, pages (N, Hkv, P, D + 4) int8, read in place by the native kernel;
+paged_attention takes them as they are.
 
 Sharing. A full block of a sequence whose token ids are known is registered under a hash of its
 tokens and of every token before it (the prefix); add(tokens) gives a new sequence the registered
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -43,7 +45,8 @@ import torch
 from torch import Tensor
 
 from .. import _checks
-from ..kernels.quantize import quantize_int8
+from ..kernels import storage
+from .cache import Seen
 
 __all__ = ["PagedKVCache", "PagedStep"]
 
@@ -72,12 +75,9 @@ class PagedKVCache:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         self.quantize = _checks.one_of("quantize", quantize, (None, "int8"))
         shape = (self.num_blocks, self.num_kv_heads, self.block_size)
-        stored = torch.int8 if self.quantize else dtype
-        self.keys = [torch.zeros(*shape, self.head_dim, dtype=stored, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(*shape, self.value_dim, dtype=stored, device=device) for _ in range(num_layers)]
-        # quantized: each slot's scale per kv head (N, Hkv, P), float32
-        self.key_scales, self.value_scales = ([torch.zeros(shape, device=device) for _ in range(num_layers if quantize else 0)]
-                                              for _ in range(2))
+        stored, extra = (torch.int8, storage.SCALE_BYTES) if self.quantize else (dtype, 0)  # an 8-bit row's scale after it
+        self.keys = [torch.zeros(*shape, self.head_dim + extra, dtype=stored, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(*shape, self.value_dim + extra, dtype=stored, device=device) for _ in range(num_layers)]
         self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
         self._refs = [0] * self.num_blocks
         self._sequences: dict[int, _Sequence] = {}
@@ -139,6 +139,25 @@ class PagedKVCache:
         self._register()
         for block in self._sequences.pop(self._check_id(seq_id)).blocks:
             self._release(block)
+
+    def crop(self, seq_id: int, length: int) -> None:
+        """Keep the first ``length`` tokens of a sequence (speculative decoding's rollback): the blocks
+        past them return to the pool; a block it shares is copied at its next write (copy on write),
+        one of its own stops being shared (its later slots are written anew)."""
+        self._register()
+        sequence = self._sequence(seq_id)
+        length = _checks.integer("length", length)
+        if not 0 <= length <= sequence.length:
+            raise ValueError(f"length must be between 0 and the sequence's {sequence.length} tokens, got {length}")
+        keep = -(-length // self.block_size)
+        for block in sequence.blocks[keep:]:
+            self._release(block)
+        del sequence.blocks[keep:], sequence.chain[length // self.block_size:]
+        if length % self.block_size and self._refs[sequence.blocks[-1]] == 1:
+            self._unshare(sequence.blocks[-1])
+        sequence.length = length
+        if sequence.tokens is not None:
+            del sequence.tokens[length:]
 
     def lengths(self, seq_ids) -> Tensor:
         """(B,) int64: each sequence's key count."""
@@ -208,22 +227,36 @@ class PagedKVCache:
                                  f"got shape {tuple(x.shape)}")
         slots = slots.to(pool_k.device)
         blocks, offsets = slots // self.block_size, slots % self.block_size
-        if self.quantize:
-            (keys, k_scales), (values, v_scales) = quantize_int8(keys), quantize_int8(values)  # scales (T, Hkv)
-            self.key_scales[layer][blocks, :, offsets] = k_scales
-            self.value_scales[layer][blocks, :, offsets] = v_scales
+        keys, values = (storage.store(x, self.quantize is not None) for x in (keys, values))  # an 8-bit row's scale after it
         pool_k[blocks, :, offsets] = keys.to(pool_k.dtype)  # (T, Hkv, D) into pages (N, Hkv, P, D)
         pool_v[blocks, :, offsets] = values.to(pool_v.dtype)
 
     def pages(self, layer: int) -> tuple[Tensor, Tensor]:
-        """(keys (N, Hkv, P, D), values (N, Hkv, P, Dv)) of ``layer``: what paged_attention reads."""
+        """(keys (N, Hkv, P, D), values (N, Hkv, P, Dv)) of ``layer``, as kept (8-bit: (N, Hkv, P, D + 4)
+        int8, each row's scale after it): what paged_attention reads."""
         return self.keys[layer], self.values[layer]
 
     def page_scales(self, layer: int) -> dict[str, Tensor]:
-        """paged_attention's k_scales and v_scales (N, Hkv, P) of ``layer`` when quantized, else {}."""
-        if not self.quantize:
-            return {}
-        return {"k_scales": self.key_scales[layer], "v_scales": self.value_scales[layer]}
+        """Deprecated: {} (the scales are kept after each row, in the pages: paged_attention reads them
+        there). It gave paged_attention's k_scales and v_scales."""
+        warnings.warn("PagedKVCache.page_scales is deprecated (it goes in the next release): the scales are kept in "
+                      "the pages after each row, and paged_attention reads them there", DeprecationWarning, stacklevel=2)
+        return {}
+
+    @property
+    def key_scales(self) -> list[Tensor]:
+        """Deprecated: each layer's key scales (N, Hkv, P) of an 8-bit cache (mha.kernels.storage.split)."""
+        return self._scales("key_scales", self.keys)
+
+    @property
+    def value_scales(self) -> list[Tensor]:
+        """Deprecated: each layer's value scales (N, Hkv, P) of an 8-bit cache (mha.kernels.storage.split)."""
+        return self._scales("value_scales", self.values)
+
+    def _scales(self, name: str, pools: list[Tensor]) -> list[Tensor]:
+        warnings.warn(f"PagedKVCache.{name} is deprecated (it goes in the next release): the scales are kept after "
+                      "each row, mha.kernels.storage.split(pages) gives them", DeprecationWarning, stacklevel=3)
+        return [storage.split(pool)[1] for pool in pools] if self.quantize else []
 
     # -- inside --------------------------------------------------------------------------------
 
@@ -271,7 +304,7 @@ class PagedKVCache:
 
     def _copied(self, block: int) -> int:
         new = self._allocate()
-        for pool in (*self.keys, *self.values, *self.key_scales, *self.value_scales):
+        for pool in (*self.keys, *self.values):  # (an 8-bit row's scale comes with it)
             pool[new] = pool[block]
         self._release(block)
         return new
@@ -279,10 +312,14 @@ class PagedKVCache:
     def _release(self, block: int) -> None:
         self._refs[block] -= 1
         if self._refs[block] == 0:
-            h = self._hash_of.pop(block, None)
-            if h is not None:
-                del self._by_hash[h]
+            self._unshare(block)
             self._free.append(block)
+
+    def _unshare(self, block: int) -> None:
+        """No later sequence gets ``block`` for a prefix (it is freed, or about to be written anew)."""
+        h = self._hash_of.pop(block, None)
+        if h is not None:
+            del self._by_hash[h]
 
     def _check_id(self, seq_id) -> int:
         if seq_id not in self._sequences:
@@ -336,3 +373,30 @@ class PagedStep:
     def positions(self, L: int, device) -> Tensor:
         """(B, L) int64: each new token's position (its sequence's length before the step, onward)."""
         return self.starts.to(device)[:, None] + torch.arange(L, device=device)[None, :]
+
+    # -- the cache protocol (mha.modules.cache): what an attention module asks of its cache ------------
+
+    reads_pages = True  # attention reads the step's pages (inference: no weights)
+
+    def new_positions(self, batch: int, new: int, device, valid: Tensor | None = None) -> Tensor:
+        """Where the step's tokens sit: (B, L) (positions); ``valid`` must mark exactly its new tokens."""
+        if self.layer is None:
+            raise ValueError("a PagedStep attends for one layer: bind it with step.for_module(module) "
+                             "(mha.GeneralAttention does it)")
+        if batch != len(self.seq_ids):
+            raise ValueError(f"with a PagedKVCache step, query and key are the new tokens of its {len(self.seq_ids)} "
+                             f"sequences: got batch {batch}")
+        if valid is not None and not torch.equal(valid, self.valid(new, valid.device)):
+            raise ValueError("key_padding_mask must mark exactly the rows past each sequence's new tokens (the step's "
+                             "counts) as padding, or be None")
+        return self.positions(new, device)
+
+    def store(self, keys: Tensor, values: Tensor, positions: Tensor | None = None, valid: Tensor | None = None) -> Seen:
+        """Write the step's new keys (B, Hkv, L, D) and values (B, Hkv, L, Dv) (rows past each
+        sequence's count are padding) at the reserved slots of its layer; returns what the step's
+        queries see: every sequence's pages, read in place."""
+        rows = self.valid(keys.shape[2], keys.device)  # (B, L)
+        packed = [x.transpose(1, 2)[rows] for x in (keys, values)]  # (B, X, L, D) -> (B, L, X, D) -> (T, X, D)
+        self.cache.write(self.layer, self.slots, *packed)
+        return Seen(*self.cache.pages(self.layer), block_table=self.cache.block_table(self.seq_ids),
+                    lengths_k=self.cache.lengths(self.seq_ids), rows=rows)

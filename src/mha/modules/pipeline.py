@@ -22,10 +22,9 @@ from torch import Tensor
 
 from .. import _checks, kernels, masks, positions
 from ..kernels.contract import contract_of
-from ..kernels.paged import batch_paged_attention
-from .paged_cache import PagedStep
+from ..kernels.paged import attend_pages
 
-__all__ = ["attend", "attend_paged", "attend_positional", "nested_forward", "check_inputs", "finish", "own_tensors",
+__all__ = ["attend", "attend_positional", "nested_forward", "check_inputs", "finish", "own_tensors",
            "pipeline", "split_heads", "split_packed_heads", "to_batch_first"]
 
 _ABSENT = object()
@@ -171,70 +170,60 @@ def finish(o: Tensor, weights: Tensor | None, *, out_proj: Callable[[Tensor], Te
 def attend_positional(q: Tensor, k: Tensor, v: Tensor, *, rope=None, window=None, alibi_slopes=None, softcap=None,
                       sinks=None, cache=None, key_padding_mask=None, is_causal=False, dropout_p=0.0,
                       need_weights=False, backend="auto"):
-    """Attention whose masks come from token positions: RoPE, sliding windows, ALiBi, KV cache.
+    """Attention whose masks come from token positions: RoPE, sliding windows, ALiBi, a cache.
 
     q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) are the new tokens' heads. Without a
-    cache, queries sit at positions 0..L-1 and keys at 0..S-1; with one, the new tokens continue
-    each sequence, are appended to the cache, and the queries see the cached keys too (causal:
-    a new token sees every cached one). key_padding_mask (B, S), bool True = padding. RoPE, the
-    causal band, the window (flash-attn's (left, right)) and ALiBi all read these positions
-    (mha.positions); the kernels apply them tile by tile.
-    Returns (output (B, H, L, Dv), weights or None).
+    cache, queries sit at positions 0..L-1 and keys at 0..S-1. With one (a KVCache, float or 8-bit,
+    or a PagedKVCache's step: the cache protocol), the new tokens continue each sequence: the cache
+    says where they sit (new_positions), stores them and says what the queries see (store: a Seen),
+    every sequence's keys, or its pages, read in place. key_padding_mask (B, S), bool True = padding.
+    RoPE, the causal band, the window (flash-attn's (left, right)) and ALiBi all read these
+    positions (mha.positions). Returns (output (B, H, L, Dv), weights or None).
     """
-    if isinstance(cache, PagedStep):
-        return attend_paged(q, k, v, cache, rope=rope, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
-                            sinks=sinks, key_padding_mask=key_padding_mask, is_causal=is_causal, dropout_p=dropout_p,
-                            need_weights=need_weights, backend=backend)
     B, L, S = q.shape[0], q.shape[2], k.shape[2]
     key_valid = masks.key_valid(key_padding_mask, B, S)
+    terms = contract_of(band=positions.band(is_causal, window), alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
     if cache is None:
-        q_pos = k_pos = None
         if rope is not None:
             q_pos, k_pos = positions.aligned(positions.whole(L), positions.whole(S), 0, q.device)  # (L,), (S,)
-    else:
-        if L != S:
-            raise ValueError(f"with a cache, query and key are the same new tokens: got lengths {L} and {S}")
-        if cache.quantize:
-            return attend_quantized(q, k, v, cache, rope=rope, window=window, alibi_slopes=alibi_slopes,
-                                    softcap=softcap, sinks=sinks, key_valid=key_valid, is_causal=is_causal,
-                                    dropout_p=dropout_p, need_weights=need_weights, backend=backend)
-        uniform = cache.uniform and key_valid is None  # every sequence at the same length: an offset suffices
-        # positions are needed by RoPE and by sequences of different lengths; a uniform decode step skips them
-        q_pos = k_pos = None if uniform and rope is None else cache.next_positions(B, L, q.device, key_valid)
+            q, k = rope(q, q_pos[..., None, :]), rope(k, k_pos[..., None, :])
+        contract = terms.replace(band=positions.needed(terms.band, L, S), key_valid=key_valid)
+        return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
+    if L != S:
+        raise ValueError(f"with a cache, query and key are the same new tokens: got lengths {L} and {S}")
+    if cache.reads_pages and (need_weights or dropout_p):
+        raise ValueError("attention over cache pages (a PagedKVCache step, an 8-bit KVCache) serves inference: no "
+                         "weights, no dropout (use forward() in eval mode)")
+    uniform = getattr(cache, "uniform", False) and key_valid is None  # an offset places every sequence
+    q_pos = None if uniform and rope is None else cache.new_positions(B, L, q.device, key_valid)  # (B|1, L)
     if rope is not None:
-        q, k = rope(q, q_pos[..., None, :]), rope(k, k_pos[..., None, :])  # positions (B|1, 1, T) over the heads
-    per_sequence = None
-    if cache is not None:
-        k, v, k_pos, key_valid = cache.update(k, v, k_pos, key_valid)
-        per_sequence = None if uniform else (q_pos, k_pos)  # (B, L), (B, S_all)
-        key_valid = None if uniform else key_valid
-    offset = positions.offset_of("bottom_right", L, k.shape[2]) if cache is not None else 0  # the new tokens last
-    band = positions.band(is_causal, window)
-    if per_sequence is None:
-        band = positions.needed(band, L, k.shape[2], offset)
-    contract = contract_of(band=band, offset=offset, positions=per_sequence, key_valid=key_valid,
-                           alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)  # a plain decode step: empty
-    return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
+        q, k = rope(q, q_pos[..., None, :]), rope(k, q_pos[..., None, :])  # positions (B|1, 1, L) over the heads
+    seen = cache.store(k, v, q_pos, key_valid)
+    if seen.block_table is not None:
+        return _attend_pages(q, seen, terms, backend=backend), None
+    S_all = seen.keys.shape[2]
+    offset = positions.offset_of("bottom_right", L, S_all)  # the new tokens last
+    band = terms.band if seen.positions is not None else positions.needed(terms.band, L, S_all, offset)
+    contract = terms.replace(band=band, offset=offset, positions=seen.positions, key_valid=seen.key_valid)
+    return kernels.attention(q, seen.keys, seen.values, contract, dropout_p=dropout_p, need_weights=need_weights,
+                             backend=backend)
 
 
-def attend_quantized(q: Tensor, k: Tensor, v: Tensor, cache, *, rope, window, alibi_slopes, softcap, sinks, key_valid,
-                     is_causal, dropout_p, need_weights, backend):
-    """attend_positional over an 8-bit KVCache (quantize="int8"): q (B, H, L, D), k (B, Hkv, L, D), v
-    (B, Hkv, L, Dv) the new tokens, stored as int8 rows and scales; then each sequence's new rows
-    attend over its whole cache as one page of mha.kernels.paged_attention (bottom-right, the int8
-    rows read in place). Sequences of one length only (no key_padding_mask). Returns (output
-    (B, H, L, Dv), None)."""
-    if need_weights or dropout_p or key_valid is not None:
-        raise ValueError("an 8-bit KVCache (quantize='int8') serves inference over sequences of one length: no "
-                         "weights, no dropout, no key_padding_mask")
-    B, L = q.shape[0], q.shape[2]
-    if rope is not None:
-        where = cache.next_positions(B, L, q.device)[..., None, :]  # (1, 1, L) over the heads
-        q, k = rope(q, where), rope(k, where)
-    k8, v8, k_scales, v_scales = cache.update_quantized(k, v)  # (B, Hkv, S, D|Dv) int8, (B, Hkv, S)
-    contract = contract_of(band=positions.band(is_causal, window), alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
-    out = batch_paged_attention(q, k8, v8, contract, k_scales=k_scales, v_scales=v_scales, backend=backend)
-    return out, None
+def _attend_pages(q: Tensor, seen, terms, *, backend: str) -> Tensor:
+    """q (B, H, L, D) over the pages a cache's Seen names, its rows that are new tokens packed (the rest
+    padding, zeros out): mha.kernels.paged's attention under the contract's per-sequence terms
+    (inference). Returns (B, H, L, Dv)."""
+    B, H, L, _ = q.shape
+    rows = q.transpose(1, 2)  # (B, H, L, D) -> (B, L, H, D)
+    counts = torch.full((B,), L, dtype=torch.int64) if seen.rows is None else seen.rows.sum(1).cpu()
+    packed = rows.reshape(B * L, H, -1) if seen.rows is None else rows[seen.rows]  # (T, H, D)
+    out = attend_pages(packed, seen.keys, seen.values, seen.block_table, F.pad(counts.cumsum(0), (1, 0)),
+                       seen.lengths_k, terms, backend=backend)  # (T, H, Dv)
+    if seen.rows is None:
+        return out.view(B, L, H, -1).transpose(1, 2)  # (B*L, H, Dv) -> (B, L, H, Dv) -> (B, H, L, Dv)
+    full = out.new_zeros(B, L, *out.shape[1:])  # (B, L, H, Dv), zeros on padding rows
+    full[seen.rows] = out
+    return full.transpose(1, 2)  # (B, L, H, Dv) -> (B, H, L, Dv)
 
 
 def nested_forward(query: Tensor, key: Tensor, value: Tensor, *, project: Callable,
@@ -271,42 +260,6 @@ def _nested_weights(q, k, v, cu_q, cu_k, is_causal, average) -> Tensor:
         _, w = kernels.attention(*heads, contract, need_weights=True, backend="math")  # (H, L, S)
         weights[b, :, :L, :S] = w
     return weights.mean(dim=1) if average else weights
-
-
-def attend_paged(q: Tensor, k: Tensor, v: Tensor, step: PagedStep, *, rope, window, alibi_slopes, softcap, sinks,
-                 key_padding_mask, is_causal, dropout_p, need_weights, backend):
-    """attend_positional over a PagedKVCache step bound to a module's layer (PagedStep.for_module):
-    q (B, H, L, D), k (B, Hkv, L, D), v (B, Hkv, L, Dv), sequence b's new tokens in rows
-    0..counts[b]-1 (right padding after). They are written at the step's slots of that layer, then
-    every sequence's new rows attend over its pages in one call (mha.kernels.paged_attention).
-    Returns (output (B, H, L, Dv) with zeros on padding rows, None)."""
-    B, L = q.shape[0], q.shape[2]
-    if need_weights or dropout_p:
-        raise ValueError("attention over a PagedKVCache step returns no weights and takes no dropout "
-                         "(inference): use forward(), in eval mode")
-    if step.layer is None:
-        raise ValueError("a PagedStep attends for one layer: bind it with step.for_module(module) (mha.GeneralAttention "
-                         "does it)")
-    if k.shape[2] != L or B != len(step.seq_ids):
-        raise ValueError(f"with a PagedKVCache step, query and key are the new tokens of its {len(step.seq_ids)} "
-                         f"sequences: got batch {B}, lengths {L} and {k.shape[2]}")
-    valid = step.valid(L, q.device)  # (B, L)
-    if key_padding_mask is not None and not torch.equal(masks.key_valid(key_padding_mask, B, L), valid):
-        raise ValueError("key_padding_mask must mark exactly the rows past each sequence's new tokens (the step's "
-                         "counts) as padding, or be None")
-    if rope is not None:
-        where = step.positions(L, q.device)[:, None, :]  # (B, 1, L) over the heads
-        q, k = rope(q, where), rope(k, where)
-    packed = [x.transpose(1, 2)[valid] for x in (q, k, v)]  # (B, X, L, D) -> (B, L, X, D) -> (T, X, D)
-    step.cache.write(step.layer, step.slots, packed[1], packed[2])
-    cu = F.pad(step.counts.cumsum(0), (1, 0))  # (B,) -> (B + 1,) offsets
-    out = kernels.paged_attention(packed[0], *step.cache.pages(step.layer), step.cache.block_table(step.seq_ids), cu,
-                                  step.cache.lengths(step.seq_ids), is_causal=is_causal, window=window,
-                                  alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, backend=backend,
-                                  **step.cache.page_scales(step.layer))
-    full = out.new_zeros(B, L, *out.shape[1:])  # (B, L, H, Dv), zeros on padding rows
-    full[valid] = out
-    return full.transpose(1, 2), None  # (B, L, H, Dv) -> (B, H, L, Dv)
 
 
 def _extra_keys(k, v, *, bias_k, bias_v, static_k, static_v, add_zero_attn):

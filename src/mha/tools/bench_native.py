@@ -84,29 +84,27 @@ def decode_point(dtype: str, S: int, times) -> dict:
 
 def cache_decode_point(S: int, times, *, B: int = 1) -> dict:
     """One new query per sequence over S cached keys (B sequences, GQA 32 / 8 heads, D = 128), the
-    keys and values held as float32, bfloat16 or int8 (mha.kernels.quantize: a float32 scale per
-    (token, head)), each read in place by the native paged kernel (one page per sequence): times,
-    the bytes each cache holds, and each output's largest error against float64 attention over the
-    unquantized keys."""
-    from ..kernels import paged_attention
-    from ..kernels.quantize import quantize_int8
+    keys and values held as float32, bfloat16 or int8 (as mha's caches keep them, mha.kernels.storage:
+    a float32 scale per (token, head) after each row), each read in place by the native paged kernel
+    (one page per sequence): times, the bytes each cache holds, and each output's largest error
+    against float64 attention over the unquantized keys."""
+    from ..kernels import paged_attention, storage
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, 32, 128, generator=g)  # (B sequences x 1 row, H, D)
     k, v = (torch.randn(B, 8, S, 128, generator=g) for _ in range(2))  # (B pages, Hkv, P = S, D)
     table, cu, lengths = torch.arange(B)[:, None], torch.arange(B + 1), torch.full((B,), S)
-    (k8, ks), (v8, vs) = quantize_int8(k), quantize_int8(v)
+    k8, v8 = storage.store(k, True), storage.store(v, True)  # (B, Hkv, S, 128 + 4) int8
     kb, vb, qb = k.bfloat16(), v.bfloat16(), q.bfloat16()
     calls = {"float32 cache": lambda: paged_attention(q, k, v, table, cu, lengths, is_causal=False),
              "bfloat16 cache": lambda: paged_attention(qb, kb, vb, table, cu, lengths, is_causal=False),
-             "int8 cache": lambda: paged_attention(q, k8, v8, table, cu, lengths, is_causal=False, k_scales=ks,
-                                                   v_scales=vs)}
+             "int8 cache": lambda: paged_attention(q, k8, v8, table, cu, lengths, is_causal=False)}
     with torch.no_grad():
         ms = times(calls)
         exact = paged_attention(q.double(), k.double(), v.double(), table, cu, lengths, is_causal=False, backend="math")
         errors = {name: float((call().double() - exact).abs().max()) for name, call in calls.items()}
     return {"ms": ms, "errors": errors, "bytes": {"float32 cache": 2 * k.numel() * 4, "bfloat16 cache": 2 * k.numel() * 2,
-                                                  "int8 cache": 2 * (k8.numel() + ks.numel() * 4)}}
+                                                  "int8 cache": 2 * k8.numel()}}
 
 
 def window_point(T: int, window: int, times) -> dict:

@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..kernels import storage
+from ..kernels.contract import from_keywords
 from ..kernels.paged import batch_paged_attention
-from ..kernels.quantize import quantize_int8
 from .bench_variants import VARIANTS
 from .bert import BertCheckpoint, minilm_path
 
@@ -82,12 +83,13 @@ class Swapped(nn.Module):
 
 
 class Int8KV(nn.Module):
-    """Exact attention over keys and values held as int8 (mha.kernels.quantize: a scale per token and
-    head), read in place by the paged kernel, each document one page: what an 8-bit KV cache gives."""
+    """Exact attention over keys and values held as int8 (as mha's caches keep them, mha.kernels.storage:
+    a scale per token and head after each row), read in place by the paged kernel, each document one
+    page: what an 8-bit KV cache gives."""
 
     def forward(self, q, k, v, is_causal=False):
-        (k8, k_scales), (v8, v_scales) = quantize_int8(k), quantize_int8(v)  # (B, H, T, D) int8, (B, H, T)
-        return batch_paged_attention(q, k8, v8, is_causal=is_causal, k_scales=k_scales, v_scales=v_scales)
+        contract = from_keywords(q, q.shape[1], is_causal=is_causal)
+        return batch_paged_attention(q, storage.store(k, True), storage.store(v, True), contract)  # (B, H, T, D + 4) int8
 
 
 def int8_kv_cosines(model: BertCheckpoint, length: int, count: int) -> Tensor:
@@ -114,8 +116,7 @@ def kv_format_errors(S: int, D: int, *, seed: int = 0) -> dict[str, float]:
         return (x / scale).to(torch.float8_e4m3fn).double() * scale
 
     def int8(x: Tensor) -> Tensor:
-        data, scales = quantize_int8(x)
-        return data.double() * scales.double()[..., None]  # (...,) -> (..., 1)
+        return storage.load(storage.store(x, True), torch.float64)
 
     exact = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     formats = {"bfloat16": lambda x: x.bfloat16().double(), "int8": int8, "float8 e4m3": e4m3}

@@ -1,9 +1,9 @@
 """8-bit keys and values in transformers' generate: ``past_key_values=Int8Cache()`` with a model loaded
-with ``attn_implementation="mha"``. Each layer keeps its keys and values as int8 rows with their
-float32 (token, head) scales beside them in the same tensor (:class:`Int8Layer`), and the attention
-function reads them in place through the paged kernel (mha.kernels.paged_attention), never
-dequantized as a whole. Sequences of one length (no padding), bottom-right causal or sliding-window
-masks.
+with ``attn_implementation="mha"``. Each layer keeps its keys and values as every mha cache keeps
+8-bit rows (mha.kernels.storage: int8 rows, each followed by its float32 (token, head) scale, in one
+tensor: :class:`Int8Layer`), and the attention function reads them in place through the paged
+kernel (mha.kernels.paged_attention), never dequantized as a whole. Sequences of one length (no
+padding), bottom-right causal or sliding-window masks.
 """
 
 from __future__ import annotations
@@ -13,21 +13,19 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ... import _checks
+from ...kernels import storage
 from ...kernels.contract import from_keywords
 from ...kernels.paged import batch_paged_attention
-from ...kernels.quantize import quantize_int8
 from ...positions import CAUSAL, Band
 from .masks import KeyMask
 
 __all__ = ["Int8Cache", "Int8Layer", "int8_attention"]
 
-_SCALE_BYTES = 4  # a float32 scale, stored as four int8 after its row
-
 
 class Int8Layer(DynamicLayer):
     """One layer of :class:`Int8Cache`: keys (B, Hkv, S, D + 4) and values (B, Hkv, S, Dv + 4) int8,
     each row's D values quantized (mha.kernels.quantize.quantize_int8) followed by the bytes of its
-    float32 scale. Rows and scales in one tensor, so every operation transformers' DynamicLayer
+    float32 scale (mha.kernels.storage). Rows and scales in one tensor, so every operation transformers' DynamicLayer
     does on its keys (appending, cropping, selecting or repeating the batch, offloading) keeps them
     together."""
 
@@ -41,7 +39,7 @@ class Int8Layer(DynamicLayer):
         (int8, rows then scales), which only mha's attention function reads."""
         for name, x in (("key_states", key_states), ("value_states", value_states)):
             _checks.rank(name, _checks.floating(name, x), (4,), "(batch, kv heads, length, head_dim)")
-        return super().update(_with_scales(key_states), _with_scales(value_states))
+        return super().update(storage.store(key_states, True), storage.store(value_states, True))
 
 
 class Int8Cache(Cache):
@@ -53,24 +51,6 @@ class Int8Cache(Cache):
         super().__init__(layer_class_to_replicate=Int8Layer)
 
 
-def _with_scales(x: Tensor) -> Tensor:
-    """x (B, Hkv, L, D) floating -> (B, Hkv, L, D + 4) int8: each row's int8 values, then its scale's bytes."""
-    data, scales = quantize_int8(x)  # (B, Hkv, L, D) int8, (B, Hkv, L) float32
-    return torch.cat([data, scales[..., None].view(torch.int8)], dim=-1)  # (B, Hkv, L, 1) float32 -> (B, Hkv, L, 4) int8
-
-
-def _rows_and_scales(name: str, x: Tensor) -> tuple[Tensor, Tensor]:
-    """An Int8Layer's (B, Hkv, S, X + 4) int8 -> its rows (B, Hkv, S, X) int8 (a view) and scales (B, Hkv, S) float32."""
-    if x.dim() != 4 or x.shape[-1] <= _SCALE_BYTES:
-        raise ValueError(f"{name} is int8 {tuple(x.shape)}: mha reads int8 keys and values only as an Int8Cache "
-                         f"stores them, (batch, kv heads, length, head_dim + {_SCALE_BYTES})")
-    width = x.shape[-1] - _SCALE_BYTES
-    scale_bytes = x[..., width:]  # (B, Hkv, S, 4)
-    if width % _SCALE_BYTES or x.stride(-1) != 1 or x.storage_offset() % _SCALE_BYTES:
-        scale_bytes = scale_bytes.contiguous()  # (a view as float32 needs its strides in whole floats)
-    return x[..., :width], scale_bytes.view(torch.float32)[..., 0]  # (B, Hkv, S, 1) float32 -> (B, Hkv, S)
-
-
 def int8_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, *, scaling, softcap, s_aux,
                     dropout, position_bias, output_attentions) -> tuple[Tensor, None]:
     """attention_forward over an Int8Cache: each sequence's rows attend bottom-right over its keys, read
@@ -78,16 +58,17 @@ def int8_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_
     _checks.rank("query", _checks.floating("query", query), (4,), "(batch, heads, length, head_dim)")
     if value.dtype != torch.int8:
         raise TypeError(f"key is int8 (an Int8Cache's) but value is {value.dtype}: both come from the same cache")
-    (k8, k_scales), (v8, v_scales) = _rows_and_scales("key", key), _rows_and_scales("value", value)
     B, H, L, S = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
     if (module.training and dropout) or output_attentions or position_bias is not None:
         raise ValueError("an Int8Cache serves inference: no dropout, no output_attentions, no position_bias")
-    if k8.shape[0] != B or k8.shape[-1] != query.shape[-1] or v8.shape[:3] != k8.shape[:3]:
-        raise ValueError(f"key {tuple(k8.shape)} and value {tuple(v8.shape)} (without their scales) do not fit "
-                         f"query {tuple(query.shape)}")
+    if (key.dim() != 4 or value.dim() != 4 or key.shape[0] != B or key.shape[-1] != query.shape[-1] + storage.SCALE_BYTES
+            or value.shape[:3] != key.shape[:3] or value.shape[-1] <= storage.SCALE_BYTES):
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} int8 do not fit query "
+                         f"{tuple(query.shape)}: an Int8Cache keeps (batch, kv heads, length, head_dim + "
+                         f"{storage.SCALE_BYTES}), each row then its scale (mha.kernels.storage)")
     contract = from_keywords(query, H, band=_int8_band(attention_mask, module, L=L, S=S), scale=scaling, softcap=softcap,
                              sinks=s_aux, head_dim="1", names={"scale": "scaling", "sinks": "s_aux"})
-    out = batch_paged_attention(query, k8, v8, contract, k_scales=k_scales, v_scales=v_scales)
+    out = batch_paged_attention(query, key, value, contract)  # the rows and their scales read where they lie
     return out.transpose(1, 2).contiguous(), None  # (B, H, L, Dv) -> (B, L, H, Dv)
 
 

@@ -1452,12 +1452,14 @@ struct PagePool {
   int64_t k_page, k_head, k_slot, v_page, v_head, v_slot;
 };
 
-// An 8-bit pool's scales (N, Hkv, P): slot i of kv head h in page p holds its row times
-// scale[p * page + h * head + i * slot] (one float per (token, head)); null for a float pool.
+// An 8-bit pool's scales (N, Hkv, P), one float per (token, head), each pool's with strides of its own
+// (kept after each row, mha.kernels.storage: a float view of the pages, (D + 4) / 4 floats a slot for
+// keys, (Dv + 4) / 4 for values): slot i of kv head h in page p holds its key row times
+// k[p * k_page + h * k_head + i * k_slot], its value row times v[... v strides]; null for a float pool.
 struct PageScales {
   const void* k = nullptr;
   const void* v = nullptr;
-  int64_t page = 0, head = 0, slot = 0;  // the same strides for both (checked)
+  int64_t k_page = 0, k_head = 0, k_slot = 0, v_page = 0, v_head = 0, v_slot = 0;
 };
 
 
@@ -1476,7 +1478,7 @@ struct PagedProducts {
   static constexpr bool kScaled = true;  // the queries are packed scaled
   static constexpr bool kQuantized = std::is_same_v<pool_t, int8_t>;
   // keys first.. of the tile, at these offsets in the pools (and in the scales, for an 8-bit pool)
-  struct Run { int64_t first, count, k_at, v_at, scale_at; };
+  struct Run { int64_t first, count, k_at, v_at, k_scale_at, v_scale_at; };
 
   const pool_t* k;
   const pool_t* v;
@@ -1510,20 +1512,23 @@ struct PagedProducts {
       const int64_t count = std::min(j0 + n, j - slot + pool.block) - j;
       const int64_t k_at = page * pool.k_page + kv_head * pool.k_head + slot * pool.k_slot;
       const int64_t v_at = page * pool.v_page + kv_head * pool.v_head + slot * pool.v_slot;
-      const int64_t scale_at = page * scales.page + kv_head * scales.head + slot * scales.slot;
+      const int64_t k_scale_at = page * scales.k_page + kv_head * scales.k_head + slot * scales.k_slot;
+      const int64_t v_scale_at = page * scales.v_page + kv_head * scales.v_head + slot * scales.v_slot;
       Run* last = runs.empty() ? nullptr : &runs.back();
+      // one run while the keys, the values and (8-bit) both scale pools all continue where the last one ends
       if (last && last->k_at + last->count * pool.k_slot == k_at && last->v_at + last->count * pool.v_slot == v_at &&
-          last->scale_at + last->count * scales.slot == scale_at)
+          last->k_scale_at + last->count * scales.k_slot == k_scale_at &&
+          last->v_scale_at + last->count * scales.v_slot == v_scale_at)
         last->count += count;  // the next page follows this one in the pool
       else
-        runs.push_back({j - j0, count, k_at, v_at, scale_at});
+        runs.push_back({j - j0, count, k_at, v_at, k_scale_at, v_scale_at});
       j += count;
     }
   }
   // ``count`` rows of width X from base + at (row stride ld) as acc_t: in place, or converted (8-bit
-  // rows times their scales, from row_scales, ``scales.slot`` apart).
+  // rows times their scales, from row_scales, scale_ld apart).
   std::pair<const acc_t*, int64_t> rows_of(const pool_t* base, int64_t at, int64_t count, int64_t X, int64_t ld,
-                                           const acc_t* row_scales) {
+                                           const acc_t* row_scales, int64_t scale_ld) {
     if constexpr (std::is_same_v<pool_t, acc_t>) {
       return {base + at, ld};
     } else {
@@ -1532,7 +1537,7 @@ struct PagedProducts {
         const pool_t* src = base + at + i * ld;
         acc_t* dst = converted.data() + i * X;
         if constexpr (kQuantized) {
-          const acc_t factor = row_scales[i * scales.slot];
+          const acc_t factor = row_scales[i * scale_ld];
           for (int64_t d = 0; d < X; ++d) dst[d] = static_cast<acc_t>(src[d]) * factor;
         } else {
           for (int64_t d = 0; d < X; ++d) dst[d] = static_cast<acc_t>(src[d]);
@@ -1541,8 +1546,8 @@ struct PagedProducts {
       return {converted.data(), X};
     }
   }
-  const acc_t* scales_of(const void* base, const Run& run) const {
-    return kQuantized ? static_cast<const acc_t*>(base) + run.scale_at : nullptr;
+  const acc_t* scales_of(const void* base, int64_t at) const {
+    return kQuantized ? static_cast<const acc_t*>(base) + at : nullptr;
   }
   // Ask for the rows of keys [a, b) (below S_b) ahead of their use, into the second-level cache: pages lie
   // anywhere in the pool, where the hardware's prefetcher, which follows steadily rising addresses, does not go.
@@ -1566,11 +1571,12 @@ struct PagedProducts {
     for (size_t x = 0; x < runs.size(); ++x) {
       const Run& run = runs[x];
       if (R <= kRunLoopRows) {  // the pool's rows as they are, widened in registers
-        run_scores(R, run.count, D, qr.data(), k + run.k_at, pool.k_slot, s + run.first, n, scales_of(scales.k, run),
-                   scales.slot);
+        run_scores(R, run.count, D, qr.data(), k + run.k_at, pool.k_slot, s + run.first, n,
+                   scales_of(scales.k, run.k_scale_at), scales.k_slot);
         continue;
       }
-      const auto [keys, ld] = rows_of(k, run.k_at, run.count, D, pool.k_slot, scales_of(scales.k, run));
+      const auto [keys, ld] = rows_of(k, run.k_at, run.count, D, pool.k_slot, scales_of(scales.k, run.k_scale_at),
+                                      scales.k_slot);
       gemm_nn(run.count, R, D, keys, ld, qt.data(), kBlockQ, st.data() + run.first * R, R, false);
     }
     if (R > kRunLoopRows)  // S^T (n x R) -> s (R x n), in blocks of 8 x 8 (in the first-level cache)
@@ -1583,11 +1589,12 @@ struct PagedProducts {
   void add_values(int64_t, int64_t R, int64_t, int64_t n, const acc_t* p, acc_t* acc) {  // the runs of scores()
     for (const Run& run : runs) {
       if (R <= kRunLoopRows) {
-        run_values(R, run.count, Dv, p + run.first, n, v + run.v_at, pool.v_slot, acc, scales_of(scales.v, run),
-                   scales.slot);
+        run_values(R, run.count, Dv, p + run.first, n, v + run.v_at, pool.v_slot, acc,
+                   scales_of(scales.v, run.v_scale_at), scales.v_slot);
         continue;
       }
-      const auto [values, ld] = rows_of(v, run.v_at, run.count, Dv, pool.v_slot, scales_of(scales.v, run));
+      const auto [values, ld] = rows_of(v, run.v_at, run.count, Dv, pool.v_slot, scales_of(scales.v, run.v_scale_at),
+                                        scales.v_slot);
       gemm_nn(R, Dv, run.count, p + run.first, n, values, ld, acc, Dv, true);
     }
   }
@@ -1956,11 +1963,9 @@ std::vector<Tensor> paged_forward(const Tensor& q, const Tensor& k_pages, const 
   const PagePool pool{P, k_page, k_head, k_slot, v_page, v_head, v_slot};
   PageScales page_scales;
   if (quantized) {
-    const auto k_strides = scale_strides(*k_scales, k_pages, acc_type, "k_scales");
-    TORCH_CHECK(k_strides == scale_strides(*v_scales, v_pages, acc_type, "v_scales"),
-                "mha paged: k_scales and v_scales must have the same strides");
-    page_scales = {k_scales->data_ptr(), v_scales->data_ptr(), std::get<0>(k_strides), std::get<1>(k_strides),
-                   std::get<2>(k_strides)};
+    const auto [kp, kh, ks] = scale_strides(*k_scales, k_pages, acc_type, "k_scales");
+    const auto [vp, vh, vs] = scale_strides(*v_scales, v_pages, acc_type, "v_scales");
+    page_scales = {k_scales->data_ptr(), v_scales->data_ptr(), kp, kh, ks, vp, vh, vs};
   }
   const PagedCall call{H, Hkv, D, Dv, cu, seqlens, pages, M};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_paged_forward", [&] {

@@ -1,0 +1,70 @@
+"""What a cache keeps of keys and values: one layout, whoever keeps them.
+
+    kept (..., T, X) floating     the rows as they came
+    kept (..., T, X + 4) int8     8-bit: each row's X values quantized (mha.kernels.quantize: one float32
+                                  scale per row), then the 4 bytes of that scale
+
+mha.KVCache, mha.PagedKVCache and transformers' Int8Cache (mha.integrations.transformers) keep their
+keys and values so, as plain tensors: whatever a cache does along its slots (append, crop, select a
+batch, copy a page, offload) keeps each row with its scale. Attention reads them where they lie:
+``split`` gives the rows and their scales as views (a copy of the scales only where the bytes of a
+float are not where a float view can read them: X not a multiple of 4), which mha.kernels.paged_attention
+and its kernels take (the native kernel converts and scales each row as it reads it).
+
+    store(x, quantized)  -> kept           x (..., T, X) floating
+    split(kept)          -> (rows (..., T, X), scales (..., T) float32, or None for floating rows)
+    load(kept, dtype)    -> (..., T, X) in dtype: dequantized where 8-bit (the reference's way)
+    width(kept)          -> X
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .quantize import dequantize, quantize_int8
+
+__all__ = ["SCALE_BYTES", "load", "quantized", "split", "store", "width"]
+
+SCALE_BYTES = 4  # a float32 scale, kept as four int8 after its row
+
+
+def quantized(kept: Tensor) -> bool:
+    """Whether ``kept`` holds 8-bit rows (int8, each with its scale)."""
+    return kept.dtype == torch.int8
+
+
+def store(x: Tensor, quantized: bool) -> Tensor:
+    """x (..., T, X) floating as a cache keeps it: as it is, or (quantized) (..., T, X + 4) int8."""
+    if not quantized:
+        return x
+    data, scales = quantize_int8(x)  # (..., T, X) int8, (..., T) float32
+    return torch.cat([data, scales[..., None].view(torch.int8)], dim=-1)  # (..., T, 1) float32 -> (..., T, 4) int8
+
+
+def width(kept: Tensor) -> int:
+    """X, the width of the rows kept."""
+    return kept.shape[-1] - SCALE_BYTES if quantized(kept) else kept.shape[-1]
+
+
+def split(kept: Tensor, name: str = "kept") -> tuple[Tensor, Tensor | None]:
+    """(rows (..., T, X), scales (..., T) float32 or None): views of what is kept (the scales copied
+    out where a float view cannot read them: X, the row stride or the offset not in whole floats)."""
+    if not quantized(kept):
+        return kept, None
+    if kept.dim() < 1 or kept.shape[-1] <= SCALE_BYTES:
+        raise ValueError(f"{name} is int8 {tuple(kept.shape)}: 8-bit rows are kept as (..., length, width + "
+                         f"{SCALE_BYTES}), each row's values then its float32 scale (mha.kernels.storage)")
+    X = kept.shape[-1] - SCALE_BYTES
+    scale_bytes = kept[..., X:]  # (..., T, 4)
+    floats = X % SCALE_BYTES == 0 and kept.stride(-1) == 1 and kept.storage_offset() % SCALE_BYTES == 0 and all(
+        stride % SCALE_BYTES == 0 for stride in kept.stride()[:-1])
+    if not floats:
+        scale_bytes = scale_bytes.contiguous()
+    return kept[..., :X], scale_bytes.view(torch.float32)[..., 0]  # (..., T, 1) float32 -> (..., T)
+
+
+def load(kept: Tensor, dtype: torch.dtype) -> Tensor:
+    """The rows in ``dtype`` (float32 or float64 arithmetic for 8-bit ones: mha.kernels.quantize.dequantize)."""
+    rows, scales = split(kept)
+    return rows.to(dtype) if scales is None else dequantize(rows, scales, dtype)

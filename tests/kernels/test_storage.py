@@ -1,0 +1,133 @@
+"""mha.kernels.storage, the one layout of kept keys and values (int8 rows, each followed by its
+float32 scale's bytes) and paged attention reading it where it lies: every backend against float64
+attention over the dequantized rows, whatever the strides of the two scale pools."""
+
+import pytest
+import torch
+
+from mha.kernels import native, paged_attention, storage
+from mha.kernels.contract import from_keywords
+from mha.kernels.quantize import dequantize, quantize_int8
+
+BACKENDS = ["math"] + (["native"] if native.native_available() else [])
+
+
+@pytest.mark.parametrize("X", [1, 3, 4, 5, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_a_kept_row_is_its_int8_values_then_its_float32_scale(X, dtype):
+    x = (torch.randn(2, 3, 7, X, generator=torch.Generator().manual_seed(X)) * 5).to(dtype)
+    kept = storage.store(x, True)
+    assert kept.dtype == torch.int8 and kept.shape == (2, 3, 7, X + 4) and storage.width(kept) == X
+    rows, scales = storage.split(kept)
+    data, want_scales = quantize_int8(x)
+    assert torch.equal(rows, data) and scales.dtype == torch.float32 and torch.equal(scales, want_scales)
+    assert rows.data_ptr() == kept.data_ptr()  # the rows are a view
+    assert (scales.data_ptr() == kept.data_ptr() + X) == (X % 4 == 0)  # the scales too, where floats can read them
+    assert torch.equal(storage.load(kept, torch.float64), dequantize(data, want_scales, torch.float64))
+    assert storage.store(x, False) is x and storage.split(x) == (x, None) and storage.width(x) == X
+
+
+def test_int8_levels_are_computed_in_float32_whatever_the_rows_dtype():
+    """bfloat16 rows are quantized as their float32 values: a bfloat16 division lands rows a level
+    off, and its scales would not be float32."""
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(1)).bfloat16()
+    rows, scales = storage.split(storage.store(x, True))
+    wide = x.float()
+    amax = wide.abs().amax(-1)
+    assert scales.dtype == torch.float32 and torch.equal(scales, amax / 127)
+    assert torch.equal(rows, (wide / (amax / 127)[:, None]).round().to(torch.int8))
+    low = (x / (x.abs().amax(-1) / 127)[:, None]).round().to(torch.int8)  # the same levels computed in bfloat16
+    assert not torch.equal(rows, low)  # (the planted change this test is here to catch differs)
+
+
+def test_views_of_kept_rows_keep_each_row_with_its_scale():
+    """What a cache does along its slots (narrow, select a batch, every other slot) keeps the scales."""
+    x = torch.randn(3, 2, 9, 8, generator=torch.Generator().manual_seed(2))
+    kept, (data, scales) = storage.store(x, True), quantize_int8(x)
+    for index in ((slice(None), slice(None), slice(2, 7)), ([2, 0],), (slice(None), slice(None), slice(None, None, 2)),
+                  (slice(1, None), slice(1, None))):
+        rows, got = storage.split(kept[index])
+        assert torch.equal(rows, data[index]) and torch.equal(got, scales[index])
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (2, 3, 3)])
+def test_int8_that_is_not_kept_rows_is_refused(shape):
+    with pytest.raises(ValueError, match=r"kept as \(\.\.\., length, width \+ 4\)"):
+        storage.split(torch.zeros(*shape[:-1], 4 if len(shape) == 2 else 3, dtype=torch.int8))
+
+
+def _pages(*, N=9, Hkv=2, P=4, D=8, Dv=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(N, Hkv, P, D, generator=g) * 3, torch.randn(N, Hkv, P, Dv, generator=g)
+    return k, v
+
+
+def _reference(q, k_kept, v_kept, table, cu, lengths, **terms):
+    """float64 attention over the dequantized pages, each sequence alone (the math backend)."""
+    wide = {n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in terms.items()}
+    return paged_attention(q.double(), storage.load(k_kept, torch.float64), storage.load(v_kept, torch.float64),
+                           table, cu, lengths, backend="math", **wide)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("P", "D", "Dv"), [(4, 8, 4), (1, 8, 4), (1, 5, 9), (3, 64, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@torch.no_grad()
+def test_kept_int8_pages_attend_like_float64_over_their_dequantized_rows(backend, P, D, Dv, dtype):
+    """Keys and values of different widths (so their scale pools have different strides), pages of
+    one slot with two kv heads, pages laid out in and out of order (runs that merge and runs that do
+    not), float64 queries through the public entry: each within its dtype's rounding of float64."""
+    k, v = _pages(P=P, D=D, Dv=Dv, N=40 // P + 4)
+    k_kept, v_kept = storage.store(k, True), storage.store(v, True)
+    N = k.shape[0]
+    table = torch.stack([torch.arange(N), torch.arange(N).flip(0)])  # in order (runs merge), reversed (they do not)
+    lengths = torch.tensor([N * P - 1, N * P - 3])
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 4, D, generator=g).to(dtype)
+    cu = torch.tensor([0, 1, 3])
+    terms = dict(window=(N * P // 2, 0), sinks=torch.randn(4, generator=g), softcap=4.0)
+    if backend == "native" and dtype == torch.float64:  # (auto takes float64 to math: the native entry itself)
+        got = native.paged_attention_native(q, k_kept, v_kept, table, cu, lengths, from_keywords(q, 4, **terms))
+    else:
+        got = paged_attention(q, k_kept, v_kept, table, cu, lengths, backend=backend, **terms)
+    want = _reference(q, k_kept, v_kept, table, cu, lengths, **terms)
+    tolerance = {torch.float32: 2e-6, torch.float64: 1e-12, torch.bfloat16: 2e-2}[dtype]
+    assert got.dtype == dtype and (got.double() - want).abs().max().item() <= tolerance
+    if dtype != torch.float64:
+        (k8, ks), (v8, vs) = storage.split(k_kept), storage.split(v_kept)
+        apart = paged_attention(q, k8, v8, table, cu, lengths, backend=backend, k_scales=ks.contiguous(),
+                                v_scales=vs.contiguous(), **terms)
+        assert torch.equal(got, apart)  # the scales where they lie read as the scales apart
+
+
+@pytest.mark.parametrize(("k_width", "scales", "message"), [
+    (8, {}, r"k_pages is int8 \(5, 2, 4, 8\) without its scales: 8-bit pages are kept as \(num_blocks, kv heads, "
+            r"block_size, 8 \+ 4\)"),
+    (12, {"k_scales": "k"}, "int8 pages need v_scales"),
+])
+def test_int8_pages_without_their_scales_are_refused_by_name(k_width, scales, message):
+    k, v = _pages(N=5)
+    k_kept, v_kept = storage.store(k, True), storage.store(v, True)
+    pages = k_kept[..., :k_width] if k_width == 8 else k_kept
+    extra = {name: storage.split(k_kept)[1] for name in scales}
+    with pytest.raises(ValueError, match=message):
+        paged_attention(torch.randn(1, 4, 8), pages, v_kept, torch.tensor([[0, 1]]), torch.tensor([0, 1]),
+                        torch.tensor([6]), **extra)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("permuted", ["k_scales", "v_scales"])
+@torch.no_grad()
+def test_a_run_of_pages_ends_where_either_scale_pool_stops_following_on(backend, permuted):
+    """Pages in order in the pool (keys and values one run), but one pool of scales laid out slot-major
+    (page after page does not follow on there): the kernel ends its run at each page for that pool."""
+    k, v = _pages(N=6, P=4, D=8, Dv=8)
+    (k8, ks), (v8, vs) = quantize_int8(k), quantize_int8(v)
+    scales = {"k_scales": ks, "v_scales": vs}
+    scales[permuted] = scales[permuted].permute(2, 1, 0).contiguous().permute(2, 1, 0)  # strides (1, N, N * Hkv)
+    table, lengths, cu = torch.arange(6)[None], torch.tensor([23]), torch.tensor([0, 2])
+    q = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(7))
+    got = paged_attention(q, k8, v8, table, cu, lengths, backend=backend, is_causal=False, **scales)
+    want = paged_attention(q.double(), dequantize(k8, ks, torch.float64), dequantize(v8, vs, torch.float64), table, cu,
+                           lengths, backend="math", is_causal=False)
+    assert (got.double() - want).abs().max().item() <= 2e-6

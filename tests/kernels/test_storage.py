@@ -117,16 +117,17 @@ def test_int8_pages_without_their_scales_are_refused_by_name(k_width, scales, me
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("permuted", ["k_scales", "v_scales"])
+@pytest.mark.parametrize("rows", [2, 12])  # a decoding step's few rows (read in registers), a chunk's (products)
 @torch.no_grad()
-def test_a_run_of_pages_ends_where_either_scale_pool_stops_following_on(backend, permuted):
-    """Pages in order in the pool (keys and values one run), but one pool of scales laid out slot-major
-    (page after page does not follow on there): the kernel ends its run at each page for that pool."""
-    k, v = _pages(N=6, P=4, D=8, Dv=8)
+def test_a_run_of_pages_ends_where_either_scale_pool_stops_following_on(backend, permuted, rows):
+    """Pages in order in a pool of one kv head (keys and values one run), but one pool of scales laid
+    out slot-major (page after page does not follow on there): the run ends at each page."""
+    k, v = _pages(N=6, Hkv=1, P=4, D=8, Dv=8)
     (k8, ks), (v8, vs) = quantize_int8(k), quantize_int8(v)
     scales = {"k_scales": ks, "v_scales": vs}
-    scales[permuted] = scales[permuted].permute(2, 1, 0).contiguous().permute(2, 1, 0)  # strides (1, N, N * Hkv)
-    table, lengths, cu = torch.arange(6)[None], torch.tensor([23]), torch.tensor([0, 2])
-    q = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(7))
+    scales[permuted] = scales[permuted].permute(2, 1, 0).contiguous().permute(2, 1, 0)  # strides (1, N, N)
+    table, lengths, cu = torch.arange(6)[None], torch.tensor([23]), torch.tensor([0, rows])
+    q = torch.randn(rows, 2, 8, generator=torch.Generator().manual_seed(7))
     got = paged_attention(q, k8, v8, table, cu, lengths, backend=backend, is_causal=False, **scales)
     want = paged_attention(q.double(), dequantize(k8, ks, torch.float64), dequantize(v8, vs, torch.float64), table, cu,
                            lengths, backend="math", is_causal=False)

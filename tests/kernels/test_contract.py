@@ -2,6 +2,7 @@
 single position rule (mha.numpy.contract), forward and gradients, over random contracts; what
 padding and causality promise; the dispatch; flash's dropout."""
 
+import dataclasses
 import math
 import os
 import shutil
@@ -807,3 +808,36 @@ def test_forward_mode_under_torch_func_jvp_equals_the_math_backend():
     math_ = torch.func.jvp(lambda q: kernels.attention(q, k, v, contract, backend="math")[0], (q,), (t,))
     for a, b in zip(auto, math_):
         assert_close(a, b)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Extended(Contract):
+    """The contract with one more field, as the next score term would add it."""
+    novel: float | None = None
+
+
+def test_a_new_contract_field_is_refused_by_every_backend_until_one_declares_it(monkeypatch):
+    """Every backend, every path (dense, with log-sum-exp, its gradient, weights, paged), refuses a
+    term it does not declare, by name; declaring it in one backend's TAKES lets that one take it."""
+    q = torch.randn(1, 2, 8, 4)
+    novel = _Extended(novel=2.0)
+    assert novel.terms == {"novel"}
+    for name in kernels.dispatch.BACKENDS:
+        assert "does not take novel" in kernels.dispatch.refusal(name, q, q, q, novel), name
+        with pytest.raises(ValueError, match=f"backend='{name}' cannot run this call: .*does not take novel"):
+            kernels.attention(q, q, q, novel, backend=name)
+    with pytest.raises(ValueError, match="no backend can run this call: math, the last resort, does not take novel"):
+        kernels.attention(q, q, q, novel)
+    with pytest.raises(ValueError, match="the attention weights of this call cannot be computed: math, the one "
+                                         "backend that returns them, does not take novel"):
+        kernels.attention(q, q, q, novel, need_weights=True)
+    with pytest.raises(ValueError, match="does not take novel"):
+        kernels.attention_with_lse(q, q, q, novel)
+    with pytest.raises(ValueError, match="no backend computes the gradients of this part: flash cannot .*novel"):
+        kernels.dispatch.backward_with_lse(q, q, q, novel, q, q[..., 0], q)
+    pages, table, cu, lengths = torch.randn(2, 2, 4, 4), torch.tensor([[0, 1]]), torch.tensor([0, 1]), torch.tensor([8])
+    with torch.no_grad(), pytest.raises(ValueError, match="paged math does not take novel"):
+        kernels.paged.attend_pages(q[0, :, :1].transpose(0, 1), pages, pages, table, cu, lengths, novel)
+    monkeypatch.setattr(kernels.math, "TAKES", kernels.math.TAKES | {"novel"})
+    assert kernels.dispatch.refusal("math", q, q, q, novel) is None
+    assert kernels.choose_backend("auto", q, q, q, novel)[0] == "math"

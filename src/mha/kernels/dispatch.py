@@ -41,7 +41,7 @@ from . import flash, flex, mods, native, sdpa, tuning
 from . import math as math_kernel
 from ._context import transforms_active
 from ._shapes import matched_kv_heads
-from .contract import NONE, TOP_LEFT_CAUSAL, Contract, resolve
+from .contract import NONE, TOP_LEFT_CAUSAL, Contract, resolve, undeclared
 from .flash import flash_attention, flash_attention_backward, flash_attention_with_lse
 from .flex import flex_attention, flex_attention_with_lse
 from .math import math_attention, paged_math_attention
@@ -181,6 +181,8 @@ def _choose(requested, q, k, v, contract, *, need_weights, dropout_p):
         if requested not in ("auto", "math"):
             raise ValueError(f"backend={requested!r} does not return attention weights; "
                              "use backend='math' or need_weights=False")
+        if no_math := undeclared(math_kernel.TAKES, contract, "math, the one backend that returns them,"):
+            raise ValueError(f"the attention weights of this call cannot be computed: {no_math}")
         choice = ("math", "attention weights requested: only the math backend returns them")
     elif requested != "auto":
         plan = sdpa.plan(q, k, v, contract, dropout_p) if requested == "sdpa" else None
@@ -195,6 +197,8 @@ def _choose(requested, q, k, v, contract, *, need_weights, dropout_p):
             choice = _auto_cpu(q, k, v, contract, dropout_p, plan)
         else:
             choice = _auto_off_cpu(q, k, v, contract, dropout_p, plan)
+        if choice[0] == "math" and (no_math := undeclared(math_kernel.TAKES, contract, "math, the last resort,")):
+            raise ValueError(f"no backend can run this call: {no_math}")
     _log_choice("", *choice)
     return (*choice, plan)
 
@@ -376,6 +380,8 @@ def backward_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract, out: 
         name, why = "sdpa", "torch's fused CPU kernel takes the part as it is"
         grads = sdpa.backward_with_lse(q, k, v, contract, out, lse, grad_out)
     else:
+        if no_flash := refusal("flash", q, k, v, contract):
+            raise ValueError(f"no backend computes the gradients of this part: flash cannot ({no_flash})")
         name, why = "flash", "a term torch's fused kernel lacks: flash takes every term"
         grads = flash_attention_backward(q, k, v, out, lse, grad_out, contract)[:4]
     _log_choice(" (backward with lse)", name, why)
@@ -384,12 +390,17 @@ def backward_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract, out: 
 
 # -- over KV-cache pages ------------------------------------------------------------------------
 
-def choose_paged_backend(requested: str, q: Tensor, k_pages: Tensor, v_pages: Tensor) -> tuple[str, str]:
+def choose_paged_backend(requested: str, q: Tensor, k_pages: Tensor, v_pages: Tensor,
+                         contract: Contract | None = None) -> tuple[str, str]:
     """(the backend mha.kernels.paged_attention runs, why): native, which reads each page in place,
     when it is built (never built here: native.ready) and takes the call; else math, the reference
-    (each sequence's keys gathered, dense). Raises ValueError for an unknown or unfit request."""
+    (each sequence's keys gathered, dense). Raises ValueError for an unknown or unfit request, or a
+    term neither declares (their PAGED_TAKES)."""
     _checks.one_of("backend", requested, ("auto", *PAGED_BACKENDS))
-    refusal = _paged_native_refusal(q, k_pages, v_pages)
+    contract = resolve(contract)
+    if requested in ("auto", "math") and (no_math := undeclared(math_kernel.PAGED_TAKES, contract, "paged math")):
+        raise ValueError(f"backend={requested!r} cannot run this paged call: {no_math}")
+    refusal = undeclared(native.PAGED_TAKES, contract) or _paged_native_refusal(q, k_pages, v_pages)
     if requested == "native":
         refusal = refusal or (None if native.native_available() else "the native kernel is not built here")
         if refusal:
@@ -422,7 +433,9 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
     """Run mha.kernels.paged_attention's checked call (q (Tq, H, D), pages, the block table (B, M)
     and lengths (B,) as int64 CPU tensors, terms: the contract's per-sequence terms; int8 pages with
     their scales) on the chosen backend: math dequantizes 8-bit pages first (the reference)."""
-    name, _ = choose_paged_backend(backend, q, k_pages, v_pages) if not OBSERVERS else ("math", "observed")
+    name, _ = choose_paged_backend(backend, q, k_pages, v_pages, terms) if not OBSERVERS else ("math", "observed")
+    if name == "math" and (no_math := undeclared(math_kernel.PAGED_TAKES, terms, "paged math")):
+        raise ValueError(f"paged attention cannot run this call: {no_math}")
     if name == "math":
         observe = _notify if OBSERVERS else None
         if k_scales is not None:

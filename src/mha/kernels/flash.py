@@ -33,13 +33,14 @@ from torch import Tensor
 from .. import masks
 from ._context import autocast_enabled, autocast_inputs, autograd_function_refusal
 from ._shapes import leads, matched_kv_heads, unflat
-from .contract import TERMS, Contract, resolve, undeclared
+from .contract import Contract, resolve, undeclared
 from .merge import sink_gradient
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "TAKES", "WINDOW_BLOCKS", "flash_attention", "flash_attention_backward",
            "flash_attention_with_lse", "unsupported"]
 
-TAKES = TERMS - {"score_mod", "mask_mod"}  # every term but the caller's functions (math and flex take them)
+# every term but the caller's functions (math and flex take them), named: a new field is refused until declared here
+TAKES = frozenset({"band", "positions", "key_valid", "mask", "alibi_slopes", "scale", "softcap", "sinks"})
 BLOCK_Q = 256
 BLOCK_K = 256
 WINDOW_BLOCKS = (64, 128)  # a sliding window: smaller blocks waste less work on its edges

@@ -15,11 +15,14 @@ from torch import Tensor
 from .. import masks, positions
 from ._context import autocast_enabled, autocast_inputs, forward_mode, may_branch_on_values, transforms_active
 from ._shapes import matched_kv_heads
-from .contract import TERMS, Contract, resolve, undeclared
+from .contract import Contract, resolve, undeclared
 
 __all__ = ["TAKES", "math_attention", "paged_math_attention", "safe_softmax", "unsupported"]
 
-TAKES = TERMS  # every term of the contract: the reference
+# every term of the contract, named (a field added to the Contract is refused until declared here): the reference
+TAKES = frozenset({"band", "positions", "key_valid", "mask", "alibi_slopes", "scale", "softcap", "sinks", "score_mod",
+                   "mask_mod"})
+PAGED_TAKES = frozenset({"band", "alibi_slopes", "scale", "softcap", "sinks"})  # paged_math_attention's: per sequence
 
 _OUT_OF_PLACE_BELOW = 1 << 15  # scores (elements) below which the in-place softmax allocates anyway
 

@@ -39,7 +39,7 @@ from torch import Tensor
 from . import merge, storage
 from ._context import autocast_inputs, autograd_function_refusal
 from ._shapes import leads, matched_kv_heads, unflat
-from .contract import TERMS, Contract, resolve, undeclared
+from .contract import Contract, resolve, undeclared
 
 __all__ = ["TAKES", "native_attention", "native_attention_with_lse", "native_available", "paged_attention_native", "ready",
            "sanitized", "unsupported", "variant"]
@@ -54,7 +54,10 @@ _FLAGS = {"avx512bf16": [*_AVX512, "-mavx512bf16", "-DMHA_AVX512_BF16"], "avx512
 # MHA_NATIVE_SANITIZE=1: a build of its own with AddressSanitizer and UBSan (docs/testing.md)
 _SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g", "-O1",
              "-D_GLIBCXX_ASSERTIONS", "-D_GLIBCXX_SANITIZE_VECTOR"]
-TAKES = TERMS - {"score_mod", "mask_mod"}  # every term but the caller's functions (math and flex take them)
+# every term but the caller's functions (math and flex take them), named: a new field is refused until declared
+# here and passed to the C++ kernel (_terms)
+TAKES = frozenset({"band", "positions", "key_valid", "mask", "alibi_slopes", "scale", "softcap", "sinks"})
+PAGED_TAKES = frozenset({"band", "alibi_slopes", "scale", "softcap", "sinks"})  # paged_attention_native's
 _UNBOUNDED = 2 ** 63 - 1  # the kernel's "no bound on this side of the band"
 
 

@@ -40,7 +40,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  enable_gqa: bool = False, *, backend: str = "auto",
                                  causal_alignment: str | None = None, window: tuple[int, int] | None = None,
                                  alibi_slopes: Tensor | None = None, softcap: float | None = None,
-                                 sinks: Tensor | None = None, score_mod=None, mask_mod=None) -> Tensor:
+                                 sinks: Tensor | None = None, logit_scale: Tensor | None = None, score_mod=None,
+                                 mask_mod=None) -> Tensor:
     """softmax(query key^T * scale + mask) value, as torch.nn.functional.scaled_dot_product_attention.
 
     query (..., L, D), key (..., S, D), value (..., S, Dv) -> (..., L, Dv).
@@ -62,6 +63,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
       softcap           c > 0: scores become c * tanh(scores / c) before ALiBi and masks (Gemma 2).
       sinks             (H,): one logit per head that joins every row's softmax and is then dropped
                         (GPT-OSS); differentiable.
+      logit_scale       (H,): each head's factor of its scaled scores q.k * scale (an inverse
+                        temperature, applied first); differentiable. On math, flash and flex.
       score_mod         score_mod(score, b, h, q_idx, kv_idx) -> score, FlexAttention's signature: a
                         term of your own, applied to the scaled score q.k * scale (before softcap,
                         ALiBi and attn_mask); b indexes the leading dims before the heads (flattened),
@@ -78,7 +81,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     # a plain call: the dispatch's per-call fast path (torch's kernel, when that is what auto would run)
     if (attn_mask is None and dropout_p.__class__ is float and dropout_p == 0.0 and scale is None
             and backend == "auto" and causal_alignment is None and window is None and alibi_slopes is None
-            and softcap is None and sinks is None and score_mod is None and mask_mod is None
+            and softcap is None and sinks is None and logit_scale is None and score_mod is None and mask_mod is None
             and (is_causal is False or is_causal is True)
             and (enable_gqa is False or enable_gqa is True)):
         out = kernels.dispatch.plain_sdpa(query, key, value, is_causal=is_causal, enable_gqa=enable_gqa)
@@ -88,7 +91,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         return _nested_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa, backend=backend, causal_alignment=causal_alignment,
                             window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
-                            score_mod=score_mod, mask_mod=mask_mod)
+                            logit_scale=logit_scale, score_mod=score_mod, mask_mod=mask_mod)
     query, key, value, unbatched = _at_least_3d(query, key, value)
     query, key, value = autocast_inputs(query, key, value)  # under torch.autocast, as torch's SDPA
     batch_shape = _check_sdpa_inputs(query, key, value, enable_gqa)
@@ -100,6 +103,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         causal_alignment = "bottom_right" if windowed or alibi_slopes is not None else "top_left"
     contract = from_keywords(
         query, H, is_causal=is_causal, window=window, alibi_slopes=alibi_slopes, scale=scale, softcap=softcap, sinks=sinks,
+        logit_scale=logit_scale,
         offset=positions.offset_of(causal_alignment, L, S),
         mask=masks.from_sdpa(attn_mask, L=L, S=S, batch_shape=batch_shape, like=query), score_mod=score_mod,
         mask_mod=mask_mod)
@@ -108,7 +112,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
 
 
 def _nested_sdpa(query, key, value, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, causal_alignment,
-                 window, alibi_slopes, softcap, sinks, score_mod, mask_mod) -> Tensor:
+                 window, alibi_slopes, softcap, sinks, logit_scale, score_mod, mask_mod) -> Tensor:
     """Nested query (B, H, j, D), key (B, Hkv, j', D), value (B, Hkv, j', Dv) (torch.nested, jagged
     as torch's SDPA takes them, or strided): packed, one call of varlen attention (no padding to the
     longest), the output nested like the query. Causality and windows align bottom-right within each
@@ -129,7 +133,8 @@ def _nested_sdpa(query, key, value, *, attn_mask, dropout_p, is_causal, scale, e
     if not _checks.flag("enable_gqa", enable_gqa) and k.shape[1] != q.shape[1]:
         raise ValueError(f"key has {k.shape[1]} heads and query {q.shape[1]}: pass enable_gqa=True to share them")
     out = varlen.varlen_attention(q, k, v, cu_q, cu_k, is_causal=is_causal, scale=scale, window=window,
-                                  alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, score_mod=score_mod,
+                                  alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, logit_scale=logit_scale,
+                                  score_mod=score_mod,
                                   mask_mod=mask_mod, backend=backend)
     return varlen.to_nested(out, cu_q, query, seq_dim=1)  # (Tq, H, Dv) -> (B, H, j, Dv)
 

@@ -23,6 +23,7 @@ import mha
 from mha import kernels
 from mha.functional import scaled_dot_product_attention as sdpa
 from mha.kernels import Contract, flex
+from mha.kernels.contract import LEARNED
 from mha.kernels.varlen import varlen_attention
 
 DEVICE = os.environ.get("MHA_TEST_DEVICE", "cuda")
@@ -83,6 +84,7 @@ def _cases():
         "alibi": ({"alibi_slopes": slopes}, False),
         "softcap": ({"softcap": 20.0, "is_causal": True}, False),
         "sinks": ({"sinks": torch.linspace(-1.0, 1.0, H, dtype=torch.float64), "is_causal": True}, False),
+        "logit_scale": ({"logit_scale": torch.linspace(-1.0, 3.0, H, dtype=torch.float64), "is_causal": True}, False),
         "everything": ({"window": (40, 0), "alibi_slopes": slopes, "softcap": 20.0, "attn_mask": padding,
                         "sinks": torch.linspace(-1.0, 1.0, H, dtype=torch.float64)}, False),
     }
@@ -97,7 +99,7 @@ def _on_device(options: dict, dtype) -> dict:
             moved[key] = x
         elif x.dtype == torch.bool:
             moved[key] = x.to(DEVICE)
-        elif key in ("alibi_slopes", "sinks"):
+        elif key in LEARNED:
             moved[key] = x.to(device=DEVICE, dtype=torch.float32).requires_grad_()
         else:
             moved[key] = x.to(device=DEVICE, dtype=dtype)
@@ -138,7 +140,7 @@ def test_sdpa_forward_and_gradients_within_the_rule(case, dtype):
     (q, k, v), leaves = _leaves(dtype)
     want = sdpa(q, k, v, enable_gqa=True, backend="math", **options)
     cotangent = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    learned = {key: x for key, x in options.items() if key in ("alibi_slopes", "sinks")}
+    learned = {key: x for key, x in options.items() if key in LEARNED}
     want_grads = torch.autograd.grad(sdpa(*(x.requires_grad_() for x in (q, k, v)), enable_gqa=True, backend="math",
                                           **{**options, **{n: x.requires_grad_() for n, x in learned.items()}}),
                                      (q, k, v, *learned.values()), cotangent)
@@ -149,7 +151,10 @@ def test_sdpa_forward_and_gradients_within_the_rule(case, dtype):
         theirs = _torch_call(leaves, moved)
     else:
         theirs = sdpa(*leaves, enable_gqa=True, backend="math", **moved)
-        floors = _plain_errors(dtype, cotangent) + [0.0, 0.0]
+        plain = _plain_errors(dtype, cotangent)
+        # learned terms: no floor, but logit_scale, which torch's kernel takes folded into q: its gradient is
+        # sum(q * torch's dq), as rounded as dq itself
+        floors = plain + [plain[1] if n == "logit_scale" else 0.0 for n in learned]
     assert ours.dtype == dtype and torch.isfinite(ours).all()
     assert_within_rule(ours, want, theirs, f"{case} {dtype} forward", floor=floors[0])
     if case == "bool mask, a row sees nothing":
@@ -248,19 +253,21 @@ def test_compile_fullgraph_takes_every_term(term):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [L, 4], ids=["block mask", "decoding rows"])
 def test_flex_compiled_equals_math_forward_and_gradients(rows, dtype):
-    """Every term at once (window, offset, ALiBi, softcap, sinks, padding, a score_mod over a learned
+    """Every term at once (window, offset, ALiBi, logit_scale, softcap, sinks, padding, a score_mod over a learned
     table, a mask_mod), GQA and Dv != D, on the compiled kernel against float64."""
     (q, k, v), leaves = _leaves(dtype, L=rows, Dv=32)
     g = torch.Generator().manual_seed(3)
     slopes, sinks = torch.rand(H, generator=g, dtype=torch.float64), torch.randn(H, generator=g, dtype=torch.float64)
+    factors = torch.linspace(0.5, 2.0, H, dtype=torch.float64)
     table = torch.randn(H, 512, generator=g, dtype=torch.float64)
     padding = torch.rand(B, S, generator=g) < 0.9
 
     def contract_on(device, dtype_of_terms):
-        t, s, a = (x.to(device=device, dtype=dtype_of_terms).requires_grad_() for x in (table, sinks, slopes))
+        t, s, a, f = (x.to(device=device, dtype=dtype_of_terms).requires_grad_() for x in (table, sinks, slopes, factors))
         return Contract(band=mha.positions.Band(48, 0), offset=S - rows, alibi_slopes=a, sinks=s, softcap=15.0,
+                        logit_scale=f,
                         key_valid=padding.to(device), score_mod=lambda x, b, h, i, j: x + t[h, (i - j) % 512],
-                        mask_mod=lambda b, h, i, j: (i + j) % 7 != 3), (t, s, a)
+                        mask_mod=lambda b, h, i, j: (i + j) % 7 != 3), (t, s, a, f)
 
     reference, ref_terms = contract_on("cpu", torch.float64)
     want = kernels.attention(q, k, v, reference, backend="math")[0]
@@ -268,11 +275,11 @@ def test_flex_compiled_equals_math_forward_and_gradients(rows, dtype):
     ours = kernels.attention(*leaves, contract, backend="flex")[0]
     yardstick = kernels.attention(*leaves, contract, backend="math")[0]
     cotangent = torch.randn(want.shape, generator=g, dtype=torch.float64)
-    floors = _plain_errors(dtype, torch.randn(B, H, L, D, generator=g, dtype=torch.float64)) + [0.0] * 3
+    floors = _plain_errors(dtype, torch.randn(B, H, L, D, generator=g, dtype=torch.float64)) + [0.0] * 4
     assert_within_rule(ours, want, yardstick, f"flex {dtype}", floor=floors[0])
     want_grads = torch.autograd.grad(kernels.attention(*(x.requires_grad_() for x in (q, k, v)), reference,
                                                        backend="math")[0], (q, k, v, *ref_terms), cotangent)
-    for name, a, b, w, floor in zip(("dq", "dk", "dv", "table", "sinks", "slopes"),
+    for name, a, b, w, floor in zip(("dq", "dk", "dv", "table", "sinks", "slopes", "logit_scale"),
                                     _grads(ours, (*leaves, *terms), cotangent.to(DEVICE)),
                                     _grads(yardstick, (*leaves, *terms), cotangent.to(DEVICE)), want_grads, floors[1:]):
         assert_within_rule(a, w, b, f"flex {dtype} {name}", floor=floor)

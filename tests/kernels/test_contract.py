@@ -20,6 +20,7 @@ from helpers.tolerance import assert_close, assert_within_torch_error
 from mha import kernels, positions
 from mha import numpy as oracle
 from mha.kernels import Contract
+from mha.kernels.contract import LEARNED
 from mha.positions import Band
 
 EXACT = ["math", "flash", "sdpa", "auto"]
@@ -85,6 +86,8 @@ def contracts(draw):
         terms["sinks"] = _tensor((H,), g)
     if draw(st.booleans()):
         terms["scale"] = draw(st.sampled_from([0.1, 1.0]))
+    if draw(st.booleans()):
+        terms["logit_scale"] = _tensor((H,), g) * 2
     return q, k, v, Contract(**terms)
 
 
@@ -93,7 +96,8 @@ def _oracle_terms(contract: Contract) -> dict:
     as_numpy = lambda t: None if t is None else t.numpy()  # noqa: E731
     terms = dict(band=contract.band, offset=contract.offset, key_valid=as_numpy(contract.key_valid),
                  mask=as_numpy(contract.mask), alibi_slopes=as_numpy(contract.alibi_slopes),
-                 scale=contract.scale, softcap=contract.softcap, sinks=as_numpy(contract.sinks))
+                 scale=contract.scale, softcap=contract.softcap, sinks=as_numpy(contract.sinks),
+                 logit_scale=as_numpy(contract.logit_scale))
     if contract.positions is not None:
         terms["query_positions"], terms["key_positions"] = (p.numpy() for p in contract.positions)
     return terms
@@ -106,7 +110,7 @@ def _run(backend, q, k, v, contract):
 
 def _with_grad(contract: Contract) -> Contract:
     return contract.replace(**{name: getattr(contract, name).clone().requires_grad_()
-                               for name in ("alibi_slopes", "sinks") if getattr(contract, name) is not None})
+                               for name in LEARNED if getattr(contract, name) is not None})
 
 
 @given(contracts(), st.sampled_from(EXACT))
@@ -124,14 +128,13 @@ def test_every_backend_equals_the_reference_forward_and_gradients(case, backend)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     contract = _with_grad(contract)
     out = _run(backend, q, k, v, contract)
-    terms = _oracle_terms(contract.replace(alibi_slopes=_detached(contract.alibi_slopes),
-                                           sinks=_detached(contract.sinks)))
+    terms = _oracle_terms(contract.replace(**{name: _detached(getattr(contract, name)) for name in LEARNED}))
     arrays = [t.detach().numpy() for t in (q, k, v)]
     want, _ = oracle.contract_attention(*arrays, **terms)
     assert_close(out.detach().numpy(), want, chain=True)
     grad_out = torch.randn_like(out)
     wanted = oracle.contract_attention_vjp(*arrays, grad_out.numpy(), **terms)
-    inputs = {"q": q, "k": k, "v": v, "alibi_slopes": contract.alibi_slopes, "sinks": contract.sinks}
+    inputs = {"q": q, "k": k, "v": v, **dict(zip(LEARNED, contract.learned))}
     inputs = {name: t for name, t in inputs.items() if t is not None}
     if out.numel() == 0:
         return

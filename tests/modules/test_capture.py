@@ -144,10 +144,11 @@ def test_what_cannot_be_recorded_is_refused_by_name():
     q = torch.randn(1, 2, 6, 8)
     with mha.capture_attention(), pytest.raises(ValueError, match="ring attention cannot be recorded"):
         ring_attention(q, q, q, SequenceLayout(6))
-    with mha.explorer.record() as recording, pytest.raises(ValueError, match="a call with score_mod or mask_mod cannot "
-                                                                             "be recorded"):
-        mha.functional.scaled_dot_product_attention(q, q, q, score_mod=lambda s, b, h, i, j: s)
-    assert not recording.calls
+    for term in (dict(score_mod=lambda s, b, h, i, j: s), dict(logit_scale=torch.ones(2))):
+        with mha.explorer.record() as recording, pytest.raises(
+                ValueError, match=f"its breakdown does not take {next(iter(term))}: this call cannot be recorded"):
+            mha.functional.scaled_dot_product_attention(q, q, q, **term)
+        assert not recording.calls
     with mha.capture_attention() as maps:  # its weights are what capture keeps
         mha.functional.scaled_dot_product_attention(q, q, q, mask_mod=lambda b, h, i, j: i >= j)
     assert not maps["attention"][0].triu(1).any()

@@ -225,11 +225,11 @@ def test_constructor_names_the_bad_argument(options, error, message):
 
 
 EFFICIENT_REFUSED = "an efficient attention variant does not combine with rope, alibi, window, softcap, sinks, " \
-    "add_bias_kv or add_zero_attn"
+    "logit_scale, add_bias_kv or add_zero_attn"
 
 
 @pytest.mark.parametrize("option", [dict(rope=mha.RotaryEmbedding(2)), dict(alibi=True), dict(window=(1, 0)),
-                                    dict(softcap=2.0), dict(sinks=True), dict(add_bias_kv=True),
+                                    dict(softcap=2.0), dict(sinks=True), dict(logit_scale=True), dict(add_bias_kv=True),
                                     dict(add_zero_attn=True)], ids=str)
 def test_an_efficient_variant_refuses_each_exact_only_feature(option):
     with raises_exactly(ValueError, EFFICIENT_REFUSED):

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .. import positions
 from ..kernels import dispatch
-from ..kernels.contract import Contract
+from ..kernels.contract import Contract, undeclared
 
 __all__ = ["AttentionCall", "Recording", "capture_attention", "record"]
 
@@ -190,14 +190,18 @@ class capture_attention(_Watch):  # noqa: N801  (used like a function: with capt
             self.maps[name].append(heads.reshape(-1, *heads.shape[-3:]))  # (..., H, L, S) -> (B, H, L, S)
 
 
+# the terms a row's breakdown shows (page.js); a call with any other (the caller's functions, logit_scale) is refused
+EXPLAINS = frozenset({"band", "positions", "key_valid", "mask", "alibi_slopes", "scale", "softcap", "sinks"})
+
+
 def call_of(name: str, q: Tensor, k: Tensor, v: Tensor, contract: Contract, out: Tensor,
             weights: Tensor, *, dropout_p: float = 0.0) -> AttentionCall:
     """An AttentionCall of one dispatch call: q (..., H, L, D) with any batch dims (none: one sequence)."""
     if q.dim() < 3:
         raise ValueError(f"the explorer records calls with a head dim: q (..., H, L, D), got shape {tuple(q.shape)}")
-    if contract.score_mod is not None or contract.mask_mod is not None:
-        raise ValueError("the explorer breaks a score down into mha's own terms: a call with score_mod or mask_mod "
-                         "cannot be recorded (mha.capture_attention records its weights)")
+    if extra := undeclared(EXPLAINS, contract, "its breakdown"):
+        raise ValueError(f"the explorer breaks a score down into the terms it knows, and {extra}: this call cannot "
+                         "be recorded (mha.capture_attention records its weights)")
     batch = q.shape[:-3]
     sequences = math.prod(batch)
 

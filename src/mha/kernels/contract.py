@@ -2,7 +2,8 @@
 
 It says which keys each query sees and how its scores are shaped before the softmax:
 
-    s = (q . k) * scale                          scale: 1 / sqrt(D) unless given
+    s = (q . k) * scale * logit_scale_h          scale: 1 / sqrt(D) unless given; logit_scale: (H,) per-head
+                                                 multipliers (an inverse temperature), optional
     s = score_mod(s, b, h, q_idx, kv_idx)        the caller's function, FlexAttention's signature, optional
     s = softcap * tanh(s / softcap)              logit soft-capping (Gemma 2), optional
     s = s - slope_h * |rel|                      ALiBi, optional (rel: mha.positions.relative)
@@ -38,7 +39,7 @@ from .. import _checks, masks, positions
 from ..positions import CAUSAL, Band
 from . import mods
 
-__all__ = ["NONE", "TERMS", "TOP_LEFT_CAUSAL", "Contract", "contract_of", "from_keywords", "mask_tile", "resolve",
+__all__ = ["LEARNED", "NONE", "TERMS", "TOP_LEFT_CAUSAL", "Contract", "contract_of", "from_keywords", "mask_tile", "resolve",
            "undeclared"]
 
 _NEG_INF = float("-inf")
@@ -56,6 +57,7 @@ class Contract:
                    (B, H, L, S), or None
     alibi_slopes:  (H,) ALiBi slopes, or None
     scale:         the factor of q . k; None means 1 / sqrt(D)
+    logit_scale:   (H,) each head's factor of its scaled scores (an inverse temperature), or None
     softcap:       logit soft-capping c > 0, or None
     sinks:         (H,) per-head sink logits, or None
     score_mod:     score_mod(score, b, h, q_idx, kv_idx) -> score (mha.kernels.mods), or None
@@ -68,6 +70,7 @@ class Contract:
     mask: Tensor | None = None
     alibi_slopes: Tensor | None = None
     scale: float | None = None
+    logit_scale: Tensor | None = None
     softcap: float | None = None
     sinks: Tensor | None = None
     score_mod: Callable | None = None
@@ -98,7 +101,11 @@ class Contract:
             f.name for f in fields(self) if f.name != "offset" and getattr(self, f.name) is not None))
 
     def replace(self, **changes) -> Contract:
-        return dataclasses.replace(self, **changes)
+        """This contract with ``changes``: the shared NONE or TOP_LEFT_CAUSAL where it comes to one of
+        them (contract_of), so that a module's terms plus a plain call's band keep the fast path."""
+        if type(self) is not Contract:
+            return dataclasses.replace(self, **changes)
+        return contract_of(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
 
     def scale_for(self, head_dim: int) -> float:
         """The scale, 1 / sqrt(D) by default; with D = 0 every score is an empty sum, 0, whatever
@@ -107,6 +114,28 @@ class Contract:
         if self.scale is not None:
             return self.scale
         return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+    def query_scale(self, head_dim: int, dtype: torch.dtype) -> float | Tensor:
+        """What multiplies q so that q . k is the scaled score: the scale (scale_for), or with a
+        logit_scale each head's scale * logit_scale_h as (H, 1, 1) in ``dtype`` (over (..., H, L, D))."""
+        scale = self.scale_for(head_dim)
+        if self.logit_scale is None:
+            return scale
+        return (self.logit_scale.to(dtype) * scale)[:, None, None]  # (H,) -> (H, 1, 1)
+
+    def fold_logit_scale(self, q: Tensor) -> tuple[Tensor, Contract]:
+        """(q with each head's rows times its logit_scale, the contract without it): the same scores,
+        (q t_h) . k * scale, for a kernel that has no such term (sdpa, native); differentiable through
+        q and logit_scale (autograd's multiply). q (..., H, L, D) in its dtype, rounded once."""
+        if self.logit_scale is None:
+            return q, self
+        factor = self.logit_scale.to(masks.additive_dtype(q.dtype))[:, None, None]  # (H,) -> (H, 1, 1)
+        return (q * factor).to(q.dtype), self.replace(logit_scale=None)
+
+    @property
+    def learned(self) -> tuple[Tensor | None, ...]:
+        """The terms that may be learned (each gets a gradient), in LEARNED's order, each or None."""
+        return tuple(getattr(self, name) for name in LEARNED)
 
     @property
     def needs_positions(self) -> bool:
@@ -192,6 +221,7 @@ class Contract:
 
 
 TERMS = frozenset(f.name for f in fields(Contract)) - {"offset"}  # every term a backend may declare
+LEARNED = ("alibi_slopes", "sinks", "logit_scale")  # the per-head tensors that get gradients (Contract.learned)
 NONE = Contract()
 TOP_LEFT_CAUSAL = Contract(band=CAUSAL)  # torch's is_causal: what its kernel takes as it is
 
@@ -199,19 +229,20 @@ TOP_LEFT_CAUSAL = Contract(band=CAUSAL)  # torch's is_causal: what its kernel ta
 def contract_of(*, band: Band | None = None, offset: int = 0, positions: tuple[Tensor, Tensor] | None = None,
                 key_valid: Tensor | None = None, mask: Tensor | None = None, alibi_slopes: Tensor | None = None,
                 scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None,
-                score_mod: Callable | None = None, mask_mod: Callable | None = None) -> Contract:
+                score_mod: Callable | None = None, mask_mod: Callable | None = None,
+                logit_scale: Tensor | None = None) -> Contract:
     """A Contract of these terms; the shared NONE when every term but the offset (which only places
     a band or ALiBi) is None, the shared TOP_LEFT_CAUSAL for causality alone: the common calls build
     no value, and the dispatch knows them by identity."""
     if (positions is None and key_valid is None and mask is None and alibi_slopes is None and scale is None
-            and softcap is None and sinks is None and score_mod is None and mask_mod is None):
+            and softcap is None and sinks is None and score_mod is None and mask_mod is None and logit_scale is None):
         if band is None:
             return NONE
         if band is CAUSAL and offset == 0:
             return TOP_LEFT_CAUSAL
     return Contract(band=band, offset=offset, positions=positions, key_valid=key_valid, mask=mask,
-                    alibi_slopes=alibi_slopes, scale=scale, softcap=softcap, sinks=sinks, score_mod=score_mod,
-                    mask_mod=mask_mod)
+                    alibi_slopes=alibi_slopes, scale=scale, logit_scale=logit_scale, softcap=softcap, sinks=sinks,
+                    score_mod=score_mod, mask_mod=mask_mod)
 
 
 _PER_HEAD = "(num_heads,): one value per query head (dim {dim} of {query})"
@@ -219,10 +250,10 @@ _PER_HEAD = "(num_heads,): one value per query head (dim {dim} of {query})"
 
 def from_keywords(like: Tensor, heads: int, *, is_causal: bool = False, window: tuple[int, int] | None = None,
                   band: Band | None = None, alibi_slopes: Tensor | None = None, scale: float | None = None,
-                  softcap: float | None = None, sinks: Tensor | None = None, head_dim: str = "-3", query: str = "query",
-                  names: dict | None = None, **terms) -> Contract:
+                  softcap: float | None = None, sinks: Tensor | None = None, logit_scale: Tensor | None = None,
+                  head_dim: str = "-3", query: str = "query", names: dict | None = None, **terms) -> Contract:
     """The Contract of the keywords every entry point takes (is_causal, window, alibi_slopes, scale,
-    softcap, sinks), each checked here, the one place they are turned into terms; ``band`` instead of
+    logit_scale, softcap, sinks), each checked here, the one place they are turned into terms; ``band`` instead of
     is_causal and window where the caller has one (a packing's, a mask's); ``terms`` are the rest as
     they are (offset, positions, key_valid, mask, score_mod, mask_mod). like: the query (its device);
     heads: its head count, at dim ``head_dim`` of the tensor called ``query``. names: another name
@@ -232,6 +263,7 @@ def from_keywords(like: Tensor, heads: int, *, is_causal: bool = False, window: 
     return contract_of(band=band if band is not None else positions.band(is_causal, window),
                        alibi_slopes=_checks.per_head("alibi_slopes", alibi_slopes, heads, like, meaning),
                        scale=_checks.optional_finite_real(named["scale"], scale),
+                       logit_scale=_checks.per_head("logit_scale", logit_scale, heads, like, meaning),
                        softcap=_checks.optional_positive_real(named["softcap"], softcap),
                        sinks=_checks.per_head(named["sinks"], sinks, heads, like, meaning), **terms)
 

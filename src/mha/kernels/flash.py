@@ -13,7 +13,8 @@ the log-sum-exp, whose rounding, |m| eps, would reach every weight at large logi
     dQ = dS K * scale,  dK = dS^T Q * scale,  d slope_h = -sum dS |rel|,  d sink_h = -sum P_sink rowsum(dO * O)
 
 (with softcap, dS is multiplied by 1 - tanh^2; with dropout, P is replaced by P * Z in dV and
-dP by dP * Z, Z the tile's keep mask / (1 - p), redrawn from the same seed).
+dP by dP * Z, Z the tile's keep mask / (1 - p), redrawn from the same seed; with a per-head
+logit_scale t, scale * t_h takes scale's place and d t_h = scale * sum(Q * dS K) over the head's rows).
 
 Memory: O((L + S) * D) plus a few (B*H, block_q, block_k) tiles. Shapes: q (..., L, D),
 k (..., S, D), v (..., S, Dv), the leading dims broadcast together (the last one is the heads:
@@ -40,7 +41,7 @@ __all__ = ["BLOCK_K", "BLOCK_Q", "TAKES", "WINDOW_BLOCKS", "flash_attention", "f
            "flash_attention_with_lse", "unsupported"]
 
 # every term but the caller's functions (math and flex take them), named: a new field is refused until declared here
-TAKES = frozenset({"band", "positions", "key_valid", "mask", "alibi_slopes", "scale", "softcap", "sinks"})
+TAKES = frozenset({"band", "positions", "key_valid", "mask", "alibi_slopes", "scale", "logit_scale", "softcap", "sinks"})
 BLOCK_Q = 256
 BLOCK_K = 256
 WINDOW_BLOCKS = (64, 128)  # a sliding window: smaller blocks waste less work on its edges
@@ -64,7 +65,7 @@ def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract
     if reason:
         raise ValueError(f"the flash backend cannot run this call: {reason}")
     options = (contract, float(dropout_p), *_block_sizes(contract, block_q, block_k))
-    arguments = (contract.alibi_slopes, contract.sinks, options)
+    arguments = (*contract.learned, options)  # (alibi_slopes, sinks, logit_scale): each gets its gradient
     if autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):  # the tiles mix dtypes on purpose
             return _Flash.apply(*autocast_inputs(q, k, v), *arguments)
@@ -73,7 +74,7 @@ def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract
 
 def flash_attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
                              contract: Contract | None = None) -> tuple[Tensor | None, ...]:
-    """(dq, dk, dv, d alibi_slopes or None, d sinks or None) of attention over these keys, given
+    """(dq, dk, dv, d alibi_slopes, d sinks, d logit_scale (each or None)) of attention over these keys, given
     the output ``out`` (..., L, Dv) and log-sum-exp ``lse`` (..., L) of the whole softmax, which may
     span more keys than k and v hold (sequence-parallel attention's other blocks): P = e^(S - lse)
     is then this block's share of the true probabilities, and the gradients are this block's exact
@@ -98,7 +99,7 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: 
 
 class _Flash(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, alibi_slopes, sinks, options):
+    def forward(ctx, q, k, v, alibi_slopes, sinks, logit_scale, options):
         contract, dropout_p, block_q, block_k = options
         tiles = _Tiles(q, k, v, contract, dropout_p)
         out, lse, row_max, row_sum = _forward(tiles, block_q, block_k)
@@ -156,7 +157,10 @@ class _Tiles:
         self.out_dtype = v.dtype
         self.contract, self.dropout_p = contract, dropout_p
         self.scale = contract.scale_for(q.shape[-1])
-        self.q = _flat(q, self.dtype, self.lead) * self.scale  # (BH, L, D), pre-scaled
+        # what multiplies q: the scale, and each head's logit_scale (BH, 1, 1)
+        self.factor = self.scale if contract.logit_scale is None else \
+            _per_row(contract.logit_scale, self.lead, self.dtype) * self.scale
+        self.q = _flat(q, self.dtype, self.lead) * self.factor  # (BH, L, D), pre-scaled
         self.k, self.v = _flat(k, self.dtype, self.kv_lead), _flat(v, self.dtype, self.kv_lead)  # (BHkv, S, D|Dv)
         self.kT = self.k.transpose(1, 2)  # (BHkv, D, S)
         self._block: tuple[range, Tensor] | None = None  # the query rows of the block being visited
@@ -336,7 +340,7 @@ class _Running:
 
 
 def _backward(tiles: _Tiles, inputs, out, grad_out, block_q, block_k, *, shift: Tensor, norm: Tensor | None = None):
-    """(dq, dk, dv, d alibi_slopes or None, d sinks or None), each shaped like its input. The
+    """(dq, dk, dv, d alibi_slopes, d sinks, d logit_scale (each or None)), each shaped like its input. The
     probabilities are P = e^(S - shift) / norm: the rows' max and sum from this forward (exact at
     large logits), or the log-sum-exp and no norm (another forward's: sequence parallelism)."""
     lead, L, dtype, contract = tiles.lead, tiles.L, tiles.dtype, tiles.contract
@@ -348,6 +352,7 @@ def _backward(tiles: _Tiles, inputs, out, grad_out, block_q, block_k, *, shift: 
     delta = (do3 * o3).sum(dim=-1, keepdim=True)  # (BH, L, 1) = rowsum(dO * O)
     dq, dk, dv = torch.zeros_like(tiles.q), torch.zeros_like(tiles.k), torch.zeros_like(tiles.v)
     d_slopes = None if contract.alibi_slopes is None else torch.zeros(dq.shape[0], dtype=dtype, device=dq.device)
+    alpha = tiles.scale if contract.logit_scale is None else 1.0  # per head: dq's factor applied at the end
     for rows in tiles.blocks(block_q):
         i0, i1 = rows.start, rows.stop
         do_rows, q_rows = tiles.query_rows(do3, rows), tiles.query_rows(tiles.q, rows)  # (BHkv, G*r, Dv|D)
@@ -370,9 +375,14 @@ def _backward(tiles: _Tiles, inputs, out, grad_out, block_q, block_k, *, shift: 
             if tile.capped is not None:  # d/ds of c tanh(s / c)
                 ds.mul_(tile.capped.mul_(tile.capped).neg_().add_(1.0))
             ds = tiles.by_kv_head(ds)  # (BHkv, G*r, c)
-            dq_rows.baddbmm_(ds, tiles.k[:, j0:j1], alpha=tiles.scale)  # dS K * scale
+            dq_rows.baddbmm_(ds, tiles.k[:, j0:j1], alpha=alpha)  # dS K * scale
             dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), q_rows)  # dS^T (Q * scale)
         tiles.put_query_rows(dq, rows, dq_rows)
+    d_logit_scale = None
+    if contract.logit_scale is not None:  # s = q k * scale * t_h: d t_h = scale * sum q (dS K), dq = (dS K) * scale * t_h
+        d_logit_scale = _per_head((dq * _flat(inputs[0], dtype, lead)).sum((-2, -1)) * tiles.scale,
+                                  contract.logit_scale, lead)
+        dq.mul_(tiles.factor)
     kinds = (lead, tiles.kv_lead, tiles.kv_lead)
     grads = [unflat(grad, x, shape) for grad, x, shape in zip((dq, dk, dv), inputs, kinds)]
     grads.append(None if d_slopes is None else _per_head(d_slopes, contract.alibi_slopes, lead))
@@ -381,6 +391,7 @@ def _backward(tiles: _Tiles, inputs, out, grad_out, block_q, block_k, *, shift: 
     else:
         per_row = [None if x is None else x.reshape(*lead, L).to(dtype) for x in (shift, delta, norm)]  # -> (..., H, L)
         grads.append(sink_gradient(contract.sinks, *per_row))
+    grads.append(d_logit_scale)
     return grads
 
 

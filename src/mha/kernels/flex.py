@@ -8,7 +8,8 @@ functions and a block mask:
     block mask                             the mask_mod at FlexAttention's block granularity, built once per
                                            (shapes, terms) and cached (BlockMasks, below): blocks no query
                                            sees are skipped
-    score_mod (how the scores are shaped)  the caller's score_mod, softcap, ALiBi, the caller's additive mask
+    score_mod (how the scores are shaped)  logit_scale, the caller's score_mod, softcap, ALiBi, the caller's
+                                           additive mask
     sinks                                  from the returned log-sum-exp: out * sigmoid(lse - sink_h), exact
                                            and differentiable (the sink joins the softmax with a zero value)
     GQA, Dv != D, scale                    FlexAttention's own (enable_gqa, scale)
@@ -51,7 +52,7 @@ from .contract import Contract, resolve, undeclared
 __all__ = ["DECODE_ROWS", "TAKES", "BlockMasks", "available", "eager", "flex_attention", "flex_attention_with_lse",
            "unsupported"]
 
-TAKES = frozenset({"band", "positions", "key_valid", "mask", "alibi_slopes", "scale", "softcap", "sinks",
+TAKES = frozenset({"band", "positions", "key_valid", "mask", "alibi_slopes", "scale", "logit_scale", "softcap", "sinks",
                    "score_mod", "mask_mod"})
 DECODE_ROWS = 128  # up to this many query rows (FlexAttention's decoding kernel's): mask terms in score_mod
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -156,7 +157,7 @@ def _batch_refusal(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> str |
 
 def _needs_grad(q, k, v, contract: Contract) -> bool:
     return torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, contract.alibi_slopes, contract.sinks))
+        t is not None and t.requires_grad for t in (q, k, v, *contract.learned))
 
 
 def _torch_refusal(q: Tensor, k: Tensor, v: Tensor) -> str | None:
@@ -338,11 +339,14 @@ class _Functions:
         user, additive, rel = c.score_mod, self.additive, self.rel
         cap = None if c.softcap is None else _scalar(c.softcap, self.score_dtype, self.device)
         slopes = c.alibi_slopes  # as given: a converted copy made inside torch.compile is no input of the kernel
+        heads = c.logit_scale  # (likewise)
         hidden = self.mask_mod if self.hides and self.decoding else None
-        if not any(x is not None for x in (user, cap, slopes, additive, hidden)):
+        if not any(x is not None for x in (heads, user, cap, slopes, additive, hidden)):
             return None
 
         def score_mod(score, b, h, q_idx, kv_idx):
+            if heads is not None:
+                score = score * heads[h].to(score.dtype)
             if user is not None:
                 score = user(score, b, h, q_idx, kv_idx)
             if cap is not None:

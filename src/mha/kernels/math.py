@@ -20,8 +20,8 @@ from .contract import Contract, resolve, undeclared
 __all__ = ["TAKES", "math_attention", "paged_math_attention", "safe_softmax", "unsupported"]
 
 # every term of the contract, named (a field added to the Contract is refused until declared here): the reference
-TAKES = frozenset({"band", "positions", "key_valid", "mask", "alibi_slopes", "scale", "softcap", "sinks", "score_mod",
-                   "mask_mod"})
+TAKES = frozenset({"band", "positions", "key_valid", "mask", "alibi_slopes", "scale", "logit_scale", "softcap", "sinks",
+                   "score_mod", "mask_mod"})
 PAGED_TAKES = frozenset({"band", "alibi_slopes", "scale", "softcap", "sinks"})  # paged_math_attention's: per sequence
 
 _OUT_OF_PLACE_BELOW = 1 << 15  # scores (elements) below which the in-place softmax allocates anyway
@@ -94,11 +94,11 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: 
 def _math(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float) -> tuple[Tensor, Tensor]:
     L, S, out_dtype = q.shape[-2], k.shape[-2], q.dtype
     work = masks.additive_dtype(out_dtype)  # float32 for float16/bfloat16
-    inference = _may_overwrite(q, k, v, contract.mask, contract.alibi_slopes, contract.sinks) and not (
+    inference = _may_overwrite(q, k, v, contract.mask, *contract.learned) and not (
         contract.score_mod is not None and torch.is_grad_enabled())  # (a score_mod may close over a learned table)
     if out_dtype != work:
         q, k, v = q.to(work), k.to(work), v.to(work)
-    scores = (q * contract.scale_for(q.shape[-1])) @ k.transpose(-2, -1)  # (..., L, D) @ (..., D, S) -> (..., L, S)
+    scores = (q * contract.query_scale(q.shape[-1], work)) @ k.transpose(-2, -1)  # (..., L, D) @ (..., D, S) -> (..., L, S)
     scores = contract.modified(scores, positions.whole(L), positions.whole(S))
     scores, _ = contract.cap(scores, inplace=inference)
     scores = contract.shape_scores(scores, positions.whole(L), positions.whole(S), inplace=inference)

@@ -55,8 +55,8 @@ _FLAGS = {"avx512bf16": [*_AVX512, "-mavx512bf16", "-DMHA_AVX512_BF16"], "avx512
 _SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g", "-O1",
              "-D_GLIBCXX_ASSERTIONS", "-D_GLIBCXX_SANITIZE_VECTOR"]
 # every term but the caller's functions (math and flex take them), named: a new field is refused until declared
-# here and passed to the C++ kernel (_terms)
-TAKES = frozenset({"band", "positions", "key_valid", "mask", "alibi_slopes", "scale", "softcap", "sinks"})
+# here and passed to the C++ kernel (_terms); logit_scale is folded into q first (Contract.fold_logit_scale)
+TAKES = frozenset({"band", "positions", "key_valid", "mask", "alibi_slopes", "scale", "logit_scale", "softcap", "sinks"})
 PAGED_TAKES = frozenset({"band", "alibi_slopes", "scale", "softcap", "sinks"})  # paged_attention_native's
 _UNBOUNDED = 2 ** 63 - 1  # the kernel's "no bound on this side of the band"
 
@@ -238,6 +238,7 @@ def _checked_run(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None, dro
     if reason:
         raise ValueError(f"the native backend cannot run this call: {reason}")
     q, k, v = autocast_inputs(q, k, v)  # as torch's kernel: in the autocast dtype (nothing after is an autocast op)
+    q, contract = contract.fold_logit_scale(q)
     learned = (q, k, v, contract.alibi_slopes, contract.sinks)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in learned):
         out, lse = _Native.apply(*learned, contract)

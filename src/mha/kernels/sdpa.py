@@ -54,7 +54,8 @@ from .contract import Contract, resolve, undeclared
 
 __all__ = ["TAKES", "attention_with_lse", "backward_with_lse", "guarded", "lse_form", "plan", "run_planned", "sdpa_attention"]
 
-TAKES = frozenset({"band", "positions", "key_valid", "mask", "alibi_slopes", "scale"})  # as it is, or folded into one mask
+# as it is, or folded into one mask (logit_scale: into q, Contract.fold_logit_scale)
+TAKES = frozenset({"band", "positions", "key_valid", "mask", "alibi_slopes", "scale", "logit_scale"})
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -73,6 +74,7 @@ def run_planned(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, dropout_
     folded, reason = planned
     if reason:
         raise ValueError(f"the sdpa backend cannot run this call: {reason}; use backend='flash' or 'math'")
+    q, contract = contract.fold_logit_scale(q)
     if not (q.numel() and k.numel() and v.numel()):
         batch = _batch(q, k, v)
         if 0 in (math.prod(batch), q.shape[-2], k.shape[-2], v.shape[-1]):

@@ -27,12 +27,13 @@ __all__ = ["from_nested", "packed_qkv", "to_nested", "varlen_attention"]
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
                      is_causal: bool = False, scale: float | None = None, window: tuple[int, int] | None = None,
                      alibi_slopes: Tensor | None = None, softcap: float | None = None,
-                     sinks: Tensor | None = None, score_mod=None, mask_mod=None, backend: str = "auto") -> Tensor:
+                     sinks: Tensor | None = None, logit_scale: Tensor | None = None, score_mod=None, mask_mod=None,
+                     backend: str = "auto") -> Tensor:
     """Attention over a packed batch: q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv);
     cu_seqlens_q / cu_seqlens_k: int tensors of B + 1 offsets from 0. Returns (total_q, H, Dv); a
     query sees only its own sequence's keys. Causality and windows are aligned bottom-right within
-    each sequence (its last query faces its last key), as flash-attn's; ALiBi, softcap and sinks as
-    in scaled_dot_product_attention. score_mod(score, b, h, q_idx, kv_idx) and mask_mod(b, h, q_idx,
+    each sequence (its last query faces its last key), as flash-attn's; ALiBi, softcap, sinks and
+    logit_scale as in scaled_dot_product_attention. score_mod(score, b, h, q_idx, kv_idx) and mask_mod(b, h, q_idx,
     kv_idx), FlexAttention's signatures, as there, with q_idx and kv_idx rows of the packed q and k
     (a vector of each row's document or segment id indexes them as it is) and b = 0. Differentiable.
     backend: "auto" (mha.kernels.choose_backend) or a backend's name.
@@ -57,8 +58,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     q_pos, k_pos, band = _packed(tuple(lengths_q.tolist()), tuple(lengths_k.tolist()),
                                  positions.band(is_causal, window), q.device)
     contract = from_keywords(q, q.shape[1], band=band, alibi_slopes=alibi_slopes, scale=scale, softcap=softcap,
-                             sinks=sinks, head_dim="1", query="q", positions=(q_pos, k_pos), score_mod=score_mod,
-                             mask_mod=mask_mod)  # the packing's band: within each sequence
+                             sinks=sinks, logit_scale=logit_scale, head_dim="1", query="q", positions=(q_pos, k_pos),
+                             score_mod=score_mod, mask_mod=mask_mod)  # the packing's band: within each sequence
     rows = [x.transpose(0, 1)[None] for x in (q, k, v)]  # (T, H, D) -> (1, H, T, D)
     out, _ = attention(*rows, contract, backend=backend)
     return out[0].transpose(0, 1)  # (1, H, Tq, Dv) -> (Tq, H, Dv)

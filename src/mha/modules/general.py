@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 
 from .. import _checks, efficient, positions
+from ..kernels.contract import Contract, contract_of
 from ..kernels.dispatch import share_kv_heads
 from .cache import KVCache
 from .paged_cache import PagedStep
@@ -43,6 +44,8 @@ class GeneralAttention(nn.Module):
         softcap: scores become softcap * tanh(scores / softcap) (Gemma 2).
         sinks: learned per-head sink logits ``sinks`` (h,), zeros at the start, that join every
             row's softmax and are then dropped (GPT-OSS).
+        logit_scale: a learned per-head factor of the scaled scores ``logit_scale`` (h,), ones at
+            the start (an inverse temperature per head).
         attention: "exact" or an mha.efficient variant (a name or a module); attention_options
             are its constructor's arguments.
 
@@ -65,8 +68,8 @@ class GeneralAttention(nn.Module):
                  bias: bool = True, add_bias_kv: bool = False, add_zero_attn: bool = False,
                  dropout: float = 0.0, num_kv_heads: int | None = None, rope: RotaryEmbedding | None = None,
                  alibi: bool = False, window: tuple[int, int] | None = None, softcap: float | None = None,
-                 sinks: bool = False, attention: str | nn.Module = "exact", attention_options: dict | None = None,
-                 device=None, dtype=None) -> None:
+                 sinks: bool = False, logit_scale: bool = False, attention: str | nn.Module = "exact",
+                 attention_options: dict | None = None, device=None, dtype=None) -> None:
         super().__init__()
         names = ("cq", "ck", "cv", "dk", "dv", "do", "h")
         cq, ck, cv, dk, dv, do, h = (_checks.positive_int(n, v) for n, v in zip(names, (cq, ck, cv, dk, dv, do, h)))
@@ -81,6 +84,7 @@ class GeneralAttention(nn.Module):
         self._set_positional(rope, alibi, window, add_bias_kv)
         self.softcap = _checks.optional_positive_real("softcap", softcap)
         _checks.flag("sinks", sinks)  # learned per-head sink logits or none
+        _checks.flag("logit_scale", logit_scale)  # learned per-head factors of the scores or none
         if add_bias_kv:  # registered first: the parameter order seed 002 prints
             self.bias_k = nn.Parameter(torch.empty(1, 1, hkv * dk, **factory))
             self.bias_v = nn.Parameter(torch.empty(1, 1, hkv * dv, **factory))
@@ -88,15 +92,18 @@ class GeneralAttention(nn.Module):
             self.register_parameter("bias_k", None)
             self.register_parameter("bias_v", None)
         self.attention = self._variant(attention, attention_options)
-        if self.attention is not None and (self.positional or add_bias_kv or add_zero_attn or sinks or softcap):
+        if self.attention is not None and (self.positional or add_bias_kv or add_zero_attn or sinks or softcap
+                                           or logit_scale):
             raise ValueError("an efficient attention variant does not combine with rope, alibi, window, "
-                             "softcap, sinks, add_bias_kv or add_zero_attn")
+                             "softcap, sinks, logit_scale, add_bias_kv or add_zero_attn")
         self.q_proj = nn.Linear(cq, h * dk, bias=bias, **factory)
         self.k_proj = nn.Linear(ck, hkv * dk, bias=bias, **factory)
         self.v_proj = nn.Linear(cv, hkv * dv, bias=bias, **factory)
         self.out_proj = nn.Linear(h * dv, do, bias=bias, **factory)
         # sink logits, one per head: they join every row's softmax (GPT-OSS); zero at the start
         self.sinks = nn.Parameter(torch.zeros(h, **factory)) if sinks else None
+        # each head's factor of its scaled scores (an inverse temperature); one at the start
+        self.logit_scale = nn.Parameter(torch.ones(h, **factory)) if logit_scale else None
         self._reset_parameters()
 
     def _set_positional(self, rope, alibi, window, add_bias_kv) -> None:
@@ -160,6 +167,7 @@ class GeneralAttention(nn.Module):
         extras += [f"window={self.window}"] if self.window is not None else []
         extras += [f"softcap={self.softcap}"] if self.softcap is not None else []
         extras += ["sinks=True"] if self.sinks is not None else []
+        extras += ["logit_scale=True"] if self.logit_scale is not None else []
         return (f"cq={self.cq}, ck={self.ck}, cv={self.cv}, dk={self.dk}, dv={self.dv}, "
                 f"do={self.do}, h={self.h}, add_zero_attn={self.add_zero_attn}, dropout={self.dropout}"
                 + "".join(", " + e for e in extras))
@@ -222,11 +230,17 @@ class GeneralAttention(nn.Module):
                 raise ValueError("an efficient attention variant takes is_causal only: no attn_mask, "
                                  "key_padding_mask, cache or weights (forward_with_weights)")
             return lambda q, k, v: (self._efficient(q, k, v, is_causal=is_causal), None)
-        options.update(is_causal=is_causal, key_padding_mask=key_padding_mask, need_weights=need_weights)
+        options.update(is_causal=is_causal, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                       terms=self._terms())
         if self.positional or cache is not None:
             return functools.partial(self._positional, cache=cache, attn_mask=attn_mask, batched=batched, **options)
         return functools.partial(attend, bias_k=self.bias_k, bias_v=self.bias_v, add_zero_attn=self.add_zero_attn,
-                                 attn_mask=attn_mask, softcap=self.softcap, sinks=self.sinks, batched=batched, **options)
+                                 attn_mask=attn_mask, batched=batched, **options)
+
+    def _terms(self) -> Contract:
+        """The module's own score terms (ALiBi, softcap, sinks, logit_scale), for each call's contract."""
+        alibi_slopes, sinks, logit_scale = own_tensors(self, "alibi_slopes", "sinks", "logit_scale")
+        return contract_of(alibi_slopes=alibi_slopes, softcap=self.softcap, sinks=sinks, logit_scale=logit_scale)
 
     def _positional(self, q, k, v, *, cache, attn_mask, batched, key_padding_mask, **options):
         """RoPE, ALiBi, windows or a cache: masks come from positions (mha.modules.pipeline.attend_positional)."""
@@ -242,9 +256,7 @@ class GeneralAttention(nn.Module):
                              "pass key_padding_mask / is_causal, not attn_mask")
         if key_padding_mask is not None and not batched:
             key_padding_mask = key_padding_mask.unsqueeze(0)  # (S,) -> (1, S)
-        alibi_slopes, sinks = own_tensors(self, "alibi_slopes", "sinks")
-        return attend_positional(q, k, v, rope=self.rope, window=self.window,
-                                 alibi_slopes=alibi_slopes, softcap=self.softcap, sinks=sinks, cache=cache,
+        return attend_positional(q, k, v, rope=self.rope, window=self.window, cache=cache,
                                  key_padding_mask=key_padding_mask, **options)
 
     def _efficient(self, q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool) -> Tensor:

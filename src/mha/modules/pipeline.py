@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks, kernels, masks, positions
-from ..kernels.contract import contract_of
+from ..kernels.contract import NONE, Contract, contract_of
 from ..kernels.paged import attend_pages
 
 __all__ = ["attend", "attend_positional", "nested_forward", "check_inputs", "finish", "own_tensors",
@@ -122,9 +122,10 @@ def _look_fine(query, key, value, query_width, key_width, value_width) -> bool:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, *, bias_k=None, bias_v=None, static_k=None, static_v=None,
-           add_zero_attn=False, attn_mask=None, key_padding_mask=None, is_causal=False, softcap=None, sinks=None,
+           add_zero_attn=False, attn_mask=None, key_padding_mask=None, is_causal=False, terms: Contract = NONE,
            dropout_p=0.0, need_weights=False, batched=True, backend="auto") -> tuple[Tensor, Tensor | None]:
-    """Attention over per-head q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv).
+    """Attention over per-head q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), with the module's
+    own score terms (a Contract of softcap, sinks, logit_scale: GeneralAttention._terms).
 
     Masks follow torch.nn.MultiheadAttention (bool True = masked out); the appended keys
     (bias_k/bias_v (1, 1, Hkv*D), zero attention) are visible to every query, causal or not. With
@@ -145,8 +146,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, bias_k=None, bias_v=None, static_
         if band is not None:
             key_positions = F.pad(torch.arange(S, device=q.device), (0, appended))  # (S + appended,)
             per_sequence = (torch.arange(L, device=q.device)[None], key_positions[None])  # (1, L), (1, S + appended)
-    contract = contract_of(band=band, positions=per_sequence, key_valid=key_valid, mask=mask, softcap=softcap,
-                           sinks=sinks)
+    contract = terms.replace(band=band, positions=per_sequence, key_valid=key_valid, mask=mask)
     return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
 
 
@@ -167,9 +167,8 @@ def finish(o: Tensor, weights: Tensor | None, *, out_proj: Callable[[Tensor], Te
     return out, weights
 
 
-def attend_positional(q: Tensor, k: Tensor, v: Tensor, *, rope=None, window=None, alibi_slopes=None, softcap=None,
-                      sinks=None, cache=None, key_padding_mask=None, is_causal=False, dropout_p=0.0,
-                      need_weights=False, backend="auto"):
+def attend_positional(q: Tensor, k: Tensor, v: Tensor, *, rope=None, window=None, terms: Contract = NONE, cache=None,
+                      key_padding_mask=None, is_causal=False, dropout_p=0.0, need_weights=False, backend="auto"):
     """Attention whose masks come from token positions: RoPE, sliding windows, ALiBi, a cache.
 
     q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) are the new tokens' heads. Without a
@@ -177,12 +176,13 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, *, rope=None, window=None
     or a PagedKVCache's step: the cache protocol), the new tokens continue each sequence: the cache
     says where they sit (new_positions), stores them and says what the queries see (store: a Seen),
     every sequence's keys, or its pages, read in place. key_padding_mask (B, S), bool True = padding.
-    RoPE, the causal band, the window (flash-attn's (left, right)) and ALiBi all read these
-    positions (mha.positions). Returns (output (B, H, L, Dv), weights or None).
+    RoPE, the causal band, the window (flash-attn's (left, right)) and ALiBi (in ``terms``, the
+    module's score terms: GeneralAttention._terms) all read these positions (mha.positions).
+    Returns (output (B, H, L, Dv), weights or None).
     """
     B, L, S = q.shape[0], q.shape[2], k.shape[2]
     key_valid = masks.key_valid(key_padding_mask, B, S)
-    terms = contract_of(band=positions.band(is_causal, window), alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
+    terms = terms.replace(band=positions.band(is_causal, window))
     if cache is None:
         if rope is not None:
             q_pos, k_pos = positions.aligned(positions.whole(L), positions.whole(S), 0, q.device)  # (L,), (S,)

@@ -1,6 +1,6 @@
 """The attention contract in plain NumPy: the float64 reference every backend is tested against.
 
-    s   = q k^T * scale
+    s   = q k^T * scale * logit_scale_h            a per-head factor (an inverse temperature; optional)
     s   = c tanh(s / c)                          softcap c (optional)
     s   = s - slope_h |rel|                      ALiBi (optional)
     s   = s + mask  |  -inf where not mask       the caller's float | bool (True = attend) mask
@@ -47,7 +47,7 @@ def _hidden_by_band(band, rel: np.ndarray) -> np.ndarray:
 
 
 def _steps(q, k, v, *, band=None, offset=0, query_positions=None, key_positions=None, key_valid=None,
-           mask=None, alibi_slopes=None, scale=None, softcap=None, sinks=None):
+           mask=None, alibi_slopes=None, scale=None, logit_scale=None, softcap=None, sinks=None):
     """The forward once, keeping what the VJP reuses."""
     B, H, L, D = q.shape
     S = k.shape[2]
@@ -57,6 +57,9 @@ def _steps(q, k, v, *, band=None, offset=0, query_positions=None, key_positions=
     rel = np.asarray(key_positions)[..., None, :] - np.asarray(query_positions)[..., :, None]  # (B|., L, S)
     st.rel = rel if rel.ndim == 2 else rel[:, None]  # (L, S) or (B, 1, L, S)
     s = (q @ np.swapaxes(k, -1, -2)) * st.scale  # (B, H, L, S)
+    st.logit_scale, st.unscaled = logit_scale, s
+    if logit_scale is not None:
+        s = s * np.asarray(logit_scale, dtype=s.dtype)[:, None, None]  # (H,) -> (H, 1, 1)
     if softcap is not None:
         st.tanh = np.tanh(s / softcap)
         s = softcap * st.tanh
@@ -84,17 +87,18 @@ def contract_attention(q, k, v, **contract):
     """(output (B, H, L, Dv), weights (B, H, L, S)) under the contract's keyword arguments:
     band ((left, right), or an object with .left and .right such as mha.positions.Band), offset,
     query_positions (B, L) and key_positions (B, S), key_valid (B, S), mask, alibi_slopes (H,),
-    scale, softcap, sinks (H,)."""
+    scale, logit_scale (H,), softcap, sinks (H,)."""
     st = _steps(q, k, v, **contract)
     return st.out, st.P
 
 
 def contract_attention_vjp(q, k, v, grad_output, **contract):
-    """Gradients of sum(output * grad_output), by hand: a dict with q, k, v, and alibi_slopes and
-    sinks when given.
+    """Gradients of sum(output * grad_output), by hand: a dict with q, k, v, and alibi_slopes,
+    sinks and logit_scale when given.
 
         dP = dO v^T,  dv = P^T dO,  delta = rowsum(dO * O),  dS = P (dP - delta)
         d sink_h = -sum P_sink delta,  d slope_h = -sum dS |rel|,  softcap: dS *= 1 - tanh^2
+        logit_scale t: d t_h = sum dS (q k^T * scale), then dS *= t_h
         dq = dS k * scale,  dk = dS^T q * scale
     """
     st = _steps(q, k, v, **contract)
@@ -109,6 +113,9 @@ def contract_attention_vjp(q, k, v, grad_output, **contract):
         grads["alibi_slopes"] = -np.sum(d_s * distance, axis=(-2, -1)).sum(axis=0)  # (B, H) -> (H,)
     if st.softcap is not None:
         d_s = d_s * (1.0 - st.tanh ** 2)
+    if st.logit_scale is not None:
+        grads["logit_scale"] = np.sum(d_s * st.unscaled, axis=(0, 2, 3))  # (B, H, L, S) -> (H,)
+        d_s = d_s * np.asarray(st.logit_scale, dtype=d_s.dtype)[:, None, None]
     grads["q"] = (d_s @ k) * st.scale
     grads["k"] = (np.swapaxes(d_s, -1, -2) @ q) * st.scale
     return grads

@@ -418,7 +418,8 @@ def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
                       {"int8/bf16 time": ms["int8 cache"] / ms["bfloat16 cache"],
                        "bf16/fp32 time": ms["bfloat16 cache"] / ms["float32 cache"],
                        "int8/bf16 error": p["errors"]["int8 cache"] / p["errors"]["bfloat16 cache"],
-                       "int8/bf16 bytes": held["int8 cache"] / held["bfloat16 cache"]},
+                       "int8/bf16 bytes": held["int8 cache"] / held["bfloat16 cache"],
+                       "int8 kept/apart time": ms["int8 cache"] / ms["int8, scales apart"]},
                       {**{f"{name} GB/s": held[name] / ms[name] / 1e6 for name in ms},
                        **{f"{name} error": error for name, error in p["errors"].items()},
                        "memory read GB/s (sum)": memory})

@@ -86,8 +86,9 @@ def cache_decode_point(S: int, times, *, B: int = 1) -> dict:
     """One new query per sequence over S cached keys (B sequences, GQA 32 / 8 heads, D = 128), the
     keys and values held as float32, bfloat16 or int8 (as mha's caches keep them, mha.kernels.storage:
     a float32 scale per (token, head) after each row), each read in place by the native paged kernel
-    (one page per sequence): times, the bytes each cache holds, and each output's largest error
-    against float64 attention over the unquantized keys."""
+    (one page per sequence), and the int8 rows with their scales apart (contiguous k_scales, v_scales:
+    the layout the caches kept before mha.kernels.storage): times, the bytes each cache holds, and
+    each output's largest error against float64 attention over the unquantized keys."""
     from ..kernels import paged_attention, storage
 
     g = torch.Generator().manual_seed(0)
@@ -95,16 +96,20 @@ def cache_decode_point(S: int, times, *, B: int = 1) -> dict:
     k, v = (torch.randn(B, 8, S, 128, generator=g) for _ in range(2))  # (B pages, Hkv, P = S, D)
     table, cu, lengths = torch.arange(B)[:, None], torch.arange(B + 1), torch.full((B,), S)
     k8, v8 = storage.store(k, True), storage.store(v, True)  # (B, Hkv, S, 128 + 4) int8
+    (k_rows, k_scales), (v_rows, v_scales) = ((rows.contiguous(), scales.contiguous())
+                                              for rows, scales in (storage.split(k8), storage.split(v8)))
     kb, vb, qb = k.bfloat16(), v.bfloat16(), q.bfloat16()
     calls = {"float32 cache": lambda: paged_attention(q, k, v, table, cu, lengths, is_causal=False),
              "bfloat16 cache": lambda: paged_attention(qb, kb, vb, table, cu, lengths, is_causal=False),
-             "int8 cache": lambda: paged_attention(q, k8, v8, table, cu, lengths, is_causal=False)}
+             "int8 cache": lambda: paged_attention(q, k8, v8, table, cu, lengths, is_causal=False),
+             "int8, scales apart": lambda: paged_attention(q, k_rows, v_rows, table, cu, lengths, is_causal=False,
+                                                           k_scales=k_scales, v_scales=v_scales)}
     with torch.no_grad():
         ms = times(calls)
         exact = paged_attention(q.double(), k.double(), v.double(), table, cu, lengths, is_causal=False, backend="math")
         errors = {name: float((call().double() - exact).abs().max()) for name, call in calls.items()}
     return {"ms": ms, "errors": errors, "bytes": {"float32 cache": 2 * k.numel() * 4, "bfloat16 cache": 2 * k.numel() * 2,
-                                                  "int8 cache": 2 * k8.numel()}}
+                                                  "int8 cache": 2 * k8.numel(), "int8, scales apart": 2 * k8.numel()}}
 
 
 def window_point(T: int, window: int, times) -> dict:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _checks, positions
-from .kernels import Contract, attention, merge_attention
+from .kernels import Contract, attention, dispatch, merge_attention
 from .kernels.dispatch import attention_with_lse
 from .positions import CAUSAL, Band
 
@@ -68,6 +68,14 @@ def _causal_only(name: str, is_causal: bool, q: Tensor, k: Tensor) -> None:
                          f"got {q.shape[-2]} and {k.shape[-2]}")
 
 
+def _unrecorded(name: str) -> None:
+    """The sparse patterns merge parts of each row's softmax computed apart: no call sees a whole row,
+    so a watcher (mha.capture_attention, mha.explorer.record) would record parts. Refused by name."""
+    if dispatch.OBSERVERS:
+        raise ValueError(f"the {name} variant cannot be recorded (mha.capture_attention, mha.explorer.record): it "
+                         "merges parts of each row's softmax computed apart, and no call sees a whole row")
+
+
 def _blocks(x: Tensor, c: int) -> Tensor:
     """(..., T, D) -> (..., T/c, c, D), zero-padding T up to a multiple of c (padding comes last,
     so causal queries never see it)."""
@@ -84,6 +92,7 @@ class Strided(nn.Module):
 
     def forward(self, q, k, v, is_causal=True):
         _causal_only("strided", is_causal, q, k)
+        _unrecorded("strided")
         T, c = q.shape[-2], self.stride
         local, lse_local = attention_with_lse(q, k, v, Contract(band=Band(c - 1, 0)))
         # strided: position p = a*c + r; query (a, r) sees keys (a', r) with a' < a
@@ -109,6 +118,7 @@ class Fixed(nn.Module):
 
     def forward(self, q, k, v, is_causal=True):
         _causal_only("fixed", is_causal, q, k)
+        _unrecorded("fixed")
         T, c, t = q.shape[-2], self.block, self.summary
         qb, kb, vb = _blocks(q, c), _blocks(k, c), _blocks(v, c)  # (B, H, A, c, D)
         own, lse_own = attention_with_lse(qb, kb, vb, _CAUSAL)  # causal within each block

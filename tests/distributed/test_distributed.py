@@ -184,9 +184,13 @@ def rank_modules() -> dict[str, float]:
     W = dist.get_world_size()
     found = {}
     general_options = {"plain": {}, "everything": dict(rope=mha.RotaryEmbedding(6), alibi=True, window=(4, -1),
-                                                       softcap=3.0, sinks=True, num_kv_heads=4 if W == 4 else 6)}
+                                                       softcap=3.0, sinks=True, logit_scale=True,
+                                                       num_kv_heads=4 if W == 4 else 6)}
     for mode, (name, options) in itertools.product(("ring", "ulysses", "heads"), general_options.items()):
         reference = _general(**options)
+        if reference.logit_scale is not None:  # (ones at the start: a factor per head that matters)
+            with torch.no_grad():
+                reference.logit_scale.copy_(torch.linspace(0.5, 2.0, 12))
         parallel = parallelize(copy.deepcopy(reference), mode)
         x, key, value = torch.randn(2, 23, 12, dtype=torch.float64), torch.randn(2, 23, 10, dtype=torch.float64), \
             torch.randn(2, 23, 9, dtype=torch.float64)
@@ -422,7 +426,7 @@ def test_parallelize_refuses_what_it_cannot_run():
     assert type(module).__name__ == "SequenceParallelGeneralAttention" and "parallel='ring'" in repr(module)
     x = torch.randn(1, 6, 8)
     with raises_exactly(ValueError, "a module parallelized with mode='ring' does not take key_padding_mask; causality, "
-                                    "windows, ALiBi, softcap, sinks, RoPE and GQA are supported"):
+                                    "windows, ALiBi, softcap, sinks, logit_scale, RoPE and GQA are supported"):
         module(x, x, x, key_padding_mask=torch.zeros(1, 6, dtype=torch.bool))
     with raises_exactly(ValueError, "the module is already parallelized ('ring')"):
         parallelize(module, "heads")

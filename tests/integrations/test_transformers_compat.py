@@ -97,3 +97,11 @@ def test_gpt2_returns_its_attention_weights_under_mha():
         torch.testing.assert_close(ours, theirs)
     with torch.no_grad():
         assert not model(ids).attentions  # not asked: none computed
+
+
+def test_a_transformers_without_output_capturing_is_named(monkeypatch):
+    """The module compat reads the collector from, gone: a RuntimeError that names it, not an ImportError."""
+    monkeypatch.setitem(sys.modules, "transformers.utils.output_capturing", None)  # import fails
+    monkeypatch.delattr(transformers.utils, "output_capturing")
+    with pytest.raises(RuntimeError, match=r"reads transformers\.utils\.output_capturing, which transformers"):
+        compat.attentions_recorded()

@@ -4,8 +4,8 @@ inverse temperature per head), the score term added by following docs/architectu
 Every backend that declares it (math and flash in their score shaping, flex in its score_mod; sdpa
 and native by folding it into q) against the float64 NumPy oracle, forward and gradients (its own
 included), at zero and negative factors, with every other term; low precision against float64;
-the entry points (functional, varlen, nested, GeneralAttention); and what refuses it by name
-(paged attention, the explorer's breakdown)."""
+the entry points (functional, varlen, nested, GeneralAttention); paged attention (folded into q),
+a module pickled before it existed; the explorer's breakdown refuses it (tests/modules/test_capture.py)."""
 
 import pytest
 import torch
@@ -178,18 +178,36 @@ def test_general_attention_learns_one_factor_per_head():
     assert reference.abs().min() > 0
 
 
-def test_what_does_not_take_it_refuses_it_by_name():
-    q = torch.randn(1, 2, 4, 8)
-    with torch.no_grad(), pytest.raises(ValueError, match="paged math does not take logit_scale"):
-        mha.kernels.paged.attend_pages(q[0].transpose(0, 1), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8),
-                                       torch.tensor([[0]]), torch.tensor([0, 4]), torch.tensor([4]),
-                                       Contract(logit_scale=torch.ones(2)))
-    cache = mha.KVCache()
-    module = mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, logit_scale=True).eval()
-    with torch.no_grad():
-        module(torch.randn(1, 3, 8), torch.randn(1, 3, 8), torch.randn(1, 3, 8), is_causal=True, cache=cache)
-    paged = mha.PagedKVCache(num_blocks=2, block_size=4, num_kv_heads=2, head_dim=4)
-    a, _ = paged.add()
-    x = torch.randn(1, 2, 8)
-    with torch.no_grad(), pytest.raises(ValueError, match="does not take logit_scale"):
-        module(x, x, x, is_causal=True, cache=paged.step([a], [2]))
+@torch.no_grad()
+def test_caches_read_as_pages_take_it_folded_into_the_queries():
+    """A PagedKVCache step and an 8-bit KVCache (attention over pages, where it is folded into q)
+    decode like the module's full forward (the 8-bit cache within its rounding)."""
+    torch.manual_seed(0)
+    module = mha.GeneralAttention(16, 16, 16, 8, 8, 16, 4, num_kv_heads=2, logit_scale=True).eval()
+    module.logit_scale.copy_(torch.tensor([3.0, 0.5, -1.0, 2.0]))
+    x = torch.randn(2, 7, 16)
+    full = module(x, x, x, is_causal=True)
+    paged = mha.PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8)
+    ids = [paged.add()[0] for _ in range(2)]
+    prompt = module(x[:, :5], x[:, :5], x[:, :5], is_causal=True, cache=paged.step(ids, [5, 5]))
+    steps = [module(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], is_causal=True, cache=paged.step(ids, [1, 1]))
+             for t in (5, 6)]
+    assert_close(torch.cat([prompt, *steps], 1), full)
+    int8 = mha.KVCache(quantize="int8")
+    got = torch.cat([module(x[:, :5], x[:, :5], x[:, :5], is_causal=True, cache=int8),
+                     *(module(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], is_causal=True, cache=int8) for t in (5, 6))], 1)
+    assert max_error(got, full) < 0.05 * full.abs().max()
+    unscaled = mha.GeneralAttention(16, 16, 16, 8, 8, 16, 4, num_kv_heads=2).eval()
+    unscaled.load_state_dict({n: p for n, p in module.state_dict().items() if n != "logit_scale"})
+    assert max_error(unscaled(x, x, x, is_causal=True), full) > 0.05  # (the factors matter here)
+
+
+def test_a_module_pickled_before_it_existed_loads_without_it(tmp_path):
+    """A GeneralAttention saved whole by an mha without logit_scale (its __dict__ lacks the entry)."""
+    module, x = mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2), torch.randn(1, 3, 8)
+    want = module(x, x, x)
+    del module.__dict__["logit_scale"]  # as an older mha pickled it
+    torch.save(module, tmp_path / "old.pt")
+    loaded = torch.load(tmp_path / "old.pt", weights_only=False)
+    assert loaded.logit_scale is None and "logit_scale" not in repr(loaded)
+    assert_close(loaded(x, x, x), want)

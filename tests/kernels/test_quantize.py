@@ -164,6 +164,9 @@ def test_an_int8_cache_refuses_what_it_does_not_serve():
         module(x, x, x, is_causal=True, cache=cache)
         with pytest.raises(ValueError, match="dtype"):
             module.double()(x.double(), x.double(), x.double(), is_causal=True, cache=cache)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"the cache holds keys of shape \(B, Hkv, S, D\) = "
+                                                          r"\(2, 2, S, 16\), got new keys of shape \(2, 2, 6, 8\)"):
+        cache.store(torch.zeros(2, 2, 6, 8), torch.zeros(2, 2, 6, 8), None)  # another module's head width
     with pytest.raises(ValueError, match="by store"):
         cache.update(torch.zeros(2, 2, 1, 16), torch.zeros(2, 2, 1, 16), None)
 

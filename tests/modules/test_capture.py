@@ -149,6 +149,12 @@ def test_what_cannot_be_recorded_is_refused_by_name():
                 ValueError, match=f"its breakdown does not take {next(iter(term))}: this call cannot be recorded"):
             mha.functional.scaled_dot_product_attention(q, q, q, **term)
         assert not recording.calls
+    for variant in ("strided", "fixed"):  # their parts of each row's softmax are merged after the calls
+        module = mha.GeneralAttention(8, 8, 8, 4, 4, 8, 2, attention=variant, attention_options={"stride": 2}
+                                      if variant == "strided" else {"block": 2})
+        x = torch.randn(1, 6, 8)
+        with mha.capture_attention(), pytest.raises(ValueError, match=f"the {variant} variant cannot be recorded"):
+            module(x, x, x, is_causal=True)
     with mha.capture_attention() as maps:  # its weights are what capture keeps
         mha.functional.scaled_dot_product_attention(q, q, q, mask_mod=lambda b, h, i, j: i >= j)
     assert not maps["attention"][0].triu(1).any()

@@ -16,7 +16,7 @@ The module is changed in place (its class becomes a subclass that runs the paral
 torch's fully_shard does) and returned. Sequence-parallel modules take ``layout=`` (a
 SequenceLayout) in forward; without it the sequence is W times the local length, unpadded.
 Masks, KV caches, attention weights and dropout are not taken in parallel (a clear error says so);
-causality, windows, ALiBi, softcap, sinks, RoPE and GQA are.
+causality, windows, ALiBi, softcap, sinks, logit_scale, RoPE and GQA are.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from .. import _checks
 from ..functional import projected_attention
+from ..kernels.contract import contract_of
 from ..modules.general import GeneralAttention
 from ..modules.pipeline import check_inputs, own_tensors, pipeline
 from ..modules.projections import ProjectionWeights
@@ -95,7 +96,7 @@ def _refuse(mode: str, **given) -> None:
     for name, value in given.items():
         if value is not None and value is not False:
             raise ValueError(f"a module parallelized with mode={mode!r} does not take {name}; "
-                             "causality, windows, ALiBi, softcap, sinks, RoPE and GQA are supported")
+                             "causality, windows, ALiBi, softcap, sinks, logit_scale, RoPE and GQA are supported")
 
 
 # -- sequence-parallel ----------------------------------------------------------------------------
@@ -114,14 +115,16 @@ class _SequenceParallel(_Parallel):
                                value_width=("cv", self.cv), batch_first=True)
         layout = self._layout(layout, query.shape[1 if batched else 0])
 
+        alibi_slopes, sinks, logit_scale = own_tensors(self, "alibi_slopes", "sinks", "logit_scale")
+
         def project(x_q, x_k, x_v):
             q, k, v = self._project(x_q, x_k, x_v)  # (B, h, T, dk), (B, Hkv, T, dk), (B, Hkv, T, dv)
             if self.rope is not None:  # at the sequence's positions, not the shard's
                 where = layout.positions(device=q.device)  # (T,)
                 q, k = self.rope(q, where), self.rope(k, where)
+            q, _ = contract_of(logit_scale=logit_scale).fold_logit_scale(q)  # each head's factor, into its queries
             return q, k, v
 
-        alibi_slopes, sinks = own_tensors(self, "alibi_slopes", "sinks")
         attention = functools.partial(
             _SEQUENCE_ATTENTION[self.parallel_mode], layout=layout, is_causal=is_causal, window=self.window,
             alibi_slopes=alibi_slopes, softcap=self.softcap, sinks=sinks, enable_gqa=self.num_kv_heads != self.h)
@@ -279,8 +282,9 @@ def _split_general(module: GeneralAttention, heads: slice, kv_heads: slice, grou
     if module.bias_k is not None:
         module.bias_k = nn.Parameter(_part(module.bias_k, 2, kv))
         module.bias_v = nn.Parameter(_part(module.bias_v, 2, vv))
-    if module.sinks is not None:
-        module.sinks = nn.Parameter(_part(module.sinks, 0, heads))
+    for name in ("sinks", "logit_scale"):  # learned per head: each rank keeps its heads'
+        if getattr(module, name) is not None:
+            setattr(module, name, nn.Parameter(_part(getattr(module, name), 0, heads)))
     if module.alibi_slopes is not None:
         module.alibi_slopes = _part(module.alibi_slopes, 0, heads)
     module.h, module.num_kv_heads = heads.stop - heads.start, kv_heads.stop - kv_heads.start

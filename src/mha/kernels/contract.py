@@ -123,13 +123,15 @@ class Contract:
             return scale
         return (self.logit_scale.to(dtype) * scale)[:, None, None]  # (H,) -> (H, 1, 1)
 
-    def fold_logit_scale(self, q: Tensor) -> tuple[Tensor, Contract]:
+    def fold_logit_scale(self, q: Tensor, heads_dim: int = -3) -> tuple[Tensor, Contract]:
         """(q with each head's rows times its logit_scale, the contract without it): the same scores,
-        (q t_h) . k * scale, for a kernel that has no such term (sdpa, native); differentiable through
-        q and logit_scale (autograd's multiply). q (..., H, L, D) in its dtype, rounded once."""
+        (q t_h) . k * scale, for a kernel that has no such term (sdpa, native, paged); differentiable
+        through q and logit_scale (autograd's multiply). q (..., H, L, D), or its heads at another
+        ``heads_dim`` (paged rows (Tq, H, D): -2), in its dtype, rounded once."""
         if self.logit_scale is None:
             return q, self
-        factor = self.logit_scale.to(masks.additive_dtype(q.dtype))[:, None, None]  # (H,) -> (H, 1, 1)
+        factor = self.logit_scale.to(masks.additive_dtype(q.dtype))  # (H,)
+        factor = factor.view(-1, *[1] * (-heads_dim - 1))  # (H,) -> (H, 1, ..., 1) over the dims after the heads
         return (q * factor).to(q.dtype), self.replace(logit_scale=None)
 
     @property
@@ -234,8 +236,8 @@ def contract_of(*, band: Band | None = None, offset: int = 0, positions: tuple[T
     """A Contract of these terms; the shared NONE when every term but the offset (which only places
     a band or ALiBi) is None, the shared TOP_LEFT_CAUSAL for causality alone: the common calls build
     no value, and the dispatch knows them by identity."""
-    if (positions is None and key_valid is None and mask is None and alibi_slopes is None and scale is None
-            and softcap is None and sinks is None and score_mod is None and mask_mod is None and logit_scale is None):
+    if all(term is None for term in (positions, key_valid, mask, alibi_slopes, scale, logit_scale, softcap, sinks,
+                                     score_mod, mask_mod)):
         if band is None:
             return NONE
         if band is CAUSAL and offset == 0:

@@ -433,9 +433,7 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
     """Run mha.kernels.paged_attention's checked call (q (Tq, H, D), pages, the block table (B, M)
     and lengths (B,) as int64 CPU tensors, terms: the contract's per-sequence terms; int8 pages with
     their scales) on the chosen backend: math dequantizes 8-bit pages first (the reference)."""
-    name, _ = choose_paged_backend(backend, q, k_pages, v_pages, terms) if not OBSERVERS else ("math", "observed")
-    if name == "math" and (no_math := undeclared(math_kernel.PAGED_TAKES, terms, "paged math")):
-        raise ValueError(f"paged attention cannot run this call: {no_math}")
+    name, _ = choose_paged_backend("math" if OBSERVERS else backend, q, k_pages, v_pages, terms)  # observed: math
     if name == "math":
         observe = _notify if OBSERVERS else None
         if k_scales is not None:

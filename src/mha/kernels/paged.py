@@ -73,6 +73,7 @@ def attend_pages(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
         if torch.is_grad_enabled() and x is not None and x.requires_grad:
             raise ValueError(f"paged_attention is for inference: {name} requires grad; call it under "
                              "torch.no_grad() or torch.inference_mode() (training runs on the other paths)")
+    q, contract = contract.fold_logit_scale(q, heads_dim=-2)  # each head's factor into its rows of q (Tq, H, D)
     return dispatch.paged_attention(q, k_pages, v_pages, table, lengths_q, lengths_k, contract, backend=backend,
                                     k_scales=k_scales, v_scales=v_scales)
 

@@ -25,9 +25,10 @@ paged kernel, one page per sequence (mha.kernels.paged_attention); it serves dec
 prefill of sequences of one length (no key_padding_mask), under no_grad, on a growing or
 preallocated cache.
 
-Every cache an attention module takes (this one, and a PagedKVCache's step) answers the same two
-questions of the module (mha.modules.pipeline.attend_positional, the one path): where the new tokens
-sit (new_positions) and, once it stored them, what the new queries see (store: a Seen).
+Every cache an attention module takes (this one, and a PagedKVCache's step) is the same to the
+module (mha.modules.pipeline.attend_positional, the one path): where the new tokens sit
+(next_positions), whether an offset places them all (uniform), whether attention reads it as pages
+(reads_pages: inference), and, once it stored them, what the new queries see (store: a Seen).
 
 The filled length is read from the stored tensors' shapes, never kept as a Python int, so a
 decode step compiled with torch.compile traces the length as a symbol (one graph for every
@@ -165,10 +166,6 @@ class KVCache:
     def reads_pages(self) -> bool:
         """Whether attention reads this cache as pages (an 8-bit one: inference, no weights)."""
         return self.quantize is not None
-
-    def new_positions(self, batch: int, new: int, device, valid: Tensor | None = None) -> Tensor:
-        """Where the next ``new`` tokens sit (the cache protocol's question; next_positions)."""
-        return self.next_positions(batch, new, device, valid)
 
     def store(self, keys: Tensor, values: Tensor, positions: Tensor | None, valid: Tensor | None = None) -> Seen:
         """Store a step's keys (B, Hkv, L, D) and values (B, Hkv, L, Dv) at ``positions`` (B|1, L), with
@@ -332,10 +329,10 @@ class KVCache:
                 and keys.shape[3] == stored_k.shape[3] and values.shape[3] == stored_v.shape[3]):
             return  # like the stored ones: the common case in one expression
         for name, new, stored in (("keys", keys, self.keys), ("values", values, self.values)):
-            B, Hkv, _, D = stored.shape
-            if (new.shape[0], new.shape[1], new.shape[3]) != (B, Hkv, D):
+            (B, Hkv), D, new_D = stored.shape[:2], storage.width(stored), storage.width(new)  # (an 8-bit row's width)
+            if (new.shape[0], new.shape[1], new_D) != (B, Hkv, D):
                 raise ValueError(f"the cache holds {name} of shape (B, Hkv, S, D) = ({B}, {Hkv}, S, {D}), got new "
-                                 f"{name} of shape {tuple(new.shape)}: a cache serves one module and one batch")
+                                 f"{name} of shape {(*new.shape[:3], new_D)}: a cache serves one module and one batch")
             if new.dtype != stored.dtype or new.device != stored.device:
                 raise ValueError(f"the cache holds {name} of dtype {stored.dtype} on {stored.device}, got "
                                  f"{new.dtype} on {new.device}")

@@ -106,6 +106,11 @@ class GeneralAttention(nn.Module):
         self.logit_scale = nn.Parameter(torch.ones(h, **factory)) if logit_scale else None
         self._reset_parameters()
 
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        if "logit_scale" not in self.__dict__ and "logit_scale" not in self._parameters:
+            self.logit_scale = None  # a module pickled before logit_scale existed
+
     def _set_positional(self, rope, alibi, window, add_bias_kv) -> None:
         """RoPE, ALiBi and the sliding window: settings, no parameters (ALiBi's slopes a buffer)."""
         if rope is not None and not isinstance(rope, RotaryEmbedding):

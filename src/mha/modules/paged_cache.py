@@ -377,8 +377,9 @@ class PagedStep:
     # -- the cache protocol (mha.modules.cache): what an attention module asks of its cache ------------
 
     reads_pages = True  # attention reads the step's pages (inference: no weights)
+    uniform = False  # its sequences have lengths of their own: positions place them
 
-    def new_positions(self, batch: int, new: int, device, valid: Tensor | None = None) -> Tensor:
+    def next_positions(self, batch: int, new: int, device, valid: Tensor | None = None) -> Tensor:
         """Where the step's tokens sit: (B, L) (positions); ``valid`` must mark exactly its new tokens."""
         if self.layer is None:
             raise ValueError("a PagedStep attends for one layer: bind it with step.for_module(module) "

@@ -174,7 +174,7 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, *, rope=None, window=None
     q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) are the new tokens' heads. Without a
     cache, queries sit at positions 0..L-1 and keys at 0..S-1. With one (a KVCache, float or 8-bit,
     or a PagedKVCache's step: the cache protocol), the new tokens continue each sequence: the cache
-    says where they sit (new_positions), stores them and says what the queries see (store: a Seen),
+    says where they sit (next_positions), stores them and says what the queries see (store: a Seen),
     every sequence's keys, or its pages, read in place. key_padding_mask (B, S), bool True = padding.
     RoPE, the causal band, the window (flash-attn's (left, right)) and ALiBi (in ``terms``, the
     module's score terms: GeneralAttention._terms) all read these positions (mha.positions).
@@ -182,28 +182,28 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, *, rope=None, window=None
     """
     B, L, S = q.shape[0], q.shape[2], k.shape[2]
     key_valid = masks.key_valid(key_padding_mask, B, S)
-    terms = terms.replace(band=positions.band(is_causal, window))
+    band = positions.band(is_causal, window)
     if cache is None:
         if rope is not None:
             q_pos, k_pos = positions.aligned(positions.whole(L), positions.whole(S), 0, q.device)  # (L,), (S,)
             q, k = rope(q, q_pos[..., None, :]), rope(k, k_pos[..., None, :])
-        contract = terms.replace(band=positions.needed(terms.band, L, S), key_valid=key_valid)
+        contract = terms.replace(band=positions.needed(band, L, S), key_valid=key_valid)
         return kernels.attention(q, k, v, contract, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
     if L != S:
         raise ValueError(f"with a cache, query and key are the same new tokens: got lengths {L} and {S}")
     if cache.reads_pages and (need_weights or dropout_p):
         raise ValueError("attention over cache pages (a PagedKVCache step, an 8-bit KVCache) serves inference: no "
                          "weights, no dropout (use forward() in eval mode)")
-    uniform = getattr(cache, "uniform", False) and key_valid is None  # an offset places every sequence
-    q_pos = None if uniform and rope is None else cache.new_positions(B, L, q.device, key_valid)  # (B|1, L)
+    uniform = cache.uniform and key_valid is None  # an offset places every sequence
+    q_pos = None if uniform and rope is None else cache.next_positions(B, L, q.device, key_valid)  # (B|1, L)
     if rope is not None:
         q, k = rope(q, q_pos[..., None, :]), rope(k, q_pos[..., None, :])  # positions (B|1, 1, L) over the heads
     seen = cache.store(k, v, q_pos, key_valid)
     if seen.block_table is not None:
-        return _attend_pages(q, seen, terms, backend=backend), None
+        return _attend_pages(q, seen, terms.replace(band=band), backend=backend), None
     S_all = seen.keys.shape[2]
     offset = positions.offset_of("bottom_right", L, S_all)  # the new tokens last
-    band = terms.band if seen.positions is not None else positions.needed(terms.band, L, S_all, offset)
+    band = band if seen.positions is not None else positions.needed(band, L, S_all, offset)
     contract = terms.replace(band=band, offset=offset, positions=seen.positions, key_valid=seen.key_valid)
     return kernels.attention(q, seen.keys, seen.values, contract, dropout_p=dropout_p, need_weights=need_weights,
                              backend=backend)
@@ -214,15 +214,12 @@ def _attend_pages(q: Tensor, seen, terms, *, backend: str) -> Tensor:
     padding, zeros out): mha.kernels.paged's attention under the contract's per-sequence terms
     (inference). Returns (B, H, L, Dv)."""
     B, H, L, _ = q.shape
-    rows = q.transpose(1, 2)  # (B, H, L, D) -> (B, L, H, D)
-    counts = torch.full((B,), L, dtype=torch.int64) if seen.rows is None else seen.rows.sum(1).cpu()
-    packed = rows.reshape(B * L, H, -1) if seen.rows is None else rows[seen.rows]  # (T, H, D)
-    out = attend_pages(packed, seen.keys, seen.values, seen.block_table, F.pad(counts.cumsum(0), (1, 0)),
-                       seen.lengths_k, terms, backend=backend)  # (T, H, Dv)
-    if seen.rows is None:
-        return out.view(B, L, H, -1).transpose(1, 2)  # (B*L, H, Dv) -> (B, L, H, Dv) -> (B, H, L, Dv)
+    new = torch.ones(B, L, dtype=torch.bool, device=q.device) if seen.rows is None else seen.rows  # (B, L)
+    counts = new.sum(1).cpu()  # (B,)
+    out = attend_pages(q.transpose(1, 2)[new], seen.keys, seen.values, seen.block_table, F.pad(counts.cumsum(0), (1, 0)),
+                       seen.lengths_k, terms, backend=backend)  # (B, H, L, D) -> (B, L, H, D) -> (T, H, D) -> (T, H, Dv)
     full = out.new_zeros(B, L, *out.shape[1:])  # (B, L, H, Dv), zeros on padding rows
-    full[seen.rows] = out
+    full[new] = out
     return full.transpose(1, 2)  # (B, L, H, Dv) -> (B, H, L, Dv)
 
 

@@ -116,7 +116,10 @@ def attentions_recorded() -> bool:
     """Whether transformers collects the attention weights of this forward (``output_attentions``
     asked of a model whose attention modules take the flag themselves and record their outputs, as
     GPT-2's do, instead of passing it to the attention function)."""
-    from transformers.utils import output_capturing
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        raise _missing("transformers.utils", "output_capturing") from None
     collector = _get(output_capturing, "transformers.utils.output_capturing", "_active_collector")
     try:
         collected = collector.get()

@@ -400,6 +400,8 @@ def band_of(case: Case) -> tuple[int | None, int | None] | None:
 
 
 def offset_of(case: Case, L: int, S: int) -> int:
-    """Where query 0 sits: 0 top-left, S - L bottom-right (the default with a window or ALiBi)."""
-    alignment = case.alignment or ("bottom_right" if case.window is not None or case.alibi else "top_left")
+    """Where query 0 sits: 0 top-left, S - L bottom-right (the default with ALiBi, or a window that
+    bounds what is_causal alone does not)."""
+    windowed = case.window is not None and band_of(case) != band_of(dataclasses.replace(case, window=None))
+    alignment = case.alignment or ("bottom_right" if windowed or case.alibi else "top_left")
     return 0 if alignment == "top_left" else S - L

@@ -420,6 +420,7 @@ def test_exported_head_has_a_full_caption_and_no_overlays(tmp_path, open_page):
     assert page.console_errors() == []
 
 
+@pytest.mark.slow  # a page of hundreds of rows driven in the browser: seconds
 def test_tooltip_gives_the_exact_weight_and_names_the_stored_one(tmp_path, open_page):
     """Defect 4: the tooltip gave the stored 8-bit weight to 4 decimals, unnamed, where the
     breakdown gives the exact one to 5: now it gives the breakdown's digits and the stored one, named."""
@@ -451,6 +452,7 @@ def test_tooltip_gives_the_exact_weight_and_names_the_stored_one(tmp_path, open_
     assert page.console_errors() == []
 
 
+@pytest.mark.slow  # a page of hundreds of rows driven in the browser: seconds
 def test_rows_stay_pointable_at_512_tokens(tmp_path, open_page):
     """Defect 5: at 512 tokens a row of the head view was 1.25 px: the view now keeps rows of 8 px
     and scrolls, so that the mouse (and the keyboard) reach any row."""

@@ -7,7 +7,8 @@ import torch
 
 from mha import cli
 from mha.cli import bench as bench_cli
-from mha.tools import bench, bench_memory
+from mha.kernels import native, tuning
+from mha.tools import bench, bench_memory, bench_peaks
 
 
 def test_best_times_keeps_the_minimum_of_each():
@@ -131,18 +132,26 @@ def test_native_rows_time_it_against_torch_beside_a_matmul(tmp_path):
     assert [r.point for r in rows] == [
         "forward fp32 T64", "forward fp32 T64 causal", "forward+backward fp32 T64 causal", "decode fp32 L1 S256 Hq32/Hkv8 D128",
         "forward bf16 T64", "forward bf16 T64 causal", "forward+backward bf16 T64 causal", "decode bf16 L1 S256 Hq32/Hkv8 D128",
-        "decode from a cache B1 S300 Hq32/Hkv8 D128 (paged, in place)",
-        "decode from a cache B8 S300 Hq32/Hkv8 D128 (paged, in place)",
+        *(f"decode B{B} S300 paged, {name}" for B in (1, 8)
+          for name in ("float32 cache", "bfloat16 cache", "int8 cache", "int8, scales apart")),
         "short forward fp32 T16", "short forward bf16 T16",
         "window (16, 0) fp32 T256", "accuracy fp32 T32 causal", "accuracy bf16 T32 causal"]
     assert rows[0].ratios["native/sdpa"] == pytest.approx(rows[0].times_ms["native"] / rows[0].times_ms["sdpa"])
     assert rows[0].extra["fp32 matmul GFLOP/s"] > 0 and rows[4].extra["bf16 matmul GFLOP/s"] > 0
-    assert rows[3].extra["native GB/s (K, V read)"] > 0 and rows[3].extra["memory read GB/s (sum)"] > 0
-    cache = rows[8]  # int8 holds (128 + 4) bytes per row where bfloat16 holds 256; its error is within 4x bf16's
-    assert cache.ratios["int8/bf16 bytes"] == pytest.approx(132 / 256) and 0 < cache.ratios["int8/bf16 error"] < 4
-    assert cache.extra["int8 cache GB/s"] > 0 and cache.extra["float32 cache error"] < 1e-5
-    assert rows[12].ratios["dense causal/window"] > 0
-    assert 0 < rows[13].extra["native error"] < 1e-5 and 0 < rows[14].extra["native error"] < 1e-1
+    peaks = bench_peaks.current()  # measured once per thread count: the same figures the rows were judged by
+    assert rows[0].detail["limit"] == "fp32 FMA GFLOP/s"
+    assert rows[0].extra["native of limit"] == pytest.approx(rows[0].extra["native GFLOP/s"] / peaks["fp32 FMA GFLOP/s"])
+    assert rows[4].detail["limit"] == bench_peaks.limit_of("bf16", peaks)[0]
+    assert rows[3].extra["native GB/s (K, V read)"] > 0 and rows[3].extra["memory read GB/s (sum)"] == peaks["read GB/s"]
+    assert rows[3].extra["native of read"] == pytest.approx(rows[3].extra["native GB/s (K, V read)"] / peaks["read GB/s"])
+    fp32, bf16, int8, apart = rows[8:12]  # int8 holds (128 + 4) bytes per row where bfloat16 holds 256
+    assert int8.extra["bytes / bf16's"] == pytest.approx(132 / 256) and fp32.extra["bytes / bf16's"] == 2
+    assert 0 < int8.extra["error"] < 4 * bf16.extra["error"] and fp32.extra["error"] < 1e-5
+    assert int8.ratios["/ bf16 cache"] == pytest.approx(int8.times_ms["step"] / bf16.times_ms["step"])
+    assert bf16.ratios["/ fp32 cache"] == pytest.approx(bf16.times_ms["step"] / fp32.times_ms["step"])
+    assert apart.extra["of read"] == pytest.approx(apart.extra["GB/s"] / peaks["read GB/s"])
+    assert rows[18].ratios["dense causal/window"] > 0
+    assert 0 < rows[19].extra["native error"] < 1e-5 and 0 < rows[20].extra["native error"] < 1e-1
     bench.write(rows, bench.machine(matmul_n=64), str(tmp_path))
     assert (tmp_path / "native.png").stat().st_size > 10_000
 
@@ -211,3 +220,50 @@ def test_a_section_of_rows_with_different_columns_prints_one_table_per_kind_of_r
         console.print(cli_bench._table(title, part, "here"))
     assert " - " not in console.export_text()  # no blank cell: each table has its rows' columns only
     assert cli_bench._parts("module", rows[:2]) == [("module", rows[:2])]
+    absent = bench.Row("peaks", "bf16 dot GFLOP/s: not on this CPU / build", {})
+    assert cli_bench._parts("native", [*rows[:2], absent]) == [("native", [*rows[:2], absent])]  # no table of its own
+
+
+def test_the_limits_are_this_cpus_own_and_each_dtype_is_judged_against_the_fastest_it_has():
+    from helpers.backends import NATIVE
+    if not NATIVE:
+        pytest.skip("the native kernel does not build here")
+    peaks = bench_peaks.current()
+    assert set(peaks) == set(bench_peaks.LIMITS)
+    flags = tuning.cpu()["flags"]
+    assert (peaks["AMX bf16 GFLOP/s"] is None) == ("amx_bf16" not in flags)
+    assert (peaks["bf16 dot GFLOP/s"] is None) == (native._kernel().build_info() != "avx512bf16")
+    assert peaks["fp32 FMA GFLOP/s"] > 1 and peaks["read GB/s"] > 0.5
+    rows = list(bench.peak_rows())
+    assert [r.point for r in rows if r.extra][-2:] == [
+        f"{dtype} products judged against: {bench_peaks.limit_of(dtype, peaks)[0]}" for dtype in ("fp32", "bf16")]
+    assert {r.point for r in rows if not r.extra} == {f"{name}: not on this CPU / build" for name, v in peaks.items() if v is None}
+
+
+def test_a_dtype_is_judged_against_amx_then_its_dot_product_then_the_fma_peak():
+    every = {"fp32 FMA GFLOP/s": 100.0, "bf16 dot GFLOP/s": 200.0, "AMX bf16 GFLOP/s": 900.0, "read GB/s": 30.0}
+    assert bench_peaks.limit_of("fp32", every) == ("fp32 FMA GFLOP/s", 100.0)
+    assert bench_peaks.limit_of("bf16", every) == ("AMX bf16 GFLOP/s", 900.0)
+    assert bench_peaks.limit_of("bf16", {**every, "AMX bf16 GFLOP/s": None}) == ("bf16 dot GFLOP/s", 200.0)
+    assert bench_peaks.limit_of("bf16", {**every, "AMX bf16 GFLOP/s": None, "bf16 dot GFLOP/s": None}) == (
+        "fp32 FMA GFLOP/s", 100.0)
+    assert bench_peaks.limit_of("fp32", {**every, "fp32 FMA GFLOP/s": None}) is None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_peak_chains_count_the_work_every_thread_did(threads):
+    """fma_peak_work: 12 chains of one FMA (2 flops a lane) per step on every thread; a count that
+    left out a thread, or a chain, would report a rate off by that much."""
+    from helpers.backends import NATIVE
+    if not NATIVE:
+        pytest.skip("the native kernel does not build here")
+    kernel = native._kernel()
+    lanes = 16 if kernel.build_info().startswith("avx512") else 8
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert kernel.fma_peak_work(1000) == 2 * lanes * 12 * 1000 * threads
+        dot = kernel.bf16_dot_peak_work(1000)
+        assert dot == (4 * 16 * 12 * 1000 * threads if kernel.build_info() == "avx512bf16" else -1)
+    finally:
+        torch.set_num_threads(before)

@@ -1,6 +1,7 @@
 """Benchmark mha against torch (ratios in one run) and write JSON, CSV and a plot.
 
-Sections: module (forward vs torch's train and eval paths), causal, overhead (tiny shapes and a
+Sections: peaks (this CPU's FMA, bf16 dot-product and AMX peaks and its read rate, which the native
+rows are judged against), module (forward vs torch's train and eval paths), causal, overhead (tiny shapes and a
 decode step, where per-call Python work shows), auto (backend="auto" against torch's SDPA from
 T=1 to 8192 and on decoding steps, fp32 and bf16), peers (against ONNX Runtime's CPU attention too,
 when it is installed), backends (sdpa, flash, math, numpy blocked;
@@ -48,7 +49,7 @@ QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 
              gpu=dict(plain=[1024], terms=2048, term_sets=["window", "softcap", "sinks", "documents"]), flex=[1024],
              native=dict(forward=[512, 1024], training=512, decode=4096, window=(4096, 128), accuracy=256,
                          short=[64, 256], matmul=1024, cache_decode=[4096]))
-SECTIONS = ("module", "causal", "overhead", "auto", "peers", "backends", "training", "contract", "memory", "modern", "native",
+SECTIONS = ("peaks", "module", "causal", "overhead", "auto", "peers", "backends", "training", "contract", "memory", "modern", "native",
             "serving", "variants", "hf", "distributed", "gpu", "flex")
 OPT_IN = ("serving", "variants", "hf", "distributed", "gpu", "flex")  # not in the default run: long, a GPU, or an extra
 
@@ -101,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
 def _jobs(grid, sections, repeat):
     """(description, callable returning rows) per point, so the progress bar moves point by point."""
     jobs = []
+    if "peaks" in sections:
+        jobs.append(("peaks", lambda: list(bench.peak_rows())))
     if "module" in sections:
         jobs += [(f"module {p}", lambda p=p: list(bench.module_rows([p], repeat))) for p in grid["module"]]
     if "causal" in sections:
@@ -165,10 +168,14 @@ def _jobs(grid, sections, repeat):
 def _parts(section: str, rows) -> list[tuple[str, list]]:
     """A section's rows in tables of their own columns: rows that share their columns (times,
     ratios, extras) go together, in the order they came, so that no table carries the union of
-    every row's columns (the native section's was 30 wide, blank cells at a terminal of 140)."""
+    every row's columns (the native section's was 30 wide, blank cells at a terminal of 140); a row
+    with no columns (a limit this CPU lacks) goes with the table before it."""
     groups: dict[tuple, list] = {}
+    columns = None
     for row in rows:
-        groups.setdefault((tuple(row.times_ms), tuple(row.ratios), tuple(row.extra)), []).append(row)
+        if row.times_ms or row.ratios or row.extra or columns is None:  # a row of no columns joins the table before it
+            columns = (tuple(row.times_ms), tuple(row.ratios), tuple(row.extra))
+        groups.setdefault(columns, []).append(row)
     if len(groups) == 1:
         return [(section, rows)]
     return [(f"{section} ({i} of {len(groups)})", part) for i, part in enumerate(groups.values(), 1)]

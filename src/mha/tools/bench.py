@@ -28,7 +28,11 @@ drift in the machine's speed hits them alike). Sections:
               (when onnxruntime is installed: the onnx extra), fp32 forward, T 1024 and 4096
     native    the native kernel (mha.kernels.native) against torch's SDPA: forward and forward +
               backward in fp32 and bf16, a decoding step, a sliding window, accuracy; GFLOP/s
-              beside a same-run matmul (mha.tools.bench_native)
+              beside a same-run matmul and as a fraction of this CPU's limit for the dtype, GB/s
+              as a fraction of the read rate (mha.tools.bench_native, mha.tools.bench_peaks)
+    peaks     this CPU's limits at the thread count in use: fp32 FMA and bf16 dot-product peaks
+              (the native build's chains), AMX (torch's bf16 matmul) where present, the read rate
+              (mha.tools.bench_peaks)
     distributed  ring attention (zigzag, contiguous, striped) and Ulysses attention on W spawned ranks
               against one process running flash over the whole causal sequence: peak memory per
               rank, balance of the ranks' attention CPU time, scores per ring step, a check
@@ -70,7 +74,8 @@ from ..modules.cache import KVCache
 from ..modules.general import GeneralAttention
 from ..nn import MultiheadAttention
 from ..positions import CAUSAL, Band
-from . import bench_distributed, bench_gpu, bench_hf, bench_memory, bench_native, bench_quality, bench_variants, plot_variants
+from . import (bench_distributed, bench_gpu, bench_hf, bench_memory, bench_native, bench_peaks, bench_quality, bench_variants,
+               plot_variants)
 from . import distributed_demo as demo
 from .bench_memory import HEAD_DIM, HEADS
 
@@ -384,6 +389,37 @@ def distributed_rows(T: int, nprocs: int) -> Iterator[Row]:
                    "check error": s["check_error"]}, detail={"ranks": reports})
 
 
+def _cache_decode_rows(p: dict, where: str, memory: float) -> Iterator[Row]:
+    """A decoding step (Hq32/Hkv8 D128) from each cache format, read in place by the paged kernel
+    (bench_native.cache_decode_point), a row each: its time
+    beside the float32 and bfloat16 caches' (the targets: bf16 at most 0.55 of fp32, int8 at most 0.6
+    of bf16), the bytes it reads per second and as a fraction of the read rate, its error."""
+    ms, held = p["ms"], p["bytes"]
+    for name in ms:
+        rate = held[name] / ms[name] / 1e6
+        yield Row("native", f"decode {where}, {name}", {"step": ms[name]},
+                  {"/ fp32 cache": ms[name] / ms["float32 cache"], "/ bf16 cache": ms[name] / ms["bfloat16 cache"]},
+                  {"GB/s": rate, "of read": rate / memory, "error": p["errors"][name],
+                   "bytes / bf16's": held[name] / held["bfloat16 cache"], "memory read GB/s (sum)": memory})
+
+
+def peak_rows() -> Iterator[Row]:
+    """This CPU's limits at the thread count in use (mha.tools.bench_peaks), one row each (absent
+    ones named), and which limit the native section judges each dtype's products against."""
+    peaks = bench_peaks.current()
+    threads = torch.get_num_threads()
+    for name, value in peaks.items():
+        if value is None:
+            yield Row("peaks", f"{name}: not on this CPU / build", {}, detail={"limit": name})
+        else:
+            yield Row("peaks", name, {}, extra={"figure": value, "per thread": value / threads}, detail={"limit": name})
+    for dtype in bench_native.DTYPES:
+        limit = bench_peaks.limit_of(dtype, peaks)
+        if limit:
+            yield Row("peaks", f"{dtype} products judged against: {limit[0]}", {},
+                      extra={"figure": limit[1], "per thread": limit[1] / threads})
+
+
 def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
     """The native kernel against torch's SDPA (mha.tools.bench_native): forward, forward +
     backward, decoding, a sliding window, accuracy; GFLOP/s beside a same-run square matmul of
@@ -391,12 +427,16 @@ def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
     under 1 GFLOP/s: keep it small in quick grids)."""
     times = functools.partial(best_times, repeat=repeat)
     matmul = {name: bench_native.matmul_gflops(dtype, grid["matmul"]) for name, dtype in bench_native.DTYPES.items()}
-    memory = bench_native.read_gbytes_per_second()
+    peaks = bench_peaks.current()
+    memory = peaks["read GB/s"]
 
     def timed(point: str, ms: dict, work: float, dtype: str) -> Row:
+        rates = {"native": work / ms["native"] / 1e6, "sdpa": work / ms["sdpa"] / 1e6}
+        limit = bench_peaks.limit_of(dtype, peaks)
+        of_limit = {f"{who} of limit": rate / limit[1] for who, rate in rates.items()} if limit else {}
         return Row("native", point, {"native": ms["native"], "sdpa": ms["sdpa"]}, {"native/sdpa": ms["native"] / ms["sdpa"]},
-                   {"native GFLOP/s": work / ms["native"] / 1e6, "sdpa GFLOP/s": work / ms["sdpa"] / 1e6,
-                    f"{dtype} matmul GFLOP/s": matmul[dtype]})
+                   {"native GFLOP/s": rates["native"], "sdpa GFLOP/s": rates["sdpa"], **of_limit,
+                    f"{dtype} matmul GFLOP/s": matmul[dtype]}, {"limit": limit[0] if limit else None})
 
     for dtype in bench_native.DTYPES:
         for T in grid["forward"]:
@@ -409,20 +449,10 @@ def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
         yield Row("native", f"decode {dtype} L1 S{grid['decode']} Hq32/Hkv8 D128", {"native": p["native"], "sdpa": p["sdpa"]},
                   {"native/sdpa": p["native"] / p["sdpa"]},
                   {"native GB/s (K, V read)": p["bytes"] / p["native"] / 1e6, "sdpa GB/s": p["bytes"] / p["sdpa"] / 1e6,
-                   "memory read GB/s (sum)": memory})
+                   "native of read": p["bytes"] / p["native"] / 1e6 / memory, "memory read GB/s (sum)": memory})
     for S in grid["cache_decode"]:
         for B in (1, 8):
-            p = bench_native.cache_decode_point(S, times, B=B)
-            ms, held = p["ms"], p["bytes"]
-            yield Row("native", f"decode from a cache B{B} S{S} Hq32/Hkv8 D128 (paged, in place)", ms,
-                      {"int8/bf16 time": ms["int8 cache"] / ms["bfloat16 cache"],
-                       "bf16/fp32 time": ms["bfloat16 cache"] / ms["float32 cache"],
-                       "int8/bf16 error": p["errors"]["int8 cache"] / p["errors"]["bfloat16 cache"],
-                       "int8/bf16 bytes": held["int8 cache"] / held["bfloat16 cache"],
-                       "int8 kept/apart time": ms["int8 cache"] / ms["int8, scales apart"]},
-                      {**{f"{name} GB/s": held[name] / ms[name] / 1e6 for name in ms},
-                       **{f"{name} error": error for name, error in p["errors"].items()},
-                       "memory read GB/s (sum)": memory})
+            yield from _cache_decode_rows(bench_native.cache_decode_point(S, times, B=B), f"B{B} S{S} paged", memory)
     calls = functools.partial(best_times, repeat=repeat, calls=10)  # short calls: several per timing
     for dtype in bench_native.DTYPES:  # where the dispatch starts to pick it (mha.kernels.dispatch.native_pays)
         for T in grid["short"]:

@@ -2004,9 +2004,75 @@ std::vector<Tensor> key_intervals(const TermArgs& terms, int64_t L, int64_t S) {
   return {first, stop, visible};
 }
 
+// ---- peaks: what this build's instructions reach on this CPU (mha bench --sections peaks) -------
+
+// Every thread runs kChains independent chains of one instruction for ``iterations`` steps: more
+// chains than an FMA's latency times its ports on any core seen (4 cycles x 2 ports), so the rate is
+// the issue rate, not a chain's latency. Returns the floating-point operations done (a product and a
+// sum each: 2 per lane and step; a bf16 dot product's lane does 2 pairs: 4) and keeps the chains
+// alive through peak_sink (else the compiler drops them). The caller times the call.
+constexpr int kChains = 12;
+volatile float peak_sink = 0;
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+double fma_peak_work(int64_t iterations) {
+  using vec = Lanes<float>::vec;
+  std::atomic<int64_t> tasks{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      vec acc[kChains];
+      const vec x = vec{} + 0.999999f, y = vec{} + 1e-6f;
+      for (int c = 0; c < kChains; ++c) acc[c] = vec{} + static_cast<float>(c);
+      for (int64_t it = 0; it < iterations; ++it) {
+#pragma GCC unroll 12
+        for (int c = 0; c < kChains; ++c) acc[c] = acc[c] * x + y;  // contracted to one FMA where the build has them
+      }
+      vec total = acc[0];
+      for (int c = 1; c < kChains; ++c) total += acc[c];
+      peak_sink = Lanes<float>::sum(total);
+      tasks.fetch_add(1);
+    }
+  });
+  return 2.0 * Lanes<float>::kCount * kChains * static_cast<double>(iterations) * tasks.load();
+}
+
+// The same with bfloat16 dot products (vdpbf16ps: 16 lanes, each adding two products of bf16 pairs);
+// -1 in builds without them.
+double bf16_dot_peak_work(int64_t iterations) {
+#if defined(MHA_AVX512_BF16)
+  std::atomic<int64_t> tasks{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      __m512 acc[kChains];
+      const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f));
+      const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f));
+      for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(static_cast<float>(c));
+      for (int64_t it = 0; it < iterations; ++it) {
+#pragma GCC unroll 12
+        for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
+      }
+      __m512 total = acc[0];
+      for (int c = 1; c < kChains; ++c) total = _mm512_add_ps(total, acc[c]);
+      peak_sink = _mm512_reduce_add_ps(total);
+      tasks.fetch_add(1);
+    }
+  });
+  return 4.0 * 16 * kChains * static_cast<double>(iterations) * tasks.load();
+#else
+  (void)iterations;
+  return -1;
+#endif
+}
+#pragma GCC diagnostic pop
+
 std::string build_info() {
-#if defined(MHA_AVX512)
+#if defined(MHA_AVX512_BF16)
+  return "avx512bf16";
+#elif defined(MHA_AVX512)
   return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
 #else
   return "portable";
 #endif
@@ -2035,4 +2101,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "attention of packed query rows over KV-cache pages read in place: (out (Tq, H, Dv), row max, row sum (Tq, H))");
   m.def("key_intervals", &mha_native::key_intervals, "each query's key interval [first, stop) and (L, S) visibility under a band (tests)");
   m.def("build_info", &mha_native::build_info, "the instruction set this build was compiled for");
+  m.def("fma_peak_work", &mha_native::fma_peak_work, "floating-point operations of independent FMA chains on every thread (timed by the caller)");
+  m.def("bf16_dot_peak_work", &mha_native::bf16_dot_peak_work, "the same with bfloat16 dot products (-1 without them)");
 }

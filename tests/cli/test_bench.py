@@ -267,3 +267,38 @@ def test_the_peak_chains_count_the_work_every_thread_did(threads):
         assert dot == (4 * 16 * 12 * 1000 * threads if kernel.build_info() == "avx512bf16" else -1)
     finally:
         torch.set_num_threads(before)
+
+
+def test_scaling_rows_put_each_point_at_every_thread_count_side_by_side():
+    rows = [bench.Row("native", "forward", {"native": 8.0, "sdpa": 6.0}, {"native/sdpa": 8 / 6}, threads=1),
+            bench.Row("native", "forward", {"native": 2.0, "sdpa": 3.0}, {"native/sdpa": 2 / 3}, threads=4),
+            bench.Row("native", "only at one count", {"native": 1.0}, threads=4),
+            bench.Row("peaks", "read GB/s", {}, extra={"figure": 30.0}, threads=1),
+            bench.Row("peaks", "read GB/s", {}, extra={"figure": 60.0}, threads=4)]
+    native, sdpa, ratio = bench.scaling_rows(rows)
+    assert [r.section for r in (native, sdpa, ratio)] == ["scaling"] * 3
+    assert native.point == "native: forward (native)" and sdpa.point == "native: forward (sdpa)"
+    assert native.times_ms == {"1 threads": 8.0, "4 threads": 2.0} and native.ratios == {"speedup 1 to 4": 4.0}
+    assert sdpa.times_ms == {"1 threads": 6.0, "4 threads": 3.0} and sdpa.ratios == {"speedup 1 to 4": 2.0}
+    assert ratio.point == "native: forward: native/sdpa" and ratio.extra == {"at 1 threads": 8 / 6, "at 4 threads": 2 / 3}
+    assert list(bench.scaling_rows(rows[:1])) == []  # one count: nothing to scale
+
+
+def test_cli_runs_every_section_at_each_thread_count_and_adds_the_scaling(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_cli, "QUICK", {**bench_cli.QUICK, "contract": 32, "matmul": 32})
+    before = torch.get_num_threads()
+    try:
+        assert cli.main(["bench", "--quick", "--sections", "contract", "--threads", "1", "2", "--repeat", "1",
+                         "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(before)
+    out = capsys.readouterr().out
+    assert "contract, 1 threads" in out and "contract, 2 threads" in out and "scaling" in out
+    data = json.loads((tmp_path / "results.json").read_text())
+    runs = [r for r in data["rows"] if r["section"] == "contract"]
+    assert {r["threads"] for r in runs} == {1, 2} and data["machine"]["thread counts"] == [1, 2]
+    scaling = [r for r in data["rows"] if r["section"] == "scaling"]
+    timed = [r for r in scaling if r["times_ms"]]
+    assert len(timed) == sum(len(r["times_ms"]) for r in runs) // 2 and all("speedup 1 to 2" in r["ratios"] for r in timed)
+    assert cli.main(["bench", "--threads", "2", "0"]) == 2
+    assert "--threads must be positive, got 2 0" in capsys.readouterr().err

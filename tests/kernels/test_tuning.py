@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -425,3 +426,124 @@ def test_the_real_timer_keeps_the_way_native_fares_worse(monkeypatch):
         state["cold"] = False
     native_s, torch_s = tuning.best_of("p", {}, native_call, torch_call, repeat=1, singles=3, sample_s=1e-3)
     assert native_s / torch_s > 1.5  # the loops alone would say about 0.1
+
+
+# -- how sure a table is (issue 44: a first measurement under load stored "native never" for good) --
+
+def load_of(share, monkeypatch, *, span=10.0):
+    """_cpu_times readings around a tune(): other processes took ``share`` of the machine's CPU time
+    over ``span`` seconds (this process the rest of one core)."""
+    cores = os.cpu_count() or 1
+    readings = iter([(100.0, 50.0, 20.0), (100.0 + span, 50.0 + span * (share * cores + 1), 20.0 + span)])
+    monkeypatch.setattr(tuning, "_cpu_times", lambda: next(readings))
+
+
+@pytest.mark.parametrize("share, sure", [(0.0, True), (0.05, True), (0.10, True), (0.11, False), (0.6, False)])
+def test_a_table_measured_under_load_says_so(cache, monkeypatch, share, sure):
+    """tuning.LOAD_LIMIT: others may take at most 10 % of the machine's CPU time while it measures."""
+    load_of(share, monkeypatch)
+    table = tuning.tune(timer=fake_timer(lambda s: s["L"] == 1))
+    assert table["load"] == pytest.approx(share) and table["sure"] is sure and table["checks"] == 1
+    assert (tuning.unsure_because(table) is None) is sure
+    if not sure:
+        assert f"other processes took {share:.0%} of the CPUs" in tuning.unsure_because(table)
+
+
+def test_a_load_read_over_too_short_a_span_is_unknown_not_a_figure(cache, monkeypatch):
+    load_of(0.9, monkeypatch, span=tuning.LOAD_SPAN / 2)
+    table = tuning.tune(timer=fake_timer(lambda s: False))
+    assert table["load"] is None and table["sure"] is True
+    assert tuning._others_share(None, (1.0, 1.0, 1.0)) is None
+
+
+def test_a_point_whose_rounds_disagree_makes_the_table_unsure(cache):
+    def timer(point, shape, native_call, torch_call):  # native wins decoding at S=4096 in the first round only
+        return (0.5, 1.0) if shape["L"] == 1 and shape["S"] == 4096 and shape["round"] == 0 else (2.0, 1.0)
+    table = tuning.tune(timer=timer)
+    assert table["split"] == ["bfloat16 decode 4096", "float32 decode 4096"] and table["sure"] is False
+    assert "its rounds disagreed at 2 point(s)" in tuning.unsure_because(table)
+    assert table["crossovers"]["float32"]["decode_keys"] is None  # the worst round still decides
+
+
+def test_the_load_of_another_process_is_read(monkeypatch):
+    """A real reading: a busy process beside this one shows in the share (Linux only)."""
+    if tuning._cpu_times() is None:
+        pytest.skip("no /proc here: the load is not read")
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.3)
+        before = tuning._cpu_times()
+        time.sleep(1.5)
+        share = tuning._others_share(before, tuning._cpu_times())
+    finally:
+        busy.kill()
+        busy.wait()
+    assert share >= 0.8 / (os.cpu_count() or 1)
+
+
+def test_an_unsure_table_is_measured_again_by_later_processes_up_to_checks(cache, monkeypatch, caplog):
+    if not mha.kernels.native.ready():
+        pytest.skip("the native kernel is not built here: auto never asks")
+    monkeypatch.setenv("MHA_TUNE", "auto")
+    timer = fake_timer(lambda s: s["L"] == 1)
+    monkeypatch.setattr(tuning, "best_of", timer)
+    load_of(0.5, monkeypatch)
+    tuning.tune(timer=fake_timer(lambda s: False))  # the first measurement, under load: native never
+    x = torch.randn(1, 2, 1, 64)
+    kv = torch.randn(1, 2, 2048, 64)
+    for check in range(2, tuning.CHECKS + 1):
+        tuning.forget()  # a later process
+        load_of(0.5, monkeypatch)
+        with caplog.at_level("INFO", logger="mha.dispatch"):
+            mha.kernels.choose_backend("auto", x, kv, kv, Contract())
+        assert len(timer.asked) == (check - 1) * GRID_CALLS
+        assert f"is not sure (other processes took 50% of the CPUs while it was measured); measuring again " \
+               f"(measurement {check} of {tuning.CHECKS})" in caplog.text
+        assert tuning.stored()["checks"] == check
+    assert "kept, measured again no more" in caplog.text
+    tuning.forget()
+    assert mha.kernels.choose_backend("auto", x, kv, kv, Contract())[0] == "native"  # the last table decides
+    assert len(timer.asked) == (tuning.CHECKS - 1) * GRID_CALLS  # no fourth measurement
+
+
+def test_a_sure_remeasurement_ends_the_checks(cache, monkeypatch):
+    if not mha.kernels.native.ready():
+        pytest.skip("the native kernel is not built here: auto never asks")
+    monkeypatch.setenv("MHA_TUNE", "auto")
+    timer = fake_timer(lambda s: s["L"] == 1)
+    monkeypatch.setattr(tuning, "best_of", timer)
+    load_of(0.5, monkeypatch)
+    tuning.tune(timer=fake_timer(lambda s: False))
+    tuning.forget()
+    load_of(0.0, monkeypatch)
+    x, kv = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 2048, 64)
+    assert mha.kernels.choose_backend("auto", x, kv, kv, Contract())[0] == "native"
+    assert tuning.stored()["sure"] and tuning.stored()["checks"] == 2
+    tuning.forget()
+    mha.kernels.choose_backend("auto", x, kv, kv, Contract())
+    assert len(timer.asked) == GRID_CALLS  # sure now: never again
+
+
+def test_mha_tune_and_verify_say_how_sure_the_table_is(cache, monkeypatch, capsys):
+    pytest.importorskip("rich")
+    from mha import cli
+    from mha.cli import verify
+    load_of(0.3, monkeypatch)
+    tuning.tune(timer=fake_timer(lambda s: s["L"] == 1))
+    assert cli.main(["tune", "--show"]) == 0
+    assert "not sure: other processes took 30% of the CPUs while it was measured (1 measurement(s)); a later " \
+           "process measures it again" in " ".join(capsys.readouterr().out.split())
+    monkeypatch.setenv("MHA_TUNE", "off")
+    assert "(not sure: other processes took 30% of the CPUs" in verify.dispatch_status()
+    load_of(0.0, monkeypatch)
+    tuning.tune(timer=fake_timer(lambda s: s["L"] == 1))
+    assert cli.main(["tune", "--show"]) == 0
+    assert "sure: other processes took 0% of the CPUs meanwhile, every round agreed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("field, value", [("sure", "yes"), ("checks", 1.5), ("load", "high")])
+def test_a_table_with_a_malformed_confidence_is_ignored(cache, monkeypatch, field, value):
+    monkeypatch.setenv("MHA_TUNE", "off")
+    table = tuning.tune(timer=fake_timer(lambda s: False), store=False)
+    cache.write_text(json.dumps({tuning.machine_key(): {**table, field: value}}))
+    assert tuning.stored() is None

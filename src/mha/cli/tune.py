@@ -40,7 +40,21 @@ def run(args: argparse.Namespace) -> int:
             table = tuning.tune()
     console.print(render(table))
     console.print(f"measured {table['measured']}, {table['threads']} threads; stored in {tuning.cache_path()}")
+    console.print(confidence(table))
     return 0
+
+
+def confidence(table: dict) -> str:
+    """How sure the table is, in a line: the load while it was measured, split points, measurements."""
+    load = table.get("load")
+    seen = "the load was not readable here" if load is None else f"other processes took {load:.0%} of the CPUs meanwhile"
+    checks = f"{table.get('checks', 1)} measurement(s)"
+    why = tuning.unsure_because(table)
+    if why is None:
+        return f"sure: {seen}, every round agreed ({checks})"
+    then = ("a later process measures it again" if table.get("checks", 1) < tuning.CHECKS
+            else "kept; `mha tune` on a quiet machine measures it again")
+    return f"not sure: {why} ({checks}); {then}"
 
 
 def describe_cpu() -> str:

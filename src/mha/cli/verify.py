@@ -95,7 +95,9 @@ def dispatch_status() -> str:
     from .tune import describe
     found = "; ".join(f"{dtype}: prefill {describe('prefill_work', c['prefill_work'])}, decoding "
                       f"{describe('decode_keys', c['decode_keys'])}" for dtype, c in table["crossovers"].items())
-    return f"dispatch ({where}; mha tune --show): auto picks native for {found}"
+    why = tuning.unsure_because(table)
+    sure = "" if why is None else f" (not sure: {why}; measured again by a later process, up to {tuning.CHECKS} times)"
+    return f"dispatch ({where}; mha tune --show): auto picks native for {found}{sure}"
 
 
 def summary_table(results: list[verify.Result]) -> Table:

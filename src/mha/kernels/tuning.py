@@ -15,7 +15,11 @@ A point counts for native only if native takes at most MARGIN of torch's time in
 ROUNDS interleaved rounds over the grid, at both shapes, timed both in back-to-back loops and as
 single calls alternated with other work (as a model calls attention between its other layers);
 the worst of these ratios is stored. One lucky round cannot move the crossover: where native wins
-only sometimes, auto keeps torch's kernel. The tables are stored
+only sometimes, auto keeps torch's kernel. A table says how sure it is: the share of the machine's
+CPU time other processes took while it was measured (above LOAD_LIMIT: measured under load) and the
+points whose rounds disagreed; a table that is not sure is measured again at the first use of later
+processes, up to CHECKS measurements in all, each logged (a busy machine at the first `mha verify`
+must not decide for good). The tables are stored
 in a per-user cache (``$MHA_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mha/tune.json``) keyed by the CPU
 model, its flags that matter, the native build and its source (a changed kernel is measured again), the thread
 count and the torch and mha versions. ``auto`` reads the
@@ -45,9 +49,9 @@ import torch
 
 from .._version import __version__
 
-__all__ = ["DECODE_KEYS", "DTYPES", "FLAGS", "KNOWN", "MARGIN", "NEVER", "PREFILL_LENGTHS", "ROUNDS", "SHAPES",
-           "Crossover", "Timer", "alternated_times", "best_of", "cache_path", "cpu", "cpu_kind", "crossovers", "forget",
-           "machine_key", "stored", "switched_off", "tune"]
+__all__ = ["CHECKS", "DECODE_KEYS", "DTYPES", "FLAGS", "KNOWN", "LOAD_LIMIT", "MARGIN", "NEVER", "PREFILL_LENGTHS",
+           "ROUNDS", "SHAPES", "Crossover", "Timer", "alternated_times", "best_of", "cache_path", "cpu", "cpu_kind",
+           "crossovers", "forget", "machine_key", "stored", "switched_off", "tune", "unsure_because"]
 
 log = logging.getLogger("mha.dispatch")
 
@@ -61,6 +65,9 @@ PREFILL_LENGTHS = (128, 256, 512, 1024)  # L = S, non-causal and causal (the wor
 DECODE_KEYS = (1024, 4096, 16384)  # L = 1
 MARGIN = 0.95  # native must take at most this fraction of torch's time to count as faster (timing noise: a few %)
 ROUNDS = 3  # interleaved rounds over the whole grid: native must win the point in every one
+LOAD_LIMIT = 0.10  # other processes took more than this share of the machine's CPU time while it measured: under load
+LOAD_SPAN = 1.0  # seconds: the least span over which the load is read (a real measurement takes several)
+CHECKS = 3  # measurements a table that is not sure gets in all: the first, then one at each of two later first uses
 
 
 @dataclass(frozen=True)
@@ -160,7 +167,8 @@ def _well_formed(table) -> bool:
             return False
         if not all(value is None or (type(value) is int and value >= 0) for value in found.values()):
             return False
-    return True
+    return (isinstance(table.get("sure", True), bool) and type(table.get("checks", 1)) is int
+            and (table.get("load") is None or isinstance(table["load"], (int, float))))
 
 
 def crossovers(dtype: torch.dtype) -> Crossover:
@@ -181,13 +189,13 @@ def switched_off() -> bool:
 def _look_up(dtype: torch.dtype) -> Crossover:
     key = machine_key()
     table = stored(key)
-    if table is None and not switched_off() and not _among_ranks():
+    if (table is None or _to_check(table)) and not switched_off() and not _among_ranks():
         with _first_use_lock, _file_lock(_measuring_lock()):  # one thread, one process measures; the others
             _tables.pop(key, None)                                # wait and read its table
             table = stored(key)
-            if table is None and key not in _tried:
+            if (table is None or _to_check(table)) and key not in _tried:
                 _tried.add(key)
-                table = _first_use()
+                table = _first_use(table) or table
     if table is None:
         return KNOWN.get(cpu()["kind"], {}).get(dtype, NEVER)
     measured = table.get("crossovers", {})
@@ -204,18 +212,49 @@ def _among_ranks() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _first_use() -> dict | None:
-    """Measure once, when auto first needs the answer and no table is stored; a failure leaves it
-    unmeasured (KNOWN applies) and is logged, never raised into the caller's attention call."""
+def _to_check(table: dict) -> bool:
+    """Whether a stored table is to be measured again: it is not sure (measured under load, or its
+    rounds disagreed) and has had fewer than CHECKS measurements."""
+    return not table.get("sure", True) and table.get("checks", 1) < CHECKS
+
+
+def unsure_because(table: dict) -> str | None:
+    """Why a table is not sure, in words (None: it is): the load while it was measured, the points
+    whose rounds disagreed."""
+    if table.get("sure", True):
+        return None
+    reasons = []
+    if table.get("load") is not None and table["load"] > LOAD_LIMIT:
+        reasons.append(f"other processes took {table['load']:.0%} of the CPUs while it was measured")
+    if table.get("split"):
+        reasons.append(f"its rounds disagreed at {len(table['split'])} point(s)")
+    return "; ".join(reasons) or "not sure"
+
+
+def _first_use(previous: dict | None = None) -> dict | None:
+    """Measure when auto first needs the answer and no table is stored, or the stored one is to be
+    checked again (``previous``); a failure leaves what was there (else KNOWN applies) and is logged,
+    never raised into the caller's attention call."""
     from . import native
     if not native.ready():
         return None
-    log.info("mha: measuring where the native kernel beats torch on this CPU (once; MHA_TUNE=off skips it)")
+    checks = 1 if previous is None else previous.get("checks", 1) + 1
+    if previous is None:
+        log.info("mha: measuring where the native kernel beats torch on this CPU (once; MHA_TUNE=off skips it)")
+    else:
+        log.info("mha: the dispatch table stored %s is not sure (%s); measuring again (measurement %d of %d)",
+                 previous.get("measured"), unsure_because(previous), checks, CHECKS)
     try:
-        return tune()
+        table = tune(checks=checks)
     except Exception as error:  # noqa: BLE001 - a measurement must never break the user's call
-        log.warning("mha: measuring the dispatch failed (%s); using the defaults of this CPU kind", error)
+        log.warning("mha: measuring the dispatch failed (%s); using %s", error,
+                    "the table stored before" if previous else "the defaults of this CPU kind")
         return None
+    if not table["sure"]:
+        log.warning("mha: the dispatch table just measured is not sure (%s)%s", unsure_because(table),
+                    "; kept, measured again no more: `mha tune` on a quiet machine measures it again"
+                    if checks >= CHECKS else f"; a later process measures it again ({checks} of {CHECKS})")
+    return table
 
 
 # -- measuring -------------------------------------------------------------------------------------
@@ -274,13 +313,19 @@ def _other_work() -> None:
     _sweep().add_(1)
 
 
-def tune(*, timer: Timer | None = None, store: bool = True) -> dict:
+def tune(*, timer: Timer | None = None, store: bool = True, checks: int = 1) -> dict:
     """Measure the grid, store the table under this machine's key (unless ``store`` is False) and
     return it. ``timer(point, shape, native_call, torch_call) -> (native s, torch s)`` (tests give
     a fake one; default: best_of), asked ROUNDS times for every point at every shape of SHAPES;
-    a point's ratio is the worst of them."""
+    a point's ratio is the worst of them. The table says how sure it is: "load", the share of the
+    machine's CPU time other processes took meanwhile (None where the OS does not say), "split",
+    the points where native won some rounds and lost others, and "sure" (load at most LOAD_LIMIT,
+    no split point); "checks" counts the measurements (a table not sure is measured again at later
+    first uses, up to CHECKS)."""
     timer = timer or best_of
     worst: dict[tuple[str, str, int], float] = {}
+    won: dict[tuple[str, str, int], set[bool]] = {}
+    before = _cpu_times()
     # run at first use inside a caller's call: none of its context (autocast, grad) may reach the timings
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
         for round_ in range(ROUNDS):
@@ -289,6 +334,9 @@ def tune(*, timer: Timer | None = None, store: bool = True) -> dict:
                 call, size = ("decode S", shape["S"]) if shape["L"] == 1 else ("prefill L*S", shape["L"] * shape["S"])
                 key = (shape["dtype"], call, size)
                 worst[key] = max(worst.get(key, 0.0), native_s / torch_s)
+                won.setdefault(key, set()).add(native_s / torch_s <= MARGIN)
+    load = _others_share(before, _cpu_times())
+    split = [f"{dtype} {call.split()[0]} {size}" for (dtype, call, size), sides in sorted(won.items()) if len(sides) > 1]
     found, ratios = {}, {}
     for name in DTYPES:
         ratios[name] = {call: {size: r for (d, c, size), r in sorted(worst.items()) if d == name and c == call}
@@ -297,10 +345,36 @@ def tune(*, timer: Timer | None = None, store: bool = True) -> dict:
                                        _from_where_it_wins(list(ratios[name]["decode S"].items()))))
     table = {"crossovers": found, "ratios": ratios, "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
              "cpu": cpu(), "threads": torch.get_num_threads(), "rounds": ROUNDS,
-             "shapes": [list(shape) for shape in SHAPES]}
+             "shapes": [list(shape) for shape in SHAPES],
+             "load": load, "split": split, "sure": (load is None or load <= LOAD_LIMIT) and not split, "checks": checks}
     if store:
         _write(machine_key(), table)
     return table
+
+
+def _cpu_times() -> tuple[float, float, float] | None:
+    """(wall seconds, the machine's busy CPU seconds, this process's CPU seconds) now, from Linux's
+    /proc (None elsewhere): busy counts every state but idle and waiting on I/O, steal included (a
+    virtual machine's host gave the core to another)."""
+    try:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()  # after the command's name: state is field 3, utime 14, stime 15
+        tick = os.sysconf("SC_CLK_TCK")
+        return time.monotonic(), (sum(values) - values[3] - values[4]) / tick, (int(own[11]) + int(own[12])) / tick
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def _others_share(before, after) -> float | None:
+    """The share of the machine's CPU time (every core's) that other processes took between two
+    _cpu_times() readings, or None where they could not be read or lie under LOAD_SPAN apart (the
+    counters tick at 100 Hz: a shorter span is mostly their rounding)."""
+    if before is None or after is None or after[0] - before[0] < LOAD_SPAN:
+        return None
+    others = (after[1] - before[1]) - (after[2] - before[2])
+    return min(1.0, max(0.0, others / ((after[0] - before[0]) * (os.cpu_count() or 1))))
 
 
 def _grid(round_: int):

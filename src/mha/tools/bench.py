@@ -90,6 +90,7 @@ class Row:
     ratios: dict[str, float] = field(default_factory=dict)  # "ours/torch-train" -> value
     extra: dict[str, float] = field(default_factory=dict)  # GFLOP/s, MiB, errors ...
     detail: dict = field(default_factory=dict)  # kept in results.json only (e.g. per-head errors)
+    threads: int | None = None  # the torch thread count it ran at (mha bench stamps it)
 
 
 def machine(*, matmul_n: int = 2048) -> dict:
@@ -688,19 +689,47 @@ def plot_backends(rows: list[Row], path: str) -> None:
     plt.close(fig)
 
 
+def scaling_rows(rows: list[Row]) -> Iterator[Row]:
+    """How each timed point scales with the thread count, from rows run at several (mha bench
+    --threads 2 16), for points measured at every count: a row per implementation (its time at each
+    count, its speedup from the fewest threads), then a row per ratio of the point (native/sdpa, ...)
+    with its value at each count."""
+    counts = sorted({r.threads for r in rows if r.threads is not None})
+    if len(counts) < 2:
+        return
+    by_point: dict[tuple[str, str], dict[int, Row]] = {}
+    for r in rows:
+        if r.threads is not None and r.times_ms:
+            by_point.setdefault((r.section, r.point), {})[r.threads] = r
+    first = counts[0]
+    measured = [(f"{section}: {point}", at) for (section, point), at in by_point.items() if set(at) == set(counts)]
+    for point, at in measured:
+        for name in at[first].times_ms:
+            yield Row("scaling", f"{point} ({name})", {f"{n} threads": at[n].times_ms[name] for n in counts},
+                      {f"speedup {first} to {n}": at[first].times_ms[name] / at[n].times_ms[name] for n in counts[1:]})
+    for point, at in measured:
+        for name in at[first].ratios:
+            if all(name in at[n].ratios for n in counts):
+                yield Row("scaling", f"{point}: {name}", {}, {}, {f"at {n} threads": at[n].ratios[name] for n in counts})
+
+
 def write(rows: list[Row], info: dict, directory: str) -> list[str]:
-    """results.json, results.csv and backends.png into ``directory``; returns the paths."""
+    """results.json, results.csv and backends.png into ``directory``; returns the paths. Rows run at
+    several thread counts are all written; the plots draw those of the most threads."""
     os.makedirs(directory, exist_ok=True)
     paths = [os.path.join(directory, name) for name in ("results.json", "results.csv", "backends.png")]
     with open(paths[0], "w") as f:
         json.dump({"machine": info, "rows": [asdict(r) for r in rows]}, f, indent=1)
     with open(paths[1], "w", newline="") as f:
         table = csv.writer(f)  # quotes the points and measures that hold commas
-        table.writerow(["section", "point", "measure", "value"])
+        table.writerow(["section", "point", "measure", "value", "threads"])
         for r in rows:
             for kind, values in (("ms", r.times_ms), ("", r.ratios), ("", r.extra)):
                 for name, value in values.items():
-                    table.writerow([r.section, r.point, f"{name}{' ' + kind if kind else ''}", f"{value:.6g}"])
+                    table.writerow([r.section, r.point, f"{name}{' ' + kind if kind else ''}", f"{value:.6g}",
+                                    "" if r.threads is None else r.threads])
+    most = max((r.threads for r in rows if r.threads is not None), default=None)
+    rows = [r for r in rows if r.threads in (None, most)]
     if any(r.section == "backends" for r in rows):
         plot_backends(rows, paths[2])
     else:

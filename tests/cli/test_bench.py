@@ -237,7 +237,8 @@ def test_the_limits_are_this_cpus_own_and_each_dtype_is_judged_against_the_faste
     rows = list(bench.peak_rows())
     assert [r.point for r in rows if r.extra][-2:] == [
         f"{dtype} products judged against: {bench_peaks.limit_of(dtype, peaks)[0]}" for dtype in ("fp32", "bf16")]
-    assert {r.point for r in rows if not r.extra} == {f"{name}: not on this CPU / build" for name, v in peaks.items() if v is None}
+    absent = {f"{name}: not on this CPU / build" for name, value in peaks.items() if value is None}
+    assert {r.point for r in rows if not r.extra} == absent
 
 
 def test_a_dtype_is_judged_against_amx_then_its_dot_product_then_the_fma_peak():

@@ -74,8 +74,17 @@ from ..modules.cache import KVCache
 from ..modules.general import GeneralAttention
 from ..nn import MultiheadAttention
 from ..positions import CAUSAL, Band
-from . import (bench_distributed, bench_gpu, bench_hf, bench_memory, bench_native, bench_peaks, bench_quality, bench_variants,
-               plot_variants)
+from . import (
+    bench_distributed,
+    bench_gpu,
+    bench_hf,
+    bench_memory,
+    bench_native,
+    bench_peaks,
+    bench_quality,
+    bench_variants,
+    plot_variants,
+)
 from . import distributed_demo as demo
 from .bench_memory import HEAD_DIM, HEADS
 

@@ -50,8 +50,7 @@ QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 
              native=dict(forward=[512, 1024], training=512, decode=4096, window=(4096, 128), accuracy=256,
                          short=[64, 256], matmul=1024, cache_decode=[4096]))
 SECTIONS = ("peaks", "module", "causal", "overhead", "auto", "peers", "backends", "training", "contract", "memory", "modern",
-            "native",
-            "serving", "variants", "hf", "distributed", "gpu", "flex")
+            "native", "serving", "variants", "hf", "distributed", "gpu", "flex")
 OPT_IN = ("serving", "variants", "hf", "distributed", "gpu", "flex")  # not in the default run: long, a GPU, or an extra
 
 

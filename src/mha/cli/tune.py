@@ -50,8 +50,11 @@ def confidence(table: dict) -> str:
     seen = "the load was not readable here" if load is None else f"other processes took {load:.0%} of the CPUs meanwhile"
     checks = f"{table.get('checks', 1)} measurement(s)"
     why = tuning.unsure_because(table)
+    split = table.get("split") or []
+    rounds = (f"rounds disagreed at {', '.join(split)} (near the margin; the worst round decides)" if split
+              else "every round agreed")
     if why is None:
-        return f"sure: {seen}, every round agreed ({checks})"
+        return f"sure: {seen}, {rounds} ({checks})"
     then = ("a later process measures it again" if table.get("checks", 1) < tuning.CHECKS
             else "kept; `mha tune` on a quiet machine measures it again")
     return f"not sure: {why} ({checks}); {then}"

@@ -16,10 +16,9 @@ ROUNDS interleaved rounds over the grid, at both shapes, timed both in back-to-b
 single calls alternated with other work (as a model calls attention between its other layers);
 the worst of these ratios is stored. One lucky round cannot move the crossover: where native wins
 only sometimes, auto keeps torch's kernel. A table says how sure it is: the share of the machine's
-CPU time other processes took while it was measured (above LOAD_LIMIT: measured under load) and the
-points whose rounds disagreed; a table that is not sure is measured again at the first use of later
-processes, up to CHECKS measurements in all, each logged (a busy machine at the first `mha verify`
-must not decide for good). The tables are stored
+CPU time other processes took while it was measured (above LOAD_LIMIT: measured under load, not
+sure); a table that is not sure is measured again at the first use of later processes, up to CHECKS
+measurements in all, each logged (a busy machine at the first `mha verify` must not decide for good). The tables are stored
 in a per-user cache (``$MHA_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mha/tune.json``) keyed by the CPU
 model, its flags that matter, the native build and its source (a changed kernel is measured again), the thread
 count and the torch and mha versions. ``auto`` reads the
@@ -219,16 +218,10 @@ def _to_check(table: dict) -> bool:
 
 
 def unsure_because(table: dict) -> str | None:
-    """Why a table is not sure, in words (None: it is): the load while it was measured, the points
-    whose rounds disagreed."""
+    """Why a table is not sure, in words (None: it is): the load while it was measured."""
     if table.get("sure", True):
         return None
-    reasons = []
-    if table.get("load") is not None and table["load"] > LOAD_LIMIT:
-        reasons.append(f"other processes took {table['load']:.0%} of the CPUs while it was measured")
-    if table.get("split"):
-        reasons.append(f"its rounds disagreed at {len(table['split'])} point(s)")
-    return "; ".join(reasons) or "not sure"
+    return f"other processes took {table['load']:.0%} of the CPUs while it was measured"
 
 
 def _first_use(previous: dict | None = None) -> dict | None:
@@ -318,10 +311,11 @@ def tune(*, timer: Timer | None = None, store: bool = True, checks: int = 1) -> 
     return it. ``timer(point, shape, native_call, torch_call) -> (native s, torch s)`` (tests give
     a fake one; default: best_of), asked ROUNDS times for every point at every shape of SHAPES;
     a point's ratio is the worst of them. The table says how sure it is: "load", the share of the
-    machine's CPU time other processes took meanwhile (None where the OS does not say), "split",
-    the points where native won some rounds and lost others, and "sure" (load at most LOAD_LIMIT,
-    no split point); "checks" counts the measurements (a table not sure is measured again at later
-    first uses, up to CHECKS)."""
+    machine's CPU time other processes took meanwhile (None where the OS does not say), and "sure"
+    (that load at most LOAD_LIMIT); "checks" counts the measurements (a table not sure is measured
+    again at later first uses, up to CHECKS). "split" lists the points where native won some rounds
+    and lost others: noise near the margin, which the worst round settles (for torch); shown, not
+    measured again (a quiet machine splits there too)."""
     timer = timer or best_of
     worst: dict[tuple[str, str, int], float] = {}
     won: dict[tuple[str, str, int], set[bool]] = {}
@@ -346,7 +340,7 @@ def tune(*, timer: Timer | None = None, store: bool = True, checks: int = 1) -> 
     table = {"crossovers": found, "ratios": ratios, "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
              "cpu": cpu(), "threads": torch.get_num_threads(), "rounds": ROUNDS,
              "shapes": [list(shape) for shape in SHAPES],
-             "load": load, "split": split, "sure": (load is None or load <= LOAD_LIMIT) and not split, "checks": checks}
+             "load": load, "split": split, "sure": load is None or load <= LOAD_LIMIT, "checks": checks}
     if store:
         _write(machine_key(), table)
     return table

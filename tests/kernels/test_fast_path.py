@@ -9,24 +9,35 @@ from torch.autograd import forward_ad
 
 import mha
 from mha import functional
-from mha.kernels import dispatch
+from mha.kernels import dispatch, native, tuning
 
 sdpa = functional.scaled_dot_product_attention
 
 
+@pytest.fixture(params=["compiled", "python"], autouse=True)
+def fast_path(request, monkeypatch):
+    """Every test runs on both fast paths: the native kernel's plain_sdpa (its checks in C++, once the
+    kernel is loaded) and dispatch.plain_call in Python (no compiler, CUDA, torch.compile)."""
+    if request.param == "python":
+        monkeypatch.setattr(native, "loaded", None)
+    elif not native.native_available():
+        pytest.skip("the native kernel does not build here: the Python fast path only")
+    return request.param
+
+
 def full_path(monkeypatch, *args, **kwargs):
     with monkeypatch.context() as patch:
-        patch.setattr(dispatch, "plain_call", lambda *a: False)
+        patch.setattr(dispatch, "plain_sdpa", lambda *a, **kw: None)
         return sdpa(*args, **kwargs)
 
 
 def took_fast_path(monkeypatch, *args, **kwargs) -> bool:
-    calls = []
-    real = dispatch.plain_call
+    outs = []
+    real = dispatch.plain_sdpa
     with monkeypatch.context() as patch:
-        patch.setattr(dispatch, "plain_call", lambda *a: calls.append(real(*a)) or calls[-1])
+        patch.setattr(dispatch, "plain_sdpa", lambda *a, **kw: outs.append(real(*a, **kw)) or outs[-1])
         sdpa(*args, **kwargs)
-    return bool(calls and calls[0])
+    return bool(outs) and outs[0] is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -102,7 +113,8 @@ def test_autocast_forward_ad_and_native_calls_take_the_full_path(monkeypatch):
     with forward_ad.dual_level():
         dual = forward_ad.make_dual(q, torch.ones_like(q))
         assert not took_fast_path(monkeypatch, dual, q, q)
-    monkeypatch.setattr(dispatch, "_measured_faster", lambda *args: True)  # (native_pays_for's rule)
+    monkeypatch.setattr(tuning, "crossovers", lambda dtype: tuning.Crossover(1, 1))  # native measured faster everywhere
+    monkeypatch.setattr(tuning, "resolved_ints", {})
     assert not took_fast_path(monkeypatch, q, q, q)
 
 
@@ -120,6 +132,7 @@ def test_a_gqa_decoding_step_counts_its_rows_per_key_value_head(monkeypatch, H, 
     q, k, v = torch.randn(1, H, L, 16), torch.randn(1, Hkv, 1024, 16), torch.randn(1, Hkv, 1024, 16)
     assert dispatch.native_pays(q, k) == decoding
     assert dispatch.plain_call(q, k, v, enable_gqa=H != Hkv) == (not decoding)
+    assert (dispatch.plain_sdpa(q, k, v, is_causal=True, enable_gqa=H != Hkv) is not None) == (not decoding)
     assert took_fast_path(monkeypatch, q, k, v, is_causal=True, enable_gqa=H != Hkv) == (not decoding)
     if mha.kernels.native.ready():
         chosen = mha.kernels.choose_backend("auto", q, k, v, mha.kernels.Contract())[0]
@@ -141,3 +154,60 @@ def test_a_head_dim_of_one_with_another_stride_takes_the_full_path(monkeypatch):
     assert q.is_contiguous() and q.stride(-1) != 1
     assert not took_fast_path(monkeypatch, q, k, v)
     assert torch.equal(sdpa(q, k, v), full_path(monkeypatch, q, k, v))
+
+
+CASES = [
+    (lambda: [_q(2, 4, 5, 16), _q(2, 4, 7, 16), _q(2, 4, 7, 16)], False),
+    (lambda: [_q(2, 4, 5, 16), _q(2, 2, 7, 16), _q(2, 2, 7, 16)], True),
+    (lambda: [_q(2, 4, 5, 16), _q(2, 3, 7, 16), _q(2, 3, 7, 16)], True),  # 3 does not divide 4
+    (lambda: [_q(2, 4, 5, 16), _q(2, 2, 7, 16), _q(2, 2, 7, 16)], False),  # fewer kv heads, no enable_gqa
+    (lambda: [_q(1, 2, 1, 1), _q(1, 2, 1, 1), _q(1, 2, 1, 1)], False),  # D = 1
+    (lambda: [t.mT for t in (_q(1, 2, 1, 9), _q(1, 2, 1, 7), _q(1, 2, 1, 7))], False),  # D = 1, last stride not 1
+    (lambda: [_q(1, 2, 8, 4).mT] * 3, False),
+    (lambda: [_q(1, 2, 4, 8), _q(1, 2, 4, 8), _q(1, 2, 4, 8, dtype=torch.float64)], False),
+    (lambda: [_q(1, 2, 4, 8, dtype=torch.float16)] * 3, False),
+    (lambda: [_q(1, 2, 4, 8, dtype=torch.bfloat16)] * 3, True),
+    (lambda: [_q(1, 2, 4, 8, dtype=torch.float64)] * 3, False),
+    (lambda: [_q(1, 0, 4, 8)] * 3, False),
+    (lambda: [_q(1, 2, 4, 8), _q(1, 0, 4, 8), _q(1, 0, 4, 8)], True),
+    (lambda: [_q(1, 2, 4, 0)] * 3, False),
+    (lambda: [_q(1, 2, 4, 8), _q(1, 2, 4, 8), _q(1, 2, 4, 6)], False),
+    (lambda: [_q(1, 2, 4, 8), _q(1, 2, 4, 8), _q(1, 2, 5, 8)], False),
+    (lambda: [_q(2, 2, 4, 8), _q(1, 2, 4, 8), _q(1, 2, 4, 8)], False),
+    (lambda: [_q(2, 4, 8)] * 3, False),
+    (lambda: [_q(1, 1, 2, 4, 8)] * 3, False),
+    (lambda: [_q(1, 2, 4, 8)[:, :, ::2]] * 3, False),  # rows apart: still unit last stride
+    (lambda: [_q(1, 2, 1, 64), _q(1, 2, 4096, 64), _q(1, 2, 4096, 64)], False),  # a decoding step
+    (lambda: [_q(1, 8, 512, 16)] * 3, False),  # a long prefill
+]
+
+
+@pytest.mark.parametrize("fast_path", ["compiled"], indirect=True)
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("crossover", [tuning.Crossover(None, None), tuning.Crossover(64 * 64, 1024),
+                                       tuning.Crossover(1, 1)])
+def test_the_native_and_python_fast_paths_take_the_same_calls(monkeypatch, fast_path, case, crossover):
+    """The native kernel's plain_sdpa repeats dispatch.plain_call's conditions in C++: on every call
+    here (accepted, refused for each condition, and native measured faster or not) they agree, and
+    where taken the output is torch's own call's, bitwise."""
+    monkeypatch.setattr(tuning, "crossovers", lambda dtype: crossover)
+    monkeypatch.setattr(tuning, "resolved_ints", {})
+    make, gqa = CASES[case]
+    q, k, v = make()
+    in_python = dispatch.plain_call(q, k, v, gqa)
+    out = dispatch.plain_sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
+    assert (out is not None) == in_python
+    if out is not None:
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                    enable_gqa=gqa and k.shape[1] != q.shape[1])
+        assert torch.equal(out, expected)
+
+
+def test_the_native_fast_path_keeps_autograd_and_autocast_apart(monkeypatch, fast_path):
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    out = dispatch.plain_sdpa(q, q, q, is_causal=False, enable_gqa=False)
+    (grad,) = torch.autograd.grad(out.sum(), q)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert torch.equal(grad, torch.autograd.grad(expected.sum(), q)[0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert dispatch.plain_sdpa(q, q, q, is_causal=False, enable_gqa=False) is None

@@ -136,7 +136,18 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes of the fa
 def plain_sdpa(q, k, v, *, is_causal: bool, enable_gqa: bool) -> Tensor | None:
     """The per-call fast path: torch's fused kernel on a plain call (:func:`plain_call`), its output;
     None when the call needs the full path. The caller has checked that no other option is set
-    (a contract of causality at most, no dropout, no weights, backend "auto")."""
+    (a contract of causality at most, no dropout, no weights, backend "auto"). On CPU, once the
+    native kernel is loaded, its plain_sdpa checks the shapes and calls torch in one step (a short
+    call's checks read in Python cost as much as its attention); torch.compile traces this one."""
+    if (not torch.compiler.is_compiling() and (kernel := native.loaded or native.load_if_built()) is not None
+            and q.__class__ is k.__class__ is v.__class__ is Tensor and not OBSERVERS
+            and forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
+            and (dtype := q.dtype) in _FLOATS):
+        decode_keys, prefill_work = (tuning.resolved_ints.get((torch.get_num_threads(), dtype))
+                                     or tuning.crossover_ints(dtype))
+        out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, decode_keys, prefill_work)
+        if out is not None or q.is_cpu:  # (it takes CPU tensors only: CUDA's are plain_call's)
+            return out
     if not plain_call(q, k, v, enable_gqa):
         return None
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=enable_gqa and k.shape[1] != q.shape[1])
@@ -150,20 +161,33 @@ def plain_call(q, k, v, enable_gqa: bool) -> bool:
     autocast, no forward-mode AD or torch.func transform, nothing empty, contiguous rows, Hkv = H
     (or dividing it with enable_gqa), no observer (OBSERVERS) and a call native is not measured
     faster on. On CUDA the same: torch's own call, its result bitwise."""
-    if not (q.__class__ is k.__class__ is v.__class__ is Tensor) or q.is_nested or k.is_nested or v.is_nested:
+    if not (q.__class__ is k.__class__ is v.__class__ is Tensor) or q.is_nested or k.is_nested or v.is_nested or OBSERVERS:
         return False  # (a nested tensor has no shape to read)
-    qs, ks, vs = q.shape, k.shape, v.shape
-    if not (len(qs) == len(ks) == len(vs) == 4 and qs[0] == ks[0] and qs[3] == ks[3] and ks[:3] == vs[:3]
-            and qs[3] == vs[3] and q.dtype == k.dtype == v.dtype and q.dtype in _FLOATS):
+    dtype = q.dtype  # (each read below is a call into torch: ~0.1-0.4 us; read once, cheapest first)
+    if dtype not in _FLOATS or k.dtype != dtype or v.dtype != dtype:
         return False
-    H, Hkv = qs[1], ks[1]
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if not len(qs) == len(ks) == len(vs) == 4:
+        return False
+    B, H, L, D = qs
+    Bk, Hkv, S, Dk = ks
+    if not (B == Bk == vs[0] and Hkv == vs[1] and S == vs[2] and D == Dk == vs[3]
+            and B and H and L and D and Hkv and S  # nothing empty
+            and (H == Hkv or (enable_gqa and H % Hkv == 0))):
+        return False
+    # contiguous rows (unit_last_stride); is_contiguous() is the cheaper read, but ignores the stride of
+    # a dim of size 1: at D = 1 the strides themselves
+    if not ((D != 1 and q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+            or q.stride()[-1] == k.stride()[-1] == v.stride()[-1] == 1):
+        return False
     cpu = q.is_cpu
-    return ((H == Hkv or (enable_gqa and Hkv and H % Hkv == 0)) and not OBSERVERS
-            and (k.is_cpu and v.is_cpu if cpu else q.is_cuda and q.device == k.device == v.device)
-            and q.numel() and v.numel() and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1  # (unit_last_stride)
-            and not torch.is_autocast_enabled("cpu" if cpu else "cuda") and forward_ad._current_level < 0
-            and not torch._C._are_functorch_transforms_active()
-            and (not cpu or torch.compiler.is_compiling() or not _measured_faster(q.dtype, qs[2] * (H // Hkv), qs[2], ks[2])))
+    if not (k.is_cpu and v.is_cpu if cpu else q.is_cuda and q.device == k.device == v.device):
+        return False
+    if torch.is_autocast_enabled("cpu" if cpu else "cuda") or forward_ad._current_level >= 0:
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    return not cpu or torch.compiler.is_compiling() or not _measured_faster(dtype, L * (H // Hkv), L, S)
 
 
 def share_kv_heads(x: Tensor, num_heads: int) -> Tensor:

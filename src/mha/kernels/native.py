@@ -87,9 +87,25 @@ def sanitized() -> bool:
     return os.environ.get("MHA_NATIVE_SANITIZE", "0") not in ("", "0")
 
 
+loaded = None  # the compiled kernel once this process has loaded it (a read of it costs no call: the fast path's)
+_looked = False  # whether load_if_built has looked
+
+
+def load_if_built():
+    """The compiled kernel, loaded now if it was built before (never building it), else None; it looks
+    once per process (then ``loaded`` says): the per-call fast path asks it while ``loaded`` is None."""
+    global _looked
+    if not _looked:
+        _looked = True
+        ready()
+    return loaded
+
+
 def _kernel():
-    """The compiled kernel this process uses (see _extension)."""
-    return _extension(*_this_process())
+    """The compiled kernel this process uses (see _extension); None where it cannot be built."""
+    global loaded
+    loaded = _extension(*_this_process())
+    return loaded
 
 
 @functools.cache
@@ -158,7 +174,7 @@ def ready() -> bool:
     if build is None:
         return False
     if _extension.cache_info().currsize:  # tried in this process: loaded, or failed
-        return _extension(build, sanitize) is not None
+        return _kernel() is not None
     return any(_build_folder(build, sanitize).glob(f"{_module_name(build, sanitize)}*.so")) and native_available()
 
 

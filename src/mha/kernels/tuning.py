@@ -50,7 +50,7 @@ from .._version import __version__
 
 __all__ = ["CHECKS", "DECODE_KEYS", "DTYPES", "FLAGS", "KNOWN", "LOAD_LIMIT", "MARGIN", "NEVER", "PREFILL_LENGTHS",
            "ROUNDS", "SHAPES", "Crossover", "Timer", "alternated_times", "best_of", "cache_path", "cpu", "cpu_kind",
-           "crossovers", "forget", "machine_key", "stored", "switched_off", "tune", "unsure_because"]
+           "crossover_ints", "crossovers", "forget", "machine_key", "stored", "switched_off", "tune", "unsure_because"]
 
 log = logging.getLogger("mha.dispatch")
 
@@ -138,6 +138,9 @@ def cache_path() -> Path:
 
 _tables: dict[str, dict | None] = {}  # machine key -> stored table (None: looked, none there)
 _resolved: dict[tuple[int, torch.dtype], Crossover] = {}  # (threads, dtype) -> what auto uses: the per-call lookup
+# the same as (decode_keys, prefill_work), -1 for never: what the native fast path takes (dispatch.plain_sdpa reads
+# it directly, then asks crossover_ints on a miss)
+resolved_ints: dict[tuple[int, torch.dtype], tuple[int, int]] = {}
 _tried: set[str] = set()  # machine keys measured at first use in this process (tried once, even if it failed)
 _first_use_lock = threading.Lock()
 
@@ -178,6 +181,14 @@ def crossovers(dtype: torch.dtype) -> Crossover:
     if found is None:
         found = _resolved[threads, dtype] = _look_up(dtype)
     return found
+
+
+def crossover_ints(dtype: torch.dtype) -> tuple[int, int]:
+    """crossovers(dtype) as (decode_keys, prefill_work), -1 for never; kept in resolved_ints."""
+    found = crossovers(dtype)
+    ints = resolved_ints[torch.get_num_threads(), dtype] = tuple(-1 if x is None else x
+                                                                for x in (found.decode_keys, found.prefill_work))
+    return ints
 
 
 def switched_off() -> bool:
@@ -440,6 +451,7 @@ def _write(key: str, table: dict) -> None:
         os.replace(f.name, path)
     _tables[key] = table
     _resolved.clear()
+    resolved_ints.clear()
 
 
 def _measuring_lock() -> Path:
@@ -468,4 +480,5 @@ def forget() -> None:
     """Drop what this process read from the cache and decided (the next call reads the file again)."""
     _tables.clear()
     _resolved.clear()
+    resolved_ints.clear()
     _tried.clear()

@@ -38,6 +38,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
+#include <ATen/autocast_mode.h>
 
 #include <algorithm>
 #include <atomic>
@@ -2004,6 +2005,46 @@ std::vector<Tensor> key_intervals(const TermArgs& terms, int64_t L, int64_t S) {
   return {first, stop, visible};
 }
 
+// ---- the per-call fast path (mha.kernels.dispatch.plain_sdpa) -----------------------------------
+
+// A plain call's checks and torch's own SDPA call in one step from Python: where Python read each
+// shape, dtype and stride through a call into torch (~0.1-0.4 us each, and more with caches cold
+// after a kernel), a short call paid more for them than for its attention. The conditions are
+// dispatch.plain_call's (it states them; tests hold the two to the same answers), on CPU tensors:
+// one floating dtype, 4-D, nothing empty, one batch, Hkv = H (or dividing it with enable_gqa),
+// D = Dk = Dv, contiguous rows, no autocast, and a call the measured crossovers (decode_keys,
+// prefill_work: -1 for never) do not give to native. The caller has checked what only Python can
+// (the tensors' class, observers, forward AD, torch.func, torch.compile). Returns torch's output
+// (at::scaled_dot_product_attention, run without the GIL as torch's own binding runs it), or None
+// where the call takes the full path.
+pybind11::object plain_sdpa(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal, bool enable_gqa,
+                            int64_t decode_rows, int64_t decode_keys, int64_t prefill_work) {
+  const auto none = pybind11::none();
+  if (q.is_nested() || k.is_nested() || v.is_nested() || q.layout() != at::kStrided || k.layout() != at::kStrided ||
+      v.layout() != at::kStrided || !q.device().is_cpu() || !k.device().is_cpu() || !v.device().is_cpu())
+    return none;
+  const auto dtype = q.scalar_type();
+  if ((dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) || k.scalar_type() != dtype ||
+      v.scalar_type() != dtype || q.dim() != 4 || k.dim() != 4 || v.dim() != 4)
+    return none;
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  if (k.size(0) != B || v.size(0) != B || v.size(1) != Hkv || v.size(2) != S || k.size(3) != D || v.size(3) != D)
+    return none;
+  if (B == 0 || H == 0 || L == 0 || D == 0 || Hkv == 0 || S == 0 || !(H == Hkv || (enable_gqa && H % Hkv == 0)))
+    return none;
+  if (q.stride(3) != 1 || k.stride(3) != 1 || v.stride(3) != 1 || at::autocast::is_autocast_enabled(at::kCPU))
+    return none;
+  const int64_t rows = L * (H / Hkv);
+  if (rows <= decode_rows && decode_keys >= 0 && S >= decode_keys) return none;  // native measured faster
+  if (prefill_work >= 0 && std::min(L, S) * std::min(L, S) >= prefill_work) return none;
+  Tensor out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, is_causal, std::nullopt, enable_gqa && Hkv != H);
+  }
+  return pybind11::cast(out);
+}
+
 // ---- peaks: what this build's instructions reach on this CPU (mha bench --sections peaks) -------
 
 // Every thread runs kChains independent chains of one instruction for ``iterations`` steps: more
@@ -2101,6 +2142,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "attention of packed query rows over KV-cache pages read in place: (out (Tq, H, Dv), row max, row sum (Tq, H))");
   m.def("key_intervals", &mha_native::key_intervals, "each query's key interval [first, stop) and (L, S) visibility under a band (tests)");
   m.def("build_info", &mha_native::build_info, "the instruction set this build was compiled for");
+  m.def("plain_sdpa", &mha_native::plain_sdpa,
+        "the per-call fast path: torch's SDPA output for a plain call, or None (mha.kernels.dispatch.plain_sdpa)");
   m.def("fma_peak_work", &mha_native::fma_peak_work, "floating-point operations of independent FMA chains on every thread (timed by the caller)");
   m.def("bf16_dot_peak_work", &mha_native::bf16_dot_peak_work, "the same with bfloat16 dot products (-1 without them)");
 }

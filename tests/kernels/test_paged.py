@@ -118,6 +118,24 @@ def test_bad_tables_and_shapes_are_refused_naming_the_argument(change, error, me
         kernels.paged_attention(**_bad(change))
 
 
+def test_only_the_blocks_a_sequence_uses_must_name_pages_of_the_pool():
+    """Entries past a sequence's used blocks may be anything (-1, a page of another pool); a used one
+    outside the pool is refused, also in the shorter of two sequences, and in a pool of no pages."""
+    q = torch.randn(3, 2, 8)
+    pages = torch.randn(4, 2, 2, 8)  # 4 pages of 2 keys
+    cu, lengths_k = torch.tensor([0, 2, 3]), torch.tensor([5, 1])  # 3 blocks, then 1
+    table = torch.tensor([[0, 1, 2, -1], [3, 99, -7, 10 ** 9]])
+    out = kernels.paged_attention(q, pages, pages, table, cu, lengths_k)  # garbage only past the used blocks
+    assert out.shape == (3, 2, 8) and out.isfinite().all()
+    for b, block, page in ((1, 0, 4), (0, 2, -1), (0, 0, 4)):
+        bad = table.clone()
+        bad[b, block] = page
+        with pytest.raises(ValueError, match=f"block_table names page {page} among a sequence's used blocks"):
+            kernels.paged_attention(q, pages, pages, bad, cu, lengths_k)
+    with pytest.raises(ValueError, match="block_table names page 0 among a sequence's used blocks; the pool has pages 0..-1"):
+        kernels.paged_attention(q, pages[:0], pages[:0], torch.zeros(2, 3, dtype=torch.long), cu, lengths_k)
+
+
 def test_gradients_are_refused_clearly():
     q, k_pages, v_pages, table, cu, lengths_k, _, _ = _case(0)
     with pytest.raises(ValueError, match="paged_attention is for inference: q requires grad"):

@@ -156,25 +156,43 @@ def _check(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k) -> tuple[T
     if len(cu) != B + 1 or len(lengths_k) != B:
         raise ValueError(f"block_table describes {B} sequences: cu_seqlens_q needs {B + 1} offsets and seqlens_k "
                          f"{B} counts, got {len(cu)} and {len(lengths_k)}")
-    lengths_q = cu.diff()
-    if int(cu[0]) != 0 or int(cu[-1]) != q.shape[0] or bool((lengths_q < 1).any()):
+    # the counts as Python ints (a few per sequence): each check a loop over B, not a call into torch
+    offsets, keys = cu.tolist(), lengths_k.tolist()
+    rows = [end - start for start, end in zip(offsets, offsets[1:])]
+    if offsets[0] != 0 or offsets[-1] != q.shape[0] or min(rows, default=1) < 1:
         raise ValueError(f"cu_seqlens_q must rise from 0 to the {q.shape[0]} rows of q, each sequence at least one "
-                         f"row, got {cu.tolist()}")
-    if bool((lengths_k < lengths_q).any()):
+                         f"row, got {offsets}")
+    if any(S < L for S, L in zip(keys, rows)):
         raise ValueError(f"seqlens_k must count at least each sequence's query rows (its new tokens are its last "
-                         f"keys): got seqlens_k {lengths_k.tolist()} for query rows {lengths_q.tolist()}")
+                         f"keys): got seqlens_k {keys} for query rows {rows}")
     P, N = k_pages.shape[2], k_pages.shape[0]
-    used = (lengths_k + P - 1) // P  # (B,) blocks each sequence's keys fill
-    if bool((used > M).any()):
-        raise ValueError(f"seqlens_k {lengths_k.tolist()} need up to {int(used.max())} blocks of {P} keys, but "
-                         f"block_table has {M} per sequence")
-    inside = torch.arange(M)[None, :] < used[:, None]  # (B, M): the blocks in use
-    pages = table[inside]
-    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= N):
-        bad = pages[(pages < 0) | (pages >= N)][0]
-        raise ValueError(f"block_table names page {int(bad)} among a sequence's used blocks; the pool has pages "
-                         f"0..{N - 1}")
-    return table, lengths_q, lengths_k
+    used = [(S + P - 1) // P for S in keys]  # the blocks each sequence's keys fill
+    if max(used, default=0) > M:
+        raise ValueError(f"seqlens_k {keys} need up to {max(used)} blocks of {P} keys, but block_table has {M} per "
+                         "sequence")
+    _check_pages(table, used, N)
+    return table, cu.diff(), lengths_k
+
+
+def _check_pages(table: Tensor, used: list[int], N: int) -> None:
+    """Every page a sequence's used blocks name lies in the pool (0..N-1); entries past them may be
+    anything. One pass over the table's used columns (its unused entries there set to page 0)."""
+    width = max(used, default=0)
+    if width == 0:
+        return
+    head = table[:, :width]
+    unused = None
+    if min(used) < width:
+        unused = torch.arange(width)[None, :] >= torch.tensor(used)[:, None]  # (B, width)
+        head = head.masked_fill(unused, 0)
+    low, high = torch.aminmax(head)
+    if N > 0 and int(low) >= 0 and int(high) < N:
+        return
+    bad = (head < 0) | (head >= N)
+    if unused is not None:
+        bad &= ~unused
+    raise ValueError(f"block_table names page {int(head[bad][0])} among a sequence's used blocks; the pool has pages "
+                     f"0..{N - 1}")
 
 
 def _integers(name: str, x, dims: int, meaning: str) -> Tensor:

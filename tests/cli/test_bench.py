@@ -8,7 +8,7 @@ import torch
 from mha import cli
 from mha.cli import bench as bench_cli
 from mha.kernels import native, tuning
-from mha.tools import bench, bench_memory, bench_peaks
+from mha.tools import bench, bench_memory, bench_native, bench_peaks
 
 
 def test_best_times_keeps_the_minimum_of_each():
@@ -303,3 +303,15 @@ def test_cli_runs_every_section_at_each_thread_count_and_adds_the_scaling(tmp_pa
     assert len(timed) == sum(len(r["times_ms"]) for r in runs) // 2 and all("speedup 1 to 2" in r["ratios"] for r in timed)
     assert cli.main(["bench", "--threads", "2", "0"]) == 2
     assert "--threads must be positive, got 2 0" in capsys.readouterr().err
+
+
+def test_hf_generate_rows_time_mha_against_sdpa_on_the_same_weights(monkeypatch):
+    pytest.importorskip("transformers")
+    (row,) = bench.hf_generate_rows([8], ["float32"], 2, 1)
+    assert row.point == "llama generate float32 prompt 8 + 2" and set(row.times_ms) == {"mha", "sdpa"}
+    assert row.ratios["mha/sdpa time"] == pytest.approx(row.times_ms["mha"] / row.times_ms["sdpa"])
+    assert row.extra["same tokens"] == 1.0
+    monkeypatch.setattr(bench_native, "matmul_gflops", lambda dtype, n: 0.5)  # a dtype too slow here
+    (skipped,) = bench.hf_generate_rows([8], ["bfloat16"], 2, 1)
+    assert skipped.point == "llama generate bfloat16: not timed (torch's bfloat16 matmul runs at 0.5 GFLOP/s here)"
+    assert not skipped.times_ms and bench.GENERATE_MATMUL_GFLOPS == 5.0

@@ -36,7 +36,8 @@ FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [25
             peers=[1024, 4096], matmul=2048,
             contract=4096, memory=8192, decode=1024, overhead_decode=[1024, 8192],
             window=(16384, 256), variants=[256, 1024, 4096, 16384], quality=([128, 256, 512], 32),
-            hf={"minilm": 128, "gpt-oss": 4096}, distributed=(65536, 4), serving=[1024, 4096],
+            hf={"minilm": 128, "gpt-oss": 4096}, hf_generate=([128, 512, 2048], ["float32", "bfloat16"], 32),
+            distributed=(65536, 4), serving=[1024, 4096],
             serving_generate=["16 x 64-512 x 32", "32 x 256-1536 x 64", "64 x 256-2048 x 128"],
             gpu=dict(plain=[1024, 4096], terms=4096, term_sets=list(bench_gpu.TERMS)), flex=[1024, 4096],
             native=dict(forward=[1024, 4096], training=2048, decode=16384, window=(16384, 256), accuracy=1024,
@@ -45,6 +46,7 @@ QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 
              backends=[512, 1024], training=[(4, 512, 256)], auto=([1, 128, 1024], [4096]), peers=[1024], matmul=1024,
              contract=1024, memory=2048, decode=128, overhead_decode=[1024],
              window=(4096, 128), variants=[256, 1024], quality=([64, 128], 16), hf={"minilm": 128, "gpt-oss": 1024},
+             hf_generate=([128, 512], ["float32"], 16),
              distributed=(8192, 4), serving=[512], serving_generate=["16 x 64-512 x 32"],
              gpu=dict(plain=[1024], terms=2048, term_sets=["window", "softcap", "sinks", "documents"]), flex=[1024],
              native=dict(forward=[512, 1024], training=512, decode=4096, window=(4096, 128), accuracy=256,
@@ -157,6 +159,10 @@ def _jobs(grid, sections, repeat):
     if "hf" in sections:
         jobs += [(f"hf {name} T{T}", lambda name=name, T=T: list(bench.hf_rows(name, T, repeat)))
                  for name, T in grid["hf"].items()]
+        prompts, dtypes, new_tokens = grid["hf_generate"]
+        jobs += [(f"hf generate {dtype}", lambda dtype=dtype: list(bench.hf_generate_rows(prompts, [dtype], new_tokens,
+                                                                                           min(repeat, 3))))
+                 for dtype in dtypes]
     if "native" in sections:
         from ..kernels import native
         if native.native_available():

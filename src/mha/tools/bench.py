@@ -45,7 +45,8 @@ drift in the machine's speed hits them alike). Sections:
     hf        transformers models, one forward with attn_implementation="mha" against "sdpa" and
               "eager": the all-MiniLM-L6-v2 checkpoint (batch 32) and a tiny GPT-OSS (sinks, sliding
               window); time interleaved here, peak memory each in a fresh process (python -m
-              mha.tools.bench_hf). Needs the hf extra.
+              mha.tools.bench_hf); and a Llama built from its config generating 32 tokens after a
+              prompt of each length, fp32 and bf16, mha against sdpa. Needs the hf extra.
 """
 
 from __future__ import annotations
@@ -379,6 +380,30 @@ def hf_rows(name: str, T: int, repeat: int) -> Iterator[Row]:
         ratios[f"mha/{other} peak"] = growth["mha"] / max(growth[other], 1.0)
     batch = inputs["input_ids"].shape[0]
     yield Row("hf", f"{name} B{batch} T{T}", times, ratios, {f"{i} peak MiB": g for i, g in growth.items()})
+
+
+GENERATE_MATMUL_GFLOPS = 5.0  # hf_generate_rows leaves out a dtype whose 512^3 matmul is slower than this here
+
+
+def hf_generate_rows(prompts, dtypes, new_tokens: int, repeat: int) -> Iterator[Row]:
+    """A Llama (mha.tools.bench_hf.llama) generating ``new_tokens`` greedily after one prompt of each
+    length, under attn_implementation="mha" and "sdpa" (the same weights), timed in turn, best of
+    ``repeat``: mha/sdpa time (the target: never above 1), and whether the tokens agree."""
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        rate = bench_native.matmul_gflops(dtype, 512)
+        if rate < GENERATE_MATMUL_GFLOPS:  # (bfloat16 on a CPU without bf16 instructions: minutes a prompt)
+            yield Row("hf", f"llama generate {name}: not timed (torch's {name} matmul runs at {rate:.1f} GFLOP/s here)", {})
+            continue
+        models = {i: bench_hf.llama(i, dtype) for i in ("mha", "sdpa")}
+        for T in prompts:
+            prompt = torch.randint(0, 8000, (1, T), generator=torch.Generator().manual_seed(T))
+            tokens = {i: bench_hf.generate(m, prompt, new_tokens) for i, m in models.items()}
+            times = best_times({i: functools.partial(bench_hf.generate, m, prompt, new_tokens)
+                                for i, m in models.items()}, repeat)
+            yield Row("hf", f"llama generate {name} prompt {T} + {new_tokens}", times,
+                      {"mha/sdpa time": times["mha"] / times["sdpa"]},
+                      {"same tokens": float(torch.equal(tokens["mha"], tokens["sdpa"]))})
 
 
 def distributed_rows(T: int, nprocs: int) -> Iterator[Row]:

@@ -11,7 +11,8 @@ MODEL is one of :data:`MODELS`:
               heads and 2 key/value heads of 64, attention sinks, 4 experts), one sequence of length T
 
 IMPLEMENTATION is the attn_implementation: "mha" (registered here), or transformers' "sdpa" or
-"eager" (GPT-OSS has no "sdpa": transformers' sdpa takes no sinks). Needs the hf extra.
+"eager" (GPT-OSS has no "sdpa": transformers' sdpa takes no sinks). Needs the hf extra. The section
+also times generation (``llama``, ``generate``: mha.tools.bench.hf_generate_rows).
 """
 
 from __future__ import annotations
@@ -77,6 +78,28 @@ def gpt_oss_inputs(model, T: int) -> dict:
 # name: (the model under an attn_implementation, its inputs at length T, the implementations compared)
 MODELS = {"minilm": (minilm, minilm_inputs, ("mha", "sdpa", "eager")),
           "gpt-oss": (gpt_oss, gpt_oss_inputs, ("mha", "eager"))}
+
+
+def llama(implementation: str, dtype: torch.dtype = torch.float32):
+    """A Llama built from its config, seeded (the same weights under every implementation): 512 wide,
+    4 layers, 8 query heads over 2 key/value heads of 64, as mha.tools.bench_serving's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    _register()
+    config = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                         num_key_value_heads=2, vocab_size=8000, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None  # every call generates all its tokens
+    model.set_attn_implementation(implementation)
+    return model
+
+
+def generate(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy generation of ``new_tokens`` after ``prompt`` (1, T): prefill, then one step per token
+    on transformers' own cache."""
+    with torch.no_grad():
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False)
 
 
 def forward(model, inputs) -> torch.Tensor:

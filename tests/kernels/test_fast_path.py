@@ -211,3 +211,24 @@ def test_the_native_fast_path_keeps_autograd_and_autocast_apart(monkeypatch, fas
     assert torch.equal(grad, torch.autograd.grad(expected.sum(), q)[0])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert dispatch.plain_sdpa(q, q, q, is_causal=False, enable_gqa=False) is None
+
+
+def test_a_torch_function_mode_sees_torchs_call_on_the_fast_path(monkeypatch, fast_path):
+    """The native fast path calls torch's kernel from C++, where a TorchFunctionMode (a tracer, a
+    logger) would not see it: under a mode the Python path runs, and the mode sees the call."""
+    from torch.overrides import TorchFunctionMode
+
+    class Seen(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(1, 2, 4, 8)
+    with Seen() as seen:
+        out = sdpa(q, q, q, is_causal=True)
+    assert "scaled_dot_product_attention" in seen.names
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))

@@ -138,10 +138,12 @@ def plain_sdpa(q, k, v, *, is_causal: bool, enable_gqa: bool) -> Tensor | None:
     None when the call needs the full path. The caller has checked that no other option is set
     (a contract of causality at most, no dropout, no weights, backend "auto"). On CPU, once the
     native kernel is loaded, its plain_sdpa checks the shapes and calls torch in one step (a short
-    call's checks read in Python cost as much as its attention); torch.compile traces this one."""
+    call's checks read in Python cost as much as its attention). torch.compile, a torch function
+    mode (which must see torch's call) and CUDA take plain_call."""
     if (not torch.compiler.is_compiling() and (kernel := native.loaded or native.load_if_built()) is not None
             and q.__class__ is k.__class__ is v.__class__ is Tensor and not OBSERVERS
             and forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
+            and not torch._C._is_torch_function_mode_enabled()  # (a mode sees torch's Python call: plain_call's)
             and (dtype := q.dtype) in _FLOATS):
         decode_keys, prefill_work = (tuning.resolved_ints.get((torch.get_num_threads(), dtype))
                                      or tuning.crossover_ints(dtype))

@@ -258,6 +258,7 @@ SCRIPTS_PARSED = {
     "benchmarks/train_variants.py": "trains models for 40-50 minutes",
     "scripts/mutation_report.py": "reads the results of a mutmut run (mutants/, git-ignored)",
     "scripts/kill_check.py": "runs tests against a mutant in a copy of src",
+    "scripts/per_call_ab.py": "times thousands of interleaved calls, or a model's generation: minutes",
 }
 
 

@@ -499,7 +499,26 @@ def measured_under_load(cache, monkeypatch):
     monkeypatch.setattr(tuning, "best_of", timer)
     load_of(0.5, monkeypatch)
     tuning.tune(timer=fake_timer(lambda s: False))
+    monkeypatch.setattr(tuning, "_STARTED", time.time() + 3600)  # what follows is a process started later
     return timer
+
+
+def test_a_table_a_sibling_measured_since_this_process_started_is_taken_as_it_is(cache, monkeypatch, caplog):
+    """Processes started together (a pool's workers) wait while one measures; its table, measured
+    under the load of their own start, is not measured again by each of them in turn (found by the
+    slow test of three workers: 3 measurements)."""
+    if not mha.kernels.native.ready():
+        pytest.skip("the native kernel is not built here: auto never asks")
+    monkeypatch.setenv("MHA_TUNE", "auto")
+    timer = fake_timer(lambda s: s["L"] == 1)
+    monkeypatch.setattr(tuning, "best_of", timer)
+    monkeypatch.setattr(tuning, "_STARTED", time.time() - 1)  # this process started before the measurement
+    load_of(0.5, monkeypatch)
+    tuning.tune(timer=fake_timer(lambda s: False))
+    tuning.forget()
+    x, kv = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 2048, 64)
+    assert mha.kernels.choose_backend("auto", x, kv, kv, Contract())[0] == "sdpa"  # the sibling's table: never
+    assert timer.asked == [] and tuning.stored()["checks"] == 1
 
 
 def test_an_unsure_table_is_measured_again_by_later_processes_up_to_checks(measured_under_load, monkeypatch, caplog):
@@ -550,7 +569,7 @@ def test_mha_tune_and_verify_say_how_sure_the_table_is(cache, monkeypatch, capsy
     assert "sure: other processes took 0% of the CPUs meanwhile, every round agreed" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("field, value", [("sure", "yes"), ("checks", 1.5), ("load", "high")])
+@pytest.mark.parametrize("field, value", [("sure", "yes"), ("checks", 1.5), ("load", "high"), ("measured_at", "now")])
 def test_a_table_with_a_malformed_confidence_is_ignored(cache, monkeypatch, field, value):
     monkeypatch.setenv("MHA_TUNE", "off")
     table = tuning.tune(timer=fake_timer(lambda s: False), store=False)

@@ -17,8 +17,8 @@ single calls alternated with other work (as a model calls attention between its 
 the worst of these ratios is stored. One lucky round cannot move the crossover: where native wins
 only sometimes, auto keeps torch's kernel. A table says how sure it is: the share of the machine's
 CPU time other processes took while it was measured (above LOAD_LIMIT: measured under load, not
-sure); a table that is not sure is measured again at the first use of later processes, up to CHECKS
-measurements in all, each logged (a busy machine at the first `mha verify` must not decide for good). The tables are stored
+sure); a table that is not sure is measured again at the first use of processes started after it
+was measured, up to CHECKS measurements in all, each logged (a busy machine at the first `mha verify` must not decide for good). The tables are stored
 in a per-user cache (``$MHA_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mha/tune.json``) keyed by the CPU
 model, its flags that matter, the native build and its source (a changed kernel is measured again), the thread
 count and the torch and mha versions. ``auto`` reads the
@@ -170,7 +170,7 @@ def _well_formed(table) -> bool:
         if not all(value is None or (type(value) is int and value >= 0) for value in found.values()):
             return False
     return (isinstance(table.get("sure", True), bool) and type(table.get("checks", 1)) is int
-            and (table.get("load") is None or isinstance(table["load"], (int, float))))
+            and all(table.get(name) is None or isinstance(table[name], (int, float)) for name in ("load", "measured_at")))
 
 
 def crossovers(dtype: torch.dtype) -> Crossover:
@@ -222,10 +222,16 @@ def _among_ranks() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+_STARTED = time.time()  # when this process imported the tuning: a table measured since is a sibling's
+
+
 def _to_check(table: dict) -> bool:
-    """Whether a stored table is to be measured again: it is not sure (measured under load, or its
-    rounds disagreed) and has had fewer than CHECKS measurements."""
-    return not table.get("sure", True) and table.get("checks", 1) < CHECKS
+    """Whether a stored table is to be measured again: it is not sure (measured under load), has had
+    fewer than CHECKS measurements, and was measured before this process started (processes that
+    start together, a pool's workers, wait for one to measure and take its table: their own start
+    was the load, and measuring in turn would add to it)."""
+    return (not table.get("sure", True) and table.get("checks", 1) < CHECKS
+            and table.get("measured_at", 0.0) < _STARTED)
 
 
 def unsure_because(table: dict) -> str | None:
@@ -351,7 +357,8 @@ def tune(*, timer: Timer | None = None, store: bool = True, checks: int = 1) -> 
     table = {"crossovers": found, "ratios": ratios, "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
              "cpu": cpu(), "threads": torch.get_num_threads(), "rounds": ROUNDS,
              "shapes": [list(shape) for shape in SHAPES],
-             "load": load, "split": split, "sure": load is None or load <= LOAD_LIMIT, "checks": checks}
+             "load": load, "split": split, "sure": load is None or load <= LOAD_LIMIT, "checks": checks,
+             "measured_at": time.time()}
     if store:
         _write(machine_key(), table)
     return table

@@ -18,8 +18,8 @@ the worst of these ratios is stored. One lucky round cannot move the crossover: 
 only sometimes, auto keeps torch's kernel. A table says how sure it is: the share of the machine's
 CPU time other processes took while it was measured (above LOAD_LIMIT: measured under load, not
 sure); a table that is not sure is measured again at the first use of processes started after it
-was measured, up to CHECKS measurements in all, each logged (a busy machine at the first `mha verify` must not decide for good). The tables are stored
-in a per-user cache (``$MHA_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mha/tune.json``) keyed by the CPU
+was measured, up to CHECKS measurements in all, each logged (a busy machine at the first `mha
+verify` must not decide for good). The tables are stored in a per-user cache (``$MHA_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mha/tune.json``) keyed by the CPU
 model, its flags that matter, the native build and its source (a changed kernel is measured again), the thread
 count and the torch and mha versions. ``auto`` reads the
 table of this key (:func:`crossovers`). Without one it measures at the first call where the

@@ -19,9 +19,10 @@ only sometimes, auto keeps torch's kernel. A table says how sure it is: the shar
 CPU time other processes took while it was measured (above LOAD_LIMIT: measured under load, not
 sure); a table that is not sure is measured again at the first use of processes started after it
 was measured, up to CHECKS measurements in all, each logged (a busy machine at the first `mha
-verify` must not decide for good). The tables are stored in a per-user cache (``$MHA_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mha/tune.json``) keyed by the CPU
-model, its flags that matter, the native build and its source (a changed kernel is measured again), the thread
-count and the torch and mha versions. ``auto`` reads the
+verify` must not decide for good). The tables are stored in a per-user cache
+(``$MHA_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mha/tune.json``) keyed by the CPU model, its flags that
+matter, the native build and its source (a changed kernel is measured again), the thread count and
+the torch and mha versions. ``auto`` reads the
 table of this key (:func:`crossovers`). Without one it measures at the first call where the
 choice arises (unless ``MHA_TUNE=off``, or in one of several torch.distributed ranks, which would
 measure each other's crowding) and, until then or when told not to, picks native only on

@@ -453,14 +453,16 @@ def _paged_native_refusal(q: Tensor, k_pages: Tensor, v_pages: Tensor) -> str | 
     return None
 
 
-def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, lengths_q: Tensor,
+def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, cu_q: Tensor,
                     lengths_k: Tensor, terms: Contract, *, backend: str = "auto", k_scales: Tensor | None = None,
                     v_scales: Tensor | None = None) -> Tensor:
-    """Run mha.kernels.paged_attention's checked call (q (Tq, H, D), pages, the block table (B, M)
-    and lengths (B,) as int64 CPU tensors, terms: the contract's per-sequence terms; int8 pages with
-    their scales) on the chosen backend: math dequantizes 8-bit pages first (the reference)."""
+    """Run mha.kernels.paged_attention's checked call (q (Tq, H, D), pages, the block table (B, M),
+    the query offsets (B + 1,) and key lengths (B,) as int64 CPU tensors, terms: the contract's
+    per-sequence terms; int8 pages with their scales) on the chosen backend: math dequantizes 8-bit
+    pages first (the reference)."""
     name, _ = choose_paged_backend("math" if OBSERVERS else backend, q, k_pages, v_pages, terms)  # observed: math
     if name == "math":
+        lengths_q = cu_q.diff()
         observe = _notify if OBSERVERS else None
         if k_scales is not None:
             wide = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -468,6 +470,5 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
             return paged_math_attention(q.to(wide), *pages, block_table, lengths_q, lengths_k, terms,
                                         observe=observe).to(q.dtype)
         return paged_math_attention(q, k_pages, v_pages, block_table, lengths_q, lengths_k, terms, observe=observe)
-    cu = torch.nn.functional.pad(lengths_q.cumsum(0), (1, 0))  # (B,) -> (B + 1,) offsets
-    return native.paged_attention_native(q, k_pages, v_pages, block_table, cu, lengths_k, terms, k_scales=k_scales,
+    return native.paged_attention_native(q, k_pages, v_pages, block_table, cu_q, lengths_k, terms, k_scales=k_scales,
                                          v_scales=v_scales)

@@ -67,14 +67,14 @@ def attend_pages(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
 
     k_pages, v_pages, k_scales, v_scales = _rows_and_scales(q, k_pages, v_pages, k_scales, v_scales)
     _check_scales(q, k_pages, v_pages, k_scales, v_scales)
-    table, lengths_q, lengths_k = _check(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k)
+    table, cu, lengths_k = _check(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k)
     for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("alibi_slopes", contract.alibi_slopes),
                     ("sinks", contract.sinks)):
         if torch.is_grad_enabled() and x is not None and x.requires_grad:
             raise ValueError(f"paged_attention is for inference: {name} requires grad; call it under "
                              "torch.no_grad() or torch.inference_mode() (training runs on the other paths)")
     q, contract = contract.fold_logit_scale(q, heads_dim=-2)  # each head's factor into its rows of q (Tq, H, D)
-    return dispatch.paged_attention(q, k_pages, v_pages, table, lengths_q, lengths_k, contract, backend=backend,
+    return dispatch.paged_attention(q, k_pages, v_pages, table, cu, lengths_k, contract, backend=backend,
                                     k_scales=k_scales, v_scales=v_scales)
 
 
@@ -129,8 +129,8 @@ def _check_scales(q, k_pages, v_pages, k_scales, v_scales) -> None:
 
 
 def _check(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k) -> tuple[Tensor, Tensor, Tensor]:
-    """Validate every argument; returns the block table (B, M), the query and key lengths (B,), as
-    int64 CPU tensors."""
+    """Validate every argument; returns the block table (B, M), the query offsets (B + 1,) and the
+    key lengths (B,), as int64 CPU tensors."""
     _checks.rank("q", _checks.floating("q", q), (3,), "(total query rows, heads, head dim)")
     quantized = isinstance(k_pages, Tensor) and k_pages.dtype == torch.int8  # (with its scales: _check_scales)
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
@@ -171,7 +171,7 @@ def _check(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k) -> tuple[T
         raise ValueError(f"seqlens_k {keys} need up to {max(used)} blocks of {P} keys, but block_table has {M} per "
                          "sequence")
     _check_pages(table, used, N)
-    return table, cu.diff(), lengths_k
+    return table, cu, lengths_k
 
 
 def _check_pages(table: Tensor, used: list[int], N: int) -> None:

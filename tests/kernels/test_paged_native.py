@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mha.kernels import Contract, math_attention, native
+from mha.kernels import Contract, math_attention, native, storage
 from mha.positions import CAUSAL, Band
 
 pytestmark = pytest.mark.skipif(not native.native_available(), reason="the native kernel does not build here")
@@ -212,3 +212,37 @@ def test_odd_head_dims(dtype):
     inputs = _pool(MIXED, 6, 2, 5, D=13, Dv=7, dtype=dtype, seed=8)
     for name in ("causal", "everything"):
         _check(inputs, _terms(6)[name], dtype)
+
+
+WIDENED_LENGTHS = [(1, 1), (1, 7), (1, 8), (1, 9), (2, 33), (1, 300)]  # chunks of 8 keys and their tails
+
+
+@pytest.mark.parametrize("Dv", [8, 20, 72, 136])
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+def test_widened_values_every_strip_and_chunk_tail(group, Dv):
+    """Values widened as they are read (value_strips): 8-bit pages, float32 out against float64 over
+    their dequantized values (the tolerance float32's). Blocks of 1 to 4 rows (a group of query heads
+    a kv head; L = 2 stacks 2 x group), so strips of 8, 4, 3 and 2 vectors and the remainders Dv leaves
+    (1 to 17 vectors, a scalar tail), keys in chunks of 8 and every tail: runs cut by shuffled pages of 5,
+    and runs of up to a tile over pages of 64 that follow each other in the pool."""
+    for P, shuffle in ((5, True), (64, False)):
+        q, k_pages, v_pages, table, cu, seqlens = _pool(WIDENED_LENGTHS, 2 * group, 2, P, D=24, Dv=Dv, seed=Dv + group,
+                                                        shuffle=shuffle, spare=0)
+        k8, v8 = storage.store(k_pages, True), storage.store(v_pages, True)
+        for terms in (dict(), dict(band=CAUSAL)):
+            got = _paged(q, k8, v8, table, cu, seqlens, terms)
+            want = _reference(q.double(), storage.load(k8, torch.float64), storage.load(v8, torch.float64), table,
+                              cu, seqlens, terms)
+            assert (got.double() - want).abs().max().item() <= TOLERANCE[torch.float32], (P, terms)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Dv", [20, 136])
+def test_widened_half_precision_values(dtype, Dv):
+    """bfloat16 and float16 pages through the same strips, against float64 over the same rounded inputs:
+    the error of rounding the output once (a key dropped from a chunk moves it more: checked by hand)."""
+    for P, shuffle in ((5, True), (64, False)):
+        inputs = _pool(WIDENED_LENGTHS[:5], 8, 2, P, D=24, Dv=Dv, dtype=dtype, seed=Dv, shuffle=shuffle, spare=0)
+        got = _paged(*inputs, dict())
+        want = _reference(*(x.double() if x.is_floating_point() else x for x in inputs), dict())
+        assert (got.double() - want).abs().max().item() <= 2 * torch.finfo(dtype).eps, P

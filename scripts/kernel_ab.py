@@ -1,0 +1,94 @@
+"""The paged decoding kernel of this tree against another revision's, in one process, interleaved.
+
+    python scripts/kernel_ab.py                        # against HEAD, 1 thread, S = 16384
+    python scripts/kernel_ab.py --base 3de397d --threads 2 --keys 1024 16384
+
+A kernel change measured in two processes on a shared machine compares two machines (its speed
+drifts 2x between runs here): this builds the base revision's csrc/native.cpp under another module
+name (its ``Terms`` made module-local so that both load), then times each dtype's decoding call
+(B sequences x 1 row, GQA 32 / 8 heads, D = 128, one page per sequence: float32, bfloat16 and int8
+pools, as mha bench's cache rows) on both kernels, alternately, and prints the median of the
+rounds' new/base ratios beside each one's best time, and the outputs' largest difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load
+
+from mha.kernels import native, storage
+
+SOURCE = "src/mha/kernels/csrc/native.cpp"
+
+
+def base_kernel(revision: str):
+    """The base revision's kernel, built once per revision in a folder of its own."""
+    text = subprocess.run(["git", "show", f"{revision}:{SOURCE}"], check=True, capture_output=True, text=True).stdout
+    registration = 'pybind11::class_<mha_native::TermArgs>(m, "Terms",'
+    if registration not in text:
+        raise SystemExit(f"{revision}'s {SOURCE} registers no Terms class this script knows")
+    text = text.replace(registration, registration + " pybind11::module_local(),")
+    folder = Path(tempfile.gettempdir()) / f"mha_kernel_ab_{revision}"
+    folder.mkdir(exist_ok=True)
+    (folder / "native_base.cpp").write_text(text)
+    return load(name="mha_native_base", sources=[str(folder / "native_base.cpp")],
+                extra_cflags=native._FLAGS[native.variant()], extra_ldflags=["-fopenmp"], build_directory=str(folder))
+
+
+def decoding_calls(kernel, S: int, B: int) -> dict:
+    """Each pool dtype's paged_forward call on ``kernel``."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, 32, 128, generator=g)
+    k, v = (torch.randn(B, 8, S, 128, generator=g) for _ in range(2))
+    table, cu, lengths = torch.arange(B)[:, None], torch.arange(B + 1), torch.full((B,), S)
+    (k8, k_scales), (v8, v_scales) = storage.split(storage.store(k, True)), storage.split(storage.store(v, True))
+    terms = kernel.Terms()
+    terms.scale = 128 ** -0.5
+    pools = {"float32": (q, k, v, None, None), "bfloat16": (q.bfloat16(), k.bfloat16(), v.bfloat16(), None, None),
+             "int8": (q, k8, v8, k_scales, v_scales)}
+    return {name: (lambda q, k, v, ks, vs: lambda: kernel.paged_forward(q, k, v, table, cu, lengths, terms, ks, vs)[0])(
+        *pool) for name, pool in pools.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default="HEAD")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--keys", type=int, nargs="+", default=[16384])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    new, base = native._kernel(), base_kernel(args.base)
+    if new is None:
+        raise SystemExit("this tree's native kernel does not build here")
+    for S in args.keys:
+        ours, theirs = decoding_calls(new, S, args.batch), decoding_calls(base, S, args.batch)
+        reps = max(1, 1_000_000 // (S * args.batch))
+        for name in ours:
+            difference = float((ours[name]().float() - theirs[name]().float()).abs().max())
+            best, ratios = {"new": float("inf"), "base": float("inf")}, []
+            for _ in range(args.rounds):
+                took = {}
+                for which, call in (("base", theirs[name]), ("new", ours[name])):
+                    call()
+                    start = time.perf_counter()
+                    for _ in range(reps):
+                        call()
+                    took[which] = (time.perf_counter() - start) / reps
+                    best[which] = min(best[which], took[which])
+                ratios.append(took["new"] / took["base"])
+            print(f"threads {args.threads} S {S} B {args.batch} {name}: base {best['base'] * 1e3:.3f} ms, "
+                  f"new {best['new'] * 1e3:.3f} ms, new/base median {statistics.median(ratios):.3f}, "
+                  f"largest difference {difference:.2g}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,14 +1,16 @@
-"""The paged decoding kernel of this tree against another revision's, in one process, interleaved.
+"""The native kernel of this tree against another revision's, in one process, interleaved.
 
-    python scripts/kernel_ab.py                        # against HEAD, 1 thread, S = 16384
+    python scripts/kernel_ab.py                        # paged decoding against HEAD, 1 thread, S = 16384
     python scripts/kernel_ab.py --base 3de397d --threads 2 --keys 1024 16384
+    python scripts/kernel_ab.py --forward 1024 4096    # the forward (B1 H8 D64, causal and not) instead
 
 A kernel change measured in two processes on a shared machine compares two machines (its speed
 drifts 2x between runs here): this builds the base revision's csrc/native.cpp under another module
 name (its ``Terms`` made module-local so that both load), then times each dtype's decoding call
 (B sequences x 1 row, GQA 32 / 8 heads, D = 128, one page per sequence: float32, bfloat16 and int8
-pools, as mha bench's cache rows) on both kernels, alternately, and prints the median of the
-rounds' new/base ratios beside each one's best time, and the outputs' largest difference.
+pools, as mha bench's cache rows), or the forward (as mha bench's native rows), on both kernels,
+alternately, and prints the median of the rounds' new/base ratios beside each one's best time, and
+the outputs' largest difference.
 """
 
 from __future__ import annotations
@@ -57,21 +59,38 @@ def decoding_calls(kernel, S: int, B: int) -> dict:
         *pool) for name, pool in pools.items()}
 
 
+def forward_calls(kernel, T: int) -> dict:
+    """The forward of B1 H8 T D64, float32 and bfloat16, causal and not, on ``kernel``."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, T, 64, generator=g) for _ in range(3))
+    calls = {}
+    for causal in (False, True):
+        terms = kernel.Terms()
+        terms.scale, terms.has_band, terms.right = 64 ** -0.5, causal, 0 if causal else terms.right
+        for dtype in (torch.float32, torch.bfloat16):
+            inputs = tuple(x.to(dtype) for x in (q, k, v))
+            name = f"{str(dtype)[6:]}{' causal' if causal else ''}"
+            calls[name] = (lambda inputs, terms: lambda: kernel.forward(*inputs, terms, False)[0])(inputs, terms)
+    return calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="HEAD")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--keys", type=int, nargs="+", default=[16384])
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--forward", type=int, nargs="+", metavar="T", help="time the forward at these T instead")
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     new, base = native._kernel(), base_kernel(args.base)
     if new is None:
         raise SystemExit("this tree's native kernel does not build here")
-    for S in args.keys:
-        ours, theirs = decoding_calls(new, S, args.batch), decoding_calls(base, S, args.batch)
-        reps = max(1, 1_000_000 // (S * args.batch))
+    for S in args.forward or args.keys:
+        make = forward_calls if args.forward else lambda kernel, S: decoding_calls(kernel, S, args.batch)
+        ours, theirs = make(new, S), make(base, S)
+        reps = max(1, (30_000_000 if args.forward else 1_000_000) // (S * (S if args.forward else args.batch)))
         for name in ours:
             difference = float((ours[name]().float() - theirs[name]().float()).abs().max())
             best, ratios = {"new": float("inf"), "base": float("inf")}, []
@@ -85,7 +104,8 @@ def main() -> None:
                     took[which] = (time.perf_counter() - start) / reps
                     best[which] = min(best[which], took[which])
                 ratios.append(took["new"] / took["base"])
-            print(f"threads {args.threads} S {S} B {args.batch} {name}: base {best['base'] * 1e3:.3f} ms, "
+            point = f"threads {args.threads} {'T' if args.forward else 'S'} {S} B {args.batch} {name}"
+            print(f"{point}: base {best['base'] * 1e3:.3f} ms, "
                   f"new {best['new'] * 1e3:.3f} ms, new/base median {statistics.median(ratios):.3f}, "
                   f"largest difference {difference:.2g}")
 

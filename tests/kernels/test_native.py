@@ -749,3 +749,18 @@ def test_the_build_folder_is_one_per_compile_environment(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setenv("CXX", "clang++")
     assert native._build_folder("avx2") != here  # another compiler
+
+
+@pytest.mark.parametrize("L", [1, 40])  # a decoding step's rows, and a tile's
+@pytest.mark.parametrize("at", [0, 7, 8, 15, 16, 18])  # in the first vector, the next, the values after them
+def test_a_nan_score_makes_its_row_nan_wherever_it_lies(L, at):
+    """row_max: a NaN among a tile's scores makes the row's max NaN, whether it lies in the whole vectors
+    (8 or 16 lanes) or the last values; where every other key is hidden (scores -inf), the max is all
+    that carries it (the exponentials of a row whose max is -inf are never taken): NaN, as torch gives."""
+    kernel = native._kernel()
+    q, k, v = (torch.randn(1, 1, n, 8, generator=torch.Generator().manual_seed(n)) for n in (L, 19, 19))
+    k[0, 0, at] = float("nan")
+    only = torch.arange(19)[None] == at  # (1, S): key `at` alone visible
+    for contract in (Contract(), Contract(key_valid=only)):
+        out, row_max, _ = kernel.forward(q, k, v, native._terms(contract, 8, torch.float32), False)
+        assert torch.isnan(row_max).all() and torch.isnan(out).all(), contract

@@ -362,13 +362,20 @@ inline void exp_each(int64_t n, const float* x, float scale, float shift, float 
   }
 }
 
+// The first ``count`` lanes of e to w: a whole vector stored as one (copied through a buffer, a
+// vector's store and reload cost more than its exponential).
+inline void store_lanes(float* w, int64_t count, FloatLanes::vec e) {
+  if (count == FloatLanes::kCount) return FloatLanes::store(w, e);
+  float values[FloatLanes::kCount];
+  FloatLanes::store(values, e);
+  std::copy(values, values + count, w);
+}
+
 template <>
 float exp_shifted<float, float>(int64_t n, const float* x, float scale, float shift, float* w) {
   FloatLanes::vec total = {};
   exp_each(n, x, scale, shift, 1.0f, [&](int64_t j, int64_t count, FloatLanes::vec e) {
-    float values[FloatLanes::kCount];
-    FloatLanes::store(values, e);
-    std::copy(values, values + count, w + j);
+    store_lanes(w + j, count, e);
     total += e;  // the padding's weights are 0
   });
   return FloatLanes::sum(total);
@@ -376,12 +383,9 @@ float exp_shifted<float, float>(int64_t n, const float* x, float scale, float sh
 
 template <>
 void exp_times<float>(int64_t n, const float* x, float scale, float shift, float factor, float* w) {
-  exp_each(n, x, scale, shift, factor, [&](int64_t j, int64_t count, FloatLanes::vec e) {
-    float values[FloatLanes::kCount];
-    FloatLanes::store(values, e);
-    std::copy(values, values + count, w + j);
-  });
+  exp_each(n, x, scale, shift, factor, [&](int64_t j, int64_t count, FloatLanes::vec e) { store_lanes(w + j, count, e); });
 }
+
 #pragma GCC diagnostic pop
 #endif
 
@@ -441,6 +445,38 @@ acc_t row_max(int64_t n, const acc_t* x) {
   }
   return best;
 }
+
+#if !defined(MHA_AVX512)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+// row_max on whole vectors (one value at a time it cost a tile as much as its exponentials): the
+// lanes' maxima, any NaN remembered, then the last values one at a time.
+template <>
+float row_max<float>(int64_t n, const float* x) {
+  using V = FloatLanes;
+  typedef int32_t ivec __attribute__((vector_size(kLaneBytes)));
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  V::vec best = V::vec{} + neg_inf;
+  ivec nan = {};
+  int64_t j = 0;
+  for (; j + V::kCount <= n; j += V::kCount) {
+    const V::vec v = V::load(x + j);
+    nan |= v != v;
+    best = v > best ? v : best;
+  }
+  float top = neg_inf;
+  for (int64_t i = 0; i < V::kCount; ++i) {
+    if (nan[i]) return std::numeric_limits<float>::quiet_NaN();
+    top = std::max(top, best[i]);
+  }
+  for (; j < n; ++j) {
+    if (std::isnan(x[j])) return x[j];
+    top = std::max(top, x[j]);
+  }
+  return top;
+}
+#pragma GCC diagnostic pop
+#endif
 
 #if defined(MHA_AVX512)
 template <>

@@ -1621,9 +1621,17 @@ struct PagedProducts {
     kv_head = head;
     keys_total = S;
   }
-  void pack_row(int64_t r, const scalar_t* src) {  // scale q: (D x kBlockQ) for brgemm, rows for run_scores
-    if (qt.empty()) qt.resize(D * kBlockQ), qr.resize(kBlockQ * D);
-    for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + r] = qr[r * D + d] = static_cast<acc_t>(src[d]) * scale;
+  // scale q: row r of R, as (D x kBlockQ) for brgemm (R > kRunLoopRows), else as rows for run_scores
+  // (each buffer made at its first use by a thread, only where used: a decoding step's call is short
+  // enough for zeroing 64 KiB buffers it never reads to show)
+  void pack_row(int64_t r, int64_t R, const scalar_t* src) {
+    if (R > kRunLoopRows) {
+      if (qt.empty()) qt.resize(D * kBlockQ);
+      for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + r] = static_cast<acc_t>(src[d]) * scale;
+    } else {
+      if (static_cast<int64_t>(qr.size()) < R * D) qr.resize(R * D);
+      for (int64_t d = 0; d < D; ++d) qr[r * D + d] = static_cast<acc_t>(src[d]) * scale;
+    }
   }
   // The runs of keys j0 .. j0 + n (all below the sequence's S_b: their pages are checked).
   void find_runs(int64_t j0, int64_t n) {
@@ -1688,7 +1696,7 @@ struct PagedProducts {
   void scores(int64_t, int64_t R, int64_t j0, int64_t n, acc_t* s) {
     find_runs(j0, n);
     prefetch(j0 + n, std::min(keys_total, j0 + n + kBlockK));  // the next tile's, while this one is computed
-    if (st.empty()) st.resize(kBlockK * kBlockQ);
+    if (R > kRunLoopRows && st.empty()) st.resize(kBlockK * kBlockQ);
     for (size_t x = 0; x < runs.size(); ++x) {
       const Run& run = runs[x];
       if (R <= kRunLoopRows) {  // the pool's rows as they are, widened in registers
@@ -1766,6 +1774,7 @@ void paged_kernel(const PagedCall& call, const Terms<acc_t>& terms, int64_t B, c
   // the blocks of every sequence and kv head, with the keys their rows may see
   std::vector<PagedItem> blocks;
   double total = 0;
+  int64_t most_rows = 0;  // the largest block's rows: the size of each thread's buffers
   for (int64_t b = 0; b < B; ++b) {
     const Shape sh = call.sequence(b);
     const Terms<acc_t> t = terms_for(sh);
@@ -1775,6 +1784,7 @@ void paged_kernel(const PagedCall& call, const Terms<acc_t>& terms, int64_t B, c
         const auto [lo, hi] = block_keys(t, block_rows(sh, t, 0, kv_head, r0, r1), sh.S, 1, 0, sh.S);
         blocks.push_back({b, kv_head, r0, r1, lo, hi, -1, 0, paged_cost(r1 - r0, hi - lo)});
         total += blocks.back().cost;
+        most_rows = std::max(most_rows, r1 - r0);
       }
   }
   // a block that costs more than a share is split into key ranges of whole tiles
@@ -1809,7 +1819,7 @@ void paged_kernel(const PagedCall& call, const Terms<acc_t>& terms, int64_t B, c
   const int64_t count = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min(threads, count), 1, [&](int64_t, int64_t) {
     Products products = shared;  // its per-thread buffers
-    std::vector<acc_t> s(kBlockQ * kBlockK), acc(kBlockQ * Dv), m(kBlockQ), l(kBlockQ);
+    std::vector<acc_t> s(most_rows * kBlockK), acc(most_rows * Dv), m(most_rows), l(most_rows);
     for (int64_t x = next.fetch_add(1); x < count; x = next.fetch_add(1)) {
       const PagedItem& item = items[x];
       const Shape sh = call.sequence(item.b);
@@ -1818,7 +1828,7 @@ void paged_kernel(const PagedCall& call, const Terms<acc_t>& terms, int64_t B, c
       const int64_t R = rows.count, first_row = call.cu[item.b];
       products.bind(call.table + item.b * call.M, item.kv_head, sh.S);
       for (int64_t r = 0; r < R; ++r) {  // pack the queries; start each row's running softmax
-        products.pack_row(r, q + ((first_row + rows.index[r]) * H + rows.head[r]) * D);
+        products.pack_row(r, R, q + ((first_row + rows.index[r]) * H + rows.head[r]) * D);
         const bool sink = t.sinks != nullptr && item.split == 0;  // the sink joins once, in the first range
         m[r] = sink ? t.sinks[rows.head[r]] : neg_inf;
         l[r] = sink ? acc_t(1) : acc_t(0);

@@ -1137,7 +1137,7 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
 // 32 in the others, in the build's instructions). Keys and values are read as they are stored
 // (float32, bfloat16, float16 or int8) and widened in registers, once for a block of up to four rows
 // (widen): a decoding step reads each byte of the cache once and converts it once. A block holds
-// rows x keys accumulators (8 for 1 row, 4 x 2 for 4: as many independent sums as two FMA units keep
+// rows x keys accumulators (8 for 1 row, 4 x 3 for 4: as many independent sums as two FMA units keep
 // busy, with the rows' and keys' vectors, in 16 registers). Each key's score is the same sum whichever
 // position it has in a run (its own accumulator, the same order). An 8-bit key's or value's (token,
 // head) scale multiplies its score or its weight, not its D values.
@@ -1315,8 +1315,8 @@ inline void value_strip(int64_t d, int64_t count, const acc_t* w, int64_t ldw, c
 }
 
 // value_block for values widened as they are read (bfloat16, float16, 8-bit), whose conversion, not
-// their read, is the limit: in chunks of kValueChunk keys (the next chunk's rows asked for while one is added in), each chunk
-// strip by strip of the output's columns; each output value adds its keys one at a time, in order.
+// their read, is the limit: in chunks of kValueChunk keys, each chunk strip by strip of the output's
+// columns (value_strip); each output value adds its keys one at a time, in order.
 template <int kRows, typename acc_t, typename value_t>
 void value_strips(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const value_t* v, int64_t ld, acc_t* acc,
                   const acc_t* scales, int64_t scale_ld) {

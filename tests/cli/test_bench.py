@@ -99,9 +99,12 @@ def test_modern_rows():
 def test_overhead_rows_time_the_drop_in_and_a_decode_step_against_torch():
     rows = list(bench.overhead_rows(repeat=1, points=[(1, 1, 32, 4)], decode_lengths=[16]))
     assert [r.point for r in rows] == ["drop-in B1 T1 E32 H4", "decode step S=16 of 17 slots E512 H8",
-                                       "decode step S=16 of 4096 slots E512 H8"]
+                                       "decode step S=16 of 4096 slots E512 H8", "decode step S=16 E512 H8, cache formats"]
     assert rows[0].ratios["ours/torch-eval"] > 0 and rows[1].ratios["ours/torch step"] > 0
     assert rows[2].ratios["ours/torch step"] > 0
+    formats = rows[3]
+    assert formats.ratios == {"bf16/fp32": formats.times_ms["bf16"] / formats.times_ms["fp32"],
+                              "int8/bf16": formats.times_ms["int8"] / formats.times_ms["bf16"]}
 
 
 @pytest.mark.slow

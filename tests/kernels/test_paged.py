@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mha import kernels
-from mha.kernels import native
+from mha.kernels import native, paged
 from mha.numpy.contract import contract_attention
 
 BACKENDS = ["math"] + (["native"] if native.native_available() and hasattr(native, "paged_attention_native") else [])
@@ -94,28 +94,73 @@ def test_every_sequence_as_if_alone(backend, terms, seed):
     torch.testing.assert_close(out.double(), want, atol=1e-12 if dtype == torch.float64 else 2e-5, rtol=1e-5)
 
 
-def _bad(change):
-    q, k_pages, v_pages, table, cu, lengths_k, _, _ = _case(3)
+def _bad(change, dtype=torch.float64):
+    q, k_pages, v_pages, table, cu, lengths_k, _, _ = _case(3, dtype)
     args = dict(q=q, k_pages=k_pages, v_pages=v_pages, block_table=table, cu_seqlens_q=cu, seqlens_k=lengths_k)
     change(args)
     return args
 
 
+def _set(name, index, value):
+    def change(args):
+        args[name] = args[name].clone()
+        args[name][index] = value
+    return change
+
+
+# each rule of the counts (paged.check_counts), broken once: the native kernel refuses the same calls
+COUNTS = [
+    (lambda a: a["block_table"].fill_(-1), "block_table names page -1"),
+    (lambda a: a["block_table"].fill_(10 ** 6), "block_table names page 1000000"),
+    (lambda a: a.update(seqlens_k=a["seqlens_k"] + 10 ** 4), "need up to"),
+    (lambda a: a.update(seqlens_k=a["seqlens_k"] * 0), "seqlens_k must count at least"),
+    (_set("seqlens_k", 1, 0), "seqlens_k must count at least"),
+    (_set("cu_seqlens_q", 0, 1), "cu_seqlens_q must rise from 0"),
+    (_set("cu_seqlens_q", -1, 10 ** 3), "cu_seqlens_q must rise from 0"),
+    (lambda a: a.update(block_table=torch.cat([a["block_table"], a["block_table"][:1]]),  # a sequence of no rows
+                        seqlens_k=torch.cat([a["seqlens_k"], a["seqlens_k"][:1]]),
+                        cu_seqlens_q=torch.cat([a["cu_seqlens_q"], a["cu_seqlens_q"][-1:]])), "at least one row"),
+    (lambda a: a.update(cu_seqlens_q=torch.cat([a["cu_seqlens_q"][:1], a["cu_seqlens_q"][2:3], a["cu_seqlens_q"][1:2],
+                                                a["cu_seqlens_q"][3:]])), "at least one row"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("change", "error", "message"), [
+    *((change, ValueError, message) for change, message in COUNTS),
     (lambda a: a.update(block_table=a["block_table"].float()), TypeError, "block_table must be an integer tensor"),
-    (lambda a: a["block_table"].fill_(-1), ValueError, "block_table names page -1"),
-    (lambda a: a["block_table"].fill_(10 ** 6), ValueError, "block_table names page 1000000"),
-    (lambda a: a.update(seqlens_k=a["seqlens_k"] + 10 ** 4), ValueError, "need up to"),
-    (lambda a: a.update(seqlens_k=a["seqlens_k"] * 0), ValueError, "seqlens_k must count at least"),
     (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"][:-1]), ValueError, "cu_seqlens_q needs"),
+    (lambda a: a.update(seqlens_k=a["seqlens_k"][None]), ValueError, "seqlens_k must be 1-D"),
     (lambda a: a.update(q=a["q"][:, :, :-1]), ValueError, "k_pages must have q's head dim"),
-    (lambda a: a.update(q=a["q"].float()), TypeError, "k_pages has dtype torch.float64 but q has dtype torch.float32"),
+    (lambda a: a.update(q=a["q"].half()), TypeError, "k_pages has dtype torch.float32 but q has dtype torch.float16"),
     (lambda a: a.update(v_pages=a["v_pages"][:-1]), ValueError, "v_pages must have k_pages' blocks"),
     (lambda a: a.update(k_pages=a["k_pages"].tolist()), TypeError, "k_pages must be a torch.Tensor, got list"),
 ])
-def test_bad_tables_and_shapes_are_refused_naming_the_argument(change, error, message):
-    with pytest.raises(error, match=message):
-        kernels.paged_attention(**_bad(change))
+def test_bad_tables_and_shapes_are_refused_naming_the_argument(backend, change, error, message):
+    with pytest.raises(error, match=message):  # float32: what both backends run
+        kernels.paged_attention(**_bad(change, torch.float32), backend=backend)
+
+
+@pytest.mark.skipif("native" not in BACKENDS, reason="the native kernel is not built here")
+@pytest.mark.parametrize(("change", "message"), COUNTS)
+def test_the_kernel_refuses_every_count_the_python_rules_refuse(change, message):
+    """The native path leaves the counts to the kernel (Python's rules name the argument only after it
+    refuses): a count the kernel let through would be read, so each rule must hold in both."""
+    args = _bad(change, torch.float32)
+    args = [args[name] for name in ("q", "k_pages", "v_pages", "block_table", "cu_seqlens_q", "seqlens_k")]
+    with pytest.raises(RuntimeError, match="mha paged"):
+        native.paged_attention_native(*args, kernels.Contract())
+    with pytest.raises(ValueError, match=message):
+        paged.check_counts(args[0], args[1], *paged._check(*args))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_integer_tables_of_every_width_are_read_alike(backend, dtype):
+    q, k_pages, v_pages, table, cu, lengths_k, _, _ = _case(2, torch.float32)
+    want = kernels.paged_attention(q, k_pages, v_pages, table, cu, lengths_k, backend=backend)
+    out = kernels.paged_attention(q, k_pages, v_pages, table.to(dtype), cu.to(dtype), lengths_k.to(dtype), backend=backend)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
 
 
 def test_only_the_blocks_a_sequence_uses_must_name_pages_of_the_pool():

@@ -27,6 +27,40 @@ def test_a_kept_row_is_its_int8_values_then_its_float32_scale(X, dtype):
     assert storage.store(x, False) is x and storage.split(x) == (x, None) and storage.width(x) == X
 
 
+def _edge_rows(X: int) -> torch.Tensor:
+    """Rows (float64) at the quantizer's edges, X values each: ties at half a level (rounded half to
+    even), zeros, NaN, infinities, a max too small for a float32 scale, subnormal ones, float32's
+    largest, and one beyond float32 (infinite once converted)."""
+    levels = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -3.5])
+    rows = [levels.repeat(X)[:X] if X > 1 else torch.tensor([127.0]), torch.zeros(X)]
+    for special in (float("nan"), float("inf"), float("-inf"), 1e-45, 1e-40, 3.4e38, 1e39):
+        row = torch.linspace(-1, 1, X, dtype=torch.float64) * (special if abs(special) < 1 else 1)
+        row[X // 2] = special
+        rows.append(row)
+    return torch.stack([r.double() for r in rows])
+
+
+@pytest.mark.skipif(not native.native_available(), reason="the native kernel is not built here")
+@pytest.mark.parametrize("X", [1, 2, 7, 64, 129])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_native_quantizer_keeps_the_bytes_of_the_torch_one(X, dtype):
+    """storage.store's one native call (kernel.quantize_rows) against quantize_int8's torch ops, byte
+    for byte: random rows at several ranges, the edge rows, a strided view and empty shapes."""
+    kernel = native._kernel()
+    g = torch.Generator().manual_seed(X)
+    ranges = torch.logspace(-30, 30, 5, dtype=torch.float64)[:, None, None]  # (5, 1, 1): a range per row block
+    random = torch.randn(5, 3, X, generator=g, dtype=torch.float64) * ranges
+    for x in (random, _edge_rows(X), random.transpose(0, 1), torch.zeros(0, 4, X), torch.zeros(2, 0, X)):
+        x = x.to(dtype)
+        data, scales = quantize_int8(x)
+        want = torch.cat([data, scales[..., None].view(torch.int8)], dim=-1)
+        got = storage.store(x, True)
+        assert torch.equal(got, want), (x, got, want)
+        assert torch.equal(kernel.quantize_rows(x.contiguous()), want)
+    with pytest.raises(RuntimeError, match="quantize_rows: x must be a contiguous floating CPU tensor"):
+        kernel.quantize_rows(random.transpose(0, 1))
+
+
 def test_int8_levels_are_computed_in_float32_whatever_the_rows_dtype():
     """bfloat16 rows are quantized as their float32 values: a bfloat16 division lands rows a level
     off, and its scales would not be float32."""

@@ -46,6 +46,7 @@ from .flash import flash_attention, flash_attention_backward, flash_attention_wi
 from .flex import flex_attention, flex_attention_with_lse
 from .math import math_attention, paged_math_attention
 from .native import native_attention, native_attention_with_lse
+from .paged import check_counts
 from .quantize import dequantize
 from .sdpa import sdpa_attention
 
@@ -456,12 +457,15 @@ def _paged_native_refusal(q: Tensor, k_pages: Tensor, v_pages: Tensor) -> str | 
 def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, cu_q: Tensor,
                     lengths_k: Tensor, terms: Contract, *, backend: str = "auto", k_scales: Tensor | None = None,
                     v_scales: Tensor | None = None) -> Tensor:
-    """Run mha.kernels.paged_attention's checked call (q (Tq, H, D), pages, the block table (B, M),
-    the query offsets (B + 1,) and key lengths (B,) as int64 CPU tensors, terms: the contract's
-    per-sequence terms; int8 pages with their scales) on the chosen backend: math dequantizes 8-bit
-    pages first (the reference)."""
+    """Run mha.kernels.paged_attention's call (q (Tq, H, D), pages, the block table (B, M), the query
+    offsets (B + 1,) and key lengths (B,) as int32 or int64 CPU tensors, their kinds and shapes
+    checked; terms: the contract's per-sequence terms; int8 pages with their scales) on the chosen
+    backend: math dequantizes 8-bit pages first (the reference). The counts' values are checked once:
+    by paged.check_counts before math, by the native kernel itself (every index it reads), and when
+    the kernel refuses, by check_counts again for a ValueError that names the argument."""
     name, _ = choose_paged_backend("math" if OBSERVERS else backend, q, k_pages, v_pages, terms)  # observed: math
     if name == "math":
+        check_counts(q, k_pages, block_table, cu_q, lengths_k)
         lengths_q = cu_q.diff()
         observe = _notify if OBSERVERS else None
         if k_scales is not None:
@@ -470,5 +474,9 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
             return paged_math_attention(q.to(wide), *pages, block_table, lengths_q, lengths_k, terms,
                                         observe=observe).to(q.dtype)
         return paged_math_attention(q, k_pages, v_pages, block_table, lengths_q, lengths_k, terms, observe=observe)
-    return native.paged_attention_native(q, k_pages, v_pages, block_table, cu_q, lengths_k, terms, k_scales=k_scales,
-                                         v_scales=v_scales)
+    try:
+        return native.paged_attention_native(q, k_pages, v_pages, block_table, cu_q, lengths_k, terms,
+                                             k_scales=k_scales, v_scales=v_scales)
+    except RuntimeError:
+        check_counts(q, k_pages, block_table, cu_q, lengths_k)  # a count the kernel refused, named
+        raise

@@ -432,9 +432,10 @@ def paged_attention_native(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
         (k_pages, k_scales), (v_pages, v_scales) = storage.split(k_pages, "k_pages"), storage.split(v_pages, "v_pages")
     k_pages, v_pages = (x if _slots_readable(x) else x.contiguous() for x in (k_pages, v_pages))
     if k_scales is not None:  # where they lie (kept after each row: strided views), in the accumulation dtype
-        k_scales, v_scales = (x.detach().to(_acc(q.dtype)) for x in (k_scales, v_scales))
-    out, _, _ = kernel.paged_forward(q.detach().contiguous(), k_pages.detach(), v_pages.detach(), block_table,
-                                     cu_seqlens_q, seqlens_k, _terms(contract, q.shape[-1], q.dtype), k_scales, v_scales)
+        k_scales, v_scales = (x.to(_acc(q.dtype)) for x in (k_scales, v_scales))
+    # the kernel reads the tensors' memory and makes its output with no autograd history: nothing to detach
+    out, _, _ = kernel.paged_forward(q.contiguous(), k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k,
+                                     _terms(contract, q.shape[-1], q.dtype), k_scales, v_scales)
     return out
 
 

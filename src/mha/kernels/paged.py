@@ -129,8 +129,9 @@ def _check_scales(q, k_pages, v_pages, k_scales, v_scales) -> None:
 
 
 def _check(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k) -> tuple[Tensor, Tensor, Tensor]:
-    """Validate every argument; returns the block table (B, M), the query offsets (B + 1,) and the
-    key lengths (B,), as int64 CPU tensors."""
+    """Validate every argument's kind, rank and shape (attribute reads, no tensor op: this is a
+    decoding step's path); returns the block table (B, M), the query offsets (B + 1,) and the key
+    lengths (B,) as int32 or int64 CPU tensors. Their values are check_counts' to validate."""
     _checks.rank("q", _checks.floating("q", q), (3,), "(total query rows, heads, head dim)")
     quantized = isinstance(k_pages, Tensor) and k_pages.dtype == torch.int8  # (with its scales: _check_scales)
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
@@ -152,12 +153,20 @@ def _check(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k) -> tuple[T
     table = _integers("block_table", block_table, 2, "(sequences, blocks per sequence)")
     cu = _integers("cu_seqlens_q", cu_seqlens_q, 1, "(sequences + 1,) offsets")
     lengths_k = _integers("seqlens_k", seqlens_k, 1, "(sequences,) key counts")
-    B, M = table.shape
-    if len(cu) != B + 1 or len(lengths_k) != B:
+    B = table.shape[0]
+    if cu.shape[0] != B + 1 or lengths_k.shape[0] != B:
         raise ValueError(f"block_table describes {B} sequences: cu_seqlens_q needs {B + 1} offsets and seqlens_k "
-                         f"{B} counts, got {len(cu)} and {len(lengths_k)}")
-    # the counts as Python ints (a few per sequence): each check a loop over B, not a call into torch
-    offsets, keys = cu.tolist(), lengths_k.tolist()
+                         f"{B} counts, got {cu.shape[0]} and {lengths_k.shape[0]}")
+    return table, cu, lengths_k
+
+
+def check_counts(q: Tensor, k_pages: Tensor, table: Tensor, cu: Tensor, lengths_k: Tensor) -> None:
+    """The counts' rules, each broken one a ValueError naming its argument: the query offsets rise from
+    0 to q's rows, each sequence at least one row and no more rows than keys, its keys within the
+    table's blocks, and the pages its used blocks name within the pool. Arguments as _check returns
+    them. The native kernel enforces the same rules on every index it reads (its RuntimeError); the
+    dispatch calls this before the math reference, and after the kernel refuses, for the message."""
+    offsets, keys = cu.tolist(), lengths_k.tolist()  # a few per sequence: each check a loop over B
     rows = [end - start for start, end in zip(offsets, offsets[1:])]
     if offsets[0] != 0 or offsets[-1] != q.shape[0] or min(rows, default=1) < 1:
         raise ValueError(f"cu_seqlens_q must rise from 0 to the {q.shape[0]} rows of q, each sequence at least one "
@@ -165,13 +174,12 @@ def _check(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k) -> tuple[T
     if any(S < L for S, L in zip(keys, rows)):
         raise ValueError(f"seqlens_k must count at least each sequence's query rows (its new tokens are its last "
                          f"keys): got seqlens_k {keys} for query rows {rows}")
-    P, N = k_pages.shape[2], k_pages.shape[0]
+    P, N, M = k_pages.shape[2], k_pages.shape[0], table.shape[1]
     used = [(S + P - 1) // P for S in keys]  # the blocks each sequence's keys fill
     if max(used, default=0) > M:
         raise ValueError(f"seqlens_k {keys} need up to {max(used)} blocks of {P} keys, but block_table has {M} per "
                          "sequence")
     _check_pages(table, used, N)
-    return table, cu, lengths_k
 
 
 def _check_pages(table: Tensor, used: list[int], N: int) -> None:
@@ -196,10 +204,11 @@ def _check_pages(table: Tensor, used: list[int], N: int) -> None:
 
 
 def _integers(name: str, x, dims: int, meaning: str) -> Tensor:
-    """x as an int64 CPU tensor of ``dims`` dims, or a TypeError/ValueError naming it."""
+    """x as an int32 or int64 CPU tensor of ``dims`` dims (as given when it is one: what the kernel
+    reads), or a TypeError/ValueError naming it."""
     if not isinstance(x, Tensor) or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
         got = x.dtype if isinstance(x, Tensor) else type(x).__name__
         raise TypeError(f"{name} must be an integer tensor {meaning}, got {got}")
     if x.dim() != dims:
         raise ValueError(f"{name} must be {dims}-D {meaning}, got shape {tuple(x.shape)}")
-    return x.to(device="cpu", dtype=torch.int64)
+    return x if x.dtype in (torch.int32, torch.int64) and x.device.type == "cpu" else x.to("cpu", torch.int64)

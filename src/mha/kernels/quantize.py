@@ -22,13 +22,14 @@ LEVELS = 127  # int8's symmetric range: -127 .. 127
 
 
 def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x (..., D) floating -> (data (..., D) int8, scales (...,) float32), per row of D values."""
+    """x (..., D) floating -> (data (..., D) int8, scales (...,) float32), per row of D values. A row
+    whose scale is not positive (zeros; NaN; a max too small for a float32 scale) keeps zeros. The
+    native kernel's quantize_rows computes the same bytes in one call (mha.kernels.storage.store)."""
     wide = x.detach().float()
     amax = wide.abs().amax(dim=-1)  # (...,): NaN where a row holds NaN, inf where it holds an infinity
-    finite = torch.isfinite(amax)
-    scales = torch.where(finite, amax / LEVELS, torch.full_like(amax, float("nan")))
-    divisor = torch.where(finite & (amax > 0), scales, torch.ones_like(scales))[..., None]  # (...,) -> (..., 1)
-    data = torch.where(finite[..., None], (wide / divisor).round(), torch.zeros_like(wide))
+    scales = torch.where(torch.isfinite(amax), amax / LEVELS, float("nan"))
+    kept = (scales > 0)[..., None]  # (...,) -> (..., 1): False for NaN too
+    data = torch.where(kept, wide / torch.where(kept, scales[..., None], 1.0), 0.0).round_()
     return data.clamp_(-LEVELS, LEVELS).to(torch.int8), scales
 
 

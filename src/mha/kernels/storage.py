@@ -35,9 +35,15 @@ def quantized(kept: Tensor) -> bool:
 
 
 def store(x: Tensor, quantized: bool) -> Tensor:
-    """x (..., T, X) floating as a cache keeps it: as it is, or (quantized) (..., T, X + 4) int8."""
+    """x (..., T, X) floating as a cache keeps it: as it is, or (quantized) (..., T, X + 4) int8 (on
+    the CPU in one call of the native kernel where it is built: the same bytes as quantize_int8's)."""
     if not quantized:
         return x
+    from . import native  # (which reads pages as this module keeps them)
+
+    kernel = native.load_if_built()
+    if kernel is not None and x.device.type == "cpu" and x.dim() >= 1 and x.is_floating_point():
+        return kernel.quantize_rows(x.detach().contiguous())
     data, scales = quantize_int8(x)  # (..., T, X) int8, (..., T) float32
     return torch.cat([data, scales[..., None].view(torch.int8)], dim=-1)  # (..., T, 1) float32 -> (..., T, 4) int8
 

@@ -213,13 +213,17 @@ def _attend_pages(q: Tensor, seen, terms, *, backend: str) -> Tensor:
     """q (B, H, L, D) over the pages a cache's Seen names, its rows that are new tokens packed (the rest
     padding, zeros out): mha.kernels.paged's attention under the contract's per-sequence terms
     (inference). Returns (B, H, L, Dv)."""
-    B, H, L, _ = q.shape
-    new = torch.ones(B, L, dtype=torch.bool, device=q.device) if seen.rows is None else seen.rows  # (B, L)
-    counts = new.sum(1).cpu()  # (B,)
-    out = attend_pages(q.transpose(1, 2)[new], seen.keys, seen.values, seen.block_table, F.pad(counts.cumsum(0), (1, 0)),
-                       seen.lengths_k, terms, backend=backend)  # (B, H, L, D) -> (B, L, H, D) -> (T, H, D) -> (T, H, Dv)
+    B, H, L, D = q.shape
+    rows = q.transpose(1, 2)  # (B, H, L, D) -> (B, L, H, D)
+    if seen.rows is None:  # every row a new token (a decoding step, a whole prompt): a reshape, no indexing
+        out = attend_pages(rows.reshape(B * L, H, D), seen.keys, seen.values, seen.block_table,
+                           torch.arange(0, (B + 1) * L, L), seen.lengths_k, terms, backend=backend)  # (B*L, H, Dv)
+        return out.view(B, L, H, -1).transpose(1, 2)  # (B*L, H, Dv) -> (B, L, H, Dv) -> (B, H, L, Dv)
+    counts = seen.rows.sum(1).cpu()  # (B,)
+    out = attend_pages(rows[seen.rows], seen.keys, seen.values, seen.block_table, F.pad(counts.cumsum(0), (1, 0)),
+                       seen.lengths_k, terms, backend=backend)  # (B, L, H, D) -> (T, H, D) -> (T, H, Dv)
     full = out.new_zeros(B, L, *out.shape[1:])  # (B, L, H, Dv), zeros on padding rows
-    full[new] = out
+    full[seen.rows] = out
     return full.transpose(1, 2)  # (B, L, H, Dv) -> (B, H, L, Dv)
 
 

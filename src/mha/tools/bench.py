@@ -7,7 +7,8 @@ drift in the machine's speed hits them alike). Sections:
               mha.nn.MultiheadAttention vs torch's training path and its default eval path
     causal    the same with a causal mask (ours: is_causal=True; torch: the causal attn_mask)
     overhead  per call at tiny shapes (the drop-in against torch's eval path) and one decode step of
-              the general module on a preallocated KVCache against a bare torch step
+              the general module on a preallocated KVCache against a bare torch step; that step
+              from float32, bfloat16 and 8-bit caches (int8/bf16, bf16/fp32)
     backends  the attention core (B=1, H=8, D=64): sdpa, flash, math, numpy blocked, in GFLOP/s
               (4*B*H*L*S*D / time, halved when causal) beside a matmul's GFLOP/s
     training  forward + backward of the module vs torch's
@@ -196,6 +197,7 @@ def overhead_rows(repeat: int, *, points=OVERHEAD_POINTS, decode_lengths=(1024, 
         for S in decode_lengths:
             yield _decode_step_row(S, repeat)
             yield _decode_step_row(S, repeat, slots=max(4 * S, 4096))  # preallocated for a long generation
+        yield _cache_formats_row(max(decode_lengths), repeat)
 
 
 def _decode_step_row(S: int, repeat: int, E: int = 512, slots: int | None = None) -> Row:
@@ -229,6 +231,32 @@ def _decode_step_row(S: int, repeat: int, E: int = 512, slots: int | None = None
                    repeat, calls=50, before=lambda: cache.crop(S))
     return Row("overhead", f"decode step S={S} of {slots} slots E{E} H{HEADS}", t,
                {"ours/torch step": t["ours"] / t["torch step"]})
+
+
+def _cache_formats_row(S: int, repeat: int, E: int = 512) -> Row:
+    """One decode step at S cached keys of the general module, whole (projections, the new token
+    stored, attention), from a float32 cache (a float32 module), a bfloat16 and an 8-bit one (a
+    bfloat16 module): what each format costs a user, its storing included (the 8-bit cache
+    quantizes the new key and value each step). The targets: bf16 at most 0.55 of fp32, int8 at
+    most 0.6 of bf16 (as the native rows' decode from caches, there for the kernel alone)."""
+    torch.manual_seed(0)
+    D = E // HEADS
+    steps = {}
+    for name, dtype, quantize in (("fp32", torch.float32, None), ("bf16", torch.bfloat16, None),
+                                  ("int8", torch.bfloat16, "int8")):
+        module = GeneralAttention(E, E, E, D, D, E, HEADS).eval().to(dtype)
+        cache = KVCache(max_length=S + 1, quantize=quantize)
+        prompt, x = torch.randn(1, S, E, dtype=dtype), torch.randn(1, 1, E, dtype=dtype)
+        module(prompt, prompt, prompt, is_causal=True, cache=cache)  # S keys cached
+        steps[name] = (functools.partial(module, x, x, x, is_causal=True, cache=cache), functools.partial(cache.crop, S))
+
+    def crop_all():
+        for _, crop in steps.values():
+            crop()
+
+    t = best_times({name: step for name, (step, _) in steps.items()}, repeat, calls=20, before=crop_all)
+    return Row("overhead", f"decode step S={S} E{E} H{HEADS}, cache formats", t,
+               {"bf16/fp32": t["bf16"] / t["fp32"], "int8/bf16": t["int8"] / t["bf16"]})
 
 
 def matmul_gflops(n: int = 2048, repeat: int = 3) -> float:

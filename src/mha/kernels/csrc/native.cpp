@@ -2067,7 +2067,7 @@ std::vector<Tensor> paged_forward(const Tensor& q, const Tensor& k_pages, const 
   TORCH_CHECK(cu[0] == 0 && cu[B] == Tq, "mha paged: cu_seqlens_q must rise from 0 to q's ", text(Tq), " rows");
   for (int64_t b = 0; b < B; ++b) {
     const int64_t L = cu[b + 1] - cu[b], S = seqlens[b];
-    TORCH_CHECK(L >= 0, "mha paged: cu_seqlens_q must not decrease (sequence ", text(b), ")");
+    TORCH_CHECK(L >= 1, "mha paged: cu_seqlens_q must rise, each sequence at least one row (sequence ", text(b), ")");
     TORCH_CHECK(S >= L, "mha paged: sequence ", text(b), " has ", text(L), " query rows but ", text(S),
                 " keys (L_b <= S_b)");
     TORCH_CHECK(P > 0 ? (S + P - 1) / P <= M : S == 0, "mha paged: sequence ", text(b), "'s ", text(S),
@@ -2237,6 +2237,48 @@ double bf16_dot_peak_work(int64_t iterations) {
 }
 #pragma GCC diagnostic pop
 
+// ---- 8-bit rows, as a cache keeps them -----------------------------------------------------------
+
+// x (..., X) floating, contiguous -> (..., X + 4) int8: each row's X values quantized, then the 4 bytes
+// of its float32 scale (mha.kernels.storage's layout), bitwise what mha.kernels.quantize.quantize_int8
+// and storage.store compute in torch ops (a decoding step stores one row per head: a dozen torch calls
+// cost ~100 us there, this one call ~1 us). In float32: scale = max |x| / 127 (NaN where the row holds
+// NaN or an infinity), data = x / scale rounded half to even (the default rounding mode, as torch.round)
+// within +-127; a row whose scale is not positive (zeros, NaN, or too small a max for a float32 scale)
+// stores zeros.
+Tensor quantize_rows(const Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() >= 1 && at::isFloatingType(x.scalar_type()),
+              "mha quantize_rows: x must be a contiguous floating CPU tensor of at least one dim");
+  const int64_t X = x.size(-1), rows = X > 0 ? x.numel() / X : 0;
+  auto shape = x.sizes().vec();
+  shape.back() = X + 4;
+  auto out = at::empty(shape, x.options().dtype(at::kChar));
+  int8_t* kept = out.data_ptr<int8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mha_quantize_rows", [&] {
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* row = in + r * X;
+        int8_t* dst = kept + r * (X + 4);
+        float amax = 0.0f;
+        bool finite = true;
+        for (int64_t d = 0; d < X; ++d) {
+          const float v = static_cast<float>(row[d]);
+          finite = finite && std::isfinite(v);
+          amax = std::max(amax, std::fabs(v));
+        }
+        const float scale = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+        for (int64_t d = 0; d < X; ++d) {
+          const float q = scale > 0.0f ? std::nearbyint(static_cast<float>(row[d]) / scale) : 0.0f;
+          dst[d] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+        }
+        std::memcpy(dst + X, &scale, sizeof(float));
+      }
+    });
+  });
+  return out;
+}
+
 std::string build_info() {
 #if defined(MHA_AVX512_BF16)
   return "avx512bf16";
@@ -2271,6 +2313,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_forward", &mha_native::paged_forward,
         "attention of packed query rows over KV-cache pages read in place: (out (Tq, H, Dv), row max, row sum (Tq, H))");
   m.def("key_intervals", &mha_native::key_intervals, "each query's key interval [first, stop) and (L, S) visibility under a band (tests)");
+  m.def("quantize_rows", &mha_native::quantize_rows, "x (..., X) floating -> (..., X + 4) int8 rows, each then its float32 scale");
   m.def("build_info", &mha_native::build_info, "the instruction set this build was compiled for");
   m.def("plain_sdpa", &mha_native::plain_sdpa,
         "the per-call fast path: torch's SDPA output for a plain call, or None (mha.kernels.dispatch.plain_sdpa)");

@@ -30,7 +30,8 @@ def _masks(T, N):
     return causal, padding
 
 
-@pytest.mark.parametrize("norm_first, activation, bias", VARIANTS, ids=str)
+@pytest.mark.parametrize("norm_first, activation, bias", VARIANTS,
+                         ids=lambda x: getattr(x, "__name__", str(x)))  # a function by name, not its address
 @pytest.mark.parametrize("training", [True, False])
 def test_encoder_layer_equals_torch(norm_first, activation, bias, training):
     theirs, ours = _pair(torch.nn.TransformerEncoderLayer, mha.nn.TransformerEncoderLayer, dropout=0.0,

@@ -6,6 +6,7 @@
 //   paged_forward(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k, terms)
 //                                                          -> out (Tq, H, Dv), row max, row sum (Tq, H)
 //     (keys and values read in place from a pool of KV-cache pages: the "paged" section below)
+//   quantize_rows(x)                                       -> 8-bit rows as a cache keeps them (mha.kernels.storage)
 //
 // A row's softmax is kept as its max m and its sum l of e^(s - m) (log-sum-exp = m + log l, made
 // by the caller): the backward's P = e^(s - m) / l is then as exact as the forward's, where

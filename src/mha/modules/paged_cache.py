@@ -396,8 +396,12 @@ class PagedStep:
         """Write the step's new keys (B, Hkv, L, D) and values (B, Hkv, L, Dv) (rows past each
         sequence's count are padding) at the reserved slots of its layer; returns what the step's
         queries see: every sequence's pages, read in place."""
-        rows = self.valid(keys.shape[2], keys.device)  # (B, L)
-        packed = [x.transpose(1, 2)[rows] for x in (keys, values)]  # (B, X, L, D) -> (B, L, X, D) -> (T, X, D)
+        B, _, L, _ = keys.shape
+        rows = self.valid(L, keys.device)  # (B, L)
+        if every := bool(rows.all()):  # no padding (a decoding step of every sequence): a reshape, not indexing
+            packed = [x.transpose(1, 2).reshape(B * L, x.shape[1], x.shape[3]) for x in (keys, values)]
+        else:
+            packed = [x.transpose(1, 2)[rows] for x in (keys, values)]  # (B, X, L, D) -> (B, L, X, D) -> (T, X, D)
         self.cache.write(self.layer, self.slots, *packed)
         return Seen(*self.cache.pages(self.layer), block_table=self.cache.block_table(self.seq_ids),
-                    lengths_k=self.cache.lengths(self.seq_ids), rows=rows)
+                    lengths_k=self.cache.lengths(self.seq_ids), rows=None if every else rows)

@@ -289,6 +289,45 @@ def test_no_mask_follows_is_causal_as_sdpa_does(is_causal):
         torch.testing.assert_close(ours, theirs)
 
 
+def _fast_path_taken(monkeypatch, *args, **kwargs):
+    """(the bridge's output, whether the per-call fast path gave it, the full path's output)."""
+    from mha.kernels import dispatch
+    real, taken = dispatch.plain_sdpa, []
+    with monkeypatch.context() as patch:
+        patch.setattr(dispatch, "plain_sdpa", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1])
+        out, _ = hf.attention_forward(*args, **kwargs)
+    with monkeypatch.context() as patch:
+        patch.setattr(dispatch, "plain_sdpa", lambda *a, **kw: None)  # declined: the contract's way
+        full, _ = hf.attention_forward(*args, **kwargs)
+    return out, any(t is not None for t in taken), full
+
+
+@pytest.mark.parametrize(("L", "S", "q_offset", "padded", "extra", "fast"), [
+    (1, 9, 8, None, {}, True),  # a decoding step: no band left, its offset places nothing
+    (6, 6, 0, None, {}, True),  # an unpadded prompt: top-left causality
+    (6, 6, 0, None, dict(scaling=-0.3), False),  # a scale <= 0: torch's causal kernel would mask after it
+    (1, 9, 8, [1] * 8 + [0], {}, False),  # padding: key_valid
+    (6, 6, 0, None, dict(softcap=5.0), False),
+    (6, 6, 0, None, dict(s_aux=torch.zeros(4)), False),
+    (6, 6, 0, None, dict(output_attentions=True), False),
+    (4, 9, 5, None, {}, False),  # a chunk after a cache: bottom-right causality, not torch's is_causal
+])
+def test_calls_torch_takes_as_they_are_skip_the_contract_with_the_same_bits(monkeypatch, L, S, q_offset, padded,
+                                                                            extra, fast):
+    """The bridge's per-call fast path (dispatch.plain_sdpa with transformers' scaling) where the
+    mask leaves no term but top-left causality, and the full path's bits there."""
+    q, k, v = qkv(B=1, L=L, S=S)
+    padding = None if padded is None else torch.tensor([padded])
+    mask = hf.mask_forward(batch_size=1, q_length=L, kv_length=S, q_offset=q_offset, attention_mask=padding)
+    options = {"scaling": 0.3, **extra}
+    out, taken, full = _fast_path_taken(monkeypatch, Layer(groups=2).eval(), q, k, v, mask, **options)
+    assert taken == fast
+    assert torch.equal(out, full)
+    if fast:  # and transformers' own sdpa's numbers
+        theirs, _ = sdpa_attention_forward(Layer(groups=2).eval(), q, k, v, None, is_causal=L > 1, scaling=0.3)
+        torch.testing.assert_close(out, theirs)
+
+
 @pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
 def test_a_dense_mask_and_a_position_bias_as_sdpa_does(dtype):
     q, k, v = qkv(S=7)

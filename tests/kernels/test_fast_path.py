@@ -10,6 +10,7 @@ from torch.autograd import forward_ad
 import mha
 from mha import functional
 from mha.kernels import dispatch, native, tuning
+from mha.positions import CAUSAL, Band
 
 sdpa = functional.scaled_dot_product_attention
 
@@ -44,15 +45,16 @@ def took_fast_path(monkeypatch, *args, **kwargs) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("L, S, H, Hkv", [(1, 1, 2, 2), (5, 17, 4, 4), (17, 5, 4, 4), (1, 64, 8, 2), (33, 33, 6, 3)])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_the_fast_path_gives_the_full_paths_bits_and_gradients(monkeypatch, dtype, L, S, H, Hkv, is_causal):
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_the_fast_path_gives_the_full_paths_bits_and_gradients(monkeypatch, dtype, L, S, H, Hkv, is_causal, scale):
     torch.manual_seed(L * 100 + S)
     q = torch.randn(2, H, L, 16, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(2, Hkv, S, 16, dtype=dtype, requires_grad=True) for _ in range(2))
     gqa = H != Hkv
-    assert took_fast_path(monkeypatch, q, k, v, is_causal=is_causal, enable_gqa=gqa)
-    fast = sdpa(q, k, v, is_causal=is_causal, enable_gqa=gqa)
+    assert took_fast_path(monkeypatch, q, k, v, is_causal=is_causal, enable_gqa=gqa, scale=scale)
+    fast = sdpa(q, k, v, is_causal=is_causal, enable_gqa=gqa, scale=scale)
     fast_grads = torch.autograd.grad(fast.float().square().sum(), (q, k, v))
-    full = full_path(monkeypatch, q, k, v, is_causal=is_causal, enable_gqa=gqa)
+    full = full_path(monkeypatch, q, k, v, is_causal=is_causal, enable_gqa=gqa, scale=scale)
     full_grads = torch.autograd.grad(full.float().square().sum(), (q, k, v))
     assert torch.equal(fast, full)
     for a, b in zip(fast_grads, full_grads):
@@ -73,7 +75,9 @@ def _q(*shape, **kw):
 
 @pytest.mark.parametrize("name, make, kwargs", [
     ("a mask", lambda: [_q(1, 2, 4, 8)] * 3, dict(attn_mask=torch.ones(4, 4, dtype=torch.bool))),
-    ("a scale", lambda: [_q(1, 2, 4, 8)] * 3, dict(scale=0.5)),
+    ("a negative scale", lambda: [_q(1, 2, 4, 8)] * 3, dict(scale=-0.5)),
+    ("a zero scale", lambda: [_q(1, 2, 4, 8)] * 3, dict(scale=0.0)),
+    ("an infinite scale", lambda: [_q(1, 2, 4, 8)] * 3, dict(scale=float("inf"))),
     ("dropout", lambda: [_q(1, 2, 4, 8)] * 3, dict(dropout_p=0.5)),
     ("a window", lambda: [_q(1, 2, 4, 8)] * 3, dict(window=(1, 0))),
     ("a backend", lambda: [_q(1, 2, 4, 8)] * 3, dict(backend="math")),
@@ -233,3 +237,37 @@ def test_a_torch_function_mode_sees_torchs_call_on_the_fast_path(monkeypatch, fa
         out = sdpa(q, q, q, is_causal=True)
     assert "scaled_dot_product_attention" in seen.names
     assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
+
+
+@pytest.mark.parametrize("contract, form", [
+    (mha.kernels.Contract(), (False, None)),
+    (mha.kernels.Contract(scale=0.25), (False, 0.25)),
+    (mha.kernels.Contract(scale=0.25, offset=7), (False, 0.25)),  # an offset alone places nothing
+    (mha.kernels.Contract(band=CAUSAL, scale=0.25), (True, 0.25)),
+    (mha.kernels.Contract(band=Band(None, 0)), (True, None)),  # causality equal to CAUSAL, not the object
+    (mha.kernels.Contract(band=CAUSAL, offset=3), None),  # bottom-right: not torch's is_causal
+    (mha.kernels.Contract(band=Band(2, 0)), None),
+    (mha.kernels.Contract(scale=-0.25), None),
+    (mha.kernels.Contract(band=CAUSAL, scale=-0.25), None),
+    (mha.kernels.Contract(softcap=5.0), None),
+    (mha.kernels.Contract(key_valid=torch.ones(1, 4, dtype=torch.bool)), None),
+], ids=repr)
+def test_the_contracts_torchs_call_takes_as_its_arguments(contract, form):
+    assert dispatch._plain_form(contract) == form
+
+
+@pytest.mark.parametrize("L, S, band, offset", [(1, 9, None, 8), (6, 6, CAUSAL, 0), (4, 9, None, 5)])
+def test_a_scale_and_an_offset_take_the_fast_path_with_the_full_paths_bits(monkeypatch, L, S, band, offset):
+    """What transformers' bridge builds for a decoding step (its scaling, the new token's offset, no
+    band): torch's call with the scale, bitwise the full path's (which folds nothing into a mask)."""
+    g = torch.Generator().manual_seed(S)
+    q, k, v = torch.randn(1, 8, L, 16, generator=g), torch.randn(1, 2, S, 16, generator=g), torch.randn(1, 2, S, 16, generator=g)
+    contract = mha.kernels.Contract(band=band, offset=offset, scale=0.3)
+    calls = []
+    real = dispatch.plain_sdpa
+    monkeypatch.setattr(dispatch, "plain_sdpa", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    fast, _ = mha.kernels.attention(q, k, v, contract)
+    assert calls == [dict(is_causal=band is not None, enable_gqa=True, scale=0.3)]
+    monkeypatch.setattr(dispatch, "plain_sdpa", lambda *a, **kw: None)
+    full, _ = mha.kernels.attention(q, k, v, contract)
+    assert torch.equal(fast, full)

@@ -30,6 +30,7 @@ call choose_backend / choose_lse_backend to ask).
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,7 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from .. import _checks
+from ..positions import CAUSAL
 from . import flash, flex, mods, native, sdpa, tuning
 from . import math as math_kernel
 from ._context import transforms_active
@@ -109,9 +111,8 @@ def _observed(q, k, v, contract, *, dropout_p, need_weights):
 
 
 def _run(q, k, v, contract, *, dropout_p, need_weights, backend):
-    if ((contract is NONE or contract is TOP_LEFT_CAUSAL) and backend == "auto" and not need_weights
-            and dropout_p == 0.0):
-        out = plain_sdpa(q, k, v, is_causal=contract is TOP_LEFT_CAUSAL, enable_gqa=True)
+    if backend == "auto" and not need_weights and dropout_p == 0.0 and (plain := _plain_form(contract)) is not None:
+        out = plain_sdpa(q, k, v, is_causal=plain[0], enable_gqa=True, scale=plain[1])
         if out is not None:
             return out, None
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -132,9 +133,32 @@ def _run(q, k, v, contract, *, dropout_p, need_weights, backend):
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes of the fast path and of native_pays
+_PLAIN_TERMS = frozenset({"band", "scale"})
 
 
-def plain_sdpa(q, k, v, *, is_causal: bool, enable_gqa: bool) -> Tensor | None:
+def _plain_form(contract: Contract) -> tuple[bool, float | None] | None:
+    """(is_causal, scale) of a contract torch's SDPA call takes as its own arguments (plain_causality;
+    the shared NONE and TOP_LEFT_CAUSAL known by identity), else None."""
+    if contract is NONE or contract is TOP_LEFT_CAUSAL:
+        return contract is TOP_LEFT_CAUSAL, None
+    if not contract.terms <= _PLAIN_TERMS or (causal := plain_causality(contract.band, contract.offset, contract.scale)) is None:
+        return None
+    return causal, contract.scale
+
+
+def plain_causality(band, offset: int, scale) -> bool | None:
+    """torch's is_causal for a call of no term but ``band`` (at ``offset``) and ``scale`` that its SDPA
+    takes as its own arguments, else None: no band (an offset alone places nothing: transformers'
+    decoding steps), or top-left causality; a scale that is None or a positive finite number
+    (torch's causal kernel scales after masking: a scale <= 0 goes the full way, sdpa._positive_scale)."""
+    if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
+        return None
+    if band is None:
+        return False
+    return True if band == CAUSAL and offset == 0 else None
+
+
+def plain_sdpa(q, k, v, *, is_causal: bool, enable_gqa: bool, scale: float | None = None) -> Tensor | None:
     """The per-call fast path: torch's fused kernel on a plain call (:func:`plain_call`), its output;
     None when the call needs the full path. The caller has checked that no other option is set
     (a contract of causality at most, no dropout, no weights, backend "auto"). On CPU, once the
@@ -148,12 +172,13 @@ def plain_sdpa(q, k, v, *, is_causal: bool, enable_gqa: bool) -> Tensor | None:
             and (dtype := q.dtype) in _FLOATS):
         decode_keys, prefill_work = (tuning.resolved_ints.get((torch.get_num_threads(), dtype))
                                      or tuning.crossover_ints(dtype))
-        out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, decode_keys, prefill_work)
+        out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, decode_keys, prefill_work, scale)
         if out is not None or q.is_cpu:  # (it takes CPU tensors only: CUDA's are plain_call's)
             return out
     if not plain_call(q, k, v, enable_gqa):
         return None
-    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=enable_gqa and k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                          enable_gqa=enable_gqa and k.shape[1] != q.shape[1])
 
 
 def plain_call(q, k, v, enable_gqa: bool) -> bool:

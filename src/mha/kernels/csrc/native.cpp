@@ -2146,10 +2146,10 @@ std::vector<Tensor> key_intervals(const TermArgs& terms, int64_t L, int64_t S) {
 // D = Dk = Dv, contiguous rows, no autocast, and a call the measured crossovers (decode_keys,
 // prefill_work: -1 for never) do not give to native. The caller has checked what only Python can
 // (the tensors' class, observers, forward AD, torch.func, torch.compile). Returns torch's output
-// (at::scaled_dot_product_attention, run without the GIL as torch's own binding runs it), or None
-// where the call takes the full path.
+// (at::scaled_dot_product_attention, run without the GIL as torch's own binding runs it, with the
+// caller's scale: None for torch's 1 / sqrt(D)), or None where the call takes the full path.
 pybind11::object plain_sdpa(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal, bool enable_gqa,
-                            int64_t decode_rows, int64_t decode_keys, int64_t prefill_work) {
+                            int64_t decode_rows, int64_t decode_keys, int64_t prefill_work, std::optional<double> scale) {
   const auto none = pybind11::none();
   if (q.is_nested() || k.is_nested() || v.is_nested() || q.layout() != at::kStrided || k.layout() != at::kStrided ||
       v.layout() != at::kStrided || !q.device().is_cpu() || !k.device().is_cpu() || !v.device().is_cpu())
@@ -2171,7 +2171,7 @@ pybind11::object plain_sdpa(const Tensor& q, const Tensor& k, const Tensor& v, b
   Tensor out;
   {
     pybind11::gil_scoped_release no_gil;
-    out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, is_causal, std::nullopt, enable_gqa && Hkv != H);
+    out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, is_causal, scale, enable_gqa && Hkv != H);
   }
   return pybind11::cast(out);
 }

@@ -421,9 +421,10 @@ def paged_attention_native(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     strides each (mha.kernels.storage.split's views of the bytes after each row), each slot's row
     read and multiplied by its scale as it is converted (no dequantized copy).
 
-    The caller validates the arguments (mha.kernels.paged); the kernel still checks every index it
-    reads (a page outside the pool, S_b beyond the table's pages, L_b > S_b: RuntimeError). No
-    autograd: the output carries no gradient.
+    The caller validates the arguments' kinds and shapes (mha.kernels.paged); the kernel checks every
+    count and index it reads (a page outside the pool, S_b beyond the table's pages, L_b > S_b, a
+    sequence of no rows: RuntimeError), which the dispatch names by mha.kernels.paged.check_counts'
+    rules (ValueError). No autograd: the output carries no gradient.
     """
     kernel = _kernel()
     if kernel is None:

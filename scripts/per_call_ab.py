@@ -3,6 +3,10 @@
     python scripts/per_call_ab.py                 # mha's sdpa, the dispatch's fast path and the native
                                                   # kernel's plain_sdpa alone, each against torch's SDPA
     python scripts/per_call_ab.py --generate 512  # a Llama's prefill and 32-token generation, mha vs sdpa
+    python scripts/per_call_ab.py --bridge 512    # the transformers bridge's attention call at a decoding
+                                                  # step over 512 keys against transformers' sdpa's
+    python scripts/per_call_ab.py --paged 16      # paged_attention's layers over the kernel alone: a
+                                                  # decoding step over 16 keys, one thread
 
 Where a call takes microseconds and the machine's own speed drifts (a shared machine: the same torch
 call took 8.6 us in one run and 19 us in another here), a best-of ratio misleads: this times
@@ -53,12 +57,54 @@ def calls() -> None:
                         "dispatch.plain_sdpa": lambda: dispatch.plain_sdpa(q, k, v, is_causal=causal, enable_gqa=gqa)}
                 if native.loaded is not None:
                     ways["native plain_sdpa alone"] = lambda: native.loaded.plain_sdpa(
-                        q, k, v, causal, gqa, dispatch.NATIVE_DECODE_ROWS, *tuning.crossover_ints(dtype))
+                        q, k, v, causal, gqa, dispatch.NATIVE_DECODE_ROWS, *tuning.crossover_ints(dtype), None)
                 for way, call in ways.items():
                     r, ta, tb = pair_ratio(call, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                                                          enable_gqa=gqa),
                                            n=50 if ks[2] < 1000 else 10)
                     print(f"{str(dtype)[6:]:9s} {name:13s} {way:24s} {ta:8.2f} us, torch {tb:8.2f} us: {r:.3f}")
+
+
+def bridge(S: int) -> None:
+    """The bridge's attention call at a Llama's decoding step (8 query heads over 2 of 64, its mask
+    as mha's mask function builds it) against transformers' sdpa's on the same inputs."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from mha.integrations import transformers as hf
+    layer = torch.nn.Module()
+    layer.num_key_value_groups, layer.is_causal = 4, True
+    layer.eval()
+    g = torch.Generator().manual_seed(S)
+    q, k, v = torch.randn(1, 8, 1, 64, generator=g), torch.randn(1, 2, S, 64, generator=g), torch.randn(1, 2, S, 64, generator=g)
+    mask = hf.mask_forward(batch_size=1, q_length=1, kv_length=S, q_offset=S - 1)
+    with torch.no_grad():
+        r, ta, tb = pair_ratio(lambda: hf.attention_forward(layer, q, k, v, mask, scaling=0.125),
+                               lambda: sdpa_attention_forward(layer, q, k, v, None, scaling=0.125))
+    print(f"decoding step S{S}: the bridge {ta:.1f} us, transformers' sdpa {tb:.1f} us: {r:.3f}")
+
+
+def paged(S: int) -> None:
+    """paged_attention's layers at a decoding step (one sequence, Hq32/Hkv8 D128, float32, pages of
+    16) over the kernel's own call, one thread: what the Python around it costs."""
+    from mha.kernels import contract as contracts
+    from mha.kernels import dispatch, native
+    from mha.kernels import paged as pages
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(S)
+    q = torch.randn(1, 32, 128, generator=g)
+    k, v = (torch.randn((S + 15) // 16, 8, 16, 128, generator=g) for _ in range(2))
+    table, cu, lengths = torch.arange(k.shape[0])[None, :], torch.tensor([0, 1]), torch.tensor([S])
+    terms = contracts.from_keywords(q, 32, is_causal=True, head_dim="1", query="q")
+    kernel = native._kernel()
+    bare = native._terms(terms, 128, q.dtype)
+    layers = {"paged_attention": lambda: pages.paged_attention(q, k, v, table, cu, lengths),
+              "attend_pages": lambda: pages.attend_pages(q, k, v, table, cu, lengths, terms),
+              "dispatch.paged_attention": lambda: dispatch.paged_attention(q, k, v, table, cu, lengths, terms),
+              "paged_attention_native": lambda: native.paged_attention_native(q, k, v, table, cu, lengths, terms)}
+    with torch.no_grad():
+        for name, call in layers.items():
+            r, ta, tb = pair_ratio(call, lambda: kernel.paged_forward(q, k, v, table, cu, lengths, bare, None, None))
+            print(f"S{S} {name:26s} {ta:8.2f} us, the kernel alone {tb:8.2f} us: {r:.2f}")
 
 
 def generate(T: int, rounds: int = 3) -> None:
@@ -83,5 +129,14 @@ def generate(T: int, rounds: int = 3) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--generate", type=int, metavar="T", help="time generation after a prompt of T tokens")
+    parser.add_argument("--bridge", type=int, metavar="S", help="the transformers bridge at a decoding step over S keys")
+    parser.add_argument("--paged", type=int, metavar="S", help="paged_attention's layers at a decoding step over S keys")
     args = parser.parse_args()
-    generate(args.generate) if args.generate else calls()
+    if args.generate:
+        generate(args.generate)
+    elif args.bridge:
+        bridge(args.bridge)
+    elif args.paged:
+        paged(args.paged)
+    else:
+        calls()

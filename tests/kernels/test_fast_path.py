@@ -78,6 +78,7 @@ def _q(*shape, **kw):
     ("a negative scale", lambda: [_q(1, 2, 4, 8)] * 3, dict(scale=-0.5)),
     ("a zero scale", lambda: [_q(1, 2, 4, 8)] * 3, dict(scale=0.0)),
     ("an infinite scale", lambda: [_q(1, 2, 4, 8)] * 3, dict(scale=float("inf"))),
+    ("a NaN scale", lambda: [_q(1, 2, 4, 8)] * 3, dict(scale=float("nan"))),
     ("dropout", lambda: [_q(1, 2, 4, 8)] * 3, dict(dropout_p=0.5)),
     ("a window", lambda: [_q(1, 2, 4, 8)] * 3, dict(window=(1, 0))),
     ("a backend", lambda: [_q(1, 2, 4, 8)] * 3, dict(backend="math")),
@@ -271,3 +272,11 @@ def test_a_scale_and_an_offset_take_the_fast_path_with_the_full_paths_bits(monke
     monkeypatch.setattr(dispatch, "plain_sdpa", lambda *a, **kw: None)
     full, _ = mha.kernels.attention(q, k, v, contract)
     assert torch.equal(fast, full)
+
+
+@pytest.mark.parametrize("scale", [True, "0.5"])
+def test_a_scale_the_full_path_refuses_is_refused_on_the_fast_path_too(monkeypatch, scale):
+    q = _q(1, 2, 4, 8)
+    assert dispatch.plain_causality(None, 0, scale) is None
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        sdpa(q, q, q, scale=scale)

@@ -41,7 +41,7 @@ def _edge_rows(X: int) -> torch.Tensor:
 
 
 @pytest.mark.skipif(not native.native_available(), reason="the native kernel is not built here")
-@pytest.mark.parametrize("X", [1, 2, 7, 64, 129])
+@pytest.mark.parametrize("X", [1, 2, 7, 15, 16, 17, 64, 129, 255, 256, 257])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_the_native_quantizer_keeps_the_bytes_of_the_torch_one(X, dtype):
     """storage.store's one native call (kernel.quantize_rows) against quantize_int8's torch ops, byte

@@ -2247,12 +2247,15 @@ double bf16_dot_peak_work(int64_t iterations) {
 // NaN or an infinity), data = x / scale rounded half to even (the default rounding mode, as torch.round)
 // within +-127; a row whose scale is not positive (zeros, NaN, or too small a max for a float32 scale)
 // stores zeros.
+constexpr int64_t kScaleBytes = sizeof(float);  // storage.SCALE_BYTES
+constexpr float kLevels = 127.0f;               // quantize.LEVELS: int8's symmetric range
+
 Tensor quantize_rows(const Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() >= 1 && at::isFloatingType(x.scalar_type()),
               "mha quantize_rows: x must be a contiguous floating CPU tensor of at least one dim");
   const int64_t X = x.size(-1), rows = X > 0 ? x.numel() / X : 0;
   auto shape = x.sizes().vec();
-  shape.back() = X + 4;
+  shape.back() = X + kScaleBytes;
   auto out = at::empty(shape, x.options().dtype(at::kChar));
   int8_t* kept = out.data_ptr<int8_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mha_quantize_rows", [&] {
@@ -2260,7 +2263,7 @@ Tensor quantize_rows(const Tensor& x) {
     at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* row = in + r * X;
-        int8_t* dst = kept + r * (X + 4);
+        int8_t* dst = kept + r * (X + kScaleBytes);
         float amax = 0.0f;
         bool finite = true;
         for (int64_t d = 0; d < X; ++d) {
@@ -2268,12 +2271,12 @@ Tensor quantize_rows(const Tensor& x) {
           finite = finite && std::isfinite(v);
           amax = std::max(amax, std::fabs(v));
         }
-        const float scale = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+        const float scale = finite ? amax / kLevels : std::numeric_limits<float>::quiet_NaN();
         for (int64_t d = 0; d < X; ++d) {
           const float q = scale > 0.0f ? std::nearbyint(static_cast<float>(row[d]) / scale) : 0.0f;
-          dst[d] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+          dst[d] = static_cast<int8_t>(std::min(kLevels, std::max(-kLevels, q)));
         }
-        std::memcpy(dst + X, &scale, sizeof(float));
+        std::memcpy(dst + X, &scale, kScaleBytes);
       }
     });
   });

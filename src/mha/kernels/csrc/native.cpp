@@ -36,10 +36,21 @@
 // vector extensions elsewhere), and a decoding step's few rows run on the run loops (run_scores,
 // run_values) in every build.
 
-#include <torch/extension.h>
+// The headers are the few this file uses, not <torch/extension.h> (all of torch's C++ API and its
+// Python bindings): parsing that took half of every build (35 s of ~72 on a Zen 3 core).
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
-#include <ATen/autocast_mode.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's casters for at::Tensor
+
+namespace at::autocast {  // as <ATen/autocast_mode.h> declares it (that header alone parses in ~10 s)
+TORCH_API bool is_autocast_enabled(at::DeviceType device_type);
+}
 
 #include <algorithm>
 #include <atomic>

@@ -416,3 +416,64 @@ def test_the_scales_apart_are_deprecated_and_still_given():
         assert paged.page_scales(0) == {}
     with pytest.warns(DeprecationWarning, match="PagedKVCache.value_scales is deprecated"):
         assert [s.shape for s in paged.value_scales] == [(2, 2, 4)]
+
+
+
+_PADDED = dict(key_padding_mask=torch.tensor([[False] * 4 + [True]] * 2))  # a prompt of 4 tokens and 5 in the batch
+
+
+@pytest.mark.parametrize("options, cache, steps, taken", [
+    (dict(), dict(), [(6, {}), (1, {})], [True, True]),  # the prompt (top-left causal), a decoding step (nothing masked)
+    (dict(num_kv_heads=2, rope=mha.RotaryEmbedding(D)), dict(max_length=12), [(5, {}), (1, {}), (1, {})], [True] * 3),
+    (dict(), dict(), [(5, {}), (3, {})], [True, False]),  # a chunk after the prompt: bottom-right causality
+    (dict(alibi=True), dict(), [(5, {}), (1, {})], [False, False]),  # a term of the module's own
+    (dict(softcap=30.0), dict(), [(5, {}), (1, {})], [False, False]),
+    (dict(window=(2, 0)), dict(), [(5, {}), (1, {})], [False, False]),  # a band torch's call does not take
+    (dict(), dict(), [(5, dict(backend="math")), (1, dict(backend="math"))], [False, False]),
+    (dict(), dict(), [(5, _PADDED), (1, {})], [False, False]),  # padding: each sequence's keys
+], ids=["plain", "gqa rope preallocated", "chunk", "alibi", "softcap", "window", "backend math", "padding"])
+def test_a_cached_step_torch_takes_as_it_is_builds_no_contract_and_keeps_the_bits(monkeypatch, options, cache, steps,
+                                                                                 taken):
+    """attend_positional hands torch's call a cached step whose only term is a band it takes
+    (dispatch.plain_attention: the prompt's top-left causality, a decoding step's nothing) before
+    building a contract; the same bits as the full path (plain_attention declining)."""
+    from mha.kernels import dispatch
+    real, answers = dispatch.plain_attention, []
+    x = torch.randn(2, sum(T for T, _ in steps), E) * 3  # sharp scores: a dropped term shows
+    outputs = {}
+    for way in ("fast", "full"):
+        module, kv = _module(**options), mha.KVCache(**cache)
+        monkeypatch.setattr(dispatch, "plain_attention", (lambda *a, **kw: answers.append(real(*a, **kw)) or answers[-1])
+                            if way == "fast" else (lambda *a, **kw: None))
+        start, outputs[way] = 0, []
+        for i, (T, call) in enumerate(steps):
+            chunk = x[:, start:start + T]
+            with torch.no_grad():
+                outputs[way].append(module(chunk, chunk, chunk, is_causal=True, cache=kv, **call))
+            if way == "fast":
+                assert any(a is not None for a in answers) == taken[i], f"step {i}"
+                answers.clear()
+            start += T
+    for fast, full in zip(outputs["fast"], outputs["full"]):
+        assert torch.equal(fast, full)
+
+
+def test_a_step_whose_cache_marks_padding_keys_takes_the_full_path():
+    """A cache (the protocol of mha.modules.pipeline.attend_positional) may hand back key_valid without
+    positions: the padding is then the contract's, never dropped by torch's plain call."""
+    from mha.modules.cache import Seen
+    from mha.modules.pipeline import attend_positional
+
+    q, k, v = torch.randn(3, 2, 2, 1, D).unbind(0)  # (B, H, L, D): one new token
+    keys, values = torch.randn(2, 2, 2, 5, D).unbind(0)  # (B, Hkv, S, D)
+    key_valid = torch.tensor([[True, True, False, True, True], [True] * 5])
+
+    class Marking:  # a uniform cache that marks one key of the first sequence as padding
+        uniform, reads_pages = True, False
+
+        def store(self, *_):
+            return Seen(keys, values, key_valid=key_valid)
+
+    out, _ = attend_positional(q, k, v, cache=Marking(), is_causal=True)
+    expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=key_valid[:, None, None, :])
+    assert_close(out, expected)

@@ -105,7 +105,9 @@ class Contract:
         them (contract_of), so that a module's terms plus a plain call's band keep the fast path."""
         if type(self) is not Contract:
             return dataclasses.replace(self, **changes)
-        return contract_of(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
+        if self is NONE:  # a module of no own terms (most): only the changes (on every call's path)
+            return contract_of(**changes)
+        return contract_of(**{**{name: getattr(self, name) for name in _FIELDS}, **changes})
 
     def scale_for(self, head_dim: int) -> float:
         """The scale, 1 / sqrt(D) by default; with D = 0 every score is an empty sum, 0, whatever
@@ -222,7 +224,8 @@ class Contract:
         return self.band.covers(rows.start + self.offset, rows.stop - 1 + self.offset, cols.start, cols.stop)
 
 
-TERMS = frozenset(f.name for f in fields(Contract)) - {"offset"}  # every term a backend may declare
+_FIELDS = tuple(f.name for f in fields(Contract))
+TERMS = frozenset(_FIELDS) - {"offset"}  # every term a backend may declare
 LEARNED = ("alibi_slopes", "sinks", "logit_scale")  # the per-head tensors that get gradients (Contract.learned)
 NONE = Contract()
 TOP_LEFT_CAUSAL = Contract(band=CAUSAL)  # torch's is_causal: what its kernel takes as it is

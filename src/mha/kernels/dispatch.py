@@ -158,6 +158,15 @@ def plain_causality(band, offset: int, scale) -> bool | None:
     return True if band == CAUSAL and offset == 0 else None
 
 
+def plain_attention(q, k, v, *, band, offset: int = 0, scale=None) -> Tensor | None:
+    """The fast path for a caller that holds a call's terms apart (a decoding step's band and offset,
+    transformers' scaling), before it builds their contract: torch's call where plain_causality and
+    plain_sdpa take them, else None (build the contract; the full path). The caller has checked that
+    no other term is set, and no dropout, no weights, backend "auto" (as for plain_sdpa)."""
+    causal = plain_causality(band, offset, scale)
+    return None if causal is None else plain_sdpa(q, k, v, is_causal=causal, enable_gqa=True, scale=scale)
+
+
 def plain_sdpa(q, k, v, *, is_causal: bool, enable_gqa: bool, scale: float | None = None) -> Tensor | None:
     """The per-call fast path: torch's fused kernel on a plain call (:func:`plain_call`), its output;
     None when the call needs the full path. The caller has checked that no other option is set

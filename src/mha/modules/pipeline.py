@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks, kernels, masks, positions
+from ..kernels import dispatch
 from ..kernels.contract import NONE, Contract, contract_of
 from ..kernels.paged import attend_pages
 
@@ -204,6 +205,10 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, *, rope=None, window=None
     S_all = seen.keys.shape[2]
     offset = positions.offset_of("bottom_right", L, S_all)  # the new tokens last
     band = band if seen.positions is not None else positions.needed(band, L, S_all, offset)
+    if (terms is NONE and seen.positions is None and seen.key_valid is None and backend == "auto" and not need_weights
+            and not dropout_p and (out := dispatch.plain_attention(q, seen.keys, seen.values, band=band, offset=offset))
+            is not None):
+        return out, None  # torch's call as it is (most decoding steps): no contract built
     contract = terms.replace(band=band, offset=offset, positions=seen.positions, key_valid=seen.key_valid)
     return kernels.attention(q, seen.keys, seen.values, contract, dropout_p=dropout_p, need_weights=need_weights,
                              backend=backend)

@@ -51,12 +51,11 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     terms = _mask_terms(attention_mask, position_bias, module, is_causal, B=B, H=H, L=L, S=S, like=query)
     if (not need_weights and softcap is None and s_aux is None and not (module.training and dropout)
             and terms.get("key_valid") is None and terms.get("mask") is None
-            and (causal := dispatch.plain_causality(terms.get("band"), terms.get("offset", 0), scaling)) is not None):
+            and (out := dispatch.plain_attention(query, key, value, band=terms.get("band"),
+                                                 offset=terms.get("offset", 0), scale=scaling)) is not None):
         # torch's call takes it as it is (most decoding steps and unpadded prompts): the per-call fast path,
         # where the contract's construction and dispatch cost a decoding step's attention as much again
-        out = dispatch.plain_sdpa(query, key, value, is_causal=causal, enable_gqa=True, scale=scaling)
-        if out is not None:
-            return out.transpose(1, 2).contiguous(), None  # (B, H, L, Dv) -> (B, L, H, Dv)
+        return out.transpose(1, 2).contiguous(), None  # (B, H, L, Dv) -> (B, L, H, Dv)
     contract = from_keywords(query, H, scale=scaling, softcap=softcap, sinks=s_aux, head_dim="1",
                              names={"scale": "scaling", "sinks": "s_aux"},
                              **terms)

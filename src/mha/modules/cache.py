@@ -341,7 +341,6 @@ class KVCache:
         """Add the new slots to keys, values (and positions, valid once tracked; scales when quantized);
         returns the filled parts."""
         fields = self._slot_fields()
-        stored = tuple(getattr(self, name) for name in fields[:len(new)])
         size, L = self.size, new[0].shape[2]
         if self.max_length is not None:
             if self._buffers is None:
@@ -353,6 +352,7 @@ class KVCache:
                 seen.append(buffer.narrow(slots, 0, size + L))
             kept = seen = tuple(seen)
         else:
+            stored = (getattr(self, name) for name in fields[:len(new)])
             seen = new if self.keys is None else tuple(_concat(old, t) for old, t in zip(stored, new))
             kept = seen
             if self.window is not None and size + L > self.window:  # a rolling cache keeps the last `window` slots

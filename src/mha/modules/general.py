@@ -210,8 +210,9 @@ class GeneralAttention(nn.Module):
         batched = check_inputs(query, key, value, query_width=("cq", self.cq), key_width=("ck", self.ck),
                                value_width=("cv", self.cv), batch_first=True)
         out_proj = self._modules["out_proj"]  # one dict read, not nn.Module.__getattr__
-        if query.dtype != out_proj.weight.dtype or query.device != out_proj.weight.device:
-            _checks.same_dtype_device("query", query, **{"the module's weight": out_proj.weight})
+        weight = out_proj.weight
+        if query.dtype != weight.dtype or query.device != weight.device:
+            _checks.same_dtype_device("query", query, **{"the module's weight": weight})
         out, weights = pipeline(query, key, value, batched=batched, batch_first=True, project=self._project,
                                 attend=self._attention_of(
                                     batched=batched, cache=cache, attn_mask=attn_mask, is_causal=is_causal,
@@ -237,7 +238,7 @@ class GeneralAttention(nn.Module):
             return lambda q, k, v: (self._efficient(q, k, v, is_causal=is_causal), None)
         options.update(is_causal=is_causal, key_padding_mask=key_padding_mask, need_weights=need_weights,
                        terms=self._terms())
-        if self.positional or cache is not None:
+        if cache is not None or self.positional:
             return functools.partial(self._positional, cache=cache, attn_mask=attn_mask, batched=batched, **options)
         return functools.partial(attend, bias_k=self.bias_k, bias_v=self.bias_v, add_zero_attn=self.add_zero_attn,
                                  attn_mask=attn_mask, batched=batched, **options)

@@ -418,7 +418,6 @@ def test_the_scales_apart_are_deprecated_and_still_given():
         assert [s.shape for s in paged.value_scales] == [(2, 2, 4)]
 
 
-
 _PADDED = dict(key_padding_mask=torch.tensor([[False] * 4 + [True]] * 2))  # a prompt of 4 tokens and 5 in the batch
 
 

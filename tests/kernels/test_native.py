@@ -480,6 +480,27 @@ def test_the_dispatch_never_waits_for_a_compiler(tmp_path):
     assert ran.returncode == 0 and ran.stdout == "False flash []\n", ran.stderr
 
 
+LOADS = """
+import sys, torch, mha
+from mha.kernels import native
+print(native.ready(), native.loaded.build_info(), "torch.utils.cpp_extension" in sys.modules)
+"""
+
+
+@pytest.mark.slow  # fresh processes
+def test_a_build_of_this_source_loads_without_torchs_builder():
+    """A build stamped with this source's digest is imported as it is (torch's load, which checks it,
+    imports setuptools: most of a process's 0.2 s to its first native call); a stamp of another
+    source sends the process to torch's load, which writes this source's stamp again."""
+    stamp = native._build_folder(*native._this_process()) / native._STAMP
+    assert stamp.read_text() == native.source_digest()  # (written when this session's kernel was loaded)
+    assert _run_elsewhere(LOADS, {}).stdout.split() == ["True", native.variant(), "False"]
+    stamp.write_text("0" * 12)  # as a build of another source would leave it
+    ran = _run_elsewhere(LOADS, {})
+    assert ran.stdout.split() == ["True", native.variant(), "True"], ran.stderr
+    assert stamp.read_text() == native.source_digest()
+
+
 @pytest.mark.slow  # a fresh process each; the portable build is built afresh
 @pytest.mark.parametrize("build", ["avx2", "portable"])
 def test_the_builds_for_other_cpus_compute_the_same(build, tmp_path, monkeypatch):

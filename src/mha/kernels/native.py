@@ -126,18 +126,45 @@ def _extension(build: str | None, sanitize: bool = False):
         raise RuntimeError("MHA_NATIVE_SANITIZE=1 needs AddressSanitizer's runtime loaded first: run with "
                            "LD_PRELOAD=\"$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)\" "
                            "ASAN_OPTIONS=detect_leaks=0, as scripts/sanitize.sh does (docs/testing.md)")
+    folder, name = _build_folder(build, sanitize), _module_name(build, sanitize)
+    if (built := _import_built(folder, name)) is not None:
+        return built
     try:
         from torch.utils.cpp_extension import load
-        folder = _build_folder(build, sanitize)
         folder.mkdir(parents=True, exist_ok=True)
         with _one_process_at_a_time(folder):
-            return load(name=_module_name(build, sanitize), sources=[str(_SOURCE)],
-                        extra_cflags=[*_FLAGS[build], *(_SANITIZE if sanitize else [])],
-                        extra_ldflags=["-fopenmp", *(_SANITIZE[:1] if sanitize else [])], build_directory=str(folder),
-                        verbose=False)
+            module = load(name=name, sources=[str(_SOURCE)], extra_cflags=[*_FLAGS[build], *(_SANITIZE if sanitize else [])],
+                          extra_ldflags=["-fopenmp", *(_SANITIZE[:1] if sanitize else [])], build_directory=str(folder),
+                          verbose=False)
+            (folder / _STAMP).write_text(source_digest())  # what the build in the folder is of
+            return module
     except Exception as error:  # no compiler, no ninja, a failed build: the other backends run
         log.info("native backend unavailable (%s: %s); calls run on the other backends",
                  type(error).__name__, str(error).strip().splitlines()[-1] if str(error).strip() else "")
+        return None
+
+
+_STAMP = "mha.source"  # in a build folder: the source digest its build is of, written once torch's load returned it
+
+
+def _import_built(folder: Path, name: str):
+    """The build in ``folder`` imported as it is, when its stamp says it is of this source; else None
+    (torch's load then checks and builds). torch's load imports setuptools to check it (0.2 s of a
+    process's first native call, most of it); the stamp is written only after torch's load returned
+    the build, inside the build lock, and this reads it under a shared hold of that lock."""
+    library = folder / f"{name}.so"
+    try:
+        if (folder / _STAMP).read_text() != source_digest() or not library.exists():
+            return None
+        import fcntl
+        import importlib.util
+        with open(folder / "mha.lock", "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_SH)  # waits while a process builds into the folder
+            spec = importlib.util.spec_from_file_location(name, library)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    except (OSError, ImportError):  # no stamp, not POSIX, a library that does not load: torch's load decides
         return None
 
 
@@ -193,10 +220,20 @@ def _build_folder(build: str, sanitize: bool = False) -> Path:
     one folder per build and compile environment (_environment_key): two virtual environments with
     the same torch compile with different include paths, and in one folder they rebuilt each other's
     kernel in turn (measured: five 60-80 s rebuilds in 20 minutes)."""
-    from torch.utils.cpp_extension import get_default_build_root
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or _default_build_root()
     version = torch.__version__.replace("+", "_")
     return Path(root) / f"{_module_name(build, sanitize)}_torch{version}_{_environment_key(build, sanitize)}"
+
+
+def _default_build_root() -> str:
+    """torch.utils.cpp_extension.get_default_build_root() (torch's extension cache for this user), read
+    without importing cpp_extension, which imports setuptools: a loaded build needs neither."""
+    try:
+        from torch import _appdirs
+    except ImportError:  # a torch that moved it: its own function
+        from torch.utils.cpp_extension import get_default_build_root
+        return get_default_build_root()
+    return os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))
 
 
 def _environment_key(build: str, sanitize: bool) -> str:

@@ -501,6 +501,31 @@ def test_a_build_of_this_source_loads_without_torchs_builder():
     assert stamp.read_text() == native.source_digest()
 
 
+@pytest.mark.slow  # a fresh process
+def test_a_process_that_waited_for_a_build_reads_the_stamp_the_build_left(tmp_path):
+    """A process that found this source's stamp while another held the build lock (a build of another
+    checkout's source) reads the stamp again once it holds the lock: the build it would import is then
+    of the other source, so it goes through torch's load."""
+    import fcntl
+    import time
+
+    folder = native._build_folder(*native._this_process())
+    stamp, marker = folder / native._STAMP, tmp_path / "started"
+    code = f"import pathlib; import torch, mha; pathlib.Path({str(marker)!r}).touch()\n" + LOADS
+    with open(folder / "mha.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # a build in progress
+        waiting = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True)
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline and waiting.poll() is None:
+            time.sleep(0.05)
+        time.sleep(0.5)  # it has read the stamp (this source's) and waits for the lock
+        stamp.write_text("0" * 12)  # the other build finished
+    out, err = waiting.communicate(timeout=300)
+    assert out.split() == ["True", native.variant(), "True"], err
+    assert stamp.read_text() == native.source_digest()
+
+
 @pytest.mark.slow  # a fresh process each; the portable build is built afresh
 @pytest.mark.parametrize("build", ["avx2", "portable"])
 def test_the_builds_for_other_cpus_compute_the_same(build, tmp_path, monkeypatch):

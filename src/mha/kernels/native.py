@@ -151,15 +151,16 @@ def _import_built(folder: Path, name: str):
     """The build in ``folder`` imported as it is, when its stamp says it is of this source; else None
     (torch's load then checks and builds). torch's load imports setuptools to check it (0.2 s of a
     process's first native call, most of it); the stamp is written only after torch's load returned
-    the build, inside the build lock, and this reads it under a shared hold of that lock."""
+    the build, inside the build lock, and this reads it under a shared hold of that lock (a build of
+    another checkout's source may have finished while this one waited)."""
     library = folder / f"{name}.so"
     try:
-        if (folder / _STAMP).read_text() != source_digest() or not library.exists():
-            return None
         import fcntl
         import importlib.util
-        with open(folder / "mha.lock", "a") as handle:
+        with open(folder / "mha.lock", "a") as handle:  # (no folder: OSError, None)
             fcntl.flock(handle, fcntl.LOCK_SH)  # waits while a process builds into the folder
+            if (folder / _STAMP).read_text() != source_digest() or not library.exists():
+                return None
             spec = importlib.util.spec_from_file_location(name, library)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)

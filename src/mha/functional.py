@@ -80,7 +80,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     """
     # a plain call: the dispatch's per-call fast path (torch's kernel, when that is what auto would run)
     if (attn_mask is None and dropout_p.__class__ is float and dropout_p == 0.0
-            and (scale is None or kernels.dispatch.plain_causality(None, 0, scale) is not None)  # (torch's own argument)
+            and kernels.dispatch.plain_scale(scale)  # (torch's own argument)
             and backend == "auto" and causal_alignment is None and window is None and alibi_slopes is None
             and softcap is None and sinks is None and logit_scale is None and score_mod is None and mask_mod is None
             and (is_causal is False or is_causal is True)

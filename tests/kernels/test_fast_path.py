@@ -277,6 +277,6 @@ def test_a_scale_and_an_offset_take_the_fast_path_with_the_full_paths_bits(monke
 @pytest.mark.parametrize("scale", [True, "0.5"])
 def test_a_scale_the_full_path_refuses_is_refused_on_the_fast_path_too(monkeypatch, scale):
     q = _q(1, 2, 4, 8)
-    assert dispatch.plain_causality(None, 0, scale) is None
+    assert dispatch.plain_causality(None, 0, scale) is None and not dispatch.plain_scale(scale)
     with pytest.raises(TypeError, match="scale must be a real number"):
         sdpa(q, q, q, scale=scale)

@@ -239,8 +239,8 @@ def contract_of(*, band: Band | None = None, offset: int = 0, positions: tuple[T
     """A Contract of these terms; the shared NONE when every term but the offset (which only places
     a band or ALiBi) is None, the shared TOP_LEFT_CAUSAL for causality alone: the common calls build
     no value, and the dispatch knows them by identity."""
-    if all(term is None for term in (positions, key_valid, mask, alibi_slopes, scale, logit_scale, softcap, sinks,
-                                     score_mod, mask_mod)):
+    if (positions is None and key_valid is None and mask is None and alibi_slopes is None and scale is None
+            and logit_scale is None and softcap is None and sinks is None and score_mod is None and mask_mod is None):
         if band is None:
             return NONE
         if band is CAUSAL and offset == 0:

@@ -151,11 +151,17 @@ def plain_causality(band, offset: int, scale) -> bool | None:
     takes as its own arguments, else None: no band (an offset alone places nothing: transformers'
     decoding steps), or top-left causality; a scale that is None or a positive finite number
     (torch's causal kernel scales after masking: a scale <= 0 goes the full way, sdpa._positive_scale)."""
-    if scale is not None and (scale.__class__ is bool or not isinstance(scale, (int, float)) or not 0 < scale < math.inf):
-        return None  # (a bool is refused by the full path's checks: never a fast path's scale)
+    if not plain_scale(scale):
+        return None
     if band is None:
         return False
     return True if band == CAUSAL and offset == 0 else None
+
+
+def plain_scale(scale) -> bool:
+    """Whether torch's SDPA call takes ``scale`` as its own argument on the fast path: None or a positive
+    finite number (a bool is refused by the full path's checks: never a fast path's scale)."""
+    return scale is None or (scale.__class__ is not bool and isinstance(scale, (int, float)) and 0 < scale < math.inf)
 
 
 def plain_attention(q, k, v, *, band, offset: int = 0, scale=None) -> Tensor | None:

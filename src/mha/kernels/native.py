@@ -145,6 +145,7 @@ def _extension(build: str | None, sanitize: bool = False):
 
 
 _STAMP = "mha.source"  # in a build folder: the source digest its build is of, written once torch's load returned it
+_LOCK = "mha.lock"  # in a build folder: the kernel's own build lock (flock), _one_process_at_a_time
 
 
 def _import_built(folder: Path, name: str):
@@ -157,7 +158,7 @@ def _import_built(folder: Path, name: str):
     try:
         import fcntl
         import importlib.util
-        with open(folder / "mha.lock", "a") as handle:  # (no folder: OSError, None)
+        with open(folder / _LOCK, "a") as handle:  # (no folder: OSError, None)
             fcntl.flock(handle, fcntl.LOCK_SH)  # waits while a process builds into the folder
             if (folder / _STAMP).read_text() != source_digest() or not library.exists():
                 return None
@@ -180,7 +181,7 @@ def _one_process_at_a_time(folder: Path):
     except ImportError:  # not POSIX: torch's lock alone
         yield
         return
-    with open(folder / "mha.lock", "a") as handle:
+    with open(folder / _LOCK, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another process builds
         stale = folder / "lock"
         if stale.exists():

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 
 from .. import _checks, efficient, positions
-from ..kernels.contract import NONE, Contract, contract_of
+from ..kernels.contract import Contract, contract_of
 from ..kernels.dispatch import share_kv_heads
 from .cache import KVCache
 from .paged_cache import PagedStep
@@ -246,8 +246,6 @@ class GeneralAttention(nn.Module):
     def _terms(self) -> Contract:
         """The module's own score terms (ALiBi, softcap, sinks, logit_scale), for each call's contract."""
         alibi_slopes, sinks, logit_scale = own_tensors(self, "alibi_slopes", "sinks", "logit_scale")
-        if alibi_slopes is None and sinks is None and logit_scale is None and self.softcap is None:
-            return NONE  # (contract_of's answer too, without its call: this is on every call's path)
         return contract_of(alibi_slopes=alibi_slopes, softcap=self.softcap, sinks=sinks, logit_scale=logit_scale)
 
     def _positional(self, q, k, v, *, cache, attn_mask, batched, key_padding_mask, **options):

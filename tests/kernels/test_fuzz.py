@@ -47,6 +47,38 @@ def test_a_crash_or_a_hang_in_the_child_is_reported_and_the_next_call_gets_a_fre
         child.close()
 
 
+def _arrive_slowly(seconds: float) -> str:
+    time.sleep(seconds)
+    return "arrived"
+
+
+class _SlowToUnpickle:
+    """An argument whose unpickling in the child takes ``seconds``, as a call whose module imports torch
+    on a busy machine does."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __reduce__(self):
+        return _arrive_slowly, (self.seconds,)
+
+
+@pytest.mark.slow
+def test_a_child_slow_to_take_a_call_is_not_a_hang_until_its_startup_time_is_out(monkeypatch):
+    """Isolated.timeout bounds the call's run, not the fresh child's start and the unpickling of the
+    call (which imports its module); Isolated.STARTUP bounds those."""
+    child = Isolated(timeout=1)
+    try:
+        assert child(str, _SlowToUnpickle(2.0)) == "arrived"
+        monkeypatch.setattr(Isolated, "STARTUP", 1.0)
+        with pytest.raises(Crash, match="did not take the call in 1 s"):
+            child(str, _SlowToUnpickle(30.0))
+        monkeypatch.undo()
+        assert child(str, "fresh") == "fresh"  # a fresh child after the stuck one
+    finally:
+        child.close()
+
+
 def test_a_case_replays_from_its_json():
     case = draw(random.Random(3))
     assert Case.from_json(case.to_json()) == case

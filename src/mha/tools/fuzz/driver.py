@@ -34,7 +34,11 @@ class Crash(Exception):
 
 class Isolated:
     """A child process that runs calls sent to it (picklable functions and arguments); a crash or a
-    hang raises Crash here and the next call starts a fresh child."""
+    hang raises Crash here and the next call starts a fresh child. ``timeout`` bounds a call's run;
+    a fresh child's start and the imports its call's unpickling needs (torch: seconds on a busy
+    machine) have ``STARTUP`` seconds of their own, so that a slow start is not reported as a hang."""
+
+    STARTUP = 300.0
 
     def __init__(self, timeout: float = 300.0):
         self.timeout, self.process, self.connection = timeout, None, None
@@ -43,19 +47,23 @@ class Isolated:
         if self.process is None or not self.process.is_alive():
             self._start()
         self.connection.send((function, args))
-        if not self.connection.poll(self.timeout):
+        self._receive(self.STARTUP, "did not take the call")  # ("started", None): the run begins
+        status, value = self._receive(self.timeout, "no answer")
+        if status == "raised":
+            raise RuntimeError(f"the child process raised:\n{value}")
+        return value
+
+    def _receive(self, timeout: float, silence: str) -> tuple[str, object]:
+        if not self.connection.poll(timeout):
             self.close()
-            raise Crash(f"no answer in {self.timeout:.0f} s (a hang)")
+            raise Crash(f"{silence} in {timeout:.0f} s (a hang)")
         try:
-            status, value = self.connection.recv()
+            return self.connection.recv()
         except (EOFError, ConnectionError):
             self.process.join(5)
             code = self.process.exitcode
             self.close()
             raise Crash(f"the child process died: {_death(code)}") from None
-        if status == "raised":
-            raise RuntimeError(f"the child process raised:\n{value}")
-        return value
 
     def _start(self) -> None:
         context = multiprocessing.get_context("spawn")
@@ -87,9 +95,10 @@ def _serve(connection) -> None:
     """The child's loop: run each call, send back its value or the traceback of what it raised."""
     while True:
         try:
-            function, args = connection.recv()
+            function, args = connection.recv()  # (unpickling imports the function's module)
         except EOFError:
             return
+        connection.send(("started", None))
         try:
             connection.send(("ok", function(*args)))
         except BaseException:  # noqa: BLE001  (the parent reports it)

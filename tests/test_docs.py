@@ -314,7 +314,7 @@ def _pytest(args, **_):
     args = list(args)
     while args:
         token = args.pop(0)
-        if token in {"-k", "-m", "-p", "-o", "-c", "--durations"}:
+        if token in {"-k", "-m", "-p", "-o", "-c", "--durations", "-n"}:
             args.pop(0)
         elif not token.startswith("-"):
             file, _, test = token.partition("::")

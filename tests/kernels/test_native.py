@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -487,16 +488,29 @@ print(native.ready(), native.loaded.build_info(), "torch.utils.cpp_extension" in
 """
 
 
+def _copy_of_the_build(tmp_path) -> tuple[Path, dict]:
+    """This process's build folder copied (times kept: nothing to rebuild) under a root of its own, and
+    the environment that sends a fresh process there: these tests rewrite its stamp and hold its lock,
+    which must not touch the build that other processes (a parallel test worker) load meanwhile."""
+    import shutil
+
+    folder = native._build_folder(*native._this_process())
+    copy = tmp_path / "extensions" / folder.name
+    shutil.copytree(folder, copy, ignore=shutil.ignore_patterns(native._LOCK))
+    return copy, {"TORCH_EXTENSIONS_DIR": str(copy.parent)}
+
+
 @pytest.mark.slow  # fresh processes
-def test_a_build_of_this_source_loads_without_torchs_builder():
+def test_a_build_of_this_source_loads_without_torchs_builder(tmp_path):
     """A build stamped with this source's digest is imported as it is (torch's load, which checks it,
     imports setuptools: most of a process's 0.2 s to its first native call); a stamp of another
     source sends the process to torch's load, which writes this source's stamp again."""
-    stamp = native._build_folder(*native._this_process()) / native._STAMP
+    folder, env = _copy_of_the_build(tmp_path)
+    stamp = folder / native._STAMP
     assert stamp.read_text() == native.source_digest()  # (written when this session's kernel was loaded)
-    assert _run_elsewhere(LOADS, {}).stdout.split() == ["True", native.variant(), "False"]
+    assert _run_elsewhere(LOADS, env).stdout.split() == ["True", native.variant(), "False"]
     stamp.write_text("0" * 12)  # as a build of another source would leave it
-    ran = _run_elsewhere(LOADS, {})
+    ran = _run_elsewhere(LOADS, env)
     assert ran.stdout.split() == ["True", native.variant(), "True"], ran.stderr
     assert stamp.read_text() == native.source_digest()
 
@@ -509,13 +523,13 @@ def test_a_process_that_waited_for_a_build_reads_the_stamp_the_build_left(tmp_pa
     import fcntl
     import time
 
-    folder = native._build_folder(*native._this_process())
+    folder, env = _copy_of_the_build(tmp_path)
     stamp, marker = folder / native._STAMP, tmp_path / "started"
     code = f"import pathlib; import torch, mha; pathlib.Path({str(marker)!r}).touch()\n" + LOADS
-    with open(folder / "mha.lock", "a") as handle:
+    with open(folder / native._LOCK, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)  # a build in progress
         waiting = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)
+                                   text=True, env={**os.environ, **env})
         deadline = time.monotonic() + 120
         while not marker.exists() and time.monotonic() < deadline and waiting.poll() is None:
             time.sleep(0.05)
@@ -558,8 +572,12 @@ def test_one_process_builds_at_a_time_and_a_stale_torch_lock_is_removed(tmp_path
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with the build
 
 
-@pytest.mark.parametrize("terms", [dict(softcap=5.0), dict(softcap=0.5, band=CAUSAL), dict(alibi_slopes=torch.rand(4)),
-                                   dict(sinks=torch.randn(4), band=Band(40, 0))], ids=repr)
+_SEEDED = torch.Generator().manual_seed(574)  # drawn at collection: each parallel worker must draw the same tests
+
+
+@pytest.mark.parametrize("terms", [dict(softcap=5.0), dict(softcap=0.5, band=CAUSAL),
+                                   dict(alibi_slopes=torch.rand(4, generator=_SEEDED)),
+                                   dict(sinks=torch.randn(4, generator=_SEEDED), band=Band(40, 0))], ids=repr)
 def test_float32_terms_within_twice_the_math_backends_error(terms):
     """The vectorised terms (tanh of softcap, ...) in float32: error against float64 within twice that
     of the math backend in float32 (plus 1e-6)."""
@@ -810,3 +828,4 @@ def test_a_nan_score_makes_its_row_nan_wherever_it_lies(L, at):
     for contract in (Contract(), Contract(key_valid=only)):
         out, row_max, _ = kernel.forward(q, k, v, native._terms(contract, 8, torch.float32), False)
         assert torch.isnan(row_max).all() and torch.isnan(out).all(), contract
+

@@ -36,6 +36,7 @@ def fake_timer(native_faster):
 def cache(tmp_path, monkeypatch):
     path = tmp_path / "tune.json"
     monkeypatch.setenv("MHA_TUNE_CACHE", str(path))
+    monkeypatch.setattr(tuning, "_cpu_times", lambda: None)  # the load unknown (sure), whatever else runs; load_of sets one
     tuning.forget()
     yield path
     tuning.forget()
@@ -162,6 +163,7 @@ def test_mha_tune_measures_stores_and_shows(cache, monkeypatch, capsys):
         assert "cannot be built or loaded here" in capsys.readouterr().err
         return
     monkeypatch.setattr(tuning, "best_of", fake_timer(lambda s: s["L"] == 1 or s["L"] >= 512))
+    monkeypatch.setenv("COLUMNS", "400")  # rich wraps at 80 columns otherwise: a long temporary path splits the file's name
     assert cli.main(["tune", "--show"]) == 0
     assert "not measured on this machine yet" in capsys.readouterr().out
     assert cli.main(["tune"]) == 0

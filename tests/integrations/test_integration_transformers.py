@@ -474,6 +474,16 @@ def test_attention_function_input_errors():
         hf.attention_forward(layer, q, k[..., :6], v, None)
     with raises_exactly(TypeError, "scaling must be a real number, got str ('x')"):
         hf.attention_forward(layer, q, k, v, None, scaling="x")
+    # 4-D tensors try torch's call first (the fast path checks after it): what it refuses is named all the same
+    with raises_exactly(TypeError, "key has dtype torch.float32 but query has dtype torch.float64; they must match "
+                                   "(convert one with .to(dtype))"):
+        hf.attention_forward(layer, q.double(), k, v, None)
+    with raises_exactly(TypeError, "query must have a floating point dtype, got torch.int64"):
+        hf.attention_forward(layer, q.long(), k.long(), v.long(), None)
+    with raises_exactly(ValueError, "the query heads (dim 1: 4) must be a multiple of key's heads (3)"):
+        hf.attention_forward(layer, q, torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8), None)
+    with raises_exactly(TypeError, "query must be a torch.Tensor, got str"):
+        hf.attention_forward(layer, "x", k, v, None)
     with raises_exactly(TypeError, "s_aux must have a floating point dtype, got torch.int64"):
         hf.attention_forward(layer, q, k, v, None, s_aux=torch.zeros(4, dtype=torch.long))
 

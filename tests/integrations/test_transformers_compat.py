@@ -65,6 +65,35 @@ def test_a_transformers_release_it_does_not_follow_is_refused_by_name(monkeypatc
         compat.loaded_flash()
 
 
+class _LazyTransformers(type(sys)):
+    """A module whose __version__ comes from its __getattr__, as transformers' lazy module's does."""
+
+    def __init__(self, version: str):
+        super().__init__("transformers")
+        self.asked = []
+        self._answer = version
+
+    def __getattr__(self, name):
+        if name == "__version__":
+            self.asked.append(name)
+            return self._answer
+        raise AttributeError(name)
+
+
+def test_the_version_is_read_from_the_module_transformers_is_now(monkeypatch):
+    """compat._version reads a lazy module's __version__ once (3 us a read through its __getattr__)
+    and reads again for another module object, or for a version set on the module itself."""
+    first, second = _LazyTransformers("6.0.0"), _LazyTransformers("5.99.0")
+    monkeypatch.setitem(sys.modules, "transformers", first)
+    assert compat._version() == compat._version() == "6.0.0" and first.asked == ["__version__"]
+    with pytest.raises(RuntimeError, match="transformers 6.0.0 does not have or mha does not follow"):
+        compat.attentions_recorded()
+    monkeypatch.setitem(sys.modules, "transformers", second)
+    assert compat._version() == "5.99.0"
+    second.__version__ = "7.0.0"  # set on the module itself
+    assert compat._version() == "7.0.0"
+
+
 def test_the_private_state_is_touched_in_compat_alone():
     """No other room of the bridge reads a private name of transformers."""
     import re

@@ -46,16 +46,21 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     if key.dtype == torch.int8:  # an Int8Cache's rows and scales
         return int8_attention(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap, s_aux=s_aux,
                               dropout=dropout, position_bias=position_bias, output_attentions=need_weights)
-    _check_qkv(query, key, value)
+    plain = query.__class__ is key.__class__ is value.__class__ is Tensor and query.dim() == key.dim() == value.dim() == 4
+    if not plain:
+        _check_qkv(query, key, value)  # (before their shapes are read)
     B, H, L, S = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
     terms = _mask_terms(attention_mask, position_bias, module, is_causal, B=B, H=H, L=L, S=S, like=query)
-    if (not need_weights and softcap is None and s_aux is None and not (module.training and dropout)
+    if (plain and not need_weights and softcap is None and s_aux is None and not (module.training and dropout)
             and terms.get("key_valid") is None and terms.get("mask") is None
             and (out := dispatch.plain_attention(query, key, value, band=terms.get("band"),
                                                  offset=terms.get("offset", 0), scale=scaling)) is not None):
         # torch's call takes it as it is (most decoding steps and unpadded prompts): the per-call fast path,
-        # where the contract's construction and dispatch cost a decoding step's attention as much again
+        # where the contract's construction and dispatch cost a decoding step's attention as much again;
+        # torch's call takes only what _check_qkv passes (one floating dtype and device, shapes that fit)
         return out.transpose(1, 2).contiguous(), None  # (B, H, L, Dv) -> (B, L, H, Dv)
+    if plain:
+        _check_qkv(query, key, value)
     contract = from_keywords(query, H, scale=scaling, softcap=softcap, sinks=s_aux, head_dim="1",
                              names={"scale": "scaling", "sinks": "s_aux"},
                              **terms)

@@ -22,16 +22,30 @@ test_compat_transformers.py holds each against the installed transformers and ag
 
 from __future__ import annotations
 
+import sys
+
 __all__ = ["KNOWN", "attentions_recorded", "attn_implementation", "compatible_flash", "has_token_views", "list_flash",
            "loaded_flash", "registered", "set_loaded_flash", "token_views", "unlist_flash", "unregister"]
 
 KNOWN = ("5.",)  # the transformers releases this module follows
 
 
+_read_version: tuple[object, str] | None = None  # (the transformers module, its version) as last read from it
+
+
 def _version() -> str:
-    """The installed transformers' version, read at each call (the module as sys.modules holds it now)."""
+    """The installed transformers' version, read at each call (the module as sys.modules holds it now).
+    transformers' lazy module answers ``__version__`` through its ``__getattr__`` (3 us, at each
+    attention call of a model, measured): read once per module object, unless set on the module
+    itself (a version changed in place: its own attribute, read first)."""
+    global _read_version
     import transformers
-    return transformers.__version__
+    own = vars(transformers).get("__version__")
+    if own is not None:
+        return own
+    if _read_version is None or _read_version[0] is not transformers:
+        _read_version = (transformers, transformers.__version__)
+    return _read_version[1]
 
 
 def _missing(where: str, name: str) -> RuntimeError:
@@ -116,10 +130,12 @@ def attentions_recorded() -> bool:
     """Whether transformers collects the attention weights of this forward (``output_attentions``
     asked of a model whose attention modules take the flag themselves and record their outputs, as
     GPT-2's do, instead of passing it to the attention function)."""
-    try:
-        from transformers.utils import output_capturing
-    except ImportError:
-        raise _missing("transformers.utils", "output_capturing") from None
+    output_capturing = sys.modules.get("transformers.utils.output_capturing")  # (an import statement: 1 us a call)
+    if output_capturing is None:
+        try:
+            from transformers.utils import output_capturing
+        except ImportError:
+            raise _missing("transformers.utils", "output_capturing") from None
     collector = _get(output_capturing, "transformers.utils.output_capturing", "_active_collector")
     try:
         collected = collector.get()

@@ -577,3 +577,18 @@ def test_a_table_with_a_malformed_confidence_is_ignored(cache, monkeypatch, fiel
     table = tuning.tune(timer=fake_timer(lambda s: False), store=False)
     cache.write_text(json.dumps({tuning.machine_key(): {**table, field: value}}))
     assert tuning.stored() is None
+
+
+def test_each_points_inputs_are_its_own_shapes_in_one_draw_without_overlap():
+    """tuning._grid: q, k and v of every point are views of one draw per dtype and round (0.8 s of
+    draws a tune before), shaped as the point says, none overlapping another of the point."""
+    for point, shape, native_call, torch_call in tuning._grid(0):
+        q, k, v = native_call.args[:3]
+        assert all(a is b for a, b in zip(torch_call.args, (q, k, v)))
+        assert q.dtype == k.dtype == v.dtype == tuning.DTYPES[shape["dtype"]]
+        kv_heads = shape["Hkv"] if shape["L"] == 1 else shape["H"]
+        assert q.shape == (shape["B"], shape["H"], shape["L"], tuning.HEAD_DIM), point
+        assert k.shape == v.shape == (shape["B"], kv_heads, shape["S"], tuning.HEAD_DIM), point
+        spans = sorted((x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()) for x in (q, k, v))
+        assert spans[0][1] <= spans[1][0] and spans[1][1] <= spans[2][0], point
+        assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()

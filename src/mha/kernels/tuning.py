@@ -407,22 +407,24 @@ def _grid(round_: int):
     generator = torch.Generator().manual_seed(round_)  # the caller's random stream is left as it was
     for name, dtype in DTYPES.items():
         pool = torch.randn(_POOL, generator=generator).to(dtype)
-
-        def views(*sizes):
-            ends = itertools.accumulate(math.prod(size) for size in sizes)
-            return tuple(pool[end - math.prod(size):end].view(size) for size, end in zip(sizes, ends))
         for B, H, Hkv in SHAPES:
             where = dict(dtype=name, B=B, H=H, Hkv=Hkv, round=round_)
             for T in PREFILL_LENGTHS:
-                q, k, v = views(*[(B, H, T, HEAD_DIM)] * 3)
+                q, k, v = _views(pool, *[(B, H, T, HEAD_DIM)] * 3)
                 for causal, contract in ((False, NONE), (True, TOP_LEFT_CAUSAL)):
                     yield (f"{name} B{B} H{H} prefill T={T}{' causal' if causal else ''}",
                            dict(where, L=T, S=T, causal=causal),
                            functools.partial(native_attention, q, k, v, contract), functools.partial(_torch, q, k, v, causal))
             for S in DECODE_KEYS:
-                q, k, v = views((B, H, 1, HEAD_DIM), *[(B, Hkv, S, HEAD_DIM)] * 2)
+                q, k, v = _views(pool, (B, H, 1, HEAD_DIM), *[(B, Hkv, S, HEAD_DIM)] * 2)
                 yield (f"{name} B{B} H{H}/{Hkv} decode S={S}", dict(where, L=1, S=S),
                        functools.partial(native_attention, q, k, v, NONE), functools.partial(_torch, q, k, v))
+
+
+def _views(pool: torch.Tensor, *sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """Consecutive views of ``pool`` shaped ``sizes``, one after another."""
+    ends = itertools.accumulate(math.prod(size) for size in sizes)
+    return tuple(pool[end - math.prod(size):end].view(size) for size, end in zip(sizes, ends))
 
 
 def _torch(q, k, v, causal=False):

@@ -43,7 +43,8 @@ def took_fast_path(monkeypatch, *args, **kwargs) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("L, S, H, Hkv", [(1, 1, 2, 2), (5, 17, 4, 4), (17, 5, 4, 4), (1, 64, 8, 2), (33, 33, 6, 3)])
+@pytest.mark.parametrize("L, S, H, Hkv", [(1, 1, 2, 2), (5, 17, 4, 4), (17, 5, 4, 4), (1, 64, 8, 2), (33, 33, 6, 3),
+                                         (1, 1024, 8, 2)])  # (the last a decoding step native is measured faster on)
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("scale", [None, 0.3])
 def test_the_fast_path_gives_the_full_paths_bits_and_gradients(monkeypatch, dtype, L, S, H, Hkv, is_causal, scale):
@@ -51,7 +52,7 @@ def test_the_fast_path_gives_the_full_paths_bits_and_gradients(monkeypatch, dtyp
     q = torch.randn(2, H, L, 16, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(2, Hkv, S, 16, dtype=dtype, requires_grad=True) for _ in range(2))
     gqa = H != Hkv
-    assert took_fast_path(monkeypatch, q, k, v, is_causal=is_causal, enable_gqa=gqa, scale=scale)
+    assert took_fast_path(monkeypatch, q, k, v, is_causal=is_causal, enable_gqa=gqa, scale=scale) != (S == 1024)
     fast = sdpa(q, k, v, is_causal=is_causal, enable_gqa=gqa, scale=scale)
     fast_grads = torch.autograd.grad(fast.float().square().sum(), (q, k, v))
     full = full_path(monkeypatch, q, k, v, is_causal=is_causal, enable_gqa=gqa, scale=scale)
@@ -59,6 +60,11 @@ def test_the_fast_path_gives_the_full_paths_bits_and_gradients(monkeypatch, dtyp
     assert torch.equal(fast, full)
     for a, b in zip(fast_grads, full_grads):
         assert torch.equal(a, b)
+    with torch.no_grad():  # no gradient: the fast path calls native itself where it is measured faster (S = 1024)
+        assert took_fast_path(monkeypatch, q, k, v, is_causal=is_causal, enable_gqa=gqa, scale=scale) or (
+            S == 1024 and not native.native_available())
+        assert torch.equal(sdpa(q, k, v, is_causal=is_causal, enable_gqa=gqa, scale=scale),
+                           full_path(monkeypatch, q, k, v, is_causal=is_causal, enable_gqa=gqa, scale=scale))
 
 
 def test_nan_goes_where_the_full_path_puts_it(monkeypatch):
@@ -119,18 +125,45 @@ def test_autocast_forward_ad_and_native_calls_take_the_full_path(monkeypatch):
     with forward_ad.dual_level():
         dual = forward_ad.make_dual(q, torch.ones_like(q))
         assert not took_fast_path(monkeypatch, dual, q, q)
-    monkeypatch.setattr(tuning, "crossovers", lambda dtype: tuning.Crossover(1, 1))  # native measured faster everywhere
+    monkeypatch.setattr(tuning, "crossovers", lambda dtype: tuning.Crossover(1, 1))  # the full path's native faster
     monkeypatch.setattr(tuning, "resolved_ints", {})
-    assert not took_fast_path(monkeypatch, q, q, q)
+    assert not took_fast_path(monkeypatch, q.requires_grad_(), q, q)
+
+
+def test_a_call_that_needs_no_gradient_takes_native_on_the_fast_path_where_measured_faster(monkeypatch, fast_path):
+    """The native kernel's plain_sdpa runs the kernel itself on a call without gradients where the
+    fast path's call was measured faster (plain_ crossovers), its output native's full path's bits;
+    a call that needs a gradient follows the full path's crossovers: torch's call where they say torch
+    (its autograd graph), the full path (native's autograd function) where they say native."""
+    monkeypatch.setattr(tuning, "crossovers", lambda dtype: tuning.Crossover(None, None, 1, 1))
+    monkeypatch.setattr(tuning, "resolved_ints", {})
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    out = dispatch.plain_sdpa(q, k, v, is_causal=True, enable_gqa=True, scale=0.7)
+    torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.7)
+    if fast_path == "python":  # plain_call asks the full path's crossovers (and never runs the kernel itself)
+        assert torch.equal(out, torch_out)
+        return
+    expected = native.native_attention(q, k, v, mha.kernels.Contract(band=CAUSAL, scale=0.7))
+    assert out.grad_fn is None and torch.equal(out, expected) and not torch.equal(out, torch_out)
+    learned = q.clone().requires_grad_()
+    with_grad = dispatch.plain_sdpa(learned, k, v, is_causal=True, enable_gqa=True, scale=0.7)
+    assert with_grad.grad_fn is not None and torch.equal(with_grad, torch_out)
+    with torch.no_grad():
+        assert torch.equal(dispatch.plain_sdpa(learned, k, v, is_causal=True, enable_gqa=True, scale=0.7), expected)
+    monkeypatch.setattr(tuning, "crossovers", lambda dtype: tuning.Crossover(1, 1, 1, 1))
+    monkeypatch.setattr(tuning, "resolved_ints", {})
+    assert dispatch.plain_sdpa(learned, k, v, is_causal=True, enable_gqa=True, scale=0.7) is None  # the full path
 
 
 @pytest.mark.parametrize("H, Hkv", [(8, 8), (8, 2), (8, 1)])  # 1, 4 and 8 query heads per key/value head
 @pytest.mark.parametrize("more", [0, 1])
-def test_a_gqa_decoding_step_counts_its_rows_per_key_value_head(monkeypatch, H, Hkv, more):
+def test_a_gqa_decoding_step_counts_its_rows_per_key_value_head(monkeypatch, fast_path, H, Hkv, more):
     """A decoding step is at most dispatch.NATIVE_DECODE_ROWS (16) query rows per key/value head,
     L * H / Hkv (not L, not L * H): on one over enough keys (1024, the pinned crossover) native is
-    measured faster, so the fast path declines it and the dispatch picks native; one query more and
-    it is a prefill torch's kernel takes, on the fast path."""
+    measured faster, so the fast path runs native itself (the C++ fast path, no gradient) or declines it
+    and the dispatch picks native (the Python one); one query more and it is a prefill torch's kernel
+    takes, on the fast path."""
     group = H // Hkv
     L = dispatch.NATIVE_DECODE_ROWS // group + more  # 16 rows per kv head, then 16 + group
     decoding = more == 0
@@ -138,8 +171,12 @@ def test_a_gqa_decoding_step_counts_its_rows_per_key_value_head(monkeypatch, H, 
     q, k, v = torch.randn(1, H, L, 16), torch.randn(1, Hkv, 1024, 16), torch.randn(1, Hkv, 1024, 16)
     assert dispatch.native_pays(q, k) == decoding
     assert dispatch.plain_call(q, k, v, enable_gqa=H != Hkv) == (not decoding)
-    assert (dispatch.plain_sdpa(q, k, v, is_causal=True, enable_gqa=H != Hkv) is not None) == (not decoding)
-    assert took_fast_path(monkeypatch, q, k, v, is_causal=True, enable_gqa=H != Hkv) == (not decoding)
+    out = dispatch.plain_sdpa(q, k, v, is_causal=True, enable_gqa=H != Hkv)
+    assert (out is not None) == (not decoding or fast_path == "compiled")
+    if out is not None:
+        torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
+        native_out = native.native_attention(q, k, v, mha.kernels.Contract(band=CAUSAL)) if decoding else torch_out
+        assert torch.equal(out, native_out)
     if mha.kernels.native.ready():
         chosen = mha.kernels.choose_backend("auto", q, k, v, mha.kernels.Contract())[0]
         assert chosen == ("native" if decoding else "sdpa")
@@ -190,23 +227,29 @@ CASES = [
 
 @pytest.mark.parametrize("fast_path", ["compiled"], indirect=True)
 @pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("crossover", [tuning.Crossover(None, None), tuning.Crossover(64 * 64, 1024),
-                                       tuning.Crossover(1, 1)])
+@pytest.mark.parametrize("crossover", [tuning.Crossover(None, None), tuning.Crossover(64 * 64, 1024, 64 * 64, 1024),
+                                       tuning.Crossover(1, 1, 1, 1)])
 def test_the_native_and_python_fast_paths_take_the_same_calls(monkeypatch, fast_path, case, crossover):
     """The native kernel's plain_sdpa repeats dispatch.plain_call's conditions in C++: on every call
-    here (accepted, refused for each condition, and native measured faster or not) they agree, and
-    where taken the output is torch's own call's, bitwise."""
-    monkeypatch.setattr(tuning, "crossovers", lambda dtype: crossover)
-    monkeypatch.setattr(tuning, "resolved_ints", {})
+    here (accepted, refused for each condition, and native measured faster or not) they agree on the
+    calls that are plain; where native is measured faster the C++ one runs it (no gradient here), the
+    Python one declines; where taken the output is torch's own call's, or native's full path's, bitwise."""
     make, gqa = CASES[case]
     q, k, v = make()
+    monkeypatch.setattr(tuning, "crossovers", lambda dtype: tuning.NEVER)
+    monkeypatch.setattr(tuning, "resolved_ints", {})
+    plain = dispatch.plain_call(q, k, v, gqa)  # the conditions alone
+    monkeypatch.setattr(tuning, "crossovers", lambda dtype: crossover)
+    monkeypatch.setattr(tuning, "resolved_ints", {})
     in_python = dispatch.plain_call(q, k, v, gqa)
     out = dispatch.plain_sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
-    assert (out is not None) == in_python
-    if out is not None:
+    assert (out is not None) == (in_python if fast_path == "python" else plain)
+    if in_python:
         expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                     enable_gqa=gqa and k.shape[1] != q.shape[1])
         assert torch.equal(out, expected)
+    elif out is not None:  # measured faster: the kernel's own output
+        assert torch.equal(out, native.native_attention(q, k, v, mha.kernels.Contract(band=CAUSAL)))
 
 
 def test_the_native_fast_path_keeps_autograd_and_autocast_apart(monkeypatch, fast_path):

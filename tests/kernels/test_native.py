@@ -710,19 +710,33 @@ def test_the_kernel_refuses_shapes_it_cannot_read():
             native._extension(native.variant()).forward(q, k, v, native._Inputs(q, q, q, Contract()).terms(), False)
 
 
-def test_a_kv_cache_decoding_step_runs_on_native(caplog):
-    """KVCache paths reach the kernel through the dispatch: a decoding step over a long cache."""
+@pytest.mark.parametrize("learned", [False, True])
+def test_a_kv_cache_decoding_step_runs_on_native(caplog, monkeypatch, learned):
+    """KVCache paths reach the kernel through the dispatch: a decoding step over a long cache. Without
+    gradients the per-call fast path runs the kernel itself (its output native's, bitwise, on the
+    cache's keys as the step passed them); with them the full path (logged)."""
+    from mha.kernels import dispatch
     torch.manual_seed(0)
-    module = mha.GeneralAttention(64, 64, 64, 16, 16, 64, 4, num_kv_heads=2).eval()
+    module = mha.GeneralAttention(64, 64, 64, 16, 16, 64, 4, num_kv_heads=2).eval().requires_grad_(learned)
     cache = mha.KVCache(max_length=1100)
     prompt, step = torch.randn(1, 1050, 64), torch.randn(1, 1, 64)
-    with torch.no_grad():
-        module(prompt, prompt, prompt, is_causal=True, cache=cache)
+    fast = []
+    real = dispatch.plain_sdpa
+    monkeypatch.setattr(dispatch, "plain_sdpa", lambda *a, **kw: fast.append((a, kw, real(*a, **kw))) or fast[-1][2])
+    with torch.set_grad_enabled(learned):
+        with torch.no_grad():
+            module(prompt, prompt, prompt, is_causal=True, cache=cache)
+        fast.clear()
         with caplog.at_level("DEBUG", logger="mha.dispatch"):
             out = module(step, step, step, is_causal=True, cache=cache)
         everything = torch.cat([prompt, step], dim=1)
         expected = module(everything, everything, everything, is_causal=True, backend="math")[:, -1:]
-    assert caplog.messages == ["backend native: mha's compiled kernel is faster than torch's on this call (native_pays)"]
+    if learned:
+        assert caplog.messages == ["backend native: mha's compiled kernel is faster than torch's on this call (native_pays)"]
+    else:
+        [((q, k, v), options, got)] = fast
+        assert caplog.messages == [] and got is not None and not options["is_causal"]  # (one row sees every key)
+        assert torch.equal(got, native.native_attention(q, k, v, Contract(scale=options["scale"])))
     assert_close(out, expected, chain=True)
 
 

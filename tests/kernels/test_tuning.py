@@ -16,8 +16,16 @@ from mha.kernels import Contract, tuning
 
 pytestmark = pytest.mark.measured_dispatch
 # the timer's calls in one tune(): every point of the grid (prefill causal and not, decoding; two
-# dtypes) at every shape, in every round
-GRID_CALLS = tuning.ROUNDS * len(tuning.SHAPES) * 2 * (2 * len(tuning.PREFILL_LENGTHS) + len(tuning.DECODE_KEYS))
+# dtypes; native's full path and the fast path's call) at every shape, in every round
+GRID_CALLS = (tuning.ROUNDS * len(tuning.SHAPES) * 2 * len(tuning.PATHS)
+              * (2 * len(tuning.PREFILL_LENGTHS) + len(tuning.DECODE_KEYS)))
+SMALLEST_T, SMALLEST_S = min(tuning.PREFILL_LENGTHS), min(tuning.DECODE_KEYS)
+
+
+def both(prefill_work, decode_keys) -> dict:
+    """A table's crossovers where the full path and the fast path's call fare alike."""
+    return {"prefill_work": prefill_work, "decode_keys": decode_keys,
+            "plain_prefill_work": prefill_work, "plain_decode_keys": decode_keys}
 
 
 def fake_timer(native_faster):
@@ -44,13 +52,13 @@ def cache(tmp_path, monkeypatch):
 
 def test_the_crossover_is_where_native_wins_from_there_on(cache):
     table = tuning.tune(timer=fake_timer(lambda s: s["L"] >= 512 if s["L"] > 1 else s["S"] >= 4096))
-    assert table["crossovers"]["float32"] == {"prefill_work": 512 * 512, "decode_keys": 4096}
+    assert table["crossovers"]["float32"] == both(512 * 512, 4096)
 
 
 def test_a_win_followed_by_a_loss_is_not_a_crossover(cache):
     """Native faster at 256 but not at 512: only from 1024 on does it win everywhere measured."""
     table = tuning.tune(timer=fake_timer(lambda s: s["L"] in (256, 1024) or s["L"] == 1))
-    assert table["crossovers"]["bfloat16"] == {"prefill_work": 1024 * 1024, "decode_keys": 1024}
+    assert table["crossovers"]["bfloat16"] == both(1024 * 1024, SMALLEST_S)
 
 
 def test_native_never_winning_gives_none_and_auto_never_picks_it(cache):
@@ -64,11 +72,11 @@ def test_native_never_winning_gives_none_and_auto_never_picks_it(cache):
 
 
 def test_auto_follows_the_stored_table(cache):
-    tuning.tune(timer=fake_timer(lambda s: True))  # native wins everywhere measured: from 128 * 128
-    x = torch.randn(1, 2, 128, 64)
+    tuning.tune(timer=fake_timer(lambda s: s["L"] > 1))  # native wins every prefill measured: from the smallest T
+    x = torch.randn(1, 2, SMALLEST_T, 64)
     assert mha.kernels.choose_backend("auto", x, x, x, Contract()) == (
         "native", "mha's compiled kernel is faster than torch's on this call (native_pays)")
-    small = torch.randn(1, 2, 64, 64)  # below the smallest point measured: not known to win
+    small = torch.randn(1, 2, SMALLEST_T - 1, 64)  # below the smallest point measured: not known to win
     assert mha.kernels.choose_backend("auto", small, small, small, Contract())[0] == "sdpa"
 
 
@@ -79,8 +87,8 @@ def test_the_table_is_stored_under_this_machines_key_and_read_back(cache):
     assert list(stored) == [key] and stored[key]["crossovers"] == table["crossovers"]
     assert tuning.cpu()["model"] in key and f"torch {torch.__version__}" in key and f"mha {mha.__version__}" in key
     tuning.forget()
-    assert tuning.crossovers(torch.bfloat16) == tuning.Crossover(None, 1024)
-    assert tuning.crossovers(torch.float16) == tuning.Crossover(None, 1024)  # not measured: as bfloat16
+    assert tuning.crossovers(torch.bfloat16) == tuning.Crossover(None, SMALLEST_S, None, SMALLEST_S)
+    assert tuning.crossovers(torch.float16) == tuning.crossovers(torch.bfloat16)  # not measured: as bfloat16
 
 
 def test_another_machines_table_is_not_read(cache):
@@ -162,7 +170,8 @@ def test_mha_tune_measures_stores_and_shows(cache, monkeypatch, capsys):
         assert cli.main(["tune"]) == 2
         assert "cannot be built or loaded here" in capsys.readouterr().err
         return
-    monkeypatch.setattr(tuning, "best_of", fake_timer(lambda s: s["L"] == 1 or s["L"] >= 512))
+    monkeypatch.setattr(tuning, "best_of", fake_timer(
+        lambda s: s["L"] >= 512 or (s["L"] == 1 and s["S"] >= (1 if s["path"] == "plain" else 1024))))
     monkeypatch.setenv("COLUMNS", "400")  # rich wraps at 80 columns otherwise: a long temporary path splits the file's name
     assert cli.main(["tune", "--show"]) == 0
     assert "not measured on this machine yet" in capsys.readouterr().out
@@ -172,6 +181,7 @@ def test_mha_tune_measures_stores_and_shows(cache, monkeypatch, capsys):
     assert cli.main(["tune", "--show"]) == 0
     shown = capsys.readouterr().out
     assert "L, S >= 512" in shown and "0.50" in shown and "2.00" in shown and "tune.json" in shown
+    assert "plain decode" in shown and "S >= 1 " in shown  # the fast path's own rows and crossover
 
 
 def test_mha_verify_measures_once_and_says_what_auto_will_do(cache, monkeypatch):
@@ -180,10 +190,11 @@ def test_mha_verify_measures_once_and_says_what_auto_will_do(cache, monkeypatch)
     monkeypatch.setenv("MHA_TUNE", "off")
     assert verify.dispatch_status().startswith("dispatch: not measured (MHA_TUNE=off)")
     monkeypatch.setenv("MHA_TUNE", "auto")
-    timer = fake_timer(lambda s: s["L"] == 1)
+    timer = fake_timer(lambda s: s["L"] == 1 and s["S"] >= (64 if s["path"] == "plain" else 1024))
     monkeypatch.setattr(tuning, "best_of", timer)
     line = verify.dispatch_status()
-    assert "measured now" in line and "float32: prefill never, decoding S >= 1024" in line
+    assert "measured now" in line and "float32: prefill never, decoding S >= 1024 (plain calls without gradients: " \
+                                      "prefill never, decoding S >= 64)" in line
     assert "measured 20" in verify.dispatch_status() and len(timer.asked) == GRID_CALLS  # stored: not measured again
 
 
@@ -198,7 +209,7 @@ def test_native_counts_as_faster_only_within_the_margin(cache, ratio, wins):
     def timer(point, shape, native_call, torch_call):
         return (ratio, 1.0) if shape["L"] == 1 else (2.0, 1.0)  # decoding at this ratio, prefill never
     table = tuning.tune(timer=timer)
-    assert table["crossovers"]["float32"] == {"prefill_work": None, "decode_keys": 1024 if wins else None}
+    assert table["crossovers"]["float32"] == both(None, SMALLEST_S if wins else None)
 
 
 def test_native_must_win_causal_and_not(cache):
@@ -336,19 +347,20 @@ def test_the_key_and_the_table_are_per_thread_count(cache, monkeypatch):
     try:
         torch.set_num_threads(2)
         two = tuning.machine_key()
-        tuning.tune(timer=fake_timer(lambda s: True))  # stored under the 2-thread key: native from 128 * 128
-        assert tuning.crossovers(torch.float32) == tuning.Crossover(128 * 128, 1024)
+        tuning.tune(timer=fake_timer(lambda s: True))  # stored under the 2-thread key: native from the smallest point
+        everywhere = tuning.Crossover(**both(SMALLEST_T ** 2, SMALLEST_S))
+        assert tuning.crossovers(torch.float32) == everywhere
         torch.set_num_threads(1)
         one = tuning.machine_key()
         assert one != two and two.endswith("| 2 threads") and one.endswith("| 1 threads")
         assert list(json.loads(cache.read_text())) == [two]
         assert tuning.stored() is None and tuning.stored(two) is not None
         expected = tuning.KNOWN.get(tuning.cpu()["kind"], {}).get(torch.float32, tuning.NEVER)  # MHA_TUNE=off
-        assert tuning.crossovers(torch.float32) == expected != tuning.Crossover(128 * 128, 1024)
+        assert tuning.crossovers(torch.float32) == expected != everywhere
         tuning.forget()  # and read from the file afresh: the same
         assert tuning.stored() is None and tuning.crossovers(torch.float32) == expected
         torch.set_num_threads(2)
-        assert tuning.crossovers(torch.float32) == tuning.Crossover(128 * 128, 1024)
+        assert tuning.crossovers(torch.float32) == everywhere
     finally:
         torch.set_num_threads(threads)
 
@@ -376,7 +388,7 @@ def test_processes_starting_together_measure_once(tmp_path):
     outputs = [w.communicate(timeout=120)[0] for w in workers]
     assert all(w.returncode == 0 for w in workers)
     assert len(log.read_text().splitlines()) == GRID_CALLS
-    assert len(set(outputs)) == 1 and "prefill_work=16384" in outputs[0]
+    assert len(set(outputs)) == 1 and f"prefill_work={SMALLEST_T ** 2}" in outputs[0]
 
 
 def test_a_cache_folder_it_cannot_write_costs_the_measurement_not_the_call(tmp_path, monkeypatch, caplog):
@@ -465,7 +477,8 @@ def test_points_whose_rounds_disagree_are_listed_and_the_worst_round_decides(cac
     from mha import cli
 
     def timer(point, shape, native_call, torch_call):  # native wins decoding at S=4096 in the first round only
-        return (0.5, 1.0) if shape["L"] == 1 and shape["S"] == 4096 and shape["round"] == 0 else (2.0, 1.0)
+        return (0.5, 1.0) if shape["L"] == 1 and shape["S"] == 4096 and shape["round"] == 0 and shape["path"] == "full" \
+            else (2.0, 1.0)
     load_of(0.0, monkeypatch)
     table = tuning.tune(timer=timer)
     assert table["split"] == ["bfloat16 decode 4096", "float32 decode 4096"] and table["sure"] is True

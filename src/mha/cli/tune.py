@@ -71,10 +71,11 @@ def render(table: dict) -> Table:
         out.add_column(column)
     for dtype, ratios in table["ratios"].items():
         crossover = table["crossovers"][dtype]
-        for call, field in (("prefill L*S", "prefill_work"), ("decode S", "decode_keys")):
+        for call, field in tuning.RATIO_FIELDS:
             first = True
             for size, ratio in ratios[call].items():
-                out.add_row(dtype, call.split()[0], str(size), f"{ratio:.2f}", describe(field, crossover[field]) if first else "")
+                out.add_row(dtype, call.rsplit(" ", 1)[0], str(size), f"{ratio:.2f}",
+                            describe(field, crossover[field]) if first else "")
                 first = False
     return out
 
@@ -83,7 +84,7 @@ def describe(field: str, where: int | None) -> str:
     """A crossover in words: prefill_work T*T applies to calls with L and S both >= T."""
     if where is None:
         return "never"
-    return f"L, S >= {math.isqrt(where)}" if field == "prefill_work" else f"S >= {where}"
+    return f"L, S >= {math.isqrt(where)}" if field.endswith("prefill_work") else f"S >= {where}"
 
 
 def _defaults() -> str:

@@ -94,7 +94,9 @@ def dispatch_status() -> str:
         where = f"measured {table['measured']}"
     from .tune import describe
     found = "; ".join(f"{dtype}: prefill {describe('prefill_work', c['prefill_work'])}, decoding "
-                      f"{describe('decode_keys', c['decode_keys'])}" for dtype, c in table["crossovers"].items())
+                      f"{describe('decode_keys', c['decode_keys'])} (plain calls without gradients: prefill "
+                      f"{describe('prefill_work', c['plain_prefill_work'])}, decoding "
+                      f"{describe('decode_keys', c['plain_decode_keys'])})" for dtype, c in table["crossovers"].items())
     why = tuning.unsure_because(table)
     sure = "" if why is None else f" (not sure: {why}; measured again by a later process, up to {tuning.CHECKS} times)"
     return f"dispatch ({where}; mha tune --show): auto picks native for {found}{sure}"

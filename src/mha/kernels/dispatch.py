@@ -174,20 +174,22 @@ def plain_attention(q, k, v, *, band, offset: int = 0, scale=None) -> Tensor | N
 
 
 def plain_sdpa(q, k, v, *, is_causal: bool, enable_gqa: bool, scale: float | None = None) -> Tensor | None:
-    """The per-call fast path: torch's fused kernel on a plain call (:func:`plain_call`), its output;
-    None when the call needs the full path. The caller has checked that no other option is set
-    (a contract of causality at most, no dropout, no weights, backend "auto"). On CPU, once the
-    native kernel is loaded, its plain_sdpa checks the shapes and calls torch in one step (a short
-    call's checks read in Python cost as much as its attention). torch.compile, a torch function
-    mode (which must see torch's call) and CUDA take plain_call."""
+    """The per-call fast path: the output of a plain call (:func:`plain_call`'s conditions); None when
+    the call needs the full path. The caller has checked that no other option is set (a contract of
+    causality at most, no dropout, no weights, backend "auto"). On CPU, once the native kernel is
+    loaded, its plain_sdpa checks the shapes and runs the call in one step (a short call's checks
+    read in Python cost as much as its attention): on the native kernel itself where that call was
+    measured faster and no gradient is needed (the ``plain_`` crossovers: the full path's Python costs
+    tens of microseconds), else on torch's kernel, or None where the full path's native is measured
+    faster for a call that needs a gradient. torch.compile, a torch function mode (which must see
+    torch's call) and CUDA take plain_call."""
     if (not torch.compiler.is_compiling() and (kernel := native.loaded or native.load_if_built()) is not None
             and q.__class__ is k.__class__ is v.__class__ is Tensor and not OBSERVERS
             and forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
             and not torch._C._is_torch_function_mode_enabled()  # (a mode sees torch's Python call: plain_call's)
             and (dtype := q.dtype) in _FLOATS):
-        decode_keys, prefill_work = (tuning.resolved_ints.get((torch.get_num_threads(), dtype))
-                                     or tuning.crossover_ints(dtype))
-        out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, decode_keys, prefill_work, scale)
+        direct, full = tuning.resolved_ints.get((torch.get_num_threads(), dtype)) or tuning.crossover_ints(dtype)
+        out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, direct, full, scale)
         if out is not None or q.is_cpu:  # (it takes CPU tensors only: CUDA's are plain_call's)
             return out
     if not plain_call(q, k, v, enable_gqa):

@@ -11,6 +11,13 @@ stores, per dtype, the crossovers:
     decode_keys   the least S from which native is faster on a decoding step (<= 16 query rows per
                   key/value head), or None
 
+each twice: native called through the full path (mha.kernels.native: its checks and autograd
+function in Python, tens of microseconds a call), which runs a call with terms of its own or one that
+needs a gradient, and called by the per-call fast path itself (``plain_prefill_work``,
+``plain_decode_keys``: dispatch.plain_sdpa on a plain call that needs no gradient, where a short
+call's native time is the kernel's, measured faster than torch's on a decoding step of one key on 2
+Zen 3 cores where the full path was 4x slower).
+
 A point counts for native only if native takes at most MARGIN of torch's time in every one of
 ROUNDS interleaved rounds over the grid, at both shapes, timed both in back-to-back loops and as
 single calls alternated with other work (as a model calls attention between its other layers);
@@ -63,8 +70,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # second shape whose work splits differently among the threads (native must win at both)
 SHAPES = ((1, 8, 2), (2, 4, 1))
 HEAD_DIM = 64
-PREFILL_LENGTHS = (128, 256, 512, 1024)  # L = S, non-causal and causal (the worse of the two counts)
-DECODE_KEYS = (1024, 4096, 16384)  # L = 1
+PREFILL_LENGTHS = (16, 128, 256, 512, 1024)  # L = S, non-causal and causal (the worse of the two counts)
+DECODE_KEYS = (1, 64, 1024, 4096, 16384)  # L = 1
+PATHS = ("full", "plain")  # each point's native call: through the full path, and as the per-call fast path calls it
 MARGIN = 0.95  # native must take at most this fraction of torch's time to count as faster (timing noise: a few %)
 ROUNDS = 3  # interleaved rounds over the whole grid: native must win the point in every one
 LOAD_LIMIT = 0.10  # other processes took more than this share of the machine's CPU time while it measured: under load
@@ -74,15 +82,21 @@ CHECKS = 3  # measurements a table that is not sure gets in all: the first, then
 
 @dataclass(frozen=True)
 class Crossover:
-    """Where native starts to win, for one dtype (None: it did not win at the largest measured point)."""
+    """Where native starts to win, for one dtype (None: it did not win at the largest measured point):
+    through the full path (mha.kernels.native's autograd function: a call with terms, or one that
+    needs a gradient), and called directly by the per-call fast path (``plain_``: a plain call that
+    needs none, dispatch.plain_sdpa; None where not measured: never)."""
     prefill_work: int | None
     decode_keys: int | None
+    plain_prefill_work: int | None = None
+    plain_decode_keys: int | None = None
 
 
 # Measured by `mha bench --sections native` on the CPU the kernel was first tuned on (AMD EPYC,
 # AVX-512 + AVX512-BF16, no AMX, 2 threads); used there until this machine has its own table.
-KNOWN = {"avx512_bf16": {torch.float32: Crossover(512 * 512, 1024), torch.bfloat16: Crossover(128 * 128, 1024),
-                         torch.float16: Crossover(256 * 256, 1024)}}
+KNOWN = {"avx512_bf16": {torch.float32: Crossover(512 * 512, 1024, 512 * 512, 1024),
+                         torch.bfloat16: Crossover(128 * 128, 1024, 128 * 128, 1024),
+                         torch.float16: Crossover(256 * 256, 1024, 256 * 256, 1024)}}
 NEVER = Crossover(None, None)
 
 
@@ -141,9 +155,9 @@ def cache_path() -> Path:
 
 _tables: dict[str, dict | None] = {}  # machine key -> stored table (None: looked, none there)
 _resolved: dict[tuple[int, torch.dtype], Crossover] = {}  # (threads, dtype) -> what auto uses: the per-call lookup
-# the same as (decode_keys, prefill_work), -1 for never: what the native fast path takes (dispatch.plain_sdpa reads
-# it directly, then asks crossover_ints on a miss)
-resolved_ints: dict[tuple[int, torch.dtype], tuple[int, int]] = {}
+# the same as ((plain_decode_keys, plain_prefill_work), (decode_keys, prefill_work)), -1 for never: what the native
+# fast path takes (dispatch.plain_sdpa reads it directly, then asks crossover_ints on a miss)
+resolved_ints: dict[tuple[int, torch.dtype], tuple[tuple[int, int], tuple[int, int]]] = {}
 _tried: set[str] = set()  # machine keys measured at first use in this process (tried once, even if it failed)
 _first_use_lock = threading.Lock()
 
@@ -163,12 +177,12 @@ def stored(key: str | None = None) -> dict | None:
 
 
 def _well_formed(table) -> bool:
-    """Whether a stored table has the form tune() writes: {"crossovers": {dtype name: {"prefill_work":
-    int | None, "decode_keys": int | None}}, ...} (a file edited by hand must not break a call)."""
+    """Whether a stored table has the form tune() writes: {"crossovers": {dtype name: {each field of
+    Crossover: int | None}}, ...} (a file edited by hand must not break a call)."""
     if not isinstance(table, dict) or not isinstance(table.get("crossovers"), dict):
         return False
     for name, found in table["crossovers"].items():
-        if name not in DTYPES or not isinstance(found, dict) or set(found) != {"prefill_work", "decode_keys"}:
+        if name not in DTYPES or not isinstance(found, dict) or set(found) != set(Crossover.__dataclass_fields__):
             return False
         if not all(value is None or (type(value) is int and value >= 0) for value in found.values()):
             return False
@@ -186,11 +200,13 @@ def crossovers(dtype: torch.dtype) -> Crossover:
     return found
 
 
-def crossover_ints(dtype: torch.dtype) -> tuple[int, int]:
-    """crossovers(dtype) as (decode_keys, prefill_work), -1 for never; kept in resolved_ints."""
+def crossover_ints(dtype: torch.dtype) -> tuple[tuple[int, int], tuple[int, int]]:
+    """crossovers(dtype) as ((plain_decode_keys, plain_prefill_work), (decode_keys, prefill_work)), -1 for
+    never; kept in resolved_ints."""
     found = crossovers(dtype)
-    ints = resolved_ints[torch.get_num_threads(), dtype] = tuple(-1 if x is None else x
-                                                                for x in (found.decode_keys, found.prefill_work))
+    ints = tuple(tuple(-1 if x is None else x for x in pair) for pair in (
+        (found.plain_decode_keys, found.plain_prefill_work), (found.decode_keys, found.prefill_work)))
+    resolved_ints[torch.get_num_threads(), dtype] = ints
     return ints
 
 
@@ -337,8 +353,8 @@ def tune(*, timer: Timer | None = None, store: bool = True, checks: int = 1) -> 
     and lost others: noise near the margin, which the worst round settles (for torch); shown, not
     measured again (a quiet machine splits there too)."""
     timer = timer or best_of
-    worst: dict[tuple[str, str, int], float] = {}
-    won: dict[tuple[str, str, int], set[bool]] = {}
+    worst: dict[tuple[str, str, str, int], float] = {}
+    won: dict[tuple[str, str, str, int], set[bool]] = {}
     before = _cpu_times()
     # run at first use inside a caller's call: none of its context (autocast, grad) may reach the timings
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
@@ -346,17 +362,19 @@ def tune(*, timer: Timer | None = None, store: bool = True, checks: int = 1) -> 
             for point, shape, native_call, torch_call in _grid(round_):
                 native_s, torch_s = timer(point, shape, native_call, torch_call)
                 call, size = ("decode S", shape["S"]) if shape["L"] == 1 else ("prefill L*S", shape["L"] * shape["S"])
-                key = (shape["dtype"], call, size)
+                key = (shape["dtype"], shape["path"], call, size)
                 worst[key] = max(worst.get(key, 0.0), native_s / torch_s)
                 won.setdefault(key, set()).add(native_s / torch_s <= MARGIN)
     load = _others_share(before, _cpu_times())
-    split = [f"{dtype} {call.split()[0]} {size}" for (dtype, call, size), sides in sorted(won.items()) if len(sides) > 1]
+    split = [f"{dtype} {_named(path, call.split()[0])} {size}"
+             for (dtype, path, call, size), sides in sorted(won.items()) if len(sides) > 1]
     found, ratios = {}, {}
     for name in DTYPES:
-        ratios[name] = {call: {size: r for (d, c, size), r in sorted(worst.items()) if d == name and c == call}
-                        for call in ("prefill L*S", "decode S")}
-        found[name] = asdict(Crossover(_from_where_it_wins(list(ratios[name]["prefill L*S"].items())),
-                                       _from_where_it_wins(list(ratios[name]["decode S"].items()))))
+        ratios[name] = {_named(path, call): {size: r for (d, p, c, size), r in sorted(worst.items())
+                                             if d == name and p == path and c == call}
+                        for path in PATHS for call in ("prefill L*S", "decode S")}
+        wins = {field: _from_where_it_wins(list(ratios[name][call].items())) for call, field in RATIO_FIELDS}
+        found[name] = asdict(Crossover(**wins))
     table = {"crossovers": found, "ratios": ratios, "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
              "cpu": cpu(), "threads": torch.get_num_threads(), "rounds": ROUNDS,
              "shapes": [list(shape) for shape in SHAPES],
@@ -365,6 +383,16 @@ def tune(*, timer: Timer | None = None, store: bool = True, checks: int = 1) -> 
     if store:
         _write(machine_key(), table)
     return table
+
+
+# the ratios' names in a table, each with the Crossover field it decides
+RATIO_FIELDS = (("prefill L*S", "prefill_work"), ("decode S", "decode_keys"),
+                ("plain prefill L*S", "plain_prefill_work"), ("plain decode S", "plain_decode_keys"))
+
+
+def _named(path: str, call: str) -> str:
+    """A ratio's name in a table: the call ("prefill L*S", "decode S"), "plain " before it for the fast path's."""
+    return call if path == "full" else f"plain {call}"
 
 
 def _cpu_times() -> tuple[float, float, float] | None:
@@ -399,10 +427,20 @@ _POOL = max([3 * B * H * T * HEAD_DIM for B, H, _ in SHAPES for T in PREFILL_LEN
 def _grid(round_: int):
     """(point, shape, native call, torch call) of every point of one round: each dtype, each
     (batch, heads, kv heads) of SHAPES, the prefill lengths causal and not (native must win both),
-    the decoding steps. Each point's q, k and v are consecutive views of one draw per dtype and round
-    (a draw per tensor took 0.8 s of a tune on 2 Zen 3 cores, whatever the timer)."""
+    the decoding steps; each with native's call through the full path (shape["path"] "full") and as
+    the per-call fast path makes it (``"plain"``: the native kernel's plain_sdpa told that native is
+    faster, as auto calls it on a plain call that needs no gradient). Each point's q, k and v are
+    consecutive views of one draw per dtype and round (a draw per tensor took 0.8 s of a tune on 2
+    Zen 3 cores, whatever the timer)."""
     from .contract import NONE, TOP_LEFT_CAUSAL
-    from .native import native_attention
+    from .native import _kernel, native_attention
+
+    def calls(point, where, q, k, v, contract, causal=False):
+        torch_call = functools.partial(_torch, q, k, v, causal)
+        yield point, dict(where, path="full"), functools.partial(native_attention, q, k, v, contract), torch_call
+        yield (f"{point} plain", dict(where, path="plain"),
+               functools.partial(_kernel().plain_sdpa, q, k, v, causal, True, 0, _ALWAYS, _ALWAYS, None),
+               torch_call)
 
     generator = torch.Generator().manual_seed(round_)  # the caller's random stream is left as it was
     for name, dtype in DTYPES.items():
@@ -412,13 +450,14 @@ def _grid(round_: int):
             for T in PREFILL_LENGTHS:
                 q, k, v = _views(pool, *[(B, H, T, HEAD_DIM)] * 3)
                 for causal, contract in ((False, NONE), (True, TOP_LEFT_CAUSAL)):
-                    yield (f"{name} B{B} H{H} prefill T={T}{' causal' if causal else ''}",
-                           dict(where, L=T, S=T, causal=causal),
-                           functools.partial(native_attention, q, k, v, contract), functools.partial(_torch, q, k, v, causal))
+                    yield from calls(f"{name} B{B} H{H} prefill T={T}{' causal' if causal else ''}",
+                                     dict(where, L=T, S=T, causal=causal), q, k, v, contract, causal)
             for S in DECODE_KEYS:
                 q, k, v = _views(pool, (B, H, 1, HEAD_DIM), *[(B, Hkv, S, HEAD_DIM)] * 2)
-                yield (f"{name} B{B} H{H}/{Hkv} decode S={S}", dict(where, L=1, S=S),
-                       functools.partial(native_attention, q, k, v, NONE), functools.partial(_torch, q, k, v))
+                yield from calls(f"{name} B{B} H{H}/{Hkv} decode S={S}", dict(where, L=1, S=S), q, k, v, NONE)
+
+
+_ALWAYS = (0, 0)  # crossovers (decode keys, prefill work) that give the native kernel every call
 
 
 def _views(pool: torch.Tensor, *sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:

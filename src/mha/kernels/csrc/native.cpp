@@ -39,6 +39,7 @@
 // The headers are the few this file uses, not <torch/extension.h> (all of torch's C++ API and its
 // Python bindings): parsing that took half of every build (35 s of ~72 on a Zen 3 core).
 #include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -2149,18 +2150,42 @@ std::vector<Tensor> key_intervals(const TermArgs& terms, int64_t L, int64_t S) {
 
 // ---- the per-call fast path (mha.kernels.dispatch.plain_sdpa) -----------------------------------
 
-// A plain call's checks and torch's own SDPA call in one step from Python: where Python read each
+// A plain call's checks and its kernel's call in one step from Python: where Python read each
 // shape, dtype and stride through a call into torch (~0.1-0.4 us each, and more with caches cold
 // after a kernel), a short call paid more for them than for its attention. The conditions are
 // dispatch.plain_call's (it states them; tests hold the two to the same answers), on CPU tensors:
 // one floating dtype, 4-D, nothing empty, one batch, Hkv = H (or dividing it with enable_gqa),
-// D = Dk = Dv, contiguous rows, no autocast, and a call the measured crossovers (decode_keys,
-// prefill_work: -1 for never) do not give to native. The caller has checked what only Python can
-// (the tensors' class, observers, forward AD, torch.func, torch.compile). Returns torch's output
-// (at::scaled_dot_product_attention, run without the GIL as torch's own binding runs it, with the
-// caller's scale: None for torch's 1 / sqrt(D)), or None where the call takes the full path.
+// D = Dk = Dv, contiguous rows, no autocast. The caller has checked what only Python can (the
+// tensors' class, observers, forward AD, torch.func, torch.compile). Then the measured crossovers
+// (-1 for never) pick the kernel: a call that needs no gradient by ``direct`` (where this kernel,
+// called from here, was measured faster: its output, plain_native), one that does by ``full`` (where
+// the full path, mha.kernels.native's autograd function, was: None, the caller takes the full path).
+// Otherwise torch's output (at::scaled_dot_product_attention, run without the GIL as torch's own
+// binding runs it, with the caller's scale: None for torch's 1 / sqrt(D)). None where the call
+// takes the full path.
+struct Crossovers {
+  int64_t decode_keys, prefill_work;  // a step of at most decode_rows rows per kv head from S keys; L, S >= sqrt(work)
+  bool native_faster(int64_t rows, int64_t decode_rows, int64_t L, int64_t S) const {
+    if (rows <= decode_rows && decode_keys >= 0 && S >= decode_keys) return true;
+    return prefill_work >= 0 && std::min(L, S) * std::min(L, S) >= prefill_work;
+  }
+};
+
+// The native kernel's output for a plain call: the scale (None: 1 / sqrt(D), as Contract.scale_for),
+// top-left causality at most, GQA as the heads divide; no log-sum-exp kept.
+Tensor plain_native(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal, std::optional<double> scale) {
+  TermArgs terms;
+  terms.scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  if (is_causal) {
+    terms.has_band = true;
+    terms.right = 0;
+  }
+  return forward(q.contiguous(), k, v, terms, /*for_backward=*/false)[0];
+}
+
 pybind11::object plain_sdpa(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal, bool enable_gqa,
-                            int64_t decode_rows, int64_t decode_keys, int64_t prefill_work, std::optional<double> scale) {
+                            int64_t decode_rows, std::pair<int64_t, int64_t> direct, std::pair<int64_t, int64_t> full,
+                            std::optional<double> scale) {
   const auto none = pybind11::none();
   if (q.is_nested() || k.is_nested() || v.is_nested() || q.layout() != at::kStrided || k.layout() != at::kStrided ||
       v.layout() != at::kStrided || !q.device().is_cpu() || !k.device().is_cpu() || !v.device().is_cpu())
@@ -2176,13 +2201,15 @@ pybind11::object plain_sdpa(const Tensor& q, const Tensor& k, const Tensor& v, b
     return none;
   if (q.stride(3) != 1 || k.stride(3) != 1 || v.stride(3) != 1 || at::autocast::is_autocast_enabled(at::kCPU))
     return none;
-  const int64_t rows = L * (H / Hkv);
-  if (rows <= decode_rows && decode_keys >= 0 && S >= decode_keys) return none;  // native measured faster
-  if (prefill_work >= 0 && std::min(L, S) * std::min(L, S) >= prefill_work) return none;
+  const bool gradient = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  const Crossovers measured = gradient ? Crossovers{full.first, full.second} : Crossovers{direct.first, direct.second};
+  const bool native = measured.native_faster(L * (H / Hkv), decode_rows, L, S);
+  if (native && gradient) return none;  // the full path: native's autograd function
   Tensor out;
   {
     pybind11::gil_scoped_release no_gil;
-    out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, is_causal, scale, enable_gqa && Hkv != H);
+    out = native ? plain_native(q, k, v, is_causal, scale)
+                 : at::scaled_dot_product_attention(q, k, v, {}, 0.0, is_causal, scale, enable_gqa && Hkv != H);
   }
   return pybind11::cast(out);
 }
@@ -2331,7 +2358,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &mha_native::quantize_rows, "x (..., X) floating -> (..., X + 4) int8 rows, each then its float32 scale");
   m.def("build_info", &mha_native::build_info, "the instruction set this build was compiled for");
   m.def("plain_sdpa", &mha_native::plain_sdpa,
-        "the per-call fast path: torch's SDPA output for a plain call, or None (mha.kernels.dispatch.plain_sdpa)");
+        "the per-call fast path: a plain call's output, native's or torch's SDPA's, or None (mha.kernels.dispatch.plain_sdpa)");
   m.def("fma_peak_work", &mha_native::fma_peak_work, "floating-point operations of independent FMA chains on every thread (timed by the caller)");
   m.def("bf16_dot_peak_work", &mha_native::bf16_dot_peak_work, "the same with bfloat16 dot products (-1 without them)");
 }

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers.backends import ALL, TILED, TILED_REASON
+from helpers.backends import ALL, NATIVE, TILED, TILED_REASON
 from helpers.exact import raises_exactly
 from helpers.tolerance import assert_close, assert_within_torch_error
 from mha import kernels, positions
@@ -279,7 +279,8 @@ DISPATCH = [  # (contract, need_weights, dropout_p, backend auto picks)
     (Contract(sinks=torch.zeros(2)), False, 0.0, TILED),
     (Contract(band=Band(None, 0), positions=(torch.zeros(1, 64, dtype=torch.long),) * 2), False, 0.0, TILED),
     (Contract(), False, 0.1, "flash"),  # torch's CPU kernel builds the (B, H, L, S) weights for dropout
-    (Contract(band=Band(3, 0)), True, 0.0, "math"),
+    (Contract(band=Band(3, 0)), True, 0.0, "native" if NATIVE else "math"),  # weights, nothing to differentiate
+    (Contract(band=Band(3, 0)), True, 0.1, "math"),  # weights after dropout
 ]
 
 
@@ -467,7 +468,8 @@ DECISIONS = {  # name: (q, k, v, contract, options, (backend, reason))
                                                         "of different batch or head counts): 1,024 elements, more "
                                                         "than q, k and v hold (576)"))),
     "weights": (*_QKV, Contract(), dict(need_weights=True),
-                ("math", "attention weights requested: only the math backend returns them")),
+                ("native", "attention weights requested, nothing to differentiate: native computes them") if NATIVE
+                else ("math", "attention weights requested: the math backend returns them")),
 }
 
 
@@ -499,7 +501,8 @@ def test_dispatch_refusals_are_exact():
 
     assert kernels.choose_backend("auto", *_QKV, None) == kernels.choose_backend("auto", *_QKV, Contract())  # None: no term
     assert kernels.choose_lse_backend("auto", *_QKV) == kernels.choose_lse_backend("auto", *_QKV, Contract())
-    with refused("flash", "does not return attention weights; use backend='math' or need_weights=False"):
+    with refused("flash", "does not return attention weights; use backend='math' (or 'native', without gradients "
+                          "or dropout) or need_weights=False"):
         kernels.choose_backend("flash", *_QKV, Contract(), need_weights=True)
     with refused("sdpa", "cannot run this call: torch's kernel does not take softcap"):
         kernels.choose_backend("sdpa", *_QKV, Contract(softcap=1.0))
@@ -831,8 +834,8 @@ def test_a_new_contract_field_is_refused_by_every_backend_until_one_declares_it(
             kernels.attention(q, q, q, novel, backend=name)
     with pytest.raises(ValueError, match="no backend can run this call: math, the last resort, does not take novel"):
         kernels.attention(q, q, q, novel)
-    with pytest.raises(ValueError, match="the attention weights of this call cannot be computed: math, the one "
-                                         "backend that returns them, does not take novel"):
+    with pytest.raises(ValueError, match="the attention weights of this call cannot be computed: math, which returns "
+                                         "them, does not take novel"):
         kernels.attention(q, q, q, novel, need_weights=True)
     with pytest.raises(ValueError, match="does not take novel"):
         kernels.attention_with_lse(q, q, q, novel)

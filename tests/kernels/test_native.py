@@ -843,3 +843,112 @@ def test_a_nan_score_makes_its_row_nan_wherever_it_lies(L, at):
         out, row_max, _ = kernel.forward(q, k, v, native._terms(contract, 8, torch.float32), False)
         assert torch.isnan(row_max).all() and torch.isnan(out).all(), contract
 
+
+
+# -- the weights (need_weights): native_attention_weights against the math backend ------------------
+
+def _weights_contracts(B, H, L, S):
+    g = torch.Generator().manual_seed(L * 1000 + S)
+    valid = torch.rand(B, S, generator=g) > 0.3
+    return {
+        "none": Contract(),
+        "causal": Contract(band=CAUSAL),
+        "window bottom-right": Contract(band=Band(3, 0), offset=S - L),
+        "key padding": Contract(key_valid=valid),
+        "bool mask": Contract(mask=torch.rand(L, S, generator=g) > 0.4, band=CAUSAL),
+        "float mask": Contract(mask=torch.randn(B, 1, L, S, generator=g)),
+        "alibi": Contract(alibi_slopes=torch.rand(H, generator=g), band=CAUSAL, offset=S - L),
+        "softcap": Contract(softcap=2.0, scale=1.5),
+        "sinks": Contract(sinks=torch.randn(H, generator=g), band=Band(2, 0)),
+        "logit scale": Contract(logit_scale=torch.rand(H, generator=g) + 0.5),
+        "positions": Contract(band=CAUSAL, positions=(torch.arange(L)[None] * 2, torch.arange(S)[None] * 2)),
+    }
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
+@pytest.mark.parametrize("B, H, Hkv, L, S, D", [(1, 2, 2, 1, 1, 8), (2, 4, 2, 5, 7, 16), (1, 8, 2, 9, 33, 16),
+                                               (1, 2, 1, 20, 257, 8), (2, 3, 3, 17, 17, 5)])
+@pytest.mark.parametrize("term", list(_weights_contracts(1, 1, 1, 1)))
+def test_the_weights_match_the_math_backends(B, H, Hkv, L, S, D, term):
+    """Every term native takes, GQA, more rows than a block (16) per key/value head, a tile's edge
+    (257 keys), odd head dims: output and weights within twice the math backend's float32 error
+    against its float64 run (sharpened scores: the weights are far from uniform)."""
+    torch.manual_seed(B * 100 + L)
+    q, k, v = (3 * torch.randn(B, n, T, D, dtype=torch.float64) for n, T in ((H, L), (Hkv, S), (Hkv, S)))
+    contract = _weights_contracts(B, H, L, S)[term]
+    kv = [x.repeat_interleave(H // Hkv, dim=1) for x in (k, v)]
+    want_out, want_w = mha.kernels.math_attention(q, *kv, contract.replace(
+        **{name: getattr(contract, name).double() for name in ("alibi_slopes", "sinks", "logit_scale")
+           if getattr(contract, name) is not None}))
+    out, weights = native.native_attention_weights(q.float(), k.float(), v.float(), contract)
+    math_out, math_w = mha.kernels.math_attention(q.float(), *(x.float() for x in kv), contract)
+    assert out.dtype == weights.dtype == torch.float32 and weights.shape == (B, H, L, S)
+    assert_within_torch_error(weights, math_w, want_w, err_msg="weights")
+    assert_within_torch_error(out, math_out, want_out, err_msg="output")
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_weights_within_twice_the_math_backends_error(dtype):
+    torch.manual_seed(1)
+    q, k, v = (2 * torch.randn(2, 4, T, 16, dtype=torch.float64) for T in (6, 40, 40))
+    want_out, want_w = mha.kernels.math_attention(q, k, v, Contract(band=CAUSAL))
+    low = [x.to(dtype) for x in (q, k, v)]
+    out, weights = native.native_attention_weights(*low, Contract(band=CAUSAL))
+    math_out, math_w = mha.kernels.math_attention(*low, Contract(band=CAUSAL))
+    assert out.dtype == weights.dtype == dtype
+    assert_within_torch_error(weights, math_w, want_w, err_msg="weights")
+    assert_within_torch_error(out, math_out, want_out, err_msg="output")
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
+def test_weights_of_rows_that_see_nothing_are_zeros_and_nan_stays_in_its_row():
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    hidden = Contract(key_valid=torch.tensor([[False] * 6]))  # every key hidden
+    out, weights = native.native_attention_weights(q, k, v, hidden)
+    assert not out.any() and not weights.any()
+    with_sinks = hidden.replace(sinks=torch.zeros(2))
+    out, weights = native.native_attention_weights(q, k, v, with_sinks)
+    assert not out.any() and not weights.any()
+    k[0, 1, 2, 3] = float("nan")
+    out, weights = native.native_attention_weights(q, k, v, Contract(band=CAUSAL))
+    want_out, want_w = mha.kernels.math_attention(q, k, v, Contract(band=CAUSAL))
+    assert torch.equal(weights.isnan(), want_w.isnan()) and torch.equal(out.isnan(), want_out.isnan())
+    assert weights[0, 1, 2:].isnan().all() and not weights[0, 1, :2].isnan().any() and not weights[0, 0].isnan().any()
+    empty_out, empty_w = native.native_attention_weights(q, k[:, :, :0], v[:, :, :0])
+    assert empty_w.shape == (1, 2, 4, 0) and not empty_out.any()
+    strided = torch.randn(1, 2, 8, 16)[..., ::2]  # every other column
+    assert_close(native.native_attention_weights(strided, strided, strided)[1],
+                 mha.kernels.math_attention(strided, strided, strided)[0 + 1])
+
+
+def test_auto_returns_native_weights_only_where_nothing_is_differentiated():
+    """dispatch.weights_refusal: a gradient, dropout, float64 or a term native does not take keep the
+    weights on math (the reference); without them native returns them (auto and when named)."""
+    q = torch.randn(1, 2, 5, 8)
+    plain = Contract(band=CAUSAL)
+    assert mha.kernels.choose_backend("auto", q, q, q, plain, need_weights=True)[0] == ("native" if NATIVE else "math")
+    learned = q.clone().requires_grad_()
+    assert mha.kernels.choose_backend("auto", learned, q, q, plain, need_weights=True)[0] == "math"
+    with torch.no_grad():
+        assert mha.kernels.choose_backend("auto", learned, q, q, plain, need_weights=True)[0] == (
+            "native" if NATIVE else "math")
+    assert mha.kernels.choose_backend("auto", q, q, q, plain, need_weights=True, dropout_p=0.1)[0] == "math"
+    assert mha.kernels.choose_backend("auto", q.double(), q.double(), q.double(), plain, need_weights=True)[0] == "math"
+    mod = Contract(score_mod=lambda s, b, h, i, j: s)
+    assert mha.kernels.choose_backend("auto", q, q, q, mod, need_weights=True)[0] == "math"
+    with pytest.raises(ValueError, match="backend='native' cannot return this call's weights: a gradient"):
+        mha.kernels.choose_backend("native", learned, q, q, plain, need_weights=True)
+    with pytest.raises(ValueError, match="backend='native' cannot return this call's weights: dropout"):
+        mha.kernels.choose_backend("native", q, q, q, plain, need_weights=True, dropout_p=0.1)
+    if NATIVE:  # the drop-in's default call (need_weights=True) under no_grad: native's weights, torch's values
+        torch.manual_seed(0)
+        ref = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+        ours = mha.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+        ours.load_state_dict(ref.state_dict())
+        x = torch.randn(2, 5, 16)
+        with torch.no_grad():
+            for kwargs in ({}, {"key_padding_mask": torch.tensor([[False] * 4 + [True], [False] * 5])},
+                           {"average_attn_weights": False}):
+                got, want = ours(x, x, x, **kwargs), ref(x, x, x, **kwargs)
+                assert_close(got[0], want[0]) and assert_close(got[1], want[1])

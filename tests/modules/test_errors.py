@@ -323,8 +323,8 @@ FUNCTIONAL_CALLS = {
     "dropout": (dict(dropout_p=-0.1), ValueError, "dropout_p must be in [0, 1], got -0.1"),
     "num_heads zero": (dict(num_heads=0), ValueError, "num_heads must be greater than 0, got 0"),
     "need weights on sdpa": (dict(backend="sdpa"), ValueError,
-                             "backend='sdpa' does not return attention weights; use backend='math' or "
-                             "need_weights=False"),
+                             "backend='sdpa' does not return attention weights; use backend='math' (or 'native', "
+                             "without gradients or dropout) or need_weights=False"),
 }
 
 

@@ -58,3 +58,14 @@ def forward_mode(*tensors: Tensor | None) -> bool:
     if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
         return True
     return transforms_active() and any(i.key() == TransformType.Jvp for i in get_interpreter_stack() or ())
+
+
+def differentiates(*tensors: Tensor | None) -> bool:
+    """Whether anything differentiates through these tensors: an autograd graph (grad mode on and one
+    of them requires grad), a forward-mode tangent, or a torch.func transform running. Where nothing
+    does, a kernel may work in place and return results no autograd graph records."""
+    if transforms_active():
+        return True
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return True
+    return forward_mode(*tensors)

@@ -1,4 +1,5 @@
-"""The explicit kernel: scores, softmax, weights @ V. The one backend that returns the weights.
+"""The explicit kernel: scores, softmax, weights @ V. The reference, and the backend that returns the
+weights wherever native does not (a gradient, dropout, float64, off the CPU: dispatch.weights_refusal).
 
 It honours the whole contract (mha.kernels.Contract) by building the (B, H, L, S) scores, which
 it must hold anyway to return the weights. Shapes: q (..., L, D), k (..., S, D), v (..., S, Dv).
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import masks, positions
-from ._context import autocast_enabled, autocast_inputs, forward_mode, may_branch_on_values, transforms_active
+from ._context import autocast_enabled, autocast_inputs, differentiates, may_branch_on_values
 from ._shapes import matched_kv_heads
 from .contract import Contract, resolve, undeclared
 
@@ -59,16 +60,6 @@ def _softmax_with_sinks(scores: Tensor, sinks: Tensor) -> Tensor:
     return torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
 
 
-def _may_overwrite(*tensors: Tensor | None) -> bool:
-    """True when nothing differentiates through these tensors: no autograd graph, no forward-mode
-    tangent, no torch.func transform (vmap, jvp, grad) active. Only then may we work in place."""
-    if transforms_active():
-        return False
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return False
-    return not forward_mode(*tensors)
-
-
 def math_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None, *,
                    dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
     """Returns (output (..., L, Dv), weights (..., L, S)); weights are taken after dropout.
@@ -94,7 +85,7 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: 
 def _math(q: Tensor, k: Tensor, v: Tensor, contract: Contract, dropout_p: float) -> tuple[Tensor, Tensor]:
     L, S, out_dtype = q.shape[-2], k.shape[-2], q.dtype
     work = masks.additive_dtype(out_dtype)  # float32 for float16/bfloat16
-    inference = _may_overwrite(q, k, v, contract.mask, *contract.learned) and not (
+    inference = not differentiates(q, k, v, contract.mask, *contract.learned) and not (
         contract.score_mod is not None and torch.is_grad_enabled())  # (a score_mod may close over a learned table)
     if out_dtype != work:
         q, k, v = q.to(work), k.to(work), v.to(work)

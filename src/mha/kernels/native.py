@@ -41,8 +41,8 @@ from ._context import autocast_inputs, autograd_function_refusal
 from ._shapes import leads, matched_kv_heads, unflat
 from .contract import Contract, resolve, undeclared
 
-__all__ = ["TAKES", "native_attention", "native_attention_with_lse", "native_available", "paged_attention_native", "ready",
-           "sanitized", "unsupported", "variant"]
+__all__ = ["TAKES", "native_attention", "native_attention_weights", "native_attention_with_lse", "native_available",
+           "paged_attention_native", "ready", "sanitized", "unsupported", "variant"]
 
 log = logging.getLogger("mha.dispatch")
 
@@ -284,6 +284,21 @@ def native_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contrac
                               dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
     """(output (..., L, Dv), log-sum-exp (..., L) in float32, float64 for float64 inputs)."""
     return _checked_run(q, k, v, contract, dropout_p, with_lse=True)
+
+
+def native_attention_weights(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None = None) -> tuple[Tensor, Tensor]:
+    """(output (..., L, Dv), weights (..., L, S)), both in q's dtype, as the math backend returns them:
+    for a call that needs no gradient (the weights come from no autograd graph; the dispatch asks
+    weights_take first) and no dropout. Every term native takes; a row that sees nothing: zeros."""
+    contract = resolve(contract)
+    k, v = matched_kv_heads(q, k, v)
+    if reason := unsupported(q, k, v, contract):
+        raise ValueError(f"the native backend cannot run this call: {reason}")
+    q, k, v = autocast_inputs(q, k, v)
+    q, contract = contract.fold_logit_scale(q)
+    inputs = _Inputs(q, k, v, contract)
+    out, weights = _kernel().forward_weights(*inputs.tensors(), inputs.terms())
+    return inputs.output(out), weights.view(*inputs.lead, *weights.shape[2:]).to(q.dtype)  # (B, H, L, S) -> (..., L, S)
 
 
 def _checked_run(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None, dropout_p: float, *, with_lse: bool):

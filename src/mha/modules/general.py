@@ -198,7 +198,8 @@ class GeneralAttention(nn.Module):
                              key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None,
                              is_causal: bool = False, average_attn_weights: bool = True,
                              cache: KVCache | None = None) -> tuple[Tensor, Tensor]:
-        """:meth:`forward` on the math backend, returning (output, weights): weights (B, L, S)
+        """:meth:`forward` returning (output, weights) (native computes them where nothing is to
+        differentiate, else the math backend): weights (B, L, S)
         averaged over heads, or (B, h, L, S) with average_attn_weights=False (unbatched: no B),
         taken after dropout as torch.nn.MultiheadAttention takes them."""
         return self._attend(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,

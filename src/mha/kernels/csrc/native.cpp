@@ -559,6 +559,21 @@ void finish_row(acc_t m, acc_t l, const acc_t* acc, int64_t Dv, scalar_t* out, c
   stats.sum[row] = l;
 }
 
+// p (n scores) -> their softmax in place, with the row's sink logit (when given) in the sum and not
+// kept: zeros where every score is -inf (and no sink), NaN where a score or the sink is NaN or +inf.
+template <typename acc_t>
+void softmax_row(int64_t n, acc_t* p, const acc_t* sink) {
+  acc_t m = row_max(n, p);
+  if (sink != nullptr && !std::isnan(m)) m = std::isnan(*sink) ? *sink : std::max(m, *sink);
+  if (poisons(m) || m == -std::numeric_limits<acc_t>::infinity()) {
+    std::fill(p, p + n, poisons(m) ? std::numeric_limits<acc_t>::quiet_NaN() : acc_t(0));
+    return;
+  }
+  const acc_t l = exp_shifted(n, p, acc_t(1), m, p) + (sink != nullptr ? std::exp(*sink - m) : acc_t(0));
+  const acc_t inv = acc_t(1) / l;
+  for (int64_t j = 0; j < n; ++j) p[j] *= inv;
+}
+
 // row[j] = c tanh(row[j] / c), and th[j] = tanh(row[j] / c) when th is given (the backward's).
 template <typename acc_t>
 void softcap_row(int64_t n, acc_t* row, acc_t c, acc_t* th) {
@@ -1526,6 +1541,45 @@ void decode_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, co
   });
 }
 
+// ---- the weights: a call that asks for them (need_weights) ---------------------------------------
+//
+// Each row's scores over all S keys, written where its weights go ((B, H, L, S) in acc_t: the G * L
+// rows of one key/value head are consecutive there), shaped by the terms; then one softmax per row
+// (its max, the exponentials in place, divided by their sum with the sink's share) and the weights
+// times V (run_scores, run_values). The math backend's computation, with none of its tensors'
+// per-call costs; for calls that hold the L x S weights anyway. Rows in blocks of up to kDecodeRows
+// of a key/value head, the blocks spread over the threads. A row whose every key is hidden gets
+// zeros (weights and output); a NaN or +inf score (or sink) makes its row NaN.
+template <typename scalar_t, typename acc_t>
+void weights_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const scalar_t* k, const scalar_t* v,
+                    scalar_t* out, acc_t* weights) {
+  const int64_t R = sh.rows(), blocks = (R + kDecodeRows - 1) / kDecodeRows;
+  at::parallel_for(0, sh.B * sh.Hkv * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> q_rows(kDecodeRows * sh.D), acc(kDecodeRows * sh.Dv);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t block = task % blocks, bh = task / blocks, b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
+      const int64_t r0 = block * kDecodeRows, n = std::min(R, r0 + kDecodeRows) - r0;
+      const Rows rows = block_rows(sh, t, b, kv_head, r0, r0 + n);
+      for (int64_t r = 0; r < n; ++r) {
+        const scalar_t* row = q + ((b * sh.H + rows.head[r]) * sh.L + rows.index[r]) * sh.D;
+        std::transform(row, row + sh.D, q_rows.begin() + r * sh.D, [](scalar_t x) { return static_cast<acc_t>(x); });
+      }
+      acc_t* s = weights + ((b * sh.H + kv_head * sh.G) * sh.L + r0) * sh.S;  // the block's rows, S apart
+      run_scores(n, sh.S, sh.D, q_rows.data(), k + b * sh.k_batch + kv_head * sh.k_head, sh.D, s, sh.S);
+      for (int64_t i = 0; i < n * sh.S; ++i) s[i] *= t.scale;
+      const bool covered = band_covers(t, rows, 0, sh.S);
+      if (!plain_tile(t, covered)) shape_tile(t, rows, 0, sh.S, s, sh.S, static_cast<acc_t*>(nullptr), covered);
+      for (int64_t r = 0; r < n; ++r) softmax_row(sh.S, s + r * sh.S, t.sinks ? &t.sinks[rows.head[r]] : nullptr);
+      std::fill(acc.begin(), acc.begin() + n * sh.Dv, acc_t(0));
+      run_values(n, sh.S, sh.Dv, s, sh.S, v + b * sh.v_batch + kv_head * sh.v_head, sh.Dv, acc.data());
+      for (int64_t r = 0; r < n; ++r) {
+        scalar_t* o = out + ((b * sh.H + rows.head[r]) * sh.L + rows.index[r]) * sh.Dv;
+        std::transform(acc.begin() + r * sh.Dv, acc.begin() + (r + 1) * sh.Dv, o, [](acc_t x) { return static_cast<scalar_t>(x); });
+      }
+    }
+  });
+}
+
 // The forward of one call: the decoding path for a few rows per key/value head, else the tiled
 // kernel on the products for the dtype. A forward whose log-sum-exp the backward will use
 // (``for_backward``) takes the tiled kernel always: the backward recomputes the scores with the
@@ -1977,6 +2031,22 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k_in, const Tensor& v
   return {out, row_max, row_sum};
 }
 
+// (output (B, H, L, Dv), weights (B, H, L, S) in float32, float64 for float64 inputs): weights_kernel.
+std::vector<Tensor> forward_weights(const Tensor& q, const Tensor& k_in, const Tensor& v_in, const TermArgs& terms) {
+  const Tensor k = k_in.contiguous(), v = v_in.contiguous();
+  const Shape sh = shape_of(q, k, v);
+  auto out = at::empty({sh.B, sh.H, sh.L, sh.Dv}, q.options());
+  auto weights = at::empty({sh.B, sh.H, sh.L, sh.S}, q.options().dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
+  if (sh.B * sh.H * sh.L == 0) return {out, weights};
+  if (sh.S == 0) return {out.zero_(), weights};  // rows that see nothing (a sink's weight is not kept)
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_native_forward_weights", [&] {
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    weights_kernel<scalar_t, acc_t>(sh, terms_of<acc_t>(terms), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+                                    v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), weights.data_ptr<acc_t>());
+  });
+  return {out, weights};
+}
+
 std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout, const Tensor& row_max,
                              const Tensor& row_sum, const Tensor& delta, const TermArgs& terms) {
   const Shape sh = shape_of(q, k, v);  // the forward's inputs, contiguous (mha.kernels.native saves them so)
@@ -2351,6 +2421,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("slopes", &mha_native::TermArgs::slopes)
       .def_readwrite("sinks", &mha_native::TermArgs::sinks);
   m.def("forward", &mha_native::forward, "attention forward: (out, row max, row sum)");
+  m.def("forward_weights", &mha_native::forward_weights, "attention and its weights: (out, weights (B, H, L, S))");
   m.def("backward", &mha_native::backward, "attention backward: (dq, dk, dv, d_slopes)");
   m.def("paged_forward", &mha_native::paged_forward,
         "attention of packed query rows over KV-cache pages read in place: (out (Tq, H, Dv), row max, row sum (Tq, H))");

@@ -323,3 +323,27 @@ def test_a_scale_the_full_path_refuses_is_refused_on_the_fast_path_too(monkeypat
     assert dispatch.plain_causality(None, 0, scale) is None and not dispatch.plain_scale(scale)
     with pytest.raises(TypeError, match="scale must be a real number"):
         sdpa(q, q, q, scale=scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("is_causal, scale", [(False, None), (True, 0.3)])
+def test_the_weights_fast_path_gives_the_full_paths_bits(monkeypatch, fast_path, dtype, is_causal, scale):
+    """dispatch.plain_weights: a plain call that asks for its weights, with nothing to differentiate,
+    takes native's output and weights in one call into the kernel, the full path's bits (GQA here);
+    a gradient, or no kernel loaded (the Python fast path), leaves it to the full path."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(2, 4, 5, 8, dtype=dtype), torch.randn(2, 2, 7, 8, dtype=dtype), torch.randn(2, 2, 7, 8, dtype=dtype)
+    contract = mha.kernels.Contract(band=CAUSAL if is_causal else None, scale=scale)
+    taken = dispatch.plain_weights(q, k, v, is_causal=is_causal, scale=scale)  # (before the full path loads the kernel)
+    assert (taken is not None) == (fast_path == "compiled")
+    got = mha.kernels.attention(q, k, v, contract, need_weights=True)
+    with monkeypatch.context() as patch:
+        patch.setattr(dispatch, "plain_weights", lambda *a, **kw: None)
+        want = mha.kernels.attention(q, k, v, contract, need_weights=True)
+    assert got[1].dtype == dtype and got[1].shape == (2, 4, 5, 7)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if taken is not None:
+        assert torch.equal(taken[0], got[0]) and torch.equal(taken[1], got[1])
+        assert dispatch.plain_weights(q.requires_grad_(), k, v, is_causal=is_causal, scale=scale) is None
+        with torch.no_grad():
+            assert dispatch.plain_weights(q, k, v, is_causal=is_causal, scale=scale) is not None

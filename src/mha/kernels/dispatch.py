@@ -56,7 +56,7 @@ from .sdpa import sdpa_attention
 
 __all__ = ["BACKENDS", "LSE_BACKENDS", "OBSERVERS", "PAGED_BACKENDS", "attention", "attention_with_lse",
            "backward_with_lse", "choose_backend", "choose_lse_backend", "choose_paged_backend", "native_pays",
-           "paged_attention", "plain_call", "plain_sdpa", "share_kv_heads", "weights_refusal"]
+           "paged_attention", "plain_call", "plain_sdpa", "plain_weights", "share_kv_heads", "weights_refusal"]
 
 BACKENDS = {"math": math_attention, "sdpa": sdpa_attention, "flash": flash_attention, "native": native_attention,
             "flex": flex_attention}
@@ -113,10 +113,13 @@ def _observed(q, k, v, contract, *, dropout_p, need_weights):
 
 
 def _run(q, k, v, contract, *, dropout_p, need_weights, backend):
-    if backend == "auto" and not need_weights and dropout_p == 0.0 and (plain := _plain_form(contract)) is not None:
-        out = plain_sdpa(q, k, v, is_causal=plain[0], enable_gqa=True, scale=plain[1])
-        if out is not None:
-            return out, None
+    if backend == "auto" and dropout_p == 0.0 and (plain := _plain_form(contract)) is not None:
+        if not need_weights:
+            out = plain_sdpa(q, k, v, is_causal=plain[0], enable_gqa=True, scale=plain[1])
+            if out is not None:
+                return out, None
+        elif (both := plain_weights(q, k, v, is_causal=plain[0], scale=plain[1])) is not None:
+            return both
     for name, x in (("q", q), ("k", k), ("v", v)):
         _checks.tensor(name, x)  # a tensor, not nested (the fast path took the plain ones)
     k, v = matched_kv_heads(q, k, v)  # one head count for k and v (torch's enable_gqa shares them separately)
@@ -200,6 +203,20 @@ def plain_sdpa(q, k, v, *, is_causal: bool, enable_gqa: bool, scale: float | Non
         return None
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
                                           enable_gqa=enable_gqa and k.shape[1] != q.shape[1])
+
+
+def plain_weights(q, k, v, *, is_causal: bool, scale: float | None = None) -> tuple[Tensor, Tensor] | None:
+    """The per-call fast path of a plain call that asks for its weights: (output, weights (B, H, L, S)
+    in q's dtype) from the native kernel, which checks the call and computes both in one step from
+    Python (native_attention_weights' result, without its tens of microseconds of Python), where
+    weights_refusal would give them to native: no gradient, no dropout (the caller's), a plain call
+    (plain_sdpa's conditions); None elsewhere (the full path). Once the kernel is loaded only."""
+    if (not torch.compiler.is_compiling() and (kernel := native.loaded) is not None
+            and q.__class__ is k.__class__ is v.__class__ is Tensor and not OBSERVERS
+            and forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
+            and not torch._C._is_torch_function_mode_enabled()):
+        return kernel.plain_weights(q, k, v, is_causal, True, scale)
+    return None
 
 
 def plain_call(q, k, v, enable_gqa: bool) -> bool:

@@ -2241,47 +2241,69 @@ struct Crossovers {
   }
 };
 
-// The native kernel's output for a plain call: the scale (None: 1 / sqrt(D), as Contract.scale_for),
-// top-left causality at most, GQA as the heads divide; no log-sum-exp kept.
-Tensor plain_native(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal, std::optional<double> scale) {
+// Whether q, k, v make a plain call (the conditions above, crossovers aside).
+bool plain_inputs(const Tensor& q, const Tensor& k, const Tensor& v, bool enable_gqa) {
+  if (q.is_nested() || k.is_nested() || v.is_nested() || q.layout() != at::kStrided || k.layout() != at::kStrided ||
+      v.layout() != at::kStrided || !q.device().is_cpu() || !k.device().is_cpu() || !v.device().is_cpu())
+    return false;
+  const auto dtype = q.scalar_type();
+  if ((dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) || k.scalar_type() != dtype ||
+      v.scalar_type() != dtype || q.dim() != 4 || k.dim() != 4 || v.dim() != 4)
+    return false;
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  if (k.size(0) != B || v.size(0) != B || v.size(1) != Hkv || v.size(2) != S || k.size(3) != D || v.size(3) != D)
+    return false;
+  if (B == 0 || H == 0 || L == 0 || D == 0 || Hkv == 0 || S == 0 || !(H == Hkv || (enable_gqa && H % Hkv == 0)))
+    return false;
+  return q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && !at::autocast::is_autocast_enabled(at::kCPU);
+}
+
+bool needs_gradient(const Tensor& q, const Tensor& k, const Tensor& v) {
+  return at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+}
+
+// The terms of a plain call: the scale (None: 1 / sqrt(D), as Contract.scale_for), top-left causality at most.
+TermArgs plain_terms(bool is_causal, std::optional<double> scale, int64_t D) {
   TermArgs terms;
-  terms.scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  terms.scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D));
   if (is_causal) {
     terms.has_band = true;
     terms.right = 0;
   }
-  return forward(q.contiguous(), k, v, terms, /*for_backward=*/false)[0];
+  return terms;
 }
 
 pybind11::object plain_sdpa(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal, bool enable_gqa,
                             int64_t decode_rows, std::pair<int64_t, int64_t> direct, std::pair<int64_t, int64_t> full,
                             std::optional<double> scale) {
   const auto none = pybind11::none();
-  if (q.is_nested() || k.is_nested() || v.is_nested() || q.layout() != at::kStrided || k.layout() != at::kStrided ||
-      v.layout() != at::kStrided || !q.device().is_cpu() || !k.device().is_cpu() || !v.device().is_cpu())
-    return none;
-  const auto dtype = q.scalar_type();
-  if ((dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) || k.scalar_type() != dtype ||
-      v.scalar_type() != dtype || q.dim() != 4 || k.dim() != 4 || v.dim() != 4)
-    return none;
-  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
-  if (k.size(0) != B || v.size(0) != B || v.size(1) != Hkv || v.size(2) != S || k.size(3) != D || v.size(3) != D)
-    return none;
-  if (B == 0 || H == 0 || L == 0 || D == 0 || Hkv == 0 || S == 0 || !(H == Hkv || (enable_gqa && H % Hkv == 0)))
-    return none;
-  if (q.stride(3) != 1 || k.stride(3) != 1 || v.stride(3) != 1 || at::autocast::is_autocast_enabled(at::kCPU))
-    return none;
-  const bool gradient = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  if (!plain_inputs(q, k, v, enable_gqa)) return none;
+  const int64_t H = q.size(1), L = q.size(2), Hkv = k.size(1), S = k.size(2);
+  const bool gradient = needs_gradient(q, k, v);
   const Crossovers measured = gradient ? Crossovers{full.first, full.second} : Crossovers{direct.first, direct.second};
   const bool native = measured.native_faster(L * (H / Hkv), decode_rows, L, S);
   if (native && gradient) return none;  // the full path: native's autograd function
   Tensor out;
   {
     pybind11::gil_scoped_release no_gil;
-    out = native ? plain_native(q, k, v, is_causal, scale)
+    out = native ? forward(q.contiguous(), k, v, plain_terms(is_causal, scale, q.size(3)), /*for_backward=*/false)[0]
                  : at::scaled_dot_product_attention(q, k, v, {}, 0.0, is_causal, scale, enable_gqa && Hkv != H);
   }
   return pybind11::cast(out);
+}
+
+// The same for a plain call that asks for its weights (dispatch.plain_weights): (output, weights (B, H, L, S)
+// in q's dtype) from forward_weights, or None where the call is not plain or needs a gradient.
+pybind11::object plain_weights(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal, bool enable_gqa,
+                               std::optional<double> scale) {
+  if (!plain_inputs(q, k, v, enable_gqa) || needs_gradient(q, k, v)) return pybind11::none();
+  std::vector<Tensor> result;
+  {
+    pybind11::gil_scoped_release no_gil;
+    result = forward_weights(q.contiguous(), k, v, plain_terms(is_causal, scale, q.size(3)));
+    result[1] = result[1].to(q.scalar_type());
+  }
+  return pybind11::make_tuple(result[0], result[1]);
 }
 
 // ---- peaks: what this build's instructions reach on this CPU (mha bench --sections peaks) -------
@@ -2430,6 +2452,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("build_info", &mha_native::build_info, "the instruction set this build was compiled for");
   m.def("plain_sdpa", &mha_native::plain_sdpa,
         "the per-call fast path: a plain call's output, native's or torch's SDPA's, or None (mha.kernels.dispatch.plain_sdpa)");
+  m.def("plain_weights", &mha_native::plain_weights,
+        "a plain call's (output, weights) from native, or None (mha.kernels.dispatch.plain_weights)");
   m.def("fma_peak_work", &mha_native::fma_peak_work, "floating-point operations of independent FMA chains on every thread (timed by the caller)");
   m.def("bf16_dot_peak_work", &mha_native::bf16_dot_peak_work, "the same with bfloat16 dot products (-1 without them)");
 }

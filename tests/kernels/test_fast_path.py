@@ -283,20 +283,25 @@ def test_a_torch_function_mode_sees_torchs_call_on_the_fast_path(monkeypatch, fa
     assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
 
 
+_VALID = torch.ones(1, 4, dtype=torch.bool)
+
+
 @pytest.mark.parametrize("contract, form", [
-    (mha.kernels.Contract(), (False, None)),
-    (mha.kernels.Contract(scale=0.25), (False, 0.25)),
-    (mha.kernels.Contract(scale=0.25, offset=7), (False, 0.25)),  # an offset alone places nothing
-    (mha.kernels.Contract(band=CAUSAL, scale=0.25), (True, 0.25)),
-    (mha.kernels.Contract(band=Band(None, 0)), (True, None)),  # causality equal to CAUSAL, not the object
+    (mha.kernels.Contract(), (False, None, None)),
+    (mha.kernels.Contract(scale=0.25), (False, 0.25, None)),
+    (mha.kernels.Contract(scale=0.25, offset=7), (False, 0.25, None)),  # an offset alone places nothing
+    (mha.kernels.Contract(band=CAUSAL, scale=0.25), (True, 0.25, None)),
+    (mha.kernels.Contract(band=Band(None, 0)), (True, None, None)),  # causality equal to CAUSAL, not the object
     (mha.kernels.Contract(band=CAUSAL, offset=3), None),  # bottom-right: not torch's is_causal
     (mha.kernels.Contract(band=Band(2, 0)), None),
     (mha.kernels.Contract(scale=-0.25), None),
     (mha.kernels.Contract(band=CAUSAL, scale=-0.25), None),
     (mha.kernels.Contract(softcap=5.0), None),
-    (mha.kernels.Contract(key_valid=torch.ones(1, 4, dtype=torch.bool)), None),
+    (mha.kernels.Contract(key_valid=_VALID), (False, None, _VALID)),  # key padding: the native kernel's fast path only
+    (mha.kernels.Contract(key_valid=_VALID, band=CAUSAL, offset=3), None),
+    (mha.kernels.Contract(key_valid=_VALID, mask=_VALID), None),
 ], ids=repr)
-def test_the_contracts_torchs_call_takes_as_its_arguments(contract, form):
+def test_the_contracts_the_fast_path_takes_as_its_arguments(contract, form):
     assert dispatch._plain_form(contract) == form
 
 
@@ -311,7 +316,7 @@ def test_a_scale_and_an_offset_take_the_fast_path_with_the_full_paths_bits(monke
     real = dispatch.plain_sdpa
     monkeypatch.setattr(dispatch, "plain_sdpa", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     fast, _ = mha.kernels.attention(q, k, v, contract)
-    assert calls == [dict(is_causal=band is not None, enable_gqa=True, scale=0.3)]
+    assert calls == [dict(is_causal=band is not None, enable_gqa=True, scale=0.3, key_valid=None)]
     monkeypatch.setattr(dispatch, "plain_sdpa", lambda *a, **kw: None)
     full, _ = mha.kernels.attention(q, k, v, contract)
     assert torch.equal(fast, full)
@@ -347,3 +352,37 @@ def test_the_weights_fast_path_gives_the_full_paths_bits(monkeypatch, fast_path,
         assert dispatch.plain_weights(q.requires_grad_(), k, v, is_causal=is_causal, scale=scale) is None
         with torch.no_grad():
             assert dispatch.plain_weights(q, k, v, is_causal=is_causal, scale=scale) is not None
+
+
+def test_key_padding_takes_the_kernels_own_call_where_native_is_measured_faster(monkeypatch, fast_path):
+    """Key padding (B|1, S) bool beside a plain call: the native kernel's fast path runs it (where its
+    call is measured faster, nothing to differentiate) with native's full-path bits, a sequence that
+    is all padding zeros; anything else is the full path's (None here): torch's kernel beside padding
+    (its blocked rows are planned there), a gradient, padding of another shape or dtype."""
+    monkeypatch.setattr(tuning, "crossovers", lambda dtype: tuning.Crossover(None, None, None, 1))
+    monkeypatch.setattr(tuning, "resolved_ints", {})
+    torch.manual_seed(2)
+    q, k, v = torch.randn(3, 4, 5, 8), torch.randn(3, 2, 6, 8), torch.randn(3, 2, 6, 8)
+    valid = torch.rand(3, 6) > 0.3
+    valid[1] = False  # a sequence that is all padding
+    contract = mha.kernels.Contract(key_valid=valid, band=CAUSAL)
+    out = dispatch.plain_sdpa(q, k, v, is_causal=True, enable_gqa=True, key_valid=valid)
+    both = dispatch.plain_weights(q, k, v, is_causal=True, key_valid=valid)
+    if fast_path == "python":
+        assert out is None and both is None
+        return
+    assert torch.equal(out, native.native_attention(q, k, v, contract)) and not out[1].any()
+    assert torch.equal(mha.kernels.attention(q, k, v, contract)[0], out)  # the dispatch's fast path
+    expected = native.native_attention_weights(q, k, v, contract)
+    assert torch.equal(both[0], expected[0]) and torch.equal(both[1], expected[1]) and not both[1][1].any()
+    shared = valid[:1]  # one row of padding for every sequence
+    assert torch.equal(dispatch.plain_sdpa(q, k, v, is_causal=True, enable_gqa=True, key_valid=shared),
+                       native.native_attention(q, k, v, contract.replace(key_valid=shared)))
+    for wrong in (valid[:, :5], valid.float(), valid[:2]):  # another length, dtype, batch
+        assert dispatch.plain_sdpa(q, k, v, is_causal=True, enable_gqa=True, key_valid=wrong) is None
+    assert dispatch.plain_sdpa(q.requires_grad_(), k, v, is_causal=True, enable_gqa=True, key_valid=valid) is None
+    monkeypatch.setattr(tuning, "crossovers", lambda dtype: tuning.NEVER)
+    monkeypatch.setattr(tuning, "resolved_ints", {})
+    with torch.no_grad():
+        assert dispatch.plain_sdpa(q, k, v, is_causal=True, enable_gqa=True, key_valid=valid) is None
+        assert dispatch.plain_sdpa(q, k, v, is_causal=True, enable_gqa=True) is not None  # (torch's, unpadded)

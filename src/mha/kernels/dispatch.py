@@ -114,11 +114,12 @@ def _observed(q, k, v, contract, *, dropout_p, need_weights):
 
 def _run(q, k, v, contract, *, dropout_p, need_weights, backend):
     if backend == "auto" and dropout_p == 0.0 and (plain := _plain_form(contract)) is not None:
+        causal, scale, key_valid = plain
         if not need_weights:
-            out = plain_sdpa(q, k, v, is_causal=plain[0], enable_gqa=True, scale=plain[1])
+            out = plain_sdpa(q, k, v, is_causal=causal, enable_gqa=True, scale=scale, key_valid=key_valid)
             if out is not None:
                 return out, None
-        elif (both := plain_weights(q, k, v, is_causal=plain[0], scale=plain[1])) is not None:
+        elif (both := plain_weights(q, k, v, is_causal=causal, scale=scale, key_valid=key_valid)) is not None:
             return both
     for name, x in (("q", q), ("k", k), ("v", v)):
         _checks.tensor(name, x)  # a tensor, not nested (the fast path took the plain ones)
@@ -140,17 +141,18 @@ def _run(q, k, v, contract, *, dropout_p, need_weights, backend):
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes of the fast path and of native_pays
-_PLAIN_TERMS = frozenset({"band", "scale"})
+_PLAIN_TERMS = frozenset({"band", "scale", "key_valid"})
 
 
-def _plain_form(contract: Contract) -> tuple[bool, float | None] | None:
-    """(is_causal, scale) of a contract torch's SDPA call takes as its own arguments (plain_causality;
-    the shared NONE and TOP_LEFT_CAUSAL known by identity), else None."""
+def _plain_form(contract: Contract) -> tuple[bool, float | None, Tensor | None] | None:
+    """(is_causal, scale, key_valid) of a contract the fast path takes: causality torch's SDPA call
+    takes as its own arguments (plain_causality; the shared NONE and TOP_LEFT_CAUSAL known by
+    identity), and key padding (which only the native kernel's fast path takes), else None."""
     if contract is NONE or contract is TOP_LEFT_CAUSAL:
-        return contract is TOP_LEFT_CAUSAL, None
+        return contract is TOP_LEFT_CAUSAL, None, None
     if not contract.terms <= _PLAIN_TERMS or (causal := plain_causality(contract.band, contract.offset, contract.scale)) is None:
         return None
-    return causal, contract.scale
+    return causal, contract.scale, contract.key_valid
 
 
 def plain_causality(band, offset: int, scale) -> bool | None:
@@ -180,7 +182,8 @@ def plain_attention(q, k, v, *, band, offset: int = 0, scale=None) -> Tensor | N
     return None if causal is None else plain_sdpa(q, k, v, is_causal=causal, enable_gqa=True, scale=scale)
 
 
-def plain_sdpa(q, k, v, *, is_causal: bool, enable_gqa: bool, scale: float | None = None) -> Tensor | None:
+def plain_sdpa(q, k, v, *, is_causal: bool, enable_gqa: bool, scale: float | None = None,
+               key_valid: Tensor | None = None) -> Tensor | None:
     """The per-call fast path: the output of a plain call (:func:`plain_call`'s conditions); None when
     the call needs the full path. The caller has checked that no other option is set (a contract of
     causality at most, no dropout, no weights, backend "auto"). On CPU, once the native kernel is
@@ -189,33 +192,37 @@ def plain_sdpa(q, k, v, *, is_causal: bool, enable_gqa: bool, scale: float | Non
     measured faster and no gradient is needed (the ``plain_`` crossovers: the full path's Python costs
     tens of microseconds), else on torch's kernel, or None where the full path's native is measured
     faster for a call that needs a gradient. torch.compile, a torch function mode (which must see
-    torch's call) and CUDA take plain_call."""
+    torch's call) and CUDA take plain_call. ``key_valid`` (B|1, S) bool, key padding: the native
+    kernel's call only (where measured faster, no gradient); None elsewhere (the full path plans
+    torch's kernel beside padding: its rows that see nothing)."""
     if (not torch.compiler.is_compiling() and (kernel := native.loaded or native.load_if_built()) is not None
             and q.__class__ is k.__class__ is v.__class__ is Tensor and not OBSERVERS
             and forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
             and not torch._C._is_torch_function_mode_enabled()  # (a mode sees torch's Python call: plain_call's)
             and (dtype := q.dtype) in _FLOATS):
         direct, full = tuning.resolved_ints.get((torch.get_num_threads(), dtype)) or tuning.crossover_ints(dtype)
-        out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, direct, full, scale)
+        out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, direct, full, scale, key_valid)
         if out is not None or q.is_cpu:  # (it takes CPU tensors only: CUDA's are plain_call's)
             return out
-    if not plain_call(q, k, v, enable_gqa):
+    if key_valid is not None or not plain_call(q, k, v, enable_gqa):
         return None
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
                                           enable_gqa=enable_gqa and k.shape[1] != q.shape[1])
 
 
-def plain_weights(q, k, v, *, is_causal: bool, scale: float | None = None) -> tuple[Tensor, Tensor] | None:
+def plain_weights(q, k, v, *, is_causal: bool, scale: float | None = None,
+                  key_valid: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
     """The per-call fast path of a plain call that asks for its weights: (output, weights (B, H, L, S)
     in q's dtype) from the native kernel, which checks the call and computes both in one step from
     Python (native_attention_weights' result, without its tens of microseconds of Python), where
     weights_refusal would give them to native: no gradient, no dropout (the caller's), a plain call
-    (plain_sdpa's conditions); None elsewhere (the full path). Once the kernel is loaded only."""
+    (plain_sdpa's conditions, key padding too); None elsewhere (the full path). Once the kernel is
+    loaded only."""
     if (not torch.compiler.is_compiling() and (kernel := native.loaded) is not None
             and q.__class__ is k.__class__ is v.__class__ is Tensor and not OBSERVERS
             and forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
             and not torch._C._is_torch_function_mode_enabled()):
-        return kernel.plain_weights(q, k, v, is_causal, True, scale)
+        return kernel.plain_weights(q, k, v, is_causal, True, scale, key_valid)
     return None
 
 

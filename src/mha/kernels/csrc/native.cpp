@@ -2228,11 +2228,11 @@ std::vector<Tensor> key_intervals(const TermArgs& terms, int64_t L, int64_t S) {
 // D = Dk = Dv, contiguous rows, no autocast. The caller has checked what only Python can (the
 // tensors' class, observers, forward AD, torch.func, torch.compile). Then the measured crossovers
 // (-1 for never) pick the kernel: a call that needs no gradient by ``direct`` (where this kernel,
-// called from here, was measured faster: its output, plain_native), one that does by ``full`` (where
-// the full path, mha.kernels.native's autograd function, was: None, the caller takes the full path).
+// called from here, was measured faster: forward's output), one that does by ``full`` (where the
+// full path, mha.kernels.native's autograd function, was: None, the caller takes the full path).
 // Otherwise torch's output (at::scaled_dot_product_attention, run without the GIL as torch's own
-// binding runs it, with the caller's scale: None for torch's 1 / sqrt(D)). None where the call
-// takes the full path.
+// binding runs it, with the caller's scale: None for torch's 1 / sqrt(D)). None also for a call
+// that is not plain.
 struct Crossovers {
   int64_t decode_keys, prefill_work;  // a step of at most decode_rows rows per kv head from S keys; L, S >= sqrt(work)
   bool native_faster(int64_t rows, int64_t decode_rows, int64_t L, int64_t S) const {
@@ -2262,31 +2262,44 @@ bool needs_gradient(const Tensor& q, const Tensor& k, const Tensor& v) {
   return at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
 }
 
-// The terms of a plain call: the scale (None: 1 / sqrt(D), as Contract.scale_for), top-left causality at most.
-TermArgs plain_terms(bool is_causal, std::optional<double> scale, int64_t D) {
+// Whether key_valid is key padding as the kernel reads it for q (B, ...) over S keys: absent, or bool
+// (B or 1, S) on the CPU with unit key stride (a padded call's; else the call takes the full path).
+bool plain_padding(const Optional& key_valid, int64_t B, int64_t S) {
+  if (!key_valid) return true;
+  const Tensor& valid = *key_valid;
+  return valid.scalar_type() == at::kBool && valid.device().is_cpu() && valid.dim() == 2 && valid.size(1) == S &&
+         (valid.size(0) == B || valid.size(0) == 1) && (S <= 1 || valid.stride(1) == 1) && valid.layout() == at::kStrided;
+}
+
+// The terms of a plain call: the scale (None: 1 / sqrt(D), as Contract.scale_for), top-left causality at
+// most, key padding where given.
+TermArgs plain_terms(bool is_causal, std::optional<double> scale, int64_t D, const Optional& key_valid) {
   TermArgs terms;
   terms.scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D));
   if (is_causal) {
     terms.has_band = true;
     terms.right = 0;
   }
+  if (key_valid) terms.key_valid = key_valid->contiguous();
   return terms;
 }
 
 pybind11::object plain_sdpa(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal, bool enable_gqa,
                             int64_t decode_rows, std::pair<int64_t, int64_t> direct, std::pair<int64_t, int64_t> full,
-                            std::optional<double> scale) {
+                            std::optional<double> scale, const Optional& key_valid) {
   const auto none = pybind11::none();
-  if (!plain_inputs(q, k, v, enable_gqa)) return none;
+  if (!plain_inputs(q, k, v, enable_gqa) || !plain_padding(key_valid, q.size(0), k.size(2))) return none;
   const int64_t H = q.size(1), L = q.size(2), Hkv = k.size(1), S = k.size(2);
   const bool gradient = needs_gradient(q, k, v);
   const Crossovers measured = gradient ? Crossovers{full.first, full.second} : Crossovers{direct.first, direct.second};
   const bool native = measured.native_faster(L * (H / Hkv), decode_rows, L, S);
-  if (native && gradient) return none;  // the full path: native's autograd function
+  // the full path: native's autograd function, or torch's kernel beside key padding (its rows that see
+  // nothing are NaN there: the full path plans them)
+  if ((native && gradient) || (!native && key_valid)) return none;
   Tensor out;
   {
     pybind11::gil_scoped_release no_gil;
-    out = native ? forward(q.contiguous(), k, v, plain_terms(is_causal, scale, q.size(3)), /*for_backward=*/false)[0]
+    out = native ? forward(q.contiguous(), k, v, plain_terms(is_causal, scale, q.size(3), key_valid), /*for_backward=*/false)[0]
                  : at::scaled_dot_product_attention(q, k, v, {}, 0.0, is_causal, scale, enable_gqa && Hkv != H);
   }
   return pybind11::cast(out);
@@ -2295,12 +2308,13 @@ pybind11::object plain_sdpa(const Tensor& q, const Tensor& k, const Tensor& v, b
 // The same for a plain call that asks for its weights (dispatch.plain_weights): (output, weights (B, H, L, S)
 // in q's dtype) from forward_weights, or None where the call is not plain or needs a gradient.
 pybind11::object plain_weights(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal, bool enable_gqa,
-                               std::optional<double> scale) {
-  if (!plain_inputs(q, k, v, enable_gqa) || needs_gradient(q, k, v)) return pybind11::none();
+                               std::optional<double> scale, const Optional& key_valid) {
+  if (!plain_inputs(q, k, v, enable_gqa) || !plain_padding(key_valid, q.size(0), k.size(2)) || needs_gradient(q, k, v))
+    return pybind11::none();
   std::vector<Tensor> result;
   {
     pybind11::gil_scoped_release no_gil;
-    result = forward_weights(q.contiguous(), k, v, plain_terms(is_causal, scale, q.size(3)));
+    result = forward_weights(q.contiguous(), k, v, plain_terms(is_causal, scale, q.size(3), key_valid));
     result[1] = result[1].to(q.scalar_type());
   }
   return pybind11::make_tuple(result[0], result[1]);
@@ -2451,9 +2465,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &mha_native::quantize_rows, "x (..., X) floating -> (..., X + 4) int8 rows, each then its float32 scale");
   m.def("build_info", &mha_native::build_info, "the instruction set this build was compiled for");
   m.def("plain_sdpa", &mha_native::plain_sdpa,
-        "the per-call fast path: a plain call's output, native's or torch's SDPA's, or None (mha.kernels.dispatch.plain_sdpa)");
+        "the per-call fast path: a plain call's output, native's or torch's SDPA's, or None (mha.kernels.dispatch.plain_sdpa)",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("is_causal"), pybind11::arg("enable_gqa"),
+        pybind11::arg("decode_rows"), pybind11::arg("direct"), pybind11::arg("full"), pybind11::arg("scale"),
+        pybind11::arg("key_valid") = pybind11::none());
   m.def("plain_weights", &mha_native::plain_weights,
-        "a plain call's (output, weights) from native, or None (mha.kernels.dispatch.plain_weights)");
+        "a plain call's (output, weights) from native, or None (mha.kernels.dispatch.plain_weights)",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("is_causal"), pybind11::arg("enable_gqa"),
+        pybind11::arg("scale"), pybind11::arg("key_valid") = pybind11::none());
   m.def("fma_peak_work", &mha_native::fma_peak_work, "floating-point operations of independent FMA chains on every thread (timed by the caller)");
   m.def("bf16_dot_peak_work", &mha_native::bf16_dot_peak_work, "the same with bfloat16 dot products (-1 without them)");
 }

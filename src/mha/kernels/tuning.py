@@ -58,9 +58,10 @@ import torch
 
 from .._version import __version__
 
-__all__ = ["CHECKS", "DECODE_KEYS", "DTYPES", "FLAGS", "KNOWN", "LOAD_LIMIT", "MARGIN", "NEVER", "PREFILL_LENGTHS",
-           "ROUNDS", "SHAPES", "Crossover", "Timer", "alternated_times", "best_of", "cache_path", "cpu", "cpu_kind",
-           "crossover_ints", "crossovers", "forget", "machine_key", "stored", "switched_off", "tune", "unsure_because"]
+__all__ = ["CHECKS", "DECODE_KEYS", "DTYPES", "FLAGS", "KNOWN", "LOAD_LIMIT", "MARGIN", "NEVER", "PATHS",
+           "PREFILL_LENGTHS", "ROUNDS", "SHAPES", "SHORT_CALL_SINGLES", "Crossover", "Timer", "alternated_times",
+           "best_of", "cache_path", "cpu", "cpu_kind", "crossover_ints", "crossovers", "forget", "machine_key",
+           "stored", "switched_off", "tune", "unsure_because"]
 
 log = logging.getLogger("mha.dispatch")
 
@@ -78,6 +79,10 @@ ROUNDS = 3  # interleaved rounds over the whole grid: native must win the point 
 LOAD_LIMIT = 0.10  # other processes took more than this share of the machine's CPU time while it measured: under load
 LOAD_SPAN = 1.0  # seconds: the least span over which the load is read (a real measurement takes several)
 CHECKS = 3  # measurements a table that is not sure gets in all: the first, then one at each of two later first uses
+# single calls best_of takes the median of for a call far shorter than its sample (one per call that fits in the
+# sample, at most this many): a call of microseconds timed alone is mostly the machine's jitter (2 Zen 3 cores, a
+# decoding step over one key: the worst of 8 best_of ratios 1.08 with 3 singles against a median of 0.6; 0.89 with 15)
+SHORT_CALL_SINGLES = 15
 
 
 @dataclass(frozen=True)
@@ -298,11 +303,13 @@ def best_of(point: str, shape: dict, native_call, torch_call, *, repeat: int = 2
     turn, each long enough to last about ``sample_s``: a short call timed alone is mostly the
     timer's noise), and single calls alternated with other work (the median of ``singles`` calls
     of each, a sweep over memory larger than the caches between them, as a model's other layers
-    sweep them between its attention calls)."""
+    sweep them between its attention calls; more of them for a short call, up to SHORT_CALL_SINGLES:
+    one per call that fits in ``sample_s``)."""
     native_call(), torch_call()  # warm-up
     start = time.perf_counter()
     torch_call()
     calls = max(1, min(1000, int(sample_s / max(time.perf_counter() - start, 1e-7))))
+    singles = max(singles, min(SHORT_CALL_SINGLES, calls))
     looped = [float("inf"), float("inf")]
     for _ in range(repeat):
         for i, call in enumerate((native_call, torch_call)):

@@ -605,3 +605,17 @@ def test_each_points_inputs_are_its_own_shapes_in_one_draw_without_overlap():
         spans = sorted((x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()) for x in (q, k, v))
         assert spans[0][1] <= spans[1][0] and spans[1][1] <= spans[2][0], point
         assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+
+
+def test_a_short_call_is_timed_alone_more_times(monkeypatch):
+    """SHORT_CALL_SINGLES: the single calls alternated with other work are one per call that fits in
+    the sample (at least ``singles``, at most SHORT_CALL_SINGLES): a call of microseconds timed alone
+    is mostly jitter, and its median needs more of them; a long one keeps ``singles``."""
+    import time
+    rounds = []
+    real = tuning.alternated_times
+    monkeypatch.setattr(tuning, "alternated_times", lambda calls, n, **kw: rounds.append(n) or real(calls, n, **kw))
+    monkeypatch.setattr(tuning, "_other_work", lambda: None)
+    tuning.best_of("short", {}, lambda: None, lambda: None, repeat=1, singles=3, sample_s=2e-3)
+    tuning.best_of("long", {}, lambda: time.sleep(2e-3), lambda: time.sleep(2e-3), repeat=1, singles=3, sample_s=2e-3)
+    assert rounds == [tuning.SHORT_CALL_SINGLES, 3] and tuning.SHORT_CALL_SINGLES > 3

@@ -1523,8 +1523,14 @@ void decode_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, co
         for (int64_t r = 0; r < R; ++r) absorb(n, s.data() + r * n, acc_t(1), m[r], l[r], acc + r * sh.Dv, sh.Dv, s.data() + r * n);
         run_values(R, n, sh.Dv, s.data(), n, v_head + j0 * sh.Dv, sh.Dv, acc);
       }
+      if (splits == 1)  // the task saw every key: its rows are done (no second pass over the threads)
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
+          finish_row(m[r], l[r], acc + r * sh.Dv, sh.Dv, out + row_index * sh.Dv, stats, row_index);
+        }
     }
   });
+  if (splits == 1) return;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {  // merge the splits by log-sum-exp
     std::vector<acc_t> merged(sh.Dv);
     for (int64_t bh = begin; bh < end; ++bh) {

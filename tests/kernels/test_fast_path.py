@@ -386,3 +386,20 @@ def test_key_padding_takes_the_kernels_own_call_where_native_is_measured_faster(
     with torch.no_grad():
         assert dispatch.plain_sdpa(q, k, v, is_causal=True, enable_gqa=True, key_valid=valid) is None
         assert dispatch.plain_sdpa(q, k, v, is_causal=True, enable_gqa=True) is not None  # (torch's, unpadded)
+
+
+@pytest.mark.parametrize("keys", [1023, 1024])
+def test_the_fast_paths_own_native_call_starts_at_its_crossover_key(monkeypatch, fast_path, keys):
+    """plain_decode_keys is where the C++ fast path starts running native: at 1024 keys under a
+    crossover of 1024 it gives native's bits, one key fewer torch's."""
+    monkeypatch.setattr(tuning, "crossovers", lambda dtype: tuning.Crossover(None, None, None, 1024))
+    monkeypatch.setattr(tuning, "resolved_ints", {})
+    torch.manual_seed(keys)
+    q, k, v = torch.randn(1, 8, 1, 16), torch.randn(1, 2, keys, 16), torch.randn(1, 2, keys, 16)
+    out = dispatch.plain_sdpa(q, k, v, is_causal=False, enable_gqa=True)
+    torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    native_out = native.native_attention(q, k, v) if native.native_available() else torch_out
+    on_native = fast_path == "compiled" and keys >= 1024
+    assert torch.equal(out, native_out if on_native else torch_out)
+    if native.native_available():  # (the two kernels' bits differ here: the test tells them apart)
+        assert not torch.equal(native_out, torch_out)

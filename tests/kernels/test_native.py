@@ -867,7 +867,10 @@ def _weights_contracts(B, H, L, S):
 
 @pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
 @pytest.mark.parametrize("B, H, Hkv, L, S, D", [(1, 2, 2, 1, 1, 8), (2, 4, 2, 5, 7, 16), (1, 8, 2, 9, 33, 16),
-                                               (1, 2, 1, 20, 257, 8), (2, 3, 3, 17, 17, 5)])
+                                               (1, 2, 1, 20, 257, 8), (2, 3, 3, 17, 17, 5),
+                                               # a block's 16 rows per kv head and one either side; keys at 64 and 256 +-1
+                                               (1, 2, 1, 8, 64, 8), (1, 1, 1, 15, 63, 8), (1, 2, 1, 8, 65, 8),
+                                               (1, 1, 1, 17, 255, 8), (1, 4, 1, 4, 256, 8)])
 @pytest.mark.parametrize("term", list(_weights_contracts(1, 1, 1, 1)))
 def test_the_weights_match_the_math_backends(B, H, Hkv, L, S, D, term):
     """Every term native takes, GQA, more rows than a block (16) per key/value head, a tile's edge

@@ -195,10 +195,7 @@ def plain_sdpa(q, k, v, *, is_causal: bool, enable_gqa: bool, scale: float | Non
     torch's call) and CUDA take plain_call. ``key_valid`` (B|1, S) bool, key padding: the native
     kernel's call only (where measured faster, no gradient); None elsewhere (the full path plans
     torch's kernel beside padding: its rows that see nothing)."""
-    if (not torch.compiler.is_compiling() and (kernel := native.loaded or native.load_if_built()) is not None
-            and q.__class__ is k.__class__ is v.__class__ is Tensor and not OBSERVERS
-            and forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
-            and not torch._C._is_torch_function_mode_enabled()  # (a mode sees torch's Python call: plain_call's)
+    if (_kernel_fast_path_allowed(q, k, v) and (kernel := native.loaded or native.load_if_built()) is not None
             and (dtype := q.dtype) in _FLOATS):
         direct, full = tuning.resolved_ints.get((torch.get_num_threads(), dtype)) or tuning.crossover_ints(dtype)
         out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, direct, full, scale, key_valid)
@@ -218,12 +215,18 @@ def plain_weights(q, k, v, *, is_causal: bool, scale: float | None = None,
     weights_refusal would give them to native: no gradient, no dropout (the caller's), a plain call
     (plain_sdpa's conditions, key padding too); None elsewhere (the full path). Once the kernel is
     loaded only."""
-    if (not torch.compiler.is_compiling() and (kernel := native.loaded) is not None
-            and q.__class__ is k.__class__ is v.__class__ is Tensor and not OBSERVERS
-            and forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
-            and not torch._C._is_torch_function_mode_enabled()):
+    if _kernel_fast_path_allowed(q, k, v) and (kernel := native.loaded) is not None:
         return kernel.plain_weights(q, k, v, is_causal, True, scale, key_valid)
     return None
+
+
+def _kernel_fast_path_allowed(q, k, v) -> bool:
+    """What only Python can check before the native kernel's fast path (plain_sdpa, plain_weights):
+    not while torch.compile traces, plain Tensors (no subclass), no observer, no forward-mode AD, no
+    torch.func transform, no torch function mode (a mode sees torch's Python call: plain_call's)."""
+    return (not torch.compiler.is_compiling() and q.__class__ is k.__class__ is v.__class__ is Tensor and not OBSERVERS
+            and forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
+            and not torch._C._is_torch_function_mode_enabled())
 
 
 def plain_call(q, k, v, enable_gqa: bool) -> bool:

@@ -870,7 +870,10 @@ def _weights_contracts(B, H, L, S):
                                                (1, 2, 1, 20, 257, 8), (2, 3, 3, 17, 17, 5),
                                                # a block's 16 rows per kv head and one either side; keys at 64 and 256 +-1
                                                (1, 2, 1, 8, 64, 8), (1, 1, 1, 15, 63, 8), (1, 2, 1, 8, 65, 8),
-                                               (1, 1, 1, 17, 255, 8), (1, 4, 1, 4, 256, 8)])
+                                               (1, 1, 1, 17, 255, 8), (1, 4, 1, 4, 256, 8),
+                                               # brgemm's products (weights_tiled): a second block of 64
+                                               # rows, 4 of them; an odd head dim; keys not a multiple of 8
+                                               (1, 4, 1, 17, 100, 8), (2, 4, 2, 33, 70, 5)])
 @pytest.mark.parametrize("term", list(_weights_contracts(1, 1, 1, 1)))
 def test_the_weights_match_the_math_backends(B, H, Hkv, L, S, D, term):
     """Every term native takes, GQA, more rows than a block (16) per key/value head, a tile's edge
@@ -892,9 +895,10 @@ def test_the_weights_match_the_math_backends(B, H, Hkv, L, S, D, term):
 
 @pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_weights_within_twice_the_math_backends_error(dtype):
+@pytest.mark.parametrize("L, S", [(6, 40), (40, 70)])  # the run loops, brgemm's products
+def test_half_precision_weights_within_twice_the_math_backends_error(dtype, L, S):
     torch.manual_seed(1)
-    q, k, v = (2 * torch.randn(2, 4, T, 16, dtype=torch.float64) for T in (6, 40, 40))
+    q, k, v = (2 * torch.randn(2, 4, T, 16, dtype=torch.float64) for T in (L, S, S))
     want_out, want_w = mha.kernels.math_attention(q, k, v, Contract(band=CAUSAL))
     low = [x.to(dtype) for x in (q, k, v)]
     out, weights = native.native_attention_weights(*low, Contract(band=CAUSAL))
@@ -905,9 +909,21 @@ def test_half_precision_weights_within_twice_the_math_backends_error(dtype):
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
-def test_weights_of_rows_that_see_nothing_are_zeros_and_nan_stays_in_its_row():
-    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
-    hidden = Contract(key_valid=torch.tensor([[False] * 6]))  # every key hidden
+def test_the_weights_run_brgemm_from_17_rows_and_1024_rows_x_keys_in_float32():
+    """native.cpp's weights_tiled: the run loops for a decoding step's rows (16 per key/value head)
+    and small calls, where packing a tile costs more than its products; brgemm from 17 rows and
+    rows x keys >= 1024 (float32 accumulation only)."""
+    tiled = native.loaded.weights_tiled
+    assert not tiled(16, 10 ** 6, True) and not tiled(17, 60, True) and tiled(17, 61, True)
+    assert not tiled(32, 31, True) and tiled(32, 32, True) and tiled(64, 16, True) and not tiled(64, 15, True)
+    assert not tiled(10 ** 4, 10 ** 4, False)
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
+@pytest.mark.parametrize("L, S", [(4, 6), (40, 40)])  # the run loops, brgemm's products
+def test_weights_of_rows_that_see_nothing_are_zeros_and_nan_stays_in_its_row(L, S):
+    q, k, v = torch.randn(1, 2, L, 8), torch.randn(1, 2, S, 8), torch.randn(1, 2, S, 8)
+    hidden = Contract(key_valid=torch.tensor([[False] * S]))  # every key hidden
     out, weights = native.native_attention_weights(q, k, v, hidden)
     assert not out.any() and not weights.any()
     with_sinks = hidden.replace(sinks=torch.zeros(2))
@@ -919,7 +935,7 @@ def test_weights_of_rows_that_see_nothing_are_zeros_and_nan_stays_in_its_row():
     assert torch.equal(weights.isnan(), want_w.isnan()) and torch.equal(out.isnan(), want_out.isnan())
     assert weights[0, 1, 2:].isnan().all() and not weights[0, 1, :2].isnan().any() and not weights[0, 0].isnan().any()
     empty_out, empty_w = native.native_attention_weights(q, k[:, :, :0], v[:, :, :0])
-    assert empty_w.shape == (1, 2, 4, 0) and not empty_out.any()
+    assert empty_w.shape == (1, 2, L, 0) and not empty_out.any()
     strided = torch.randn(1, 2, 8, 16)[..., ::2]  # every other column
     assert_close(native.native_attention_weights(strided, strided, strided)[1],
                  mha.kernels.math_attention(strided, strided, strided)[0 + 1])

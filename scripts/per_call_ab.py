@@ -5,6 +5,8 @@
     python scripts/per_call_ab.py --generate 512  # a Llama's prefill and 32-token generation, mha vs sdpa
     python scripts/per_call_ab.py --bridge 512    # the transformers bridge's attention call at a decoding
                                                   # step over 512 keys against transformers' sdpa's
+    python scripts/per_call_ab.py --dropin 256    # the drop-in module (E512 H8) against torch's, with and
+                                                  # without the weights, B1 and B4
     python scripts/per_call_ab.py --paged 16      # paged_attention's layers over the kernel alone: a
                                                   # decoding step over 16 keys, one thread
 
@@ -107,6 +109,23 @@ def paged(S: int) -> None:
             print(f"S{S} {name:26s} {ta:8.2f} us, the kernel alone {tb:8.2f} us: {r:.2f}")
 
 
+def dropin(T: int) -> None:
+    """The drop-in module's call (E512 H8, eval, batch first) against torch's, with and without the
+    weights, B1 and B4 at T tokens."""
+    import mha
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(512, 8, batch_first=True).eval()
+    ours = mha.nn.MultiheadAttention(512, 8, batch_first=True).eval()
+    ours.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        for B in (1, 4):
+            x = torch.randn(B, T, 512)
+            for weights in (True, False):
+                ratio, a, b = pair_ratio(lambda: ours(x, x, x, need_weights=weights),
+                                         lambda: ref(x, x, x, need_weights=weights), n=3, pairs=30)
+                print(f"drop-in B{B} T{T} need_weights={weights}: ours/torch {ratio:.2f} ({a:.0f} vs {b:.0f} us)")
+
+
 def generate(T: int, rounds: int = 3) -> None:
     from mha.tools import bench_hf
     models = {i: bench_hf.llama(i) for i in ("mha", "sdpa")}
@@ -130,12 +149,15 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--generate", type=int, metavar="T", help="time generation after a prompt of T tokens")
     parser.add_argument("--bridge", type=int, metavar="S", help="the transformers bridge at a decoding step over S keys")
+    parser.add_argument("--dropin", type=int, metavar="T", help="the drop-in module's call at T tokens, with and without weights")
     parser.add_argument("--paged", type=int, metavar="S", help="paged_attention's layers at a decoding step over S keys")
     args = parser.parse_args()
     if args.generate:
         generate(args.generate)
     elif args.bridge:
         bridge(args.bridge)
+    elif args.dropin:
+        dropin(args.dropin)
     elif args.paged:
         paged(args.paged)
     else:

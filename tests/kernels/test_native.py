@@ -909,6 +909,28 @@ def test_half_precision_weights_within_twice_the_math_backends_error(dtype, L, S
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
+@pytest.mark.parametrize("L, S", [(3, 9), (40, 70)])  # the run loops, brgemm's products
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_weights_read_rows_where_they_lie_and_lay_the_output_out_by_tokens(L, S, dtype):
+    """forward_weights reads the heads of a (B, T, H, D) projection seen as (B, H, T, D), k and v
+    shared across heads by stride 0, without copies, with the bits of contiguous inputs; columns
+    that are not contiguous are copied first. The output is laid out (B, L, H, Dv): merging its
+    heads is a view."""
+    torch.manual_seed(L)
+    terms = native._terms(Contract(band=CAUSAL), 16, dtype)
+    q = torch.randn(2, L, 4, 16).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(2, S, 1, 16).to(dtype).transpose(1, 2).expand(2, 4, S, 16) for _ in range(2))
+    out, weights = native.loaded.forward_weights(q, k, v, terms)
+    want_out, want_w = native.loaded.forward_weights(*(x.contiguous() for x in (q, k, v)), terms)
+    assert torch.equal(out, want_out) and torch.equal(weights, want_w)
+    assert out.transpose(1, 2).is_contiguous()  # (B, L, H, Dv) in memory
+    columns = torch.randn(2, 4, L, 32).to(dtype)[..., ::2]  # every other column: copied
+    got = native.loaded.forward_weights(columns, columns, columns, native._terms(Contract(), 16, dtype))
+    assert torch.equal(got[1], native.loaded.forward_weights(*(columns.contiguous(),) * 3,
+                                                             native._terms(Contract(), 16, dtype))[1])
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
 def test_the_weights_run_brgemm_from_17_rows_and_1024_rows_x_keys_in_float32():
     """native.cpp's weights_tiled: the run loops for a decoding step's rows (16 per key/value head)
     and small calls, where packing a tile costs more than its products; brgemm from 17 rows and

@@ -693,7 +693,7 @@ T* workspace(int slot, int64_t count) {
   return buffer.data();
 }
 
-// dst[d * kBlockK + j] = src[j * X + d] for the n < kBlockK keys j of a tile and d < X, the columns
+// dst[d * kBlockK + j] = src[j * lds + d] for the n <= kBlockK keys j of a tile and d < X, the columns
 // past n zeros: kPackKeys keys at a time, whose rows stay in L1 while each column's run of them is
 // written (key by key, each key wrote one value into X lines a kBlockK apart). A function of its own
 // with its pointers __restrict: inlined into the parallel loop's lambda, the compiler kept its
@@ -724,14 +724,15 @@ inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
 #endif
 
 template <typename scalar_t, typename acc_t>
-__attribute__((noinline)) void pack_tile(const scalar_t* __restrict src, int64_t n, int64_t X, acc_t* __restrict dst) {
+__attribute__((noinline)) void pack_tile(const scalar_t* __restrict src, int64_t lds, int64_t n, int64_t X,
+                                         acc_t* __restrict dst) {
   int64_t whole = 0;  // keys done in 8 x 8 blocks (float32 in AVX2 builds: 0.6x the loop's time, standalone)
 #if defined(__AVX2__)
   if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
     if (X % 8 == 0) {
       whole = n / 8 * 8;
       for (int64_t j = 0; j < whole; j += 8)
-        for (int64_t d = 0; d < X; d += 8) transpose8(src + j * X + d, X, dst + d * kBlockK + j, kBlockK);
+        for (int64_t d = 0; d < X; d += 8) transpose8(src + j * lds + d, lds, dst + d * kBlockK + j, kBlockK);
     }
   }
 #endif
@@ -740,21 +741,31 @@ __attribute__((noinline)) void pack_tile(const scalar_t* __restrict src, int64_t
     for (int64_t d = 0; d < X; ++d) {
       acc_t* __restrict column = dst + d * kBlockK;
       const scalar_t* __restrict values = src + d;
-      for (int64_t j = j0; j < j1; ++j) column[j] = static_cast<acc_t>(values[j * X]);
+      for (int64_t j = j0; j < j1; ++j) column[j] = static_cast<acc_t>(values[j * lds]);
     }
   }
   if (n < kBlockK)
     for (int64_t d = 0; d < X; ++d) std::fill(dst + d * kBlockK + n, dst + (d + 1) * kBlockK, acc_t(0));
 }
 
-// x (BH, S, X) -> out (BH, tiles, X, kBlockK) in acc_t, the last tile padded with zeros: one pass.
+// Where the rows of a 4-D tensor (B, heads, T, X) lie, its last dim contiguous: row i of head h of
+// batch b at b * batch + h * head + i * row (elements from its start).
+struct RowStrides {
+  int64_t batch, head, row;
+  int64_t at(int64_t b, int64_t h, int64_t i) const { return b * batch + h * head + i * row; }
+};
+
+inline RowStrides contiguous_rows(int64_t heads, int64_t T, int64_t X) { return {heads * T * X, T * X, X}; }
+
+// x (B, Hkv, S, X), its rows where xs says -> out (B * Hkv, tiles, X, kBlockK) in acc_t, the last
+// tile padded with zeros: one pass.
 template <typename scalar_t, typename acc_t>
-void pack_tile_major(const scalar_t* x, int64_t BH, int64_t S, int64_t X, acc_t* out) {
-  const int64_t tiles = tiles_of(S);
-  at::parallel_for(0, BH * tiles, 1, [&](int64_t begin, int64_t end) {
+void pack_tile_major(const scalar_t* x, RowStrides xs, const Shape& sh, int64_t X, acc_t* out) {
+  const int64_t tiles = tiles_of(sh.S);
+  at::parallel_for(0, sh.B * sh.Hkv * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / tiles, tile = task % tiles;
-      pack_tile(x + (bh * S + tile * kBlockK) * X, std::min(kBlockK, S - tile * kBlockK), X, out + task * X * kBlockK);
+      const int64_t bh = task / tiles, tile = task % tiles, j0 = tile * kBlockK;
+      pack_tile(x + xs.at(bh / sh.Hkv, bh % sh.Hkv, j0), xs.row, std::min(kBlockK, sh.S - j0), X, out + task * X * kBlockK);
     }
   });
 }
@@ -762,22 +773,29 @@ void pack_tile_major(const scalar_t* x, int64_t BH, int64_t S, int64_t X, acc_t*
 template <typename acc_t>
 struct Operands {
   const acc_t* kt_ptr;  // (B, Hkv, tiles, D, kBlockK)
-  const acc_t* v_ptr;  // (B, Hkv, S, Dv)
+  const acc_t* v_ptr;  // (B, Hkv, S, Dv), rows where v_rows says
+  RowStrides v_rows;
+
+  const acc_t* v_head(int64_t bh, int64_t Hkv) const { return v_ptr + v_rows.at(bh / Hkv, bh % Hkv, 0); }
 };
 
+// K^T tile-major and V in acc_t (V read in place when it is acc_t already), from k and v whose rows
+// lie where ks and vs say (contiguous: the forward's).
 template <typename scalar_t, typename acc_t>
-Operands<acc_t> operands(const Shape& sh, const scalar_t* k, const scalar_t* v) {
+Operands<acc_t> operands(const Shape& sh, const scalar_t* k, RowStrides ks, const scalar_t* v, RowStrides vs) {
   acc_t* kt = workspace<acc_t>(0, sh.B * sh.Hkv * tiles_of(sh.S) * sh.D * kBlockK);
-  pack_tile_major(k, sh.B * sh.Hkv, sh.S, sh.D, kt);
+  pack_tile_major(k, ks, sh, sh.D, kt);
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    return {kt, v};
+    return {kt, v, vs};
   } else {
-    const int64_t count = sh.B * sh.Hkv * sh.S * sh.Dv;
-    acc_t* converted = workspace<acc_t>(1, count);
-    at::parallel_for(0, count, 1 << 16, [&](int64_t begin, int64_t end) {
-      for (int64_t x = begin; x < end; ++x) converted[x] = static_cast<acc_t>(v[x]);
+    acc_t* converted = workspace<acc_t>(1, sh.B * sh.Hkv * sh.S * sh.Dv);
+    at::parallel_for(0, sh.B * sh.Hkv * sh.S, 1 << 10, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        const scalar_t* src = v + vs.at(row / sh.S / sh.Hkv, row / sh.S % sh.Hkv, row % sh.S);
+        std::transform(src, src + sh.Dv, converted + row * sh.Dv, [](scalar_t x) { return static_cast<acc_t>(x); });
+      }
     });
-    return {kt, converted};
+    return {kt, converted, contiguous_rows(sh.Hkv, sh.S, sh.Dv)};
   }
 }
 
@@ -802,7 +820,9 @@ struct PlainProducts {
   std::vector<acc_t> qp = {};  // the block's scaled queries (per thread: each thread copies the products)
 
   PlainProducts(const Shape& shape, acc_t scale_, const scalar_t* k, const scalar_t* v)
-      : sh(shape), scale(scale_), ops(operands<scalar_t, acc_t>(shape, k, v)) {}
+      : sh(shape), scale(scale_),
+        ops(operands<scalar_t, acc_t>(shape, k, contiguous_rows(shape.Hkv, shape.S, shape.D), v,
+                                      contiguous_rows(shape.Hkv, shape.S, shape.Dv))) {}
 
   void pack_row(int64_t r, const scalar_t* src) {
     if (qp.empty()) qp.resize(kBlockQ * sh.D);
@@ -814,7 +834,7 @@ struct PlainProducts {
   }
   acc_t* weights(acc_t* s) { return s; }  // in place of the scores
   void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const acc_t* s, acc_t* acc) {
-    gemm_nn(R, sh.Dv, n, s, n, ops.v_ptr + (bh * sh.S + j0) * sh.Dv, sh.Dv, acc, sh.Dv, true);
+    gemm_nn(R, sh.Dv, n, s, n, ops.v_head(bh, sh.Hkv) + j0 * ops.v_rows.row, ops.v_rows.row, acc, sh.Dv, true);
   }
 };
 
@@ -1617,12 +1637,12 @@ bool weights_tiled(int64_t rows, int64_t keys, bool float32) {
 }
 
 template <typename scalar_t, typename acc_t>
-void weights_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const scalar_t* k, const scalar_t* v,
-                    scalar_t* out, acc_t* weights) {
+void weights_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, RowStrides qs, const scalar_t* k,
+                    RowStrides ks, const scalar_t* v, RowStrides vs, scalar_t* out, RowStrides os, acc_t* weights) {
   const int64_t R = sh.rows();
   const bool tiled = weights_tiled(R, sh.S, std::is_same_v<acc_t, float>);
   const int64_t block = tiled ? kBlockQ : kDecodeRows, blocks = (R + block - 1) / block;
-  const Operands<acc_t> ops = tiled ? operands<scalar_t, acc_t>(sh, k, v) : Operands<acc_t>{nullptr, nullptr};
+  const Operands<acc_t> ops = tiled ? operands<scalar_t, acc_t>(sh, k, ks, v, vs) : Operands<acc_t>{nullptr, nullptr, {}};
   at::parallel_for(0, sh.B * sh.Hkv * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> q_rows(block * sh.D), acc(block * sh.Dv);
     for (int64_t task = begin; task < end; ++task) {
@@ -1630,7 +1650,7 @@ void weights_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, c
       const int64_t r0 = task % blocks * block, n = std::min(R, r0 + block) - r0;
       const Rows rows = block_rows(sh, t, b, kv_head, r0, r0 + n);
       for (int64_t r = 0; r < n; ++r) {
-        const scalar_t* row = q + ((b * sh.H + rows.head[r]) * sh.L + rows.index[r]) * sh.D;
+        const scalar_t* row = q + qs.at(b, rows.head[r], rows.index[r]);
         std::transform(row, row + sh.D, q_rows.begin() + r * sh.D, [](scalar_t x) { return static_cast<acc_t>(x); });
       }
       acc_t* s = weights + ((b * sh.H + kv_head * sh.G) * sh.L + r0) * sh.S;  // the block's rows, S apart
@@ -1640,7 +1660,7 @@ void weights_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, c
           gemm_nn(n, std::min(kBlockK, sh.S - j0), sh.D, q_rows.data(), sh.D, kt_block(kt_head, sh.D, j0), kBlockK,
                   s + j0, sh.S, false);
       } else {
-        run_scores(n, sh.S, sh.D, q_rows.data(), k + b * sh.k_batch + kv_head * sh.k_head, sh.D, s, sh.S);
+        run_scores(n, sh.S, sh.D, q_rows.data(), k + ks.at(b, kv_head, 0), ks.row, s, sh.S);
       }
       for (int64_t i = 0; i < n * sh.S; ++i) s[i] *= t.scale;
       const bool covered = band_covers(t, rows, 0, sh.S);
@@ -1649,13 +1669,13 @@ void weights_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, c
       std::fill(acc.begin(), acc.begin() + n * sh.Dv, acc_t(0));
       if (tiled) {
         for (int64_t j0 = 0; j0 < sh.S; j0 += kBlockK)
-          gemm_nn(n, sh.Dv, std::min(kBlockK, sh.S - j0), s + j0, sh.S, ops.v_ptr + (bh * sh.S + j0) * sh.Dv, sh.Dv,
-                  acc.data(), sh.Dv, true);
+          gemm_nn(n, sh.Dv, std::min(kBlockK, sh.S - j0), s + j0, sh.S, ops.v_head(bh, sh.Hkv) + j0 * ops.v_rows.row,
+                  ops.v_rows.row, acc.data(), sh.Dv, true);
       } else {
-        run_values(n, sh.S, sh.Dv, s, sh.S, v + b * sh.v_batch + kv_head * sh.v_head, sh.Dv, acc.data());
+        run_values(n, sh.S, sh.Dv, s, sh.S, v + vs.at(b, kv_head, 0), vs.row, acc.data());
       }
       for (int64_t r = 0; r < n; ++r) {
-        scalar_t* o = out + ((b * sh.H + rows.head[r]) * sh.L + rows.index[r]) * sh.Dv;
+        scalar_t* o = out + os.at(b, rows.head[r], rows.index[r]);
         std::transform(acc.begin() + r * sh.Dv, acc.begin() + (r + 1) * sh.Dv, o, [](acc_t x) { return static_cast<scalar_t>(x); });
       }
     }
@@ -2073,11 +2093,24 @@ bool rows_contiguous(const Tensor& x) {
          x.stride(0) >= 0;
 }
 
-Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, bool strided_kv = false) {
+// Whether x (B, H, T, X) has its last dim contiguous and no negative stride: rows the weights kernel
+// reads where they lie (RowStrides), whatever the distances between them.
+bool rows_readable(const Tensor& x) {
+  if (x.numel() == 0) return true;
+  return (x.stride(3) == 1 || x.size(3) <= 1) && x.stride(2) >= 0 && x.stride(1) >= 0 && x.stride(0) >= 0;
+}
+
+// What a kernel reads in place: everything contiguous (the tiled forward, the backward), k's and v's
+// rows contiguous (the decoding path: rows_contiguous), any rows (the weights: rows_readable).
+enum class Layout { kContiguous, kKvRows, kAnyRows };
+
+Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, Layout layout = Layout::kContiguous) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "mha native: q, k, v must be 4-D");
-  TORCH_CHECK(q.is_contiguous() && (strided_kv ? rows_contiguous(k) && rows_contiguous(v)
-                                               : k.is_contiguous() && v.is_contiguous()),
-              "mha native: inputs must be contiguous (k and v: rows contiguous)");
+  const bool readable = layout == Layout::kAnyRows
+                            ? rows_readable(q) && rows_readable(k) && rows_readable(v)
+                            : q.is_contiguous() && (layout == Layout::kKvRows ? rows_contiguous(k) && rows_contiguous(v)
+                                                                               : k.is_contiguous() && v.is_contiguous());
+  TORCH_CHECK(readable, "mha native: inputs must be contiguous (k and v: rows contiguous)");
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), "mha native: q, k, v must have one batch size");
   TORCH_CHECK(v.size(1) == k.size(1) && v.size(2) == k.size(2), "mha native: v must have k's heads and length");
   TORCH_CHECK(k.size(3) == q.size(3), "mha native: k must have q's head dim");
@@ -2095,7 +2128,7 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k_in, const Tensor& v
                       q.size(1) / k_in.size(1) * q.size(2) <= kDecodeRows && !for_backward;
   const Tensor& k = decode && rows_contiguous(k_in) ? k_in : k_in.contiguous();
   const Tensor& v = decode && rows_contiguous(v_in) ? v_in : v_in.contiguous();
-  const Shape sh = shape_of(q, k, v, decode);
+  const Shape sh = shape_of(q, k, v, decode ? Layout::kKvRows : Layout::kContiguous);
   auto out = at::empty({sh.B, sh.H, sh.L, sh.Dv}, q.options());
   const bool wide = q.scalar_type() == at::kDouble;
   const auto stats_options = q.options().dtype(wide ? at::kDouble : at::kFloat);
@@ -2113,18 +2146,25 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k_in, const Tensor& v
   return {out, row_max, row_sum};
 }
 
-// (output (B, H, L, Dv), weights (B, H, L, S) in float32, float64 for float64 inputs): weights_kernel.
-std::vector<Tensor> forward_weights(const Tensor& q, const Tensor& k_in, const Tensor& v_in, const TermArgs& terms) {
-  const Tensor k = k_in.contiguous(), v = v_in.contiguous();
-  const Shape sh = shape_of(q, k, v);
-  auto out = at::empty({sh.B, sh.H, sh.L, sh.Dv}, q.options());
+// (output (B, H, L, Dv), weights (B, H, L, S) in float32, float64 for float64 inputs): weights_kernel,
+// reading q, k and v where their rows lie (the heads of a projection's (B, T, H, D) output, seen as
+// (B, H, T, D), are not copied: measured, three copies and the output's were a quarter of the
+// drop-in's weights over torch's at B4 T128 E512), and writing the output laid out (B, L, H, Dv), as
+// torch's CPU kernels lay theirs out, so that merging its heads after is a view.
+std::vector<Tensor> forward_weights(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const TermArgs& terms) {
+  const auto readable = [](const Tensor& x) { return rows_readable(x) ? x : x.contiguous(); };
+  const Tensor q = readable(q_in), k = readable(k_in), v = readable(v_in);
+  const Shape sh = shape_of(q, k, v, Layout::kAnyRows);
+  auto out = at::empty({sh.B, sh.L, sh.H, sh.Dv}, q.options()).transpose(1, 2);
   auto weights = at::empty({sh.B, sh.H, sh.L, sh.S}, q.options().dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
   if (sh.B * sh.H * sh.L == 0) return {out, weights};
   if (sh.S == 0) return {out.zero_(), weights};  // rows that see nothing (a sink's weight is not kept)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_native_forward_weights", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    weights_kernel<scalar_t, acc_t>(sh, terms_of<acc_t>(terms), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
-                                    v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), weights.data_ptr<acc_t>());
+    const auto rows = [](const Tensor& x) { return RowStrides{x.stride(0), x.stride(1), x.stride(2)}; };
+    weights_kernel<scalar_t, acc_t>(sh, terms_of<acc_t>(terms), q.data_ptr<scalar_t>(), rows(q), k.data_ptr<scalar_t>(),
+                                    rows(k), v.data_ptr<scalar_t>(), rows(v), out.data_ptr<scalar_t>(), rows(out),
+                                    weights.data_ptr<acc_t>());
   });
   return {out, weights};
 }
@@ -2396,7 +2436,7 @@ pybind11::object plain_weights(const Tensor& q, const Tensor& k, const Tensor& v
   std::vector<Tensor> result;
   {
     pybind11::gil_scoped_release no_gil;
-    result = forward_weights(q.contiguous(), k, v, plain_terms(is_causal, scale, q.size(3), key_valid));
+    result = forward_weights(q, k, v, plain_terms(is_causal, scale, q.size(3), key_valid));
     result[1] = result[1].to(q.scalar_type());
   }
   return pybind11::make_tuple(result[0], result[1]);

@@ -188,7 +188,7 @@ def test_serving_ways_and_a_sized_cache(monkeypatch):
         bench_serving.measure_way("16 x 64-512 x 32", torch.float32, "eager")
 
 
-def test_auto_rows_time_loops_and_single_calls_alternated_with_other_work():
+def test_auto_rows_time_loops_and_single_calls_alternated_with_other_work(monkeypatch):
     rows = list(bench.auto_rows([16], [64], 1))
     assert [r.point for r in rows] == ["fp32 T16 causal", "fp32 decode S64", "bf16 T16 causal", "bf16 decode S64"]
     for row in rows:
@@ -199,6 +199,13 @@ def test_auto_rows_time_loops_and_single_calls_alternated_with_other_work():
     calls = []
     times = tuning.alternated_times({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3)
     assert calls == ["a", "b"] * 4 and set(times) == {"a", "b"}  # a warm-up each, then in turn
+    # the alternated ratio: the median of each round's pair, not the ratio of the medians (3 here)
+    monkeypatch.setattr(tuning, "alternated_samples", lambda fns, rounds: {"auto": [1.0, 10.0, 3.0], "torch": [1.0, 1.0, 3.0]})
+    row = next(bench.auto_rows([1], [], 1))
+    assert row.ratios["auto/torch alternated"] == 1.0 and row.times_ms["auto alternated"] == 3000.0
+    # single calls alternated: one per loop call, 3 to SHORT_CALL_SINGLES (15), times the repeats
+    assert [bench.alternated_rounds(c, r) for c, r in ((1, 1), (4, 1), (200, 1), (200, 2), (15, 1), (16, 1))] == [
+        3, 4, 15, 30, 15, 15]
 
 
 def test_a_section_of_rows_with_different_columns_prints_one_table_per_kind_of_row():

@@ -59,9 +59,9 @@ import torch
 from .._version import __version__
 
 __all__ = ["CHECKS", "DECODE_KEYS", "DTYPES", "FLAGS", "KNOWN", "LOAD_LIMIT", "MARGIN", "NEVER", "PATHS",
-           "PREFILL_LENGTHS", "ROUNDS", "SHAPES", "SHORT_CALL_SINGLES", "Crossover", "Timer", "alternated_times",
-           "best_of", "cache_path", "cpu", "cpu_kind", "crossover_ints", "crossovers", "forget", "machine_key",
-           "stored", "switched_off", "tune", "unsure_because"]
+           "PREFILL_LENGTHS", "ROUNDS", "SHAPES", "SHORT_CALL_SINGLES", "Crossover", "Timer", "alternated_samples",
+           "alternated_times", "best_of", "cache_path", "cpu", "cpu_kind", "crossover_ints", "crossovers", "forget",
+           "machine_key", "stored", "switched_off", "tune", "unsure_because"]
 
 log = logging.getLogger("mha.dispatch")
 
@@ -322,11 +322,12 @@ def best_of(point: str, shape: dict, native_call, torch_call, *, repeat: int = 2
     return max((looped, alternated), key=lambda pair: pair[0] / pair[1])
 
 
-def alternated_times(calls: dict[str, Callable[[], object]], rounds: int, *, warm: bool = True) -> dict[str, float]:
-    """Seconds of a single call of each, the median of ``rounds`` taken in turn, each call after a
-    sweep over memory larger than the caches (_other_work), as a model's other layers sweep them
-    between its attention calls: how calls meet users, where back-to-back loops keep all warm.
-    ``warm``: one untimed call of each first."""
+def alternated_samples(calls: dict[str, Callable[[], object]], rounds: int, *,
+                       warm: bool = True) -> dict[str, list[float]]:
+    """Seconds of ``rounds`` single calls of each, taken in turn, each call after a sweep over memory
+    larger than the caches (_other_work), as a model's other layers sweep them between its
+    attention calls: how calls meet users, where back-to-back loops keep all warm. ``warm``: one
+    untimed call of each first."""
     if warm:
         for call in calls.values():
             call()
@@ -337,7 +338,12 @@ def alternated_times(calls: dict[str, Callable[[], object]], rounds: int, *, war
             start = time.perf_counter()
             call()
             times[name].append(time.perf_counter() - start)
-    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    return times
+
+
+def alternated_times(calls: dict[str, Callable[[], object]], rounds: int, *, warm: bool = True) -> dict[str, float]:
+    """The median of each one's alternated_samples."""
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in alternated_samples(calls, rounds, warm=warm).items()}
 
 
 @functools.cache

@@ -58,6 +58,7 @@ import itertools
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -603,12 +604,24 @@ def plot_native(rows: list[Row], path: str) -> None:
 
 # -- the attention contract: time against torch on the same calls ---------------------------------
 
+def alternated_rounds(calls: int, repeat: int) -> int:
+    """Single calls of each way auto_rows alternates, for a point whose loops take ``calls`` calls:
+    one per loop call up to tuning.SHORT_CALL_SINGLES (the tuning's rule), at least 3, times
+    ``repeat``. With 4 (the rule before), T = 128, where both sides run torch's kernel, read 0.89 to
+    1.32 over three runs on 2 Zen 3 cores: the median of four single calls of 0.5 ms is this
+    machine's jitter."""
+    return max(3, min(tuning.SHORT_CALL_SINGLES, calls)) * repeat
+
+
 def auto_rows(lengths, decode_keys, repeat: int) -> Iterator[Row]:
     """backend="auto" (mha.functional.scaled_dot_product_attention: checks, contract, dispatch,
     whichever kernel it picks) against torch's SDPA on the same call, B1 H8 D64, no_grad: prefill
     at every length (causal), fp32 and bf16, and decoding steps (L=1, 2 kv heads, GQA) over
     ``decode_keys`` keys. Timed two ways: back-to-back (short calls several per round, so per-call
-    cost shows) and single calls alternated with other work (tuning.alternated_times)."""
+    cost shows) and single calls alternated with other work (tuning.alternated_samples): their
+    ratio the median of each round's auto/torch, the two calls a round takes one after the other
+    (the ratio of the two medians, taken from calls up to a second apart, moved with this
+    machine's drift: 1.08 where the rounds' median read 1.03-1.05, both sides torch's kernel)."""
     F = torch.nn.functional
     for name, dtype in bench_native.DTYPES.items():
         points = [(f"T{T}", (1, HEADS, T), (1, HEADS, T), True) for T in lengths]
@@ -622,10 +635,11 @@ def auto_rows(lengths, decode_keys, repeat: int) -> Iterator[Row]:
                    "torch": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)}
             with torch.no_grad():
                 t = best_times(fns, repeat, calls=calls)
-                alone = tuning.alternated_times(fns, max(3, min(4 * repeat, calls * repeat)))
+                alone = tuning.alternated_samples(fns, alternated_rounds(calls, repeat))
+            paired = statistics.median(a / b for a, b in zip(alone["auto"], alone["torch"]))
             yield Row("auto", f"{name} {point}{' causal' if causal else ''}",
-                      {**t, **{f"{way} alternated": seconds * 1e3 for way, seconds in alone.items()}},
-                      {"auto/torch": t["auto"] / t["torch"], "auto/torch alternated": alone["auto"] / alone["torch"]})
+                      {**t, **{f"{way} alternated": statistics.median(seconds) * 1e3 for way, seconds in alone.items()}},
+                      {"auto/torch": t["auto"] / t["torch"], "auto/torch alternated": paired})
 
 
 def peer_rows(lengths, repeat: int) -> Iterator[Row]:

@@ -931,6 +931,20 @@ def test_the_weights_read_rows_where_they_lie_and_lay_the_output_out_by_tokens(L
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
+def test_native_attention_weights_copies_no_projection_heads():
+    """The full path (a mask: not the per-call fast path) hands the kernel q, k, v as they lie
+    (_Inputs reads="any rows"): no copy in the call, the bits of contiguous inputs."""
+    q = torch.randn(2, 40, 4, 16).transpose(1, 2)  # (B, T, H, D) seen as (B, H, T, D)
+    k, v = (torch.randn(2, 70, 4, 16).transpose(1, 2) for _ in range(2))
+    contract = Contract(mask=torch.randn(40, 70))
+    with torch.profiler.profile() as profiled:
+        out, weights = native.native_attention_weights(q, k, v, contract)
+    assert not [e.name for e in profiled.events() if e.name in ("aten::copy_", "aten::clone", "aten::contiguous")]
+    want_out, want_w = native.native_attention_weights(q.contiguous(), k.contiguous(), v.contiguous(), contract)
+    assert torch.equal(out, want_out) and torch.equal(weights, want_w)
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
 def test_the_weights_run_brgemm_from_17_rows_and_1024_rows_x_keys_in_float32():
     """native.cpp's weights_tiled: the run loops for a decoding step's rows (16 per key/value head)
     and small calls, where packing a tile costs more than its products; brgemm from 17 rows and

@@ -296,7 +296,7 @@ def native_attention_weights(q: Tensor, k: Tensor, v: Tensor, contract: Contract
         raise ValueError(f"the native backend cannot run this call: {reason}")
     q, k, v = autocast_inputs(q, k, v)
     q, contract = contract.fold_logit_scale(q)
-    inputs = _Inputs(q, k, v, contract)
+    inputs = _Inputs(q, k, v, contract, reads="any rows")
     out, weights = _kernel().forward_weights(*inputs.tensors(), inputs.terms())
     return inputs.output(out), weights.view(*inputs.lead, *weights.shape[2:]).to(q.dtype)  # (B, H, L, S) -> (..., L, S)
 
@@ -313,7 +313,7 @@ def _checked_run(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None, dro
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in learned):
         out, lse = _Native.apply(*learned, contract)
         return (out, lse) if with_lse else out
-    inputs = _Inputs(q, k, v, contract, strided_kv=True)  # nothing to differentiate: no autograd node
+    inputs = _Inputs(q, k, v, contract, reads="kv rows")  # nothing to differentiate: no autograd node
     out, kept = _forward(inputs, for_backward=False)
     return (out, _lse(inputs, *kept[1:])) if with_lse else out
 
@@ -365,22 +365,31 @@ class _Native(torch.autograd.Function):
 def _rows_contiguous(x: Tensor, lead: tuple[int, ...]) -> bool:
     """x (B, H, T, X) with contiguous rows that follow each other within a head (any head and batch
     strides >= 0), and at least one column: what the kernel's decoding path reads in place."""
+    return _rows_readable(x, lead) and (x.shape[-2] <= 1 or x.stride(-2) == x.shape[-1])
+
+
+def _rows_readable(x: Tensor, lead: tuple[int, ...]) -> bool:
+    """x (B, H, T, X) with contiguous rows wherever they lie (strides >= 0: a projection's heads seen
+    as (B, H, T, D), a broadcast's zero strides), and at least one column: what the kernel's
+    weights read in place (csrc/native.cpp's rows_readable)."""
     return (x.dim() == 4 and x.shape[:2] == lead and x.shape[-1] > 0 and x.stride(-1) == 1
-            and (x.shape[-2] <= 1 or x.stride(-2) == x.shape[-1]) and x.stride(0) >= 0 and x.stride(1) >= 0)
+            and min(x.stride()) >= 0)
 
 
 class _Inputs:
     """q, k, v as the kernel takes them, (B, H, L, D) contiguous, and the contract as its arguments."""
 
-    def __init__(self, q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, strided_kv: bool = False):
-        """strided_kv: k and v may stay views whose rows are contiguous but whose heads are further
-        apart (a KV cache's first S of more slots): the kernel's decoding path reads them as they
-        are, its other paths copy them (the backward's inputs are always contiguous)."""
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, reads: str = "contiguous"):
+        """reads: what the kernel's call reads in place, the rest copied contiguous: "kv rows", k and v
+        views whose rows are contiguous but whose heads are further apart (a KV cache's first S of
+        more slots: the decoding path; the backward's inputs are always contiguous); "any rows", q,
+        k and v with contiguous rows wherever they lie (the weights)."""
         self.lead, self.kv_lead = leads(q, k, v)  # (..., H), (..., Hkv)
         self.dtype = q.dtype
-        self.q = _at_least_one_column(self.as_rows(q, self.lead))
-        self.k, self.v = (_at_least_one_column(x if strided_kv and not x.is_contiguous() and _rows_contiguous(x, self.kv_lead)
-                                               else self.as_rows(x, self.kv_lead)) for x in (k, v))
+        in_place = {"contiguous": lambda x, lead: False, "kv rows": _rows_contiguous, "any rows": _rows_readable}[reads]
+        self.q = _at_least_one_column(q if reads == "any rows" and in_place(q, self.lead) else self.as_rows(q, self.lead))
+        self.k, self.v = (_at_least_one_column(x if in_place(x, self.kv_lead) else self.as_rows(x, self.kv_lead))
+                          for x in (k, v))
         self.contract = contract
         self.L, self.S, self.D, self.Dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
 

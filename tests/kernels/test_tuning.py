@@ -22,6 +22,16 @@ GRID_CALLS = (tuning.ROUNDS * len(tuning.SHAPES) * 2 * len(tuning.PATHS)
 SMALLEST_T, SMALLEST_S = min(tuning.PREFILL_LENGTHS), min(tuning.DECODE_KEYS)
 
 
+def timed_calls(native_faster) -> int:
+    """The timer's calls in one tune() with fake_timer(native_faster): every point's fast-path call,
+    and its full path's where the fast-path call won (tune gives the others its ratio, untimed)."""
+    points = ([{"L": T, "S": T, "causal": causal} for T in tuning.PREFILL_LENGTHS for causal in (False, True)]
+              + [{"L": 1, "S": S} for S in tuning.DECODE_KEYS])
+    per_round = sum(1 + bool(native_faster({**point, "dtype": dtype, "path": "plain"}))
+                    for dtype in tuning.DTYPES for _ in tuning.SHAPES for point in points)
+    return tuning.ROUNDS * per_round
+
+
 def both(prefill_work, decode_keys) -> dict:
     """A table's crossovers where the full path and the fast path's call fare alike."""
     return {"prefill_work": prefill_work, "decode_keys": decode_keys,
@@ -131,7 +141,7 @@ def test_the_first_call_that_needs_it_measures_once(cache, monkeypatch):
     x = torch.randn(1, 2, 2048, 64)
     assert mha.kernels.choose_backend("auto", x, x, x, Contract())[0] == "sdpa"  # measured: never for prefill
     measured = len(timer.asked)
-    assert measured == GRID_CALLS
+    assert measured == timed_calls(lambda s: s["L"] == 1)
     mha.kernels.choose_backend("auto", x, x, x, Contract())
     assert len(timer.asked) == measured and tuning.machine_key() in json.loads(cache.read_text())
 
@@ -195,7 +205,8 @@ def test_mha_verify_measures_once_and_says_what_auto_will_do(cache, monkeypatch)
     line = verify.dispatch_status()
     assert "measured now" in line and "float32: prefill never, decoding S >= 1024 (plain calls without gradients: " \
                                       "prefill never, decoding S >= 64)" in line
-    assert "measured 20" in verify.dispatch_status() and len(timer.asked) == GRID_CALLS  # stored: not measured again
+    assert "measured 20" in verify.dispatch_status()
+    assert len(timer.asked) == timed_calls(lambda s: s["L"] == 1 and s["S"] >= 64)  # stored: not measured again
 
 
 @pytest.mark.parametrize("ratio, wins", [(0.5, True), (0.94, True), (0.95, True), (0.96, False), (0.97, False),
@@ -477,14 +488,34 @@ def test_points_whose_rounds_disagree_are_listed_and_the_worst_round_decides(cac
     from mha import cli
 
     def timer(point, shape, native_call, torch_call):  # native wins decoding at S=4096 in the first round only
-        return (0.5, 1.0) if shape["L"] == 1 and shape["S"] == 4096 and shape["round"] == 0 and shape["path"] == "full" \
-            else (2.0, 1.0)
+        return (0.5, 1.0) if shape["L"] == 1 and shape["S"] == 4096 and shape["round"] == 0 else (2.0, 1.0)
     load_of(0.0, monkeypatch)
     table = tuning.tune(timer=timer)
-    assert table["split"] == ["bfloat16 decode 4096", "float32 decode 4096"] and table["sure"] is True
+    assert table["split"] == ["bfloat16 decode 4096", "bfloat16 plain decode 4096", "float32 decode 4096",
+                              "float32 plain decode 4096"] and table["sure"] is True
     assert table["crossovers"]["float32"]["decode_keys"] is None
     assert cli.main(["tune", "--show"]) == 0
-    assert "rounds disagreed at bfloat16 decode 4096, float32 decode 4096" in " ".join(capsys.readouterr().out.split())
+    assert "rounds disagreed at bfloat16 decode 4096, bfloat16 plain decode 4096" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_full_path_is_not_timed_where_the_fast_paths_call_lost(cache, monkeypatch, capsys):
+    """The full path runs the fast path's kernel after Python's checks: where the fast path's call
+    lost (above MARGIN) it cannot win, so it takes that ratio untimed (listed, and said by `mha tune
+    --show`); where the fast path's call won, it is timed. A fake timer that lets the full path win
+    where the fast path lost shows the rule: those wins are never seen."""
+    pytest.importorskip("rich")
+    from mha import cli
+    timer = fake_timer(lambda s: s["path"] == "full" or (s["L"] == 1 and s["S"] >= 1024))
+    load_of(0.0, monkeypatch)
+    table = tuning.tune(timer=timer)
+    assert not [p for p in timer.asked if " prefill " in p and not p.endswith(" plain")]
+    assert len(timer.asked) == timed_calls(lambda s: s["L"] == 1 and s["S"] >= 1024)
+    assert table["crossovers"]["float32"] == both(None, 1024)  # full: prefill never, decoding timed from 1024
+    assert table["ratios"]["float32"]["prefill L*S"] == table["ratios"]["float32"]["plain prefill L*S"]
+    assert len(table["untimed"]) == tuning.ROUNDS * len(tuning.DTYPES) * len(tuning.SHAPES) * (
+        2 * len(tuning.PREFILL_LENGTHS) + 2)  # every prefill point, decoding over 1 and 64 keys
+    assert cli.main(["tune", "--show"]) == 0
+    assert f"{len(table['untimed'])} full-path points not timed" in " ".join(capsys.readouterr().out.split())
 
 
 def test_the_load_of_another_process_is_read(monkeypatch):
@@ -545,14 +576,14 @@ def test_an_unsure_table_is_measured_again_by_later_processes_up_to_checks(measu
         load_of(0.5, monkeypatch)
         with caplog.at_level("INFO", logger="mha.dispatch"):
             mha.kernels.choose_backend("auto", x, kv, kv, Contract())
-        assert len(timer.asked) == (check - 1) * GRID_CALLS
+        assert len(timer.asked) == (check - 1) * timed_calls(lambda s: s["L"] == 1)
         assert f"is not sure (other processes took 50% of the CPUs while it was measured); measuring again " \
                f"(measurement {check} of {tuning.CHECKS})" in caplog.text
         assert tuning.stored()["checks"] == check
     assert "kept, measured again no more" in caplog.text
     tuning.forget()
     assert mha.kernels.choose_backend("auto", x, kv, kv, Contract())[0] == "native"  # the last table decides
-    assert len(timer.asked) == (tuning.CHECKS - 1) * GRID_CALLS  # no fourth measurement
+    assert len(timer.asked) == (tuning.CHECKS - 1) * timed_calls(lambda s: s["L"] == 1)  # no fourth measurement
 
 
 def test_a_sure_remeasurement_ends_the_checks(measured_under_load, monkeypatch):
@@ -564,7 +595,7 @@ def test_a_sure_remeasurement_ends_the_checks(measured_under_load, monkeypatch):
     assert tuning.stored()["sure"] and tuning.stored()["checks"] == 2
     tuning.forget()
     mha.kernels.choose_backend("auto", x, kv, kv, Contract())
-    assert len(timer.asked) == GRID_CALLS  # sure now: never again
+    assert len(timer.asked) == timed_calls(lambda s: s["L"] == 1)  # sure now: never again
 
 
 def test_mha_tune_and_verify_say_how_sure_the_table_is(cache, monkeypatch, capsys):

@@ -53,6 +53,9 @@ def confidence(table: dict) -> str:
     split = table.get("split") or []
     rounds = (f"rounds disagreed at {', '.join(split)} (near the margin; the worst round decides)" if split
               else "every round agreed")
+    if untimed := table.get("untimed"):
+        rounds += (f"; {len(untimed)} full-path points not timed, their fast-path call's ratio kept "
+                   "(it lost there: the full path only adds Python's checks)")
     if why is None:
         return f"sure: {seen}, {rounds} ({checks})"
     then = ("a later process measures it again" if table.get("checks", 1) < tuning.CHECKS

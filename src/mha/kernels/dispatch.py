@@ -134,7 +134,7 @@ def _run(q, k, v, contract, *, dropout_p, need_weights, backend):
     if name == "math" and q.dim() >= 3:
         k, v = share_kv_heads(k, q.shape[-3]), share_kv_heads(v, q.shape[-3])  # (..., Hkv, S, D) -> (..., H, S, D)
     if name == "native" and need_weights:
-        return native.native_attention_weights(q, k, v, contract)
+        return native.checked_attention_weights(q, k, v, contract)  # weights_refusal checked it while choosing
     result = BACKENDS[name](q, k, v, contract, dropout_p=dropout_p)
     out, weights = result if name == "math" else (result, None)
     return out, (weights if need_weights else None)

@@ -431,8 +431,8 @@ def hf_generate_rows(prompts, dtypes, new_tokens: int, repeat: int) -> Iterator[
     """A Llama (mha.tools.bench_hf.llama) generating ``new_tokens`` greedily after one prompt of each
     length, under attn_implementation="mha" and "sdpa" (the same weights), timed in pairs, the order
     swapped every other pair, ``repeat`` pairs at least 5: each one's best time, mha/sdpa the median
-    of the pairs' ratios (the target: never above 1; the ratio of the best times read 1.04 at prompt
-    128 where 16 pairs' median read 1.01, 2 Zen 3 cores), and whether the tokens agree."""
+    of the pairs' ratios (the target: never above 1; a ratio of two best times, each taken at another
+    moment of a drifting machine, moved more), and whether the tokens agree."""
     for name in dtypes:
         dtype = getattr(torch, name)
         rate = bench_native.matmul_gflops(dtype, 512)

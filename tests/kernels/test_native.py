@@ -924,6 +924,10 @@ def test_the_weights_read_rows_where_they_lie_and_lay_the_output_out_by_tokens(L
     want_out, want_w = native.loaded.forward_weights(*(x.contiguous() for x in (q, k, v)), terms)
     assert torch.equal(out, want_out) and torch.equal(weights, want_w)
     assert out.transpose(1, 2).is_contiguous()  # (B, L, H, Dv) in memory
+    one_key = torch.randn(2, 4, 1, 16).to(dtype).expand(2, 4, S, 16)  # a zero row stride: copied first
+    got = native.loaded.forward_weights(q, one_key, one_key, terms)
+    want = native.loaded.forward_weights(q, one_key.contiguous(), one_key.contiguous(), terms)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     columns = torch.randn(2, 4, L, 32).to(dtype)[..., ::2]  # every other column: copied
     got = native.loaded.forward_weights(columns, columns, columns, native._terms(Contract(), 16, dtype))
     assert torch.equal(got[1], native.loaded.forward_weights(*(columns.contiguous(),) * 3,
@@ -942,6 +946,9 @@ def test_native_attention_weights_copies_no_projection_heads():
     assert not [e.name for e in profiled.events() if e.name in ("aten::copy_", "aten::clone", "aten::contiguous")]
     want_out, want_w = native.native_attention_weights(q.contiguous(), k.contiguous(), v.contiguous(), contract)
     assert torch.equal(out, want_out) and torch.equal(weights, want_w)
+    one_key = k[:, :, :1].expand(2, 4, 70, 16)  # a zero row stride (rows overlap): copied, not read in place
+    assert torch.equal(native.native_attention_weights(q, one_key, one_key, contract)[1],
+                       native.native_attention_weights(q, one_key.contiguous(), one_key.contiguous(), contract)[1])
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")

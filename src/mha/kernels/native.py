@@ -376,11 +376,11 @@ def _rows_contiguous(x: Tensor, lead: tuple[int, ...]) -> bool:
 
 
 def _rows_readable(x: Tensor, lead: tuple[int, ...]) -> bool:
-    """x (B, H, T, X) with contiguous rows wherever they lie (strides >= 0: a projection's heads seen
-    as (B, H, T, D), a broadcast's zero strides), and at least one column: what the kernel's
-    weights read in place (csrc/native.cpp's rows_readable)."""
+    """x (B, H, T, X) with contiguous rows that do not overlap, wherever they lie (strides >= 0: a
+    projection's heads seen as (B, H, T, D), heads or batches broadcast by a zero stride), and at
+    least one column: what the kernel's weights read in place (csrc/native.cpp's rows_readable)."""
     return (x.dim() == 4 and x.shape[:2] == lead and x.shape[-1] > 0 and x.stride(-1) == 1
-            and min(x.stride()) >= 0)
+            and (x.shape[-2] <= 1 or x.stride(-2) >= x.shape[-1]) and min(x.stride()) >= 0)
 
 
 class _Inputs:

@@ -2093,11 +2093,14 @@ bool rows_contiguous(const Tensor& x) {
          x.stride(0) >= 0;
 }
 
-// Whether x (B, H, T, X) has its last dim contiguous and no negative stride: rows the weights kernel
-// reads where they lie (RowStrides), whatever the distances between them.
+// Whether x (B, H, T, X) has its last dim contiguous, rows that do not overlap (a row stride of at
+// least X: the run loops' prefetch and brgemm's leading dimensions take no less) and no negative
+// stride: rows the weights kernel reads where they lie (RowStrides), whatever the distances between
+// them (a broadcast along T, a zero row stride, is copied).
 bool rows_readable(const Tensor& x) {
   if (x.numel() == 0) return true;
-  return (x.stride(3) == 1 || x.size(3) <= 1) && x.stride(2) >= 0 && x.stride(1) >= 0 && x.stride(0) >= 0;
+  return (x.stride(3) == 1 || x.size(3) <= 1) && (x.size(2) <= 1 || x.stride(2) >= x.size(3)) && x.stride(1) >= 0 &&
+         x.stride(0) >= 0;
 }
 
 // What a kernel reads in place: everything contiguous (the tiled forward, the backward), k's and v's

@@ -873,7 +873,9 @@ def _weights_contracts(B, H, L, S):
                                                (1, 1, 1, 17, 255, 8), (1, 4, 1, 4, 256, 8),
                                                # brgemm's products (weights_tiled): a second block of 64
                                                # rows, 4 of them; an odd head dim; keys not a multiple of 8
-                                               (1, 4, 1, 17, 100, 8), (2, 4, 2, 33, 70, 5)])
+                                               (1, 4, 1, 17, 100, 8), (2, 4, 2, 33, 70, 5),
+                                               # one past a block of 64 rows and a tile of 256 keys
+                                               (1, 1, 1, 65, 257, 8)])
 @pytest.mark.parametrize("term", list(_weights_contracts(1, 1, 1, 1)))
 def test_the_weights_match_the_math_backends(B, H, Hkv, L, S, D, term):
     """Every term native takes, GQA, more rows than a block (16) per key/value head, a tile's edge
@@ -924,6 +926,10 @@ def test_the_weights_read_rows_where_they_lie_and_lay_the_output_out_by_tokens(L
     want_out, want_w = native.loaded.forward_weights(*(x.contiguous() for x in (q, k, v)), terms)
     assert torch.equal(out, want_out) and torch.equal(weights, want_w)
     assert out.transpose(1, 2).is_contiguous()  # (B, L, H, Dv) in memory
+    overlapping = torch.randn(2 * 4 * S * 16 + 16).to(dtype).as_strided((2, 4, S, 16), (4 * S * 16, S * 16, 15, 1))
+    got = native.loaded.forward_weights(q, overlapping, overlapping, terms)  # rows 15 apart, one short of 16: copied
+    want = native.loaded.forward_weights(q, overlapping.contiguous(), overlapping.contiguous(), terms)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     one_key = torch.randn(2, 4, 1, 16).to(dtype).expand(2, 4, S, 16)  # a zero row stride: copied first
     got = native.loaded.forward_weights(q, one_key, one_key, terms)
     want = native.loaded.forward_weights(q, one_key.contiguous(), one_key.contiguous(), terms)
@@ -959,6 +965,7 @@ def test_the_weights_run_brgemm_from_17_rows_and_1024_rows_x_keys_in_float32():
     tiled = native.loaded.weights_tiled
     assert not tiled(16, 10 ** 6, True) and not tiled(17, 60, True) and tiled(17, 61, True)
     assert not tiled(32, 31, True) and tiled(32, 32, True) and tiled(64, 16, True) and not tiled(64, 15, True)
+    assert not tiled(33, 31, True) and not tiled(31, 33, True)  # 1023 rows x keys: one short of the rule
     assert not tiled(10 ** 4, 10 ** 4, False)
 
 

@@ -498,6 +498,20 @@ def test_points_whose_rounds_disagree_are_listed_and_the_worst_round_decides(cac
     assert "rounds disagreed at bfloat16 decode 4096, bfloat16 plain decode 4096" in " ".join(capsys.readouterr().out.split())
 
 
+def test_a_fast_path_call_at_the_margin_won_and_its_full_path_is_timed(cache):
+    """At exactly MARGIN the fast path's call counts as faster (ratio <= MARGIN): the full path is
+    timed there; one step above it, not."""
+    for plain_ratio, timed in ((tuning.MARGIN, True), (tuning.MARGIN + 1e-9, False)):
+        asked = []
+
+        def timer(point, shape, native_call, torch_call):
+            asked.append(shape["path"])
+            return (plain_ratio if shape["path"] == "plain" else 2.0), 1.0
+        table = tuning.tune(timer=timer, store=False)
+        assert asked.count("full") == (asked.count("plain") if timed else 0)
+        assert (table["untimed"] == []) == timed
+
+
 def test_the_full_path_is_not_timed_where_the_fast_paths_call_lost(cache, monkeypatch, capsys):
     """The full path runs the fast path's kernel after Python's checks: where the fast path's call
     lost (above MARGIN) it cannot win, so it takes that ratio untimed (listed, and said by `mha tune

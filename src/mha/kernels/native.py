@@ -372,15 +372,14 @@ class _Native(torch.autograd.Function):
 def _rows_contiguous(x: Tensor, lead: tuple[int, ...]) -> bool:
     """x (B, H, T, X) with contiguous rows that follow each other within a head (any head and batch
     strides >= 0), and at least one column: what the kernel's decoding path reads in place."""
-    return _rows_readable(x, lead) and (x.shape[-2] <= 1 or x.stride(-2) == x.shape[-1])
+    return (_kernel_shaped(x, lead) and x.stride(-1) == 1 and (x.shape[-2] <= 1 or x.stride(-2) == x.shape[-1])
+            and x.stride(0) >= 0 and x.stride(1) >= 0)
 
 
-def _rows_readable(x: Tensor, lead: tuple[int, ...]) -> bool:
-    """x (B, H, T, X) with contiguous rows that do not overlap, wherever they lie (strides >= 0: a
-    projection's heads seen as (B, H, T, D), heads or batches broadcast by a zero stride), and at
-    least one column: what the kernel's weights read in place (csrc/native.cpp's rows_readable)."""
-    return (x.dim() == 4 and x.shape[:2] == lead and x.shape[-1] > 0 and x.stride(-1) == 1
-            and (x.shape[-2] <= 1 or x.stride(-2) >= x.shape[-1]) and min(x.stride()) >= 0)
+def _kernel_shaped(x: Tensor, lead: tuple[int, ...]) -> bool:
+    """x (B, H, T, X) with at least one column: the weights' forward_weights takes it as it is and
+    copies what its rows' strides do not let it read (csrc/native.cpp's rows_readable decides)."""
+    return x.dim() == 4 and x.shape[:2] == lead and x.shape[-1] > 0
 
 
 class _Inputs:
@@ -390,10 +389,11 @@ class _Inputs:
         """reads: what the kernel's call reads in place, the rest copied contiguous: "kv rows", k and v
         views whose rows are contiguous but whose heads are further apart (a KV cache's first S of
         more slots: the decoding path; the backward's inputs are always contiguous); "any rows", q,
-        k and v with contiguous rows wherever they lie (the weights)."""
+        k and v of the kernel's shape, however they lie (the weights: the kernel copies what it
+        cannot read in place)."""
         self.lead, self.kv_lead = leads(q, k, v)  # (..., H), (..., Hkv)
         self.dtype = q.dtype
-        in_place = {"contiguous": lambda x, lead: False, "kv rows": _rows_contiguous, "any rows": _rows_readable}[reads]
+        in_place = {"contiguous": lambda x, lead: False, "kv rows": _rows_contiguous, "any rows": _kernel_shaped}[reads]
         self.q = _at_least_one_column(q if reads == "any rows" and in_place(q, self.lead) else self.as_rows(q, self.lead))
         self.k, self.v = (_at_least_one_column(x if in_place(x, self.kv_lead) else self.as_rows(x, self.kv_lead))
                           for x in (k, v))

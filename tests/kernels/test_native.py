@@ -797,10 +797,26 @@ def test_a_view_with_more_rows_than_a_decoding_step_is_copied_and_right():
     assert torch.equal(grads, torch.autograd.grad(native.native_attention(q, k.contiguous(), v.contiguous()).sum(), q)[0])
 
 
+@pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, D", [(1, 8), (1, 128), (2, 24), (3, 128), (4, 33), (4, 64)])
+def test_a_keys_score_does_not_depend_on_its_place_in_a_block(dtype, rows, D):
+    """The run loops sum a key's products lane by lane, then the lanes in one fixed order, whether the
+    key is reduced with others (a block of keys) or alone (the keys left over): equal keys get equal
+    weights, bit for bit, wherever they lie (37 keys: whole blocks of every size, and a rest)."""
+    g = torch.Generator().manual_seed(D)
+    q = torch.randn(1, rows, 1, D, generator=g).to(dtype)
+    k = torch.randn(1, 1, 1, D, generator=g).to(dtype).expand(1, 1, 37, D).contiguous()
+    v = torch.randn(1, 1, 37, D, generator=g).to(dtype)
+    _, weights = native.native_attention_weights(q, k, v, Contract())
+    assert torch.equal(weights, weights[..., :1].expand_as(weights))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 16])
 def test_decoding_rows_of_every_block_shape(dtype, rows):
-    """The decoding path's blocks of 1-4 rows (by 8, 4, 3 and 3 keys; keys left over one at a time)
+    """The decoding path's blocks of 1-4 rows (by 8, 4, 3 and 3 keys, or 8, 8, 5 and 4 in AVX-512
+    builds; keys left over one at a time)
     and head dims below, at and across a vector's width: G query heads x L rows per kv head, against
     math in float64."""
     g = torch.Generator().manual_seed(rows)
@@ -880,29 +896,39 @@ def _weights_contracts(B, H, L, S):
 def test_the_weights_match_the_math_backends(B, H, Hkv, L, S, D, term):
     """Every term native takes, GQA, more rows than a block (16) per key/value head, a tile's edge
     (257 keys), odd head dims: output and weights within twice the math backend's float32 error
-    against its float64 run (sharpened scores: the weights are far from uniform)."""
-    torch.manual_seed(B * 100 + L)
-    q, k, v = (3 * torch.randn(B, n, T, D, dtype=torch.float64) for n, T in ((H, L), (Hkv, S), (Hkv, S)))
+    against its float64 run (sharpened scores: the weights are far from uniform), over four draws.
+    The run loops sum a score's products in another order than torch's matmul: their root mean
+    square error is math's (40 draws at 8 x 65, D 8: 0.98x), but which value is rounded worst is a
+    toss (720 single draws on AVX-512: 1 % with a largest error above 2.4x math's, one at 6.6x),
+    hence the rule on the typical error."""
     contract = _weights_contracts(B, H, L, S)[term]
-    kv = [x.repeat_interleave(H // Hkv, dim=1) for x in (k, v)]
-    want_out, want_w = mha.kernels.math_attention(q, *kv, contract.replace(
-        **{name: getattr(contract, name).double() for name in ("alibi_slopes", "sinks", "logit_scale")
-           if getattr(contract, name) is not None}))
-    out, weights = native.native_attention_weights(q.float(), k.float(), v.float(), contract)
-    math_out, math_w = mha.kernels.math_attention(q.float(), *(x.float() for x in kv), contract)
-    assert out.dtype == weights.dtype == torch.float32 and weights.shape == (B, H, L, S)
-    assert_within_torch_error(weights, math_w, want_w, err_msg="weights")
-    assert_within_torch_error(out, math_out, want_out, err_msg="output")
+    results = []  # per draw: (native, math, float64) for the output and the weights
+    for draw in range(4):
+        torch.manual_seed(B * 100 + L + 1000 * draw)
+        q, k, v = (3 * torch.randn(B, n, T, D, dtype=torch.float64) for n, T in ((H, L), (Hkv, S), (Hkv, S)))
+        kv = [x.repeat_interleave(H // Hkv, dim=1) for x in (k, v)]
+        want = mha.kernels.math_attention(q, *kv, contract.replace(
+            **{name: getattr(contract, name).double() for name in ("alibi_slopes", "sinks", "logit_scale")
+               if getattr(contract, name) is not None}))
+        ours = native.native_attention_weights(q.float(), k.float(), v.float(), contract)
+        theirs = mha.kernels.math_attention(q.float(), *(x.float() for x in kv), contract)
+        assert ours[0].dtype == ours[1].dtype == torch.float32 and ours[1].shape == (B, H, L, S)
+        results.append((ours, theirs, want))
+    for part, name in enumerate(("output", "weights")):
+        ours, theirs, want = (torch.stack([draw[x][part] for draw in results]) for x in range(3))
+        assert_within_torch_error(ours, theirs, want, err_msg=name, typical=True)
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("L, S", [(6, 40), (40, 70)])  # the run loops, brgemm's products
 def test_half_precision_weights_within_twice_the_math_backends_error(dtype, L, S):
+    """Against the float64 run of the rounded inputs (where the inputs' own rounding hides nothing).
+    D = 24: a scale (24^-1/2) no bfloat16 query times it is exact in, so the run loops' bfloat16 dot
+    products (queries taken whole) must refuse the scaled queries: truncated, they fail here."""
     torch.manual_seed(1)
-    q, k, v = (2 * torch.randn(2, 4, T, 16, dtype=torch.float64) for T in (L, S, S))
-    want_out, want_w = mha.kernels.math_attention(q, k, v, Contract(band=CAUSAL))
-    low = [x.to(dtype) for x in (q, k, v)]
+    low = [(3 * torch.randn(2, 4, T, 24)).to(dtype) for T in (L, S, S)]
+    want_out, want_w = mha.kernels.math_attention(*(x.double() for x in low), Contract(band=CAUSAL))
     out, weights = native.native_attention_weights(*low, Contract(band=CAUSAL))
     math_out, math_w = mha.kernels.math_attention(*low, Contract(band=CAUSAL))
     assert out.dtype == weights.dtype == dtype

@@ -1277,6 +1277,15 @@ inline typename Lanes<acc_t>::vec widen(const T* p) {
   return out;
 }
 
+// The first ``count`` (< a vector's) values at p widened as widen does, the other lanes zero: a row's
+// last values join its vector sums (summed pairwise as the rest are, not one by one after them).
+template <typename acc_t, typename T>
+inline typename Lanes<acc_t>::vec widen_tail(const T* p, int64_t count) {
+  T values[Lanes<acc_t>::kCount] = {};
+  std::copy(p, p + count, values);
+  return widen<acc_t>(values);
+}
+
 // Ask for the rows of keys (or values) about kPrefetchBytes ahead of the ones being read, a row at a time:
 // the hardware's prefetcher stops at each 4 KiB page, which a cache's rows cross every few keys.
 constexpr int64_t kPrefetchBytes = 4096;
@@ -1304,6 +1313,26 @@ inline __m256 lane_sums8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
 }
 #endif
+#if defined(MHA_AVX512)
+// The sums of 16 vectors' lanes, one per lane of the result, by transposing adds (45 instructions for
+// 16 sums, where one at a time takes 8 each); a lane's order: in each 128-bit quarter (e0 + e2) +
+// (e1 + e3), then (q0 + q1) + (q2 + q3). Fewer vectors are padded with zeros (the same order).
+inline __m512 pair_sums(__m512 a, __m512 b) { return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); }
+inline __m512 quad_sums(__m512 ab, __m512 cd) {
+  const __m512d x = _mm512_castps_pd(ab), y = _mm512_castps_pd(cd);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+inline __m512 quarter_sums(__m512 a, __m512 b) {  // [a: q0+q1, q2+q3 | b: q0+q1, q2+q3]
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+inline __m512 lane_sums16(const __m512* v) {
+  __m512 quads[4];
+  for (int g = 0; g < 4; ++g)
+    quads[g] = quad_sums(pair_sums(v[4 * g], v[4 * g + 1]), pair_sums(v[4 * g + 2], v[4 * g + 3]));
+  const __m512 low = quarter_sums(quads[0], quads[1]), high = quarter_sums(quads[2], quads[3]);
+  return quarter_sums(low, high);
+}
+#endif
 template <typename acc_t, int N>
 inline void lane_sums(const typename Lanes<acc_t>::vec* a, acc_t* out) {
 #if defined(__AVX2__) && !defined(MHA_AVX512)
@@ -1316,31 +1345,106 @@ inline void lane_sums(const typename Lanes<acc_t>::vec* a, acc_t* out) {
     return;
   }
 #endif
+#if defined(MHA_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    for (int n = 0; n < N; n += 16) {
+      __m512 group[16];
+      for (int i = 0; i < 16; ++i) group[i] = n + i < N ? reinterpret_cast<const __m512*>(a)[n + i] : _mm512_setzero_ps();
+      alignas(64) float sums[16];
+      _mm512_store_ps(sums, lane_sums16(group));
+      std::copy(sums, sums + std::min(16, N - n), out + n);
+    }
+    return;
+  }
+#endif
   for (int n = 0; n < N; ++n) out[n] = Lanes<acc_t>::sum(a[n]);
 }
 
-// Keys (or values) per block for a block of kRows rows.
+// Values per block for a block of kRows rows (value_rows), and keys (score_block): kRows x keys sums
+// in registers; AVX-512's 32 registers hold up to 16 of them, which its lane sums reduce at once.
 template <int kRows>
 constexpr int kBlockKeys = kRows == 1 ? 8 : (kRows == 2 ? 4 : 3);
+#if defined(MHA_AVX512)
+template <int kRows>
+constexpr int kScoreKeys = kRows == 1 ? 8 : (kRows == 2 ? 8 : (kRows == 3 ? 5 : 4));
+#else
+template <int kRows>
+constexpr int kScoreKeys = kBlockKeys<kRows>;
+#endif
 
-// block(j, keys) for the ``count`` keys in blocks of kBlockKeys, then one at a time (keys: an
+// block(j, keys) for the ``count`` keys in blocks of kKeys, then one at a time (keys: an
 // integral_constant, the block's key count).
-template <int kRows, typename Block>
+template <int kKeys, typename Block>
 inline void in_key_blocks(int64_t count, Block block) {
   int64_t j = 0;
-  for (; j + kBlockKeys<kRows> <= count; j += kBlockKeys<kRows>) block(j, std::integral_constant<int, kBlockKeys<kRows>>{});
+  for (; j + kKeys <= count; j += kKeys) block(j, std::integral_constant<int, kKeys>{});
   for (; j < count; ++j) block(j, std::integral_constant<int, 1>{});
 }
+
+#if defined(MHA_AVX512_BF16)
+// score_block for bfloat16 keys on vdpbf16ps: 32 products a step, the keys as stored (no widening),
+// for queries that are bfloat16 values (a bfloat16 call's, unscaled: the products are then exact and
+// summed in float32, as widened keys' FMAs sum them); returns false, computing nothing, for queries
+// that are not (or rows wider than kPairRowMax), which the widening loop takes.
+constexpr int64_t kPairRowMax = 512;
+template <int kRows>
+bool pair_score_block(int64_t count, int64_t D, const float* q, const at::BFloat16* k, int64_t ld, float* s, int64_t lds) {
+  if (D > kPairRowMax) return false;
+  alignas(64) uint16_t qb[kRows][kPairRowMax + 32];
+  for (int r = 0; r < kRows; ++r) {
+    for (int64_t d = 0; d < D; ++d) {
+      uint32_t bits;
+      std::memcpy(&bits, q + r * D + d, sizeof(bits));
+      if (bits & 0xFFFFu) return false;
+      qb[r][d] = static_cast<uint16_t>(bits >> 16);
+    }
+    std::fill(qb[r] + D, qb[r] + (D + 31) / 32 * 32, uint16_t(0));
+  }
+  const int64_t Dw = D / 32 * 32;
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t(1) << (D - Dw)) - 1);
+  in_key_blocks<kScoreKeys<kRows>>(count, [&](int64_t j, auto keys) {
+    constexpr int kKeys = decltype(keys)::value;
+    prefetch_rows(k + j * ld, kKeys, ld, D);
+    __m512 a[kRows][kKeys];
+    for (int r = 0; r < kRows; ++r)
+      for (int i = 0; i < kKeys; ++i) a[r][i] = _mm512_setzero_ps();
+    auto step = [&](int64_t d, __mmask32 mask) {
+      __m512bh x[kKeys];
+#pragma GCC unroll 8
+      for (int i = 0; i < kKeys; ++i) x[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask, k + (j + i) * ld + d);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        const __m512bh y = (__m512bh)_mm512_load_si512(qb[r] + d);
+#pragma GCC unroll 8
+        for (int i = 0; i < kKeys; ++i) a[r][i] = _mm512_dpbf16_ps(a[r][i], y, x[i]);
+      }
+    };
+    for (int64_t d = 0; d < Dw; d += 32) step(d, ~__mmask32(0));
+    if (Dw < D) step(Dw, tail);
+    float totals[kRows][kKeys];
+    lane_sums<float, kRows * kKeys>(reinterpret_cast<const Lanes<float>::vec*>(&a[0][0]), &totals[0][0]);
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 8
+      for (int i = 0; i < kKeys; ++i) s[r * lds + j + i] = totals[r][i];
+  });
+  return true;
+}
+#endif
 
 //   s[r * lds + j] = q_r . k_j (times scales[j * scale_ld] where given)   q: kRows rows of D, k: ``count`` rows ld apart
 template <int kRows, typename acc_t, typename key_t>
 void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64_t ld, acc_t* s, int64_t lds,
                  const acc_t* scales, int64_t scale_ld) {
+#if defined(MHA_AVX512_BF16)
+  if constexpr (std::is_same_v<key_t, at::BFloat16> && std::is_same_v<acc_t, float>)
+    if (scales == nullptr && pair_score_block<kRows>(count, D, q, k, ld, s, lds)) return;
+#endif
   using V = Lanes<acc_t>;
   using vec = typename V::vec;
   const int64_t Dw = D / V::kCount * V::kCount;
   // keys j .. j + keys: each row's sums over whole vectors, their lanes summed, the last values added
-  in_key_blocks<kRows>(count, [&](int64_t j, auto keys) {
+  in_key_blocks<kScoreKeys<kRows>>(count, [&](int64_t j, auto keys) {
     constexpr int kKeys = decltype(keys)::value;
     prefetch_rows(k + j * ld, kKeys, ld, D);
     vec a[kRows][kKeys];
@@ -1357,12 +1461,16 @@ void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64
         for (int i = 0; i < kKeys; ++i) a[r][i] += y * x[i];
       }
     }
+    if (Dw < D) {  // the last values, as one more vector
+      vec x[kKeys];
+      for (int i = 0; i < kKeys; ++i) x[i] = widen_tail<acc_t>(k + (j + i) * ld + Dw, D - Dw);
+      for (int r = 0; r < kRows; ++r) {
+        const vec y = widen_tail<acc_t>(q + r * D + Dw, D - Dw);
+        for (int i = 0; i < kKeys; ++i) a[r][i] += y * x[i];
+      }
+    }
     acc_t totals[kRows][kKeys];
     lane_sums<acc_t, kRows * kKeys>(&a[0][0], &totals[0][0]);
-    if (Dw < D)  // the last values, one at a time
-      for (int r = 0; r < kRows; ++r)
-        for (int i = 0; i < kKeys; ++i)
-          for (int64_t d = Dw; d < D; ++d) totals[r][i] += q[r * D + d] * static_cast<acc_t>(k[(j + i) * ld + d]);
     acc_t factor[kKeys];
     for (int i = 0; i < kKeys; ++i) factor[i] = scales == nullptr ? acc_t(1) : scales[(j + i) * scale_ld];
 #pragma GCC unroll 4
@@ -1450,7 +1558,7 @@ void value_rows(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const va
   using V = Lanes<acc_t>;
   using vec = typename V::vec;
   const int64_t Dw = Dv / V::kCount * V::kCount;
-  in_key_blocks<kRows>(count, [&](int64_t j, auto keys) {
+  in_key_blocks<kBlockKeys<kRows>>(count, [&](int64_t j, auto keys) {
     constexpr int kKeys = decltype(keys)::value;
     prefetch_rows(v + j * ld, kKeys, ld, Dv);
     acc_t w[kRows][kKeys];
@@ -1651,7 +1759,7 @@ void weights_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, R
       const Rows rows = block_rows(sh, t, b, kv_head, r0, r0 + n);
       for (int64_t r = 0; r < n; ++r) {
         const scalar_t* row = q + qs.at(b, rows.head[r], rows.index[r]);
-        std::transform(row, row + sh.D, q_rows.begin() + r * sh.D, [](scalar_t x) { return static_cast<acc_t>(x); });
+        std::transform(row, row + sh.D, q_rows.begin() + r * sh.D, [&](scalar_t x) { return static_cast<acc_t>(x) * t.scale; });
       }
       acc_t* s = weights + ((b * sh.H + kv_head * sh.G) * sh.L + r0) * sh.S;  // the block's rows, S apart
       const acc_t* kt_head = tiled ? ops.kt_ptr + bh * tiles_of(sh.S) * sh.D * kBlockK : nullptr;
@@ -1662,7 +1770,6 @@ void weights_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, R
       } else {
         run_scores(n, sh.S, sh.D, q_rows.data(), k + ks.at(b, kv_head, 0), ks.row, s, sh.S);
       }
-      for (int64_t i = 0; i < n * sh.S; ++i) s[i] *= t.scale;
       const bool covered = band_covers(t, rows, 0, sh.S);
       if (!plain_tile(t, covered)) shape_tile(t, rows, 0, sh.S, s, sh.S, static_cast<acc_t*>(nullptr), covered);
       for (int64_t r = 0; r < n; ++r) softmax_row(sh.S, s + r * sh.S, t.sinks ? &t.sinks[rows.head[r]] : nullptr);
@@ -1767,6 +1874,9 @@ struct PagedProducts {
   static constexpr int64_t kAlign = 1;
   static constexpr bool kScaled = true;  // the queries are packed scaled
   static constexpr bool kQuantized = std::is_same_v<pool_t, int8_t>;
+  // bfloat16 rows for run_scores keep the queries as they are (bfloat16 values, which its bfloat16
+  // dot products take whole) and scale the scores instead
+  static constexpr bool kRowsUnscaled = std::is_same_v<pool_t, at::BFloat16>;
   // keys first.. of the tile, at these offsets in the pools (and in the scales, for an 8-bit pool)
   struct Run { int64_t first, count, k_at, v_at, k_scale_at, v_scale_at; };
 
@@ -1799,7 +1909,8 @@ struct PagedProducts {
       for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + r] = static_cast<acc_t>(src[d]) * scale;
     } else {
       if (static_cast<int64_t>(qr.size()) < R * D) qr.resize(R * D);
-      for (int64_t d = 0; d < D; ++d) qr[r * D + d] = static_cast<acc_t>(src[d]) * scale;
+      const acc_t factor = kRowsUnscaled ? acc_t(1) : scale;
+      for (int64_t d = 0; d < D; ++d) qr[r * D + d] = static_cast<acc_t>(src[d]) * factor;
     }
   }
   // The runs of keys j0 .. j0 + n (all below the sequence's S_b: their pages are checked).
@@ -1871,6 +1982,9 @@ struct PagedProducts {
       if (R <= kRunLoopRows) {  // the pool's rows as they are, widened in registers
         run_scores(R, run.count, D, qr.data(), k + run.k_at, pool.k_slot, s + run.first, n,
                    scales_of(scales.k, run.k_scale_at), scales.k_slot);
+        if (kRowsUnscaled)
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t j = 0; j < run.count; ++j) s[r * n + run.first + j] *= scale;
         continue;
       }
       const auto [keys, ld] = rows_of(k, run.k_at, run.count, D, pool.k_slot, scales_of(scales.k, run.k_scale_at),

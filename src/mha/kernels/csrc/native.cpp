@@ -1396,8 +1396,9 @@ inline void in_key_blocks(int64_t count, Block block) {
 #if defined(MHA_AVX512_BF16)
 // score_block for bfloat16 keys on vdpbf16ps: 32 products a step, the keys as stored (no widening),
 // for queries that are bfloat16 values (a bfloat16 call's, unscaled: the products are then exact and
-// summed in float32, as widened keys' FMAs sum them); returns false, computing nothing, for queries
-// that are not (or rows wider than kPairRowMax), which the widening loop takes.
+// summed in float32, as widened keys' FMAs sum them; subnormal bfloat16 factors count as zero, as
+// vdpbf16ps takes them); returns false, computing nothing, for queries that are not (or rows wider
+// than kPairRowMax), which the widening loop takes.
 constexpr int64_t kPairRowMax = 512;
 template <int kRows>
 bool pair_score_block(int64_t count, int64_t D, const float* q, const at::BFloat16* k, int64_t ld, float* s, int64_t lds) {
@@ -1512,7 +1513,8 @@ inline void value_strip(int64_t d, int64_t count, const acc_t* w, int64_t ldw, c
   for (int r = 0; r < kRows; ++r)
 #pragma GCC unroll 8
     for (int s = 0; s < kStrip; ++s) a[r][s] = V::load(acc + r * Dv + d + s * V::kCount);
-  const int64_t ahead = kReadBound<value_t> ? std::max<int64_t>(count, kAheadBytes<value_t> / (ld * sizeof(value_t))) : count;
+  const int64_t ld_bytes = ld * static_cast<int64_t>(sizeof(value_t));
+  const int64_t ahead = kReadBound<value_t> ? std::max(count, kAheadBytes<value_t> / ld_bytes) : count;
   for (int64_t i = 0; i < count; ++i) {
     const value_t* row = v + i * ld + d;
     prefetch_line<value_t>(row + ahead * ld);
@@ -1687,7 +1689,8 @@ void decode_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, co
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   std::vector<acc_t> part_acc(tasks * splits * R * sh.Dv), part_m(tasks * splits * R), part_l(tasks * splits * R);
   at::parallel_for(0, tasks * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> s(R * kDecodeKeys), q_rows(R * sh.D);  // the task's query rows in acc_t
+    // the task's query rows in acc_t, unscaled (a bfloat16 call's stay bfloat16 values: pair_score_block)
+    std::vector<acc_t> s(R * kDecodeKeys), q_rows(R * sh.D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t split = task % splits, bh = task / splits, b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
       const Rows rows = block_rows(sh, t, b, kv_head, 0, R);

@@ -812,6 +812,26 @@ def test_a_keys_score_does_not_depend_on_its_place_in_a_block(dtype, rows, D):
     assert torch.equal(weights, weights[..., :1].expand_as(weights))
 
 
+@pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D, S", [(512, 255), (513, 256), (31, 257), (32, 1)])
+def test_decoding_at_the_dot_products_edges(dtype, D, S):
+    """bfloat16 keys take vdpbf16ps up to kDotRowMax = 512 values a row and the widening loop above
+    it; a step's chunks are 256 keys: both sides of each edge, and a NaN query row stays NaN alone."""
+    g = torch.Generator().manual_seed(D + S)
+    q = torch.randn(1, 8, 1, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    q[0, 3, 0, D // 2] = float("nan")
+    with torch.no_grad():
+        out = native.native_attention(*(x.to(dtype) for x in (q, k, v))).double()
+        exact = mha.kernels.math_attention(q.to(dtype).double(),
+                                           *(x.to(dtype).double().repeat_interleave(4, 1) for x in (k, v)))[0]
+    keep = [0, 1, 2, 4, 5, 6, 7]
+    assert torch.isnan(out[0, 3]).all() and not torch.isnan(out[0, keep]).any()
+    tolerance = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
+    assert (out[0, keep] - exact[0, keep]).abs().max() < tolerance
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 16])
 def test_decoding_rows_of_every_block_shape(dtype, rows):

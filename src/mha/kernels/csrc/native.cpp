@@ -1892,11 +1892,8 @@ struct PageScales {
 template <typename scalar_t, typename acc_t, typename pool_t = scalar_t>
 struct PagedProducts {
   static constexpr int64_t kAlign = 1;
-  static constexpr bool kScaled = true;  // the queries are packed scaled
+  static constexpr bool kScaled = true;  // the scores come scaled (see pack_row)
   static constexpr bool kQuantized = std::is_same_v<pool_t, int8_t>;
-  // bfloat16 rows for run_scores keep the queries as they are (bfloat16 values, which its bfloat16
-  // dot products take whole) and scale the scores instead
-  static constexpr bool kRowsUnscaled = std::is_same_v<pool_t, at::BFloat16>;
   // keys first.. of the tile, at these offsets in the pools (and in the scales, for an 8-bit pool)
   struct Run { int64_t first, count, k_at, v_at, k_scale_at, v_scale_at; };
 
@@ -1920,7 +1917,9 @@ struct PagedProducts {
     kv_head = head;
     keys_total = S;
   }
-  // scale q: row r of R, as (D x kBlockQ) for brgemm (R > kRunLoopRows), else as rows for run_scores
+  // q: row r of R, scaled as (D x kBlockQ) for brgemm (R > kRunLoopRows), else as rows for run_scores,
+  // unscaled (the scores are scaled: a bfloat16 call's queries stay bfloat16 values, which the run
+  // loops' bfloat16 dot products take whole)
   // (each buffer made at its first use by a thread, only where used: a decoding step's call is short
   // enough for zeroing 64 KiB buffers it never reads to show)
   void pack_row(int64_t r, int64_t R, const scalar_t* src) {
@@ -1929,8 +1928,7 @@ struct PagedProducts {
       for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + r] = static_cast<acc_t>(src[d]) * scale;
     } else {
       if (static_cast<int64_t>(qr.size()) < R * D) qr.resize(R * D);
-      const acc_t factor = kRowsUnscaled ? acc_t(1) : scale;
-      for (int64_t d = 0; d < D; ++d) qr[r * D + d] = static_cast<acc_t>(src[d]) * factor;
+      for (int64_t d = 0; d < D; ++d) qr[r * D + d] = static_cast<acc_t>(src[d]);  // unscaled, as decode_kernel's
     }
   }
   // The runs of keys j0 .. j0 + n (all below the sequence's S_b: their pages are checked).
@@ -2002,9 +2000,8 @@ struct PagedProducts {
       if (R <= kRunLoopRows) {  // the pool's rows as they are, widened in registers
         run_scores(R, run.count, D, qr.data(), k + run.k_at, pool.k_slot, s + run.first, n,
                    scales_of(scales.k, run.k_scale_at), scales.k_slot);
-        if (kRowsUnscaled)
-          for (int64_t r = 0; r < R; ++r)
-            for (int64_t j = 0; j < run.count; ++j) s[r * n + run.first + j] *= scale;
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t j = 0; j < run.count; ++j) s[r * n + run.first + j] *= scale;
         continue;
       }
       const auto [keys, ld] = rows_of(k, run.k_at, run.count, D, pool.k_slot, scales_of(scales.k, run.k_scale_at),

@@ -1302,10 +1302,16 @@ template <typename T>
 inline void prefetch_line(const void* p) {
   __builtin_prefetch(p, 0, kReadBound<T> ? 2 : 3);
 }
+// How many rows ld apart lie kAheadBytes ahead (at least one): a call's, once (not a division a block).
 template <typename T>
-inline void prefetch_rows(const T* first, int64_t rows, int64_t ld, int64_t width) {
+inline int64_t rows_ahead(int64_t ld) {
+  const int64_t ld_bytes = std::max<int64_t>(1, ld * static_cast<int64_t>(sizeof(T)));
+  return (kAheadBytes<T> + ld_bytes - 1) / ld_bytes;
+}
+template <typename T>
+inline void prefetch_rows(const T* first, int64_t rows, int64_t ld, int64_t width, int64_t ahead) {
   const int64_t row_bytes = width * static_cast<int64_t>(sizeof(T)), ld_bytes = ld * static_cast<int64_t>(sizeof(T));
-  const char* at = reinterpret_cast<const char*>(first) + (kAheadBytes<T> + ld_bytes - 1) / ld_bytes * ld_bytes;
+  const char* at = reinterpret_cast<const char*>(first + ahead * ld);
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t byte = 0; byte < row_bytes; byte += 64) prefetch_line<T>(at + i * ld_bytes + byte);
 }
@@ -1338,7 +1344,7 @@ inline __m512 quad_sums(__m512 ab, __m512 cd) {
 inline __m512 quarter_sums(__m512 a, __m512 b) {  // [a: q0+q1, q2+q3 | b: q0+q1, q2+q3]
   return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
 }
-inline __m512 lane_sums16(const __m512* v) {
+__attribute__((always_inline)) inline __m512 lane_sums16(const __m512* v) {
   __m512 quads[4];
   for (int g = 0; g < 4; ++g)
     quads[g] = quad_sums(pair_sums(v[4 * g], v[4 * g + 1]), pair_sums(v[4 * g + 2], v[4 * g + 3]));
@@ -1347,7 +1353,7 @@ inline __m512 lane_sums16(const __m512* v) {
 }
 #endif
 template <typename acc_t, int N>
-inline void lane_sums(const typename Lanes<acc_t>::vec* a, acc_t* out) {
+__attribute__((always_inline)) inline void lane_sums(const typename Lanes<acc_t>::vec* a, acc_t* out) {
 #if defined(__AVX2__) && !defined(MHA_AVX512)
   if constexpr (std::is_same_v<acc_t, float>) {
     __m256 wide[N];
@@ -1360,8 +1366,10 @@ inline void lane_sums(const typename Lanes<acc_t>::vec* a, acc_t* out) {
 #endif
 #if defined(MHA_AVX512)
   if constexpr (std::is_same_v<acc_t, float>) {
+#pragma GCC unroll 2
     for (int n = 0; n < N; n += 16) {
       __m512 group[16];
+#pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) group[i] = n + i < N ? reinterpret_cast<const __m512*>(a)[n + i] : _mm512_setzero_ps();
       alignas(64) float sums[16];
       _mm512_store_ps(sums, lane_sums16(group));
@@ -1416,11 +1424,14 @@ bool pair_score_block(int64_t count, int64_t D, const float* q, const at::BFloat
   }
   const int64_t Dw = D / 32 * 32;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t(1) << (D - Dw)) - 1);
+  const int64_t ahead = rows_ahead<at::BFloat16>(ld);
   in_key_blocks<kScoreKeys<kRows>>(count, [&](int64_t j, auto keys) {
     constexpr int kKeys = decltype(keys)::value;
-    prefetch_rows(k + j * ld, kKeys, ld, D);
+    prefetch_rows(k + j * ld, kKeys, ld, D, ahead);
     __m512 a[kRows][kKeys];
+#pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 8
       for (int i = 0; i < kKeys; ++i) a[r][i] = _mm512_setzero_ps();
     auto step = [&](int64_t d, __mmask32 mask) {
       __m512bh x[kKeys];
@@ -1457,12 +1468,15 @@ void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64
   using V = Lanes<acc_t>;
   using vec = typename V::vec;
   const int64_t Dw = D / V::kCount * V::kCount;
+  const int64_t ahead = rows_ahead<key_t>(ld);
   // keys j .. j + keys: each row's sums over whole vectors, their lanes summed, the last values added
   in_key_blocks<kScoreKeys<kRows>>(count, [&](int64_t j, auto keys) {
     constexpr int kKeys = decltype(keys)::value;
-    prefetch_rows(k + j * ld, kKeys, ld, D);
-    vec a[kRows][kKeys];
+    prefetch_rows(k + j * ld, kKeys, ld, D, ahead);
+    vec a[kRows][kKeys];  // every loop over a block's rows and keys unrolled: the sums stay in registers
+#pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 8
       for (int i = 0; i < kKeys; ++i) a[r][i] = vec{};
     for (int64_t d = 0; d < Dw; d += V::kCount) {
       vec x[kKeys];
@@ -1477,15 +1491,19 @@ void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64
     }
     if (Dw < D) {  // the last values, as one more vector
       vec x[kKeys];
+#pragma GCC unroll 8
       for (int i = 0; i < kKeys; ++i) x[i] = widen_tail<acc_t>(k + (j + i) * ld + Dw, D - Dw);
+#pragma GCC unroll 4
       for (int r = 0; r < kRows; ++r) {
         const vec y = widen_tail<acc_t>(q + r * D + Dw, D - Dw);
+#pragma GCC unroll 8
         for (int i = 0; i < kKeys; ++i) a[r][i] += y * x[i];
       }
     }
     acc_t totals[kRows][kKeys];
     lane_sums<acc_t, kRows * kKeys>(&a[0][0], &totals[0][0]);
     acc_t factor[kKeys];
+#pragma GCC unroll 8
     for (int i = 0; i < kKeys; ++i) factor[i] = scales == nullptr ? acc_t(1) : scales[(j + i) * scale_ld];
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r)
@@ -1514,11 +1532,12 @@ inline void value_strip(int64_t d, int64_t count, const acc_t* w, int64_t ldw, c
   for (int r = 0; r < kRows; ++r)
 #pragma GCC unroll 8
     for (int s = 0; s < kStrip; ++s) a[r][s] = V::load(acc + r * Dv + d + s * V::kCount);
+  constexpr int64_t kStripBytes = kStrip * V::kCount * static_cast<int64_t>(sizeof(value_t));
   const int64_t ld_bytes = ld * static_cast<int64_t>(sizeof(value_t));
   const int64_t ahead = kReadBound<value_t> ? std::max(count, kAheadBytes<value_t> / ld_bytes) : count;
   for (int64_t i = 0; i < count; ++i) {
     const value_t* row = v + i * ld + d;
-    prefetch_line<value_t>(row + ahead * ld);
+    for (int64_t byte = 0; byte < kStripBytes; byte += 64) prefetch_line<value_t>(reinterpret_cast<const char*>(row + ahead * ld) + byte);
     acc_t b[kRows];  // each broadcast once a key
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) b[r] = w[r * ldw + i];
@@ -1557,6 +1576,10 @@ void value_strips(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const 
     }
     int64_t d = 0;
     for (; d + kStrip * V::kCount <= Dw; d += kStrip * V::kCount) value_strip<kRows, kStrip>(d, n, w, ldw, chunk, ld, acc, Dv);
+    if constexpr (kStrip > 4)
+      if (d + 4 * V::kCount <= Dw) value_strip<kRows, 4>(d, n, w, ldw, chunk, ld, acc, Dv), d += 4 * V::kCount;
+    if constexpr (kStrip > 2)
+      if (d + 2 * V::kCount <= Dw) value_strip<kRows, 2>(d, n, w, ldw, chunk, ld, acc, Dv), d += 2 * V::kCount;
     for (; d < Dw; d += V::kCount) value_strip<kRows, 1>(d, n, w, ldw, chunk, ld, acc, Dv);
     for (; d < Dv; ++d)
       for (int r = 0; r < kRows; ++r)
@@ -1573,10 +1596,10 @@ void value_rows(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const va
                  const acc_t* scales, int64_t scale_ld) {
   using V = Lanes<acc_t>;
   using vec = typename V::vec;
-  const int64_t Dw = Dv / V::kCount * V::kCount;
+  const int64_t Dw = Dv / V::kCount * V::kCount, ahead = rows_ahead<value_t>(ld);
   in_key_blocks<kBlockKeys<kRows>>(count, [&](int64_t j, auto keys) {
     constexpr int kKeys = decltype(keys)::value;
-    prefetch_rows(v + j * ld, kKeys, ld, Dv);
+    prefetch_rows(v + j * ld, kKeys, ld, Dv, ahead);
     acc_t w[kRows][kKeys];
     for (int r = 0; r < kRows; ++r)
       for (int i = 0; i < kKeys; ++i) w[r][i] = scales == nullptr ? p[r * ldp + j + i] : p[r * ldp + j + i] * scales[(j + i) * scale_ld];

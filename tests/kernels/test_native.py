@@ -842,7 +842,7 @@ def test_decoding_rows_of_every_block_shape(dtype, rows):
     g = torch.Generator().manual_seed(rows)
     tolerance = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
     G, L = (rows, 1) if rows <= 8 else (rows // 4, 4)
-    for D, S in [(1, 5), (7, 19), (8, 64), (9, 130), (33, 67), (128, 257)]:
+    for D, S in [(1, 5), (7, 19), (8, 64), (9, 130), (33, 67), (128, 257), (248, 33)]:  # 248: strips of 8, 4, 2, 1
         q = torch.randn(2, 2 * G, L, D, generator=g, dtype=torch.float64)
         k, v = (torch.randn(2, 2, S, D, generator=g, dtype=torch.float64) for _ in range(2))
         with torch.no_grad():

@@ -214,17 +214,19 @@ def test_odd_head_dims(dtype):
         _check(inputs, _terms(6)[name], dtype)
 
 
-WIDENED_LENGTHS = [(1, 1), (1, 7), (1, 8), (1, 9), (2, 33), (1, 300)]  # chunks of 8 keys and their tails
+# chunks of 8 keys (32 in AVX-512 builds) and their tails
+WIDENED_LENGTHS = [(1, 1), (1, 7), (1, 8), (1, 9), (2, 33), (1, 300), (1, 32), (1, 64)]
 
 
-@pytest.mark.parametrize("Dv", [8, 20, 72, 136])
+@pytest.mark.parametrize("Dv", [8, 20, 72, 136, 248])
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
 def test_widened_values_every_strip_and_chunk_tail(group, Dv):
     """Values widened as they are read (value_strips): 8-bit pages, float32 out against float64 over
     their dequantized values (the tolerance float32's). Blocks of 1 to 4 rows (a group of query heads
-    a kv head; L = 2 stacks 2 x group), so strips of 8, 4, 3 and 2 vectors and the remainders Dv leaves
-    (1 to 17 vectors, a scalar tail), keys in chunks of 8 and every tail: runs cut by shuffled pages of 5,
-    and runs of up to a tile over pages of 64 that follow each other in the pool."""
+    a kv head; L = 2 stacks 2 x group), so strips of 8, 4, 3 and 2 vectors (AVX-512: 8 for 1 and 2
+    rows, 4 for 3 and 4, then strips of 4, 2 and 1) and the remainders Dv leaves (1 to 31 vectors, a
+    scalar tail), keys in chunks of 8 (AVX-512: 32) and every tail: runs cut by shuffled pages of 5, and
+    runs of up to a tile over pages of 64 that follow each other in the pool."""
     for P, shuffle in ((5, True), (64, False)):
         q, k_pages, v_pages, table, cu, seqlens = _pool(WIDENED_LENGTHS, 2 * group, 2, P, D=24, Dv=Dv, seed=Dv + group,
                                                         shuffle=shuffle, spare=0)

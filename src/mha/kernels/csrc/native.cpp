@@ -1402,6 +1402,36 @@ inline void in_key_blocks(int64_t count, Block block) {
   for (; j < count; ++j) block(j, std::integral_constant<int, 1>{});
 }
 
+// The scores of kRows query rows with ``count`` keys, block by block (kScoreKeys keys): the block's
+// rows asked for ahead, kRows x keys zeroed sums, add_products(j, sums) adding q_r . k_(j + i) into
+// sums[r][i] lane by lane, the lanes summed (lane_sums) and stored, times the keys' scales where given:
+//   s[r * lds + j] = q_r . k_j (times scales[j * scale_ld])
+template <int kRows, typename acc_t, typename key_t, typename AddProducts>
+inline void score_blocks(int64_t count, int64_t D, const key_t* k, int64_t ld, acc_t* s, int64_t lds,
+                         const acc_t* scales, int64_t scale_ld, AddProducts add_products) {
+  using vec = typename Lanes<acc_t>::vec;
+  const int64_t ahead = rows_ahead<key_t>(ld);
+  in_key_blocks<kScoreKeys<kRows>>(count, [&](int64_t j, auto keys) {
+    constexpr int kKeys = decltype(keys)::value;
+    prefetch_rows(k + j * ld, kKeys, ld, D, ahead);
+    vec sums[kRows][kKeys];  // every loop over a block's rows and keys unrolled: the sums stay in registers
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 8
+      for (int i = 0; i < kKeys; ++i) sums[r][i] = vec{};
+    add_products(j, sums);
+    acc_t totals[kRows][kKeys];
+    lane_sums<acc_t, kRows * kKeys>(&sums[0][0], &totals[0][0]);
+    acc_t factor[kKeys];
+#pragma GCC unroll 8
+    for (int i = 0; i < kKeys; ++i) factor[i] = scales == nullptr ? acc_t(1) : scales[(j + i) * scale_ld];
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 8
+      for (int i = 0; i < kKeys; ++i) s[r * lds + j + i] = totals[r][i] * factor[i];
+  });
+}
+
 #if defined(MHA_AVX512_BF16)
 // score_block for bfloat16 keys on vdpbf16ps: 32 products a step, the keys as stored (no widening),
 // for queries that are bfloat16 values (a bfloat16 call's, unscaled: the products are then exact and
@@ -1424,15 +1454,8 @@ bool pair_score_block(int64_t count, int64_t D, const float* q, const at::BFloat
   }
   const int64_t Dw = D / 32 * 32;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t(1) << (D - Dw)) - 1);
-  const int64_t ahead = rows_ahead<at::BFloat16>(ld);
-  in_key_blocks<kScoreKeys<kRows>>(count, [&](int64_t j, auto keys) {
-    constexpr int kKeys = decltype(keys)::value;
-    prefetch_rows(k + j * ld, kKeys, ld, D, ahead);
-    __m512 a[kRows][kKeys];
-#pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r)
-#pragma GCC unroll 8
-      for (int i = 0; i < kKeys; ++i) a[r][i] = _mm512_setzero_ps();
+  score_blocks<kRows>(count, D, k, ld, s, lds, static_cast<const float*>(nullptr), 0, [&](int64_t j, auto& sums) {
+    constexpr int kKeys = std::extent_v<std::remove_reference_t<decltype(sums)>, 1>;
     auto step = [&](int64_t d, __mmask32 mask) {
       __m512bh x[kKeys];
 #pragma GCC unroll 8
@@ -1441,17 +1464,11 @@ bool pair_score_block(int64_t count, int64_t D, const float* q, const at::BFloat
       for (int r = 0; r < kRows; ++r) {
         const __m512bh y = (__m512bh)_mm512_load_si512(qb[r] + d);
 #pragma GCC unroll 8
-        for (int i = 0; i < kKeys; ++i) a[r][i] = _mm512_dpbf16_ps(a[r][i], y, x[i]);
+        for (int i = 0; i < kKeys; ++i) sums[r][i] = _mm512_dpbf16_ps(sums[r][i], y, x[i]);
       }
     };
     for (int64_t d = 0; d < Dw; d += 32) step(d, ~__mmask32(0));
     if (Dw < D) step(Dw, tail);
-    float totals[kRows][kKeys];
-    lane_sums<float, kRows * kKeys>(reinterpret_cast<const Lanes<float>::vec*>(&a[0][0]), &totals[0][0]);
-#pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r)
-#pragma GCC unroll 8
-      for (int i = 0; i < kKeys; ++i) s[r * lds + j + i] = totals[r][i];
   });
   return true;
 }
@@ -1468,16 +1485,9 @@ void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64
   using V = Lanes<acc_t>;
   using vec = typename V::vec;
   const int64_t Dw = D / V::kCount * V::kCount;
-  const int64_t ahead = rows_ahead<key_t>(ld);
-  // keys j .. j + keys: each row's sums over whole vectors, their lanes summed, the last values added
-  in_key_blocks<kScoreKeys<kRows>>(count, [&](int64_t j, auto keys) {
-    constexpr int kKeys = decltype(keys)::value;
-    prefetch_rows(k + j * ld, kKeys, ld, D, ahead);
-    vec a[kRows][kKeys];  // every loop over a block's rows and keys unrolled: the sums stay in registers
-#pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r)
-#pragma GCC unroll 8
-      for (int i = 0; i < kKeys; ++i) a[r][i] = vec{};
+  // each row's sums over whole vectors, then the last values as one more vector
+  score_blocks<kRows>(count, D, k, ld, s, lds, scales, scale_ld, [&](int64_t j, auto& sums) {
+    constexpr int kKeys = std::extent_v<std::remove_reference_t<decltype(sums)>, 1>;
     for (int64_t d = 0; d < Dw; d += V::kCount) {
       vec x[kKeys];
 #pragma GCC unroll 8
@@ -1486,10 +1496,10 @@ void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64
       for (int r = 0; r < kRows; ++r) {
         const vec y = V::load(q + r * D + d);
 #pragma GCC unroll 8
-        for (int i = 0; i < kKeys; ++i) a[r][i] += y * x[i];
+        for (int i = 0; i < kKeys; ++i) sums[r][i] += y * x[i];
       }
     }
-    if (Dw < D) {  // the last values, as one more vector
+    if (Dw < D) {
       vec x[kKeys];
 #pragma GCC unroll 8
       for (int i = 0; i < kKeys; ++i) x[i] = widen_tail<acc_t>(k + (j + i) * ld + Dw, D - Dw);
@@ -1497,18 +1507,9 @@ void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64
       for (int r = 0; r < kRows; ++r) {
         const vec y = widen_tail<acc_t>(q + r * D + Dw, D - Dw);
 #pragma GCC unroll 8
-        for (int i = 0; i < kKeys; ++i) a[r][i] += y * x[i];
+        for (int i = 0; i < kKeys; ++i) sums[r][i] += y * x[i];
       }
     }
-    acc_t totals[kRows][kKeys];
-    lane_sums<acc_t, kRows * kKeys>(&a[0][0], &totals[0][0]);
-    acc_t factor[kKeys];
-#pragma GCC unroll 8
-    for (int i = 0; i < kKeys; ++i) factor[i] = scales == nullptr ? acc_t(1) : scales[(j + i) * scale_ld];
-#pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r)
-#pragma GCC unroll 8
-      for (int i = 0; i < kKeys; ++i) s[r * lds + j + i] = totals[r][i] * factor[i];
   });
 }
 

@@ -25,23 +25,16 @@ import time
 import torch
 import torch.nn.functional as F
 
+from mha.tools.bench import paired_times
+
 
 def pair_ratio(a, b, *, n: int = 50, pairs: int = 200) -> tuple[float, float, float]:
-    """(median of A/B over the pairs, A's median us, B's median us)."""
+    """(median of A/B over the pairs, A's median us, B's median us): bench.paired_times, n calls a sample."""
     for _ in range(20):
         a(), b()
-    ratios, ta, tb = [], [], []
-    for i in range(pairs):
-        t = {}
-        for f in ((a, b) if i % 2 == 0 else (b, a)):
-            start = time.perf_counter()
-            for _ in range(n):
-                f()
-            t[f] = (time.perf_counter() - start) / n
-        ratios.append(t[a] / t[b])
-        ta.append(t[a])
-        tb.append(t[b])
-    return statistics.median(ratios), statistics.median(ta) * 1e6, statistics.median(tb) * 1e6
+    t = paired_times({"a": a, "b": b}, pairs, calls=n)
+    ratios = [x / y for x, y in zip(t["a"], t["b"])]
+    return statistics.median(ratios), statistics.median(t["a"]) * 1e6, statistics.median(t["b"]) * 1e6
 
 
 def calls() -> None:

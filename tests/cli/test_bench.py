@@ -311,6 +311,22 @@ def test_cli_runs_every_section_at_each_thread_count_and_adds_the_scaling(tmp_pa
     assert "--threads must be positive, got 2 0" in capsys.readouterr().err
 
 
+def test_paired_times_swap_the_order_and_take_the_mean_of_a_samples_calls(monkeypatch):
+    """Each sample is ``calls`` calls in a row, its mean kept; pairs alternate which goes first."""
+    clock, order = [0.0], []
+
+    def step(name: str, seconds: float):
+        def call():
+            order.append(name)
+            clock[0] += seconds
+        return call
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    taken = bench.paired_times({"a": step("a", 2.0), "b": step("b", 5.0)}, 2, calls=3)
+    assert order == ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3
+    assert taken == {"a": [2.0, 2.0], "b": [5.0, 5.0]}
+
+
 def test_hf_generate_rows_time_mha_against_sdpa_on_the_same_weights(monkeypatch):
     pytest.importorskip("transformers")
     (row,) = bench.hf_generate_rows([8], ["float32"], 2, 1)

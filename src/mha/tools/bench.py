@@ -146,16 +146,19 @@ def best_times(fns: dict[str, Callable[[], object]], repeat: int, *, calls: int 
     return times
 
 
-def paired_times(fns: dict[str, Callable[[], object]], pairs: int) -> dict[str, list[float]]:
-    """Seconds of each of two calls in ``pairs`` pairs, one after the other, the order swapped every
-    other pair (the first call of a pair meets what the last one of the pair before left)."""
+def paired_times(fns: dict[str, Callable[[], object]], pairs: int, *, calls: int = 1) -> dict[str, list[float]]:
+    """Seconds a call of each of two functions in ``pairs`` pairs, one after the other, the order
+    swapped every other pair (the first of a pair meets what the last of the pair before left);
+    each sample the mean of ``calls`` calls in a row. Sample i of one and sample i of the other were
+    taken side by side: their ratio is the pair's."""
     names = list(fns)
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(pairs):
         for name in (names if i % 2 == 0 else names[::-1]):
             start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
+            for _ in range(calls):
+                fns[name]()
+            times[name].append((time.perf_counter() - start) / calls)
     return times
 
 

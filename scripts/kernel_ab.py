@@ -2,12 +2,13 @@
 
     python scripts/kernel_ab.py                        # paged decoding against HEAD, 1 thread, S = 16384
     python scripts/kernel_ab.py --base 3de397d --threads 2 --keys 1024 16384
+    python scripts/kernel_ab.py --heads 8 8 --dim 64    # decoding without GQA, at D = 64
     python scripts/kernel_ab.py --forward 1024 4096    # the forward (B1 H8 D64, causal and not) instead
 
 A kernel change measured in two processes on a shared machine compares two machines (its speed
 drifts 2x between runs here): this builds the base revision's csrc/native.cpp under another module
 name (its ``Terms`` made module-local so that both load), then times each dtype's decoding call
-(B sequences x 1 row, GQA 32 / 8 heads, D = 128, one page per sequence: float32, bfloat16 and int8
+(B sequences x 1 row, GQA 32 / 8 heads, D = 128 unless asked, one page per sequence: float32, bfloat16 and int8
 pools, as mha bench's cache rows), or the forward (as mha bench's native rows), on both kernels,
 alternately, and prints the median of the rounds' new/base ratios beside each one's best time, and
 the outputs' largest difference.
@@ -48,22 +49,22 @@ def base_kernel(revision: str):
 # Both kernels read the same tensors: with a draw each, two builds of one source read 1.06-1.09 apart
 # on a float32 decoding step (2 Zen 3 threads, S = 8192), where one draw reads them alike.
 @functools.cache
-def decoding_inputs(S: int, B: int) -> tuple:
+def decoding_inputs(S: int, B: int, Hq: int = 32, Hkv: int = 8, D: int = 128) -> tuple:
     """(pools by dtype: q, k, v and the 8-bit pools' scales, then the block table, cu_seqlens, lengths)."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, 32, 128, generator=g)
-    k, v = (torch.randn(B, 8, S, 128, generator=g) for _ in range(2))
+    q = torch.randn(B, Hq, D, generator=g)
+    k, v = (torch.randn(B, Hkv, S, D, generator=g) for _ in range(2))
     (k8, k_scales), (v8, v_scales) = storage.split(storage.store(k, True)), storage.split(storage.store(v, True))
     pools = {"float32": (q, k, v, None, None), "bfloat16": (q.bfloat16(), k.bfloat16(), v.bfloat16(), None, None),
              "int8": (q, k8, v8, k_scales, v_scales)}
     return pools, torch.arange(B)[:, None], torch.arange(B + 1), torch.full((B,), S)
 
 
-def decoding_calls(kernel, S: int, B: int) -> dict:
+def decoding_calls(kernel, S: int, B: int, Hq: int = 32, Hkv: int = 8, D: int = 128) -> dict:
     """Each pool dtype's paged_forward call on ``kernel``."""
-    pools, table, cu, lengths = decoding_inputs(S, B)
+    pools, table, cu, lengths = decoding_inputs(S, B, Hq, Hkv, D)
     terms = kernel.Terms()
-    terms.scale = 128 ** -0.5
+    terms.scale = D ** -0.5
     return {name: (lambda q, k, v, ks, vs: lambda: kernel.paged_forward(q, k, v, table, cu, lengths, terms, ks, vs)[0])(
         *pool) for name, pool in pools.items()}
 
@@ -93,6 +94,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--keys", type=int, nargs="+", default=[16384])
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HKV"), help="decoding's heads")
+    parser.add_argument("--dim", type=int, default=128, help="decoding's head dim")
     parser.add_argument("--forward", type=int, nargs="+", metavar="T", help="time the forward at these T instead")
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
@@ -101,7 +104,8 @@ def main() -> None:
     if new is None:
         raise SystemExit("this tree's native kernel does not build here")
     for S in args.forward or args.keys:
-        make = forward_calls if args.forward else lambda kernel, S: decoding_calls(kernel, S, args.batch)
+        make = forward_calls if args.forward else lambda kernel, S: decoding_calls(kernel, S, args.batch, *args.heads,
+                                                                                     args.dim)
         ours, theirs = make(new, S), make(base, S)
         reps = max(1, (30_000_000 if args.forward else 1_000_000) // (S * (S if args.forward else args.batch)))
         for name in ours:
@@ -118,7 +122,8 @@ def main() -> None:
                     took[which] = (time.perf_counter() - start) / reps
                     best[which] = min(best[which], took[which])
                 ratios.append(took["new"] / took["base"])
-            point = f"threads {args.threads} {'T' if args.forward else 'S'} {S} B {args.batch} {name}"
+            shape = "" if args.forward else f" Hq {args.heads[0]} Hkv {args.heads[1]} D {args.dim}"
+            point = f"threads {args.threads} {'T' if args.forward else 'S'} {S} B {args.batch}{shape} {name}"
             print(f"{point}: base {best['base'] * 1e3:.3f} ms, "
                   f"new {best['new'] * 1e3:.3f} ms, new/base median {statistics.median(ratios):.3f}, "
                   f"largest difference {difference:.2g}")

@@ -473,7 +473,7 @@ def distributed_rows(T: int, nprocs: int) -> Iterator[Row]:
 
 
 def _cache_decode_rows(p: dict, where: str, memory: float) -> Iterator[Row]:
-    """A decoding step (Hq32/Hkv8 D128) from each cache format, read in place by the paged kernel
+    """A decoding step (D128) from each cache format, read in place by the paged kernel
     (bench_native.cache_decode_point), a row each: its time
     beside the float32 and bfloat16 caches' (the targets: bf16 at most 0.55 of fp32, int8 at most 0.6
     of bf16), the bytes it reads per second and as a fraction of the read rate, its error."""
@@ -533,9 +533,10 @@ def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
                   {"native/sdpa": p["native"] / p["sdpa"]},
                   {"native GB/s (K, V read)": p["bytes"] / p["native"] / 1e6, "sdpa GB/s": p["bytes"] / p["sdpa"] / 1e6,
                    "native of read": p["bytes"] / p["native"] / 1e6 / memory, "memory read GB/s (sum)": memory})
-    for S in grid["cache_decode"]:
-        for B in (1, 8):
-            yield from _cache_decode_rows(bench_native.cache_decode_point(S, times, B=B), f"B{B} S{S} paged", memory)
+    for S in grid["cache_decode"]:  # GQA 32 / 8, where 4 rows share each key widened; 8 / 8, one row a key
+        for B, heads in ((1, (32, 8)), (8, (32, 8)), (1, (8, 8))):
+            yield from _cache_decode_rows(bench_native.cache_decode_point(S, times, B=B, heads=heads),
+                                          f"B{B} S{S} paged{'' if heads == (32, 8) else ' Hq8/Hkv8'}", memory)
     calls = functools.partial(best_times, repeat=repeat, calls=10)  # short calls: several per timing
     for dtype in bench_native.DTYPES:  # where the dispatch starts to pick it (mha.kernels.dispatch.native_pays)
         for T in grid["short"]:

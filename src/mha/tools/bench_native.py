@@ -82,8 +82,9 @@ def decode_point(dtype: str, S: int, times) -> dict:
     return {**ms, "bytes": 2 * k.numel() * k.element_size()}
 
 
-def cache_decode_point(S: int, times, *, B: int = 1) -> dict:
-    """One new query per sequence over S cached keys (B sequences, GQA 32 / 8 heads, D = 128), the
+def cache_decode_point(S: int, times, *, B: int = 1, heads: tuple[int, int] = (32, 8)) -> dict:
+    """One new query per sequence over S cached keys (B sequences, ``heads`` query / key-value heads:
+    GQA 32 / 8, or 8 / 8 where each key is read for one query row; D = 128), the
     keys and values held as float32, bfloat16 or int8 (as mha's caches keep them, mha.kernels.storage:
     a float32 scale per (token, head) after each row), each read in place by the native paged kernel
     (one page per sequence), and the int8 rows with their scales apart (contiguous k_scales, v_scales:
@@ -92,8 +93,8 @@ def cache_decode_point(S: int, times, *, B: int = 1) -> dict:
     from ..kernels import paged_attention, storage
 
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, 32, 128, generator=g)  # (B sequences x 1 row, H, D)
-    k, v = (torch.randn(B, 8, S, 128, generator=g) for _ in range(2))  # (B pages, Hkv, P = S, D)
+    q = torch.randn(B, heads[0], 128, generator=g)  # (B sequences x 1 row, H, D)
+    k, v = (torch.randn(B, heads[1], S, 128, generator=g) for _ in range(2))  # (B pages, Hkv, P = S, D)
     table, cu, lengths = torch.arange(B)[:, None], torch.arange(B + 1), torch.full((B,), S)
     k8, v8 = storage.store(k, True), storage.store(v, True)  # (B, Hkv, S, 128 + 4) int8
     (k_rows, k_scales), (v_rows, v_scales) = ((rows.contiguous(), scales.contiguous())

@@ -1302,7 +1302,7 @@ template <typename T>
 inline void prefetch_line(const void* p) {
   __builtin_prefetch(p, 0, kReadBound<T> ? 2 : 3);
 }
-// How many rows ld apart lie kAheadBytes ahead (at least one): a call's, once (not a division a block).
+// How many rows ld apart lie kAheadBytes ahead (at least one); score_blocks makes it once a call.
 template <typename T>
 inline int64_t rows_ahead(int64_t ld) {
   const int64_t ld_bytes = std::max<int64_t>(1, ld * static_cast<int64_t>(sizeof(T)));
@@ -1531,7 +1531,7 @@ constexpr int64_t kValueChunk = 8;
 #endif
 
 // acc[r * Dv + d ..] for kStrip vectors from d += sum_i w[r * ldw + i] v_i[d ..], i < count; the same
-// columns of rows ahead asked for as each key is read (kAheadBytes ahead, at least the next chunk's;
+// columns of rows ahead (every line of the strip's width) asked for as each key is read (kAheadBytes ahead, at least the next chunk's;
 // spread over the strips: a burst of a chunk's lines at once outruns the cache's queue of misses).
 template <int kRows, int kStrip, typename acc_t, typename value_t>
 inline void value_strip(int64_t d, int64_t count, const acc_t* w, int64_t ldw, const value_t* v, int64_t ld, acc_t* acc,

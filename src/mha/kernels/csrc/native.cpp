@@ -1485,31 +1485,22 @@ void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64
   using V = Lanes<acc_t>;
   using vec = typename V::vec;
   const int64_t Dw = D / V::kCount * V::kCount;
-  // each row's sums over whole vectors, then the last values as one more vector
+  // each row's sums over whole vectors, then the last values as one more vector (zero-padded)
   score_blocks<kRows>(count, D, k, ld, s, lds, scales, scale_ld, [&](int64_t j, auto& sums) {
     constexpr int kKeys = std::extent_v<std::remove_reference_t<decltype(sums)>, 1>;
-    for (int64_t d = 0; d < Dw; d += V::kCount) {
+    auto step = [&](auto vector_at) {  // vector_at(row): the vector of the row's values at this step
       vec x[kKeys];
 #pragma GCC unroll 8
-      for (int i = 0; i < kKeys; ++i) x[i] = widen<acc_t>(k + (j + i) * ld + d);
+      for (int i = 0; i < kKeys; ++i) x[i] = vector_at(k + (j + i) * ld);
 #pragma GCC unroll 4
       for (int r = 0; r < kRows; ++r) {
-        const vec y = V::load(q + r * D + d);
+        const vec y = vector_at(q + r * D);
 #pragma GCC unroll 8
         for (int i = 0; i < kKeys; ++i) sums[r][i] += y * x[i];
       }
-    }
-    if (Dw < D) {
-      vec x[kKeys];
-#pragma GCC unroll 8
-      for (int i = 0; i < kKeys; ++i) x[i] = widen_tail<acc_t>(k + (j + i) * ld + Dw, D - Dw);
-#pragma GCC unroll 4
-      for (int r = 0; r < kRows; ++r) {
-        const vec y = widen_tail<acc_t>(q + r * D + Dw, D - Dw);
-#pragma GCC unroll 8
-        for (int i = 0; i < kKeys; ++i) sums[r][i] += y * x[i];
-      }
-    }
+    };
+    for (int64_t d = 0; d < Dw; d += V::kCount) step([&](const auto* row) { return widen<acc_t>(row + d); });
+    if (Dw < D) step([&](const auto* row) { return widen_tail<acc_t>(row + Dw, D - Dw); });
   });
 }
 
@@ -1531,8 +1522,9 @@ constexpr int64_t kValueChunk = 8;
 #endif
 
 // acc[r * Dv + d ..] for kStrip vectors from d += sum_i w[r * ldw + i] v_i[d ..], i < count; the same
-// columns of rows ahead (every line of the strip's width) asked for as each key is read (kAheadBytes ahead, at least the next chunk's;
-// spread over the strips: a burst of a chunk's lines at once outruns the cache's queue of misses).
+// columns of rows ahead (every line of the strip's width) asked for as each key is read (kAheadBytes
+// ahead, at least the next chunk's; spread over the strips: a burst of a chunk's lines at once outruns
+// the cache's queue of misses).
 template <int kRows, int kStrip, typename acc_t, typename value_t>
 inline void value_strip(int64_t d, int64_t count, const acc_t* w, int64_t ldw, const value_t* v, int64_t ld, acc_t* acc,
                         int64_t Dv) {

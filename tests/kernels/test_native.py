@@ -816,7 +816,7 @@ def test_a_keys_score_does_not_depend_on_its_place_in_a_block(dtype, rows, D):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D, S", [(512, 255), (513, 256), (31, 257), (32, 1)])
 def test_decoding_at_the_dot_products_edges(dtype, D, S):
-    """bfloat16 keys take vdpbf16ps up to kDotRowMax = 512 values a row and the widening loop above
+    """bfloat16 keys take vdpbf16ps up to kPairRowMax = 512 values a row and the widening loop above
     it; a step's chunks are 256 keys: both sides of each edge, and a NaN query row stays NaN alone."""
     g = torch.Generator().manual_seed(D + S)
     q = torch.randn(1, 8, 1, D, generator=g, dtype=torch.float64)
@@ -937,6 +937,18 @@ def test_the_weights_match_the_math_backends(B, H, Hkv, L, S, D, term):
     for part, name in enumerate(("output", "weights")):
         ours, theirs, want = (torch.stack([draw[x][part] for draw in results]) for x in range(3))
         assert_within_torch_error(ours, theirs, want, err_msg=name, typical=True)
+
+
+def test_the_typical_error_rule_at_its_bounds():
+    """assert_within_torch_error(typical=True): the root mean square error within 2x torch's, the
+    largest within 4x; just inside each bound passes, just outside fails."""
+    reference, torchs = torch.zeros(100, dtype=torch.float64), torch.full((100,), 1e-3, dtype=torch.float64)
+    one_worst = lambda worst: torch.cat([torch.tensor([worst]), torch.full((99,), 1e-3)]).double()  # noqa: E731
+    for ours in (torch.full((100,), 1.99e-3, dtype=torch.float64), one_worst(3.98e-3)):
+        assert_within_torch_error(ours, torchs, reference, floor=0.0, typical=True)
+    for ours in (torch.full((100,), 2.02e-3, dtype=torch.float64), one_worst(4.04e-3)):
+        with pytest.raises(AssertionError):
+            assert_within_torch_error(ours, torchs, reference, floor=0.0, typical=True)
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")

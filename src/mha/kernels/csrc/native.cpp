@@ -279,18 +279,15 @@ acc_t exp_shifted(int64_t n, const acc_t* x, acc_t scale, acc_t shift, W* w) {
 }
 
 #if defined(MHA_AVX512)
-// exp of 16 floats to about 2 ulp: x = n ln2 + r, |r| <= ln2 / 2, with n ln2 taken off in two parts
-// (ln2's float and the rest: r stays exact where x is large, as a softmax's exponents are when its
-// logits are), e^r a degree-6 polynomial (near-minimax on [-ln2/2, ln2/2], 1.6 ulp), times 2^n.
-// Below -87.3 the result is 0 (e^-87 is float32's smallest normal); NaN stays NaN.
-static inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.7f);
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  const __m512 c = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
+// e^x of 16 floats to about 2 ulp, the lanes of ``kept`` only (0 elsewhere), for x that is not NaN
+// and at most 88.7: x = n ln2 + r, |r| <= ln2 / 2, with n ln2 taken off in two parts (ln2's float
+// and the rest: r stays exact where x is large, as a softmax's exponents are when its logits are),
+// e^r a degree-6 polynomial (near-minimax on [-ln2/2, ln2/2], 1.6 ulp), times 2^n. A lane left out
+// may compute a NaN (x = -inf): the mask, not a clamp, makes it 0.
+static inline __m512 exp16_kept(__m512 x, __mmask16 kept) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), c);  // c - n ln2 (ln2's first 16 bits: exact)
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // x - n ln2 (ln2's first 16 bits: exact)
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.4286068202862268e-06f), r);   // the rest of ln2
   __m512 p = _mm512_set1_ps(1.3948580815544224e-3f);  // e^r
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.375128890169071e-3f));
@@ -299,25 +296,38 @@ static inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.000000107749400e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0000000377274472f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.9999999999595482f));
-  const __m512 result = _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, n));  // p 2^n
-  return _mm512_mask_mov_ps(result, nan, x);
+  return _mm512_maskz_scalef_ps(kept, p, n);  // p 2^n
+}
+
+// Below -87.3 e^x is 0 (e^-87 is float32's smallest normal).
+static inline __mmask16 exp_kept(__m512 x) { return _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ); }
+
+// exp of any 16 floats: 0 below -87.3, +inf above 88.7, NaN stays NaN.
+static inline __m512 exp16(__m512 x) {
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const __m512 c = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
+  return _mm512_mask_mov_ps(exp16_kept(c, exp_kept(c)), nan, x);
 }
 
 static inline __mmask16 tail_mask(int64_t count) { return static_cast<__mmask16>((1u << count) - 1u); }
 
+// A softmax's exponentials: scale x - shift is at most about 0 or -inf, never NaN (absorb and
+// softmax_row take a row with a NaN or +inf score apart before), so only the underflow is masked.
 template <>
 float exp_shifted<float, float>(int64_t n, const float* x, float scale, float shift, float* w) {
   const __m512 a = _mm512_set1_ps(scale), b = _mm512_set1_ps(shift);
   __m512 total = _mm512_setzero_ps();
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
-    const __m512 e = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(x + j), a, b));
+    const __m512 y = _mm512_fmsub_ps(_mm512_loadu_ps(x + j), a, b);
+    const __m512 e = exp16_kept(y, exp_kept(y));
     _mm512_storeu_ps(w + j, e);
     total = _mm512_add_ps(total, e);
   }
   if (j < n) {
     const __mmask16 m = tail_mask(n - j);
-    const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, x + j), a, b)));
+    const __m512 y = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, x + j), a, b);
+    const __m512 e = exp16_kept(y, m & exp_kept(y));
     _mm512_mask_storeu_ps(w + j, m, e);
     total = _mm512_add_ps(total, e);
   }
@@ -414,35 +424,45 @@ void exp_times<float>(int64_t n, const float* x, float scale, float shift, float
 #endif
 
 #if defined(MHA_AVX512_BF16)
-// exp of 16 floats x <= 0 for weights that are rounded to bfloat16 next: 2^n 2^f with n the
-// nearest integer (rounded by adding 1.5 2^23) and 2^f a degree-4 polynomial (relative error 7e-6,
-// against bfloat16's 2e-3), 2^n added to the exponent bits; below -87 (and -inf) the result is 0.
-static inline __m512 exp16_for_bf16(__m512 x) {
-  const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-  const __m512 magic = _mm512_set1_ps(12582912.0f);  // 1.5 2^23: adding it rounds to an integer
-  const __m512 shifted = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic);  // x log2(e) + magic
-  const __m512 n = _mm512_sub_ps(shifted, magic);
-  const __m512 f = _mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504088896341f), n);  // in [-0.5, 0.5]
+// e^x of 16 floats for weights that are rounded to bfloat16 next, x as exp_shifted's (at most about
+// 0 or -inf, never NaN), the lanes of ``kept`` only: 2^n 2^f with n = x log2(e) rounded to the nearest
+// integer and f = x log2(e) - n (one rounding: x's own, made small by the shift) and 2^f a degree-4
+// polynomial (relative error 7e-6, against bfloat16's 2e-3). Below -87 (and -inf) the result is 0.
+static inline __m512 exp16_for_bf16(__m512 x, __mmask16 kept) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_fmsub_ps(x, log2e, n);  // in [-0.5, 0.5]
   __m512 p = _mm512_set1_ps(9.308694023e-3f);  // 2^f on [-0.5, 0.5]
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.587473826e-2f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.403036753e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931282544e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999979119e-1f));
-  const __m512i power = _mm512_slli_epi32(_mm512_castps_si512(shifted), 23);  // n in the exponent's place
-  return _mm512_maskz_mov_ps(kept, _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), power)));
+  return _mm512_maskz_scalef_ps(kept & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), p, n);
 }
 
-// The weights rounded to bfloat16 as they are made (the product with V takes them so).
+// The weights rounded to bfloat16 as they are made (the product with V takes them so), 32 at a time
+// (two vectors rounded into one), their sum taken by vdpbf16ps against ones: the weights as rounded,
+// added in pairs, in float32.
 template <>
 float exp_shifted<float, at::BFloat16>(int64_t n, const float* x, float scale, float shift, at::BFloat16* w) {
   const __m512 a = _mm512_set1_ps(scale), b = _mm512_set1_ps(shift);
+  const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);  // bfloat16's 1
   __m512 total = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - j);
-    const __m512 e = _mm512_maskz_mov_ps(m, exp16_for_bf16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, x + j), a, b)));
-    const __m256bh rounded = _mm512_cvtneps_pbh(e);
-    _mm256_mask_storeu_epi16(w + j, m, (__m256i)rounded);
-    total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)rounded), 16)));
+  const auto weights = [&](const float* p, __mmask16 m) {
+    return exp16_for_bf16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, p), a, b), m);
+  };
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512bh pair = _mm512_cvtne2ps_pbh(weights(x + j + 16, 0xFFFF), weights(x + j, 0xFFFF));
+    _mm512_storeu_si512(w + j, (__m512i)pair);
+    total = _mm512_dpbf16_ps(total, pair, ones);
+  }
+  if (j < n) {  // 1 to 31 more
+    const int64_t rest = n - j;
+    const __mmask16 low = tail_mask(std::min<int64_t>(rest, 16)), high = rest > 16 ? tail_mask(rest - 16) : 0;
+    const __m512bh pair = _mm512_cvtne2ps_pbh(weights(x + j + 16, high), weights(x + j, low));
+    _mm512_mask_storeu_epi16(w + j, static_cast<__mmask32>((uint64_t(1) << rest) - 1), (__m512i)pair);
+    total = _mm512_dpbf16_ps(total, pair, ones);
   }
   return _mm512_reduce_add_ps(total);
 }

@@ -426,18 +426,23 @@ void exp_times<float>(int64_t n, const float* x, float scale, float shift, float
 #if defined(MHA_AVX512_BF16)
 // e^x of 16 floats for weights that are rounded to bfloat16 next, x as exp_shifted's (at most about
 // 0 or -inf, never NaN), the lanes of ``kept`` only: 2^n 2^f with n = x log2(e) rounded to the nearest
-// integer and f = x log2(e) - n (one rounding: x's own, made small by the shift) and 2^f a degree-4
-// polynomial (relative error 7e-6, against bfloat16's 2e-3). Below -87 (and -inf) the result is 0.
+// integer (by adding 1.5 2^23, which leaves n in the low bits) and f = x log2(e) - n, 2^f a degree-4
+// polynomial (relative error 7e-6, against bfloat16's 2e-3) and n added to its exponent bits: a float
+// add and integer operations where rounding and scaling instructions would take the FMA units the
+// products need. Below -87 (and -inf) the result is 0.
 static inline __m512 exp16_for_bf16(__m512 x, __mmask16 kept) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), magic = _mm512_set1_ps(12582912.0f);  // 1.5 2^23
+  const __m512 shifted = _mm512_fmadd_ps(x, log2e, magic);  // n in the low bits: adding magic rounds
+  const __m512 n = _mm512_sub_ps(shifted, magic);
   const __m512 f = _mm512_fmsub_ps(x, log2e, n);  // in [-0.5, 0.5]
   __m512 p = _mm512_set1_ps(9.308694023e-3f);  // 2^f on [-0.5, 0.5]
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.587473826e-2f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.403036753e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931282544e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999979119e-1f));
-  return _mm512_maskz_scalef_ps(kept & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), p, n);
+  const __m512i power = _mm512_slli_epi32(_mm512_castps_si512(shifted), 23);  // n in the exponent's place
+  kept &= _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  return _mm512_castsi512_ps(_mm512_maskz_add_epi32(kept, _mm512_castps_si512(p), power));
 }
 
 // The weights rounded to bfloat16 as they are made (the product with V takes them so), 32 at a time

@@ -4,12 +4,14 @@
     python scripts/kernel_ab.py --base 3de397d --threads 2 --keys 1024 16384
     python scripts/kernel_ab.py --heads 8 8 --dim 64    # decoding without GQA, at D = 64
     python scripts/kernel_ab.py --forward 1024 4096    # the forward (B1 H8 D64, causal and not) instead
+    python scripts/kernel_ab.py --backward 2048        # the backward (B1 H8 D64, causal) instead
 
 A kernel change measured in two processes on a shared machine compares two machines (its speed
 drifts 2x between runs here): this builds the base revision's csrc/native.cpp under another module
 name (its ``Terms`` made module-local so that both load), then times each dtype's decoding call
 (B sequences x 1 row, GQA 32 / 8 heads, D = 128 unless asked, one page per sequence: float32, bfloat16 and int8
-pools, as mha bench's cache rows), or the forward (as mha bench's native rows), on both kernels,
+pools, as mha bench's cache rows), or the forward (as mha bench's native rows), or the backward of a
+causal forward (this tree's forward's saved rows, float32 and bfloat16: its dq), on both kernels,
 alternately, and prints the median of the rounds' new/base ratios beside each one's best time, and
 the outputs' largest difference.
 """
@@ -88,6 +90,32 @@ def forward_calls(kernel, T: int) -> dict:
     return calls
 
 
+def backward_calls(kernel, T: int) -> dict:
+    """The backward of B1 H8 T D64's causal forward (made once by this tree's kernel), float32 and
+    bfloat16, on ``kernel``: its dq."""
+    calls = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        terms = kernel.Terms()
+        terms.scale, terms.has_band, terms.right = 64 ** -0.5, True, 0
+        inputs = forward_inputs(T, dtype)
+        saved = saved_rows(T, dtype)
+        calls[str(dtype)[6:]] = (lambda inputs, saved, terms: lambda: kernel.backward(*inputs, *saved, terms)[0])(
+            inputs, saved, terms)
+    return calls
+
+
+@functools.cache
+def saved_rows(T: int, dtype: torch.dtype) -> tuple:
+    """(dO, row max, row sum, delta) of the causal forward on forward_inputs, by this tree's kernel."""
+    kernel = native._kernel()
+    terms = kernel.Terms()
+    terms.scale, terms.has_band, terms.right = 64 ** -0.5, True, 0
+    q, k, v = forward_inputs(T, dtype)
+    out, row_max, row_sum = kernel.forward(q, k, v, terms, True)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    return grad, row_max, row_sum, (grad.float() * out.float()).sum(-1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="HEAD")
@@ -97,17 +125,22 @@ def main() -> None:
     parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HKV"), help="decoding's heads")
     parser.add_argument("--dim", type=int, default=128, help="decoding's head dim")
     parser.add_argument("--forward", type=int, nargs="+", metavar="T", help="time the forward at these T instead")
+    parser.add_argument("--backward", type=int, nargs="+", metavar="T", help="time the causal backward at these T instead")
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     new, base = native._kernel(), base_kernel(args.base)
     if new is None:
         raise SystemExit("this tree's native kernel does not build here")
-    for S in args.forward or args.keys:
-        make = forward_calls if args.forward else lambda kernel, S: decoding_calls(kernel, S, args.batch, *args.heads,
-                                                                                     args.dim)
+    square = args.forward or args.backward  # T x T attention, else decoding over S keys
+    for S in square or args.keys:
+        if square:
+            make = forward_calls if args.forward else backward_calls
+        else:
+            def make(kernel, S):
+                return decoding_calls(kernel, S, args.batch, *args.heads, args.dim)
         ours, theirs = make(new, S), make(base, S)
-        reps = max(1, (30_000_000 if args.forward else 1_000_000) // (S * (S if args.forward else args.batch)))
+        reps = max(1, (30_000_000 if square else 1_000_000) // (S * (S if square else args.batch)))
         for name in ours:
             difference = float((ours[name]().float() - theirs[name]().float()).abs().max())
             best, ratios = {"new": float("inf"), "base": float("inf")}, []
@@ -122,8 +155,9 @@ def main() -> None:
                     took[which] = (time.perf_counter() - start) / reps
                     best[which] = min(best[which], took[which])
                 ratios.append(took["new"] / took["base"])
-            shape = "" if args.forward else f" Hq {args.heads[0]} Hkv {args.heads[1]} D {args.dim}"
-            point = f"threads {args.threads} {'T' if args.forward else 'S'} {S} B {args.batch}{shape} {name}"
+            shape = "" if square else f" Hq {args.heads[0]} Hkv {args.heads[1]} D {args.dim}"
+            what = " backward causal" if args.backward else ""
+            point = f"threads {args.threads} {'T' if square else 'S'} {S} B {args.batch}{shape} {name}{what}"
             print(f"{point}: base {best['base'] * 1e3:.3f} ms, "
                   f"new {best['new'] * 1e3:.3f} ms, new/base median {statistics.median(ratios):.3f}, "
                   f"largest difference {difference:.2g}")

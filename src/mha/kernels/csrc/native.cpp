@@ -302,7 +302,7 @@ static inline __m512 exp16_kept(__m512 x, __mmask16 kept) {
 // Below -87.3 e^x is 0 (e^-87 is float32's smallest normal).
 static inline __mmask16 exp_kept(__m512 x) { return _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ); }
 
-// exp of any 16 floats: 0 below -87.3, +inf above 88.7, NaN stays NaN.
+// exp of any 16 floats: 0 below -87.3, e^88.7 (3.3e38) above 88.7, NaN stays NaN.
 static inline __m512 exp16(__m512 x) {
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   const __m512 c = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
@@ -1169,6 +1169,16 @@ struct Bf16Backward {
 };
 #endif
 
+// A row's dS = P (dP - delta) in place of its dP, g (n values): on whole vectors (the compiler's, as
+// the pointers do not alias); in a one-hot row (see backward_kernel) the key of weight 1 gets 0.
+template <typename acc_t>
+void probs_gradient(int64_t n, const acc_t* __restrict p, acc_t* __restrict g, acc_t delta, bool one_hot) {
+  if (one_hot)
+    for (int64_t j = 0; j < n; ++j) g[j] = p[j] == acc_t(1) ? acc_t(0) : p[j] * (g[j] - delta);
+  else
+    for (int64_t j = 0; j < n; ++j) g[j] = p[j] * (g[j] - delta);
+}
+
 // One task per (batch, key/value head, key chunk): it owns dK and dV of its keys (accumulated
 // transposed and tile-major, like K^T, so that every product is a plain A . B), adds to dQ of every
 // query row of its heads (in its chunk's dq buffer), and to its heads' slope gradients. Chunks are
@@ -1220,9 +1230,8 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
           products.dvalues(R, n, p.data(), kt_block(dvt_head, sh.Dv, j0));  // dV^T += dO^T P
           products.dprobs(bh, R, j0, n, ds.data());  // dP = dO V^T
           for (int64_t r = 0; r < R; ++r) {  // dS = P (dP - delta), in place of dP
-            const acc_t* pr = p.data() + r * n;
             acc_t* g = ds.data() + r * n;
-            for (int64_t j = 0; j < n; ++j) g[j] = one_hot[r] && pr[j] == acc_t(1) ? acc_t(0) : pr[j] * (g[j] - row_delta[r]);
+            probs_gradient(n, p.data() + r * n, g, row_delta[r], one_hot[r]);
             if (t.slopes) {  // d slope_h = -sum dS |rel|
               acc_t total = 0;
               for (int64_t j = 0; j < keys; ++j) {

@@ -869,18 +869,27 @@ struct PlainProducts {
 //   by rows:    (BH, tiles, kBlockK / 2, X, 2), pairs of keys (V, K: the B of products over keys)
 inline void pack_pairs(const at::BFloat16* x, int64_t BH, int64_t S, int64_t X, bool transposed, at::BFloat16* out) {
   const int64_t tiles = tiles_of(S), X2 = X + X % 2;
+  // a pair is one 32-bit word, its first value in the low half (x86 is little-endian)
+  const auto pair = [](uint16_t first, uint16_t second) { return uint32_t(first) | uint32_t(second) << 16; };
   at::parallel_for(0, BH * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / tiles, first = (task % tiles) * kBlockK;
-      at::BFloat16* dst = out + task * (transposed ? X2 : X) * kBlockK;
-      for (int64_t j = 0; j < kBlockK; ++j) {
-        const bool real = first + j < S;
-        const at::BFloat16* row = x + (bh * S + first + j) * X;
-        if (transposed)
-          for (int64_t d = 0; d < X2; ++d)
-            dst[(d / 2) * kBlockK * 2 + j * 2 + d % 2] = real && d < X ? row[d] : at::BFloat16(0.0f);
-        else
-          for (int64_t d = 0; d < X; ++d) dst[(j / 2) * X * 2 + d * 2 + j % 2] = real ? row[d] : at::BFloat16(0.0f);
+      uint32_t* dst = reinterpret_cast<uint32_t*>(out + task * (transposed ? X2 : X) * kBlockK);
+      const auto row = [&](int64_t j) { return first + j < S ? x + (bh * S + first + j) * X : nullptr; };
+      if (transposed) {  // word (d / 2, j) of a (X2 / 2, kBlockK) matrix: values d and d + 1 of key j
+        for (int64_t j = 0; j < kBlockK; ++j) {
+          const at::BFloat16* r = row(j);
+          for (int64_t d = 0; d < X2; d += 2) dst[(d / 2) * kBlockK + j] = !r ? 0 : pair(r[d].x, d + 1 < X ? r[d + 1].x : 0);
+        }
+      } else {  // word (j / 2, d) of a (kBlockK / 2, X) matrix: value d of keys j and j + 1
+        for (int64_t j = 0; j < kBlockK; j += 2) {
+          const at::BFloat16 *a = row(j), *b = row(j + 1);
+          uint32_t* words = dst + (j / 2) * X;
+          if (a && b)
+            for (int64_t d = 0; d < X; ++d) words[d] = pair(a[d].x, b[d].x);
+          else  // past S: a's values beside zeros, or zeros
+            for (int64_t d = 0; d < X; ++d) words[d] = a ? pair(a[d].x, 0) : 0;
+        }
       }
     }
   });

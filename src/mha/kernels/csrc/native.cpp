@@ -1110,11 +1110,16 @@ struct Bf16Backward {
     kt = kt_, k = k_, vt = vt_;
   }
 
+  // A buffer for a tile's P or dS, grown once to a whole tile's (a size that changed from tile to tile,
+  // as a causal block's last tile is narrower, wrote every new element one at a time)
+  static void at_least(int64_t count, std::vector<bf16>& buffer) {
+    if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(std::max(count, (kBlockQ + 1) * kBlockK));
+  }
   // Rows r and r + 1 of a (R x n) float block side by side, rounded to bfloat16:
   // out[(r / 2) n 2 + j 2 + r % 2] (R rounded up to even, the padding row zero). 16 columns at a
   // time: each 32-bit lane takes row r's value in its low half and row r + 1's in its high half.
   static void pair_rows(int64_t R, int64_t n, const float* in, std::vector<bf16>& out) {
-    out.resize((R + R % 2) * n);
+    at_least((R + R % 2) * n, out);
     for (int64_t r = 0; r < R; r += 2) {
       const float* a = in + r * n;
       const float* b = r + 1 < R ? in + (r + 1) * n : nullptr;
@@ -1130,7 +1135,7 @@ struct Bf16Backward {
   }
   // A float block rounded to bfloat16, in place of its layout.
   static void round_all(int64_t count, const float* in, std::vector<bf16>& out) {
-    out.resize(count);
+    at_least(count, out);
     for (int64_t j = 0; j < count; j += 16) {
       const __mmask16 m = count - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(count - j);
       _mm256_mask_storeu_epi16(out.data() + j, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, in + j)));

@@ -286,6 +286,20 @@ def test_low_precision_error_within_torchs_own(dtype, factor, shape, causal):
     assert ours[1] <= factor * theirs[1] + slack, (ours, theirs)
 
 
+@pytest.mark.parametrize("S", [2, 14, 16, 18, 30, 32, 34, 256 + 18, 256 + 30])
+def test_bfloat16_weights_of_every_tail_of_32_keys(S):
+    """A tile's bfloat16 weights are made 32 at a time (two vectors rounded into one), the last 1-31 keys
+    masked: every key counts once, in the output and in the sum (the lse), whichever half it lies in."""
+    g = torch.Generator().manual_seed(S)
+    q, k, v = (torch.randn(1, 2, L, 16, generator=g).bfloat16() for L in (40, S, S))  # 40 rows: the tiled path
+    out, lse = native.native_attention_with_lse(q, k, v)
+    scores = q.double() @ k.double().transpose(-1, -2) / 4.0
+    exact_lse = torch.logsumexp(scores, -1)
+    exact = torch.softmax(scores, -1) @ v.double()
+    assert float((lse.double() - exact_lse).abs().max()) < 4e-3
+    assert float((out.double() - exact).abs().max()) < 3e-2
+
+
 def test_scores_of_bfloat16_inputs_are_accumulated_in_float32():
     """A dot product bfloat16 would round: 1 + 2^-9 summed over 256 dims; its exact value reaches the softmax."""
     D = 256

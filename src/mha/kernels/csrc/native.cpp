@@ -695,19 +695,6 @@ bool plain_tile(const Terms<acc_t>& t, bool covered) {
 // product strides across the whole sequence), and V is (B, Hkv, S, Dv); all in acc_t.
 inline int64_t tiles_of(int64_t S) { return (S + kBlockK - 1) / kBlockK; }
 
-// x (B, Hkv, S, X) -> (B, Hkv, tiles, X, kBlockK) in ``acc``, the last tile padded with zeros.
-inline Tensor tile_major(const Tensor& x, at::ScalarType acc) {
-  const int64_t S = x.size(2), padded = tiles_of(S) * kBlockK;
-  Tensor y = at::constant_pad_nd(x.to(acc), {0, 0, 0, padded - S});  // (B, Hkv, padded, X)
-  return y.view({x.size(0), x.size(1), padded / kBlockK, kBlockK, x.size(3)}).transpose(3, 4).contiguous();
-}
-
-// The tile-major layout back to (B, Hkv, S, X).
-inline Tensor from_tile_major(const Tensor& y, int64_t S) {
-  const Tensor x = y.transpose(3, 4).reshape({y.size(0), y.size(1), y.size(2) * kBlockK, y.size(3)});
-  return x.narrow(2, 0, S).contiguous();
-}
-
 // Buffers kept from call to call (per thread, type and slot), so that packing writes into memory
 // already paged in rather than faulting in fresh pages on every call.
 template <typename T>
@@ -793,6 +780,41 @@ void pack_tile_major(const scalar_t* x, RowStrides xs, const Shape& sh, int64_t 
       pack_tile(x + xs.at(bh / sh.Hkv, bh % sh.Hkv, j0), xs.row, std::min(kBlockK, sh.S - j0), X, out + task * X * kBlockK);
     }
   });
+}
+
+// A tile of the tile-major layout, X x kBlockK, back to its n keys' rows (n x X): the transpose,
+// 8 x 8 blocks in registers where they fit (float32), as pack_tile packs.
+template <typename acc_t>
+void unpack_tile(const acc_t* __restrict src, int64_t n, int64_t X, acc_t* __restrict dst) {
+  int64_t whole = 0;
+#if defined(__AVX2__)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (X % 8 == 0) {
+      whole = n / 8 * 8;
+      for (int64_t j = 0; j < whole; j += 8)
+        for (int64_t d = 0; d < X; d += 8) transpose8(src + d * kBlockK + j, kBlockK, dst + j * X + d, X);
+    }
+  }
+#endif
+  for (int64_t j = whole; j < n; ++j)
+    for (int64_t d = 0; d < X; ++d) dst[j * X + d] = src[d * kBlockK + j];
+}
+
+// The tile-major layout (B, Hkv, tiles, X, kBlockK) back to (B, Hkv, S, X): one pass.
+inline Tensor from_tile_major(const Tensor& y, int64_t S) {
+  const int64_t tiles = y.size(2), X = y.size(3);
+  Tensor x = at::empty({y.size(0), y.size(1), S, X}, y.options());
+  AT_DISPATCH_FLOATING_TYPES(y.scalar_type(), "mha_native_from_tile_major", [&] {
+    const scalar_t* src = y.data_ptr<scalar_t>();
+    scalar_t* dst = x.data_ptr<scalar_t>();
+    at::parallel_for(0, y.size(0) * y.size(1) * tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t bh = task / tiles, j0 = task % tiles * kBlockK;
+        unpack_tile(src + task * X * kBlockK, std::min(kBlockK, S - j0), X, dst + (bh * S + j0) * X);
+      }
+    });
+  });
+  return x;
 }
 
 template <typename acc_t>
@@ -1046,15 +1068,19 @@ struct PlainBackward {
   static constexpr bool kScaled = true;
   const Shape& sh;
   acc_t scale;
-  Tensor kt_, k_, vt_;  // (BH, tiles, D, kBlockK), (BH, S, D), (BH, tiles, Dv, kBlockK)
-  const acc_t *kt, *k, *vt;
+  Tensor k_;  // (BH, S, D)
+  const acc_t *kt, *k, *vt;  // and (BH, tiles, D, kBlockK), (BH, tiles, Dv, kBlockK): the workspace's
   std::vector<acc_t> qp = {}, qpt = {}, dop = {}, dopt = {};
 
   PlainBackward(const Shape& shape, acc_t scale_, const Tensor& keys, const Tensor& values)
       : sh(shape), scale(scale_) {
-    const auto acc = c10::CppTypeToScalarType<acc_t>::value;
-    kt_ = tile_major(keys, acc), k_ = keys.to(acc).contiguous(), vt_ = tile_major(values, acc);
-    kt = kt_.data_ptr<acc_t>(), k = k_.data_ptr<acc_t>(), vt = vt_.data_ptr<acc_t>();
+    const int64_t tiled = sh.B * sh.Hkv * tiles_of(sh.S) * kBlockK;
+    acc_t* kt_ = workspace<acc_t>(0, tiled * sh.D);
+    acc_t* vt_ = workspace<acc_t>(2, tiled * sh.Dv);
+    pack_tile_major(keys.data_ptr<scalar_t>(), contiguous_rows(sh.Hkv, sh.S, sh.D), sh, sh.D, kt_);
+    pack_tile_major(values.data_ptr<scalar_t>(), contiguous_rows(sh.Hkv, sh.S, sh.Dv), sh, sh.Dv, vt_);
+    k_ = keys.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
+    kt = kt_, k = k_.data_ptr<acc_t>(), vt = vt_;
   }
 
   void pack_row(int64_t r, int64_t R, const scalar_t* q, const scalar_t* dout) {  // and the transposes

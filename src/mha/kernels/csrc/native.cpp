@@ -898,7 +898,10 @@ inline void pack_pairs(const at::BFloat16* x, int64_t BH, int64_t S, int64_t X, 
       const int64_t bh = task / tiles, first = (task % tiles) * kBlockK;
       uint32_t* dst = reinterpret_cast<uint32_t*>(out + task * (transposed ? X2 : X) * kBlockK);
       const auto row = [&](int64_t j) { return first + j < S ? x + (bh * S + first + j) * X : nullptr; };
-      if (transposed) {  // word (d / 2, j) of a (X2 / 2, kBlockK) matrix: values d and d + 1 of key j
+      if (transposed && X % 2 == 0) {  // the words' transpose, moved as floats are (8 x 8 in registers)
+        const float* words = reinterpret_cast<const float*>(x + (bh * S + first) * X);
+        pack_tile(words, X / 2, std::min(kBlockK, S - first), X / 2, reinterpret_cast<float*>(dst));
+      } else if (transposed) {  // word (d / 2, j) of a (X2 / 2, kBlockK) matrix: values d and d + 1 of key j
         for (int64_t j = 0; j < kBlockK; ++j) {
           const at::BFloat16* r = row(j);
           for (int64_t d = 0; d < X2; d += 2) dst[(d / 2) * kBlockK + j] = !r ? 0 : pair(r[d].x, d + 1 < X ? r[d + 1].x : 0);

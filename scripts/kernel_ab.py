@@ -90,15 +90,19 @@ def forward_calls(kernel, T: int) -> dict:
     return calls
 
 
+def causal_terms(kernel):
+    """``kernel``'s Terms of a causal call at D = 64."""
+    terms = kernel.Terms()
+    terms.scale, terms.has_band, terms.right = 64 ** -0.5, True, 0
+    return terms
+
+
 def backward_calls(kernel, T: int) -> dict:
     """The backward of B1 H8 T D64's causal forward (made once by this tree's kernel), float32 and
     bfloat16, on ``kernel``: its dq."""
     calls = {}
     for dtype in (torch.float32, torch.bfloat16):
-        terms = kernel.Terms()
-        terms.scale, terms.has_band, terms.right = 64 ** -0.5, True, 0
-        inputs = forward_inputs(T, dtype)
-        saved = saved_rows(T, dtype)
+        inputs, saved, terms = forward_inputs(T, dtype), saved_rows(T, dtype), causal_terms(kernel)
         calls[str(dtype)[6:]] = (lambda inputs, saved, terms: lambda: kernel.backward(*inputs, *saved, terms)[0])(
             inputs, saved, terms)
     return calls
@@ -108,10 +112,7 @@ def backward_calls(kernel, T: int) -> dict:
 def saved_rows(T: int, dtype: torch.dtype) -> tuple:
     """(dO, row max, row sum, delta) of the causal forward on forward_inputs, by this tree's kernel."""
     kernel = native._kernel()
-    terms = kernel.Terms()
-    terms.scale, terms.has_band, terms.right = 64 ** -0.5, True, 0
-    q, k, v = forward_inputs(T, dtype)
-    out, row_max, row_sum = kernel.forward(q, k, v, terms, True)
+    out, row_max, row_sum = kernel.forward(*forward_inputs(T, dtype), causal_terms(kernel), True)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     return grad, row_max, row_sum, (grad.float() * out.float()).sum(-1)
 
@@ -124,9 +125,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HKV"), help="decoding's heads")
     parser.add_argument("--dim", type=int, default=128, help="decoding's head dim")
-    square = parser.add_mutually_exclusive_group()
-    square.add_argument("--forward", type=int, nargs="+", metavar="T", help="time the forward at these T instead")
-    square.add_argument("--backward", type=int, nargs="+", metavar="T", help="time the causal backward at these T instead")
+    instead = parser.add_mutually_exclusive_group()
+    instead.add_argument("--forward", type=int, nargs="+", metavar="T", help="time the forward at these T instead")
+    instead.add_argument("--backward", type=int, nargs="+", metavar="T", help="time the causal backward at these T instead")
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -137,10 +138,9 @@ def main() -> None:
     for S in square or args.keys:
         if square:
             make = forward_calls if args.forward else backward_calls
+            ours, theirs = make(new, S), make(base, S)
         else:
-            def make(kernel, S):
-                return decoding_calls(kernel, S, args.batch, *args.heads, args.dim)
-        ours, theirs = make(new, S), make(base, S)
+            ours, theirs = (decoding_calls(kernel, S, args.batch, *args.heads, args.dim) for kernel in (new, base))
         reps = max(1, (30_000_000 if square else 1_000_000) // (S * (S if square else args.batch)))
         for name in ours:
             difference = float((ours[name]().float() - theirs[name]().float()).abs().max())

@@ -1071,8 +1071,8 @@ struct PlainBackward {
   static constexpr bool kScaled = true;
   const Shape& sh;
   acc_t scale;
-  Tensor k_;  // (BH, S, D)
-  const acc_t *kt, *k, *vt;  // and (BH, tiles, D, kBlockK), (BH, tiles, Dv, kBlockK): the workspace's
+  Tensor k_;  // K in acc_t, (BH, S, D)
+  const acc_t *kt, *k, *vt;  // K^T and V^T tile-major in the workspace, (BH, tiles, D | Dv, kBlockK); k_'s
   std::vector<acc_t> qp = {}, qpt = {}, dop = {}, dopt = {};
 
   PlainBackward(const Shape& shape, acc_t scale_, const Tensor& keys, const Tensor& values)
@@ -1139,10 +1139,10 @@ struct Bf16Backward {
     kt = kt_, k = k_, vt = vt_;
   }
 
-  // A buffer for a tile's P or dS, grown once to a whole tile's (a size that changed from tile to tile,
-  // as a causal block's last tile is narrower, wrote every new element one at a time)
+  // A buffer for a tile's P or dS, grown once to a whole tile's (resized to each tile's size, as a
+  // causal block's last tile is narrower, it wrote every new element one at a time)
   static void at_least(int64_t count, std::vector<bf16>& buffer) {
-    if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(std::max(count, (kBlockQ + 1) * kBlockK));
+    if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(std::max(count, kBlockQ * kBlockK));
   }
   // Rows r and r + 1 of a (R x n) float block side by side, rounded to bfloat16:
   // out[(r / 2) n 2 + j 2 + r % 2] (R rounded up to even, the padding row zero). 16 columns at a

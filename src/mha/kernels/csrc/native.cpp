@@ -1819,6 +1819,8 @@ void decode_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, co
       for (int64_t j0 = lo; j0 < hi; j0 += kDecodeKeys) {
         const int64_t n = std::min(kDecodeKeys, hi - j0);
         run_scores(R, n, sh.D, q_rows.data(), k_head + j0 * sh.D, sh.D, s.data(), n);
+        // a pass of its own: the scale multiplied in score_blocks' stores (the same bits) took 1.05-1.09x
+        // the time of an 8-bit step and 1.05x a float32 one in cache (Zen 4, one thread)
         for (int64_t i = 0; i < R * n; ++i) s[i] *= t.scale;
         const bool covered = band_covers(t, rows, j0, n);
         if (!plain_tile(t, covered)) shape_tile(t, rows, j0, n, s.data(), n, static_cast<acc_t*>(nullptr), covered);

@@ -231,6 +231,101 @@ def test_a_decoding_sink_joins_one_split_of_the_keys(threads, S):
     assert_close(got, want)
 
 
+def _plan(blocks, threads):
+    """The forward's work items for (r0, r1, k0, k1) blocks: (block, k0, k1, group, split) rows, in the order they start."""
+    return native._kernel().work_plan(torch.tensor(blocks, dtype=torch.long).reshape(-1, 4), threads).tolist()
+
+
+def test_the_forward_starts_its_costliest_blocks_first():
+    """A causal call's blocks see 64, 128, ... keys: the costliest starts first (a thread taking the next
+    when done), none split on one thread; equal blocks keep their order, and a block of one tile is never split."""
+    causal = [(0, 64, 0, 64 * (i + 1)) for i in range(8)]
+    plan = _plan(causal, 1)
+    assert [item[0] for item in plan] == list(range(7, -1, -1))
+    assert [(k0, k1, group) for _, k0, k1, group, _ in plan] == [(0, 64 * (i + 1), -1) for i in range(7, -1, -1)]
+    assert _plan([(0, 64, 0, 256)] * 5, 3) == [[i, 0, 256, -1, 0] for i in range(5)]
+
+
+def test_a_block_costlier_than_a_quarter_of_a_threads_share_is_split_into_whole_tiles():
+    """Eight equal blocks on two threads each cost exactly a share (the total over 4 x 2): none split.
+    One of them a key shorter, the share falls below the other seven: each is split in two at a tile's
+    edge; the shorter one, below the share, is not, and starts first."""
+    even = [(0, 64, 0, 1024)] * 8
+    assert all(group == -1 for *_, group, _ in _plan(even, 2))
+    plan = _plan(even[:7] + [(0, 64, 0, 1023)], 2)
+    assert plan[0] == [7, 0, 1023, -1, 0]
+    ranges = sorted(tuple(item) for item in plan[1:])
+    assert ranges == sorted((block, k0, k0 + 512, block, k0 // 512) for block in range(7) for k0 in (0, 512))
+
+
+@pytest.mark.parametrize("k0, k1, threads", [(0, 3000, 2), (100, 3000, 2), (700, 5000, 16), (0, 1000, 3)])
+def test_a_long_block_alone_is_split_into_ranges_that_cover_its_keys(k0, k1, threads):
+    """One block on several threads: split into key ranges that cover its keys once, in order, every
+    range but the last ending on a 256-key tile's edge, numbered from 0 (the first takes the sink)."""
+    plan = sorted(_plan([(0, 64, k0, k1)], threads), key=lambda item: item[4])
+    assert len(plan) > 1 and [item[4] for item in plan] == list(range(len(plan)))
+    assert plan[0][1] == k0 and plan[-1][2] == k1 and all(a[2] == b[1] for a, b in zip(plan, plan[1:]))
+    assert all(item[2] % 256 == 0 for item in plan[:-1]) and all(item[3] == 0 for item in plan)
+
+
+def _long_block(dtype, seed):
+    """B1, 2 heads over 1 kv head, 32 rows each (one block of 64 stacked rows), 3000 keys, D 16, in dtype."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 2, 32, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 1, 3000, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_a_forward_block_split_over_threads_equals_math(threads, dtype):
+    """One block of rows over 3000 keys, split into key ranges on 2 and 5 threads (not on 1), merged by
+    log-sum-exp: a sink that joins one range, rows that see nothing in a range (causal, a padded
+    range), a NaN query row that stays NaN alone; output, and the gradients from the saved row stats,
+    equal float64 math of the same inputs."""
+    q, k, v = _long_block(dtype, seed=threads)
+    q[0, 1, 5] = float("nan")
+    g = torch.Generator().manual_seed(3)
+    valid = torch.arange(3000)[None] < 2500
+    contracts = [Contract(band=CAUSAL, offset=3000 - 32, sinks=torch.randn(2, generator=g, dtype=torch.float64)),
+                 Contract(band=Band(700, 0), offset=2000, key_valid=valid), Contract(key_valid=valid)]
+    before = torch.get_num_threads()
+    for contract in contracts:
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        try:
+            torch.set_num_threads(threads)
+            ours = native.native_attention(*leaves, contract)
+            grads = torch.autograd.grad(ours, leaves, torch.ones_like(ours))
+        finally:
+            torch.set_num_threads(before)
+        exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+        want = mha.kernels.attention(*exact, contract, backend="math")[0]
+        want_grads = torch.autograd.grad(want, exact, torch.ones_like(want))
+        assert torch.isnan(ours[0, 1, 5]).all() and not torch.isnan(ours[0, 0]).any()
+        finite = torch.ones(32, dtype=torch.bool)
+        finite[5] = False
+        assert_close(ours[0, 1, finite].double(), want[0, 1, finite], dtype, chain=True)
+        assert_close(ours[0, 0].double(), want[0, 0], dtype, chain=True)
+        if dtype != torch.bfloat16:  # the NaN row's gradients are NaN in k and v: q's other rows' compared
+            assert_close(grads[0][0, 0].double(), want_grads[0][0, 0], dtype, chain=True, err_msg="dq")
+
+
+def test_a_split_block_is_merged_not_computed_whole():
+    """On two threads the one block is split (its float32 output differs from one thread's in its
+    roundings, the merge's), on one it is not: the split path is the one the tests above check."""
+    q, k, v = _long_block(torch.float32, seed=0)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(native.native_attention(q, k, v, Contract()))
+    finally:
+        torch.set_num_threads(before)
+    assert not torch.equal(outs[0], outs[1])
+    assert_close(outs[1], outs[0])
+
+
 @pytest.mark.parametrize("L", [1, 40])
 @pytest.mark.parametrize("band", [Band(30, 0), Band(100, 20), Band(0, 0)], ids=repr)
 def test_a_band_over_key_positions_out_of_order_tests_every_key(L, band):

@@ -58,6 +58,7 @@ TORCH_API bool is_autocast_enabled(at::DeviceType device_type);
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -871,7 +872,7 @@ struct PlainProducts {
         ops(operands<scalar_t, acc_t>(shape, k, contiguous_rows(shape.Hkv, shape.S, shape.D), v,
                                       contiguous_rows(shape.Hkv, shape.S, shape.Dv))) {}
 
-  void pack_row(int64_t r, const scalar_t* src) {
+  void pack_row(int64_t r, int64_t, const scalar_t* src) {
     if (qp.empty()) qp.resize(kBlockQ * sh.D);
     for (int64_t d = 0; d < sh.D; ++d) qp[r * sh.D + d] = static_cast<acc_t>(src[d]) * scale;
   }
@@ -946,7 +947,7 @@ struct Bf16Products {
     vv = vv_;
   }
 
-  void pack_row(int64_t r, const bf16* src) {
+  void pack_row(int64_t r, int64_t, const bf16* src) {
     if (qb.empty()) qb.resize(kBlockQ * D2, bf16(0.0f));
     std::copy(src, src + sh.D, qb.data() + r * D2);
   }
@@ -1028,33 +1029,213 @@ void absorb_keys(const Shape& sh, const Terms<acc_t>& t, const Rows& rows, Produ
   });
 }
 
-template <typename scalar_t, typename acc_t, typename Products>
-void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const Products& shared,
-                    scalar_t* out, const RowStats<acc_t>& stats) {
-  const int64_t blocks = (sh.rows() + kBlockQ - 1) / kBlockQ;
+// ---- the forward's work over the threads --------------------------------------------------------
+//
+// A forward is blocks of up to kBlockQ stacked query rows of one key/value head, each over the keys
+// its rows see (block_keys). Their costs differ (a causal call's blocks see 1 to T / kBlockQ blocks'
+// keys; a varlen batch's sequences differ in length), so the blocks go to the threads costliest first,
+// each thread taking the next when it is done with its last (split into equal counts, a causal call of
+// one head ran 1.36-1.39x faster on 2 threads than on 1, Zen 4), and a block that costs more than a
+// quarter of a thread's share is split into key ranges of whole tiles, their softmaxes merged by
+// log-sum-exp (flash-decoding), so that a few long blocks keep every thread busy.
+
+// A unit of work: the rows r0..r1 of kv head kv_head of batch entry (or sequence) b, over the keys
+// [k0, k1); a whole block (group -1) or the split-th key range of a split one.
+struct WorkItem {
+  int64_t b, kv_head, r0, r1, k0, k1;
+  int64_t group, split;
+  double cost;
+};
+
+// A split block: its rows, how many key ranges, and where their parts lie (slot first_slot + split * R + r).
+struct SplitGroup {
+  int64_t b, kv_head, r0, r1;
+  int64_t splits;
+  int64_t first_slot;
+};
+
+// The cost of a block of R rows over ``keys`` keys: its products (R per key) and what a key costs
+// whatever the rows (reading its key and value, the tile's transposes): about kKeyCost rows' worth.
+constexpr double kKeyCost = 16;
+inline double work_cost(int64_t R, int64_t keys) { return static_cast<double>(keys) * (R + kKeyCost) + R; }
+
+// thread(next) on every thread (at most count of them), where next() is the next x of 0 .. count - 1
+// not taken yet (count when none is left): each thread takes the next x when it is done with its
+// last, so the x start in order.
+template <typename Thread>
+void in_turn(int64_t count, Thread&& thread) {
+  std::atomic<int64_t> taken{0};
+  const auto next = [&taken] { return taken.fetch_add(1); };
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1, [&](int64_t, int64_t) { thread(next); });
+}
+
+// 0 .. count - 1 in the order in which to start tasks of these costs (in_turn): the costliest first,
+// equal costs in their own order.
+inline std::vector<int64_t> costliest_first(const std::vector<double>& cost) {
+  std::vector<int64_t> order(cost.size());
+  std::iota(order.begin(), order.end(), int64_t(0));
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  return order;
+}
+
+// The items of a forward's blocks for ``threads`` threads, the costliest first.
+struct WorkPlan {
+  std::vector<WorkItem> items;
+  std::vector<SplitGroup> groups;
+  int64_t slots = 0;      // the split blocks' rows, times their splits
+  int64_t most_rows = 0;  // the largest block's rows: the size of each thread's buffers
+};
+
+inline WorkPlan plan_work(const std::vector<WorkItem>& blocks, int64_t threads) {
+  WorkPlan plan;
+  double total = 0;
+  for (const WorkItem& block : blocks) {
+    total += block.cost;
+    plan.most_rows = std::max(plan.most_rows, block.r1 - block.r0);
+  }
+  const double share = threads > 1 ? total / (4.0 * threads) : std::numeric_limits<double>::infinity();
+  for (const WorkItem& block : blocks) {
+    const int64_t keys = block.k1 - block.k0, R = block.r1 - block.r0;
+    const int64_t splits = block.cost > share ? std::min<int64_t>(static_cast<int64_t>(std::ceil(block.cost / share)),
+                                                                  (keys + kBlockK - 1) / kBlockK)
+                                              : 1;
+    if (splits <= 1) {
+      plan.items.push_back(block);
+      continue;
+    }
+    const int64_t chunk = ((keys + splits - 1) / splits + kBlockK - 1) / kBlockK * kBlockK;
+    const int64_t group = static_cast<int64_t>(plan.groups.size());
+    int64_t split = 0;
+    for (int64_t k0 = block.k0; k0 < block.k1; ++split) {
+      const int64_t k1 = std::min(block.k1, k0 / kBlockK * kBlockK + chunk);  // ends on a tile's edge
+      plan.items.push_back({block.b, block.kv_head, block.r0, block.r1, k0, k1, group, split, work_cost(R, k1 - k0)});
+      k0 = k1;
+    }
+    plan.groups.push_back({block.b, block.kv_head, block.r0, block.r1, split, plan.slots});
+    plan.slots += split * R;
+  }
+  std::vector<double> cost;
+  for (const WorkItem& item : plan.items) cost.push_back(item.cost);
+  std::vector<WorkItem> ordered;
+  for (const int64_t x : costliest_first(cost)) ordered.push_back(plan.items[x]);
+  plan.items = std::move(ordered);
+  return plan;
+}
+
+// One row's softmax computed in ``splits`` parts over disjoint keys (max m, sum l, accumulator acc
+// of part p at m[p * stride], l[p * stride], acc[p * stride * Dv ..]) merged by log-sum-exp:
+// returns the row's (max, sum) and leaves its accumulator in ``merged`` (Dv values), finish_row's
+// inputs. A part made NaN (or +inf) makes the row NaN; parts that saw nothing add nothing.
+template <typename acc_t>
+std::pair<acc_t, acc_t> merge_splits(int64_t splits, const acc_t* m, const acc_t* l, const acc_t* acc, int64_t stride,
+                                     int64_t Dv, acc_t* merged) {
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-  at::parallel_for(0, sh.B * sh.Hkv * blocks, 1, [&](int64_t begin, int64_t end) {
-    Products products = shared;  // its per-thread buffers
-    std::vector<acc_t> s(kBlockQ * kBlockK), acc(kBlockQ * sh.Dv), m(kBlockQ), l(kBlockQ);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t block = task % blocks, bh = task / blocks, b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
-      const int64_t r0 = block * kBlockQ, r1 = std::min(sh.rows(), r0 + kBlockQ), R = r1 - r0;
-      const Rows rows = block_rows(sh, t, b, kv_head, r0, r1);
-      for (int64_t r = 0; r < R; ++r) {  // pack the queries; start each row's running softmax
-        products.pack_row(r, q + ((b * sh.H + rows.head[r]) * sh.L + rows.index[r]) * sh.D);
-        m[r] = t.sinks ? t.sinks[rows.head[r]] : neg_inf;
-        l[r] = t.sinks ? acc_t(1) : acc_t(0);
+  acc_t top = neg_inf, total = 0;
+  for (int64_t p = 0; p < splits && !poisons(top); ++p)  // a split made NaN makes the row NaN (finish_row)
+    top = poisons(m[p * stride]) ? m[p * stride] : std::max(top, m[p * stride]);
+  std::fill(merged, merged + Dv, acc_t(0));
+  if (top != neg_inf && !poisons(top)) {
+    for (int64_t p = 0; p < splits; ++p) {
+      const acc_t w = std::exp(m[p * stride] - top);
+      total += l[p * stride] * w;
+      for (int64_t d = 0; d < Dv; ++d) merged[d] += acc[p * stride * Dv + d] * w;
+    }
+  }
+  return {top, total};
+}
+
+// The forward of a call's blocks, for the rows a layout describes:
+//   batch()                        batch entries (or sequences) b
+//   shape(b), terms(b)             b's Shape and Terms
+//   rows(b, kv_head, r0, r1)       the stacked rows r0..r1 of a kv head (block_rows)
+//   row(b, rows, r)                the index of rows' r-th row in q (rows of D) and out (rows of Dv)
+//   bind(products, b, kv_head)     the products made to read b's kv head: the head index they take
+//   D, Dv
+template <typename scalar_t, typename acc_t, typename Products, typename Layout>
+void forward_blocks(const Layout& layout, const scalar_t* q, const Products& shared, scalar_t* out,
+                    const RowStats<acc_t>& stats) {
+  const int64_t D = layout.D, Dv = layout.Dv;
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  std::vector<WorkItem> blocks;
+  for (int64_t b = 0; b < layout.batch(); ++b) {
+    const Shape sh = layout.shape(b);
+    const Terms<acc_t> t = layout.terms(b);
+    for (int64_t kv_head = 0; kv_head < sh.Hkv; ++kv_head)
+      for (int64_t r0 = 0; r0 < sh.rows(); r0 += kBlockQ) {
+        const int64_t r1 = std::min(sh.rows(), r0 + kBlockQ);
+        const auto [lo, hi] = block_keys(t, layout.rows(b, kv_head, r0, r1), sh.S, Products::kAlign, 0,
+                                         tiles_of(sh.S) * kBlockK);
+        blocks.push_back({b, kv_head, r0, r1, lo, hi, -1, 0, work_cost(r1 - r0, hi - lo)});
       }
-      std::fill(acc.begin(), acc.begin() + R * sh.Dv, acc_t(0));
-      const auto [lo, hi] = block_keys(t, rows, sh.S, Products::kAlign, 0, tiles_of(sh.S) * kBlockK);
-      absorb_keys(sh, t, rows, products, bh, lo, hi, s.data(), m.data(), l.data(), acc.data());
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
-        finish_row(m[r], l[r], acc.data() + r * sh.Dv, sh.Dv, out + row_index * sh.Dv, stats, row_index);
+  }
+  const WorkPlan plan = plan_work(blocks, at::get_num_threads());
+  std::vector<acc_t> part_m(plan.slots), part_l(plan.slots), part_acc(plan.slots * Dv);
+  const int64_t count = static_cast<int64_t>(plan.items.size());
+  in_turn(count, [&](auto&& next) {
+    Products products = shared;  // its per-thread buffers
+    const int64_t most = plan.most_rows;
+    std::vector<acc_t> s(most * kBlockK), acc(most * Dv), m(most), l(most);
+    for (int64_t x = next(); x < count; x = next()) {
+      const WorkItem& item = plan.items[x];
+      const Terms<acc_t> t = layout.terms(item.b);
+      const Rows rows = layout.rows(item.b, item.kv_head, item.r0, item.r1);
+      const int64_t R = rows.count, bh = layout.bind(products, item.b, item.kv_head);
+      for (int64_t r = 0; r < R; ++r) {  // pack the queries; start each row's running softmax
+        products.pack_row(r, R, q + layout.row(item.b, rows, r) * D);
+        const bool sink = t.sinks != nullptr && item.split == 0;  // the sink joins once, in the first range
+        m[r] = sink ? t.sinks[rows.head[r]] : neg_inf;
+        l[r] = sink ? acc_t(1) : acc_t(0);
+      }
+      std::fill(acc.begin(), acc.begin() + R * Dv, acc_t(0));
+      absorb_keys(layout.shape(item.b), t, rows, products, bh, item.k0, item.k1, s.data(), m.data(), l.data(), acc.data());
+      if (item.group < 0) {
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t row = layout.row(item.b, rows, r);
+          finish_row(m[r], l[r], acc.data() + r * Dv, Dv, out + row * Dv, stats, row);
+        }
+      } else {
+        const int64_t slot = plan.groups[item.group].first_slot + item.split * R;
+        std::copy(m.begin(), m.begin() + R, part_m.begin() + slot);
+        std::copy(l.begin(), l.begin() + R, part_l.begin() + slot);
+        std::copy(acc.begin(), acc.begin() + R * Dv, part_acc.begin() + slot * Dv);
       }
     }
     release_products<Products>();
   });
+  at::parallel_for(0, static_cast<int64_t>(plan.groups.size()), 1, [&](int64_t begin, int64_t end) {  // merge the splits
+    std::vector<acc_t> merged(Dv);
+    for (int64_t g = begin; g < end; ++g) {
+      const SplitGroup& group = plan.groups[g];
+      const Rows rows = layout.rows(group.b, group.kv_head, group.r0, group.r1);
+      for (int64_t r = 0; r < rows.count; ++r) {
+        const int64_t first = group.first_slot + r, row = layout.row(group.b, rows, r);
+        const auto [top, sum] = merge_splits(group.splits, part_m.data() + first, part_l.data() + first,
+                                             part_acc.data() + first * Dv, rows.count, Dv, merged.data());
+        finish_row(top, sum, merged.data(), Dv, out + row * Dv, stats, row);
+      }
+    }
+  });
+}
+
+// The tiled forward's rows: B batch entries of one Shape, q (B, H, L, D) and out (B, H, L, Dv).
+template <typename acc_t>
+struct DenseLayout {
+  const Shape& sh;
+  const Terms<acc_t>& t;
+  int64_t D = sh.D, Dv = sh.Dv;
+  int64_t batch() const { return sh.B; }
+  const Shape& shape(int64_t) const { return sh; }
+  const Terms<acc_t>& terms(int64_t) const { return t; }
+  Rows rows(int64_t b, int64_t kv_head, int64_t r0, int64_t r1) const { return block_rows(sh, t, b, kv_head, r0, r1); }
+  int64_t row(int64_t b, const Rows& rows, int64_t r) const { return (b * sh.H + rows.head[r]) * sh.L + rows.index[r]; }
+  template <typename Products>
+  int64_t bind(Products&, int64_t b, int64_t kv_head) const { return b * sh.Hkv + kv_head; }
+};
+
+template <typename scalar_t, typename acc_t, typename Products>
+void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const Products& shared,
+                    scalar_t* out, const RowStats<acc_t>& stats) {
+  forward_blocks(DenseLayout<acc_t>{sh, t}, q, shared, out, stats);
 }
 
 // ---- backward --------------------------------------------------------------------------------------
@@ -1222,6 +1403,26 @@ void probs_gradient(int64_t n, const acc_t* __restrict p, acc_t* __restrict g, a
     for (int64_t j = 0; j < n; ++j) g[j] = p[j] * (g[j] - delta);
 }
 
+// The backward's tasks (batch, key/value head, key chunk of chunk_len keys), the costliest first: a
+// chunk's cost is its keys' share of each block that sees them (a causal call's first chunk is seen
+// by every row, its last by the last rows only).
+template <typename acc_t>
+std::vector<int64_t> backward_order(const Shape& sh, const Terms<acc_t>& t, int64_t align, int64_t chunks,
+                                    int64_t chunk_len) {
+  const int64_t blocks = (sh.rows() + kBlockQ - 1) / kBlockQ, padded = tiles_of(sh.S) * kBlockK;
+  std::vector<double> cost(sh.B * sh.Hkv * chunks, 0.0);
+  for (int64_t bh = 0; bh < sh.B * sh.Hkv; ++bh)
+    for (int64_t block = 0; block < blocks; ++block) {
+      const int64_t r0 = block * kBlockQ, r1 = std::min(sh.rows(), r0 + kBlockQ);
+      const auto [lo, hi] = block_keys(t, block_rows(sh, t, bh / sh.Hkv, bh % sh.Hkv, r0, r1), sh.S, align, 0, padded);
+      for (int64_t chunk = 0; chunk < chunks; ++chunk) {  // the block's keys within the chunk (block_keys over it)
+        const int64_t keys = std::min(hi, (chunk + 1) * chunk_len) - std::max(lo, chunk * chunk_len);
+        if (keys > 0) cost[bh * chunks + chunk] += work_cost(r1 - r0, keys);
+      }
+    }
+  return costliest_first(cost);
+}
+
 // One task per (batch, key/value head, key chunk): it owns dK and dV of its keys (accumulated
 // transposed and tile-major, like K^T, so that every product is a plain A . B), adds to dQ of every
 // query row of its heads (in its chunk's dq buffer), and to its heads' slope gradients. Chunks are
@@ -1234,13 +1435,15 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
   const int64_t chunk_len = (tiles_of(sh.S) + chunks - 1) / chunks * kBlockK;
   const int64_t padded = tiles_of(sh.S) * kBlockK;
   const acc_t inf = std::numeric_limits<acc_t>::infinity();
-  at::parallel_for(0, sh.B * sh.Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> order = backward_order(sh, t, Products::kAlign, chunks, chunk_len);
+  const int64_t count = static_cast<int64_t>(order.size());
+  in_turn(count, [&](auto&& next) {
     Products products = shared;  // its per-thread buffers
     std::vector<acc_t> p(kBlockQ * kBlockK), ds(kBlockQ * kBlockK), capped(kBlockQ * kBlockK), dqb(kBlockQ * sh.D),
         shift(kBlockQ), inv_sum(kBlockQ), row_delta(kBlockQ);
     std::vector<char> one_hot(kBlockQ);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t chunk = task % chunks, bh = task / chunks, b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
+    for (int64_t x = next(); x < count; x = next()) {
+      const int64_t task = order[x], chunk = task % chunks, bh = task / chunks, b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
       const int64_t c0 = chunk * chunk_len, c1 = std::min(padded, c0 + chunk_len);
       acc_t* dq_chunk = dq_parts + chunk * sh.B * sh.H * sh.L * sh.D;
       acc_t* slopes_grad = d_slopes_parts + task * sh.G;
@@ -1763,28 +1966,6 @@ constexpr int64_t kDecodeRows = 16;
 // time in bfloat16, 1.05-1.1x in float32 (Zen 4, 2 threads).
 constexpr int64_t kDecodeKeys = kBlockK;
 
-// One row's softmax computed in ``splits`` parts over disjoint keys (max m, sum l, accumulator acc
-// of part p at m[p * stride], l[p * stride], acc[p * stride * Dv ..]) merged by log-sum-exp:
-// returns the row's (max, sum) and leaves its accumulator in ``merged`` (Dv values), finish_row's
-// inputs. A part made NaN (or +inf) makes the row NaN; parts that saw nothing add nothing.
-template <typename acc_t>
-std::pair<acc_t, acc_t> merge_splits(int64_t splits, const acc_t* m, const acc_t* l, const acc_t* acc, int64_t stride,
-                                     int64_t Dv, acc_t* merged) {
-  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-  acc_t top = neg_inf, total = 0;
-  for (int64_t p = 0; p < splits && !poisons(top); ++p)  // a split made NaN makes the row NaN (finish_row)
-    top = poisons(m[p * stride]) ? m[p * stride] : std::max(top, m[p * stride]);
-  std::fill(merged, merged + Dv, acc_t(0));
-  if (top != neg_inf && !poisons(top)) {
-    for (int64_t p = 0; p < splits; ++p) {
-      const acc_t w = std::exp(m[p * stride] - top);
-      total += l[p * stride] * w;
-      for (int64_t d = 0; d < Dv; ++d) merged[d] += acc[p * stride * Dv + d] * w;
-    }
-  }
-  return {top, total};
-}
-
 template <typename scalar_t, typename acc_t>
 void decode_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const scalar_t* k, const scalar_t* v,
                    scalar_t* out, const RowStats<acc_t>& stats) {
@@ -2149,127 +2330,37 @@ struct PagedCall {
   }
 };
 
-// A unit of work: the rows r0..r1 of kv head kv_head of sequence b, over the keys [k0, k1); part of a
-// split block (group >= 0, the split-th of its key ranges) or a whole one (group -1).
-struct PagedItem {
-  int64_t b, kv_head, r0, r1, k0, k1;
-  int64_t group, split;
-  double cost;
+// The paged forward's rows: sequence b is a call of its own (PagedCall::sequence, the terms' offset
+// S_b - L_b), its rows of q (Tq, H, D) and out (Tq, H, Dv) from cu[b]; the products bound to its
+// block table's row.
+template <typename acc_t>
+struct PagedLayout {
+  const PagedCall& call;
+  const Terms<acc_t>& t;
+  int64_t B, D = call.D, Dv = call.Dv;
+  int64_t batch() const { return B; }
+  Shape shape(int64_t b) const { return call.sequence(b); }
+  Terms<acc_t> terms(int64_t b) const {
+    Terms<acc_t> bottom_right = t;
+    const Shape sh = call.sequence(b);
+    bottom_right.offset = sh.S - sh.L;  // query r at S_b - L_b + r
+    return bottom_right;
+  }
+  Rows rows(int64_t b, int64_t kv_head, int64_t r0, int64_t r1) const {
+    return block_rows(shape(b), terms(b), 0, kv_head, r0, r1);
+  }
+  int64_t row(int64_t b, const Rows& rows, int64_t r) const { return (call.cu[b] + rows.index[r]) * call.H + rows.head[r]; }
+  template <typename Products>
+  int64_t bind(Products& products, int64_t b, int64_t kv_head) const {
+    products.bind(call.table + b * call.M, kv_head, call.seqlens[b]);
+    return 0;
+  }
 };
-
-struct PagedGroup {
-  int64_t b, kv_head, r0, r1;  // its rows
-  int64_t splits;      // its key ranges
-  int64_t first_slot;  // its parts: slot first_slot + split * R + r
-};
-
-// The cost of a block of R rows over ``keys`` keys: its products (R per key) and what a key costs
-// whatever the rows (reading its key and value, the tile's transposes): about kKeyCost rows' worth.
-constexpr double kKeyCost = 16;
-inline double paged_cost(int64_t R, int64_t keys) { return static_cast<double>(keys) * (R + kKeyCost) + R; }
 
 template <typename scalar_t, typename acc_t, typename Products>
 void paged_kernel(const PagedCall& call, const Terms<acc_t>& terms, int64_t B, const scalar_t* q,
                   const Products& shared, scalar_t* out, const RowStats<acc_t>& stats) {
-  const int64_t threads = at::get_num_threads(), H = call.H, D = call.D, Dv = call.Dv;
-  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-  auto terms_for = [&](const Shape& sh) {
-    Terms<acc_t> t = terms;
-    t.offset = sh.S - sh.L;  // bottom-right: query r at S_b - L_b + r
-    return t;
-  };
-  // the blocks of every sequence and kv head, with the keys their rows may see
-  std::vector<PagedItem> blocks;
-  double total = 0;
-  int64_t most_rows = 0;  // the largest block's rows: the size of each thread's buffers
-  for (int64_t b = 0; b < B; ++b) {
-    const Shape sh = call.sequence(b);
-    const Terms<acc_t> t = terms_for(sh);
-    for (int64_t kv_head = 0; kv_head < sh.Hkv; ++kv_head)
-      for (int64_t r0 = 0; r0 < sh.rows(); r0 += kBlockQ) {
-        const int64_t r1 = std::min(sh.rows(), r0 + kBlockQ);
-        const auto [lo, hi] = block_keys(t, block_rows(sh, t, 0, kv_head, r0, r1), sh.S, 1, 0, sh.S);
-        blocks.push_back({b, kv_head, r0, r1, lo, hi, -1, 0, paged_cost(r1 - r0, hi - lo)});
-        total += blocks.back().cost;
-        most_rows = std::max(most_rows, r1 - r0);
-      }
-  }
-  // a block that costs more than a share is split into key ranges of whole tiles
-  const double share = threads > 1 ? total / (4.0 * threads) : std::numeric_limits<double>::infinity();
-  std::vector<PagedItem> items;
-  std::vector<PagedGroup> groups;
-  int64_t slots = 0;
-  for (const PagedItem& block : blocks) {
-    const int64_t keys = block.k1 - block.k0, R = block.r1 - block.r0;
-    const int64_t splits = block.cost > share ? std::min<int64_t>(static_cast<int64_t>(std::ceil(block.cost / share)),
-                                                                  (keys + kBlockK - 1) / kBlockK)
-                                              : 1;
-    if (splits <= 1) {
-      items.push_back(block);
-      continue;
-    }
-    const int64_t chunk = ((keys + splits - 1) / splits + kBlockK - 1) / kBlockK * kBlockK;
-    const int64_t group = static_cast<int64_t>(groups.size());
-    int64_t split = 0;
-    for (int64_t k0 = block.k0; k0 < block.k1; ++split) {
-      const int64_t k1 = std::min(block.k1, k0 / kBlockK * kBlockK + chunk);  // ends on a tile's edge
-      items.push_back({block.b, block.kv_head, block.r0, block.r1, k0, k1, group, split, paged_cost(R, k1 - k0)});
-      k0 = k1;
-    }
-    groups.push_back({block.b, block.kv_head, block.r0, block.r1, split, slots});
-    slots += split * R;
-  }
-  // the costliest first, each thread taking the next when it is done
-  std::stable_sort(items.begin(), items.end(), [](const PagedItem& a, const PagedItem& b) { return a.cost > b.cost; });
-  std::vector<acc_t> part_m(slots), part_l(slots), part_acc(slots * Dv);
-  std::atomic<int64_t> next{0};
-  const int64_t count = static_cast<int64_t>(items.size());
-  at::parallel_for(0, std::min(threads, count), 1, [&](int64_t, int64_t) {
-    Products products = shared;  // its per-thread buffers
-    std::vector<acc_t> s(most_rows * kBlockK), acc(most_rows * Dv), m(most_rows), l(most_rows);
-    for (int64_t x = next.fetch_add(1); x < count; x = next.fetch_add(1)) {
-      const PagedItem& item = items[x];
-      const Shape sh = call.sequence(item.b);
-      const Terms<acc_t> t = terms_for(sh);
-      const Rows rows = block_rows(sh, t, 0, item.kv_head, item.r0, item.r1);
-      const int64_t R = rows.count, first_row = call.cu[item.b];
-      products.bind(call.table + item.b * call.M, item.kv_head, sh.S);
-      for (int64_t r = 0; r < R; ++r) {  // pack the queries; start each row's running softmax
-        products.pack_row(r, R, q + ((first_row + rows.index[r]) * H + rows.head[r]) * D);
-        const bool sink = t.sinks != nullptr && item.split == 0;  // the sink joins once, in the first range
-        m[r] = sink ? t.sinks[rows.head[r]] : neg_inf;
-        l[r] = sink ? acc_t(1) : acc_t(0);
-      }
-      std::fill(acc.begin(), acc.begin() + R * Dv, acc_t(0));
-      absorb_keys(sh, t, rows, products, 0, item.k0, item.k1, s.data(), m.data(), l.data(), acc.data());
-      if (item.group < 0) {
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t row_index = (first_row + rows.index[r]) * H + rows.head[r];
-          finish_row(m[r], l[r], acc.data() + r * Dv, Dv, out + row_index * Dv, stats, row_index);
-        }
-      } else {
-        const int64_t slot = groups[item.group].first_slot + item.split * R;
-        std::copy(m.begin(), m.begin() + R, part_m.begin() + slot);
-        std::copy(l.begin(), l.begin() + R, part_l.begin() + slot);
-        std::copy(acc.begin(), acc.begin() + R * Dv, part_acc.begin() + slot * Dv);
-      }
-    }
-  });
-  at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {  // merge the splits
-    std::vector<acc_t> merged(Dv);
-    for (int64_t g = begin; g < end; ++g) {
-      const PagedGroup& group = groups[g];
-      const Shape sh = call.sequence(group.b);
-      const Rows rows = block_rows(sh, terms_for(sh), 0, group.kv_head, group.r0, group.r1);
-      for (int64_t r = 0; r < rows.count; ++r) {
-        const int64_t first = group.first_slot + r;
-        const auto [top, sum] = merge_splits(group.splits, part_m.data() + first, part_l.data() + first,
-                                             part_acc.data() + first * Dv, rows.count, Dv, merged.data());
-        const int64_t row_index = (call.cu[group.b] + rows.index[r]) * H + rows.head[r];
-        finish_row(top, sum, merged.data(), Dv, out + row_index * Dv, stats, row_index);
-      }
-    }
-  });
+  forward_blocks(PagedLayout<acc_t>{call, terms, B}, q, shared, out, stats);
 }
 
 // ---- the Python-facing functions: each takes the contract as one TermArgs -----------------------------
@@ -2790,6 +2881,26 @@ Tensor quantize_rows(const Tensor& x) {
   return out;
 }
 
+// The forward's work plan (plan_work) for blocks (N, 4) int64 rows (r0, r1, k0, k1), for ``threads``
+// threads (tests): (M, 5) int64 rows (block, k0, k1, group, split), in the order the items start.
+Tensor work_plan(const Tensor& blocks, int64_t threads) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) == 4 && blocks.scalar_type() == at::kLong && blocks.device().is_cpu(),
+              "mha work_plan: blocks must be an (N, 4) int64 CPU tensor of (r0, r1, k0, k1) rows");
+  TORCH_CHECK(threads >= 1, "mha work_plan: threads must be at least 1, got ", text(threads));
+  const Tensor rows = blocks.contiguous();
+  const int64_t* x = rows.data_ptr<int64_t>();
+  std::vector<WorkItem> items;
+  for (int64_t i = 0; i < rows.size(0); ++i, x += 4)
+    items.push_back({i, 0, x[0], x[1], x[2], x[3], -1, 0, work_cost(x[1] - x[0], x[3] - x[2])});
+  const WorkPlan plan = plan_work(items, threads);
+  Tensor out = at::empty({static_cast<int64_t>(plan.items.size()), 5}, at::kLong);
+  int64_t* y = out.data_ptr<int64_t>();
+  for (const WorkItem& item : plan.items) {
+    for (const int64_t value : {item.b, item.k0, item.k1, item.group, item.split}) *y++ = value;
+  }
+  return out;
+}
+
 std::string build_info() {
 #if defined(MHA_AVX512_BF16)
   return "avx512bf16";
@@ -2827,6 +2938,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weights_tiled", &mha_native::weights_tiled,
         "whether forward_weights runs brgemm for rows x keys per key/value head (else its run loops; tests)");
   m.def("key_intervals", &mha_native::key_intervals, "each query's key interval [first, stop) and (L, S) visibility under a band (tests)");
+  m.def("work_plan", &mha_native::work_plan,
+        "the forward's work items for (r0, r1, k0, k1) blocks on so many threads: (block, k0, k1, group, split) rows (tests)");
   m.def("quantize_rows", &mha_native::quantize_rows, "x (..., X) floating -> (..., X + 4) int8 rows, each then its float32 scale");
   m.def("build_info", &mha_native::build_info, "the instruction set this build was compiled for");
   m.def("plain_sdpa", &mha_native::plain_sdpa,

@@ -5,6 +5,7 @@
     python scripts/kernel_ab.py --heads 8 8 --dim 64    # decoding without GQA, at D = 64
     python scripts/kernel_ab.py --forward 1024 4096    # the forward (B1 H8 D64, causal and not) instead
     python scripts/kernel_ab.py --backward 2048        # the backward (B1 H8 D64, causal) instead
+    python scripts/kernel_ab.py --forward 4096 --square-heads 1   # the forward of one head (B1 H1 D64)
 
 A kernel change measured in two processes on a shared machine compares two machines (its speed
 drifts 2x between runs here): this builds the base revision's csrc/native.cpp under another module
@@ -72,19 +73,19 @@ def decoding_calls(kernel, S: int, B: int, Hq: int = 32, Hkv: int = 8, D: int = 
 
 
 @functools.cache
-def forward_inputs(T: int, dtype: torch.dtype) -> tuple:
+def forward_inputs(T: int, dtype: torch.dtype, H: int = 8) -> tuple:
     g = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(1, 8, T, 64, generator=g).to(dtype) for _ in range(3))
+    return tuple(torch.randn(1, H, T, 64, generator=g).to(dtype) for _ in range(3))
 
 
-def forward_calls(kernel, T: int) -> dict:
-    """The forward of B1 H8 T D64, float32 and bfloat16, causal and not, on ``kernel``."""
+def forward_calls(kernel, T: int, H: int = 8) -> dict:
+    """The forward of B1 H T D64, float32 and bfloat16, causal and not, on ``kernel``."""
     calls = {}
     for causal in (False, True):
         terms = kernel.Terms()
         terms.scale, terms.has_band, terms.right = 64 ** -0.5, causal, 0 if causal else terms.right
         for dtype in (torch.float32, torch.bfloat16):
-            inputs = forward_inputs(T, dtype)
+            inputs = forward_inputs(T, dtype, H)
             name = f"{str(dtype)[6:]}{' causal' if causal else ''}"
             calls[name] = (lambda inputs, terms: lambda: kernel.forward(*inputs, terms, False)[0])(inputs, terms)
     return calls
@@ -97,22 +98,22 @@ def causal_terms(kernel):
     return terms
 
 
-def backward_calls(kernel, T: int) -> dict:
-    """The backward of B1 H8 T D64's causal forward (made once by this tree's kernel), float32 and
+def backward_calls(kernel, T: int, H: int = 8) -> dict:
+    """The backward of B1 H T D64's causal forward (made once by this tree's kernel), float32 and
     bfloat16, on ``kernel``: its dq."""
     calls = {}
     for dtype in (torch.float32, torch.bfloat16):
-        inputs, saved, terms = forward_inputs(T, dtype), saved_rows(T, dtype), causal_terms(kernel)
+        inputs, saved, terms = forward_inputs(T, dtype, H), saved_rows(T, dtype, H), causal_terms(kernel)
         calls[str(dtype)[6:]] = (lambda inputs, saved, terms: lambda: kernel.backward(*inputs, *saved, terms)[0])(
             inputs, saved, terms)
     return calls
 
 
 @functools.cache
-def saved_rows(T: int, dtype: torch.dtype) -> tuple:
+def saved_rows(T: int, dtype: torch.dtype, H: int = 8) -> tuple:
     """(dO, row max, row sum, delta) of the causal forward on forward_inputs, by this tree's kernel."""
     kernel = native._kernel()
-    out, row_max, row_sum = kernel.forward(*forward_inputs(T, dtype), causal_terms(kernel), True)
+    out, row_max, row_sum = kernel.forward(*forward_inputs(T, dtype, H), causal_terms(kernel), True)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     return grad, row_max, row_sum, (grad.float() * out.float()).sum(-1)
 
@@ -125,6 +126,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HKV"), help="decoding's heads")
     parser.add_argument("--dim", type=int, default=128, help="decoding's head dim")
+    parser.add_argument("--square-heads", type=int, default=8, help="the forward's and backward's heads")
     instead = parser.add_mutually_exclusive_group()
     instead.add_argument("--forward", type=int, nargs="+", metavar="T", help="time the forward at these T instead")
     instead.add_argument("--backward", type=int, nargs="+", metavar="T", help="time the causal backward at these T instead")
@@ -138,7 +140,7 @@ def main() -> None:
     for S in square or args.keys:
         if square:
             make = forward_calls if args.forward else backward_calls
-            ours, theirs = make(new, S), make(base, S)
+            ours, theirs = make(new, S, args.square_heads), make(base, S, args.square_heads)
         else:
             ours, theirs = (decoding_calls(kernel, S, args.batch, *args.heads, args.dim) for kernel in (new, base))
         reps = max(1, (30_000_000 if square else 1_000_000) // (S * (S if square else args.batch)))
@@ -158,7 +160,8 @@ def main() -> None:
                 ratios.append(took["new"] / took["base"])
             shape = "" if square else f" Hq {args.heads[0]} Hkv {args.heads[1]} D {args.dim}"
             what = " backward causal" if args.backward else ""
-            point = f"threads {args.threads} {'T' if square else 'S'} {S} B {args.batch}{shape} {name}{what}"
+            heads = f" H {args.square_heads}" if square else ""
+            point = f"threads {args.threads} {'T' if square else 'S'} {S} B {args.batch}{heads}{shape} {name}{what}"
             print(f"{point}: base {best['base'] * 1e3:.3f} ms, "
                   f"new {best['new'] * 1e3:.3f} ms, new/base median {statistics.median(ratios):.3f}, "
                   f"largest difference {difference:.2g}")

@@ -44,8 +44,8 @@ def test_contract_rows_time_ours_against_torch():
 def test_cli_writes_json_csv_and_plot(tmp_path, monkeypatch, capsys):
     tiny = dict(module=[(1, 16, 32)], causal=[(1, 16, 32)], backends=[32, 64], training=[(1, 16, 32)], contract=64,
                 memory=512, decode=8, window=(256, 16), overhead_decode=[16], auto=([1, 16], [64]), peers=[32], matmul=64,
-                native=dict(forward=[32], training=32, decode=64, window=(128, 8), accuracy=16, short=[16], matmul=128,
-                            cache_decode=[64]))
+                native=dict(forward=[32], one_head=32, training=32, decode=64, window=(128, 8), accuracy=16, short=[16],
+                            matmul=128, cache_decode=[64]))
     monkeypatch.setattr(bench_cli, "QUICK", tiny)
     # one memory case (its three fresh processes, at T and T/2 and torch's, are most of this test's time)
     few = {name: bench_memory.MEMORY_CASES[name] for name in ("torch causal SDPA", "causal")}
@@ -125,25 +125,28 @@ def test_native_rows_time_it_against_torch_beside_a_matmul(tmp_path):
     from helpers.backends import NATIVE
     if not NATIVE:
         pytest.skip("the native kernel does not build here")
-    grid = dict(forward=[64], training=64, decode=256, window=(256, 16), accuracy=32, short=[16], matmul=128,
+    grid = dict(forward=[64], one_head=96, training=64, decode=256, window=(256, 16), accuracy=32, short=[16], matmul=128,
                 cache_decode=[300])
     rows = list(bench.native_rows(grid, repeat=1))
     assert [r.point for r in rows] == [
-        "forward fp32 T64", "forward fp32 T64 causal", "forward+backward fp32 T64 causal", "decode fp32 L1 S256 Hq32/Hkv8 D128",
-        "forward bf16 T64", "forward bf16 T64 causal", "forward+backward bf16 T64 causal", "decode bf16 L1 S256 Hq32/Hkv8 D128",
+        "forward fp32 T64", "forward fp32 T64 causal", "forward fp32 T96 causal H1", "forward+backward fp32 T64 causal",
+        "decode fp32 L1 S256 Hq32/Hkv8 D128",
+        "forward bf16 T64", "forward bf16 T64 causal", "forward bf16 T96 causal H1", "forward+backward bf16 T64 causal",
+        "decode bf16 L1 S256 Hq32/Hkv8 D128",
         *(f"decode {where}, {name}" for where in ("B1 S300 paged", "B8 S300 paged", "B1 S300 paged Hq8/Hkv8")
           for name in ("float32 cache", "bfloat16 cache", "int8 cache", "int8, scales apart")),
         "short forward fp32 T16", "short forward bf16 T16",
         "window (16, 0) fp32 T256", "accuracy fp32 T32 causal", "accuracy bf16 T32 causal"]
     assert rows[0].ratios["native/sdpa"] == pytest.approx(rows[0].times_ms["native"] / rows[0].times_ms["sdpa"])
-    assert rows[0].extra["fp32 matmul GFLOP/s"] > 0 and rows[4].extra["bf16 matmul GFLOP/s"] > 0
+    assert rows[0].extra["fp32 matmul GFLOP/s"] > 0 and rows[5].extra["bf16 matmul GFLOP/s"] > 0
+    assert rows[2].extra["native GFLOP/s"] == pytest.approx(4 * 96 * 96 * 64 / 2 / rows[2].times_ms["native"] / 1e6)
     peaks = bench_peaks.current()  # measured once per thread count: the same figures the rows were judged by
     assert rows[0].detail["limit"] == "fp32 FMA GFLOP/s"
     assert rows[0].extra["native of limit"] == pytest.approx(rows[0].extra["native GFLOP/s"] / peaks["fp32 FMA GFLOP/s"])
-    assert rows[4].detail["limit"] == bench_peaks.limit_of("bf16", peaks)[0]
-    assert rows[3].extra["native GB/s (K, V read)"] > 0 and rows[3].extra["memory read GB/s (sum)"] == peaks["read GB/s"]
-    assert rows[3].extra["native of read"] == pytest.approx(rows[3].extra["native GB/s (K, V read)"] / peaks["read GB/s"])
-    fp32, bf16, int8, apart = rows[8:12]  # int8 holds (128 + 4) bytes per row where bfloat16 holds 256
+    assert rows[5].detail["limit"] == bench_peaks.limit_of("bf16", peaks)[0]
+    assert rows[4].extra["native GB/s (K, V read)"] > 0 and rows[4].extra["memory read GB/s (sum)"] == peaks["read GB/s"]
+    assert rows[4].extra["native of read"] == pytest.approx(rows[4].extra["native GB/s (K, V read)"] / peaks["read GB/s"])
+    fp32, bf16, int8, apart = rows[10:14]  # int8 holds (128 + 4) bytes per row where bfloat16 holds 256
     assert int8.extra["bytes / bf16's"] == pytest.approx(132 / 256) and fp32.extra["bytes / bf16's"] == 2
     assert 0 < int8.extra["error"] < 4 * bf16.extra["error"] and fp32.extra["error"] < 1e-5
     assert int8.ratios["/ bf16 cache"] == pytest.approx(int8.times_ms["step"] / bf16.times_ms["step"])
@@ -151,8 +154,8 @@ def test_native_rows_time_it_against_torch_beside_a_matmul(tmp_path):
     assert apart.extra["of read"] == pytest.approx(apart.extra["GB/s"] / peaks["read GB/s"])
     mha_int8 = next(r for r in rows if r.point == "decode B1 S300 paged Hq8/Hkv8, int8 cache")  # a key a row
     assert mha_int8.extra["bytes / bf16's"] == pytest.approx(132 / 256) and 0 < mha_int8.extra["error"] < 1e-2
-    assert rows[22].ratios["dense causal/window"] > 0
-    assert 0 < rows[23].extra["native error"] < 1e-5 and 0 < rows[24].extra["native error"] < 1e-1
+    assert rows[24].ratios["dense causal/window"] > 0
+    assert 0 < rows[25].extra["native error"] < 1e-5 and 0 < rows[26].extra["native error"] < 1e-1
     bench.write(rows, bench.machine(matmul_n=64), str(tmp_path))
     assert (tmp_path / "native.png").stat().st_size > 10_000
 

@@ -526,6 +526,8 @@ def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
             for causal in (False, True):
                 p = bench_native.forward_point(dtype, T, causal, times)
                 yield timed(f"forward {dtype} T{T}{' causal' if causal else ''}", p, p["flops"], dtype)
+        p = bench_native.forward_point(dtype, grid["one_head"], True, times, heads=1)
+        yield timed(f"forward {dtype} T{grid['one_head']} causal H1", p, p["flops"], dtype)
         p = bench_native.training_point(dtype, grid["training"], times)
         yield timed(f"forward+backward {dtype} T{grid['training']} causal", p, p["flops"], dtype)
         p = bench_native.decode_point(dtype, grid["decode"], times)

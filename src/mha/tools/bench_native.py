@@ -5,6 +5,8 @@ Every point times the native kernel and torch's fused kernel on the same inputs,
 3.5x that for forward + backward) sit beside a same-run 2048^3 matmul of the same dtype. Points:
 
     forward        fp32 and bf16, T = 1024 and 4096, causal and not
+    one head       the causal forward of H = 1, T = 4096: one sequence's blocks, costing 1 to T / 64
+                   blocks' keys, spread over the threads (the work's split, not the products)
     short          forward at T = 16 .. 512: where the native kernel's per-call cost stops showing
     training       forward + backward, T = 2048, causal, fp32 and bf16
     decode         one query, S = 16384 cached keys, 32 query heads on 8 kv heads, D = 128; the
@@ -54,14 +56,14 @@ def _inputs(dtype, L, S=None, heads=HEADS, kv_heads=None, head_dim=HEAD_DIM, gra
     return tuple(torch.randn(s, generator=g).to(dtype).requires_grad_(grad) for s in shapes)
 
 
-def forward_point(dtype: str, T: int, causal: bool, times) -> dict:
+def forward_point(dtype: str, T: int, causal: bool, times, *, heads: int = HEADS) -> dict:
     """{"native": ms, "sdpa": ms, "flops": ...} of one no-grad forward at length T."""
-    q, k, v = _inputs(DTYPES[dtype], T)
+    q, k, v = _inputs(DTYPES[dtype], T, heads=heads)
     contract = Contract(band=CAUSAL) if causal else Contract()
     with torch.no_grad():
         ms = times({"native": lambda: native.native_attention(q, k, v, contract),
                     "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)})
-    return {**ms, "flops": 4 * HEADS * T * T * HEAD_DIM / (2 if causal else 1)}
+    return {**ms, "flops": 4 * heads * T * T * HEAD_DIM / (2 if causal else 1)}
 
 
 def training_point(dtype: str, T: int, times) -> dict:

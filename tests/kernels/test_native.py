@@ -236,33 +236,46 @@ def _plan(blocks, threads):
     return native._kernel().work_plan(torch.tensor(blocks, dtype=torch.long).reshape(-1, 4), threads).tolist()
 
 
-def test_the_forward_starts_its_costliest_blocks_first():
-    """A causal call's blocks see 64, 128, ... keys: the costliest starts first (a thread taking the next
-    when done), none split on one thread; equal blocks keep their order, and a block of one tile is never split."""
-    causal = [(0, 64, 0, 64 * (i + 1)) for i in range(8)]
-    plan = _plan(causal, 1)
-    assert [item[0] for item in plan] == list(range(7, -1, -1))
-    assert [(k0, k1, group) for _, k0, k1, group, _ in plan] == [(0, 64 * (i + 1), -1) for i in range(7, -1, -1)]
-    assert _plan([(0, 64, 0, 256)] * 5, 3) == [[i, 0, 256, -1, 0] for i in range(5)]
+def _shares(cost, threads):
+    """How tasks of these costs are split among threads: [(share's tasks in the order it starts them)]."""
+    bounds, order = native._kernel().work_shares(torch.tensor(cost, dtype=torch.float64), threads)
+    return [order[bounds[i]:bounds[i + 1]].tolist() for i in range(len(bounds) - 1)]
+
+
+def test_threads_own_neighbouring_tasks_of_equal_cost_and_start_their_costliest_first():
+    """Equal tasks: contiguous shares of equal counts, in order (a static split's: a thread computes
+    the heads whose operands it packed). A causal call's blocks (one head of 16 blocks seeing 1 to 16
+    blocks' keys, two of 8): shares of about equal cost, each within one task of the mean (equal counts
+    give one of two threads 36 of 136), started costliest first.
+    No cost at all: equal counts; more threads than tasks: a share each."""
+    assert _shares([5.0] * 8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for causal in ([float(b + 1) for _ in range(2) for b in range(8)], [float(b + 1) for b in range(16)]):
+        for threads in (2, 3, 4, 5):
+            shares = _shares(causal, threads)
+            assert sorted(x for share in shares for x in share) == list(range(len(causal)))
+            assert all(share == sorted(share, key=lambda x: -causal[x]) for share in shares)
+            assert all(sorted(share) == list(range(min(share), max(share) + 1)) for share in shares if share)
+            mean = sum(causal) / threads
+            assert all(abs(sum(causal[x] for x in share) - mean) <= max(causal) for share in shares)
+    assert _shares([0.0] * 6, 3) == [[0, 1], [2, 3], [4, 5]]
+    assert _shares([1.0, 2.0], 4) == [[0], [1]]
 
 
 def test_a_block_costlier_than_a_quarter_of_a_threads_share_is_split_into_whole_tiles():
     """Eight equal blocks on two threads each cost exactly a share (the total over 4 x 2): none split.
     One of them a key shorter, the share falls below the other seven: each is split in two at a tile's
-    edge; the shorter one, below the share, is not, and starts first."""
+    edge, its ranges in its place; the shorter one, below the share, is not."""
     even = [(0, 64, 0, 1024)] * 8
-    assert all(group == -1 for *_, group, _ in _plan(even, 2))
+    assert _plan(even, 2) == [[block, 0, 1024, -1, 0] for block in range(8)]
     plan = _plan(even[:7] + [(0, 64, 0, 1023)], 2)
-    assert plan[0] == [7, 0, 1023, -1, 0]
-    ranges = sorted(tuple(item) for item in plan[1:])
-    assert ranges == sorted((block, k0, k0 + 512, block, k0 // 512) for block in range(7) for k0 in (0, 512))
+    assert plan == [[block, k0, k0 + 512, block, k0 // 512] for block in range(7) for k0 in (0, 512)] + [[7, 0, 1023, -1, 0]]
 
 
 @pytest.mark.parametrize("k0, k1, threads", [(0, 3000, 2), (100, 3000, 2), (700, 5000, 16), (0, 1000, 3)])
 def test_a_long_block_alone_is_split_into_ranges_that_cover_its_keys(k0, k1, threads):
     """One block on several threads: split into key ranges that cover its keys once, in order, every
     range but the last ending on a 256-key tile's edge, numbered from 0 (the first takes the sink)."""
-    plan = sorted(_plan([(0, 64, k0, k1)], threads), key=lambda item: item[4])
+    plan = _plan([(0, 64, k0, k1)], threads)
     assert len(plan) > 1 and [item[4] for item in plan] == list(range(len(plan)))
     assert plan[0][1] == k0 and plan[-1][2] == k1 and all(a[2] == b[1] for a, b in zip(plan, plan[1:]))
     assert all(item[2] % 256 == 0 for item in plan[:-1]) and all(item[3] == 0 for item in plan)

@@ -1033,11 +1033,11 @@ void absorb_keys(const Shape& sh, const Terms<acc_t>& t, const Rows& rows, Produ
 //
 // A forward is blocks of up to kBlockQ stacked query rows of one key/value head, each over the keys
 // its rows see (block_keys). Their costs differ (a causal call's blocks see 1 to T / kBlockQ blocks'
-// keys; a varlen batch's sequences differ in length), so the blocks go to the threads costliest first,
-// each thread taking the next when it is done with its last (split into equal counts, a causal call of
-// one head ran 1.36-1.39x faster on 2 threads than on 1, Zen 4), and a block that costs more than a
-// quarter of a thread's share is split into key ranges of whole tiles, their softmaxes merged by
-// log-sum-exp (flash-decoding), so that a few long blocks keep every thread busy.
+// keys; a varlen batch's sequences differ in length), so the threads share them by cost (in_shares;
+// split into equal counts, a causal call of one head ran 1.36-1.39x faster on 2 threads than on 1,
+// Zen 4), and a block that costs more than a quarter of a thread's share is split into key ranges of
+// whole tiles, their softmaxes merged by log-sum-exp (flash-decoding), so that a few long blocks keep
+// every thread busy. The backward's tasks are shared the same way.
 
 // A unit of work: the rows r0..r1 of kv head kv_head of batch entry (or sequence) b, over the keys
 // [k0, k1); a whole block (group -1) or the split-th key range of a split one.

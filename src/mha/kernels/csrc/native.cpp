@@ -54,6 +54,7 @@ TORCH_API bool is_autocast_enabled(at::DeviceType device_type);
 }
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -122,20 +123,19 @@ struct Terms {
   bool has_mask() const { return mask != nullptr || bool_mask != nullptr; }
 };
 
-// The rows of one block: their head, query index and position.
+// The rows of one block (at most kBlockQ): their head, query index and position, in arrays of a
+// block's largest size, so that making a block's rows (twice a block a call) allocates nothing.
 struct Rows {
   int64_t b = 0, count = 0;
-  std::vector<int64_t> head, index, position;
+  std::array<int64_t, kBlockQ> head, index, position;  // the first ``count`` of each
 };
 
 template <typename acc_t>
 Rows block_rows(const Shape& sh, const Terms<acc_t>& t, int64_t b, int64_t kv_head, int64_t r0, int64_t r1) {
+  TORCH_CHECK(r1 - r0 <= kBlockQ, "mha native: a block of more than kBlockQ rows");
   Rows rows;
   rows.b = b;
   rows.count = r1 - r0;
-  rows.head.resize(rows.count);
-  rows.index.resize(rows.count);
-  rows.position.resize(rows.count);
   for (int64_t r = 0; r < rows.count; ++r) {
     const int64_t g = (r0 + r) / sh.L, i = (r0 + r) % sh.L;
     rows.head[r] = kv_head * sh.G + g;
@@ -171,7 +171,7 @@ std::pair<int64_t, int64_t> key_interval(const Terms<acc_t>& t, int64_t b, int64
 template <typename acc_t>
 std::pair<int64_t, int64_t> key_range(const Terms<acc_t>& t, const Rows& rows, int64_t S) {
   if (!t.has_band || (t.k_pos != nullptr && !t.k_sorted)) return {0, S};
-  const auto [first, last] = std::minmax_element(rows.position.begin(), rows.position.end());
+  const auto [first, last] = std::minmax_element(rows.position.begin(), rows.position.begin() + rows.count);
   const int64_t lo = key_interval(t, rows.b, S, *first).first;
   return {lo, std::max(lo, key_interval(t, rows.b, S, *last).second)};
 }
@@ -182,7 +182,7 @@ template <typename acc_t>
 bool band_covers(const Terms<acc_t>& t, const Rows& rows, int64_t j0, int64_t n) {
   if (!t.has_band) return true;
   if (t.k_pos != nullptr && !t.k_sorted) return false;
-  const auto [first, last] = std::minmax_element(rows.position.begin(), rows.position.end());
+  const auto [first, last] = std::minmax_element(rows.position.begin(), rows.position.begin() + rows.count);
   return key_interval(t, rows.b, j0 + n, *last).first <= j0 && key_interval(t, rows.b, j0 + n, *first).second >= j0 + n;
 }
 
@@ -2560,7 +2560,7 @@ std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, 
   });
   auto d_slopes = d_slopes_parts.sum(at::IntArrayRef({0, 2})).reshape({sh.H});  // (B, Hkv, chunks, G) -> (Hkv, G) -> (H,)
   auto dk = from_tile_major(dkt, sh.S), dv = from_tile_major(dvt, sh.S);
-  return {dq_parts.sum(0), dk, dv, d_slopes};
+  return {chunks == 1 ? dq_parts.select(0, 0) : dq_parts.sum(0), dk, dv, d_slopes};  // (one chunk: no copy)
 }
 
 // A number in an error message, formatted by std::to_string, never streamed: streaming an integer

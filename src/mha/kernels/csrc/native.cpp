@@ -1197,7 +1197,7 @@ void forward_blocks(const Layout& layout, const scalar_t* q, const Products& sha
   std::vector<WorkItem> blocks;
   for (int64_t b = 0; b < layout.batch(); ++b) {
     const Shape sh = layout.shape(b);
-    const Terms<acc_t> t = layout.terms(b);
+    const auto& t = layout.terms(b);  // (a paged sequence's: a temporary, kept alive)
     for (int64_t kv_head = 0; kv_head < sh.Hkv; ++kv_head)
       for (int64_t r0 = 0; r0 < sh.rows(); r0 += kBlockQ) {
         const int64_t r1 = std::min(sh.rows(), r0 + kBlockQ);
@@ -1216,7 +1216,7 @@ void forward_blocks(const Layout& layout, const scalar_t* q, const Products& sha
     std::vector<acc_t> s(most * kBlockK), acc(most * Dv), m(most), l(most);
     for (int64_t x = next(); x >= 0; x = next()) {
       const WorkItem& item = plan.items[x];
-      const Terms<acc_t> t = layout.terms(item.b);
+      const auto& t = layout.terms(item.b);
       const Rows rows = layout.rows(item.b, item.kv_head, item.r0, item.r1);
       const int64_t R = rows.count, bh = layout.bind(products, item.b, item.kv_head);
       for (int64_t r = 0; r < R; ++r) {  // pack the queries; start each row's running softmax

@@ -323,6 +323,31 @@ def test_a_forward_block_split_over_threads_equals_math(threads, dtype):
             assert_close(grads[0][0, 0].double(), want_grads[0][0, 0], dtype, chain=True, err_msg="dq")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_past_an_odd_length_read_as_zeros_not_as_an_earlier_calls_values(dtype):
+    """Packing writes a tile's keys up to S rounded up to the bfloat16 pairs and no further (the keys past
+    it are never read): a call over S = 5 keys right after one whose keys and values were all NaN (the
+    packed operands' workspaces hold them) equals float64 math, output and gradients."""
+    g = torch.Generator().manual_seed(4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # (the workspaces are the calling thread's)
+        poisoned = [torch.full((1, 2, 300, 16), float("nan"), dtype=dtype, requires_grad=True) for _ in range(3)]
+        out = native.native_attention(*poisoned, Contract(band=CAUSAL))
+        torch.autograd.grad(out, poisoned, torch.ones_like(out))
+        leaves = [torch.randn(1, 2, n, 16, generator=g, dtype=torch.float64).to(dtype).requires_grad_() for n in (3, 5, 5)]
+        ours = native.native_attention(*leaves, Contract(band=CAUSAL, offset=2))
+        grads = torch.autograd.grad(ours, leaves, torch.ones_like(ours))
+    finally:
+        torch.set_num_threads(before)
+    exact = [x.detach().double().requires_grad_() for x in leaves]
+    want = mha.kernels.attention(*exact, Contract(band=CAUSAL, offset=2), backend="math")[0]
+    want_grads = torch.autograd.grad(want, exact, torch.ones_like(want))
+    assert_close(ours.double(), want, dtype, chain=True)
+    for name, got, expected in zip("qkv", grads, want_grads):
+        assert_close(got.double(), expected, dtype, chain=True, err_msg=f"d{name}")
+
+
 def test_a_split_block_is_merged_not_computed_whole():
     """On two threads the one block is split (its float32 output differs from one thread's in its
     roundings, the merge's), on one it is not: the split path is the one the tests above check."""
@@ -829,7 +854,7 @@ def test_the_kernel_refuses_shapes_it_cannot_read():
                           (torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 6, 4), "v must have k's heads and length"),
                           (torch.zeros(1, 3, 5, 4), torch.zeros(1, 3, 5, 4), "key/value heads must divide query heads")]:
         with pytest.raises(RuntimeError, match=message):
-            native._extension(native.variant()).forward(q, k, v, native._Inputs(q, q, q, Contract()).terms(), False)
+            native._kernel().forward(q, k, v, native._Inputs(q, q, q, Contract()).terms(), False)
 
 
 @pytest.mark.parametrize("learned", [False, True])

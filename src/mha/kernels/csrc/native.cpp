@@ -59,6 +59,7 @@ TORCH_API bool is_autocast_enabled(at::DeviceType device_type);
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <tuple>
 #include <type_traits>
@@ -706,13 +707,40 @@ T* workspace(int slot, int64_t count) {
   return buffer.data();
 }
 
-// dst[d * kBlockK + j] = src[j * lds + d] for the n <= kBlockK keys j of a tile and d < X, the columns
-// past n zeros: kPackKeys keys at a time, whose rows stay in L1 while each column's run of them is
-// written (key by key, each key wrote one value into X lines a kBlockK apart). A function of its own
+// A thread's buffer of values that each use writes before it reads: grown uninitialised (a std::vector's
+// zeros were a memset of every thread's buffers on every call: bfloat16 forward B1 H8 T64 0.87-0.90x the
+// time without them, Zen 4), and a copy starts empty (each thread copies the call's products, to have
+// buffers of its own).
+template <typename T>
+class Scratch {
+ public:
+  Scratch() = default;
+  Scratch(const Scratch&) {}
+  Scratch& operator=(const Scratch&) = delete;
+  T* at_least(int64_t count) {
+    if (count > size_) data_.reset(new T[count]), size_ = count;
+    return data_.get();
+  }
+  T* data() const { return data_.get(); }
+
+ private:
+  std::unique_ptr<T[]> data_;
+  int64_t size_ = 0;
+};
+
+// dst[d * kBlockK + j] = src[j * lds + d] for the n <= kBlockK keys j of a tile and d < X, and zeros in
+// the column past an odd n (padded_keys): kPackKeys keys at a time, whose rows stay in L1 while each
+// column's run of them is written (key by key, each key wrote one value into X lines a kBlockK apart). A function of its own
 // with its pointers __restrict: inlined into the parallel loop's lambda, the compiler kept its
 // counters on the stack (a store and a load per value), and the pass took a fifth of a 64-row
 // weights call over 1024 keys (perf, AVX2).
 constexpr int64_t kPackKeys = 16;
+
+// The keys of a tile of n keys (from S) that products read: n rounded up to the bfloat16 products' pairs
+// (kAlign <= 2; block_keys ends a block's keys there). Packing writes these alone: a tile's columns
+// further on are never read, and zeroing them (K^T's 192 of 256 at T = 64) cost 6 % of a forward's
+// samples there (perf, B1 H8 T64, Zen 4).
+inline int64_t padded_keys(int64_t n) { return std::min(kBlockK, n + n % 2); }
 
 #if defined(__AVX2__)
 // dst[c * ldd + r] = src[r * lds + c] for an 8 x 8 block of floats, in registers.
@@ -757,8 +785,7 @@ __attribute__((noinline)) void pack_tile(const scalar_t* __restrict src, int64_t
       for (int64_t j = j0; j < j1; ++j) column[j] = static_cast<acc_t>(values[j * lds]);
     }
   }
-  if (n < kBlockK)
-    for (int64_t d = 0; d < X; ++d) std::fill(dst + d * kBlockK + n, dst + (d + 1) * kBlockK, acc_t(0));
+  for (int64_t d = 0; d < X; ++d) std::fill(dst + d * kBlockK + n, dst + d * kBlockK + padded_keys(n), acc_t(0));
 }
 
 // Where the rows of a 4-D tensor (B, heads, T, X) lie, its last dim contiguous: row i of head h of
@@ -865,7 +892,7 @@ struct PlainProducts {
   const Shape& sh;
   acc_t scale;
   Operands<acc_t> ops;
-  std::vector<acc_t> qp = {};  // the block's scaled queries (per thread: each thread copies the products)
+  Scratch<acc_t> qp;  // the block's scaled queries
 
   PlainProducts(const Shape& shape, acc_t scale_, const scalar_t* k, const scalar_t* v)
       : sh(shape), scale(scale_),
@@ -873,8 +900,8 @@ struct PlainProducts {
                                       contiguous_rows(shape.Hkv, shape.S, shape.Dv))) {}
 
   void pack_row(int64_t r, int64_t, const scalar_t* src) {
-    if (qp.empty()) qp.resize(kBlockQ * sh.D);
-    for (int64_t d = 0; d < sh.D; ++d) qp[r * sh.D + d] = static_cast<acc_t>(src[d]) * scale;
+    acc_t* row = qp.at_least(kBlockQ * sh.D) + r * sh.D;
+    for (int64_t d = 0; d < sh.D; ++d) row[d] = static_cast<acc_t>(src[d]) * scale;
   }
   void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, acc_t* s) {
     const acc_t* kt_head = ops.kt_ptr + bh * tiles_of(sh.S) * sh.D * kBlockK;
@@ -887,7 +914,8 @@ struct PlainProducts {
 };
 
 #if defined(MHA_AVX512_BF16)
-// VNNI pairs, tile by tile, of x (BH, S, X) in bfloat16, zero-padded (past S, and to an even width):
+// VNNI pairs, tile by tile, of x (BH, S, X) in bfloat16, zero-padded (a key past an odd S, and to an
+// even width; a tile's keys past padded_keys are never read, nor written):
 //   transposed: (BH, tiles, X2 / 2, kBlockK, 2), pairs along X (K^T, V^T: the B of products over X)
 //   by rows:    (BH, tiles, kBlockK / 2, X, 2), pairs of keys (V, K: the B of products over keys)
 inline void pack_pairs(const at::BFloat16* x, int64_t BH, int64_t S, int64_t X, bool transposed, at::BFloat16* out) {
@@ -896,25 +924,25 @@ inline void pack_pairs(const at::BFloat16* x, int64_t BH, int64_t S, int64_t X, 
   const auto pair = [](uint16_t first, uint16_t second) { return uint32_t(first) | uint32_t(second) << 16; };
   at::parallel_for(0, BH * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / tiles, first = (task % tiles) * kBlockK;
+      const int64_t bh = task / tiles, first = (task % tiles) * kBlockK, n = std::min(kBlockK, S - first);
       uint32_t* dst = reinterpret_cast<uint32_t*>(out + task * (transposed ? X2 : X) * kBlockK);
       const auto row = [&](int64_t j) { return first + j < S ? x + (bh * S + first + j) * X : nullptr; };
       if (transposed && X % 2 == 0) {  // the words' transpose, moved as floats are (8 x 8 in registers)
         const float* words = reinterpret_cast<const float*>(x + (bh * S + first) * X);
-        pack_tile(words, X / 2, std::min(kBlockK, S - first), X / 2, reinterpret_cast<float*>(dst));
+        pack_tile(words, X / 2, n, X / 2, reinterpret_cast<float*>(dst));
       } else if (transposed) {  // word (d / 2, j) of a (X2 / 2, kBlockK) matrix: values d and d + 1 of key j
-        for (int64_t j = 0; j < kBlockK; ++j) {
+        for (int64_t j = 0; j < padded_keys(n); ++j) {
           const at::BFloat16* r = row(j);
           for (int64_t d = 0; d < X2; d += 2) dst[(d / 2) * kBlockK + j] = !r ? 0 : pair(r[d].x, d + 1 < X ? r[d + 1].x : 0);
         }
       } else {  // word (j / 2, d) of a (kBlockK / 2, X) matrix: value d of keys j and j + 1
-        for (int64_t j = 0; j < kBlockK; j += 2) {
+        for (int64_t j = 0; j < padded_keys(n); j += 2) {
           const at::BFloat16 *a = row(j), *b = row(j + 1);
           uint32_t* words = dst + (j / 2) * X;
-          if (a && b)
+          if (b)
             for (int64_t d = 0; d < X; ++d) words[d] = pair(a[d].x, b[d].x);
-          else  // past S: a's values beside zeros, or zeros
-            for (int64_t d = 0; d < X; ++d) words[d] = a ? pair(a[d].x, 0) : 0;
+          else  // the key past an odd S: a's values beside zeros
+            for (int64_t d = 0; d < X; ++d) words[d] = pair(a[d].x, 0);
         }
       }
     }
@@ -934,7 +962,8 @@ struct Bf16Products {
   int64_t D2;
   const bf16* kt;
   const bf16* vv;
-  std::vector<bf16> qb = {}, pb = {};
+  std::vector<bf16> qb = {};  // the block's queries, their pad column (D odd) zero
+  Scratch<bf16> pb;            // the tile's weights
 
   Bf16Products(const Shape& shape, float scale_, const bf16* k, const bf16* v)
       : sh(shape), scale(scale_), D2(shape.D + shape.D % 2) {
@@ -956,8 +985,7 @@ struct Bf16Products {
     at::native::cpublas::brgemm(R, n, D2, D2, kBlockK, n, false, qb.data(), tile + 2 * (j0 % kBlockK), s, true);
   }
   bf16* weights(float*) {
-    if (pb.empty()) pb.resize(kBlockQ * kBlockK);
-    return pb.data();
+    return pb.at_least(kBlockQ * kBlockK);
   }
   void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const float*, float* acc) {
     const bf16* tile = vv + (bh * tiles_of(sh.S) + j0 / kBlockK) * kBlockK * sh.Dv;
@@ -1213,7 +1241,9 @@ void forward_blocks(const Layout& layout, const scalar_t* q, const Products& sha
   in_shares(cost, [&](auto&& next) {
     Products products = shared;  // its per-thread buffers
     const int64_t most = plan.most_rows;
-    std::vector<acc_t> s(most * kBlockK), acc(most * Dv), m(most), l(most);
+    Scratch<acc_t> s;
+    s.at_least(most * kBlockK);
+    std::vector<acc_t> acc(most * Dv), m(most), l(most);
     for (int64_t x = next(); x >= 0; x = next()) {
       const WorkItem& item = plan.items[x];
       const auto& t = layout.terms(item.b);
@@ -1476,8 +1506,9 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
   const acc_t inf = std::numeric_limits<acc_t>::infinity();
   in_shares(backward_costs(sh, t, Products::kAlign, chunks, chunk_len), [&](auto&& next) {
     Products products = shared;  // its per-thread buffers
-    std::vector<acc_t> p(kBlockQ * kBlockK), ds(kBlockQ * kBlockK), capped(kBlockQ * kBlockK), dqb(kBlockQ * sh.D),
-        shift(kBlockQ), inv_sum(kBlockQ), row_delta(kBlockQ);
+    Scratch<acc_t> p, ds, capped;  // a tile's P, dS and tanh (softcap)
+    for (auto* tile : {&p, &ds, &capped}) tile->at_least(kBlockQ * kBlockK);
+    std::vector<acc_t> dqb(kBlockQ * sh.D), shift(kBlockQ), inv_sum(kBlockQ), row_delta(kBlockQ);
     std::vector<char> one_hot(kBlockQ);
     for (int64_t task = next(); task >= 0; task = next()) {
       const int64_t chunk = task % chunks, bh = task / chunks, b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
@@ -2231,7 +2262,7 @@ struct PagedProducts {
   const int64_t* pages = nullptr;  // the bound sequence's block table row (checked)
   int64_t kv_head = 0, keys_total = 0;  // and its S_b
   std::vector<Run> runs = {};
-  std::vector<acc_t> qt = {}, qr = {}, st = {}, converted = {};  // per thread (each thread copies the products)
+  Scratch<acc_t> qt, qr, st, converted;
 
   PagedProducts(const pool_t* k_, const pool_t* v_, const PagePool& pool_, const PageScales& scales_, int64_t D_,
                 int64_t Dv_, acc_t scale_)
@@ -2245,15 +2276,14 @@ struct PagedProducts {
   // q: row r of R, scaled as (D x kBlockQ) for brgemm (R > kRunLoopRows), else as rows for run_scores,
   // unscaled (the scores are scaled: a bfloat16 call's queries stay bfloat16 values, which the run
   // loops' bfloat16 dot products take whole)
-  // (each buffer made at its first use by a thread, only where used: a decoding step's call is short
-  // enough for zeroing 64 KiB buffers it never reads to show)
+  // (each buffer made at its first use by a thread, only where used)
   void pack_row(int64_t r, int64_t R, const scalar_t* src) {
     if (R > kRunLoopRows) {
-      if (qt.empty()) qt.resize(D * kBlockQ);
-      for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + r] = static_cast<acc_t>(src[d]) * scale;
+      acc_t* rows = qt.at_least(D * kBlockQ);
+      for (int64_t d = 0; d < D; ++d) rows[d * kBlockQ + r] = static_cast<acc_t>(src[d]) * scale;
     } else {
-      if (static_cast<int64_t>(qr.size()) < R * D) qr.resize(R * D);
-      for (int64_t d = 0; d < D; ++d) qr[r * D + d] = static_cast<acc_t>(src[d]);  // unscaled, as decode_kernel's
+      acc_t* row = qr.at_least(R * D) + r * D;
+      for (int64_t d = 0; d < D; ++d) row[d] = static_cast<acc_t>(src[d]);  // unscaled, as decode_kernel's
     }
   }
   // The runs of keys j0 .. j0 + n (all below the sequence's S_b: their pages are checked).
@@ -2284,10 +2314,10 @@ struct PagedProducts {
     if constexpr (std::is_same_v<pool_t, acc_t>) {
       return {base + at, ld};
     } else {
-      if (static_cast<int64_t>(converted.size()) < count * X) converted.resize(count * X);
+      acc_t* rows = converted.at_least(count * X);
       for (int64_t i = 0; i < count; ++i) {
         const pool_t* src = base + at + i * ld;
-        acc_t* dst = converted.data() + i * X;
+        acc_t* dst = rows + i * X;
         if constexpr (kQuantized) {
           const acc_t factor = row_scales[i * scale_ld];
           for (int64_t d = 0; d < X; ++d) dst[d] = static_cast<acc_t>(src[d]) * factor;
@@ -2319,7 +2349,7 @@ struct PagedProducts {
   void scores(int64_t, int64_t R, int64_t j0, int64_t n, acc_t* s) {
     find_runs(j0, n);
     prefetch(j0 + n, std::min(keys_total, j0 + n + kBlockK));  // the next tile's, while this one is computed
-    if (R > kRunLoopRows && st.empty()) st.resize(kBlockK * kBlockQ);
+    if (R > kRunLoopRows) st.at_least(kBlockK * kBlockQ);
     for (size_t x = 0; x < runs.size(); ++x) {
       const Run& run = runs[x];
       if (R <= kRunLoopRows) {  // the pool's rows as they are, widened in registers
@@ -2337,7 +2367,7 @@ struct PagedProducts {
       for (int64_t j0b = 0; j0b < n; j0b += 8)
         for (int64_t r0b = 0; r0b < R; r0b += 8)
           for (int64_t r = r0b; r < std::min(R, r0b + 8); ++r)
-            for (int64_t j = j0b; j < std::min(n, j0b + 8); ++j) s[r * n + j] = st[j * R + r];
+            for (int64_t j = j0b; j < std::min(n, j0b + 8); ++j) s[r * n + j] = st.data()[j * R + r];
   }
   acc_t* weights(acc_t* s) { return s; }  // in place of the scores
   void add_values(int64_t, int64_t R, int64_t, int64_t n, const acc_t* p, acc_t* acc) {  // the runs of scores()

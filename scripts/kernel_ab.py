@@ -3,6 +3,7 @@
     python scripts/kernel_ab.py                        # paged decoding against HEAD, 1 thread, S = 16384
     python scripts/kernel_ab.py --base 3de397d --threads 2 --keys 1024 16384
     python scripts/kernel_ab.py --heads 8 8 --dim 64    # decoding without GQA, at D = 64
+    python scripts/kernel_ab.py --dense --keys 1024     # decoding from a (B, Hkv, S, D) cache (the forward of one row)
     python scripts/kernel_ab.py --forward 1024 4096    # the forward (B1 H8 D64, causal and not) instead
     python scripts/kernel_ab.py --backward 2048        # the backward (B1 H8 D64, causal) instead
     python scripts/kernel_ab.py --forward 4096 --square-heads 1   # the forward of one head (B1 H1 D64)
@@ -72,6 +73,15 @@ def decoding_calls(kernel, S: int, B: int, Hq: int = 32, Hkv: int = 8, D: int = 
         *pool) for name, pool in pools.items()}
 
 
+def dense_decoding_calls(kernel, S: int, B: int, Hq: int = 32, Hkv: int = 8, D: int = 128) -> dict:
+    """The float32 and bfloat16 forward of one query row per head over a (B, Hkv, S, D) cache on ``kernel``."""
+    pools = decoding_inputs(S, B, Hq, Hkv, D)[0]
+    terms = kernel.Terms()
+    terms.scale = D ** -0.5
+    return {name: (lambda q, k, v: lambda: kernel.forward(q, k, v, terms, False)[0])(q.unsqueeze(2), k, v)
+            for name, (q, k, v, _, _) in pools.items() if name != "int8"}
+
+
 @functools.cache
 def forward_inputs(T: int, dtype: torch.dtype, H: int = 8) -> tuple:
     g = torch.Generator().manual_seed(0)
@@ -130,6 +140,7 @@ def main() -> None:
     instead = parser.add_mutually_exclusive_group()
     instead.add_argument("--forward", type=int, nargs="+", metavar="T", help="time the forward at these T instead")
     instead.add_argument("--backward", type=int, nargs="+", metavar="T", help="time the causal backward at these T instead")
+    parser.add_argument("--dense", action="store_true", help="decoding from a dense cache, not pages")
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -142,7 +153,8 @@ def main() -> None:
             make = forward_calls if args.forward else backward_calls
             ours, theirs = make(new, S, args.square_heads), make(base, S, args.square_heads)
         else:
-            ours, theirs = (decoding_calls(kernel, S, args.batch, *args.heads, args.dim) for kernel in (new, base))
+            calls = dense_decoding_calls if args.dense else decoding_calls
+            ours, theirs = (calls(kernel, S, args.batch, *args.heads, args.dim) for kernel in (new, base))
         reps = max(1, (30_000_000 if square else 1_000_000) // (S * (S if square else args.batch)))
         for name in ours:
             difference = float((ours[name]().float() - theirs[name]().float()).abs().max())
@@ -158,7 +170,7 @@ def main() -> None:
                     took[which] = (time.perf_counter() - start) / reps
                     best[which] = min(best[which], took[which])
                 ratios.append(took["new"] / took["base"])
-            shape = "" if square else f" Hq {args.heads[0]} Hkv {args.heads[1]} D {args.dim}"
+            shape = "" if square else f" Hq {args.heads[0]} Hkv {args.heads[1]} D {args.dim}{' dense' if args.dense else ''}"
             what = " backward causal" if args.backward else ""
             heads = f" H {args.square_heads}" if square else ""
             point = f"threads {args.threads} {'T' if square else 'S'} {S} B {args.batch}{heads}{shape} {name}{what}"

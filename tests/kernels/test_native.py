@@ -261,14 +261,19 @@ def test_threads_own_neighbouring_tasks_of_equal_cost_and_start_their_costliest_
     assert _shares([1.0, 2.0], 4) == [[0], [1]]
 
 
-def test_a_block_costlier_than_a_quarter_of_a_threads_share_is_split_into_whole_tiles():
-    """Eight equal blocks on two threads each cost exactly a share (the total over 4 x 2): none split.
-    One of them a key shorter, the share falls below the other seven: each is split in two at a tile's
-    edge, its ranges in its place; the shorter one, below the share, is not."""
-    even = [(0, 64, 0, 1024)] * 8
-    assert _plan(even, 2) == [[block, 0, 1024, -1, 0] for block in range(8)]
-    plan = _plan(even[:7] + [(0, 64, 0, 1023)], 2)
-    assert plan == [[block, k0, k0 + 512, block, k0 // 512] for block in range(7) for k0 in (0, 512)] + [[7, 0, 1023, -1, 0]]
+def test_blocks_are_split_only_where_their_own_shares_leave_a_thread_more_than_a_sixteenth_over():
+    """Blocks whose contiguous shares come within 1/16 of a thread's mean are not split: 8 or 4 equal
+    blocks on 2 threads (each costlier than a quarter of a share). 5 equal ones on 2 threads (shares 3
+    and 2) are: each costs 1.6 quarter shares (the total over 4 x 2), so each is split in two at a
+    tile's edge, its ranges in its place. Two blocks, 960 keys and 1088 (1/16 over the mean, at most)
+    stay whole; 960 and 1089 are split."""
+    def whole(blocks):
+        return [[block, k0, k1, -1, 0] for block, (_, _, k0, k1) in enumerate(blocks)]
+    even = [(0, 64, 0, 1024)]
+    for blocks in (even * 8, even * 4, [(0, 64, 0, 1088), (0, 64, 0, 960)]):
+        assert _plan(blocks, 2) == whole(blocks)
+    assert _plan(even * 5, 2) == [[block, k0, k0 + 512, block, k0 // 512] for block in range(5) for k0 in (0, 512)]
+    assert len(_plan([(0, 64, 0, 1089), (0, 64, 0, 960)], 2)) > 2
 
 
 @pytest.mark.parametrize("k0, k1, threads", [(0, 3000, 2), (100, 3000, 2), (700, 5000, 16), (0, 1000, 3)])

@@ -1109,9 +1109,9 @@ inline Shares split_shares(const std::vector<double>& cost, int64_t threads) {
     while (share < std::min(threads - 1, middle)) shares.bounds[++share] = x;
   }
   std::iota(shares.order.begin(), shares.order.end(), int64_t(0));
-  for (int64_t i = 0; i < threads; ++i)
-    std::stable_sort(shares.order.begin() + shares.bounds[i], shares.order.begin() + shares.bounds[i + 1],
-                     [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  for (int64_t i = 0; i < threads; ++i)  // (equal costs in their order: std::stable_sort's buffer, without it)
+    std::sort(shares.order.begin() + shares.bounds[i], shares.order.begin() + shares.bounds[i + 1],
+              [&](int64_t a, int64_t b) { return cost[a] > cost[b] || (cost[a] == cost[b] && a < b); });
   return shares;
 }
 
@@ -1157,14 +1157,34 @@ struct WorkPlan {
   int64_t most_rows = 0;  // the largest block's rows: the size of each thread's buffers
 };
 
-inline WorkPlan plan_work(const std::vector<WorkItem>& blocks, int64_t threads) {
+// Whether the blocks' own shares (split_shares) give no thread more than kBalanced above the mean: then
+// none is split, for a split costs its merge and its ranges' starts (4 blocks of a decoding step over
+// 1024 keys, split in two on 2 threads, took 1.035-1.06x the time, Zen 4).
+constexpr double kBalanced = 1.0 / 16;
+
+inline bool balanced(const std::vector<WorkItem>& blocks, int64_t threads, double total) {
+  std::vector<double> cost(blocks.size());
+  std::transform(blocks.begin(), blocks.end(), cost.begin(), [](const WorkItem& block) { return block.cost; });
+  const std::vector<int64_t> bounds = split_shares(cost, threads).bounds;
+  double most = 0;
+  for (size_t i = 0; i + 1 < bounds.size(); ++i)
+    most = std::max(most, std::accumulate(cost.begin() + bounds[i], cost.begin() + bounds[i + 1], 0.0));
+  return most <= (1 + kBalanced) * total / static_cast<double>(threads);
+}
+
+inline WorkPlan plan_work(std::vector<WorkItem> blocks, int64_t threads) {
   WorkPlan plan;
-  double total = 0;
+  double total = 0, most = 0;
   for (const WorkItem& block : blocks) {
     total += block.cost;
+    most = std::max(most, block.cost);
     plan.most_rows = std::max(plan.most_rows, block.r1 - block.r0);
   }
   const double share = threads > 1 ? total / (4.0 * threads) : std::numeric_limits<double>::infinity();
+  if (!(most > share) || balanced(blocks, threads, total)) {  // no block split: the blocks as they are
+    plan.items = std::move(blocks);
+    return plan;
+  }
   for (const WorkItem& block : blocks) {
     const int64_t keys = block.k1 - block.k0, R = block.r1 - block.r0;
     const int64_t splits = block.cost > share ? std::min<int64_t>(static_cast<int64_t>(std::ceil(block.cost / share)),
@@ -1211,7 +1231,7 @@ std::pair<acc_t, acc_t> merge_splits(int64_t splits, const acc_t* m, const acc_t
 }
 
 // The forward of a call's blocks, for the rows a layout describes:
-//   batch()                        batch entries (or sequences) b
+//   batch(), kv_heads()            batch entries (or sequences) b, key/value heads
 //   shape(b), terms(b)             b's Shape and Terms
 //   rows(b, kv_head, r0, r1)       the stacked rows r0..r1 of a kv head (block_rows)
 //   row(b, rows, r)                the index of rows' r-th row in q (rows of D) and out (rows of Dv)
@@ -1223,6 +1243,7 @@ void forward_blocks(const Layout& layout, const scalar_t* q, const Products& sha
   const int64_t D = layout.D, Dv = layout.Dv;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   std::vector<WorkItem> blocks;
+  blocks.reserve(layout.batch() * layout.kv_heads());  // (a few blocks per head in most calls)
   for (int64_t b = 0; b < layout.batch(); ++b) {
     const Shape sh = layout.shape(b);
     const auto& t = layout.terms(b);  // (a paged sequence's: a temporary, kept alive)
@@ -1234,16 +1255,31 @@ void forward_blocks(const Layout& layout, const scalar_t* q, const Products& sha
         blocks.push_back({b, kv_head, r0, r1, lo, hi, -1, 0, work_cost(r1 - r0, hi - lo)});
       }
   }
-  const WorkPlan plan = plan_work(blocks, at::get_num_threads());
+  const WorkPlan plan = plan_work(std::move(blocks), at::get_num_threads());
   std::vector<acc_t> part_m(plan.slots), part_l(plan.slots), part_acc(plan.slots * Dv);
-  std::vector<double> cost;
-  for (const WorkItem& item : plan.items) cost.push_back(item.cost);
+  std::vector<double> cost(plan.items.size());
+  std::transform(plan.items.begin(), plan.items.end(), cost.begin(), [](const WorkItem& item) { return item.cost; });
+  // a split block's rows are merged by the thread that finishes its last range (a parallel pass of its
+  // own after the others cost a decoding step over 1024 keys 1.06-1.13x the time, 2 threads, Zen 4)
+  std::vector<std::atomic<int64_t>> unfinished(plan.groups.size());
+  for (size_t g = 0; g < plan.groups.size(); ++g) unfinished[g] = plan.groups[g].splits;
+  const auto merge_group = [&](const SplitGroup& group, acc_t* merged) {
+    const Rows rows = layout.rows(group.b, group.kv_head, group.r0, group.r1);
+    for (int64_t r = 0; r < rows.count; ++r) {
+      const int64_t first = group.first_slot + r, row = layout.row(group.b, rows, r);
+      const auto [top, sum] = merge_splits(group.splits, part_m.data() + first, part_l.data() + first,
+                                           part_acc.data() + first * Dv, rows.count, Dv, merged);
+      finish_row(top, sum, merged, Dv, out + row * Dv, stats, row);
+    }
+  };
   in_shares(cost, [&](auto&& next) {
     Products products = shared;  // its per-thread buffers
     const int64_t most = plan.most_rows;
-    Scratch<acc_t> s;
-    s.at_least(most * kBlockK);
-    std::vector<acc_t> acc(most * Dv), m(most), l(most);
+    // a tile's scores s (rows x kBlockK), the rows' accumulators, maxima m and sums l (apart: with acc
+    // 4 KiB after s in one buffer, a float32 decoding step took 1.07-1.11x the time on 2 threads, Zen 4)
+    Scratch<acc_t> scores, accumulators, maxima, sums;
+    acc_t *s = scores.at_least(most * kBlockK), *acc = accumulators.at_least(most * Dv);
+    acc_t *m = maxima.at_least(most), *l = sums.at_least(most);
     for (int64_t x = next(); x >= 0; x = next()) {
       const WorkItem& item = plan.items[x];
       const auto& t = layout.terms(item.b);
@@ -1255,34 +1291,23 @@ void forward_blocks(const Layout& layout, const scalar_t* q, const Products& sha
         m[r] = sink ? t.sinks[rows.head[r]] : neg_inf;
         l[r] = sink ? acc_t(1) : acc_t(0);
       }
-      std::fill(acc.begin(), acc.begin() + R * Dv, acc_t(0));
-      absorb_keys(layout.shape(item.b), t, rows, products, bh, item.k0, item.k1, s.data(), m.data(), l.data(), acc.data());
+      std::fill(acc, acc + R * Dv, acc_t(0));
+      absorb_keys(layout.shape(item.b), t, rows, products, bh, item.k0, item.k1, s, m, l, acc);
       if (item.group < 0) {
         for (int64_t r = 0; r < R; ++r) {
           const int64_t row = layout.row(item.b, rows, r);
-          finish_row(m[r], l[r], acc.data() + r * Dv, Dv, out + row * Dv, stats, row);
+          finish_row(m[r], l[r], acc + r * Dv, Dv, out + row * Dv, stats, row);
         }
       } else {
         const int64_t slot = plan.groups[item.group].first_slot + item.split * R;
-        std::copy(m.begin(), m.begin() + R, part_m.begin() + slot);
-        std::copy(l.begin(), l.begin() + R, part_l.begin() + slot);
-        std::copy(acc.begin(), acc.begin() + R * Dv, part_acc.begin() + slot * Dv);
+        std::copy(m, m + R, part_m.begin() + slot);
+        std::copy(l, l + R, part_l.begin() + slot);
+        std::copy(acc, acc + R * Dv, part_acc.begin() + slot * Dv);
+        if (unfinished[item.group].fetch_sub(1, std::memory_order_acq_rel) == 1)  // (the others' parts seen)
+          merge_group(plan.groups[item.group], acc);
       }
     }
     release_products<Products>();
-  });
-  at::parallel_for(0, static_cast<int64_t>(plan.groups.size()), 1, [&](int64_t begin, int64_t end) {  // merge the splits
-    std::vector<acc_t> merged(Dv);
-    for (int64_t g = begin; g < end; ++g) {
-      const SplitGroup& group = plan.groups[g];
-      const Rows rows = layout.rows(group.b, group.kv_head, group.r0, group.r1);
-      for (int64_t r = 0; r < rows.count; ++r) {
-        const int64_t first = group.first_slot + r, row = layout.row(group.b, rows, r);
-        const auto [top, sum] = merge_splits(group.splits, part_m.data() + first, part_l.data() + first,
-                                             part_acc.data() + first * Dv, rows.count, Dv, merged.data());
-        finish_row(top, sum, merged.data(), Dv, out + row * Dv, stats, row);
-      }
-    }
   });
 }
 
@@ -1293,6 +1318,7 @@ struct DenseLayout {
   const Terms<acc_t>& t;
   int64_t D = sh.D, Dv = sh.Dv;
   int64_t batch() const { return sh.B; }
+  int64_t kv_heads() const { return sh.Hkv; }
   const Shape& shape(int64_t) const { return sh; }
   const Terms<acc_t>& terms(int64_t) const { return t; }
   Rows rows(int64_t b, int64_t kv_head, int64_t r0, int64_t r1) const { return block_rows(sh, t, b, kv_head, r0, r1); }
@@ -2024,81 +2050,36 @@ constexpr int64_t kRunLoopRows = 8;  // at most this many rows: run_scores and r
 //
 // With G * L <= kDecodeRows rows per key/value head (a decoding step), the keys are read straight
 // from the cache's rows, once for the G heads that share them (run_scores, run_values), and never
-// repacked; the keys are split among the threads when there are fewer (batch, kv head) tasks than
-// threads, each split keeping its own running softmax, merged by log-sum-exp at the end
-// (flash-decoding).
+// repacked: the forward's blocks and plan (forward_blocks; a head's keys split among the threads when
+// there are fewer heads than threads, merged by log-sum-exp: flash-decoding) on StepProducts.
 
 constexpr int64_t kDecodeRows = 16;
-// Keys a chunk of a decoding step (scores, softmax, values): a tile's. Each chunk's run_scores makes its
-// queries' forms once (bfloat16 pairs); at 64 keys a chunk a step over 16384 keys took 1.2-1.3x the
-// time in bfloat16, 1.05-1.1x in float32 (Zen 4, 2 threads).
-constexpr int64_t kDecodeKeys = kBlockK;
 
+// A decoding step's products on the cache as it lies, (B, Hkv, S, D) with rows of D contiguous and
+// heads where the Shape's strides say: the rows' queries unscaled in acc_t (a bfloat16 call's stay
+// bfloat16 values: pair_score_block), the keys and values widened in registers. A tile of kBlockK keys
+// a chunk: run_scores makes its queries' forms once a chunk (bfloat16 pairs); at 64 keys a chunk a
+// step over 16384 keys took 1.2-1.3x the time in bfloat16, 1.05-1.1x in float32 (Zen 4, 2 threads).
 template <typename scalar_t, typename acc_t>
-void decode_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const scalar_t* k, const scalar_t* v,
-                   scalar_t* out, const RowStats<acc_t>& stats) {
-  const int64_t R = sh.rows(), tasks = sh.B * sh.Hkv;
-  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>((2 * at::get_num_threads() + tasks - 1) / tasks,
-                                                                (sh.S + 1023) / 1024));
-  const int64_t split_len = (sh.S + splits - 1) / splits;
-  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-  std::vector<acc_t> part_acc(tasks * splits * R * sh.Dv), part_m(tasks * splits * R), part_l(tasks * splits * R);
-  at::parallel_for(0, tasks * splits, 1, [&](int64_t begin, int64_t end) {
-    // the task's query rows in acc_t, unscaled (a bfloat16 call's stay bfloat16 values: pair_score_block)
-    std::vector<acc_t> s(R * kDecodeKeys), q_rows(R * sh.D);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t split = task % splits, bh = task / splits, b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
-      const Rows rows = block_rows(sh, t, b, kv_head, 0, R);
-      acc_t* acc = part_acc.data() + task * R * sh.Dv;
-      acc_t* m = part_m.data() + task * R;
-      acc_t* l = part_l.data() + task * R;
-      for (int64_t r = 0; r < R; ++r) {
-        const scalar_t* row = q + ((b * sh.H + rows.head[r]) * sh.L + rows.index[r]) * sh.D;
-        std::transform(row, row + sh.D, q_rows.begin() + r * sh.D, [](scalar_t x) { return static_cast<acc_t>(x); });
-        const bool sink = t.sinks != nullptr && split == 0;  // the sink joins once, in the first split
-        m[r] = sink ? t.sinks[rows.head[r]] : neg_inf;
-        l[r] = sink ? acc_t(1) : acc_t(0);
-      }
-      std::fill(acc, acc + R * sh.Dv, acc_t(0));
-      auto [lo, hi] = key_range(t, rows, sh.S);
-      lo = std::max(lo, split * split_len);
-      hi = std::min(hi, (split + 1) * split_len);
-      const scalar_t* k_head = k + b * sh.k_batch + kv_head * sh.k_head;
-      const scalar_t* v_head = v + b * sh.v_batch + kv_head * sh.v_head;
-      for (int64_t j0 = lo; j0 < hi; j0 += kDecodeKeys) {
-        const int64_t n = std::min(kDecodeKeys, hi - j0);
-        run_scores(R, n, sh.D, q_rows.data(), k_head + j0 * sh.D, sh.D, s.data(), n);
-        // a pass of its own: the scale multiplied in score_blocks' stores (the same bits) took 1.05-1.09x
-        // the time of an 8-bit step and 1.05x a float32 one in cache (Zen 4, one thread)
-        for (int64_t i = 0; i < R * n; ++i) s[i] *= t.scale;
-        const bool covered = band_covers(t, rows, j0, n);
-        if (!plain_tile(t, covered)) shape_tile(t, rows, j0, n, s.data(), n, static_cast<acc_t*>(nullptr), covered);
-        for (int64_t r = 0; r < R; ++r) absorb(n, s.data() + r * n, acc_t(1), m[r], l[r], acc + r * sh.Dv, sh.Dv, s.data() + r * n);
-        run_values(R, n, sh.Dv, s.data(), n, v_head + j0 * sh.Dv, sh.Dv, acc);
-      }
-      if (splits == 1)  // the task saw every key: its rows are done (no second pass over the threads)
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
-          finish_row(m[r], l[r], acc + r * sh.Dv, sh.Dv, out + row_index * sh.Dv, stats, row_index);
-        }
-    }
-  });
-  if (splits == 1) return;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {  // merge the splits by log-sum-exp
-    std::vector<acc_t> merged(sh.Dv);
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / sh.Hkv, kv_head = bh % sh.Hkv;
-      const Rows rows = block_rows(sh, t, b, kv_head, 0, R);
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t first = bh * splits * R + r;
-        const auto [top, total] = merge_splits(splits, part_m.data() + first, part_l.data() + first,
-                                               part_acc.data() + first * sh.Dv, R, sh.Dv, merged.data());
-        const int64_t row_index = (b * sh.H + rows.head[r]) * sh.L + rows.index[r];
-        finish_row(top, total, merged.data(), sh.Dv, out + row_index * sh.Dv, stats, row_index);
-      }
-    }
-  });
-}
+struct StepProducts {
+  static constexpr int64_t kAlign = 1;
+  static constexpr bool kScaled = false;
+  const Shape& sh;
+  const scalar_t* k;
+  const scalar_t* v;
+  Scratch<acc_t> qr;
+
+  void pack_row(int64_t r, int64_t R, const scalar_t* src) {
+    std::transform(src, src + sh.D, qr.at_least(R * sh.D) + r * sh.D, [](scalar_t x) { return static_cast<acc_t>(x); });
+  }
+  void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, acc_t* s) {
+    run_scores(R, n, sh.D, qr.data(), k + (bh / sh.Hkv) * sh.k_batch + (bh % sh.Hkv) * sh.k_head + j0 * sh.D, sh.D, s, n);
+  }
+  acc_t* weights(acc_t* s) { return s; }  // in place of the scores
+  void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const acc_t* p, acc_t* acc) {
+    run_values(R, n, sh.Dv, p, n, v + (bh / sh.Hkv) * sh.v_batch + (bh % sh.Hkv) * sh.v_head + j0 * sh.Dv, sh.Dv, acc);
+  }
+};
 
 // ---- the weights: a call that asks for them (need_weights) ---------------------------------------
 //
@@ -2174,7 +2155,7 @@ template <typename scalar_t, typename acc_t>
 void run_forward(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const scalar_t* k, const scalar_t* v,
                  scalar_t* out, const RowStats<acc_t>& stats, bool for_backward) {
   if (sh.rows() <= kDecodeRows && !for_backward) {  // a decoding step: the cache is read as it is
-    decode_kernel<scalar_t, acc_t>(sh, t, q, k, v, out, stats);
+    forward_kernel<scalar_t, acc_t>(sh, t, q, StepProducts<scalar_t, acc_t>{sh, k, v}, out, stats);
     return;
   }
 #if defined(MHA_AVX512_BF16)
@@ -2283,7 +2264,7 @@ struct PagedProducts {
       for (int64_t d = 0; d < D; ++d) rows[d * kBlockQ + r] = static_cast<acc_t>(src[d]) * scale;
     } else {
       acc_t* row = qr.at_least(R * D) + r * D;
-      for (int64_t d = 0; d < D; ++d) row[d] = static_cast<acc_t>(src[d]);  // unscaled, as decode_kernel's
+      for (int64_t d = 0; d < D; ++d) row[d] = static_cast<acc_t>(src[d]);  // unscaled, as StepProducts'
     }
   }
   // The runs of keys j0 .. j0 + n (all below the sequence's S_b: their pages are checked).
@@ -2406,6 +2387,7 @@ struct PagedLayout {
   const Terms<acc_t>& t;
   int64_t B, D = call.D, Dv = call.Dv;
   int64_t batch() const { return B; }
+  int64_t kv_heads() const { return call.Hkv; }
   Shape shape(int64_t b) const { return call.sequence(b); }
   Terms<acc_t> terms(int64_t b) const {
     Terms<acc_t> bottom_right = t;

@@ -708,7 +708,7 @@ T* workspace(int slot, int64_t count) {
 }
 
 // A thread's buffer of values that each use writes before it reads: grown uninitialised (a std::vector's
-// zeros were a memset of every thread's buffers on every call: bfloat16 forward B1 H8 T64 0.87-0.90x the
+// zeros were a memset of every thread's buffers on every call: bfloat16 forward B1 H8 T64 0.79-0.83x the
 // time without them, Zen 4), and a copy starts empty (each thread copies the call's products, to have
 // buffers of its own).
 template <typename T>
@@ -1162,9 +1162,14 @@ struct WorkPlan {
 // 1024 keys, split in two on 2 threads, took 1.035-1.06x the time, Zen 4).
 constexpr double kBalanced = 1.0 / 16;
 
+inline std::vector<double> costs_of(const std::vector<WorkItem>& items) {
+  std::vector<double> cost(items.size());
+  std::transform(items.begin(), items.end(), cost.begin(), [](const WorkItem& item) { return item.cost; });
+  return cost;
+}
+
 inline bool balanced(const std::vector<WorkItem>& blocks, int64_t threads, double total) {
-  std::vector<double> cost(blocks.size());
-  std::transform(blocks.begin(), blocks.end(), cost.begin(), [](const WorkItem& block) { return block.cost; });
+  const std::vector<double> cost = costs_of(blocks);
   const std::vector<int64_t> bounds = split_shares(cost, threads).bounds;
   double most = 0;
   for (size_t i = 0; i + 1 < bounds.size(); ++i)
@@ -1257,8 +1262,6 @@ void forward_blocks(const Layout& layout, const scalar_t* q, const Products& sha
   }
   const WorkPlan plan = plan_work(std::move(blocks), at::get_num_threads());
   std::vector<acc_t> part_m(plan.slots), part_l(plan.slots), part_acc(plan.slots * Dv);
-  std::vector<double> cost(plan.items.size());
-  std::transform(plan.items.begin(), plan.items.end(), cost.begin(), [](const WorkItem& item) { return item.cost; });
   // a split block's rows are merged by the thread that finishes its last range (a parallel pass of its
   // own after the others cost a decoding step over 1024 keys 1.06-1.13x the time, 2 threads, Zen 4)
   std::vector<std::atomic<int64_t>> unfinished(plan.groups.size());
@@ -1272,7 +1275,7 @@ void forward_blocks(const Layout& layout, const scalar_t* q, const Products& sha
       finish_row(top, sum, merged, Dv, out + row * Dv, stats, row);
     }
   };
-  in_shares(cost, [&](auto&& next) {
+  in_shares(costs_of(plan.items), [&](auto&& next) {
     Products products = shared;  // its per-thread buffers
     const int64_t most = plan.most_rows;
     // a tile's scores s (rows x kBlockK), the rows' accumulators, maxima m and sums l (apart: with acc

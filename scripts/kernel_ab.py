@@ -6,6 +6,7 @@
     python scripts/kernel_ab.py --dense --keys 1024     # decoding from a (B, Hkv, S, D) cache (the forward of one row)
     python scripts/kernel_ab.py --forward 1024 4096    # the forward (B1 H8 D64, causal and not) instead
     python scripts/kernel_ab.py --backward 2048        # the backward (B1 H8 D64, causal) instead
+    python scripts/kernel_ab.py --read --keys 65536    # decoding, each kernel also as a fraction of a read of its bytes
     python scripts/kernel_ab.py --forward 4096 --square-heads 1   # the forward of one head (B1 H1 D64)
 
 A kernel change measured in two processes on a shared machine compares two machines (its speed
@@ -15,7 +16,9 @@ name (its ``Terms`` made module-local so that both load), then times each dtype'
 pools, as mha bench's cache rows), or the forward (as mha bench's native rows), or the backward of a
 causal forward (this tree's forward's saved rows, float32 and bfloat16: its dq), on both kernels,
 alternately, and prints the median of the rounds' new/base ratios beside each one's best time, and
-the outputs' largest difference.
+the outputs' largest difference. With --read, a decoding point's rounds also time torch's sum over the
+same cache tensors (the bytes the step reads, in the same rounds: this machine's read rate drifts
+10-20 % within minutes) and print each kernel's fraction of it (the median of read time / call time).
 """
 
 from __future__ import annotations
@@ -71,6 +74,19 @@ def decoding_calls(kernel, S: int, B: int, Hq: int = 32, Hkv: int = 8, D: int = 
     terms.scale = D ** -0.5
     return {name: (lambda q, k, v, ks, vs: lambda: kernel.paged_forward(q, k, v, table, cu, lengths, terms, ks, vs)[0])(
         *pool) for name, pool in pools.items()}
+
+
+def cache_read(S: int, B: int, Hq: int = 32, Hkv: int = 8, D: int = 128, dense: bool = False) -> dict:
+    """Each pool dtype's read of the bytes its decoding step reads: torch's sum over its cache tensors
+    (8-bit pools as bytes, with their scales)."""
+    pools = decoding_inputs(S, B, Hq, Hkv, D)[0]
+    reads = {}
+    for name, (_, k, v, k_scales, v_scales) in pools.items():
+        if dense and name == "int8":
+            continue
+        tensors = [t.view(torch.uint8) if t.dtype == torch.int8 else t for t in (k, v, k_scales, v_scales) if t is not None]
+        reads[name] = (lambda tensors: lambda: [t.sum() for t in tensors])(tensors)
+    return reads
 
 
 def dense_decoding_calls(kernel, S: int, B: int, Hq: int = 32, Hkv: int = 8, D: int = 128) -> dict:
@@ -141,6 +157,7 @@ def main() -> None:
     instead.add_argument("--forward", type=int, nargs="+", metavar="T", help="time the forward at these T instead")
     instead.add_argument("--backward", type=int, nargs="+", metavar="T", help="time the causal backward at these T instead")
     parser.add_argument("--dense", action="store_true", help="decoding from a dense cache, not pages")
+    parser.add_argument("--read", action="store_true", help="decoding: time a read of the same bytes in each round too")
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -155,13 +172,14 @@ def main() -> None:
         else:
             calls = dense_decoding_calls if args.dense else decoding_calls
             ours, theirs = (calls(kernel, S, args.batch, *args.heads, args.dim) for kernel in (new, base))
+        reads = cache_read(S, args.batch, *args.heads, args.dim, dense=args.dense) if args.read and not square else {}
         reps = max(1, (30_000_000 if square else 1_000_000) // (S * (S if square else args.batch)))
         for name in ours:
             difference = float((ours[name]().float() - theirs[name]().float()).abs().max())
-            best, ratios = {"new": float("inf"), "base": float("inf")}, []
+            best, ratios, of_read = {"new": float("inf"), "base": float("inf"), "read": float("inf")}, [], {"new": [], "base": []}
             for round_ in range(args.rounds):
                 took = {}
-                pair = (("base", theirs[name]), ("new", ours[name]))
+                pair = (("base", theirs[name]), ("new", ours[name])) + ((("read", reads[name]),) if name in reads else ())
                 for which, call in (pair if round_ % 2 == 0 else pair[::-1]):  # neither always second
                     call()
                     start = time.perf_counter()
@@ -170,13 +188,17 @@ def main() -> None:
                     took[which] = (time.perf_counter() - start) / reps
                     best[which] = min(best[which], took[which])
                 ratios.append(took["new"] / took["base"])
+                for which in of_read if name in reads else ():
+                    of_read[which].append(took["read"] / took[which])
             shape = "" if square else f" Hq {args.heads[0]} Hkv {args.heads[1]} D {args.dim}{' dense' if args.dense else ''}"
             what = " backward causal" if args.backward else ""
             heads = f" H {args.square_heads}" if square else ""
             point = f"threads {args.threads} {'T' if square else 'S'} {S} B {args.batch}{heads}{shape} {name}{what}"
             print(f"{point}: base {best['base'] * 1e3:.3f} ms, "
                   f"new {best['new'] * 1e3:.3f} ms, new/base median {statistics.median(ratios):.3f}, "
-                  f"largest difference {difference:.2g}")
+                  f"largest difference {difference:.2g}"
+                  + (f", of read: base {statistics.median(of_read['base']):.3f} new {statistics.median(of_read['new']):.3f}"
+                     if name in reads else ""))
 
 
 if __name__ == "__main__":

@@ -145,13 +145,17 @@ def test_native_rows_time_it_against_torch_beside_a_matmul(tmp_path):
     assert rows[0].extra["native of limit"] == pytest.approx(rows[0].extra["native GFLOP/s"] / peaks["fp32 FMA GFLOP/s"])
     assert rows[5].detail["limit"] == bench_peaks.limit_of("bf16", peaks)[0]
     assert rows[4].extra["native GB/s (K, V read)"] > 0 and rows[4].extra["memory read GB/s (sum)"] == peaks["read GB/s"]
-    assert rows[4].extra["native of read"] == pytest.approx(rows[4].extra["native GB/s (K, V read)"] / peaks["read GB/s"])
+    # "of read": against a read of the same K and V timed in the same rounds, not the peaks' figure
+    assert rows[4].extra["native of read"] == pytest.approx(rows[4].times_ms["read"] / rows[4].times_ms["native"])
+    assert rows[4].extra["read GB/s (same bytes, same rounds)"] == pytest.approx(
+        2 * 8 * 256 * 128 * 4 / rows[4].times_ms["read"] / 1e6)
     fp32, bf16, int8, apart = rows[10:14]  # int8 holds (128 + 4) bytes per row where bfloat16 holds 256
     assert int8.extra["bytes / bf16's"] == pytest.approx(132 / 256) and fp32.extra["bytes / bf16's"] == 2
     assert 0 < int8.extra["error"] < 4 * bf16.extra["error"] and fp32.extra["error"] < 1e-5
     assert int8.ratios["/ bf16 cache"] == pytest.approx(int8.times_ms["step"] / bf16.times_ms["step"])
     assert bf16.ratios["/ fp32 cache"] == pytest.approx(bf16.times_ms["step"] / fp32.times_ms["step"])
-    assert apart.extra["of read"] == pytest.approx(apart.extra["GB/s"] / peaks["read GB/s"])
+    assert apart.extra["of read"] == pytest.approx(apart.times_ms["read"] / apart.times_ms["step"])
+    assert bf16.extra["read GB/s (same bytes, same rounds)"] == pytest.approx(2 * 8 * 300 * 128 * 2 / bf16.times_ms["read"] / 1e6)
     mha_int8 = next(r for r in rows if r.point == "decode B1 S300 paged Hq8/Hkv8, int8 cache")  # a key a row
     assert mha_int8.extra["bytes / bf16's"] == pytest.approx(132 / 256) and 0 < mha_int8.extra["error"] < 1e-2
     assert rows[24].ratios["dense causal/window"] > 0
@@ -347,3 +351,13 @@ def test_hf_generate_rows_time_mha_against_sdpa_on_the_same_weights(monkeypatch)
     (skipped,) = bench.hf_generate_rows([8], ["bfloat16"], 2, 1)
     assert skipped.point == "llama generate bfloat16: not timed (torch's bfloat16 matmul runs at 0.5 GFLOP/s here)"
     assert not skipped.times_ms and bench.GENERATE_MATMUL_GFLOPS == 5.0
+
+
+def test_a_read_of_a_caches_bytes_sums_floats_as_they_are_and_the_rest_as_64_bit_words():
+    from mha.tools.bench_native import read_call
+    floats = torch.randn(3, 5)
+    assert read_call(floats)()[0] == floats.sum()
+    pool = torch.arange(-10, 10, dtype=torch.int8).reshape(4, 5)  # 20 bytes: two words read, 4 bytes left out
+    (words,) = read_call(pool)()
+    assert words.dtype == torch.int64 and words == pool.reshape(-1).view(torch.uint8)[:16].view(torch.int64).sum()
+    assert len(read_call(floats, pool, floats.bfloat16())()) == 3

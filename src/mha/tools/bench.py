@@ -476,13 +476,14 @@ def _cache_decode_rows(p: dict, where: str, memory: float) -> Iterator[Row]:
     """A decoding step (D128) from each cache format, read in place by the paged kernel
     (bench_native.cache_decode_point), a row each: its time
     beside the float32 and bfloat16 caches' (the targets: bf16 at most 0.55 of fp32, int8 at most 0.6
-    of bf16), the bytes it reads per second and as a fraction of the read rate, its error."""
-    ms, held = p["ms"], p["bytes"]
+    of bf16), the bytes it reads per second and as a fraction of a read of the same bytes timed in the
+    same rounds (``of read``; ``memory read GB/s (sum)``: the peaks' 512 MiB sum, minutes apart), its error."""
+    ms, held, reads = p["ms"], p["bytes"], p["reads"]
     for name in ms:
-        rate = held[name] / ms[name] / 1e6
-        yield Row("native", f"decode {where}, {name}", {"step": ms[name]},
+        yield Row("native", f"decode {where}, {name}", {"step": ms[name], "read": reads[name]},
                   {"/ fp32 cache": ms[name] / ms["float32 cache"], "/ bf16 cache": ms[name] / ms["bfloat16 cache"]},
-                  {"GB/s": rate, "of read": rate / memory, "error": p["errors"][name],
+                  {"GB/s": held[name] / ms[name] / 1e6, "of read": reads[name] / ms[name], "error": p["errors"][name],
+                   "read GB/s (same bytes, same rounds)": held[name] / reads[name] / 1e6,
                    "bytes / bf16's": held[name] / held["bfloat16 cache"], "memory read GB/s (sum)": memory})
 
 
@@ -531,10 +532,11 @@ def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
         p = bench_native.training_point(dtype, grid["training"], times)
         yield timed(f"forward+backward {dtype} T{grid['training']} causal", p, p["flops"], dtype)
         p = bench_native.decode_point(dtype, grid["decode"], times)
-        yield Row("native", f"decode {dtype} L1 S{grid['decode']} Hq32/Hkv8 D128", {"native": p["native"], "sdpa": p["sdpa"]},
-                  {"native/sdpa": p["native"] / p["sdpa"]},
+        yield Row("native", f"decode {dtype} L1 S{grid['decode']} Hq32/Hkv8 D128",
+                  {"native": p["native"], "sdpa": p["sdpa"], "read": p["read"]}, {"native/sdpa": p["native"] / p["sdpa"]},
                   {"native GB/s (K, V read)": p["bytes"] / p["native"] / 1e6, "sdpa GB/s": p["bytes"] / p["sdpa"] / 1e6,
-                   "native of read": p["bytes"] / p["native"] / 1e6 / memory, "memory read GB/s (sum)": memory})
+                   "native of read": p["read"] / p["native"], "read GB/s (same bytes, same rounds)": p["bytes"] / p["read"] / 1e6,
+                   "memory read GB/s (sum)": memory})
     for S in grid["cache_decode"]:  # GQA 32 / 8, where 4 rows share each key widened; 8 / 8, one row a key
         for B, heads in ((1, (32, 8)), (8, (32, 8)), (1, (8, 8))):
             yield from _cache_decode_rows(bench_native.cache_decode_point(S, times, B=B, heads=heads),

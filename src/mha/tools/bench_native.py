@@ -44,6 +44,21 @@ def read_gbytes_per_second(mib: int = 256, repeat: int = 4) -> float:
     return x.numel() * 4 / best / 1e9
 
 
+def read_call(*tensors: torch.Tensor) -> Callable[[], object]:
+    """A read of the bytes the tensors hold: torch's sum over each, floating tensors as they are,
+    others as 64-bit integers (torch sums 8-bit integers at under 1 GB/s; the bytes past the last
+    whole eight are left out). Timed among a decoding step's rounds, it is the read rate beside the
+    step: this machine's read rate drifts 10-20 % within minutes."""
+    def as_read(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return t
+        flat = t.reshape(-1).view(torch.uint8)
+        return flat[: flat.numel() // 8 * 8].view(torch.int64)
+
+    views = [as_read(t) for t in tensors]
+    return lambda: [t.sum() for t in views]
+
+
 def _seconds(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
@@ -80,7 +95,8 @@ def decode_point(dtype: str, S: int, times) -> dict:
     q, k, v = _inputs(DTYPES[dtype], 1, S, heads=32, kv_heads=8, head_dim=128)
     with torch.no_grad():
         ms = times({"native": lambda: native.native_attention(q, k, v),
-                    "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)})
+                    "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                    "read": read_call(k, v)})  # the same bytes, in the same rounds
     return {**ms, "bytes": 2 * k.numel() * k.element_size()}
 
 
@@ -91,7 +107,8 @@ def cache_decode_point(S: int, times, *, B: int = 1, heads: tuple[int, int] = (3
     a float32 scale per (token, head) after each row), each read in place by the native paged kernel
     (one page per sequence), and the int8 rows with their scales apart (contiguous k_scales, v_scales:
     the layout the caches kept before mha.kernels.storage): times, the bytes each cache holds, and
-    each output's largest error against float64 attention over the unquantized keys."""
+    each output's largest error against float64 attention over the unquantized keys; and a read of
+    each cache's bytes in the same rounds ("reads": read_call's time per cache)."""
     from ..kernels import paged_attention, storage
 
     g = torch.Generator().manual_seed(0)
@@ -107,12 +124,16 @@ def cache_decode_point(S: int, times, *, B: int = 1, heads: tuple[int, int] = (3
              "int8 cache": lambda: paged_attention(q, k8, v8, table, cu, lengths, is_causal=False),
              "int8, scales apart": lambda: paged_attention(q, k_rows, v_rows, table, cu, lengths, is_causal=False,
                                                            k_scales=k_scales, v_scales=v_scales)}
+    reads = {"float32 cache": read_call(k, v), "bfloat16 cache": read_call(kb, vb), "int8 cache": read_call(k8, v8),
+             "int8, scales apart": read_call(k_rows, v_rows, k_scales, v_scales)}
     with torch.no_grad():
-        ms = times(calls)
+        both = times({**calls, **{f"read {name}": read for name, read in reads.items()}})
+        ms, read_ms = {name: both[name] for name in calls}, {name: both[f"read {name}"] for name in calls}
         exact = paged_attention(q.double(), k.double(), v.double(), table, cu, lengths, is_causal=False, backend="math")
         errors = {name: float((call().double() - exact).abs().max()) for name, call in calls.items()}
-    return {"ms": ms, "errors": errors, "bytes": {"float32 cache": 2 * k.numel() * 4, "bfloat16 cache": 2 * k.numel() * 2,
-                                                  "int8 cache": 2 * k8.numel(), "int8, scales apart": 2 * k8.numel()}}
+    held = {"float32 cache": 2 * k.numel() * 4, "bfloat16 cache": 2 * k.numel() * 2, "int8 cache": 2 * k8.numel(),
+            "int8, scales apart": 2 * k8.numel()}
+    return {"ms": ms, "reads": read_ms, "errors": errors, "bytes": held}
 
 
 def window_point(T: int, window: int, times) -> dict:

@@ -35,6 +35,7 @@ import torch
 from torch.utils.cpp_extension import load
 
 from mha.kernels import native, storage
+from mha.tools.bench_native import read_call
 
 SOURCE = "src/mha/kernels/csrc/native.cpp"
 
@@ -77,16 +78,11 @@ def decoding_calls(kernel, S: int, B: int, Hq: int = 32, Hkv: int = 8, D: int = 
 
 
 def cache_read(S: int, B: int, Hq: int = 32, Hkv: int = 8, D: int = 128, dense: bool = False) -> dict:
-    """Each pool dtype's read of the bytes its decoding step reads: torch's sum over its cache tensors
-    (8-bit pools as bytes, with their scales)."""
+    """Each pool dtype's read of the bytes its decoding step reads (mha bench's read_call: torch's sum
+    over its cache tensors, 8-bit pools as 64-bit words, with their scales)."""
     pools = decoding_inputs(S, B, Hq, Hkv, D)[0]
-    reads = {}
-    for name, (_, k, v, k_scales, v_scales) in pools.items():
-        if dense and name == "int8":
-            continue
-        tensors = [t.view(torch.uint8) if t.dtype == torch.int8 else t for t in (k, v, k_scales, v_scales) if t is not None]
-        reads[name] = (lambda tensors: lambda: [t.sum() for t in tensors])(tensors)
-    return reads
+    return {name: read_call(*(t for t in (k, v, k_scales, v_scales) if t is not None))
+            for name, (_, k, v, k_scales, v_scales) in pools.items() if not (dense and name == "int8")}
 
 
 def dense_decoding_calls(kernel, S: int, B: int, Hq: int = 32, Hkv: int = 8, D: int = 128) -> dict:

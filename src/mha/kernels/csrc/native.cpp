@@ -1670,7 +1670,11 @@ inline typename Lanes<acc_t>::vec widen_tail(const T* p, int64_t count) {
 // D = 128: 10 GB/s a core where a sum reads 25; into the second, a decoding step over 16384 keys took
 // 0.54-0.60x the time in float32 and, with the values', 0.70x in bfloat16: the machine's read rate).
 // 8-bit rows, which their widening limits, 4 KiB ahead into the first (into the second, 1.1x the time).
-// Every line is asked for (every other one: 2.2x the time in float32; 16 KiB ahead: no faster).
+// Every line is asked for (every other one: 2.2x the time in float32; 16 KiB ahead: no faster; none, the
+// hardware's prefetcher alone, 2.2-2.4x on a dense float32 cache). Asked for line by line as the loops
+// read them, not a block's rows at its start (where perf puts the stalls: a full queue of misses),
+// a step over 16384-65536 keys read 0.98-0.99x the time in float32 and 1.01-1.03x in bfloat16 (2 Zen 4
+// threads, kernel_ab --read; the same loops through an always_inline helper, 1.09-1.14x): not kept.
 template <typename T>
 constexpr bool kReadBound = sizeof(T) > 1;
 template <typename T>

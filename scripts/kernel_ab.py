@@ -81,8 +81,9 @@ def cache_read(S: int, B: int, Hq: int = 32, Hkv: int = 8, D: int = 128, dense: 
     """Each pool dtype's read of the bytes its decoding step reads (mha bench's read_call: torch's sum
     over its cache tensors, 8-bit pools as 64-bit words, with their scales)."""
     pools = decoding_inputs(S, B, Hq, Hkv, D)[0]
-    return {name: read_call(*(t for t in (k, v, k_scales, v_scales) if t is not None))
-            for name, (_, k, v, k_scales, v_scales) in pools.items() if not (dense and name == "int8")}
+    # an 8-bit pool's rows and scales are views of one stored tensor each (storage.split): read those
+    return {name: read_call(*((k, v) if k_scales is None else (k._base, v._base)))
+            for name, (_, k, v, k_scales, _) in pools.items() if not (dense and name == "int8")}
 
 
 def dense_decoding_calls(kernel, S: int, B: int, Hq: int = 32, Hkv: int = 8, D: int = 128) -> dict:

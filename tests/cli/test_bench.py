@@ -361,3 +361,5 @@ def test_a_read_of_a_caches_bytes_sums_floats_as_they_are_and_the_rest_as_64_bit
     (words,) = read_call(pool)()
     assert words.dtype == torch.int64 and words == pool.reshape(-1).view(torch.uint8)[:16].view(torch.int64).sum()
     assert len(read_call(floats, pool, floats.bfloat16())()) == 3
+    with pytest.raises(ValueError, match="contiguous"):  # a view's sum would time its copy
+        read_call(torch.zeros(4, 132, dtype=torch.int8)[:, :128])

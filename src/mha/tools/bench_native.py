@@ -50,6 +50,9 @@ def read_call(*tensors: torch.Tensor) -> Callable[[], object]:
     whole eight are left out). Timed among a decoding step's rounds, it is the read rate beside the
     step: this machine's read rate drifts 10-20 % within minutes."""
     def as_read(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_contiguous():  # a sum of a strided view reads its copy, or lines it skips
+            raise ValueError(f"read_call reads contiguous tensors, got one of shape {tuple(t.shape)} "
+                             f"and strides {t.stride()}: pass the tensor it is a view of")
         if t.is_floating_point():
             return t
         flat = t.reshape(-1).view(torch.uint8)

@@ -1671,10 +1671,14 @@ inline typename Lanes<acc_t>::vec widen_tail(const T* p, int64_t count) {
 // 0.54-0.60x the time in float32 and, with the values', 0.70x in bfloat16: the machine's read rate).
 // 8-bit rows, which their widening limits, 4 KiB ahead into the first (into the second, 1.1x the time).
 // Every line is asked for (every other one: 2.2x the time in float32; 16 KiB ahead: no faster; none, the
-// hardware's prefetcher alone, 2.2-2.4x on a dense float32 cache). Asked for line by line as the loops
-// read them, not a block's rows at its start (where perf puts the stalls: a full queue of misses),
-// a step over 16384-65536 keys read 0.98-0.99x the time in float32 and 1.01-1.03x in bfloat16 (2 Zen 4
-// threads, kernel_ab --read; the same loops through an always_inline helper, 1.09-1.14x): not kept.
+// hardware's prefetcher alone, 2.2-2.4x on a dense float32 cache). Rows of 16 or 32 bits are asked for
+// line by line as the loops read them (a line of each of a block's rows at each step that starts one,
+// written out in each loop: through an always_inline helper the float32 step took 1.09-1.14x the time);
+// a block's lines at its start stalled the core on a full queue of misses (perf: 17 % of the bfloat16
+// scores' samples on the instruction after the fourth prefetch), most where a block is all reading and
+// little arithmetic: one query row a key/value head (Hq 8 / Hkv 8), float32, S 16384 and 65536 took
+// 0.91-0.92x the time (AVX2 build 0.84x), with GQA 32 / 8 0.93-0.98x, bfloat16 0.96-1.03x (2 Zen 4
+// threads, kernel_ab --read). 8-bit rows a block's at once (prefetch_rows), as before.
 template <typename T>
 constexpr bool kReadBound = sizeof(T) > 1;
 template <typename T>
@@ -1783,8 +1787,8 @@ inline void in_key_blocks(int64_t count, Block block) {
   for (; j < count; ++j) block(j, std::integral_constant<int, 1>{});
 }
 
-// The scores of kRows query rows with ``count`` keys, block by block (kScoreKeys keys): the block's
-// rows asked for ahead, kRows x keys zeroed sums, add_products(j, sums) adding q_r . k_(j + i) into
+// The scores of kRows query rows with ``count`` keys, block by block (kScoreKeys keys): 8-bit rows
+// asked for ahead a block at a time (add_products asks for wider ones as it reads them), kRows x keys zeroed sums, add_products(j, sums) adding q_r . k_(j + i) into
 // sums[r][i] lane by lane, the lanes summed (lane_sums) and stored, times the keys' scales where given:
 //   s[r * lds + j] = q_r . k_j (times scales[j * scale_ld])
 template <int kRows, typename acc_t, typename key_t, typename AddProducts>
@@ -1794,7 +1798,7 @@ inline void score_blocks(int64_t count, int64_t D, const key_t* k, int64_t ld, a
   const int64_t ahead = rows_ahead<key_t>(ld);
   in_key_blocks<kScoreKeys<kRows>>(count, [&](int64_t j, auto keys) {
     constexpr int kKeys = decltype(keys)::value;
-    prefetch_rows(k + j * ld, kKeys, ld, D, ahead);
+    if constexpr (!kReadBound<key_t>) prefetch_rows(k + j * ld, kKeys, ld, D, ahead);
     vec sums[kRows][kKeys];  // every loop over a block's rows and keys unrolled: the sums stay in registers
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r)
@@ -1835,10 +1839,13 @@ bool pair_score_block(int64_t count, int64_t D, const float* q, const at::BFloat
   }
   const int64_t Dw = D / 32 * 32;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t(1) << (D - Dw)) - 1);
+  const int64_t ahead = rows_ahead<at::BFloat16>(ld);
   score_blocks<kRows>(count, D, k, ld, s, lds, static_cast<const float*>(nullptr), 0, [&](int64_t j, auto& sums) {
     constexpr int kKeys = std::extent_v<std::remove_reference_t<decltype(sums)>, 1>;
     auto step = [&](int64_t d, __mmask32 mask) {
       __m512bh x[kKeys];
+#pragma GCC unroll 8
+      for (int i = 0; i < kKeys; ++i) prefetch_line<at::BFloat16>(k + (j + i + ahead) * ld + d);  // a line each
 #pragma GCC unroll 8
       for (int i = 0; i < kKeys; ++i) x[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask, k + (j + i) * ld + d);
 #pragma GCC unroll 4
@@ -1866,10 +1873,13 @@ void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64
   using V = Lanes<acc_t>;
   using vec = typename V::vec;
   const int64_t Dw = D / V::kCount * V::kCount;
+  const int64_t ahead = rows_ahead<key_t>(ld);
   // each row's sums over whole vectors, then the last values as one more vector (zero-padded)
   score_blocks<kRows>(count, D, k, ld, s, lds, scales, scale_ld, [&](int64_t j, auto& sums) {
     constexpr int kKeys = std::extent_v<std::remove_reference_t<decltype(sums)>, 1>;
-    auto step = [&](auto vector_at) {  // vector_at(row): the vector of the row's values at this step
+    auto step = [&](auto vector_at, int64_t d) {  // vector_at(row): the vector of the row's values at column d
+      if (kReadBound<key_t> && (d * static_cast<int64_t>(sizeof(key_t))) % 64 == 0)  // rows ahead, a line each
+        for (int i = 0; i < kKeys; ++i) prefetch_line<key_t>(k + (j + i + ahead) * ld + d);
       vec x[kKeys];
 #pragma GCC unroll 8
       for (int i = 0; i < kKeys; ++i) x[i] = vector_at(k + (j + i) * ld);
@@ -1880,8 +1890,8 @@ void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64
         for (int i = 0; i < kKeys; ++i) sums[r][i] += y * x[i];
       }
     };
-    for (int64_t d = 0; d < Dw; d += V::kCount) step([&](const auto* row) { return widen<acc_t>(row + d); });
-    if (Dw < D) step([&](const auto* row) { return widen_tail<acc_t>(row + Dw, D - Dw); });
+    for (int64_t d = 0; d < Dw; d += V::kCount) step([&](const auto* row) { return widen<acc_t>(row + d); }, d);
+    if (Dw < D) step([&](const auto* row) { return widen_tail<acc_t>(row + Dw, D - Dw); }, Dw);
   });
 }
 
@@ -1985,12 +1995,14 @@ void value_rows(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const va
     constexpr int kKeys = decltype(keys)::value;
     // the distance made again a block (a division): made once a call, it held a register the AVX2
     // build's loop then spilled (float32 decoding 1.14-1.18x the time, Zen 4; AVX-512 builds 0.97x)
-    prefetch_rows(v + j * ld, kKeys, ld, Dv, rows_ahead<value_t>(ld));
+    const int64_t ahead = rows_ahead<value_t>(ld);
     acc_t w[kRows][kKeys];
     for (int r = 0; r < kRows; ++r)
       for (int i = 0; i < kKeys; ++i) w[r][i] = scales == nullptr ? p[r * ldp + j + i] : p[r * ldp + j + i] * scales[(j + i) * scale_ld];
     for (int64_t d = 0; d < Dw; d += V::kCount) {
       vec x[kKeys];
+      if ((d * static_cast<int64_t>(sizeof(value_t))) % 64 == 0)  // rows ahead, a line each (kAheadBytes)
+        for (int i = 0; i < kKeys; ++i) prefetch_line<value_t>(v + (j + i + ahead) * ld + d);
 #pragma GCC unroll 8
       for (int i = 0; i < kKeys; ++i) x[i] = widen<acc_t>(v + (j + i) * ld + d);
 #pragma GCC unroll 4
@@ -2001,6 +2013,8 @@ void value_rows(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const va
         V::store(acc + r * Dv + d, V::load(acc + r * Dv + d) + t);
       }
     }
+    if (Dw < Dv && (Dw * static_cast<int64_t>(sizeof(value_t))) % 64 == 0)  // the rows' last line
+      for (int i = 0; i < kKeys; ++i) prefetch_line<value_t>(v + (j + i + ahead) * ld + Dw);
     for (int64_t d = Dw; d < Dv; ++d)
       for (int r = 0; r < kRows; ++r) {
         acc_t t = w[r][0] * static_cast<acc_t>(v[j * ld + d]);

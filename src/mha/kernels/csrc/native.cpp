@@ -1677,7 +1677,7 @@ inline typename Lanes<acc_t>::vec widen_tail(const T* p, int64_t count) {
 // a block's lines at its start stalled the core on a full queue of misses (perf: 17 % of the bfloat16
 // scores' samples on the instruction after the fourth prefetch), most where a block is all reading and
 // little arithmetic: one query row a key/value head (Hq 8 / Hkv 8), float32, S 16384 and 65536 took
-// 0.91-0.92x the time (AVX2 build 0.84x), with GQA 32 / 8 0.93-0.98x, bfloat16 0.96-1.03x (2 Zen 4
+// 0.91-0.94x the time (AVX2 build 0.84x), with GQA 32 / 8 0.93-0.98x, bfloat16 0.96-1.03x (2 Zen 4
 // threads, kernel_ab --read). 8-bit rows a block's at once (prefetch_rows), as before.
 template <typename T>
 constexpr bool kReadBound = sizeof(T) > 1;
@@ -1788,8 +1788,9 @@ inline void in_key_blocks(int64_t count, Block block) {
 }
 
 // The scores of kRows query rows with ``count`` keys, block by block (kScoreKeys keys): 8-bit rows
-// asked for ahead a block at a time (add_products asks for wider ones as it reads them), kRows x keys zeroed sums, add_products(j, sums) adding q_r . k_(j + i) into
-// sums[r][i] lane by lane, the lanes summed (lane_sums) and stored, times the keys' scales where given:
+// asked for ahead a block at a time (add_products asks for wider ones as it reads them), kRows x keys
+// zeroed sums, add_products(j, sums) adding q_r . k_(j + i) into sums[r][i] lane by lane, the lanes
+// summed (lane_sums) and stored, times the keys' scales where given:
 //   s[r * lds + j] = q_r . k_j (times scales[j * scale_ld])
 template <int kRows, typename acc_t, typename key_t, typename AddProducts>
 inline void score_blocks(int64_t count, int64_t D, const key_t* k, int64_t ld, acc_t* s, int64_t lds,

@@ -56,9 +56,12 @@ def test_verify_exits_1_when_a_case_fails(monkeypatch, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
-def test_verify_rejects_a_bad_option(capsys):
-    assert cli.main(["verify", "--per-group", "0"]) == 2  # a usage error, as argparse's; 1 means a failed case
-    assert "mha verify: error: --per-group must be positive, got 0" in capsys.readouterr().err
+@pytest.mark.parametrize("option, value", [("--per-group", "0"), ("--threads", "0"), ("--threads", "-1")])
+def test_verify_rejects_a_bad_option(capsys, option, value):
+    threads = torch.get_num_threads()
+    assert cli.main(["verify", option, value]) == 2  # a usage error, as argparse's; 1 means a failed case
+    assert f"mha verify: error: {option} must be positive, got {value}" in capsys.readouterr().err
+    assert torch.get_num_threads() == threads  # refused before anything ran (0 was once ignored, -1 a traceback)
 
 
 def test_help_is_plain_text_and_counts_verifys_groups(capsys):

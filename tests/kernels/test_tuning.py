@@ -284,6 +284,10 @@ def test_ranks_of_a_distributed_run_do_not_measure_at_first_use(cache, monkeypat
     {"crossovers": {"float64": {"prefill_work": 1, "decode_keys": 1}}},
     {"crossovers": {"float32": {"prefill_work": True, "decode_keys": None}}},
     {"crossovers": ["float32"]},
+    {"crossovers": {"float32": dict.fromkeys(("prefill_work", "decode_keys", "plain_prefill_work", "plain_decode_keys"))},
+     "ratios": {"float32": {"decode S": {"1024": "fast"}}}},  # found by a new user: --show raised on the ratios
+    {"crossovers": {"float32": dict.fromkeys(("prefill_work", "decode_keys", "plain_prefill_work", "plain_decode_keys"))},
+     "ratios": {"float32": {"decode": {"1024": 0.5}}}},
 ])
 def test_a_malformed_table_is_ignored_and_the_call_goes_on(cache, monkeypatch, table, caplog):
     """Found by review: valid JSON of another shape raised into every attention call."""
@@ -491,11 +495,12 @@ def test_points_whose_rounds_disagree_are_listed_and_the_worst_round_decides(cac
         return (0.5, 1.0) if shape["L"] == 1 and shape["S"] == 4096 and shape["round"] == 0 else (2.0, 1.0)
     load_of(0.0, monkeypatch)
     table = tuning.tune(timer=timer)
-    assert table["split"] == ["bfloat16 decode 4096", "bfloat16 plain decode 4096", "float32 decode 4096",
-                              "float32 plain decode 4096"] and table["sure"] is True
+    assert table["split"] == ["bfloat16 decode at S = 4096", "bfloat16 plain decode at S = 4096",
+                              "float32 decode at S = 4096", "float32 plain decode at S = 4096"] and table["sure"] is True
     assert table["crossovers"]["float32"]["decode_keys"] is None
     assert cli.main(["tune", "--show"]) == 0
-    assert "rounds disagreed at bfloat16 decode 4096, bfloat16 plain decode 4096" in " ".join(capsys.readouterr().out.split())
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "rounds disagreed at bfloat16 decode at S = 4096, bfloat16 plain decode at S = 4096" in shown
 
 
 def test_a_fast_path_call_at_the_margin_won_and_its_full_path_is_timed(cache):
@@ -627,6 +632,44 @@ def test_mha_tune_and_verify_say_how_sure_the_table_is(cache, monkeypatch, capsy
     tuning.tune(timer=fake_timer(lambda s: s["L"] == 1))
     assert cli.main(["tune", "--show"]) == 0
     assert "sure: other processes took 0% of the CPUs meanwhile, every round agreed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text", ["not json{", "[1, 2]"])
+def test_a_cache_file_that_is_not_a_json_object_is_named_in_a_warning(cache, text, caplog):
+    """Found by a new user: a corrupt cache file was ignored in silence (--show said "not measured")."""
+    cache.write_text(text)
+    with caplog.at_level("WARNING", logger="mha.dispatch"):
+        assert tuning.stored() is None
+    assert f"the dispatch cache {cache} is not a JSON object; ignored" in caplog.text
+
+
+def test_mha_tune_show_prints_a_table_of_crossovers_alone_and_sizes_in_the_crossovers_terms(cache, capsys, monkeypatch):
+    """A hand-written table may hold crossovers without ratios (--show raised KeyError); the sizes
+    read as the crossovers do (a prefill's L*S as its side: the grid's points are squares)."""
+    pytest.importorskip("rich")
+    from mha import cli
+    monkeypatch.setenv("COLUMNS", "400")
+    fields = ("prefill_work", "decode_keys", "plain_prefill_work", "plain_decode_keys")
+    cache.write_text(json.dumps({tuning.machine_key(): {"crossovers": {"float32": dict(zip(fields, (65536, 4096, None, 1)))}}}))
+    assert cli.main(["tune", "--show"]) == 0
+    shown = capsys.readouterr().out
+    assert "L, S >= 256" in shown and "S >= 4096" in shown and "never" in shown
+    assert [tuning.size_label(call, size) for call, size in
+            (("prefill L*S", 16384), ("plain prefill L*S", "65536"), ("prefill L*S", 512), ("decode S", 1024))] == \
+        ["L = S = 128", "L = S = 256", "L*S = 512", "S = 1024"]
+
+
+def test_mha_tune_show_prints_ratios_to_three_places(cache, capsys, monkeypatch):
+    """A ratio of 0.9506 lost to the margin of 0.95 (MARGIN): at two places it read 0.95, a win."""
+    pytest.importorskip("rich")
+    from mha import cli
+    monkeypatch.setenv("COLUMNS", "400")
+    table = tuning.tune(timer=fake_timer(lambda s: False), store=False)
+    table["ratios"]["float32"]["decode S"] = {"1024": 0.9506, "4096": 0.5}
+    cache.write_text(json.dumps({tuning.machine_key(): table}))
+    assert cli.main(["tune", "--show"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())  # (the title wraps at the table's width)
+    assert "0.951" in shown and f"a win at <= {tuning.MARGIN}" in shown
 
 
 @pytest.mark.parametrize("field, value", [("sure", "yes"), ("checks", 1.5), ("load", "high"), ("measured_at", "now")])

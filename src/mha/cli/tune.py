@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
         with console.status("timing native against torch (a few seconds)"):
             table = tuning.tune()
     console.print(render(table))
-    console.print(f"measured {table['measured']}, {table['threads']} threads; stored in {tuning.cache_path()}")
+    console.print(f"measured {table.get('measured', 'at a time not stored')}, {table.get('threads', '?')} threads; "
+                  f"stored in {tuning.cache_path()}")
     console.print(confidence(table))
     return 0
 
@@ -69,17 +70,17 @@ def describe_cpu() -> str:
 
 
 def render(table: dict) -> Table:
-    out = Table(title="native time / torch time (below 1: native faster); auto picks native from the crossover on")
+    out = Table(title=f"native time / torch time (below 1: native faster; a win at <= {tuning.MARGIN}); auto picks "
+                      "native from the crossover on")
     for column in ("dtype", "call", "size", "ratio", "crossover"):
         out.add_column(column)
-    for dtype, ratios in table["ratios"].items():
-        crossover = table["crossovers"][dtype]
+    ratios = table.get("ratios", {})
+    for dtype, crossover in table["crossovers"].items():
         for call, field in tuning.RATIO_FIELDS:
-            first = True
-            for size, ratio in ratios[call].items():
-                out.add_row(dtype, call.rsplit(" ", 1)[0], str(size), f"{ratio:.2f}",
-                            describe(field, crossover[field]) if first else "")
-                first = False
+            points = ratios.get(dtype, {}).get(call) or {"-": None}  # a hand-written table may hold crossovers alone
+            for i, (size, ratio) in enumerate(points.items()):
+                out.add_row(dtype, call.rsplit(" ", 1)[0], "-" if ratio is None else tuning.size_label(call, size),
+                            "-" if ratio is None else f"{ratio:.3f}", describe(field, crossover[field]) if i == 0 else "")
     return out
 
 

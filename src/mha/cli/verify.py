@@ -37,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.per_group <= 0:
         raise UsageError(f"--per-group must be positive, got {args.per_group}")
-    if args.threads:
+    if args.threads is not None:
+        if args.threads <= 0:
+            raise UsageError(f"--threads must be positive, got {args.threads}")
         torch.set_num_threads(args.threads)
     console = _common.console()
     if not console.is_terminal:

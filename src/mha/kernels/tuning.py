@@ -185,6 +185,24 @@ def stored(key: str | None = None) -> dict | None:
     return _tables[key]
 
 
+def _ratios_well_formed(ratios) -> bool:
+    """{dtype name: {call name: {size: ratio}}}, sizes integral (JSON keeps them as strings), ratios
+    numbers; the crossovers alone decide auto, the ratios are what `mha tune --show` prints."""
+    if not isinstance(ratios, dict):
+        return False
+    calls = {call for call, _ in RATIO_FIELDS}
+    for by_call in ratios.values():
+        if not isinstance(by_call, dict) or not set(by_call) <= calls:
+            return False
+        for points in by_call.values():
+            if not isinstance(points, dict):
+                return False
+            for size, ratio in points.items():
+                if not str(size).isdigit() or isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+                    return False
+    return True
+
+
 def _well_formed(table) -> bool:
     """Whether a stored table has the form tune() writes: {"crossovers": {dtype name: {each field of
     Crossover: int | None}}, ...} (a file edited by hand must not break a call)."""
@@ -195,6 +213,8 @@ def _well_formed(table) -> bool:
             return False
         if not all(value is None or (type(value) is int and value >= 0) for value in found.values()):
             return False
+    if not _ratios_well_formed(table.get("ratios", {})):
+        return False
     return (isinstance(table.get("sure", True), bool) and type(table.get("checks", 1)) is int
             and all(table.get(name) is None or isinstance(table[name], (int, float)) for name in ("load", "measured_at")))
 
@@ -392,7 +412,7 @@ def tune(*, timer: Timer | None = None, store: bool = True, checks: int = 1) -> 
                 worst[key] = max(worst.get(key, 0.0), ratio)
                 won.setdefault(key, set()).add(ratio <= MARGIN)
     load = _others_share(before, _cpu_times())
-    split = [f"{dtype} {_named(path, call.split()[0])} {size}"
+    split = [f"{dtype} {_named(path, call.split()[0])} at {size_label(call, size)}"
              for (dtype, path, call, size), sides in sorted(won.items()) if len(sides) > 1]
     found, ratios = {}, {}
     for name in DTYPES:
@@ -414,6 +434,16 @@ def tune(*, timer: Timer | None = None, store: bool = True, checks: int = 1) -> 
 # the ratios' names in a table, each with the Crossover field it decides
 RATIO_FIELDS = (("prefill L*S", "prefill_work"), ("decode S", "decode_keys"),
                 ("plain prefill L*S", "plain_prefill_work"), ("plain decode S", "plain_decode_keys"))
+
+
+def size_label(call: str, size: int | str) -> str:
+    """A point's size in the crossovers' terms: "L = S = 128" for a prefill's L*S of 16384 (a square,
+    as the grid measures), "L*S = N" for one that is not; "S = 1024" for a decoding step's."""
+    size = int(size)  # a stored table's sizes are JSON keys: strings
+    if call.split()[-1] != "L*S":
+        return f"S = {size}"
+    side = math.isqrt(size)
+    return f"L = S = {side}" if side * side == size else f"L*S = {size}"
 
 
 def _named(path: str, call: str) -> str:
@@ -511,11 +541,17 @@ def _from_where_it_wins(points: list[tuple[int, float]]) -> int | None:
 # -- the cache file --------------------------------------------------------------------------------
 
 def _read() -> dict:
+    path = cache_path()
     try:
-        data = json.loads(cache_path().read_text())
-    except (OSError, ValueError):
+        data = json.loads(path.read_text())
+    except OSError:  # not there (yet), or not readable
         return {}
-    return data if isinstance(data, dict) else {}
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        log.warning("mha: the dispatch cache %s is not a JSON object; ignored (mha tune writes it anew)", path)
+        return {}
+    return data
 
 
 def _write(key: str, table: dict) -> None:

@@ -79,7 +79,7 @@ def decoding_calls(kernel, S: int, B: int, Hq: int = 32, Hkv: int = 8, D: int = 
 
 def cache_read(S: int, B: int, Hq: int = 32, Hkv: int = 8, D: int = 128, dense: bool = False) -> dict:
     """Each pool dtype's read of the bytes its decoding step reads (mha bench's read_call: torch's sum
-    over its cache tensors, 8-bit pools as 64-bit words, with their scales)."""
+    over its cache tensors' bytes as 64-bit words, an 8-bit pool's with their scales)."""
     pools = decoding_inputs(S, B, Hq, Hkv, D)[0]
     # an 8-bit pool's rows and scales are views of one stored tensor each (storage.split): read those
     return {name: read_call(*((k, v) if k_scales is None else (k._base, v._base)))

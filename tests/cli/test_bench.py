@@ -138,7 +138,8 @@ def test_native_rows_time_it_against_torch_beside_a_matmul(tmp_path):
         "short forward fp32 T16", "short forward bf16 T16",
         "window (16, 0) fp32 T256", "accuracy fp32 T32 causal", "accuracy bf16 T32 causal"]
     assert rows[0].ratios["native/sdpa"] == pytest.approx(rows[0].times_ms["native"] / rows[0].times_ms["sdpa"])
-    assert rows[0].extra["fp32 matmul GFLOP/s"] > 0 and rows[5].extra["bf16 matmul GFLOP/s"] > 0
+    # named apart from the header's matmul figures, a measurement of their own minutes earlier (a new user saw two)
+    assert rows[0].extra["fp32 matmul GFLOP/s (section's own)"] > 0 and rows[5].extra["bf16 matmul GFLOP/s (section's own)"] > 0
     assert rows[2].extra["native GFLOP/s"] == pytest.approx(4 * 96 * 96 * 64 / 2 / rows[2].times_ms["native"] / 1e6)
     peaks = bench_peaks.current()  # measured once per thread count: the same figures the rows were judged by
     assert rows[0].detail["limit"] == "fp32 FMA GFLOP/s"
@@ -162,6 +163,27 @@ def test_native_rows_time_it_against_torch_beside_a_matmul(tmp_path):
     assert 0 < rows[25].extra["native error"] < 1e-5 and 0 < rows[26].extra["native error"] < 1e-1
     bench.write(rows, bench.machine(matmul_n=64), str(tmp_path))
     assert (tmp_path / "native.png").stat().st_size > 10_000
+
+
+def test_a_decoding_rows_read_slower_than_its_step_is_noted_as_disturbed_and_the_cache_size_beside_it(monkeypatch):
+    """Found by a new user: "of read 1.99" printed without a word (a read can't take longer than a step
+    that reads the same bytes and more); and points that fit in the last-level cache read from it."""
+    monkeypatch.setattr(bench_native, "last_level_cache_bytes", lambda: 32 * 2 ** 20)
+    extra, detail = bench._read_beside(2.0, 1.0, 64 * 2 ** 20)
+    assert extra == {"of read": 0.5, "read GB/s (same bytes, same rounds)": 64 * 2 ** 20 / 1e6, "bytes / last-level cache": 2.0}
+    assert detail == {}
+    extra, detail = bench._read_beside(1.0, 2.0, 16 * 2 ** 20)
+    assert extra["of read"] == 2.0 and extra["bytes / last-level cache"] == 0.5 and "disturbed round" in detail["note"]
+    rows = [bench.Row("native", "decode x", {"step": 1.0, "read": 2.0}, {}, extra, detail)]
+    caption = bench_cli._table("native", rows, "here").caption
+    assert caption.startswith("measured on here") and "decode x: its read took longer than the step" in caption
+    monkeypatch.setattr(bench_native, "last_level_cache_bytes", lambda: None)  # where Linux does not say
+    assert "bytes / last-level cache" not in bench._read_beside(2.0, 1.0, 1)[0]
+
+
+def test_the_last_level_cache_is_read_from_linux_where_it_says():
+    size = bench_native.last_level_cache_bytes()
+    assert size is None or size >= 2 ** 16
 
 
 def test_peer_rows_time_onnxruntime_beside_torch_and_agree_with_it():
@@ -195,6 +217,30 @@ def test_serving_ways_and_a_sized_cache(monkeypatch):
     assert seen["continuous_batching_config"].num_blocks == 2 + 1  # 340 tokens: 2 pages of 256, 50: 1
     with pytest.raises(ValueError, match="way must be one of"):
         bench_serving.measure_way("16 x 64-512 x 32", torch.float32, "eager")
+
+
+@pytest.mark.measured_dispatch
+def test_the_auto_section_says_which_dispatch_table_it_runs_on_and_measures_it_first(tmp_path, monkeypatch, capsys):
+    """Found by a new user: auto's first point measured and stored the table inside its timing, in
+    silence. The section's first job measures it where auto's first call would, and says so."""
+    monkeypatch.setenv("MHA_TUNE_CACHE", str(tmp_path / "tune.json"))
+    monkeypatch.setenv("MHA_TUNE", "auto")
+    monkeypatch.setattr(tuning, "best_of", lambda point, shape, native_call, torch_call: (0.5, 1.0))
+    tuning.forget()
+    try:
+        assert bench_cli._auto_table() == []
+        first = capsys.readouterr().out
+        bench_cli._auto_table()
+        second = capsys.readouterr().out
+    finally:
+        tuning.forget()
+    threads = torch.get_num_threads()
+    assert f"auto's dispatch table at {threads} thread" in first
+    if not native.ready():
+        assert "none stored" in first
+        return
+    assert f"measured now, as auto's first call measures it; stored in {tmp_path / 'tune.json'}" in first
+    assert "stored, measured 20" in second
 
 
 def test_auto_rows_time_loops_and_single_calls_alternated_with_other_work(monkeypatch):
@@ -289,14 +335,21 @@ def test_scaling_rows_put_each_point_at_every_thread_count_side_by_side():
     rows = [bench.Row("native", "forward", {"native": 8.0, "sdpa": 6.0}, {"native/sdpa": 8 / 6}, threads=1),
             bench.Row("native", "forward", {"native": 2.0, "sdpa": 3.0}, {"native/sdpa": 2 / 3}, threads=4),
             bench.Row("native", "only at one count", {"native": 1.0}, threads=4),
-            bench.Row("peaks", "read GB/s", {}, extra={"figure": 30.0}, threads=1),
-            bench.Row("peaks", "read GB/s", {}, extra={"figure": 60.0}, threads=4)]
-    native, sdpa, ratio = bench.scaling_rows(rows)
-    assert [r.section for r in (native, sdpa, ratio)] == ["scaling"] * 3
+            bench.Row("peaks", "read GB/s", {}, extra={"figure": 30.0}, detail={"limit": "read GB/s"}, threads=1),
+            bench.Row("peaks", "read GB/s", {}, extra={"figure": 60.0}, detail={"limit": "read GB/s"}, threads=4),
+            bench.Row("peaks", "AMX: not on this CPU", {}, detail={"limit": "AMX"}, threads=1),  # absent: no figure
+            bench.Row("peaks", "AMX: not on this CPU", {}, detail={"limit": "AMX"}, threads=4),
+            bench.Row("peaks", "fp32 judged against: read", {}, extra={"figure": 60.0}, threads=1),  # not a limit
+            bench.Row("peaks", "fp32 judged against: read", {}, extra={"figure": 60.0}, threads=4)]
+    native, sdpa, read, ratio = bench.scaling_rows(rows)
+    assert [r.section for r in (native, sdpa, read, ratio)] == ["scaling"] * 4
     assert native.point == "native: forward (native)" and sdpa.point == "native: forward (sdpa)"
-    assert native.times_ms == {"1 threads": 8.0, "4 threads": 2.0} and native.ratios == {"speedup 1 to 4": 4.0}
-    assert sdpa.times_ms == {"1 threads": 6.0, "4 threads": 3.0} and sdpa.ratios == {"speedup 1 to 4": 2.0}
-    assert ratio.point == "native: forward: native/sdpa" and ratio.extra == {"at 1 threads": 8 / 6, "at 4 threads": 2 / 3}
+    assert native.times_ms == {"1 thread": 8.0, "4 threads": 2.0} and native.ratios == {"speedup 1 to 4": 4.0}
+    assert sdpa.times_ms == {"1 thread": 6.0, "4 threads": 3.0} and sdpa.ratios == {"speedup 1 to 4": 2.0}
+    # found by a new user: --sections peaks --threads 1 2 printed no scaling at all
+    assert read.point == "peaks: read GB/s" and read.extra == {"at 1 thread": 30.0, "at 4 threads": 60.0}
+    assert read.ratios == {"speedup 1 to 4": 2.0} and not read.times_ms
+    assert ratio.point == "native: forward: native/sdpa" and ratio.extra == {"at 1 thread": 8 / 6, "at 4 threads": 2 / 3}
     assert list(bench.scaling_rows(rows[:1])) == []  # one count: nothing to scale
 
 
@@ -309,8 +362,12 @@ def test_cli_runs_every_section_at_each_thread_count_and_adds_the_scaling(tmp_pa
     finally:
         torch.set_num_threads(before)
     out = capsys.readouterr().out
-    assert "contract, 1 threads" in out and "contract, 2 threads" in out and "scaling" in out
+    assert "contract, 1 thread" in out and "contract, 2 threads" in out and "scaling" in out
+    assert "…" not in out  # not a terminal: every table whole (rich cut figures to fit 140 columns)
     data = json.loads((tmp_path / "results.json").read_text())
+    # the scaling table's caption and the JSON carry each count's own matmul rates (the last count's once stood for both)
+    assert len(data["machine"]["fp32 matmul GFLOP/s"]) == 2 and data["machine"]["threads"] == [1, 2]
+    assert "1 / 2 threads, matmul GFLOP/s fp32 " in " ".join(out.split())
     runs = [r for r in data["rows"] if r["section"] == "contract"]
     assert {r["threads"] for r in runs} == {1, 2} and data["machine"]["thread counts"] == [1, 2]
     scaling = [r for r in data["rows"] if r["section"] == "scaling"]
@@ -353,13 +410,14 @@ def test_hf_generate_rows_time_mha_against_sdpa_on_the_same_weights(monkeypatch)
     assert not skipped.times_ms and bench.GENERATE_MATMUL_GFLOPS == 5.0
 
 
-def test_a_read_of_a_caches_bytes_sums_floats_as_they_are_and_the_rest_as_64_bit_words():
+def test_a_read_of_a_caches_bytes_sums_them_as_64_bit_words_whatever_the_dtype():
+    """torch's fastest read: an int64 sum (a float one took 1.2-1.5x over the same bytes in cache)."""
     from mha.tools.bench_native import read_call
-    floats = torch.randn(3, 5)
-    assert read_call(floats)()[0] == floats.sum()
+    floats = torch.randn(3, 5)  # 60 bytes: seven words read, 4 bytes left out
+    assert read_call(floats)()[0] == floats.reshape(-1).view(torch.uint8)[:56].view(torch.int64).sum()
     pool = torch.arange(-10, 10, dtype=torch.int8).reshape(4, 5)  # 20 bytes: two words read, 4 bytes left out
     (words,) = read_call(pool)()
     assert words.dtype == torch.int64 and words == pool.reshape(-1).view(torch.uint8)[:16].view(torch.int64).sum()
-    assert len(read_call(floats, pool, floats.bfloat16())()) == 3
+    assert [x.dtype for x in read_call(floats, pool, floats.bfloat16())()] == [torch.int64] * 3
     with pytest.raises(ValueError, match="contiguous"):  # a view's sum would time its copy
         read_call(torch.zeros(4, 132, dtype=torch.int8)[:, :128])

@@ -7,7 +7,9 @@ T=1 to 8192 and on decoding steps, fp32 and bf16), peers (against ONNX Runtime's
 when it is installed), backends (sdpa, flash, math, numpy blocked;
 GFLOP/s beside a matmul's), training (forward + backward), contract (our SDPA vs torch's on causal,
 bottom-right, padding, windows, ALiBi), memory (peak RSS of every default path in fresh
-processes), modern (KV-cache decoding, sliding windows), serving (one mixed step's attention over a
+processes), modern (KV-cache decoding, sliding windows), native (the compiled kernel against torch's SDPA: forward,
+forward + backward, decoding steps from float32, bfloat16 and int8 caches each beside a read of its
+bytes in the same rounds, a window, accuracy; GFLOP/s against this CPU's peaks), serving (one mixed step's attention over a
 paged cache: paged vs contiguous varlen vs torch's SDPA with a dense mask), gpu (on a CUDA device: plain calls against
 torch's SDPA, the terms it lacks against FlexAttention by hand, half-precision errors), flex (FlexAttention on CPU
 beside the native kernel), variants (the efficient variants: speed,
@@ -57,15 +59,20 @@ OPT_IN = ("serving", "variants", "hf", "distributed", "gpu", "flex")  # not in t
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="a small grid (about a minute on 2 cores)")
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=[s for s in SECTIONS if s not in OPT_IN])
+    parser.add_argument("--quick", action="store_true",
+                        help="a small grid (the default sections in about 80 s on 2 cores)")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=[s for s in SECTIONS if s not in OPT_IN],
+                        metavar="SECTION", help=f"which to run, of {', '.join(SECTIONS)} (default: all but "
+                                                f"{', '.join(OPT_IN)}; each is described above)")
     parser.add_argument("--variants", action="store_true",
                         help="the efficient-attention study alone (same as --sections variants)")
-    parser.add_argument("--repeat", type=int, default=5, help="timed rounds per point (best is kept)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed rounds per point, the best kept (default 5)")
     parser.add_argument("--threads", type=int, nargs="+", default=None,
                         help="torch threads (default: torch's); several (--threads 2 16) run the sections at each "
                              "and add a scaling table")
-    parser.add_argument("--out", default="bench-results", help="folder for results.json/.csv and backends.png")
+    parser.add_argument("--out", default="bench-results",
+                        help="folder for results.json, results.csv and the plots of the sections run (backends.png, "
+                             "native.png, ...; default ./bench-results)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,26 +90,28 @@ def run(args: argparse.Namespace) -> int:
     counts = list(dict.fromkeys(args.threads or [torch.get_num_threads()]))
     grid = QUICK if args.quick else FULL
     console = _common.console()
-    if not console.is_terminal:
-        console.width = max(console.width, 140)
-    rows = []
+    if not console.is_terminal:  # a log or a pipe: as wide as the widest table (rich cut figures to fit 140)
+        console.width = max(console.width, 1000)
+    rows, infos = [], []
     for threads in counts:
         torch.set_num_threads(threads)
-        info = bench.machine(matmul_n=grid.get("matmul", 2048))
-        where = bench.describe(info)
+        infos.append(bench.machine(matmul_n=grid.get("matmul", 2048)))
+        where = bench.describe(infos[-1])
         console.print(f"[bold]mha bench[/] on {where}")
         done = _run_jobs(_jobs(grid, args.sections, args.repeat), console, threads)
         for section in dict.fromkeys(r.section for r in done):
-            title = section if len(counts) == 1 else f"{section}, {threads} threads"
+            title = section if len(counts) == 1 else f"{section}, {bench.threads_label(threads)}"
             for name, part in _parts(title, [r for r in done if r.section == section]):
                 console.print(_table(name, part, where))
         rows += done
+    info = infos[-1]
+    if len(counts) > 1:  # each count's own matmul rates, in the order of the counts
+        info = {**info, **{key: [i[key] for i in infos] for key in info if key.endswith("matmul GFLOP/s")},
+                "threads": counts, "thread counts": counts}
     scaling = list(bench.scaling_rows(rows))
     if scaling:
-        console.print(_table("scaling", scaling, bench.describe({**info, "threads": " / ".join(map(str, counts))})))
+        console.print(_table("scaling", scaling, bench.describe(info)))
     rows += scaling
-    if len(counts) > 1:
-        info = {**info, "thread counts": counts}
     for path in bench.write(rows, info, args.out):
         console.print(f"wrote {path}")
     return 0
@@ -114,7 +123,7 @@ def _run_jobs(jobs, console, threads: int) -> list:
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(jobs))
         for describe, job in jobs:
-            progress.update(task, description=f"{describe} ({threads} threads)")
+            progress.update(task, description=f"{describe} ({bench.threads_label(threads)})")
             for row in job():
                 row.threads = threads
                 rows.append(row)
@@ -135,6 +144,7 @@ def _jobs(grid, sections, repeat):
         jobs.append(("overhead", lambda: list(bench.overhead_rows(repeat, decode_lengths=grid["overhead_decode"]))))
     if "auto" in sections:
         lengths, keys = grid["auto"]
+        jobs.append(("auto's dispatch table", _auto_table))
         jobs += [(f"auto {T}", lambda T=T: list(bench.auto_rows([T], [], repeat))) for T in lengths]
         jobs.append(("auto decode", lambda: list(bench.auto_rows([], keys, repeat))))
     if "peers" in sections:
@@ -192,6 +202,24 @@ def _jobs(grid, sections, repeat):
     return jobs
 
 
+def _auto_table() -> list:
+    """Say which dispatch table auto's points run on at this thread count, measuring it first where
+    auto's first call would (none stored, or one measured under load: mha.kernels.tuning), so that
+    the measuring is seen and is not inside a point's timing. No rows."""
+    from ..kernels import tuning
+    before = tuning.stored()
+    tuning.crossovers(torch.float32)  # as auto's first call: measures and stores unless MHA_TUNE=off
+    table, threads = tuning.stored(), torch.get_num_threads()
+    if table is None:
+        said = "none stored (MHA_TUNE=off, no native kernel, or measuring failed): the defaults of this CPU kind"
+    elif table is not before:
+        said = f"measured now, as auto's first call measures it; stored in {tuning.cache_path()}"
+    else:
+        said = f"stored, measured {table.get('measured', 'at a time not stored')}"
+    print(f"mha bench: auto's dispatch table at {threads} thread{'s' if threads > 1 else ''}: {said} (mha tune --show)")
+    return []
+
+
 def _parts(section: str, rows) -> list[tuple[str, list]]:
     """A section's rows in tables of their own columns: rows that share their columns (times,
     ratios, extras) go together, in the order they came, so that no table carries the union of
@@ -209,18 +237,24 @@ def _parts(section: str, rows) -> list[tuple[str, list]]:
 
 
 def _table(section: str, rows, where: str) -> Table:
-    table = Table(title=section, caption=f"measured on {where}")
+    """A section's rows; the caption says where they were measured, and any row's note (detail
+    "note": a figure not to be read as one) below it. A figure is never cut: each column is at
+    least as wide as its widest figure (headers wrap; a figure cut to "1.4…" once hid every error
+    of a log)."""
+    notes = "".join(f"\n{r.point}: {r.detail['note']}" for r in rows if r.detail.get("note"))
+    table = Table(title=section, caption=f"measured on {where}{notes}")
     table.add_column("point", no_wrap=True)
     columns = list(dict.fromkeys(k for r in rows for k in r.times_ms))
     ratio_columns = list(dict.fromkeys(k for r in rows for k in r.ratios))
     extra_columns = list(dict.fromkeys(k for r in rows for k in r.extra))
-    for c in columns:
-        table.add_column(f"{c} ms", justify="right")
-    for c in ratio_columns + extra_columns:
-        table.add_column(c, justify="right", style="bold" if c in ratio_columns else None)
-    for r in rows:
-        cells = [f"{r.times_ms[c]:.3g}" if c in r.times_ms else "-" for c in columns]
-        cells += [f"{r.ratios[c]:.2f}" if c in r.ratios else "-" for c in ratio_columns]
-        cells += [f"{r.extra[c]:.3g}" if c in r.extra else "-" for c in extra_columns]
-        table.add_row(r.point, *cells)
+    cells = [[f"{r.times_ms[c]:.3g}" if c in r.times_ms else "-" for c in columns]
+             + [f"{r.ratios[c]:.2f}" if c in r.ratios else "-" for c in ratio_columns]
+             + [f"{r.extra[c]:.3g}" if c in r.extra else "-" for c in extra_columns] for r in rows]
+    headers = [f"{c} ms" for c in columns] + ratio_columns + extra_columns
+    for i, header in enumerate(headers):
+        widest = max((len(row[i]) for row in cells), default=1)
+        table.add_column(header, justify="right", no_wrap=False, min_width=widest,
+                         style="bold" if len(columns) <= i < len(columns) + len(ratio_columns) else None)
+    for r, row in zip(rows, cells):
+        table.add_row(r.point, *row)
     return table

@@ -117,10 +117,19 @@ def machine(*, matmul_n: int = 2048) -> dict:
 
 
 def describe(info: dict) -> str:
-    """One line saying where a table's figures were taken."""
-    rates = ", ".join(f"{key.split()[0]} {info[key]:.0f}" for key in info if key.endswith("matmul GFLOP/s"))
-    return (f"{info['cpu']} ({' '.join(info['cpu flags']) or 'no avx2/avx512/amx'}), {info['threads']} threads, "
+    """One line saying where a table's figures were taken (matmul rates and thread counts given as
+    lists where the rows ran at several: one figure each, in order)."""
+    def figures(value) -> str:
+        return " / ".join(f"{x:.0f}" for x in value) if isinstance(value, list) else f"{value:.0f}"
+    rates = ", ".join(f"{key.split()[0]} {figures(info[key])}" for key in info if key.endswith("matmul GFLOP/s"))
+    counts = info["threads"] if isinstance(info["threads"], list) else [info["threads"]]
+    threads = f"{' / '.join(map(str, counts))} thread{'s' if counts != [1] else ''}"
+    return (f"{info['cpu']} ({' '.join(info['cpu flags']) or 'no avx2/avx512/amx'}), {threads}, "
             f"matmul GFLOP/s {rates}, torch {info['torch']}")
+
+
+def threads_label(n: int) -> str:
+    return f"{n} thread{'s' if n != 1 else ''}"
 
 
 def best_times(fns: dict[str, Callable[[], object]], repeat: int, *, calls: int = 1,
@@ -472,19 +481,35 @@ def distributed_rows(T: int, nprocs: int) -> Iterator[Row]:
                    "check error": s["check_error"]}, detail={"ranks": reports})
 
 
+def _read_beside(step_ms: float, read_ms: float, nbytes: int) -> tuple[dict, dict]:
+    """A decoding row's read figures, (extra, detail): its fraction of the same bytes' read in the same
+    rounds, that read's GB/s, and the bytes against the last-level cache (below 1 both come from it,
+    in part); a note where the read took longer than the step, which reads the same bytes and more:
+    a disturbed round, not a figure."""
+    extra = {"of read": read_ms / step_ms, "read GB/s (same bytes, same rounds)": nbytes / read_ms / 1e6}
+    cache = bench_native.last_level_cache_bytes()
+    if cache:
+        extra["bytes / last-level cache"] = nbytes / cache
+    detail = {}
+    if read_ms > step_ms:
+        detail["note"] = ("its read took longer than the step (of read > 1): a disturbed round, not a figure; "
+                          "more --repeat")
+    return extra, detail
+
+
 def _cache_decode_rows(p: dict, where: str, memory: float) -> Iterator[Row]:
     """A decoding step (D128) from each cache format, read in place by the paged kernel
     (bench_native.cache_decode_point), a row each: its time
     beside the float32 and bfloat16 caches' (the targets: bf16 at most 0.55 of fp32, int8 at most 0.6
     of bf16), the bytes it reads per second and as a fraction of a read of the same bytes timed in the
-    same rounds (``of read``; ``memory read GB/s (sum)``: the peaks' 512 MiB sum, minutes apart), its error."""
+    same rounds (_read_beside; ``memory read GB/s (sum)``: the peaks' 512 MiB sum, minutes apart), its error."""
     ms, held, reads = p["ms"], p["bytes"], p["reads"]
     for name in ms:
+        read, note = _read_beside(ms[name], reads[name], held[name])
         yield Row("native", f"decode {where}, {name}", {"step": ms[name], "read": reads[name]},
                   {"/ fp32 cache": ms[name] / ms["float32 cache"], "/ bf16 cache": ms[name] / ms["bfloat16 cache"]},
-                  {"GB/s": held[name] / ms[name] / 1e6, "of read": reads[name] / ms[name], "error": p["errors"][name],
-                   "read GB/s (same bytes, same rounds)": held[name] / reads[name] / 1e6,
-                   "bytes / bf16's": held[name] / held["bfloat16 cache"], "memory read GB/s (sum)": memory})
+                  {"GB/s": held[name] / ms[name] / 1e6, **read, "error": p["errors"][name],
+                   "bytes / bf16's": held[name] / held["bfloat16 cache"], "memory read GB/s (sum)": memory}, detail=note)
 
 
 def peak_rows() -> Iterator[Row]:
@@ -520,7 +545,7 @@ def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
         of_limit = {f"{who} of limit": rate / limit[1] for who, rate in rates.items()} if limit else {}
         return Row("native", point, {"native": ms["native"], "sdpa": ms["sdpa"]}, {"native/sdpa": ms["native"] / ms["sdpa"]},
                    {"native GFLOP/s": rates["native"], "sdpa GFLOP/s": rates["sdpa"], **of_limit,
-                    f"{dtype} matmul GFLOP/s": matmul[dtype]}, {"limit": limit[0] if limit else None})
+                    f"{dtype} matmul GFLOP/s (section's own)": matmul[dtype]}, {"limit": limit[0] if limit else None})
 
     for dtype in bench_native.DTYPES:
         for T in grid["forward"]:
@@ -532,11 +557,12 @@ def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
         p = bench_native.training_point(dtype, grid["training"], times)
         yield timed(f"forward+backward {dtype} T{grid['training']} causal", p, p["flops"], dtype)
         p = bench_native.decode_point(dtype, grid["decode"], times)
+        read, note = _read_beside(p["native"], p["read"], p["bytes"])
         yield Row("native", f"decode {dtype} L1 S{grid['decode']} Hq32/Hkv8 D128",
                   {"native": p["native"], "sdpa": p["sdpa"], "read": p["read"]}, {"native/sdpa": p["native"] / p["sdpa"]},
                   {"native GB/s (K, V read)": p["bytes"] / p["native"] / 1e6, "sdpa GB/s": p["bytes"] / p["sdpa"] / 1e6,
-                   "native of read": p["read"] / p["native"], "read GB/s (same bytes, same rounds)": p["bytes"] / p["read"] / 1e6,
-                   "memory read GB/s (sum)": memory})
+                   **{("native " if name == "of read" else "") + name: x for name, x in read.items()},
+                   "memory read GB/s (sum)": memory}, detail=note)
     for S in grid["cache_decode"]:  # GQA 32 / 8, where 4 rows share each key widened; 8 / 8, one row a key
         for B, heads in ((1, (32, 8)), (8, (32, 8)), (1, (8, 8))):
             yield from _cache_decode_rows(bench_native.cache_decode_point(S, times, B=B, heads=heads),
@@ -613,7 +639,7 @@ def plot_native(rows: list[Row], path: str) -> None:
     speed_ax.barh([i - 0.2 for i in y], [r.extra["native GFLOP/s"] for r in flops], height=0.4, label="native")
     speed_ax.barh([i + 0.2 for i in y], [r.extra["sdpa GFLOP/s"] for r in flops], height=0.4, label="torch SDPA")
     for i, r in enumerate(flops):
-        matmul = next(v for k, v in r.extra.items() if k.endswith("matmul GFLOP/s"))
+        matmul = next(v for k, v in r.extra.items() if "matmul GFLOP/s" in k)
         speed_ax.plot([matmul, matmul], [i - 0.45, i + 0.45], color="black", linewidth=2)
     speed_ax.set_yticks(list(y), [r.point for r in flops])
     speed_ax.invert_yaxis()
@@ -792,25 +818,30 @@ def plot_backends(rows: list[Row], path: str) -> None:
 def scaling_rows(rows: list[Row]) -> Iterator[Row]:
     """How each timed point scales with the thread count, from rows run at several (mha bench
     --threads 2 16), for points measured at every count: a row per implementation (its time at each
-    count, its speedup from the fewest threads), then a row per ratio of the point (native/sdpa, ...)
-    with its value at each count."""
+    count, its speedup from the fewest threads) or per limit of the peaks section (its figure at each
+    count, its speedup from the fewest), then a row per ratio of the point (native/sdpa, ...) with its
+    value at each count."""
     counts = sorted({r.threads for r in rows if r.threads is not None})
     if len(counts) < 2:
         return
     by_point: dict[tuple[str, str], dict[int, Row]] = {}
     for r in rows:
-        if r.threads is not None and r.times_ms:
+        if r.threads is not None and (r.times_ms or ("limit" in r.detail and "figure" in r.extra)):  # or a peak
             by_point.setdefault((r.section, r.point), {})[r.threads] = r
     first = counts[0]
     measured = [(f"{section}: {point}", at) for (section, point), at in by_point.items() if set(at) == set(counts)]
     for point, at in measured:
+        if not at[first].times_ms:  # a limit (the peaks section): its figure at each count, and how it grew
+            yield Row("scaling", point, {}, {f"speedup {first} to {n}": at[n].extra["figure"] / at[first].extra["figure"]
+                                             for n in counts[1:]},
+                      {f"at {threads_label(n)}": at[n].extra["figure"] for n in counts})
         for name in at[first].times_ms:
-            yield Row("scaling", f"{point} ({name})", {f"{n} threads": at[n].times_ms[name] for n in counts},
+            yield Row("scaling", f"{point} ({name})", {threads_label(n): at[n].times_ms[name] for n in counts},
                       {f"speedup {first} to {n}": at[first].times_ms[name] / at[n].times_ms[name] for n in counts[1:]})
     for point, at in measured:
         for name in at[first].ratios:
             if all(name in at[n].ratios for n in counts):
-                yield Row("scaling", f"{point}: {name}", {}, {}, {f"at {n} threads": at[n].ratios[name] for n in counts})
+                yield Row("scaling", f"{point}: {name}", {}, {}, {f"at {threads_label(n)}": at[n].ratios[name] for n in counts})
 
 
 def write(rows: list[Row], info: dict, directory: str) -> list[str]:

@@ -485,15 +485,15 @@ def _read_beside(step_ms: float, read_ms: float, nbytes: int) -> tuple[dict, dic
     """A decoding row's read figures, (extra, detail): its fraction of the same bytes' read in the same
     rounds, that read's GB/s, and the bytes against the last-level cache (below 1 both come from it,
     in part); a note where the read took longer than the step, which reads the same bytes and more:
-    a disturbed round, not a figure."""
+    a disturbed round (or, over a few KiB, torch's per-call cost), not a figure."""
     extra = {"of read": read_ms / step_ms, "read GB/s (same bytes, same rounds)": nbytes / read_ms / 1e6}
     cache = bench_native.last_level_cache_bytes()
     if cache:
         extra["bytes / last-level cache"] = nbytes / cache
     detail = {}
     if read_ms > step_ms:
-        detail["note"] = ("its read took longer than the step (of read > 1): a disturbed round, not a figure; "
-                          "more --repeat")
+        detail["note"] = ("its read took longer than the step (of read > 1): a disturbed round (or, over a few KiB, "
+                          "torch's per-call cost), not a figure; more --repeat")
     return extra, detail
 
 

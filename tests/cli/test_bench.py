@@ -181,6 +181,22 @@ def test_a_decoding_rows_read_slower_than_its_step_is_noted_as_disturbed_and_the
     assert "bytes / last-level cache" not in bench._read_beside(2.0, 1.0, 1)[0]
 
 
+def test_a_tables_headers_wrap_before_its_figures_are_cut():
+    """Found by a new user: at 140 columns every error of the decoding rows read "1.42…"."""
+    import io
+
+    from rich.console import Console
+    extra = {"GB/s": 45.1, "of read": 0.88, "error": 1.4234e-6, "read GB/s (same bytes, same rounds)": 31.2,
+             "bytes / last-level cache": 64.0, "bytes / bf16's": 0.516, "memory read GB/s (sum)": 40.1}
+    rows = [bench.Row("native", f"decode B8 S65536 paged, int8, scales apart {i}", {"step": 1.234, "read": 2.0},
+                      {"/ fp32 cache": 0.5, "/ bf16 cache": 0.9}, extra) for i in range(2)]
+    console = Console(width=140, record=True, file=io.StringIO())
+    console.print(bench_cli._table("native", rows, "here"))
+    figures = [line for line in console.export_text().splitlines() if line.startswith("│")]  # the rows, not the headers
+    assert len(figures) == 2 and not any("…" in line for line in figures)
+    assert all(figure in figures[0] for figure in ("1.23", "1.42e-06", "0.516", "31.2", "40.1"))
+
+
 def test_the_last_level_cache_is_read_from_linux_where_it_says():
     size = bench_native.last_level_cache_bytes()
     assert size is None or size >= 2 ** 16

@@ -216,7 +216,7 @@ def _auto_table() -> list:
         said = f"measured now, as auto's first call measures it; stored in {tuning.cache_path()}"
     else:
         said = f"stored, measured {table.get('measured', 'at a time not stored')}"
-    print(f"mha bench: auto's dispatch table at {threads} thread{'s' if threads > 1 else ''}: {said} (mha tune --show)")
+    print(f"mha bench: auto's dispatch table at {bench.threads_label(threads)}: {said} (mha tune --show)")
     return []
 
 
@@ -238,9 +238,9 @@ def _parts(section: str, rows) -> list[tuple[str, list]]:
 
 def _table(section: str, rows, where: str) -> Table:
     """A section's rows; the caption says where they were measured, and any row's note (detail
-    "note": a figure not to be read as one) below it. A figure is never cut: each column is at
-    least as wide as its widest figure (headers wrap; a figure cut to "1.4…" once hid every error
-    of a log)."""
+    "note": a figure not to be read as one) below it. Each column asks for the width of its widest
+    figure, so that headers wrap before figures are cut (a log's "1.4…" once hid every error); a
+    terminal narrower than the table still cuts (results.csv and .json keep every figure)."""
     notes = "".join(f"\n{r.point}: {r.detail['note']}" for r in rows if r.detail.get("note"))
     table = Table(title=section, caption=f"measured on {where}{notes}")
     table.add_column("point", no_wrap=True)
@@ -253,7 +253,7 @@ def _table(section: str, rows, where: str) -> Table:
     headers = [f"{c} ms" for c in columns] + ratio_columns + extra_columns
     for i, header in enumerate(headers):
         widest = max((len(row[i]) for row in cells), default=1)
-        table.add_column(header, justify="right", no_wrap=False, min_width=widest,
+        table.add_column(header, justify="right", min_width=widest,
                          style="bold" if len(columns) <= i < len(columns) + len(ratio_columns) else None)
     for r, row in zip(rows, cells):
         table.add_row(r.point, *row)

@@ -373,7 +373,7 @@ def test_cli_runs_every_section_at_each_thread_count_and_adds_the_scaling(tmp_pa
     monkeypatch.setattr(bench_cli, "QUICK", {**bench_cli.QUICK, "contract": 32, "matmul": 32})
     before = torch.get_num_threads()
     try:
-        assert cli.main(["bench", "--quick", "--sections", "contract", "--threads", "1", "2", "--repeat", "1",
+        assert cli.main(["bench", "--quick", "--sections", "contract", "--threads", "2", "1", "--repeat", "1",
                          "--out", str(tmp_path)]) == 0
     finally:
         torch.set_num_threads(before)
@@ -381,11 +381,12 @@ def test_cli_runs_every_section_at_each_thread_count_and_adds_the_scaling(tmp_pa
     assert "contract, 1 thread" in out and "contract, 2 threads" in out and "scaling" in out
     assert "…" not in out  # not a terminal: every table whole (rich cut figures to fit 140 columns)
     data = json.loads((tmp_path / "results.json").read_text())
-    # the scaling table's caption and the JSON carry each count's own matmul rates (the last count's once stood for both)
+    # the scaling table's caption and the JSON carry each count's own matmul rates (the last count's once stood for
+    # both), fewest threads first as the scaling's columns, whatever order the counts were given in
     assert len(data["machine"]["fp32 matmul GFLOP/s"]) == 2 and data["machine"]["threads"] == [1, 2]
     assert "1 / 2 threads, matmul GFLOP/s fp32 " in " ".join(out.split())
     runs = [r for r in data["rows"] if r["section"] == "contract"]
-    assert {r["threads"] for r in runs} == {1, 2} and data["machine"]["thread counts"] == [1, 2]
+    assert {r["threads"] for r in runs} == {1, 2} and data["machine"]["thread counts"] == [2, 1]
     scaling = [r for r in data["rows"] if r["section"] == "scaling"]
     timed = [r for r in scaling if r["times_ms"]]
     assert len(timed) == sum(len(r["times_ms"]) for r in runs) // 2 and all("speedup 1 to 2" in r["ratios"] for r in timed)

@@ -105,9 +105,10 @@ def run(args: argparse.Namespace) -> int:
                 console.print(_table(name, part, where))
         rows += done
     info = infos[-1]
-    if len(counts) > 1:  # each count's own matmul rates, in the order of the counts
-        info = {**info, **{key: [i[key] for i in infos] for key in info if key.endswith("matmul GFLOP/s")},
-                "threads": counts, "thread counts": counts}
+    if len(counts) > 1:  # each count's own matmul rates, fewest threads first (as the scaling table's columns)
+        ordered = sorted(zip(counts, infos), key=lambda pair: pair[0])
+        info = {**info, **{key: [i[key] for _, i in ordered] for key in info if key.endswith("matmul GFLOP/s")},
+                "threads": sorted(counts), "thread counts": counts}
     scaling = list(bench.scaling_rows(rows))
     if scaling:
         console.print(_table("scaling", scaling, bench.describe(info)))

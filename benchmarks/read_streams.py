@@ -8,10 +8,12 @@ buffer at the thread count in use, torch's int64 sum and a plain loop of 64-bit 
 its own share) read as N streams at once: the share cut into N parts, read a tile of each in turn
 (what a step does with two, its keys' and its values' tiles), every line asked for 8 KiB ahead into
 the second-level cache as the native kernel asks for its rows (or not at all: "hardware only").
-Each figure is the median's GB/s and its ratio to torch's sum in the same rounds. More streams a
-core keep more of the hardware prefetcher's streams going: on 2 Zen 4 threads two streams in 4 KiB
-tiles read 1.07-1.25x torch's sum, eight 1.18x, while two in 64 KiB tiles (a step's tiles of 256
-keys) read as one (docs/native.md). Compiles a small extension with torch's tooling.
+Each figure is the median's GB/s and the median of its rounds' ratios to torch's sum. More streams
+in flight a thread read faster, and most when the memory is fast: on 2 Zen 4 threads, in runs
+minutes apart, eight streams read 1.02-1.50x torch's sum and two in 4 KiB tiles 1.03-1.25x, while
+two in 64 KiB tiles (a decoding step's tiles of 256 keys) read as one, and prefetching further
+ahead does not help one stream (docs/native.md, "What the read is worth"). Compiles a small
+extension with torch's tooling.
 """
 
 import argparse
@@ -44,10 +46,12 @@ static int64_t tile_sum(const int64_t* p, int64_t bytes, int64_t ahead) {
   return s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
 }
 
-// Each thread's share of x read as ``streams`` parts, a tile of each in turn; the seconds it took.
-double read_streams(const torch::Tensor& x, int64_t streams, int64_t tile, int64_t ahead) {
+// Each thread's share of x read as ``streams`` parts, a tile of each in turn: (seconds, bytes read).
+std::tuple<double, int64_t> read_streams(const torch::Tensor& x, int64_t streams, int64_t tile, int64_t ahead) {
   const int64_t bytes = x.numel() * 8, threads = at::get_num_threads();
   const int64_t share = bytes / threads / (streams * tile) * (streams * tile), part = share / streams;
+  TORCH_CHECK(share > 0, "a buffer of ", bytes, " bytes holds no ", streams, " tiles of ", tile, " bytes for each of ",
+              threads, " threads: give more MiB");
   const int64_t* base = x.data_ptr<int64_t>();
   std::vector<int64_t> sums(threads);
   const auto start = std::chrono::steady_clock::now();
@@ -62,13 +66,15 @@ double read_streams(const torch::Tensor& x, int64_t streams, int64_t tile, int64
   });
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   TORCH_CHECK(sums[0] != -1, "unreachable");  // keeps the sums
-  return seconds;
+  return {seconds, share * threads};
 }
 """
 
-WAYS = [("1 stream, hardware only", 1, 65536, 0), ("1 stream", 1, 65536, 8192),
+# (name, streams, tile bytes, bytes ahead: 0 for no software prefetch)
+WAYS = [("1 stream, hardware only", 1, 65536, 0), ("1 stream", 1, 65536, 8192), ("1 stream, 64 KiB ahead", 1, 65536, 65536),
         ("2 streams, 64 KiB tiles", 2, 65536, 8192), ("2 streams, 4 KiB tiles", 2, 4096, 8192),
-        ("4 streams, 4 KiB tiles", 4, 4096, 8192), ("8 streams, 4 KiB tiles", 8, 4096, 8192)]
+        ("4 streams, 4 KiB tiles", 4, 4096, 8192), ("8 streams, 4 KiB tiles", 8, 4096, 8192),
+        ("8 streams, hardware only", 8, 4096, 0)]
 
 
 def main() -> None:
@@ -79,18 +85,19 @@ def main() -> None:
     reader = load_inline("mha_read_streams", cpp_sources=SOURCE, functions=["read_streams"],
                          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     x = torch.ones(args.mib * 2 ** 20 // 8, dtype=torch.int64)
-    calls = {"torch int64 sum": lambda: _seconds(x.sum)}
+    calls = {"torch int64 sum": lambda: (_seconds(x.sum), x.numel() * 8)}
     calls.update({name: (lambda s=s, t=t, a=a: reader.read_streams(x, s, t, a)) for name, s, t, a in WAYS})
-    taken = {name: [] for name in calls}
+    rates = {name: [] for name in calls}  # bytes per second, each round
     for call in calls.values():
         call()
     for _ in range(args.rounds):
         for name, call in calls.items():
-            taken[name].append(call())
+            seconds, nbytes = call()
+            rates[name].append(nbytes / seconds)
     print(f"{args.mib} MiB, {torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds")
-    for name, seconds in taken.items():
-        ratio = statistics.median(a / b for a, b in zip(taken["torch int64 sum"], seconds))
-        print(f"{name:26s} {x.numel() * 8 / statistics.median(seconds) / 1e9:6.1f} GB/s, {ratio:.2f}x torch's sum")
+    for name, rate in rates.items():
+        ratio = statistics.median(a / b for a, b in zip(rate, rates["torch int64 sum"]))
+        print(f"{name:26s} {statistics.median(rate) / 1e9:6.1f} GB/s, {ratio:.2f}x torch's sum")
 
 
 def _seconds(fn) -> float:

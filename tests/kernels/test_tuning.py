@@ -284,10 +284,6 @@ def test_ranks_of_a_distributed_run_do_not_measure_at_first_use(cache, monkeypat
     {"crossovers": {"float64": {"prefill_work": 1, "decode_keys": 1}}},
     {"crossovers": {"float32": {"prefill_work": True, "decode_keys": None}}},
     {"crossovers": ["float32"]},
-    {"crossovers": {"float32": dict.fromkeys(("prefill_work", "decode_keys", "plain_prefill_work", "plain_decode_keys"))},
-     "ratios": {"float32": {"decode S": {"1024": "fast"}}}},  # found by a new user: --show raised on the ratios
-    {"crossovers": {"float32": dict.fromkeys(("prefill_work", "decode_keys", "plain_prefill_work", "plain_decode_keys"))},
-     "ratios": {"float32": {"decode": {"1024": 0.5}}}},
 ])
 def test_a_malformed_table_is_ignored_and_the_call_goes_on(cache, monkeypatch, table, caplog):
     """Found by review: valid JSON of another shape raised into every attention call."""
@@ -634,6 +630,23 @@ def test_mha_tune_and_verify_say_how_sure_the_table_is(cache, monkeypatch, capsy
     assert "sure: other processes took 0% of the CPUs meanwhile, every round agreed" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("ratios", [{"float32": {"decode S": {"1024": "fast"}}}, {"float32": {"decode": {"1024": 0.5}}},
+                                    {"float32": {"decode S": {"²": 0.5}}}, ["float32"]])
+def test_ratios_of_another_form_are_left_out_and_the_crossovers_kept(cache, ratios, caplog, capsys, monkeypatch):
+    """Found by a new user: --show raised on a hand-edited ratio; by review: a bad ratio (shown only)
+    threw away good crossovers, and "²" passed str.isdigit and raised in int()."""
+    pytest.importorskip("rich")
+    from mha import cli
+    table = tuning.tune(timer=fake_timer(lambda s: s["L"] == 1), store=False)
+    cache.write_text(json.dumps({tuning.machine_key(): {**table, "ratios": ratios}}))
+    with caplog.at_level("WARNING", logger="mha.dispatch"):
+        kept = tuning.stored()
+    assert kept["crossovers"] == table["crossovers"] and "ratios" not in kept
+    assert "holds ratios of another form; its crossovers are kept" in caplog.text
+    monkeypatch.setenv("COLUMNS", "400")
+    assert cli.main(["tune", "--show"]) == 0 and "S >= 1 " in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("text", ["not json{", "[1, 2]"])
 def test_a_cache_file_that_is_not_a_json_object_is_named_in_a_warning(cache, text, caplog):
     """Found by a new user: a corrupt cache file was ignored in silence (--show said "not measured")."""
@@ -670,6 +683,8 @@ def test_mha_tune_show_prints_ratios_to_three_places(cache, capsys, monkeypatch)
     assert cli.main(["tune", "--show"]) == 0
     shown = " ".join(capsys.readouterr().out.split())  # (the title wraps at the table's width)
     assert "0.951" in shown and f"a win at <= {tuning.MARGIN}" in shown
+    # by review: 0.9504 prints 0.950 at three places; the win column settles it
+    assert "S = 1024 │ 0.951 │ no" in shown and "S = 4096 │ 0.500 │ yes" in shown
 
 
 @pytest.mark.parametrize("field, value", [("sure", "yes"), ("checks", 1.5), ("load", "high"), ("measured_at", "now")])

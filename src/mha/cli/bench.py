@@ -25,6 +25,7 @@ import importlib.util
 import itertools
 
 import torch
+from rich.measure import Measurement
 from rich.progress import Progress
 from rich.table import Table
 
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         for section in dict.fromkeys(r.section for r in done):
             title = section if len(counts) == 1 else f"{section}, {bench.threads_label(threads)}"
             for name, part in _parts(title, [r for r in done if r.section == section]):
-                console.print(_table(name, part, where))
+                _print(console, _table(name, part, where))
         rows += done
     info = infos[-1]
     if len(counts) > 1:  # each count's own matmul rates, fewest threads first (as the scaling table's columns)
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
                 "threads": sorted(counts), "thread counts": counts}
     scaling = list(bench.scaling_rows(rows))
     if scaling:
-        console.print(_table("scaling", scaling, bench.describe(info)))
+        _print(console, _table("scaling", scaling, bench.describe(info)))
     rows += scaling
     for path in bench.write(rows, info, args.out):
         console.print(f"wrote {path}")
@@ -208,12 +209,12 @@ def _auto_table() -> list:
     auto's first call would (none stored, or one measured under load: mha.kernels.tuning), so that
     the measuring is seen and is not inside a point's timing. No rows."""
     from ..kernels import tuning
-    before = tuning.stored()
+    before = (tuning.stored() or {}).get("measured_at")
     tuning.crossovers(torch.float32)  # as auto's first call: measures and stores unless MHA_TUNE=off
     table, threads = tuning.stored(), torch.get_num_threads()
     if table is None:
         said = "none stored (MHA_TUNE=off, no native kernel, or measuring failed): the defaults of this CPU kind"
-    elif table is not before:
+    elif table.get("measured_at") != before:  # (the lookup reads the file again: a new object, the same table)
         said = f"measured now, as auto's first call measures it; stored in {tuning.cache_path()}"
     else:
         said = f"stored, measured {table.get('measured', 'at a time not stored')}"
@@ -235,6 +236,15 @@ def _parts(section: str, rows) -> list[tuple[str, list]]:
     if len(groups) == 1:
         return [(section, rows)]
     return [(f"{section} ({i} of {len(groups)})", part) for i, part in enumerate(groups.values(), 1)]
+
+
+def _print(console, table: Table) -> None:
+    """Print a table, and say so where it is wider than the terminal (rich then wraps its headers,
+    and may cut figures or leave out its last columns, without a mark)."""
+    console.print(table)
+    if Measurement.get(console, console.options.update_width(10 ** 6), table).maximum > console.width:
+        console.print(f"({table.title}: wider than this terminal's {console.width} columns, some of its figures may "
+                      "be cut or left out above; results.csv has every figure)")
 
 
 def _table(section: str, rows, where: str) -> Table:

@@ -39,8 +39,9 @@ def run(args: argparse.Namespace) -> int:
         with console.status("timing native against torch (a few seconds)"):
             table = tuning.tune()
     console.print(render(table))
-    console.print(f"measured {table.get('measured', 'at a time not stored')}, {table.get('threads', '?')} threads; "
-                  f"stored in {tuning.cache_path()}")
+    threads = table.get("threads", "?")
+    console.print(f"measured {table.get('measured', 'at a time not stored')}, "
+                  f"{threads} thread{'' if threads == 1 else 's'}; stored in {tuning.cache_path()}")
     console.print(confidence(table))
     return 0
 
@@ -72,15 +73,16 @@ def describe_cpu() -> str:
 def render(table: dict) -> Table:
     out = Table(title=f"native time / torch time (below 1: native faster; a win at <= {tuning.MARGIN}); auto picks "
                       "native from the crossover on")
-    for column in ("dtype", "call", "size", "ratio", "crossover"):
+    for column in ("dtype", "call", "size", "ratio", "a win", "crossover"):
         out.add_column(column)
     ratios = table.get("ratios", {})
     for dtype, crossover in table["crossovers"].items():
         for call, field in tuning.RATIO_FIELDS:
             points = ratios.get(dtype, {}).get(call) or {"-": None}  # a hand-written table may hold crossovers alone
             for i, (size, ratio) in enumerate(points.items()):
-                out.add_row(dtype, call.rsplit(" ", 1)[0], "-" if ratio is None else tuning.size_label(call, size),
-                            "-" if ratio is None else f"{ratio:.3f}", describe(field, crossover[field]) if i == 0 else "")
+                shown = ("-", "-", "") if ratio is None else (tuning.size_label(call, size), f"{ratio:.3f}",
+                                                               "yes" if ratio <= tuning.MARGIN else "no")
+                out.add_row(dtype, call.rsplit(" ", 1)[0], *shown, describe(field, crossover[field]) if i == 0 else "")
     return out
 
 

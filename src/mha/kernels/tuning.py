@@ -181,6 +181,10 @@ def stored(key: str | None = None) -> dict | None:
             log.warning("mha: the dispatch table in %s for this machine is malformed; ignored (mha tune "
                         "measures it again)", cache_path())
             table = None
+        if table is not None and not _ratios_well_formed(table.get("ratios", {})):  # shown only: the crossovers stay
+            log.warning("mha: the dispatch table in %s holds ratios of another form; its crossovers are kept, the "
+                        "ratios left out (mha tune measures them again)", cache_path())
+            table = {name: value for name, value in table.items() if name != "ratios"}
         _tables[key] = table
     return _tables[key]
 
@@ -198,7 +202,7 @@ def _ratios_well_formed(ratios) -> bool:
             if not isinstance(points, dict):
                 return False
             for size, ratio in points.items():
-                if not str(size).isdigit() or isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+                if not str(size).isdecimal() or isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
                     return False
     return True
 
@@ -213,8 +217,6 @@ def _well_formed(table) -> bool:
             return False
         if not all(value is None or (type(value) is int and value >= 0) for value in found.values()):
             return False
-    if not _ratios_well_formed(table.get("ratios", {})):
-        return False
     return (isinstance(table.get("sure", True), bool) and type(table.get("checks", 1)) is int
             and all(table.get(name) is None or isinstance(table[name], (int, float)) for name in ("load", "measured_at")))
 

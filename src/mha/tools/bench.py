@@ -123,7 +123,7 @@ def describe(info: dict) -> str:
         return " / ".join(f"{x:.0f}" for x in value) if isinstance(value, list) else f"{value:.0f}"
     rates = ", ".join(f"{key.split()[0]} {figures(info[key])}" for key in info if key.endswith("matmul GFLOP/s"))
     counts = info["threads"] if isinstance(info["threads"], list) else [info["threads"]]
-    threads = f"{' / '.join(map(str, counts))} thread{'s' if counts != [1] else ''}"
+    threads = threads_label(counts[0]) if len(counts) == 1 else f"{' / '.join(map(str, counts))} threads"
     return (f"{info['cpu']} ({' '.join(info['cpu flags']) or 'no avx2/avx512/amx'}), {threads}, "
             f"matmul GFLOP/s {rates}, torch {info['torch']}")
 
@@ -481,19 +481,23 @@ def distributed_rows(T: int, nprocs: int) -> Iterator[Row]:
                    "check error": s["check_error"]}, detail={"ranks": reports})
 
 
-def _read_beside(step_ms: float, read_ms: float, nbytes: int) -> tuple[dict, dict]:
-    """A decoding row's read figures, (extra, detail): its fraction of the same bytes' read in the same
-    rounds, that read's GB/s, and the bytes against the last-level cache (below 1 both come from it,
-    in part); a note where the read took longer than the step, which reads the same bytes and more:
-    a disturbed round (or, over a few KiB, torch's per-call cost), not a figure."""
-    extra = {"of read": read_ms / step_ms, "read GB/s (same bytes, same rounds)": nbytes / read_ms / 1e6}
+DISTURBED = 1.1  # a read this much longer than its step: probably a disturbed round (the two are near even at best)
+
+
+def _read_beside(step_ms: float, read_ms: float, nbytes: int, *, who: str = "") -> tuple[dict, dict]:
+    """A decoding row's read figures, (extra, detail): ``who``'s fraction of the same bytes' read in the
+    same rounds (``of read``), that read's GB/s, and the bytes against the last-level cache (below 1
+    both come from it, in part); a note where the read took over DISTURBED times the step, which reads
+    the same bytes and more at about the same one-stream rate (docs/native.md): probably a disturbed
+    round (or, over a few KiB, torch's per-call cost), not a figure."""
+    extra = {f"{who}of read": read_ms / step_ms, "read GB/s (same bytes, same rounds)": nbytes / read_ms / 1e6}
     cache = bench_native.last_level_cache_bytes()
     if cache:
         extra["bytes / last-level cache"] = nbytes / cache
     detail = {}
-    if read_ms > step_ms:
-        detail["note"] = ("its read took longer than the step (of read > 1): a disturbed round (or, over a few KiB, "
-                          "torch's per-call cost), not a figure; more --repeat")
+    if read_ms > DISTURBED * step_ms:
+        detail["note"] = (f"its read took {read_ms / step_ms:.2f}x the step's time: probably a disturbed round (or, over "
+                          "a few KiB, torch's per-call cost), not a figure; more --repeat")
     return extra, detail
 
 
@@ -557,11 +561,11 @@ def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
         p = bench_native.training_point(dtype, grid["training"], times)
         yield timed(f"forward+backward {dtype} T{grid['training']} causal", p, p["flops"], dtype)
         p = bench_native.decode_point(dtype, grid["decode"], times)
-        read, note = _read_beside(p["native"], p["read"], p["bytes"])
+        read, note = _read_beside(p["native"], p["read"], p["bytes"], who="native ")
         yield Row("native", f"decode {dtype} L1 S{grid['decode']} Hq32/Hkv8 D128",
                   {"native": p["native"], "sdpa": p["sdpa"], "read": p["read"]}, {"native/sdpa": p["native"] / p["sdpa"]},
                   {"native GB/s (K, V read)": p["bytes"] / p["native"] / 1e6, "sdpa GB/s": p["bytes"] / p["sdpa"] / 1e6,
-                   **{("native " if name == "of read" else "") + name: x for name, x in read.items()},
+                   **read,
                    "memory read GB/s (sum)": memory}, detail=note)
     for S in grid["cache_decode"]:  # GQA 32 / 8, where 4 rows share each key widened; 8 / 8, one row a key
         for B, heads in ((1, (32, 8)), (8, (32, 8)), (1, (8, 8))):

@@ -17,6 +17,9 @@ Every point times the native kernel and torch's fused kernel on the same inputs,
 
 from __future__ import annotations
 
+import functools
+import glob
+import re
 import time
 from collections.abc import Callable
 
@@ -46,7 +49,7 @@ def read_gbytes_per_second(mib: int = 256, repeat: int = 4) -> float:
 
 def read_call(*tensors: torch.Tensor) -> Callable[[], object]:
     """A read of the bytes the tensors hold: torch's sum over each as 64-bit integers, whatever its
-    dtype (the bytes past the last whole eight left out): torch's fastest read of them (from the
+    dtype (the bytes before its first and past its last whole word left out): torch's fastest read of them (from the
     third-level cache a float32 or bfloat16 sum took 1.2-1.5x an int64 one over the same bytes, from
     memory the same; 8-bit integers sum at under 1 GB/s). Timed among a decoding step's rounds, it is
     the read rate beside the step: this machine's read rate drifts 10-20 % within minutes."""
@@ -55,23 +58,22 @@ def read_call(*tensors: torch.Tensor) -> Callable[[], object]:
             raise ValueError(f"read_call reads contiguous tensors, got one of shape {tuple(t.shape)} "
                              f"and strides {t.stride()}: pass the tensor it is a view of")
         flat = t.reshape(-1).view(torch.uint8)
+        flat = flat[(-flat.data_ptr()) % 8:]  # a view that starts between words: from its first whole one
         return flat[: flat.numel() // 8 * 8].view(torch.int64)
     words = [as_words(t) for t in tensors]
     return lambda: [t.sum() for t in words]
 
 
-def last_level_cache_bytes() -> int | None:
-    """The size of this CPU's largest cache as Linux reports it (/sys, the highest level of cpu0's);
-    None where it does not say."""
-    import glob
-    import re
-
+@functools.cache
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """The size of this CPU's largest cache as Linux reports it (the highest level among ``root``'s
+    index*/level and index*/size, such as "32768K" or "1M"); None where it does not say."""
     found = {}
-    for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+    for index in glob.glob(f"{root}/index*"):
         try:
             with open(f"{index}/level") as level, open(f"{index}/size") as size:
                 match = re.fullmatch(r"(\d+)([KMG]?)", size.read().strip())
-                if match:
+                if match and int(match[1]) > 0:
                     found[int(level.read())] = int(match[1]) * {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}[match[2]]
         except (OSError, ValueError):
             continue

@@ -173,6 +173,7 @@ def test_a_decoding_rows_read_slower_than_its_step_is_noted_as_disturbed_and_the
     assert extra == {"of read": 0.5, "read GB/s (same bytes, same rounds)": 64 * 2 ** 20 / 1e6, "bytes / last-level cache": 2.0}
     assert detail == {}
     assert bench._read_beside(1.0, 1.09, 1)[1] == {}  # within DISTURBED (1.1): noise, not flagged
+    assert "note" in bench._read_beside(1.0, 1.11, 1)[1]  # past it: flagged
     assert "native of read" in bench._read_beside(1.0, 1.0, 1, who="native ")[0]
     extra, detail = bench._read_beside(1.0, 2.0, 16 * 2 ** 20)
     assert extra["of read"] == 2.0 and extra["bytes / last-level cache"] == 0.5 and "disturbed round" in detail["note"]

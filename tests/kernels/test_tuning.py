@@ -678,13 +678,14 @@ def test_mha_tune_show_prints_ratios_to_three_places(cache, capsys, monkeypatch)
     from mha import cli
     monkeypatch.setenv("COLUMNS", "400")
     table = tuning.tune(timer=fake_timer(lambda s: False), store=False)
-    table["ratios"]["float32"]["decode S"] = {"1024": 0.9506, "4096": 0.5}
+    table["ratios"]["float32"]["decode S"] = {"1024": 0.9506, "4096": 0.5, "16384": tuning.MARGIN}
     cache.write_text(json.dumps({tuning.machine_key(): table}))
     assert cli.main(["tune", "--show"]) == 0
     shown = " ".join(capsys.readouterr().out.split())  # (the title wraps at the table's width)
     assert "0.951" in shown and f"a win at <= {tuning.MARGIN}" in shown
     # by review: 0.9504 prints 0.950 at three places; the win column settles it
     assert "S = 1024 │ 0.951 │ no" in shown and "S = 4096 │ 0.500 │ yes" in shown
+    assert f"S = 16384 │ {tuning.MARGIN:.3f} │ yes" in shown  # at the margin: a win (ratio <= MARGIN)
 
 
 @pytest.mark.parametrize("field, value", [("sure", "yes"), ("checks", 1.5), ("load", "high"), ("measured_at", "now")])

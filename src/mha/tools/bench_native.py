@@ -41,10 +41,11 @@ def matmul_gflops(dtype: torch.dtype, n: int = 2048, repeat: int = 3) -> float:
 
 
 def read_gbytes_per_second(mib: int = 256, repeat: int = 4) -> float:
-    """This machine's memory read speed now: a sum over a ``mib`` MiB tensor, best of ``repeat``."""
-    x = torch.randn(mib * 2 ** 18)  # float32: mib MiB
-    best = min(_seconds(x.sum) for _ in range(repeat))
-    return x.numel() * 4 / best / 1e9
+    """This machine's memory read speed now: read_call over a ``mib`` MiB tensor, best of ``repeat``."""
+    x = torch.ones(mib * 2 ** 17, dtype=torch.int64)  # mib MiB
+    read = read_call(x)
+    best = min(_seconds(read) for _ in range(repeat))
+    return x.numel() * 8 / best / 1e9
 
 
 def read_call(*tensors: torch.Tensor) -> Callable[[], object]:

@@ -10,7 +10,8 @@ per core):
                     them (AVX512-BF16); else absent
     AMX bf16        torch's 4096^3 bfloat16 matmul (oneDNN runs it on AMX tiles), where the CPU has
                     AMX: achieved, not the tiles' nominal rate (which needs data in the tiles' cache)
-    read            a sum over 512 MiB of float32 (past every cache), GB/s: what decoding can read
+    read            bench_native.read_call over 512 MiB (past every cache: torch's int64 sum, one stream
+                    a thread), GB/s: what decoding is judged against
 
 The native rows print their fraction of the limit of their dtype (``limit_of``): float32 products
 against the FMA peak; bfloat16 against AMX where present, else the bf16 dot peak, else the FMA peak

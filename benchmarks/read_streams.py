@@ -12,7 +12,9 @@ Each figure is the median's GB/s and the median of its rounds' ratios to torch's
 in flight a thread read faster, and most when the memory is fast: on 2 Zen 4 threads, in runs
 minutes apart, eight streams read 1.02-1.50x torch's sum and two in 4 KiB tiles 1.03-1.25x, while
 two in 64 KiB tiles (a decoding step's tiles of 256 keys) read as one, and prefetching further
-ahead does not help one stream (docs/native.md, "What the read is worth"). Compiles a small
+ahead does not help one stream (docs/native.md, "What the read is worth"). The last rows read
+128 KiB runs one after another, each cut in 4 or 8 streams read 256 bytes of each in turn: a float32
+decoding step's tiles since issue 44's twelfth stop (docs/native.md, "Streams"). Compiles a small
 extension with torch's tooling.
 """
 
@@ -68,6 +70,31 @@ std::tuple<double, int64_t> read_streams(const torch::Tensor& x, int64_t streams
   TORCH_CHECK(sums[0] != -1, "unreachable");  // keeps the sums
   return {seconds, share * threads};
 }
+
+// Each thread's share read run by run (``run`` bytes each), each run as ``streams`` parts read ``tile``
+// bytes of each in turn: a float32 decoding step's pattern (a tile's keys in streams, the native
+// kernel's in_key_blocks): (seconds, bytes read).
+std::tuple<double, int64_t> read_runs(const torch::Tensor& x, int64_t streams, int64_t tile, int64_t run, int64_t ahead) {
+  const int64_t bytes = x.numel() * 8, threads = at::get_num_threads();
+  const int64_t share = bytes / threads / run * run, part = run / streams;
+  TORCH_CHECK(share > 0 && part % tile == 0, "give more MiB, and runs of whole tiles a stream");
+  const int64_t* base = x.data_ptr<int64_t>();
+  std::vector<int64_t> sums(threads);
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t* own = base + t * share / 8;
+      int64_t total = 0;
+      for (int64_t first = 0; first < share; first += run)
+        for (int64_t at = 0; at < part; at += tile)
+          for (int64_t s = 0; s < streams; ++s) total += tile_sum(own + (first + s * part + at) / 8, tile, ahead);
+      sums[t] = total;
+    }
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  TORCH_CHECK(sums[0] != -1, "unreachable");
+  return {seconds, share * threads};
+}
 """
 
 # (name, streams, tile bytes, bytes ahead: 0 for no software prefetch)
@@ -75,6 +102,8 @@ WAYS = [("1 stream, hardware only", 1, 65536, 0), ("1 stream", 1, 65536, 8192), 
         ("2 streams, 64 KiB tiles", 2, 65536, 8192), ("2 streams, 4 KiB tiles", 2, 4096, 8192),
         ("4 streams, 4 KiB tiles", 4, 4096, 8192), ("8 streams, 4 KiB tiles", 8, 4096, 8192),
         ("8 streams, hardware only", 8, 4096, 0)]
+# (name, streams, tile bytes, run bytes): runs read one after another, each as streams side by side
+RUNS = [("4 streams in 128 KiB runs", 4, 256, 131072, 8192), ("8 streams in 128 KiB runs", 8, 256, 131072, 8192)]
 
 
 def main() -> None:
@@ -82,11 +111,12 @@ def main() -> None:
     parser.add_argument("mib", type=int, nargs="?", default=512)
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
-    reader = load_inline("mha_read_streams", cpp_sources=SOURCE, functions=["read_streams"],
+    reader = load_inline("mha_read_streams", cpp_sources=SOURCE, functions=["read_streams", "read_runs"],
                          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     x = torch.ones(args.mib * 2 ** 20 // 8, dtype=torch.int64)
     calls = {"torch int64 sum": lambda: (_seconds(x.sum), x.numel() * 8)}
     calls.update({name: (lambda s=s, t=t, a=a: reader.read_streams(x, s, t, a)) for name, s, t, a in WAYS})
+    calls.update({name: (lambda s=s, t=t, r=r, a=a: reader.read_runs(x, s, t, r, a)) for name, s, t, r, a in RUNS})
     rates = {name: [] for name in calls}  # bytes per second, each round
     for call in calls.values():
         call()

@@ -1678,7 +1678,7 @@ inline typename Lanes<acc_t>::vec widen_tail(const T* p, int64_t count) {
 // scores' samples on the instruction after the fourth prefetch), most where a block is all reading and
 // little arithmetic: one query row a key/value head (Hq 8 / Hkv 8), float32, S 16384 and 65536 took
 // 0.91-0.94x the time (AVX2 build 0.84x), with GQA 32 / 8 0.93-0.98x, bfloat16 0.96-1.03x (2 Zen 4
-// threads, kernel_ab --read). 8-bit rows a block's at once (prefetch_rows), as before.
+// threads, kernel_ab --read). 8-bit rows a block's at once (prefetch_row), as before.
 template <typename T>
 constexpr bool kReadBound = sizeof(T) > 1;
 template <typename T>
@@ -1687,19 +1687,29 @@ template <typename T>
 inline void prefetch_line(const void* p) {
   __builtin_prefetch(p, 0, kReadBound<T> ? 2 : 3);
 }
-// How many rows ld apart lie kAheadBytes ahead (at least one); score_blocks makes it once a call.
+// How many rows ld apart lie kAheadBytes ahead (at least one); made once a call (score_blocks, value_rows).
 template <typename T>
 inline int64_t rows_ahead(int64_t ld) {
   const int64_t ld_bytes = std::max<int64_t>(1, ld * static_cast<int64_t>(sizeof(T)));
   return (kAheadBytes<T> + ld_bytes - 1) / ld_bytes;
 }
 template <typename T>
-inline void prefetch_rows(const T* first, int64_t rows, int64_t ld, int64_t width, int64_t ahead) {
-  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(T)), ld_bytes = ld * static_cast<int64_t>(sizeof(T));
-  const char* at = reinterpret_cast<const char*>(first + ahead * ld);
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t byte = 0; byte < row_bytes; byte += 64) prefetch_line<T>(at + i * ld_bytes + byte);
+inline void prefetch_row(const T* row, int64_t width) {
+  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(T));
+  for (int64_t byte = 0; byte < row_bytes; byte += 64) prefetch_line<T>(reinterpret_cast<const char*>(row) + byte);
 }
+
+// Rows read as several streams at once (in_key_blocks): float32 and float64 ones, whose reading is a
+// decoding step's limit. A core keeps more of the memory's reads in flight over a few streams than along
+// one (benchmarks/read_streams.py: 4 streams of a 128 KiB run, 256 bytes of each in turn, read 1.13x
+// one stream's rate, 2 Zen 4 threads): a float32 step over 16384-65536 keys took 0.82-0.96x the time
+// with GQA 32 / 8 and 0.74-0.79x with 8 / 8 (2 Zen 4 threads; kernel_ab.py --read, --dense and paged;
+// 1 thread 0.81x), AVX2 build 0.82x at 8 / 8, 0.98-1.0x at 32 / 8. Not bfloat16 ones: with keys and
+// values both in streams a step took 1.04-1.09x the time (its arithmetic, not its read, is its limit
+// on Zen 4), nor 8-bit ones, which their widening bounds (1.07-1.09x in a first version, whose
+// blocks' passing had costs of its own).
+template <typename T>
+constexpr bool kStreamed = sizeof(T) >= 4;
 
 // out[n] = the sum of a[n]'s lanes, n < N, each in one fixed order whether a vector is reduced alone
 // or among others (so a key's score does not depend on its place in a block). On AVX2 floats:
@@ -1778,43 +1788,62 @@ template <int kRows>
 constexpr int kScoreKeys = kBlockKeys<kRows>;
 #endif
 
-// block(j, keys) for the ``count`` keys in blocks of kKeys, then one at a time (keys: an
-// integral_constant, the block's key count).
-template <int kKeys, typename Block>
-inline void in_key_blocks(int64_t count, Block block) {
-  int64_t j = 0;
-  for (; j + kKeys <= count; j += kKeys) block(j, std::integral_constant<int, kKeys>{});
-  for (; j < count; ++j) block(j, std::integral_constant<int, 1>{});
+// The keys of a block of a run: key i is the run's key first + i * apart, and the row to ask for
+// ahead of it lies ``reach`` rows further, where its stream reads next (past the stream's end, the
+// same stream's of the next run).
+struct KeyBlock {
+  int64_t first, apart, reach;
+  int64_t key(int i) const { return first + i * apart; }
+  int64_t asked(int i) const { return first + i * apart + reach; }
+};
+
+// block(first, apart, reach, count) (a KeyBlock's fields: a struct passed to the block, which is not
+// inlined, went through the stack and stalled on its load, an 8-bit step 1.2x the time) for the
+// ``count`` keys of a run in blocks of kKeys, then the last count % kKeys keys one at a time (count: an
+// integral_constant, the block's key count), rows asked for ``ahead`` rows ahead. kStreams: a block
+// takes a key of each of kKeys streams (the run cut in kKeys parts, read side by side), else kKeys
+// neighbours.
+template <int kKeys, bool kStreams, typename Block>
+inline void in_key_blocks(int64_t count, int64_t ahead, Block block) {
+  const int64_t apart = count / kKeys, whole = apart * kKeys;
+  if constexpr (kStreams)
+    for (int64_t j = 0; j < apart; ++j)
+      block(j, apart, j + ahead < apart ? ahead : ahead + count - apart, std::integral_constant<int, kKeys>{});
+  else
+    for (int64_t j = 0; j < whole; j += kKeys) block(j, int64_t(1), ahead, std::integral_constant<int, kKeys>{});
+  for (int64_t j = whole; j < count; ++j) block(j, int64_t(0), ahead, std::integral_constant<int, 1>{});
 }
 
-// The scores of kRows query rows with ``count`` keys, block by block (kScoreKeys keys): 8-bit rows
-// asked for ahead a block at a time (add_products asks for wider ones as it reads them), kRows x keys
-// zeroed sums, add_products(j, sums) adding q_r . k_(j + i) into sums[r][i] lane by lane, the lanes
-// summed (lane_sums) and stored, times the keys' scales where given:
+// The scores of kRows query rows with ``count`` keys, block by block (kScoreKeys keys, in streams where
+// kStreamed: in_key_blocks): 8-bit rows asked for ahead a block at a time (add_products asks for wider
+// ones as it reads them), kRows x keys zeroed sums, add_products(b, sums) adding q_r . k_(b.key(i)) into
+// sums[r][i] lane by lane, the lanes summed (lane_sums) and stored, times the keys' scales where given:
 //   s[r * lds + j] = q_r . k_j (times scales[j * scale_ld])
 template <int kRows, typename acc_t, typename key_t, typename AddProducts>
 inline void score_blocks(int64_t count, int64_t D, const key_t* k, int64_t ld, acc_t* s, int64_t lds,
                          const acc_t* scales, int64_t scale_ld, AddProducts add_products) {
   using vec = typename Lanes<acc_t>::vec;
   const int64_t ahead = rows_ahead<key_t>(ld);
-  in_key_blocks<kScoreKeys<kRows>>(count, [&](int64_t j, auto keys) {
+  in_key_blocks<kScoreKeys<kRows>, kStreamed<key_t>>(count, ahead, [&](int64_t first, int64_t apart, int64_t reach, auto keys) {
+    const KeyBlock b{first, apart, reach};
     constexpr int kKeys = decltype(keys)::value;
-    if constexpr (!kReadBound<key_t>) prefetch_rows(k + j * ld, kKeys, ld, D, ahead);
+    if constexpr (!kReadBound<key_t>)
+      for (int i = 0; i < kKeys; ++i) prefetch_row(k + b.asked(i) * ld, D);
     vec sums[kRows][kKeys];  // every loop over a block's rows and keys unrolled: the sums stay in registers
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r)
 #pragma GCC unroll 8
       for (int i = 0; i < kKeys; ++i) sums[r][i] = vec{};
-    add_products(j, sums);
+    add_products(b, sums);
     acc_t totals[kRows][kKeys];
     lane_sums<acc_t, kRows * kKeys>(&sums[0][0], &totals[0][0]);
     acc_t factor[kKeys];
 #pragma GCC unroll 8
-    for (int i = 0; i < kKeys; ++i) factor[i] = scales == nullptr ? acc_t(1) : scales[(j + i) * scale_ld];
+    for (int i = 0; i < kKeys; ++i) factor[i] = scales == nullptr ? acc_t(1) : scales[b.key(i) * scale_ld];
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r)
 #pragma GCC unroll 8
-      for (int i = 0; i < kKeys; ++i) s[r * lds + j + i] = totals[r][i] * factor[i];
+      for (int i = 0; i < kKeys; ++i) s[r * lds + b.key(i)] = totals[r][i] * factor[i];
   });
 }
 
@@ -1840,15 +1869,17 @@ bool pair_score_block(int64_t count, int64_t D, const float* q, const at::BFloat
   }
   const int64_t Dw = D / 32 * 32;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t(1) << (D - Dw)) - 1);
-  const int64_t ahead = rows_ahead<at::BFloat16>(ld);
-  score_blocks<kRows>(count, D, k, ld, s, lds, static_cast<const float*>(nullptr), 0, [&](int64_t j, auto& sums) {
+  score_blocks<kRows>(count, D, k, ld, s, lds, static_cast<const float*>(nullptr), 0, [&](KeyBlock b, auto& sums) {
     constexpr int kKeys = std::extent_v<std::remove_reference_t<decltype(sums)>, 1>;
+    const at::BFloat16* first = k + b.key(0) * ld;
+    const at::BFloat16* asked = k + b.asked(0) * ld;
+    const int64_t apart = b.apart * ld;
     auto step = [&](int64_t d, __mmask32 mask) {
       __m512bh x[kKeys];
 #pragma GCC unroll 8
-      for (int i = 0; i < kKeys; ++i) prefetch_line<at::BFloat16>(k + (j + i + ahead) * ld + d);  // a line each
+      for (int i = 0; i < kKeys; ++i) prefetch_line<at::BFloat16>(asked + i * apart + d);  // a line each
 #pragma GCC unroll 8
-      for (int i = 0; i < kKeys; ++i) x[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask, k + (j + i) * ld + d);
+      for (int i = 0; i < kKeys; ++i) x[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask, first + i * apart + d);
 #pragma GCC unroll 4
       for (int r = 0; r < kRows; ++r) {
         const __m512bh y = (__m512bh)_mm512_load_si512(qb[r] + d);
@@ -1874,16 +1905,18 @@ void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64
   using V = Lanes<acc_t>;
   using vec = typename V::vec;
   const int64_t Dw = D / V::kCount * V::kCount;
-  const int64_t ahead = rows_ahead<key_t>(ld);
   // each row's sums over whole vectors, then the last values as one more vector (zero-padded)
-  score_blocks<kRows>(count, D, k, ld, s, lds, scales, scale_ld, [&](int64_t j, auto& sums) {
+  score_blocks<kRows>(count, D, k, ld, s, lds, scales, scale_ld, [&](KeyBlock b, auto& sums) {
     constexpr int kKeys = std::extent_v<std::remove_reference_t<decltype(sums)>, 1>;
+    const key_t* first = k + b.key(0) * ld;
+    const key_t* asked = k + b.asked(0) * ld;
+    const int64_t apart = b.apart * ld;
     auto step = [&](auto vector_at, int64_t d) {  // vector_at(row): the vector of the row's values at column d
       if (kReadBound<key_t> && (d * static_cast<int64_t>(sizeof(key_t))) % 64 == 0)  // rows ahead, a line each
-        for (int i = 0; i < kKeys; ++i) prefetch_line<key_t>(k + (j + i + ahead) * ld + d);
+        for (int i = 0; i < kKeys; ++i) prefetch_line<key_t>(asked + i * apart + d);
       vec x[kKeys];
 #pragma GCC unroll 8
-      for (int i = 0; i < kKeys; ++i) x[i] = vector_at(k + (j + i) * ld);
+      for (int i = 0; i < kKeys; ++i) x[i] = vector_at(first + i * apart);
 #pragma GCC unroll 4
       for (int r = 0; r < kRows; ++r) {
         const vec y = vector_at(q + r * D);
@@ -1982,30 +2015,30 @@ void value_strips(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const 
   }
 }
 
-// value_block for values stored as acc_t, read row after row (kBlockKeys at a time, the output read
-// and added to once a block): a long cache's float32 values are read-bound, and a sequential read keeps
-// the memory busiest (measured, AVX2 at 1 and 2 threads: this loop took 0.85-0.92x the strips' time
-// over 16384 keys; the strips 0.88x this loop's where the values were in the cache).
+// value_block for values stored as acc_t, read row after row (kBlockKeys at a time, in streams:
+// in_key_blocks; the output read and added to once a block): a long cache's float32 values are
+// read-bound, and reading rows whole keeps the memory busiest (measured, AVX2 at 1 and 2 threads: this
+// loop took 0.85-0.92x the strips' time over 16384 keys; the strips 0.88x this loop's where the values
+// were in the cache).
 template <int kRows, typename acc_t, typename value_t>
 void value_rows(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const value_t* v, int64_t ld, acc_t* acc,
                  const acc_t* scales, int64_t scale_ld) {
   using V = Lanes<acc_t>;
   using vec = typename V::vec;
   const int64_t Dw = Dv / V::kCount * V::kCount;
-  in_key_blocks<kBlockKeys<kRows>>(count, [&](int64_t j, auto keys) {
+  in_key_blocks<kBlockKeys<kRows>, kStreamed<value_t>>(count, rows_ahead<value_t>(ld), [&](int64_t first, int64_t apart,
+                                                                                           int64_t reach, auto keys) {
+    const KeyBlock b{first, apart, reach};
     constexpr int kKeys = decltype(keys)::value;
-    // the distance made again a block (a division): made once a call, it held a register the AVX2
-    // build's loop then spilled (float32 decoding 1.14-1.18x the time, Zen 4; AVX-512 builds 0.97x)
-    const int64_t ahead = rows_ahead<value_t>(ld);
     acc_t w[kRows][kKeys];
     for (int r = 0; r < kRows; ++r)
-      for (int i = 0; i < kKeys; ++i) w[r][i] = scales == nullptr ? p[r * ldp + j + i] : p[r * ldp + j + i] * scales[(j + i) * scale_ld];
+      for (int i = 0; i < kKeys; ++i) w[r][i] = scales == nullptr ? p[r * ldp + b.key(i)] : p[r * ldp + b.key(i)] * scales[b.key(i) * scale_ld];
     for (int64_t d = 0; d < Dw; d += V::kCount) {
       vec x[kKeys];
       if ((d * static_cast<int64_t>(sizeof(value_t))) % 64 == 0)  // rows ahead, a line each (kAheadBytes)
-        for (int i = 0; i < kKeys; ++i) prefetch_line<value_t>(v + (j + i + ahead) * ld + d);
+        for (int i = 0; i < kKeys; ++i) prefetch_line<value_t>(v + b.asked(i) * ld + d);
 #pragma GCC unroll 8
-      for (int i = 0; i < kKeys; ++i) x[i] = widen<acc_t>(v + (j + i) * ld + d);
+      for (int i = 0; i < kKeys; ++i) x[i] = widen<acc_t>(v + b.key(i) * ld + d);
 #pragma GCC unroll 4
       for (int r = 0; r < kRows; ++r) {
         vec t = w[r][0] * x[0];
@@ -2015,11 +2048,11 @@ void value_rows(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const va
       }
     }
     if (Dw < Dv && (Dw * static_cast<int64_t>(sizeof(value_t))) % 64 == 0)  // the rows' last line
-      for (int i = 0; i < kKeys; ++i) prefetch_line<value_t>(v + (j + i + ahead) * ld + Dw);
+      for (int i = 0; i < kKeys; ++i) prefetch_line<value_t>(v + b.asked(i) * ld + Dw);
     for (int64_t d = Dw; d < Dv; ++d)
       for (int r = 0; r < kRows; ++r) {
-        acc_t t = w[r][0] * static_cast<acc_t>(v[j * ld + d]);
-        for (int i = 1; i < kKeys; ++i) t += w[r][i] * static_cast<acc_t>(v[(j + i) * ld + d]);
+        acc_t t = w[r][0] * static_cast<acc_t>(v[b.first * ld + d]);
+        for (int i = 1; i < kKeys; ++i) t += w[r][i] * static_cast<acc_t>(v[b.key(i) * ld + d]);
         acc[r * Dv + d] += t;
       }
   });

@@ -1699,17 +1699,19 @@ inline void prefetch_row(const T* row, int64_t width) {
   for (int64_t byte = 0; byte < row_bytes; byte += 64) prefetch_line<T>(reinterpret_cast<const char*>(row) + byte);
 }
 
-// Rows read as several streams at once (in_key_blocks): float32 and float64 ones, whose reading is a
-// decoding step's limit. A core keeps more of the memory's reads in flight over a few streams than along
-// one (benchmarks/read_streams.py: 4 streams of a 128 KiB run, 256 bytes of each in turn, read 1.13x
-// one stream's rate, 2 Zen 4 threads): a float32 step over 16384-65536 keys took 0.82-0.96x the time
-// with GQA 32 / 8 and 0.74-0.79x with 8 / 8 (2 Zen 4 threads; kernel_ab.py --read, --dense and paged;
-// 1 thread 0.81x), AVX2 build 0.82x at 8 / 8, 0.98-1.0x at 32 / 8. Not bfloat16 ones: with keys and
-// values both in streams a step took 1.04-1.09x the time (its arithmetic, not its read, is its limit
-// on Zen 4), nor 8-bit ones, which their widening bounds (1.07-1.09x in a first version, whose
+// Rows read as several streams at once (in_key_blocks): keys of 16 bits or more and float32 or float64
+// values (value_rows), whose reading is a decoding step's limit. A core keeps more of the memory's reads
+// in flight over a few streams than along one (benchmarks/read_streams.py: 4 streams of a 128 KiB run,
+// 256 bytes of each in turn, read 1.13x one stream's rate, 2 Zen 4 threads): a float32 step over
+// 16384-65536 keys took 0.82-0.96x the time with GQA 32 / 8 and 0.74-0.79x with 8 / 8 (2 Zen 4 threads;
+// kernel_ab.py --read, --dense and paged; 1 thread 0.81x), AVX2 build 0.82x at 8 / 8, 0.98-1.0x at
+// 32 / 8; a bfloat16 step with its keys in streams 0.91-1.03x (median 0.96; 1.04x on one thread with
+// every byte in cache; AVX2 build 0.95-1.02x). Not 16-bit values (value_strips reads them in chunks of
+// its own: with them in streams too, a bfloat16 step took 1.04-1.09x the time, its arithmetic being its
+// limit on Zen 4), nor 8-bit rows, which their widening bounds (1.07-1.09x in a first version, whose
 // blocks' passing had costs of its own).
 template <typename T>
-constexpr bool kStreamed = sizeof(T) >= 4;
+constexpr bool kStreamed = sizeof(T) >= 2;
 
 // out[n] = the sum of a[n]'s lanes, n < N, each in one fixed order whether a vector is reduced alone
 // or among others (so a key's score does not depend on its place in a block). On AVX2 floats:

@@ -990,8 +990,8 @@ def test_decoding_rows_of_every_block_shape(dtype, rows):
     """The decoding path's blocks of 1-4 rows (by 8, 4, 3 and 3 keys, or 8, 8, 5 and 4 in AVX-512
     builds; keys left over one at a time; a block of keys of 16 bits or more, or of float32 or float64
     values, takes a key of each of as many streams, a tile's keys cut in that many parts: S 130 and 257
-    leave a rest past the streams, and a block dropped from the streams fails here) and head dims below, at and across a vector's width: G
-    query heads x L rows per kv head, against math in float64."""
+    leave a rest past the streams, and a block dropped from the streams fails here) and head dims below,
+    at and across a vector's width: G query heads x L rows per kv head, against math in float64."""
     g = torch.Generator().manual_seed(rows)
     tolerance = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
     G, L = (rows, 1) if rows <= 8 else (rows // 4, 4)

@@ -13,8 +13,9 @@ in flight a thread read faster, and most when the memory is fast: on 2 Zen 4 thr
 minutes apart, eight streams read 1.02-1.50x torch's sum and two in 4 KiB tiles 1.03-1.25x, while
 two in 64 KiB tiles (a decoding step's tiles of 256 keys) read as one, and prefetching further
 ahead does not help one stream (docs/native.md, "What the read is worth"). The last rows read
-128 KiB runs one after another, each cut in 4 or 8 streams read 256 bytes of each in turn: a float32
-decoding step's tiles since issue 44's twelfth stop (docs/native.md, "Streams"). Compiles a small
+128 KiB runs one after another, each cut in 4 or 8 streams read 256 bytes of each in turn, each
+stream asked for ahead into the same stream of the next run: a decoding step's tiles of keys (of 16
+bits or more) since issue 44's twelfth stop (docs/native.md, "Streams"). Compiles a small
 extension with torch's tooling.
 """
 
@@ -31,14 +32,15 @@ SOURCE = r"""
 #include <chrono>
 #include <cstring>
 
-// The 64-bit sum of ``bytes`` bytes (a multiple of 256) at p, a line a vector, four lines a step.
+// The 64-bit sum of ``bytes`` bytes (a multiple of 256) at p, a line a vector, four lines a step, each
+// line's counterpart at ``asked`` asked for as it is read (none where asked is null).
 typedef int64_t Line __attribute__((vector_size(64)));
-static int64_t tile_sum(const int64_t* p, int64_t bytes, int64_t ahead) {
+static int64_t tile_sum(const int64_t* p, int64_t bytes, const char* asked) {
   const char* at = reinterpret_cast<const char*>(p);
   Line a[4] = {};
   for (int64_t off = 0; off < bytes; off += 256) {
     for (int i = 0; i < 4; ++i) {
-      if (ahead > 0) __builtin_prefetch(at + off + ahead + 64 * i, 0, 2);
+      if (asked != nullptr) __builtin_prefetch(asked + off + 64 * i, 0, 2);
       Line x;
       std::memcpy(&x, at + off + 64 * i, sizeof x);
       a[i] += x;
@@ -62,7 +64,10 @@ std::tuple<double, int64_t> read_streams(const torch::Tensor& x, int64_t streams
       const int64_t* own = base + t * share / 8;
       int64_t total = 0;
       for (int64_t at = 0; at < part; at += tile)
-        for (int64_t s = 0; s < streams; ++s) total += tile_sum(own + (s * part + at) / 8, tile, ahead);
+        for (int64_t s = 0; s < streams; ++s) {
+          const char* tile_at = reinterpret_cast<const char*>(own) + s * part + at;
+          total += tile_sum(own + (s * part + at) / 8, tile, ahead > 0 ? tile_at + ahead : nullptr);
+        }
       sums[t] = total;
     }
   });
@@ -72,12 +77,14 @@ std::tuple<double, int64_t> read_streams(const torch::Tensor& x, int64_t streams
 }
 
 // Each thread's share read run by run (``run`` bytes each), each run as ``streams`` parts read ``tile``
-// bytes of each in turn: a float32 decoding step's pattern (a tile's keys in streams, the native
-// kernel's in_key_blocks): (seconds, bytes read).
+// bytes of each in turn, ``ahead`` bytes ahead in each part asked for (past a part's end, in the same
+// part of the next run): a decoding step's pattern (a tile's keys in streams, the native kernel's
+// in_key_blocks): (seconds, bytes read).
 std::tuple<double, int64_t> read_runs(const torch::Tensor& x, int64_t streams, int64_t tile, int64_t run, int64_t ahead) {
   const int64_t bytes = x.numel() * 8, threads = at::get_num_threads();
   const int64_t share = bytes / threads / run * run, part = run / streams;
-  TORCH_CHECK(share > 0 && part % tile == 0, "give more MiB, and runs of whole tiles a stream");
+  TORCH_CHECK(share > 0 && run % streams == 0 && part % tile == 0 && tile % 256 == 0,
+              "give more MiB, and runs of whole tiles (of 256-byte steps) a stream");
   const int64_t* base = x.data_ptr<int64_t>();
   std::vector<int64_t> sums(threads);
   const auto start = std::chrono::steady_clock::now();
@@ -86,8 +93,13 @@ std::tuple<double, int64_t> read_runs(const torch::Tensor& x, int64_t streams, i
       const int64_t* own = base + t * share / 8;
       int64_t total = 0;
       for (int64_t first = 0; first < share; first += run)
-        for (int64_t at = 0; at < part; at += tile)
-          for (int64_t s = 0; s < streams; ++s) total += tile_sum(own + (first + s * part + at) / 8, tile, ahead);
+        for (int64_t at = 0; at < part; at += tile) {
+          const int64_t near = std::min(ahead, part), reach = at + near < part ? near : near + run - part;
+          for (int64_t s = 0; s < streams; ++s) {
+            const int64_t tile_at = first + s * part + at;
+            total += tile_sum(own + tile_at / 8, tile, reinterpret_cast<const char*>(own) + tile_at + reach);
+          }
+        }
       sums[t] = total;
     }
   });
@@ -102,7 +114,7 @@ WAYS = [("1 stream, hardware only", 1, 65536, 0), ("1 stream", 1, 65536, 8192), 
         ("2 streams, 64 KiB tiles", 2, 65536, 8192), ("2 streams, 4 KiB tiles", 2, 4096, 8192),
         ("4 streams, 4 KiB tiles", 4, 4096, 8192), ("8 streams, 4 KiB tiles", 8, 4096, 8192),
         ("8 streams, hardware only", 8, 4096, 0)]
-# (name, streams, tile bytes, run bytes): runs read one after another, each as streams side by side
+# (name, streams, tile bytes, run bytes, bytes ahead): runs read one after another, each as streams side by side
 RUNS = [("4 streams in 128 KiB runs", 4, 256, 131072, 8192), ("8 streams in 128 KiB runs", 8, 256, 131072, 8192)]
 
 

@@ -1699,19 +1699,6 @@ inline void prefetch_row(const T* row, int64_t width) {
   for (int64_t byte = 0; byte < row_bytes; byte += 64) prefetch_line<T>(reinterpret_cast<const char*>(row) + byte);
 }
 
-// Rows read as several streams at once (in_key_blocks): keys of 16 bits or more and float32 or float64
-// values (value_rows), whose reading is a decoding step's limit. A core keeps more of the memory's reads
-// in flight over a few streams than along one (benchmarks/read_streams.py: 4 streams of a 128 KiB run,
-// 256 bytes of each in turn, read 1.13x one stream's rate, 2 Zen 4 threads): a float32 step over
-// 16384-65536 keys took 0.82-0.96x the time with GQA 32 / 8 and 0.74-0.79x with 8 / 8 (2 Zen 4 threads;
-// kernel_ab.py --read, --dense and paged; 1 thread 0.81x), AVX2 build 0.82x at 8 / 8, 0.98-1.0x at
-// 32 / 8; a bfloat16 step with its keys in streams 0.91-1.03x (median 0.96; 1.04x on one thread with
-// every byte in cache; AVX2 build 0.95-1.02x). Not 16-bit values (value_strips reads them in chunks of
-// its own: with them in streams too, a bfloat16 step took 1.04-1.09x the time, its arithmetic being its
-// limit on Zen 4), nor 8-bit rows, which their widening bounds (1.07-1.09x in a first version, whose
-// blocks' passing had costs of its own).
-template <typename T>
-constexpr bool kStreamed = sizeof(T) >= 2;
 
 // out[n] = the sum of a[n]'s lanes, n < N, each in one fixed order whether a vector is reduced alone
 // or among others (so a key's score does not depend on its place in a block). On AVX2 floats:
@@ -1792,32 +1779,44 @@ constexpr int kScoreKeys = kBlockKeys<kRows>;
 
 // The keys of a block of a run: key i is the run's key first + i * apart, and the row to ask for
 // ahead of it lies ``reach`` rows further, where its stream reads next (past the stream's end, the
-// same stream's of the next run).
+// same stream's of the next run, a run's length further on).
 struct KeyBlock {
   int64_t first, apart, reach;
   int64_t key(int i) const { return first + i * apart; }
   int64_t asked(int i) const { return first + i * apart + reach; }
 };
 
-// block(first, apart, reach, count) (a KeyBlock's fields: a struct passed to the block, which is not
+// block(first, apart, reach, keys) (a KeyBlock's fields: a struct passed to the block, which is not
 // inlined, went through the stack and stalled on its load, an 8-bit step 1.2x the time) for the
-// ``count`` keys of a run in blocks of kKeys, then the last count % kKeys keys one at a time (count: an
-// integral_constant, the block's key count), rows asked for ``ahead`` rows ahead. kStreams: a block
-// takes a key of each of kKeys streams (the run cut in kKeys parts, read side by side), else kKeys
-// neighbours.
+// ``count`` keys of a run in blocks of kKeys, then the last count % kKeys keys one at a time (keys: an
+// integral_constant, the block's key count), rows asked for ``ahead`` rows ahead (at most a stream's
+// length). kStreams: a block takes a key of each of kKeys streams (the run cut in kKeys parts, read
+// side by side), else kKeys neighbours. Rows read as streams: those whose reading is a decoding step's
+// limit (kReadBound: keys of 16 bits or more, float32 and float64 values in value_rows). A core keeps
+// more of the memory's reads in flight over a few streams than along one (benchmarks/read_streams.py:
+// 128 KiB runs in 4 streams read 1.14-1.19x torch's one-stream sum, in 8 1.20-1.30x, 2 Zen 4 threads): a float32 step over
+// 16384-65536 keys took 0.82-0.96x the time with GQA 32 / 8 and 0.74-0.79x with 8 / 8 (2 Zen 4 threads;
+// kernel_ab.py --read, --dense and paged; 1 thread 0.81x), AVX2 build 0.82x at 8 / 8, 0.98-1.0x at
+// 32 / 8; a bfloat16 step with its keys in streams 0.91-1.03x (median 0.96; 1.04x on one thread with
+// every byte in cache; AVX2 build 0.95-1.02x). Not 16-bit values (value_strips reads them in chunks of
+// its own: with them in streams too, a bfloat16 step took 1.04-1.09x the time, its arithmetic being its
+// limit on Zen 4), nor 8-bit rows, which their widening bounds (1.07-1.09x in a first version, whose
+// blocks' passing had costs of its own).
 template <int kKeys, bool kStreams, typename Block>
 inline void in_key_blocks(int64_t count, int64_t ahead, Block block) {
   const int64_t apart = count / kKeys, whole = apart * kKeys;
-  if constexpr (kStreams)
+  if constexpr (kStreams) {
+    const int64_t near = std::min(ahead, apart);  // further, a stream's rows ahead would lie in the next one's
     for (int64_t j = 0; j < apart; ++j)
-      block(j, apart, j + ahead < apart ? ahead : ahead + count - apart, std::integral_constant<int, kKeys>{});
-  else
+      block(j, apart, j + near < apart ? near : near + count - apart, std::integral_constant<int, kKeys>{});
+  } else {
     for (int64_t j = 0; j < whole; j += kKeys) block(j, int64_t(1), ahead, std::integral_constant<int, kKeys>{});
+  }
   for (int64_t j = whole; j < count; ++j) block(j, int64_t(0), ahead, std::integral_constant<int, 1>{});
 }
 
 // The scores of kRows query rows with ``count`` keys, block by block (kScoreKeys keys, in streams where
-// kStreamed: in_key_blocks): 8-bit rows asked for ahead a block at a time (add_products asks for wider
+// kReadBound: in_key_blocks): 8-bit rows asked for ahead a block at a time (add_products asks for wider
 // ones as it reads them), kRows x keys zeroed sums, add_products(b, sums) adding q_r . k_(b.key(i)) into
 // sums[r][i] lane by lane, the lanes summed (lane_sums) and stored, times the keys' scales where given:
 //   s[r * lds + j] = q_r . k_j (times scales[j * scale_ld])
@@ -1826,7 +1825,7 @@ inline void score_blocks(int64_t count, int64_t D, const key_t* k, int64_t ld, a
                          const acc_t* scales, int64_t scale_ld, AddProducts add_products) {
   using vec = typename Lanes<acc_t>::vec;
   const int64_t ahead = rows_ahead<key_t>(ld);
-  in_key_blocks<kScoreKeys<kRows>, kStreamed<key_t>>(count, ahead, [&](int64_t first, int64_t apart, int64_t reach, auto keys) {
+  in_key_blocks<kScoreKeys<kRows>, kReadBound<key_t>>(count, ahead, [&](int64_t first, int64_t apart, int64_t reach, auto keys) {
     const KeyBlock b{first, apart, reach};
     constexpr int kKeys = decltype(keys)::value;
     if constexpr (!kReadBound<key_t>)
@@ -2017,18 +2016,20 @@ void value_strips(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const 
   }
 }
 
-// value_block for values stored as acc_t, read row after row (kBlockKeys at a time, in streams:
+// value_block for values stored as acc_t, read row by row, whole (kBlockKeys at a time, in streams:
 // in_key_blocks; the output read and added to once a block): a long cache's float32 values are
 // read-bound, and reading rows whole keeps the memory busiest (measured, AVX2 at 1 and 2 threads: this
 // loop took 0.85-0.92x the strips' time over 16384 keys; the strips 0.88x this loop's where the values
-// were in the cache).
+// were in the cache). The distance ahead is made once a call: made a block (a division) before the
+// streams, for a register the AVX2 build's loop had spilled (float32 decoding 1.14-1.18x the time then);
+// with the streams the AVX2 build's step took 0.98-1.0x (GQA 32 / 8) and 0.82x (8 / 8) the time of before.
 template <int kRows, typename acc_t, typename value_t>
 void value_rows(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const value_t* v, int64_t ld, acc_t* acc,
                  const acc_t* scales, int64_t scale_ld) {
   using V = Lanes<acc_t>;
   using vec = typename V::vec;
   const int64_t Dw = Dv / V::kCount * V::kCount;
-  in_key_blocks<kBlockKeys<kRows>, kStreamed<value_t>>(count, rows_ahead<value_t>(ld), [&](int64_t first, int64_t apart,
+  in_key_blocks<kBlockKeys<kRows>, kReadBound<value_t>>(count, rows_ahead<value_t>(ld), [&](int64_t first, int64_t apart,
                                                                                            int64_t reach, auto keys) {
     const KeyBlock b{first, apart, reach};
     constexpr int kKeys = decltype(keys)::value;

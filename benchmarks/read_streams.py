@@ -50,23 +50,32 @@ static int64_t tile_sum(const int64_t* p, int64_t bytes, const char* asked) {
   return s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
 }
 
-// Each thread's share of x read as ``streams`` parts, a tile of each in turn: (seconds, bytes read).
-std::tuple<double, int64_t> read_streams(const torch::Tensor& x, int64_t streams, int64_t tile, int64_t ahead) {
+// Each thread's share of x read run by run (``run`` bytes each; 0: the share is one run), each run as
+// ``streams`` parts read ``tile`` bytes of each in turn, every line ``ahead`` bytes further in its part
+// asked for as it is read (past a part's end, in the same part of the next run; 0: none). Runs of 128 KiB
+// are a decoding step's tiles of keys in streams (the native kernel's in_key_blocks): (seconds, bytes read).
+std::tuple<double, int64_t> read_runs(const torch::Tensor& x, int64_t streams, int64_t tile, int64_t run, int64_t ahead) {
   const int64_t bytes = x.numel() * 8, threads = at::get_num_threads();
-  const int64_t share = bytes / threads / (streams * tile) * (streams * tile), part = share / streams;
-  TORCH_CHECK(share > 0, "a buffer of ", bytes, " bytes holds no ", streams, " tiles of ", tile, " bytes for each of ",
-              threads, " threads: give more MiB");
+  const int64_t whole = streams * tile, share = bytes / threads / whole * whole;
+  if (run == 0) run = share;
+  TORCH_CHECK(share > 0 && share % run == 0 && run % whole == 0 && tile % 256 == 0, "a buffer of ", bytes,
+              " bytes holds no runs of ", run, " bytes cut in ", streams, " parts of whole tiles of ", tile,
+              " bytes (of 256-byte steps) for each of ", threads, " threads: give more MiB");
+  const int64_t part = run / streams;
   const int64_t* base = x.data_ptr<int64_t>();
   std::vector<int64_t> sums(threads);
   const auto start = std::chrono::steady_clock::now();
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t* own = base + t * share / 8;
+      const char* own = reinterpret_cast<const char*>(base + t * share / 8);
       int64_t total = 0;
-      for (int64_t at = 0; at < part; at += tile)
-        for (int64_t s = 0; s < streams; ++s) {
-          const char* tile_at = reinterpret_cast<const char*>(own) + s * part + at;
-          total += tile_sum(own + (s * part + at) / 8, tile, ahead > 0 ? tile_at + ahead : nullptr);
+      for (int64_t first = 0; first < share; first += run)
+        for (int64_t at = 0; at < part; at += tile) {
+          const int64_t near = std::min(ahead, part), reach = at + near < part ? near : near + run - part;
+          for (int64_t s = 0; s < streams; ++s) {
+            const char* tile_at = own + first + s * part + at;
+            total += tile_sum(reinterpret_cast<const int64_t*>(tile_at), tile, ahead > 0 ? tile_at + reach : nullptr);
+          }
         }
       sums[t] = total;
     }
@@ -75,41 +84,9 @@ std::tuple<double, int64_t> read_streams(const torch::Tensor& x, int64_t streams
   TORCH_CHECK(sums[0] != -1, "unreachable");  // keeps the sums
   return {seconds, share * threads};
 }
-
-// Each thread's share read run by run (``run`` bytes each), each run as ``streams`` parts read ``tile``
-// bytes of each in turn, ``ahead`` bytes ahead in each part asked for (past a part's end, in the same
-// part of the next run): a decoding step's pattern (a tile's keys in streams, the native kernel's
-// in_key_blocks): (seconds, bytes read).
-std::tuple<double, int64_t> read_runs(const torch::Tensor& x, int64_t streams, int64_t tile, int64_t run, int64_t ahead) {
-  const int64_t bytes = x.numel() * 8, threads = at::get_num_threads();
-  const int64_t share = bytes / threads / run * run, part = run / streams;
-  TORCH_CHECK(share > 0 && run % streams == 0 && part % tile == 0 && tile % 256 == 0,
-              "give more MiB, and runs of whole tiles (of 256-byte steps) a stream");
-  const int64_t* base = x.data_ptr<int64_t>();
-  std::vector<int64_t> sums(threads);
-  const auto start = std::chrono::steady_clock::now();
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t* own = base + t * share / 8;
-      int64_t total = 0;
-      for (int64_t first = 0; first < share; first += run)
-        for (int64_t at = 0; at < part; at += tile) {
-          const int64_t near = std::min(ahead, part), reach = at + near < part ? near : near + run - part;
-          for (int64_t s = 0; s < streams; ++s) {
-            const int64_t tile_at = first + s * part + at;
-            total += tile_sum(own + tile_at / 8, tile, reinterpret_cast<const char*>(own) + tile_at + reach);
-          }
-        }
-      sums[t] = total;
-    }
-  });
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  TORCH_CHECK(sums[0] != -1, "unreachable");
-  return {seconds, share * threads};
-}
 """
 
-# (name, streams, tile bytes, bytes ahead: 0 for no software prefetch)
+# (name, streams, tile bytes, bytes ahead: 0 for no software prefetch): each thread's share one run
 WAYS = [("1 stream, hardware only", 1, 65536, 0), ("1 stream", 1, 65536, 8192), ("1 stream, 64 KiB ahead", 1, 65536, 65536),
         ("2 streams, 64 KiB tiles", 2, 65536, 8192), ("2 streams, 4 KiB tiles", 2, 4096, 8192),
         ("4 streams, 4 KiB tiles", 4, 4096, 8192), ("8 streams, 4 KiB tiles", 8, 4096, 8192),
@@ -123,11 +100,11 @@ def main() -> None:
     parser.add_argument("mib", type=int, nargs="?", default=512)
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
-    reader = load_inline("mha_read_streams", cpp_sources=SOURCE, functions=["read_streams", "read_runs"],
+    reader = load_inline("mha_read_streams", cpp_sources=SOURCE, functions=["read_runs"],
                          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     x = torch.ones(args.mib * 2 ** 20 // 8, dtype=torch.int64)
     calls = {"torch int64 sum": lambda: (_seconds(x.sum), x.numel() * 8)}
-    calls.update({name: (lambda s=s, t=t, a=a: reader.read_streams(x, s, t, a)) for name, s, t, a in WAYS})
+    calls.update({name: (lambda s=s, t=t, a=a: reader.read_runs(x, s, t, 0, a)) for name, s, t, a in WAYS})
     calls.update({name: (lambda s=s, t=t, r=r, a=a: reader.read_runs(x, s, t, r, a)) for name, s, t, r, a in RUNS})
     rates = {name: [] for name in calls}  # bytes per second, each round
     for call in calls.values():

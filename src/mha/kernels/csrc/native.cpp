@@ -1699,7 +1699,6 @@ inline void prefetch_row(const T* row, int64_t width) {
   for (int64_t byte = 0; byte < row_bytes; byte += 64) prefetch_line<T>(reinterpret_cast<const char*>(row) + byte);
 }
 
-
 // out[n] = the sum of a[n]'s lanes, n < N, each in one fixed order whether a vector is reduced alone
 // or among others (so a key's score does not depend on its place in a block). On AVX2 floats:
 // ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), eight vectors at a time by horizontal adds
@@ -1794,10 +1793,11 @@ struct KeyBlock {
 // side by side), else kKeys neighbours. Rows read as streams: those whose reading is a decoding step's
 // limit (kReadBound: keys of 16 bits or more, float32 and float64 values in value_rows). A core keeps
 // more of the memory's reads in flight over a few streams than along one (benchmarks/read_streams.py:
-// 128 KiB runs in 4 streams read 1.14-1.19x torch's one-stream sum, in 8 1.20-1.30x, 2 Zen 4 threads): a float32 step over
-// 16384-65536 keys took 0.82-0.96x the time with GQA 32 / 8 and 0.74-0.79x with 8 / 8 (2 Zen 4 threads;
-// kernel_ab.py --read, --dense and paged; 1 thread 0.81x), AVX2 build 0.82x at 8 / 8, 0.98-1.0x at
-// 32 / 8; a bfloat16 step with its keys in streams 0.91-1.03x (median 0.96; 1.04x on one thread with
+// 128 KiB runs in 4 streams read 1.14-1.19x torch's one-stream sum, in 8 1.20-1.30x, 2 Zen 4 threads):
+// a float32 step over 16384-65536 keys took 0.75-0.96x the time with GQA 32 / 8 (1.01-1.04x in one
+// paged run, a slow minute where the old step read the sum's rate) and 0.74-0.79x with 8 / 8 (2 Zen 4
+// threads; kernel_ab.py --read, --dense and paged; 1 thread 0.81x), AVX2 build 0.82x at 8 / 8,
+// 0.98-1.0x at 32 / 8; a bfloat16 step with its keys in streams 0.91-1.03x (median 0.96; 1.04x on one thread with
 // every byte in cache; AVX2 build 0.95-1.02x). Not 16-bit values (value_strips reads them in chunks of
 // its own: with them in streams too, a bfloat16 step took 1.04-1.09x the time, its arithmetic being its
 // limit on Zen 4), nor 8-bit rows, which their widening bounds (1.07-1.09x in a first version, whose
@@ -1825,7 +1825,8 @@ inline void score_blocks(int64_t count, int64_t D, const key_t* k, int64_t ld, a
                          const acc_t* scales, int64_t scale_ld, AddProducts add_products) {
   using vec = typename Lanes<acc_t>::vec;
   const int64_t ahead = rows_ahead<key_t>(ld);
-  in_key_blocks<kScoreKeys<kRows>, kReadBound<key_t>>(count, ahead, [&](int64_t first, int64_t apart, int64_t reach, auto keys) {
+  in_key_blocks<kScoreKeys<kRows>, kReadBound<key_t>>(count, ahead, [&](int64_t first, int64_t apart, int64_t reach,
+                                                                        auto keys) {
     const KeyBlock b{first, apart, reach};
     constexpr int kKeys = decltype(keys)::value;
     if constexpr (!kReadBound<key_t>)
@@ -2021,8 +2022,9 @@ void value_strips(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const 
 // read-bound, and reading rows whole keeps the memory busiest (measured, AVX2 at 1 and 2 threads: this
 // loop took 0.85-0.92x the strips' time over 16384 keys; the strips 0.88x this loop's where the values
 // were in the cache). The distance ahead is made once a call: made a block (a division) before the
-// streams, for a register the AVX2 build's loop had spilled (float32 decoding 1.14-1.18x the time then);
-// with the streams the AVX2 build's step took 0.98-1.0x (GQA 32 / 8) and 0.82x (8 / 8) the time of before.
+// streams, for a register the AVX2 build's loop had spilled (float32 decoding 1.14-1.18x the time
+// then); with the streams the AVX2 build's step took 0.98-1.0x (GQA 32 / 8) and 0.82x (8 / 8) the
+// time of before.
 template <int kRows, typename acc_t, typename value_t>
 void value_rows(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const value_t* v, int64_t ld, acc_t* acc,
                  const acc_t* scales, int64_t scale_ld) {
@@ -2054,7 +2056,7 @@ void value_rows(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const va
       for (int i = 0; i < kKeys; ++i) prefetch_line<value_t>(v + b.asked(i) * ld + Dw);
     for (int64_t d = Dw; d < Dv; ++d)
       for (int r = 0; r < kRows; ++r) {
-        acc_t t = w[r][0] * static_cast<acc_t>(v[b.first * ld + d]);
+        acc_t t = w[r][0] * static_cast<acc_t>(v[b.key(0) * ld + d]);
         for (int i = 1; i < kKeys; ++i) t += w[r][i] * static_cast<acc_t>(v[b.key(i) * ld + d]);
         acc[r * Dv + d] += t;
       }

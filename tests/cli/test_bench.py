@@ -166,14 +166,16 @@ def test_native_rows_time_it_against_torch_beside_a_matmul(tmp_path):
 
 
 def test_a_decoding_rows_read_slower_than_its_step_is_noted_as_disturbed_and_the_cache_size_beside_it(monkeypatch):
-    """Found by a new user: "of read 1.99" printed without a word (a read can't take longer than a step
-    that reads the same bytes and more); and points that fit in the last-level cache read from it."""
+    """Found by a new user: "of read 1.99" printed without a word (a read can't take that much longer
+    than a step that reads the same bytes and more, as a few streams at once); and points that fit in
+    the last-level cache read from it."""
     monkeypatch.setattr(bench_native, "last_level_cache_bytes", lambda: 32 * 2 ** 20)
     extra, detail = bench._read_beside(2.0, 1.0, 64 * 2 ** 20)
     assert extra == {"of read": 0.5, "read GB/s (same bytes, same rounds)": 64 * 2 ** 20 / 1e6, "bytes / last-level cache": 2.0}
     assert detail == {}
-    assert bench._read_beside(1.0, 1.09, 1)[1] == {}  # within DISTURBED (1.1): noise, not flagged
-    assert "note" in bench._read_beside(1.0, 1.11, 1)[1]  # past it: flagged
+    # a step reading its tiles as streams reads up to ~1.3x the one-stream sum (1.31 measured): not flagged
+    assert bench._read_beside(1.0, 1.31, 1)[1] == {} and bench._read_beside(1.0, 1.49, 1)[1] == {}
+    assert "note" in bench._read_beside(1.0, 1.51, 1)[1]  # past DISTURBED (1.5): flagged
     assert "native of read" in bench._read_beside(1.0, 1.0, 1, who="native ")[0]
     extra, detail = bench._read_beside(1.0, 2.0, 16 * 2 ** 20)
     assert extra["of read"] == 2.0 and extra["bytes / last-level cache"] == 0.5 and "disturbed round" in detail["note"]

@@ -481,15 +481,18 @@ def distributed_rows(T: int, nprocs: int) -> Iterator[Row]:
                    "check error": s["check_error"]}, detail={"ranks": reports})
 
 
-DISTURBED = 1.1  # a read this much longer than its step: probably a disturbed round (the two are near even at best)
+# A read this much longer than its step: probably a disturbed round. A step reads its tiles as a few streams
+# at once, and this memory reads a few streams up to ~1.5x as fast as the one-stream sum (float32 steps read
+# 1.10-1.31x it, 8 streams 1.48x: docs/native.md "Streams", benchmarks/read_streams.py).
+DISTURBED = 1.5
 
 
 def _read_beside(step_ms: float, read_ms: float, nbytes: int, *, who: str = "") -> tuple[dict, dict]:
     """A decoding row's read figures, (extra, detail): ``who``'s fraction of the same bytes' read in the
     same rounds (``of read``), that read's GB/s, and the bytes against the last-level cache (below 1
     both come from it, in part); a note where the read took over DISTURBED times the step, which reads
-    the same bytes and more at about the same one-stream rate (docs/native.md): probably a disturbed
-    round (or, over a few KiB, torch's per-call cost), not a figure."""
+    the same bytes and more, as a few streams at once (docs/native.md): probably a disturbed round (or,
+    over a few KiB, torch's per-call cost), not a figure."""
     extra = {f"{who}of read": read_ms / step_ms, "read GB/s (same bytes, same rounds)": nbytes / read_ms / 1e6}
     cache = bench_native.last_level_cache_bytes()
     if cache:

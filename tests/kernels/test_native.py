@@ -1004,6 +1004,31 @@ def test_decoding_rows_of_every_block_shape(dtype, rows):
         assert (out.double() - exact).abs().max() < tolerance, (D, S)
 
 
+@pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G", [1, 4])  # blocks of 8 keys and of 4 (3 for the values): streams of each
+def test_decoding_across_the_streams_edges(dtype, G):
+    """A decoding tile's keys cut in as many streams as a block takes keys: key counts below a block,
+    at it and around tile and stream boundaries (a rest past the streams, a second tile), with a
+    strided (view) cache and a NaN key in the last stream of one head's second tile, against math in
+    float64."""
+    for S in [1, 3, 7, 8, 9, 15, 16, 17, 63, 64, 65, 255, 256, 257, 511, 513]:
+        g = torch.Generator().manual_seed(S)
+        q = torch.randn(1, 2 * G, 1, 64, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(1, 2, S + 3, 64, generator=g, dtype=torch.float64)[:, :, 3:] for _ in range(2))
+        if S > 300:
+            k[0, 1, 256 + 200 % (S - 256)] = float("nan")  # head 1's rows are NaN, head 0's are not
+        with torch.no_grad():
+            out = native.native_attention(*(x.to(dtype) for x in (q, k, v))).double()
+            exact = mha.kernels.math_attention(q.to(dtype).double(),
+                                               *(x.to(dtype).double().repeat_interleave(G, 1) for x in (k, v)))[0]
+        tolerance = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
+        if S > 300:
+            assert torch.isnan(out[0, G:]).all() and not torch.isnan(out[0, :G]).any(), S
+            out, exact = out[0, :G], exact[0, :G]
+        assert (out - exact).abs().max() < tolerance, S
+
+
 def test_the_build_folder_is_one_per_compile_environment(monkeypatch):
     """Two virtual environments with the same torch shared one build folder and rebuilt each other's
     kernel in turn (their include paths differ): the folder is keyed by what the command depends on."""

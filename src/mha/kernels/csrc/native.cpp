@@ -76,7 +76,6 @@ constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max();
 constexpr int64_t kLowest = std::numeric_limits<int64_t>::min();
 constexpr int64_t kBlockQ = 64;   // query rows per task block
 constexpr int64_t kBlockK = 256;  // keys per tile
-constexpr bool kExpStage = true, kExpQuarter = true, kExpPairs = true;  // the three changes, each alone (see the commit)
 
 struct Shape {
   int64_t B, H, Hkv, G, L, S, D, Dv;
@@ -1736,26 +1735,6 @@ __attribute__((always_inline)) inline __m512 lane_sums16(const __m512* v) {
   return quarter_sums(low, high);
 }
 #endif
-#if defined(MHA_AVX512)
-// v[c]'s lane b to v[b]'s lane c, 16 x 16 floats: pairs, then quads within each 128-bit quarter, then
-// the quarters (64 instructions).
-inline void transpose16(__m512* v) {
-  __m512 t[16], u[16];
-  for (int k = 0; k < 16; k += 2) t[k] = _mm512_unpacklo_ps(v[k], v[k + 1]), t[k + 1] = _mm512_unpackhi_ps(v[k], v[k + 1]);
-  for (int k = 0; k < 16; k += 4) {  // u[k + m], quarter L: rows k .. k + 3 of column 4 L + m
-    const __m512d a = _mm512_castps_pd(t[k]), b = _mm512_castps_pd(t[k + 1]);
-    const __m512d c = _mm512_castps_pd(t[k + 2]), d = _mm512_castps_pd(t[k + 3]);
-    u[k] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c)), u[k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-    u[k + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d)), u[k + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-  }
-  for (int m = 0; m < 4; ++m) {
-    const __m512 even = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x88), odd = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xDD);
-    const __m512 even2 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x88), odd2 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xDD);
-    v[m] = _mm512_shuffle_f32x4(even, even2, 0x88), v[8 + m] = _mm512_shuffle_f32x4(even, even2, 0xDD);
-    v[4 + m] = _mm512_shuffle_f32x4(odd, odd2, 0x88), v[12 + m] = _mm512_shuffle_f32x4(odd, odd2, 0xDD);
-  }
-}
-#endif
 template <typename acc_t, int N>
 __attribute__((always_inline)) inline void lane_sums(const typename Lanes<acc_t>::vec* a, acc_t* out) {
 #if defined(__AVX2__) && !defined(MHA_AVX512)
@@ -1836,42 +1815,6 @@ inline void in_key_blocks(int64_t count, int64_t ahead, Block block) {
   for (int64_t j = whole; j < count; ++j) block(j, int64_t(0), ahead, std::integral_constant<int, 1>{});
 }
 
-#if defined(MHA_AVX512)
-// The scores of a run's whole blocks of streams in the AVX-512 builds: a block's kRows x kKeys (at
-// most 16) sums reduced at once into one vector (lane r * kKeys + i for row r and key i), staged 16
-// blocks at a time (the streams' j-th to j + 15-th), then turned (transpose16) so that each row's
-// stream gets its 16 consecutive scores in one store, where each score had a scalar store of its own
-// (to its row and stream: 16 a block, their addresses spilled). A bfloat16 decoding step at D = 128,
-// 4 rows a kv head, took 0.98x the time; float32 0.92-0.95x (Zen 4, 1 thread, S 1024, kernel_ab).
-// 8-bit keys (neighbours, not streams) stored with a masked store a row: no faster (1.01-1.02x).
-template <int kRows, int kKeys>
-struct BlockScores {
-  static_assert(kRows * kKeys <= 16, "a block's sums fill one vector");
-  alignas(64) __m512 staged[16];
-
-  template <typename vec>
-  static __m512 reduce(const vec (&sums)[kRows][kKeys]) {
-    __m512 group[16];
-#pragma GCC unroll 16
-    for (int c = 0; c < 16; ++c) group[c] = c < kRows * kKeys ? reinterpret_cast<const __m512*>(&sums[0][0])[c] : _mm512_setzero_ps();
-    return lane_sums16(group);
-  }
-  // block j of streams ``apart`` keys long (keys j + i * apart), its scores staged; stored once the
-  // 16th block of a group, or the streams' last, is in
-  void stage_stream(__m512 totals, int64_t j, int64_t apart, float* s, int64_t lds) {
-    const int g = static_cast<int>(j % 16) + 1;
-    staged[g - 1] = totals;
-    if (g < 16 && j + 1 < apart) return;
-    for (int b = g; b < 16; ++b) staged[b] = _mm512_setzero_ps();
-    transpose16(staged);  // staged[r * kKeys + i]: scores of keys j0 + i * apart .. + g - 1, row r
-#pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r)
-#pragma GCC unroll 8
-      for (int i = 0; i < kKeys; ++i) _mm512_mask_storeu_ps(s + r * lds + i * apart + j + 1 - g, tail_mask(g), staged[r * kKeys + i]);
-  }
-};
-#endif
-
 // The scores of kRows query rows with ``count`` keys, block by block (kScoreKeys keys, in streams where
 // kReadBound: in_key_blocks): 8-bit rows asked for ahead a block at a time (add_products asks for wider
 // ones as it reads them), kRows x keys zeroed sums, add_products(b, sums) adding q_r . k_(b.key(i)) into
@@ -1882,9 +1825,6 @@ inline void score_blocks(int64_t count, int64_t D, const key_t* k, int64_t ld, a
                          const acc_t* scales, int64_t scale_ld, AddProducts add_products) {
   using vec = typename Lanes<acc_t>::vec;
   const int64_t ahead = rows_ahead<key_t>(ld);
-#if defined(MHA_AVX512)
-  BlockScores<kRows, kScoreKeys<kRows>> whole;
-#endif
   in_key_blocks<kScoreKeys<kRows>, kReadBound<key_t>>(count, ahead, [&](int64_t first, int64_t apart, int64_t reach,
                                                                         auto keys) {
     const KeyBlock b{first, apart, reach};
@@ -1897,15 +1837,11 @@ inline void score_blocks(int64_t count, int64_t D, const key_t* k, int64_t ld, a
 #pragma GCC unroll 8
       for (int i = 0; i < kKeys; ++i) sums[r][i] = vec{};
     add_products(b, sums);
+    acc_t totals[kRows][kKeys];
+    lane_sums<acc_t, kRows * kKeys>(&sums[0][0], &totals[0][0]);
     acc_t factor[kKeys];
 #pragma GCC unroll 8
     for (int i = 0; i < kKeys; ++i) factor[i] = scales == nullptr ? acc_t(1) : scales[b.key(i) * scale_ld];
-#if defined(MHA_AVX512)
-    if constexpr (kExpStage && std::is_same_v<acc_t, float> && kReadBound<key_t> && kKeys == kScoreKeys<kRows>)
-      if (scales == nullptr) return whole.stage_stream(BlockScores<kRows, kKeys>::reduce(sums), first, apart, s, lds);
-#endif
-    acc_t totals[kRows][kKeys];
-    lane_sums<acc_t, kRows * kKeys>(&sums[0][0], &totals[0][0]);
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r)
 #pragma GCC unroll 8
@@ -1914,76 +1850,24 @@ inline void score_blocks(int64_t count, int64_t D, const key_t* k, int64_t ld, a
 }
 
 #if defined(MHA_AVX512_BF16)
-constexpr int64_t kPairRowMax = 512;
-
-// pair_score_block's four rows in the quarters of one vector: quarter r of step t holds row r's columns
-// 8t .. 8t + 7, and each key's 8 columns are broadcast to all four quarters (vbroadcasti32x4), so a
-// key's one sum vector holds its four rows' scores, 4 lanes each, which 9 instructions reduce for a
-// block of 4 keys (lane 4r + i: BlockScores' order) where sums of one (row, key) a vector took 45
-// (lane_sums16). A lone key (a run's last count % 4) reduces the same way against zeros: each score is
-// the same sum in either. The products are the same 32 an instruction.
-inline void quarter_score_block(int64_t count, int64_t D, const uint16_t (*qb)[kPairRowMax + 32], const at::BFloat16* k,
-                                int64_t ld, float* s, int64_t lds) {
-  const int64_t steps = (D + 7) / 8;
-  alignas(64) uint16_t qy[kPairRowMax / 8][32];
-  for (int64_t t = 0; t < steps; ++t)
-    for (int r = 0; r < 4; ++r) std::copy(qb[r] + 8 * t, qb[r] + 8 * t + 8, qy[t] + 8 * r);
-  const __mmask8 tail = static_cast<__mmask8>(D % 8 == 0 ? 0xFF : (1u << (D % 8)) - 1u);
-  BlockScores<4, 4> whole;
-  in_key_blocks<4, true>(count, rows_ahead<at::BFloat16>(ld), [&](int64_t first, int64_t apart, int64_t reach, auto keys) {
-    constexpr int kKeys = decltype(keys)::value;
-    const KeyBlock b{first, apart, reach};
-    const at::BFloat16* row = k + b.key(0) * ld;
-    const at::BFloat16* asked = k + b.asked(0) * ld;
-    const int64_t step = b.apart * ld;
-    __m512 sums[kKeys];
-#pragma GCC unroll 4
-    for (int i = 0; i < kKeys; ++i) sums[i] = _mm512_setzero_ps();
-    const auto add = [&](int64_t t, auto part) {  // part(i): key i's columns 8t .. 8t + 7
-      if (t % 4 == 0)  // a line each, kAheadBytes ahead
-#pragma GCC unroll 4
-        for (int i = 0; i < kKeys; ++i) prefetch_line<at::BFloat16>(asked + i * step + 8 * t);
-      const __m512bh y = (__m512bh)_mm512_load_si512(qy[t]);
-#pragma GCC unroll 4
-      for (int i = 0; i < kKeys; ++i) sums[i] = _mm512_dpbf16_ps(sums[i], (__m512bh)_mm512_broadcast_i32x4(part(i)), y);
-    };
-    const int64_t whole_steps = D / 8;
-    for (int64_t t = 0; t < whole_steps; ++t)  // broadcast from memory
-      add(t, [&](int i) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i * step + 8 * t)); });
-    if (whole_steps < steps)
-      add(whole_steps, [&](int i) { return _mm_maskz_loadu_epi16(tail, row + i * step + 8 * whole_steps); });
-    const __m512 zero = _mm512_setzero_ps();
-    if constexpr (kKeys == 4) {
-      whole.stage_stream(quad_sums(pair_sums(sums[0], sums[1]), pair_sums(sums[2], sums[3])), first, apart, s, lds);
-    } else {
-      alignas(64) float totals[16];
-      _mm512_store_ps(totals, quad_sums(pair_sums(sums[0], zero), zero));
-      for (int r = 0; r < 4; ++r) s[r * lds + b.key(0)] = totals[4 * r];
-    }
-  });
-}
-
 // score_block for bfloat16 keys on vdpbf16ps: 32 products a step, the keys as stored (no widening),
 // for queries that are bfloat16 values (a bfloat16 call's, unscaled: the products are then exact and
 // summed in float32, as widened keys' FMAs sum them; subnormal bfloat16 factors count as zero, as
 // vdpbf16ps takes them); returns false, computing nothing, for queries that are not (or rows wider
-// than kPairRowMax), which the widening loop takes. Four rows: quarter_score_block.
+// than kPairRowMax), which the widening loop takes.
+constexpr int64_t kPairRowMax = 512;
 template <int kRows>
 bool pair_score_block(int64_t count, int64_t D, const float* q, const at::BFloat16* k, int64_t ld, float* s, int64_t lds) {
   if (D > kPairRowMax) return false;
   alignas(64) uint16_t qb[kRows][kPairRowMax + 32];
-  for (int r = 0; r < kRows; ++r) {  // each float's low half zero: a bfloat16 value, kept as its top half
-    for (int64_t d = 0; d < D; d += 16) {
-      const __mmask16 m = D - d >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(D - d);
-      const __m512i bits = _mm512_maskz_loadu_epi32(m, q + r * D + d);
-      if (_mm512_test_epi32_mask(bits, _mm512_set1_epi32(0xFFFF))) return false;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb[r] + d), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  for (int r = 0; r < kRows; ++r) {
+    for (int64_t d = 0; d < D; ++d) {
+      uint32_t bits;
+      std::memcpy(&bits, q + r * D + d, sizeof(bits));
+      if (bits & 0xFFFFu) return false;
+      qb[r][d] = static_cast<uint16_t>(bits >> 16);
     }
     std::fill(qb[r] + D, qb[r] + (D + 31) / 32 * 32, uint16_t(0));
-  }
-  if constexpr (kExpQuarter && kRows == 4) {
-    quarter_score_block(count, D, qb, k, ld, s, lds);
-    return true;
   }
   const int64_t Dw = D / 32 * 32;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t(1) << (D - Dw)) - 1);
@@ -2189,105 +2073,6 @@ void value_block(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const v
     value_strips<kRows>(count, Dv, p, ldp, v, ld, acc, scales, scale_ld);
 }
 
-#if defined(MHA_AVX512_BF16)
-// bfloat16 values against bfloat16 weights (rounded as exp_shifted makes them: the forward's
-// Bf16Products and torch's bfloat16 kernels round them so too) on vdpbf16ps, two keys an instruction:
-// keys j and j + 1 side by side (unpacklo/hi_epi16 of their rows: in each 128-bit quarter Q, lane
-// 4Q + m pairs column 8Q + m in the low half, 8Q + 4 + m in the high half), against each row's pair of
-// weights, products summed in float32. A strip's 32 columns are turned into that order as its sums are
-// loaded and back as they are stored (PairOrder). Where the widened values' FMAs took 32 instructions
-// a key at D = 128 for 4 rows, this takes 16 and 4 interleavings.
-struct PairOrder {
-  __m512i low, high, first, second;  // natural (two vectors) -> the pairs' halves, and back
-  PairOrder() {
-    alignas(64) int32_t to[2][16], from[2][16];
-    for (int q = 0; q < 4; ++q)
-      for (int m = 0; m < 4; ++m) to[0][4 * q + m] = 8 * q + m, to[1][4 * q + m] = 8 * q + 4 + m;
-    for (int t = 0; t < 32; ++t) from[t / 16][t % 16] = t % 8 < 4 ? 4 * (t / 8) + t % 8 : 16 + 4 * (t / 8) + t % 8 - 4;
-    low = _mm512_load_si512(to[0]), high = _mm512_load_si512(to[1]);
-    first = _mm512_load_si512(from[0]), second = _mm512_load_si512(from[1]);
-  }
-};
-
-// acc[r * Dv + d0 ..] for kStrips strips of 32 columns (the last ones cut at Dv) += the ``count`` keys'
-// weighted values; rows ``ahead`` keys on asked for as each is read.
-template <int kRows, int kStrips, bool kWhole>
-inline void value_pair_strips(int64_t d0, int64_t count, const at::BFloat16* p, int64_t ldp, const at::BFloat16* v,
-                              int64_t ld, float* acc, int64_t Dv, const PairOrder& order, int64_t ahead) {
-  __m512 low[kRows][kStrips], high[kRows][kStrips];
-  __mmask16 first[kStrips], second[kStrips];
-  __mmask32 columns[kStrips];
-#pragma GCC unroll 4
-  for (int c = 0; c < kStrips; ++c) {
-    const int64_t width = std::min<int64_t>(32, Dv - d0 - 32 * c);
-    first[c] = tail_mask(std::min<int64_t>(width, 16)), second[c] = width > 16 ? tail_mask(width - 16) : 0;
-    columns[c] = static_cast<__mmask32>((uint64_t(1) << width) - 1);
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < kRows; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < kStrips; ++c) {
-      const float* at = acc + r * Dv + d0 + 32 * c;
-      const __m512 a = _mm512_maskz_loadu_ps(first[c], at), b = _mm512_maskz_loadu_ps(second[c], at + 16);
-      low[r][c] = _mm512_permutex2var_ps(a, order.low, b), high[r][c] = _mm512_permutex2var_ps(a, order.high, b);
-    }
-  const auto add = [&](int64_t j, bool pair) {  // keys j and j + 1 (or j alone)
-    __m512bh x[kStrips], y[kStrips];
-#pragma GCC unroll 4
-    for (int c = 0; c < kStrips; ++c) {
-      const at::BFloat16* row = v + j * ld + d0 + 32 * c;
-      prefetch_line<at::BFloat16>(row + ahead * ld);
-      const auto load = [&](const at::BFloat16* at) {  // masked only where the strip is cut
-        return kWhole ? _mm512_loadu_si512(at) : _mm512_maskz_loadu_epi16(columns[c], at);
-      };
-      const __m512i a = load(row);
-      const __m512i b = pair ? load(row + ld) : _mm512_setzero_si512();
-      if (pair) prefetch_line<at::BFloat16>(row + (ahead + 1) * ld);
-      x[c] = (__m512bh)_mm512_unpacklo_epi16(a, b), y[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r) {
-      uint32_t bits = 0;
-      std::memcpy(&bits, p + r * ldp + j, pair ? 4 : 2);  // (w_j, w_j+1) or (w_j, 0)
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(bits));
-#pragma GCC unroll 4
-      for (int c = 0; c < kStrips; ++c)
-        low[r][c] = _mm512_dpbf16_ps(low[r][c], x[c], w), high[r][c] = _mm512_dpbf16_ps(high[r][c], y[c], w);
-    }
-  };
-  int64_t j = 0;
-  for (; j + 1 < count; j += 2) add(j, true);
-  if (j < count) add(j, false);
-#pragma GCC unroll 4
-  for (int r = 0; r < kRows; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < kStrips; ++c) {
-      float* at = acc + r * Dv + d0 + 32 * c;
-      _mm512_mask_storeu_ps(at, first[c], _mm512_permutex2var_ps(low[r][c], order.first, high[r][c]));
-      _mm512_mask_storeu_ps(at + 16, second[c], _mm512_permutex2var_ps(low[r][c], order.second, high[r][c]));
-    }
-}
-
-//   acc_r += sum_j w_rj v_j   w: kRows rows of bfloat16 weights (ldp apart), v: ``count`` rows of Dv, ld apart
-// in chunks of kValueChunk keys (their rows stay in the first-level cache from strip to strip), each
-// chunk in strips of 64 columns (32 for 3 and 4 rows: 16 sums in registers), then one of 32.
-template <int kRows>
-void value_pairs(int64_t count, int64_t Dv, const at::BFloat16* w, int64_t ldp, const at::BFloat16* v, int64_t ld,
-                 float* acc) {
-  static const PairOrder order;
-  constexpr int kStrips = kRows <= 2 ? 4 : 2;
-  const int64_t ahead = std::max<int64_t>(kValueChunk, rows_ahead<at::BFloat16>(ld));
-  for (int64_t j0 = 0; j0 < count; j0 += kValueChunk) {
-    const int64_t n = std::min(kValueChunk, count - j0);
-    int64_t d = 0;
-    for (; d + 32 * kStrips <= Dv; d += 32 * kStrips)
-      value_pair_strips<kRows, kStrips, true>(d, n, w + j0, ldp, v + j0 * ld, ld, acc, Dv, order, ahead);
-    for (; d + 32 <= Dv; d += 32) value_pair_strips<kRows, 1, true>(d, n, w + j0, ldp, v + j0 * ld, ld, acc, Dv, order, ahead);
-    if (d < Dv) value_pair_strips<kRows, 1, false>(d, n, w + j0, ldp, v + j0 * ld, ld, acc, Dv, order, ahead);
-  }
-}
-#endif
-
 // The R rows in blocks of up to four: each block's call of score_block or value_block.
 template <typename Call>
 inline void in_row_blocks(int64_t R, Call call) {
@@ -2310,19 +2095,6 @@ void run_scores(int64_t R, int64_t count, int64_t D, const acc_t* q, const key_t
   });
 }
 
-// Whether a decoding step adds its values on vdpbf16ps (value_pairs): bfloat16 values, float32 sums,
-// the weights rounded to bfloat16 (a products object's weights() gives exp_shifted a bfloat16 buffer).
-template <typename value_t, typename acc_t>
-constexpr bool kPairedValues =
-#if defined(MHA_AVX512_BF16)
-    kExpPairs && std::is_same_v<value_t, at::BFloat16> && std::is_same_v<acc_t, float>;
-#else
-    false;
-#endif
-// What a decoding step's weights are made in: bfloat16 for kPairedValues, else acc_t.
-template <typename value_t, typename acc_t>
-using step_weight_t = std::conditional_t<kPairedValues<value_t, acc_t>, at::BFloat16, acc_t>;
-
 //   acc_r += sum_j p[r * ldp + j] v_j (times the values' scales, for 8-bit values)   v: ``count`` rows of Dv, ld apart
 template <typename acc_t, typename value_t>
 void run_values(int64_t R, int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const value_t* v, int64_t ld,
@@ -2331,15 +2103,6 @@ void run_values(int64_t R, int64_t count, int64_t Dv, const acc_t* p, int64_t ld
     value_block<decltype(rows)::value>(count, Dv, p + r0 * ldp, ldp, v, ld, acc + r0 * Dv, scales, scale_ld);
   });
 }
-#if defined(MHA_AVX512_BF16)
-//   acc_r += sum_j w[r * ldp + j] v_j, bfloat16 weights and values (value_pairs)
-inline void run_value_pairs(int64_t R, int64_t count, int64_t Dv, const at::BFloat16* w, int64_t ldp,
-                            const at::BFloat16* v, int64_t ld, float* acc) {
-  in_row_blocks(R, [&](int64_t r0, auto rows) {
-    value_pairs<decltype(rows)::value>(count, Dv, w + r0 * ldp, ldp, v, ld, acc + r0 * Dv);
-  });
-}
-#endif
 #pragma GCC diagnostic pop
 constexpr int64_t kRunLoopRows = 8;  // at most this many rows: run_scores and run_values, else brgemm
 
@@ -2365,7 +2128,6 @@ struct StepProducts {
   const scalar_t* k;
   const scalar_t* v;
   Scratch<acc_t> qr;
-  Scratch<step_weight_t<scalar_t, acc_t>> rounded;
 
   void pack_row(int64_t r, int64_t R, const scalar_t* src) {
     std::transform(src, src + sh.D, qr.at_least(R * sh.D) + r * sh.D, [](scalar_t x) { return static_cast<acc_t>(x); });
@@ -2373,17 +2135,9 @@ struct StepProducts {
   void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, acc_t* s) {
     run_scores(R, n, sh.D, qr.data(), k + (bh / sh.Hkv) * sh.k_batch + (bh % sh.Hkv) * sh.k_head + j0 * sh.D, sh.D, s, n);
   }
-  // in place of the scores, or bfloat16 ones of their own (kPairedValues)
-  step_weight_t<scalar_t, acc_t>* weights(acc_t* s) {
-    if constexpr (kPairedValues<scalar_t, acc_t>) return rounded.at_least(kDecodeRows * kBlockK);
-    else return s;
-  }
+  acc_t* weights(acc_t* s) { return s; }  // in place of the scores
   void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const acc_t* p, acc_t* acc) {
-    const scalar_t* rows = v + (bh / sh.Hkv) * sh.v_batch + (bh % sh.Hkv) * sh.v_head + j0 * sh.Dv;
-#if defined(MHA_AVX512_BF16)
-    if constexpr (kPairedValues<scalar_t, acc_t>) return run_value_pairs(R, n, sh.Dv, rounded.data(), n, rows, sh.Dv, acc);
-#endif
-    run_values(R, n, sh.Dv, p, n, rows, sh.Dv, acc);
+    run_values(R, n, sh.Dv, p, n, v + (bh / sh.Hkv) * sh.v_batch + (bh % sh.Hkv) * sh.v_head + j0 * sh.Dv, sh.Dv, acc);
   }
 };
 
@@ -2549,8 +2303,7 @@ struct PagedProducts {
   const int64_t* pages = nullptr;  // the bound sequence's block table row (checked)
   int64_t kv_head = 0, keys_total = 0;  // and its S_b
   std::vector<Run> runs = {};
-  Scratch<acc_t> qt, qr, st, converted, widened;
-  Scratch<step_weight_t<pool_t, acc_t>> rounded;
+  Scratch<acc_t> qt, qr, st, converted;
 
   PagedProducts(const pool_t* k_, const pool_t* v_, const PagePool& pool_, const PageScales& scales_, int64_t D_,
                 int64_t Dv_, acc_t scale_)
@@ -2657,26 +2410,10 @@ struct PagedProducts {
           for (int64_t r = r0b; r < std::min(R, r0b + 8); ++r)
             for (int64_t j = j0b; j < std::min(n, j0b + 8); ++j) s[r * n + j] = st.data()[j * R + r];
   }
-  // in place of the scores, or bfloat16 ones of their own (kPairedValues: a bfloat16 pool)
-  step_weight_t<pool_t, acc_t>* weights(acc_t* s) {
-    if constexpr (kPairedValues<pool_t, acc_t>) return rounded.at_least(kBlockQ * kBlockK);
-    else return s;
-  }
+  acc_t* weights(acc_t* s) { return s; }  // in place of the scores
   void add_values(int64_t, int64_t R, int64_t, int64_t n, const acc_t* p, acc_t* acc) {  // the runs of scores()
-    if constexpr (kPairedValues<pool_t, acc_t>)
-      if (R > kRunLoopRows) {  // brgemm's rows take the rounded weights in float32
-        acc_t* wide = widened.at_least(R * n);
-        std::transform(rounded.data(), rounded.data() + R * n, wide, [](at::BFloat16 w) { return static_cast<acc_t>(w); });
-        p = wide;
-      }
     for (const Run& run : runs) {
       if (R <= kRunLoopRows) {
-#if defined(MHA_AVX512_BF16)
-        if constexpr (kPairedValues<pool_t, acc_t>) {
-          run_value_pairs(R, run.count, Dv, rounded.data() + run.first, n, v + run.v_at, pool.v_slot, acc);
-          continue;
-        }
-#endif
         run_values(R, run.count, Dv, p + run.first, n, v + run.v_at, pool.v_slot, acc,
                    scales_of(scales.v, run.v_scale_at), scales.v_slot);
         continue;

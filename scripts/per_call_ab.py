@@ -9,6 +9,8 @@
                                                   # without the weights, B1 and B4
     python scripts/per_call_ab.py --paged 16      # paged_attention's layers over the kernel alone: a
                                                   # decoding step over 16 keys, one thread
+    python scripts/per_call_ab.py --int8 1024     # a step over an 8-bit cache of 1024 keys (the fast path,
+                                                  # the full path) against one over a bfloat16 cache
 
 Where a call takes microseconds and the machine's own speed drifts (a shared machine: the same torch
 call took 8.6 us in one run and 19 us in another here), a best-of ratio misleads: this times
@@ -102,6 +104,28 @@ def paged(S: int) -> None:
             print(f"S{S} {name:26s} {ta:8.2f} us, the kernel alone {tb:8.2f} us: {r:.2f}")
 
 
+def int8(S: int) -> None:
+    """A decoding step over S keys kept in 8 bits (B1, Hq8/Hkv8, D64, bfloat16 queries: an 8-bit
+    KVCache's step in a bfloat16 module) through batch_paged_attention's fast path (dispatch.plain_pages),
+    its full path (attend_pages) and the kernel's call alone, each against the same step over a
+    bfloat16 cache through the dispatch's fast path (plain_sdpa)."""
+    from mha.kernels import dispatch, native, storage
+    from mha.kernels.contract import NONE
+    from mha.kernels.paged import batch_paged_attention
+    g = torch.Generator().manual_seed(S)
+    q = torch.randn(1, 8, 1, 64, generator=g).bfloat16()
+    k, v = (torch.randn(1, 8, S, 64, generator=g).bfloat16() for _ in range(2))
+    k8, v8 = storage.store(k, True), storage.store(v, True)
+    kernel, bare = native._kernel(), native._terms(NONE, 64, q.dtype)
+    steps = {"fast path": lambda: batch_paged_attention(q, k8, v8, NONE),
+             "full path": lambda: batch_paged_attention(q, k8, v8, NONE, backend="native"),
+             "kernel.plain_pages": lambda: kernel.plain_pages(q, k8, v8, bare)}
+    with torch.no_grad():
+        for name, step in steps.items():
+            r, ta, tb = pair_ratio(step, lambda: dispatch.plain_sdpa(q, k, v, is_causal=False, enable_gqa=True))
+            print(f"S{S} int8 {name:20s} {ta:8.2f} us, bfloat16 {tb:8.2f} us: {r:.2f}")
+
+
 def dropin(T: int) -> None:
     """The drop-in module's call (E512 H8, eval, batch first) against torch's, with and without the
     weights, B1 and B4 at T tokens."""
@@ -144,6 +168,7 @@ if __name__ == "__main__":
     parser.add_argument("--bridge", type=int, metavar="S", help="the transformers bridge at a decoding step over S keys")
     parser.add_argument("--dropin", type=int, metavar="T", help="the drop-in module's call at T tokens, with and without weights")
     parser.add_argument("--paged", type=int, metavar="S", help="paged_attention's layers at a decoding step over S keys")
+    parser.add_argument("--int8", type=int, metavar="S", help="a step over an 8-bit cache of S keys against a bfloat16 one")
     args = parser.parse_args()
     if args.generate:
         generate(args.generate)
@@ -153,5 +178,7 @@ if __name__ == "__main__":
         dropin(args.dropin)
     elif args.paged:
         paged(args.paged)
+    elif args.int8:
+        int8(args.int8)
     else:
         calls()

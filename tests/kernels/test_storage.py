@@ -5,9 +5,11 @@ attention over the dequantized rows, whatever the strides of the two scale pools
 import pytest
 import torch
 
-from mha.kernels import native, paged_attention, storage
-from mha.kernels.contract import from_keywords
+from mha.kernels import Contract, dispatch, native, paged_attention, storage
+from mha.kernels.contract import NONE, from_keywords
+from mha.kernels.paged import batch_paged_attention
 from mha.kernels.quantize import dequantize, quantize_int8
+from mha.positions import CAUSAL, Band
 
 BACKENDS = ["math"] + (["native"] if native.native_available() else [])
 
@@ -166,3 +168,108 @@ def test_a_run_of_pages_ends_where_either_scale_pool_stops_following_on(backend,
     want = paged_attention(q.double(), dequantize(k8, ks, torch.float64), dequantize(v8, vs, torch.float64), table, cu,
                            lengths, backend="math", is_causal=False)
     assert (got.double() - want).abs().max().item() <= 2e-6
+
+
+def _misaligned(kept: torch.Tensor) -> torch.Tensor:
+    """The same bytes one byte into a buffer: no float lies on a whole float there (the scales are copied)."""
+    buffer = torch.empty(kept.numel() + 1, dtype=torch.int8)[1:]
+    return buffer.view(kept.shape).copy_(kept)
+
+
+POOLS = {  # how a kept pool may lie: each reads its scales in place, or copies them out (kept_rows)
+    "contiguous": lambda kept: kept,
+    "every other page": lambda kept: torch.cat([kept, kept]).view(2, *kept.shape).transpose(0, 1)[:, 0],
+    "one byte in": _misaligned,
+}
+
+
+@pytest.mark.skipif(not native.native_available(), reason="the native kernel is not built here")
+@pytest.mark.parametrize("pool", list(POOLS))
+@pytest.mark.parametrize(("P", "D", "Dv"), [(4, 8, 12), (1, 8, 4), (3, 5, 9), (16, 64, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@torch.no_grad()
+def test_the_kernel_reads_kept_pages_as_it_reads_their_scales_apart(pool, P, D, Dv, dtype):
+    """The native kernel given kept pages whole (no scales) against the same pages with their scales
+    apart, bitwise: scales read where they lie (widths a multiple of 4 on whole floats), copied out
+    (D 5, Dv 9; one byte into a buffer) or widened (float64 queries); pages of one slot, pages apart."""
+    k, v = _pages(P=P, D=D, Dv=Dv, N=24 // P + 3, seed=P + D)
+    k_kept, v_kept = (POOLS[pool](storage.store(x, True)) for x in (k, v))
+    N = k_kept.shape[0]
+    table = torch.stack([torch.arange(N), torch.arange(N).flip(0)])
+    lengths, cu = torch.tensor([N * P - 1, N * P - 2]), torch.tensor([0, 1, 4])
+    q = torch.randn(4, 4, D, generator=torch.Generator().manual_seed(3)).to(dtype)
+    contract = from_keywords(q, 4, window=(N * P // 2, 0), softcap=6.0)
+    got = native.paged_attention_native(q, k_kept, v_kept, table, cu, lengths, contract)
+    (k8, ks), (v8, vs) = storage.split(k_kept), storage.split(v_kept)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    apart = native.paged_attention_native(q, k8, v8, table, cu, lengths, contract, k_scales=ks.to(wide).contiguous(),
+                                          v_scales=vs.to(wide).contiguous())
+    assert torch.equal(got, apart)
+    want = _reference(q, k_kept, v_kept, table, cu, lengths, window=(N * P // 2, 0), softcap=6.0)
+    tolerance = {torch.float32: 2e-6, torch.float64: 1e-12, torch.bfloat16: 2e-2}[dtype]
+    assert (got.double() - want).abs().max().item() <= tolerance
+
+
+FAST_TERMS = {
+    "none": {},
+    "causal": {"band": CAUSAL},
+    "window": {"band": Band(5, 0)},
+    "softcap, scale": {"softcap": 3.0, "scale": 0.3},
+    "sinks, ALiBi": {"sinks": [0.5, -1.0, 2.0, 0.0, 1.0, -0.5], "alibi_slopes": [0.5, 0.25, 0.1, 0.05, 0.02, 0.01]},
+}
+
+
+@pytest.mark.skipif(not native.native_available(), reason="the native kernel is not built here")
+@pytest.mark.parametrize("terms", list(FAST_TERMS))
+@pytest.mark.parametrize(("B", "H", "Hkv", "L", "S", "D", "Dv"), [
+    (1, 6, 6, 1, 1, 8, 8), (2, 6, 3, 1, 17, 5, 9), (3, 6, 1, 2, 64, 16, 4), (1, 6, 2, 65, 65, 64, 64),
+    (2, 6, 6, 3, 300, 1, 12)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@torch.no_grad()
+def test_a_batch_over_kept_rows_takes_the_fast_path_with_the_full_paths_output(terms, B, H, Hkv, L, S, D, Dv, dtype):
+    """batch_paged_attention over an 8-bit cache's rows (an 8-bit KVCache's or Int8Cache's step): the
+    native kernel's one-step path (dispatch.plain_pages) gives the full path's output bitwise, for
+    every term the pages carry, at and around the kernel's block and tile sizes, GQA, L = 1 and L = S."""
+    g = torch.Generator().manual_seed(B * S + D)
+    q = torch.randn(B, H, L, D, generator=g).to(dtype)
+    k_kept = storage.store(torch.randn(B, Hkv, S, D, generator=g) * 2, True)
+    v_kept = storage.store(torch.randn(B, Hkv, S, Dv, generator=g), True)
+    given = {name: torch.tensor(x) if isinstance(x, list) else x for name, x in FAST_TERMS[terms].items()}
+    contract = Contract(**given)
+    fast = dispatch.plain_pages(q, k_kept, v_kept, contract)
+    assert fast is not None and fast.shape == (B, H, L, Dv) and fast.dtype == dtype
+    full = batch_paged_attention(q, k_kept, v_kept, contract, backend="native")  # (the full path: attend_pages)
+    assert torch.equal(fast, full)
+    assert torch.equal(batch_paged_attention(q, k_kept, v_kept, contract), fast)  # auto takes the fast path
+    want = batch_paged_attention(q.double(), storage.load(k_kept, torch.float64), storage.load(v_kept, torch.float64),
+                                 contract, backend="math")
+    tolerance = {torch.float32: 5e-6, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]  # (the kernel's own rounding)
+    assert (fast.double() - want).abs().max().item() <= tolerance
+
+
+def _not_fast(q, k, v):
+    """Calls the fast path leaves to the full path (each its own reason)."""
+    B, H, L, D = q.shape
+    return {
+        "float64 queries": (q.double(), k, v, NONE),
+        "a gradient asked for": (q.clone().requires_grad_(), k, v, NONE),
+        "keys not D + 4 wide": (q, k[..., 1:], v, NONE),
+        "values of a float dtype": (q, k, v.float(), NONE),
+        "more queries than keys": (q.expand(B, H, k.shape[2] + 1, D), k, v, NONE),
+        "no sequence": (q[:0], k[:0], v[:0], NONE),
+        "rows not contiguous": (q, k.transpose(2, 3).contiguous().transpose(2, 3), v, NONE),
+        "a term pages do not carry": (q, k, v, Contract(logit_scale=torch.ones(H))),
+        "float queries, int8 keys of another batch": (q, k[:1], v[:1], NONE),
+    }
+
+
+@pytest.mark.skipif(not native.native_available(), reason="the native kernel is not built here")
+@pytest.mark.parametrize("case", list(_not_fast(torch.zeros(2, 4, 1, 8), torch.zeros(2, 2, 5, 12), torch.zeros(1))))
+def test_the_fast_path_leaves_what_it_does_not_take_to_the_full_path(case):
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 1, 8, generator=g)
+    k, v = (storage.store(torch.randn(2, 2, 5, 8, generator=g), True) for _ in range(2))
+    assert dispatch.plain_pages(q, k, v, NONE) is not None  # (the call the cases change)
+    q, k, v, contract = _not_fast(q, k, v)[case]
+    with torch.enable_grad():
+        assert dispatch.plain_pages(q, k, v, contract) is None

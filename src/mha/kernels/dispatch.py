@@ -56,7 +56,8 @@ from .sdpa import sdpa_attention
 
 __all__ = ["BACKENDS", "LSE_BACKENDS", "OBSERVERS", "PAGED_BACKENDS", "attention", "attention_with_lse",
            "backward_with_lse", "choose_backend", "choose_lse_backend", "choose_paged_backend", "native_pays",
-           "paged_attention", "plain_call", "plain_sdpa", "plain_weights", "share_kv_heads", "weights_refusal"]
+           "paged_attention", "plain_call", "plain_pages", "plain_sdpa", "plain_weights", "share_kv_heads",
+           "weights_refusal"]
 
 BACKENDS = {"math": math_attention, "sdpa": sdpa_attention, "flash": flash_attention, "native": native_attention,
             "flex": flex_attention}
@@ -545,6 +546,26 @@ def choose_paged_backend(requested: str, q: Tensor, k_pages: Tensor, v_pages: Te
         choice = ("math", f"not native ({refusal or 'not built here'}): each sequence gathered, dense")
     _log_choice(" (paged)", *choice)
     return choice
+
+
+def plain_pages(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> Tensor | None:
+    """The per-call fast path of mha.kernels.paged.batch_paged_attention (backend "auto") over 8-bit
+    rows kept as mha's caches keep them, q (B, H, L, D), k (B, Hkv, S, D + 4), v (B, Hkv, S, Dv + 4)
+    int8 (an 8-bit KVCache's or an Int8Cache's step): the native kernel's output (B, H, L, Dv), its
+    checks and call in one step (the full path's checks in Python cost a decoding step over 1024 keys
+    as much as its attention); None where the call takes the full path, which checks it and names what
+    is wrong (not built, a term the pages do not carry, a gradient asked for, shapes that do not fit,
+    float64, and what _kernel_fast_path_allowed refuses)."""
+    if (not _kernel_fast_path_allowed(q, k, v) or q.dim() != 4 or contract.terms - native.PAGED_TAKES
+            or (kernel := native.loaded or native.load_if_built()) is None):
+        return None
+    try:
+        out = kernel.plain_pages(q, k, v, native._terms(contract, q.shape[-1], q.dtype))
+    except RuntimeError:  # a term the kernel refused (slopes not one per head, say): the full path names it
+        return None
+    if out is not None:
+        _log_choice(" (paged)", "native", "the native kernel reads the pages in place")
+    return out
 
 
 def _paged_native_refusal(q: Tensor, k_pages: Tensor, v_pages: Tensor) -> str | None:

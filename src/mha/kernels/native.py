@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from . import merge, storage
+from . import merge
 from ._context import autocast_inputs, autograd_function_refusal
 from ._shapes import leads, matched_kv_heads, unflat
 from .contract import Contract, resolve, undeclared
@@ -487,9 +487,9 @@ def paged_attention_native(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     sinks (the positions come from the pages: no positions, padding or mask). Query head h reads kv
     head h // (H / Hkv). Returns (Tq, H, Dv) in q's dtype; a row that sees no key gives zeros. 8-bit
     pools: int8 pages as mha's caches keep them (N, Hkv, P, D + 4), each row's scale after it
-    (mha.kernels.storage), or int8 rows with k_scales, v_scales (N, Hkv, P) apart, any
-    strides each (mha.kernels.storage.split's views of the bytes after each row), each slot's row
-    read and multiplied by its scale as it is converted (no dequantized copy).
+    (mha.kernels.storage: the kernel reads each scale where it lies), or int8 rows with k_scales,
+    v_scales (N, Hkv, P) apart, any strides each, each slot's row read and multiplied by its scale as
+    it is converted (no dequantized copy).
 
     The caller validates the arguments' kinds and shapes (mha.kernels.paged); the kernel checks every
     count and index it reads (a page outside the pool, S_b beyond the table's pages, L_b > S_b, a
@@ -499,10 +499,8 @@ def paged_attention_native(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("the native kernel is not built here (see the mha.dispatch log)")
-    if k_scales is None and storage.quantized(k_pages):  # kept as mha's caches keep them: rows, then scales
-        (k_pages, k_scales), (v_pages, v_scales) = storage.split(k_pages, "k_pages"), storage.split(v_pages, "v_pages")
     k_pages, v_pages = (x if _slots_readable(x) else x.contiguous() for x in (k_pages, v_pages))
-    if k_scales is not None:  # where they lie (kept after each row: strided views), in the accumulation dtype
+    if k_scales is not None:  # apart (int8 pages without scales: kept with each row, which the kernel reads)
         k_scales, v_scales = (x.to(_acc(q.dtype)) for x in (k_scales, v_scales))
     # the kernel reads the tensors' memory and makes its output with no autograd history: nothing to detach
     out, _, _ = kernel.paged_forward(q.contiguous(), k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k,

@@ -82,7 +82,12 @@ def batch_paged_attention(q: Tensor, k: Tensor, v: Tensor, contract: Contract, *
                           v_scales: Tensor | None = None, backend: str = "auto") -> Tensor:
     """attend_pages over a batch whose sequences share one length: q (B, H, L, D), k (B, Hkv, S, D)
     and v (B, Hkv, S, Dv) (or int8 as attend_pages takes them), each sequence's keys one page of S
-    slots, read in place; its rows bottom-right. Returns (B, H, L, Dv)."""
+    slots, read in place; its rows bottom-right. Returns (B, H, L, Dv). 8-bit rows kept with their
+    scales take the native kernel's per-call fast path where it runs them (dispatch.plain_pages)."""
+    from . import dispatch
+
+    if k_scales is None and backend == "auto" and (out := dispatch.plain_pages(q, k, v, contract)) is not None:
+        return out
     B, H, L = q.shape[:3]
     S = k.shape[2]
     rows = q.transpose(1, 2).reshape(B * L, H, q.shape[3])  # (B, H, L, D) -> (B, L, H, D) -> (B*L, H, D)

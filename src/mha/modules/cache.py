@@ -54,8 +54,9 @@ __all__ = ["KVCache", "Seen"]
 class Seen:
     """What a step's queries see once a cache stored the step's tokens (a cache's store()).
 
-    keys, values:  kept as mha.kernels.storage keeps them: (B, Hkv, S, D|Dv) rows of every sequence,
-                   or, with a block_table, a pool of pages (N, Hkv, P, D|Dv), read in place
+    keys, values:  kept as mha.kernels.storage keeps them: (B, Hkv, S, D|Dv) rows of every sequence
+                   (8-bit ones, int8 (B, Hkv, S, D|Dv + 4), attended as one page per sequence), or, with a
+                   block_table, a pool of pages (N, Hkv, P, D|Dv), read in place
     positions:     (query positions (B|1, L), key positions (B|1, S)) where the sequences differ; None:
                    the queries are the last L of the S keys of every sequence (bottom-right)
     key_valid:     (B|1, S) bool, False where a key is padding, or None
@@ -170,16 +171,13 @@ class KVCache:
     def store(self, keys: Tensor, values: Tensor, positions: Tensor | None, valid: Tensor | None = None) -> Seen:
         """Store a step's keys (B, Hkv, L, D) and values (B, Hkv, L, Dv) at ``positions`` (B|1, L), with
         ``valid`` (B, L) (None: all valid); returns what the step's queries see (a Seen): every
-        sequence's keys, placed by their positions where the sequences differ; an 8-bit cache's as
-        one page per sequence, read in place."""
+        sequence's keys, placed by their positions where the sequences differ (an 8-bit cache's: its
+        rows and their scales, which attention reads in place as one page per sequence)."""
         if self.quantize:
             if valid is not None:
                 raise ValueError("an 8-bit KVCache (quantize='int8') serves inference over sequences of one length: "
                                  "no key_padding_mask")
-            kept_k, kept_v = self._append(*self._quantized(keys, values))
-            B = kept_k.shape[0]
-            return Seen(kept_k, kept_v, block_table=torch.arange(B)[:, None],
-                        lengths_k=torch.full((B,), kept_k.shape[2], dtype=torch.int64))
+            return Seen(*self._append(*self._quantized(keys, values)))
         uniform = self.uniform and valid is None
         kept_k, kept_v, k_pos, key_valid = self.update(keys, values, positions, valid)
         if uniform:

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks, kernels, masks, positions
-from ..kernels import dispatch
+from ..kernels import dispatch, storage
 from ..kernels.contract import NONE, Contract, contract_of
-from ..kernels.paged import attend_pages
+from ..kernels.paged import attend_pages, batch_paged_attention
 
 __all__ = ["attend", "attend_positional", "nested_forward", "check_inputs", "finish", "own_tensors",
            "pipeline", "split_heads", "split_packed_heads", "to_batch_first"]
@@ -202,6 +202,8 @@ def attend_positional(q: Tensor, k: Tensor, v: Tensor, *, rope=None, window=None
     seen = cache.store(k, v, q_pos, key_valid)
     if seen.block_table is not None:
         return _attend_pages(q, seen, terms.replace(band=band), backend=backend), None
+    if storage.quantized(seen.keys):  # an 8-bit KVCache's rows: each sequence's one page (its rows bottom-right)
+        return batch_paged_attention(q, seen.keys, seen.values, terms.replace(band=band), backend=backend), None
     S_all = seen.keys.shape[2]
     offset = positions.offset_of("bottom_right", L, S_all)  # the new tokens last
     band = band if seen.positions is not None else positions.needed(band, L, S_all, offset)

@@ -5,7 +5,8 @@
 //   backward(q, k, v, dout, row max, row sum, delta, terms) -> dq, dk, dv, d_slopes
 //   paged_forward(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k, terms)
 //                                                          -> out (Tq, H, Dv), row max, row sum (Tq, H)
-//     (keys and values read in place from a pool of KV-cache pages: the "paged" section below)
+//     (keys and values read in place from a pool of KV-cache pages, 8-bit ones with their scales: the
+//     "paged" section below; plain_pages, a batch of one length over 8-bit rows in one call)
 //   quantize_rows(x)                                       -> 8-bit rows as a cache keeps them (mha.kernels.storage)
 //
 // A row's softmax is kept as its max m and its sum l of e^(s - m) (log-sum-exp = m + log l, made
@@ -2248,6 +2249,8 @@ void run_backward(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, con
 //
 //   paged_forward(q (Tq, H, D), k_pages (N, Hkv, P, D), v_pages (N, Hkv, P, Dv), block_table (B, M),
 //                 cu_seqlens_q (B + 1,), seqlens_k (B,), terms) -> out (Tq, H, Dv), row max, row sum (Tq, H)
+//   (8-bit pages: int8 with k_scales, v_scales (N, Hkv, P) apart, or kept (N, Hkv, P, D|Dv + 4), each row
+//   then its float32 scale, mha.kernels.storage's layout)
 //
 // Sequence b owns the query rows cu[b]:cu[b + 1] (L_b of them) and S_b keys: key j lies in page
 // block_table[b, j / P], slot j % P. Query r sits at position S_b - L_b + r (bottom-right), key j
@@ -2275,6 +2278,7 @@ struct PageScales {
   const void* v = nullptr;
   int64_t k_page = 0, k_head = 0, k_slot = 0, v_page = 0, v_head = 0, v_slot = 0;
 };
+constexpr int64_t kScaleBytes = sizeof(float);  // storage.SCALE_BYTES: a row's scale after it
 
 
 // The forward's two products on keys and values read in place from their pages. A tile's keys
@@ -2678,38 +2682,63 @@ std::tuple<int64_t, int64_t, int64_t> scale_strides(const Tensor& x, const Tenso
   return pool_strides(x, 1);
 }
 
-std::vector<Tensor> paged_forward(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages,
-                                  const Tensor& block_table_in, const Tensor& cu_seqlens_q_in,
-                                  const Tensor& seqlens_k_in, const TermArgs& terms, const Optional& k_scales,
-                                  const Optional& v_scales) {
+// An 8-bit pool as mha.kernels.storage keeps it, (N, Hkv, P, X + 4): (its rows (N, Hkv, P, X), their
+// float32 scales (N, Hkv, P)), views of each slot's first X bytes and its last four (copied out where
+// those do not lie on whole floats, as storage.split does).
+std::pair<Tensor, Tensor> kept_rows(const Tensor& kept) {
+  const int64_t X = kept.size(3) - kScaleBytes;
+  Tensor bytes = kept.narrow(3, X, kScaleBytes);  // (N, Hkv, P, 4)
+  const bool floats = bytes.storage_offset() % kScaleBytes == 0 && bytes.stride(3) == 1 &&  // (torch's rule for a float view)
+                      bytes.stride(0) % kScaleBytes == 0 && bytes.stride(1) % kScaleBytes == 0 &&
+                      bytes.stride(2) % kScaleBytes == 0;
+  if (!floats) bytes = bytes.contiguous();
+  return {kept.narrow(3, 0, X), bytes.view(at::kFloat).squeeze(3)};
+}
+
+// Whether a kept 8-bit pool's scales can be read where they lie as floats of ``acc_type`` (float32,
+// on whole floats): then the kernel reads them in place, with no tensor made (kept_rows otherwise).
+bool kept_scales_in_place(const Tensor& kept, at::ScalarType acc_type) {
+  if (acc_type != at::kFloat || kept.size(3) <= kScaleBytes) return false;
+  const auto [page, head, slot] = pool_strides(kept, kept.size(3));
+  const auto first = reinterpret_cast<uintptr_t>(kept.data_ptr<int8_t>() + kept.size(3) - kScaleBytes);
+  return first % alignof(float) == 0 && page % kScaleBytes == 0 && head % kScaleBytes == 0 && slot % kScaleBytes == 0;
+}
+
+// paged_forward on its sequences' counts as arrays: cu (B + 1,), seqlens (B,), table (B, M) row-major.
+std::vector<Tensor> paged_sequences(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, int64_t B, int64_t M,
+                                    const int64_t* cu, const int64_t* seqlens, const int64_t* pages,
+                                    const TermArgs& terms, const Optional& k_scales, const Optional& v_scales) {
   TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.dim() == 4,
               "mha paged: q must be (Tq, H, D), k_pages (N, Hkv, P, D), v_pages (N, Hkv, P, Dv)");
   TORCH_CHECK(q.device().is_cpu() && k_pages.device().is_cpu() && v_pages.device().is_cpu(),
               "mha paged: q and the pages must be CPU tensors");
   const bool quantized = k_pages.scalar_type() == at::kChar;
-  TORCH_CHECK(quantized ? v_pages.scalar_type() == at::kChar && k_scales && v_scales
+  // 8-bit pages without scales: kept as mha.kernels.storage keeps them, each row then its float32 scale
+  const bool kept = quantized && v_pages.scalar_type() == at::kChar && !k_scales && !v_scales;
+  TORCH_CHECK(quantized ? v_pages.scalar_type() == at::kChar && (kept || (k_scales && v_scales))
                         : k_pages.scalar_type() == q.scalar_type() && v_pages.scalar_type() == q.scalar_type() &&
                               !k_scales && !v_scales,
-              "mha paged: the pages must have q's dtype, or be int8 (keys and values) with their scales");
+              "mha paged: the pages must have q's dtype, or be int8 (keys and values), kept with their scales or given them");
+  const auto acc_type = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const int64_t trail = kept ? kScaleBytes : 0;  // a kept row's scale, after its values
+  TORCH_CHECK(!kept || (k_pages.size(3) > kScaleBytes && v_pages.size(3) > kScaleBytes),
+              "mha paged: 8-bit pages without scales are kept as (N, Hkv, P, X + 4), each row then its float32 scale");
+  if (kept && !(kept_scales_in_place(k_pages, acc_type) && kept_scales_in_place(v_pages, acc_type))) {
+    const auto [k_rows, k_kept] = kept_rows(k_pages);  // apart, as floats of the accumulation dtype
+    const auto [v_rows, v_kept] = kept_rows(v_pages);
+    return paged_sequences(q, k_rows, v_rows, B, M, cu, seqlens, pages, terms, k_kept.to(acc_type), v_kept.to(acc_type));
+  }
   TORCH_CHECK(q.is_contiguous(), "mha paged: q must be contiguous");
   const int64_t Tq = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t N = k_pages.size(0), Hkv = k_pages.size(1), P = k_pages.size(2), Dv = v_pages.size(3);
+  const int64_t N = k_pages.size(0), Hkv = k_pages.size(1), P = k_pages.size(2), Dv = v_pages.size(3) - trail;
   TORCH_CHECK(v_pages.size(0) == N && v_pages.size(1) == Hkv && v_pages.size(2) == P,
               "mha paged: v_pages must have k_pages' pages, heads and block size");
-  TORCH_CHECK(k_pages.size(3) == D, "mha paged: k_pages must have q's head dim");
+  TORCH_CHECK(k_pages.size(3) - trail == D, "mha paged: k_pages must have q's head dim");
   TORCH_CHECK(D > 0 && Dv > 0, "mha paged: head dims must be at least 1");
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "mha paged: key/value heads must divide query heads");
   const auto [k_page, k_head, k_slot] = page_strides(k_pages, "k_pages");
   const auto [v_page, v_head, v_slot] = page_strides(v_pages, "v_pages");
-  const Tensor table = paged_integers(block_table_in, "block_table", 2);
-  const Tensor cu_seqlens_q = paged_integers(cu_seqlens_q_in, "cu_seqlens_q", 1);
-  const Tensor seqlens_k = paged_integers(seqlens_k_in, "seqlens_k", 1);
-  const int64_t B = table.size(0), M = table.size(1);
-  TORCH_CHECK(cu_seqlens_q.numel() == B + 1 && seqlens_k.numel() == B, "mha paged: block_table has ", text(B),
-              " sequences: cu_seqlens_q needs ", text(B + 1), " offsets and seqlens_k ", text(B), " counts");
   // every index the kernel will read: the sequences' query rows, their keys' pages
-  const int64_t *cu = cu_seqlens_q.data_ptr<int64_t>(), *seqlens = seqlens_k.data_ptr<int64_t>();
-  const int64_t* pages = table.data_ptr<int64_t>();
   TORCH_CHECK(cu[0] == 0 && cu[B] == Tq, "mha paged: cu_seqlens_q must rise from 0 to q's ", text(Tq), " rows");
   for (int64_t b = 0; b < B; ++b) {
     const int64_t L = cu[b + 1] - cu[b], S = seqlens[b];
@@ -2724,8 +2753,6 @@ std::vector<Tensor> paged_forward(const Tensor& q, const Tensor& k_pages, const 
                   " names no page of the pool (0..", text(N - 1), ")");
     }
   }
-  const bool wide = q.scalar_type() == at::kDouble;
-  const auto acc_type = wide ? at::kDouble : at::kFloat;
   TORCH_CHECK(!terms.q_pos && !terms.key_valid && !terms.mask && terms.offset == 0,
               "mha paged: a sequence's positions come from its pages (bottom-right): no positions, padding, mask or offset");
   for (const auto* term : {&terms.slopes, &terms.sinks})
@@ -2739,7 +2766,11 @@ std::vector<Tensor> paged_forward(const Tensor& q, const Tensor& k_pages, const 
   if (Tq * H == 0) return {out, row_max, row_sum};
   const PagePool pool{P, k_page, k_head, k_slot, v_page, v_head, v_slot};
   PageScales page_scales;
-  if (quantized) {
+  if (kept) {  // each row's scale in its last 4 bytes: a float view of the pool, strides in floats
+    page_scales = {k_pages.data_ptr<int8_t>() + D, v_pages.data_ptr<int8_t>() + Dv, k_page / kScaleBytes,
+                   k_head / kScaleBytes, k_slot / kScaleBytes, v_page / kScaleBytes, v_head / kScaleBytes,
+                   v_slot / kScaleBytes};
+  } else if (quantized) {
     const auto [kp, kh, ks] = scale_strides(*k_scales, k_pages, acc_type, "k_scales");
     const auto [vp, vh, vs] = scale_strides(*v_scales, v_pages, acc_type, "v_scales");
     page_scales = {k_scales->data_ptr(), v_scales->data_ptr(), kp, kh, ks, vp, vh, vs};
@@ -2760,6 +2791,20 @@ std::vector<Tensor> paged_forward(const Tensor& q, const Tensor& k_pages, const 
     }
   });
   return {out, row_max, row_sum};
+}
+
+std::vector<Tensor> paged_forward(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages,
+                                  const Tensor& block_table_in, const Tensor& cu_seqlens_q_in,
+                                  const Tensor& seqlens_k_in, const TermArgs& terms, const Optional& k_scales,
+                                  const Optional& v_scales) {
+  const Tensor table = paged_integers(block_table_in, "block_table", 2);
+  const Tensor cu_seqlens_q = paged_integers(cu_seqlens_q_in, "cu_seqlens_q", 1);
+  const Tensor seqlens_k = paged_integers(seqlens_k_in, "seqlens_k", 1);
+  const int64_t B = table.size(0), M = table.size(1);
+  TORCH_CHECK(cu_seqlens_q.numel() == B + 1 && seqlens_k.numel() == B, "mha paged: block_table has ", text(B),
+              " sequences: cu_seqlens_q needs ", text(B + 1), " offsets and seqlens_k ", text(B), " counts");
+  return paged_sequences(q, k_pages, v_pages, B, M, cu_seqlens_q.data_ptr<int64_t>(), seqlens_k.data_ptr<int64_t>(),
+                         table.data_ptr<int64_t>(), terms, k_scales, v_scales);
 }
 
 // The band's rule as the kernel applies it, for the tests that check it against mha.positions.Band:
@@ -2883,6 +2928,48 @@ pybind11::object plain_weights(const Tensor& q, const Tensor& k, const Tensor& v
   return pybind11::make_tuple(result[0], result[1]);
 }
 
+// The per-call fast path of a batch whose sequences share one length over 8-bit rows kept as mha's caches
+// keep them (mha.kernels.dispatch.plain_pages: an 8-bit KVCache's or an Int8Cache's step): q (B, H, L, D)
+// over k (B, Hkv, S, D + 4) and v (B, Hkv, S, Dv + 4) int8, each sequence's keys one page, its rows the
+// last L of its S positions: the output (B, H, L, Dv) of paged_forward, checks and call in one step from
+// Python (attend_pages' checks in Python cost a short step as much as its attention). None where the
+// call is not one: q not float32, bfloat16 or float16, shapes that do not fit, nothing to attend, rows
+// not readable in place, a gradient asked for, a term the pages do not carry (positions, padding, a
+// mask, an offset): the caller's full path checks it and names what is wrong.
+bool plain_kept_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
+  for (const Tensor* x : {&q, &k, &v})
+    if (x->is_nested() || x->layout() != at::kStrided || !x->device().is_cpu() || x->dim() != 4) return false;
+  const auto dtype = q.scalar_type();
+  if ((dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) || k.scalar_type() != at::kChar ||
+      v.scalar_type() != at::kChar)
+    return false;
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  if (B < 1 || H < 1 || L < 1 || D < 1 || Hkv < 1 || H % Hkv != 0 || L > S || k.size(0) != B || v.size(0) != B ||
+      v.size(1) != Hkv || v.size(2) != S || k.size(3) != D + kScaleBytes || v.size(3) <= kScaleBytes)
+    return false;
+  for (const Tensor* x : {&k, &v})  // rows read in place (page_strides' conditions)
+    if (x->stride(3) != 1 || (S > 1 && x->stride(2) < x->size(3))) return false;
+  return true;
+}
+
+pybind11::object plain_pages(const Tensor& q, const Tensor& k, const Tensor& v, const TermArgs& terms) {
+  if (!plain_kept_inputs(q, k, v) || needs_gradient(q, k, v) || terms.q_pos || terms.k_pos || terms.key_valid ||
+      terms.mask || terms.offset != 0)
+    return pybind11::none();
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
+  std::vector<int64_t> cu(B + 1), seqlens(B, k.size(2)), pages(B);  // sequence b: rows b * L.., page b
+  for (int64_t b = 0; b <= B; ++b) cu[b] = b * L;
+  std::iota(pages.begin(), pages.end(), int64_t(0));
+  Tensor out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    const Tensor rows = q.transpose(1, 2).reshape({B * L, H, q.size(3)}).contiguous();  // (B, H, L, D) -> (B*L, H, D)
+    out = paged_sequences(rows, k, v, B, 1, cu.data(), seqlens.data(), pages.data(), terms, std::nullopt,
+                          std::nullopt)[0];
+  }
+  return pybind11::cast(out.view({B, L, H, out.size(2)}).transpose(1, 2));  // (B*L, H, Dv) -> (B, H, L, Dv)
+}
+
 // ---- peaks: what this build's instructions reach on this CPU (mha bench --sections peaks) -------
 
 // Every thread runs kChains independent chains of one instruction for ``iterations`` steps: more
@@ -2954,7 +3041,6 @@ double bf16_dot_peak_work(int64_t iterations) {
 // NaN or an infinity), data = x / scale rounded half to even (the default rounding mode, as torch.round)
 // within +-127; a row whose scale is not positive (zeros, NaN, or too small a max for a float32 scale)
 // stores zeros.
-constexpr int64_t kScaleBytes = sizeof(float);  // storage.SCALE_BYTES
 constexpr float kLevels = 127.0f;               // quantize.LEVELS: int8's symmetric range
 
 Tensor quantize_rows(const Tensor& x) {
@@ -3078,6 +3164,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a plain call's (output, weights) from native, or None (mha.kernels.dispatch.plain_weights)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("is_causal"), pybind11::arg("enable_gqa"),
         pybind11::arg("scale"), pybind11::arg("key_valid") = pybind11::none());
+  m.def("plain_pages", &mha_native::plain_pages,
+        "a batch's step over 8-bit rows kept with their scales, each sequence one page: (B, H, L, Dv), or None "
+        "(mha.kernels.dispatch.plain_pages)");
   m.def("fma_peak_work", &mha_native::fma_peak_work, "floating-point operations of independent FMA chains on every thread (timed by the caller)");
   m.def("bf16_dot_peak_work", &mha_native::bf16_dot_peak_work, "the same with bfloat16 dot products (-1 without them)");
 }

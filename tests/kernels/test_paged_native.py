@@ -248,3 +248,47 @@ def test_widened_half_precision_values(dtype, Dv):
         got = _paged(*inputs, dict())
         want = _reference(*(x.double() if x.is_floating_point() else x for x in inputs), dict())
         assert (got.double() - want).abs().max().item() <= 2 * torch.finfo(dtype).eps, P
+
+
+def _dense_bf16_error(q, k_pages, v_pages, table, cu, seqlens, want):
+    """The dense native forward in bfloat16 over each sequence's keys gathered (bottom-right causal):
+    its mean error against ``want``, what the kernel's bfloat16 attention errs by on these inputs (as
+    torch's bfloat16 SDPA does: tests/kernels/test_native.py)."""
+    P = k_pages.shape[2]
+    errors = []
+    for b, S in enumerate(seqlens.tolist()):
+        first, last = int(cu[b]), int(cu[b + 1])
+        L, pages = last - first, table[b, :(S + P - 1) // P]
+        k, v = (x.index_select(0, pages).transpose(0, 1).flatten(1, 2)[:, :S][None] for x in (k_pages, v_pages))
+        o = native.native_attention(q[first:last].transpose(0, 1)[None], k, v, Contract(band=CAUSAL, offset=S - L))
+        errors.append((o[0].transpose(0, 1).double() - want[first:last].double()).abs().flatten())
+    return torch.cat(errors).mean().item()
+
+
+@pytest.mark.parametrize("P", [1, 3, 16, 300])
+@pytest.mark.parametrize("pool", ["bfloat16", "int8"])
+@pytest.mark.parametrize(("D", "Dv"), [(16, 12), (5, 9), (64, 64)])
+@torch.no_grad()
+def test_bfloat16_prompts_over_pages_err_as_a_bfloat16_attention(P, pool, D, Dv):
+    """bfloat16 queries over bfloat16 or 8-bit pages, in blocks of more rows than the run loops take
+    (a prompt, chunks, an odd S_b: a tile's pair past it) beside decoding rows: bfloat16 products on
+    the tiles gathered from the pages (PagedBf16Products). Within the bfloat16 tolerance for every
+    term, and causal within 1.1x the mean error of the dense bfloat16 forward over the same keys
+    gathered (8-bit: the dequantized keys rounded to bfloat16), whose products it shares."""
+    lengths = [(70, 70), (1, 700), (40, 333), (3, 257), (9, 9), (1, 1)]
+    q, k_pages, v_pages, table, cu, seqlens = _pool(lengths, 4, 2, P, D=D, Dv=Dv, dtype=torch.bfloat16, seed=P + D)
+    if pool == "int8":
+        k_pages, v_pages = (storage.store(x, True) for x in (k_pages, v_pages))
+        k_wide, v_wide = (storage.load(x, torch.float64) for x in (k_pages, v_pages))
+    else:
+        k_wide, v_wide = k_pages.double(), v_pages.double()
+    for name in ("causal", "everything"):
+        terms = _terms(4)[name]
+        got = _paged(q, k_pages, v_pages, table, cu, seqlens, terms)
+        want = _reference(q.double(), k_wide, v_wide, table, cu, seqlens, terms)
+        error = (got.double() - want).abs().max().item()
+        assert got.dtype == torch.bfloat16 and error <= TOLERANCE[torch.bfloat16], f"{name}: max error {error:.3g}"
+        if name == "causal":
+            dense = _dense_bf16_error(q, k_wide.bfloat16(), v_wide.bfloat16(), table, cu, seqlens, want)
+            mean = (got.double() - want).abs().mean().item()
+            assert mean <= 1.1 * dense, (mean, dense)

@@ -2392,7 +2392,7 @@ struct PagedProducts {
     }
   }
   void scores(int64_t, int64_t R, int64_t j0, int64_t n, acc_t* s) {
-    find_runs(j0, n);
+    find_runs(j0, std::min(n, keys_total - j0));  // (a tile widened to whole pairs ends past S_b: padding)
     prefetch(j0 + n, std::min(keys_total, j0 + n + kBlockK));  // the next tile's, while this one is computed
     if (R > kRunLoopRows) st.at_least(kBlockK * kBlockQ);
     for (size_t x = 0; x < runs.size(); ++x) {
@@ -2428,6 +2428,104 @@ struct PagedProducts {
     }
   }
 };
+
+#if defined(MHA_AVX512_BF16)
+// PagedProducts for bfloat16 queries over bfloat16 or 8-bit pages, for blocks of more rows than the
+// run loops take (a prompt's, a chunk's): each tile's keys and values gathered from their runs as
+// bfloat16 rows (an 8-bit value is an integer of at most 7 bits: exact in bfloat16), put in VNNI pairs
+// and multiplied on brgemm's bfloat16 products, summed in float32, as the dense forward's Bf16Products
+// multiplies; the scale and 8-bit keys' scales multiply the scores, and the weights times 8-bit values'
+// scales are rounded to bfloat16 for P . V, as that forward rounds its weights. Tiles are whole pairs of
+// keys (kAlign); the key past an odd S_b is never read (zeros, its score hidden as padding). Blocks of at
+// most kRunLoopRows rows run on PagedProducts' own loops. (PagedProducts widens a run to float32 and
+// multiplies in float32: a bfloat16 prompt over pages took twice the dense forward's time.)
+template <typename pool_t>
+struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
+  using Base = PagedProducts<at::BFloat16, float, pool_t>;
+  using bf16 = at::BFloat16;
+  static constexpr int64_t kAlign = 2;
+  using Base::Base;
+  Scratch<bf16> qb, rows, kt, vt, pb;
+  Scratch<float> factor;  // a tile's keys' (or values') scales, for its scores (weights)
+
+  void pack_row(int64_t r, int64_t R, const bf16* src) {
+    if (R <= kRunLoopRows) return Base::pack_row(r, R, src);
+    const int64_t D = this->D, D2 = D + D % 2;
+    bf16* row = qb.at_least(kBlockQ * D2) + r * D2;
+    std::copy(src, src + D, row);
+    std::fill(row + D, row + D2, bf16(0.0f));
+  }
+  // The tile's ``keys`` rows of width X (at base, its runs' offsets ``at`` of each run, slots ld apart)
+  // as bfloat16 rows of X2 (>= X; zero-padded) for ``n`` keys (rows past ``keys`` zero); each row's
+  // scale (8-bit) times ``times`` into factor (zero past ``keys``).
+  template <typename At, typename ScaleAt>
+  const bf16* gather(const pool_t* base, int64_t X, int64_t X2, int64_t ld, int64_t keys, int64_t n, At at,
+                     const float* scales, int64_t scale_ld, ScaleAt scale_at, float times) {
+    bf16* out = rows.at_least(n * X2);
+    float* f = factor.at_least(n);
+    for (const auto& run : this->runs) {
+      for (int64_t i = 0; i < run.count; ++i) {
+        const pool_t* src = base + at(run) + i * ld;
+        bf16* dst = out + (run.first + i) * X2;
+        if constexpr (std::is_same_v<pool_t, int8_t>) {
+          for (int64_t d = 0; d < X; d += 16) {
+            const __mmask16 m = X - d >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(X - d);
+            const __m512 wide = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, src + d)));
+            _mm256_mask_storeu_epi16(dst + d, m, (__m256i)_mm512_cvtneps_pbh(wide));
+          }
+          f[run.first + i] = times * scales[scale_at(run) + i * scale_ld];
+        } else {
+          std::copy(src, src + X, dst);
+          f[run.first + i] = times;
+        }
+        std::fill(dst + X, dst + X2, bf16(0.0f));
+      }
+    }
+    std::fill(out + keys * X2, out + n * X2, bf16(0.0f));
+    std::fill(f + keys, f + n, 0.0f);
+    return out;
+  }
+  void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, float* s) {
+    if (R <= kRunLoopRows) return Base::scores(bh, R, j0, n, s);
+    const int64_t keys = std::min(n, this->keys_total - j0), D = this->D, D2 = D + D % 2;
+    this->find_runs(j0, keys);
+    this->prefetch(j0 + n, std::min(this->keys_total, j0 + n + kBlockK));
+    const bf16* k_rows = gather(this->k, D, D2, this->pool.k_slot, keys, n, [](const auto& run) { return run.k_at; },
+                                static_cast<const float*>(this->scales.k), this->scales.k_slot,
+                                [](const auto& run) { return run.k_scale_at; }, this->scale);
+    // K^T in pairs: word (d / 2, j) holds values d and d + 1 of key j (a row's words, transposed as floats)
+    float* words = reinterpret_cast<float*>(kt.at_least(D2 * kBlockK));
+    pack_tile<float, float>(reinterpret_cast<const float*>(k_rows), D2 / 2, n, D2 / 2, words);
+    at::native::cpublas::brgemm(R, n, D2, D2, kBlockK, n, false, qb.data(), reinterpret_cast<const bf16*>(words), s,
+                                true);
+    const float* f = factor.data();
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < n; ++j) s[r * n + j] *= f[j];
+  }
+  void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const float* p, float* acc) {  // the runs of scores()
+    if (R <= kRunLoopRows) return Base::add_values(bh, R, j0, n, p, acc);
+    const int64_t keys = std::min(n, this->keys_total - j0), Dv = this->Dv;
+    const bf16* v_rows = gather(this->v, Dv, Dv, this->pool.v_slot, keys, n, [](const auto& run) { return run.v_at; },
+                                static_cast<const float*>(this->scales.v), this->scales.v_slot,
+                                [](const auto& run) { return run.v_scale_at; }, 1.0f);
+    // V in pairs: word (j / 2, d) holds value d of keys j and j + 1
+    uint32_t* words = reinterpret_cast<uint32_t*>(vt.at_least(n * Dv));
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(v_rows);
+    for (int64_t j = 0; j < n; j += 2)
+      for (int64_t d = 0; d < Dv; ++d) words[(j / 2) * Dv + d] = uint32_t(bits[j * Dv + d]) | uint32_t(bits[(j + 1) * Dv + d]) << 16;
+    // the weights times their values' scales, rounded to bfloat16 (zero past S_b)
+    bf16* weights = pb.at_least(R * n);
+    const float* f = factor.data();
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - j);
+        const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + r * n + j), _mm512_maskz_loadu_ps(m, f + j));
+        _mm256_mask_storeu_epi16(weights + r * n + j, m, (__m256i)_mm512_cvtneps_pbh(w));
+      }
+    at::native::cpublas::brgemm(R, Dv, n, n, Dv, Dv, true, weights, reinterpret_cast<const bf16*>(words), acc, true);
+  }
+};
+#endif
 
 // One sequence's rows of the call, as the forward's machinery takes them: one batch of L_b query
 // rows over S_b keys (Shape), the terms with its bottom-right offset.
@@ -2776,10 +2874,27 @@ std::vector<Tensor> paged_sequences(const Tensor& q, const Tensor& k_pages, cons
     page_scales = {k_scales->data_ptr(), v_scales->data_ptr(), kp, kh, ks, vp, vh, vs};
   }
   const PagedCall call{H, Hkv, D, Dv, cu, seqlens, pages, M};
+  bool prefill = false;  // a block of more rows than the run loops take
+  for (int64_t b = 0; b < B && !prefill; ++b) prefill = (H / Hkv) * (cu[b + 1] - cu[b]) > kRunLoopRows;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_paged_forward", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto t = terms_of<acc_t>(terms);
     const RowStats<acc_t> stats{row_max.data_ptr<acc_t>(), row_sum.data_ptr<acc_t>()};
+#if defined(MHA_AVX512_BF16)
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      if (prefill) {  // some block has more rows than the run loops take: bfloat16 products
+        if (quantized)
+          paged_kernel<scalar_t, acc_t>(call, t, B, q.data_ptr<scalar_t>(), PagedBf16Products<int8_t>(
+              k_pages.data_ptr<int8_t>(), v_pages.data_ptr<int8_t>(), pool, page_scales, D, Dv, t.scale),
+              out.data_ptr<scalar_t>(), stats);
+        else
+          paged_kernel<scalar_t, acc_t>(call, t, B, q.data_ptr<scalar_t>(), PagedBf16Products<scalar_t>(
+              k_pages.data_ptr<scalar_t>(), v_pages.data_ptr<scalar_t>(), pool, page_scales, D, Dv, t.scale),
+              out.data_ptr<scalar_t>(), stats);
+        return;
+      }
+    }
+#endif
     if (quantized) {
       const PagedProducts<scalar_t, acc_t, int8_t> products(k_pages.data_ptr<int8_t>(), v_pages.data_ptr<int8_t>(), pool,
                                                             page_scales, D, Dv, t.scale);

@@ -271,12 +271,16 @@ def _dense_bf16_error(q, k_pages, v_pages, table, cu, seqlens, want):
 @torch.no_grad()
 def test_bfloat16_prompts_over_pages_err_as_a_bfloat16_attention(P, pool, D, Dv):
     """bfloat16 queries over bfloat16 or 8-bit pages, in blocks of more rows than the run loops take
-    (a prompt, chunks, an odd S_b: a tile's pair past it) beside decoding rows: bfloat16 products on
+    (a prompt, chunks, an odd S_b: a tile's pair past it, never read: the table names a page of NaN
+    past every sequence's keys) beside decoding rows: bfloat16 products on
     the tiles gathered from the pages (PagedBf16Products). Within the bfloat16 tolerance for every
     term, and causal within 1.1x the mean error of the dense bfloat16 forward over the same keys
     gathered (8-bit: the dequantized keys rounded to bfloat16), whose products it shares."""
     lengths = [(70, 70), (1, 700), (40, 333), (3, 257), (9, 9), (1, 1)]
     q, k_pages, v_pages, table, cu, seqlens = _pool(lengths, 4, 2, P, D=D, Dv=Dv, dtype=torch.bfloat16, seed=P + D)
+    spare = next(page for page in range(k_pages.shape[0]) if page not in table)  # NaN, named past every S_b:
+    k_pages[spare], v_pages[spare] = float("nan"), float("nan")  # a key read there (a pair past an odd S_b) is NaN
+    table[table < 0] = spare
     if pool == "int8":
         k_pages, v_pages = (storage.store(x, True) for x in (k_pages, v_pages))
         k_wide, v_wide = (storage.load(x, torch.float64) for x in (k_pages, v_pages))

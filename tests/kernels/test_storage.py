@@ -178,7 +178,7 @@ def _misaligned(kept: torch.Tensor) -> torch.Tensor:
 
 POOLS = {  # how a kept pool may lie: each reads its scales in place, or copies them out (kept_rows)
     "contiguous": lambda kept: kept,
-    "every other page": lambda kept: torch.cat([kept, kept]).view(2, *kept.shape).transpose(0, 1)[:, 0],
+    "every other page": lambda kept: torch.stack([kept, kept], 1)[:, 0],  # page stride twice a page's bytes
     "one byte in": _misaligned,
 }
 
@@ -194,6 +194,7 @@ def test_the_kernel_reads_kept_pages_as_it_reads_their_scales_apart(pool, P, D, 
     (D 5, Dv 9; one byte into a buffer) or widened (float64 queries); pages of one slot, pages apart."""
     k, v = _pages(P=P, D=D, Dv=Dv, N=24 // P + 3, seed=P + D)
     k_kept, v_kept = (POOLS[pool](storage.store(x, True)) for x in (k, v))
+    assert (pool == "every other page") != k_kept.is_contiguous() and (pool == "one byte in") == bool(k_kept.data_ptr() % 4)
     N = k_kept.shape[0]
     table = torch.stack([torch.arange(N), torch.arange(N).flip(0)])
     lengths, cu = torch.tensor([N * P - 1, N * P - 2]), torch.tensor([0, 1, 4])
@@ -258,9 +259,14 @@ def _not_fast(q, k, v):
         "more queries than keys": (q.expand(B, H, k.shape[2] + 1, D), k, v, NONE),
         "no sequence": (q[:0], k[:0], v[:0], NONE),
         "rows not contiguous": (q, k.transpose(2, 3).contiguous().transpose(2, 3), v, NONE),
-        "a term pages do not carry": (q, k, v, Contract(logit_scale=torch.ones(H))),
         "float queries, int8 keys of another batch": (q, k[:1], v[:1], NONE),
+        "a term pages do not carry": (q, k, v, Contract(logit_scale=torch.ones(H))),
+        "sinks that learn": (q, k, v, Contract(sinks=torch.zeros(H, requires_grad=True))),
+        "ALiBi slopes that learn": (q, k, v, Contract(alibi_slopes=torch.ones(H, requires_grad=True))),
     }
+
+
+PYTHON_ONLY = ("a term pages do not carry", "sinks that learn", "ALiBi slopes that learn")  # (the kernel's terms lack them)
 
 
 @pytest.mark.skipif(not native.native_available(), reason="the native kernel is not built here")
@@ -273,3 +279,12 @@ def test_the_fast_path_leaves_what_it_does_not_take_to_the_full_path(case):
     q, k, v, contract = _not_fast(q, k, v)[case]
     with torch.enable_grad():
         assert dispatch.plain_pages(q, k, v, contract) is None
+        if case not in PYTHON_ONLY:  # refused by the kernel's own checks (not an error the dispatch swallows)
+            assert native._kernel().plain_pages(q, k, v, native._terms(contract, q.shape[-1], q.dtype)) is None
+        else:  # and the full path refuses what only Python checks, or runs it (logit_scale folded into q)
+            call = lambda: batch_paged_attention(q, k, v, contract)  # noqa: E731
+            if case == "a term pages do not carry":
+                assert call().shape == (2, 4, 1, 8)
+            else:
+                with pytest.raises(ValueError, match="paged_attention is for inference"):
+                    call()

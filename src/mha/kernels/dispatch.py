@@ -554,11 +554,13 @@ def plain_pages(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> Tensor |
     int8 (an 8-bit KVCache's or an Int8Cache's step): the native kernel's output (B, H, L, Dv), its
     checks and call in one step (the full path's checks in Python cost a decoding step over 1024 keys
     as much as its attention); None where the call takes the full path, which checks it and names what
-    is wrong (not built, a term the pages do not carry, a gradient asked for, shapes that do not fit,
-    float64, and what _kernel_fast_path_allowed refuses)."""
+    is wrong (not built, a term the pages do not carry, a gradient asked for of q, k, v, the slopes or
+    the sinks, shapes that do not fit, float64, and what _kernel_fast_path_allowed refuses)."""
     if (not _kernel_fast_path_allowed(q, k, v) or q.dim() != 4 or contract.terms - native.PAGED_TAKES
+            or (torch.is_grad_enabled() and any(x is not None and x.requires_grad
+                                                for x in (contract.alibi_slopes, contract.sinks)))
             or (kernel := native.loaded or native.load_if_built()) is None):
-        return None
+        return None  # (learned slopes or sinks under grad: the full path refuses them, inference only)
     try:
         out = kernel.plain_pages(q, k, v, native._terms(contract, q.shape[-1], q.dtype))
     except RuntimeError:  # a term the kernel refused (slopes not one per head, say): the full path names it

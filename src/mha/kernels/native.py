@@ -487,7 +487,8 @@ def paged_attention_native(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     sinks (the positions come from the pages: no positions, padding or mask). Query head h reads kv
     head h // (H / Hkv). Returns (Tq, H, Dv) in q's dtype; a row that sees no key gives zeros. 8-bit
     pools: int8 pages as mha's caches keep them (N, Hkv, P, D + 4), each row's scale after it
-    (mha.kernels.storage: the kernel reads each scale where it lies), or int8 rows with k_scales,
+    (mha.kernels.storage: the kernel reads the scales where they lie when they sit on whole floats,
+    else copies them out, and widens them for float64 queries), or int8 rows with k_scales,
     v_scales (N, Hkv, P) apart, any strides each, each slot's row read and multiplied by its scale as
     it is converted (no dequantized copy).
 

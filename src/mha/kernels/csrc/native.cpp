@@ -2796,7 +2796,7 @@ std::pair<Tensor, Tensor> kept_rows(const Tensor& kept) {
 // Whether a kept 8-bit pool's scales can be read where they lie as floats of ``acc_type`` (float32,
 // on whole floats): then the kernel reads them in place, with no tensor made (kept_rows otherwise).
 bool kept_scales_in_place(const Tensor& kept, at::ScalarType acc_type) {
-  if (acc_type != at::kFloat || kept.size(3) <= kScaleBytes) return false;
+  if (acc_type != at::kFloat || kept.size(3) <= kScaleBytes || kept.numel() == 0) return false;
   const auto [page, head, slot] = pool_strides(kept, kept.size(3));
   const auto first = reinterpret_cast<uintptr_t>(kept.data_ptr<int8_t>() + kept.size(3) - kScaleBytes);
   return first % alignof(float) == 0 && page % kScaleBytes == 0 && head % kScaleBytes == 0 && slot % kScaleBytes == 0;

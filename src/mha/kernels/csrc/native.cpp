@@ -2436,33 +2436,41 @@ struct PagedProducts {
 // and multiplied on brgemm's bfloat16 products, summed in float32, as the dense forward's Bf16Products
 // multiplies; the scale and 8-bit keys' scales multiply the scores, and the weights times 8-bit values'
 // scales are rounded to bfloat16 for P . V, as that forward rounds its weights. Tiles are whole pairs of
-// keys (kAlign); the key past an odd S_b is never read (zeros, its score hidden as padding). Blocks of at
-// most kRunLoopRows rows run on PagedProducts' own loops. (PagedProducts widens a run to float32 and
+// keys (kAlign); the key past an odd S_b is never read (zeros, its score hidden as padding). A thread
+// keeps the tiles it packed for the sequence's kv head it last worked on (up to kTileCacheBytes, a
+// tile's slot at its index modulo their count), for the next blocks of its rows. Blocks of at most
+// kRunLoopRows rows run on PagedProducts' own loops. (PagedProducts widens a run to float32 and
 // multiplies in float32: a bfloat16 prompt over pages took twice the dense forward's time.)
+constexpr int64_t kTileCacheBytes = int64_t(8) << 20;
+
 template <typename pool_t>
 struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
   using Base = PagedProducts<at::BFloat16, float, pool_t>;
   using bf16 = at::BFloat16;
   static constexpr int64_t kAlign = 2;
   using Base::Base;
-  Scratch<bf16> qb, rows, kt, vt, pb;
-  Scratch<float> factor;  // a tile's keys' (or values') scales, for its scores (weights)
+  Scratch<bf16> qb, rows, k_tiles, v_tiles;
+  Scratch<float> k_factors, v_factors;  // per tile: its keys' scale (times 8-bit scales), its values' scales
+  Scratch<bf16> pb;
+  std::vector<int64_t> held;        // the tile each slot holds (-1: none)
+  const int64_t* held_pages = nullptr;  // for this sequence's table row and kv head
+  int64_t held_head = -1;
 
+  int64_t D2() const { return this->D + this->D % 2; }
   void pack_row(int64_t r, int64_t R, const bf16* src) {
     if (R <= kRunLoopRows) return Base::pack_row(r, R, src);
-    const int64_t D = this->D, D2 = D + D % 2;
-    bf16* row = qb.at_least(kBlockQ * D2) + r * D2;
+    const int64_t D = this->D;
+    bf16* row = qb.at_least(kBlockQ * D2()) + r * D2();
     std::copy(src, src + D, row);
-    std::fill(row + D, row + D2, bf16(0.0f));
+    std::fill(row + D, row + D2(), bf16(0.0f));
   }
-  // The tile's ``keys`` rows of width X (at base, its runs' offsets ``at`` of each run, slots ld apart)
-  // as bfloat16 rows of X2 (>= X; zero-padded) for ``n`` keys (rows past ``keys`` zero); each row's
-  // scale (8-bit) times ``times`` into factor (zero past ``keys``).
+  // The tile's ``keys`` rows of width X (at base, each run's offset ``at``, slots ld apart) as bfloat16
+  // rows of X2 (>= X; zero-padded) for ``n`` keys (rows past ``keys`` zero); each row's 8-bit scale
+  // times ``times`` into ``f`` (zero past ``keys``).
   template <typename At, typename ScaleAt>
   const bf16* gather(const pool_t* base, int64_t X, int64_t X2, int64_t ld, int64_t keys, int64_t n, At at,
-                     const float* scales, int64_t scale_ld, ScaleAt scale_at, float times) {
+                     const float* scales, int64_t scale_ld, ScaleAt scale_at, float times, float* f) {
     bf16* out = rows.at_least(n * X2);
-    float* f = factor.at_least(n);
     for (const auto& run : this->runs) {
       for (int64_t i = 0; i < run.count; ++i) {
         const pool_t* src = base + at(run) + i * ld;
@@ -2485,44 +2493,61 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
     std::fill(f + keys, f + n, 0.0f);
     return out;
   }
-  void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, float* s) {
-    if (R <= kRunLoopRows) return Base::scores(bh, R, j0, n, s);
-    const int64_t keys = std::min(n, this->keys_total - j0), D = this->D, D2 = D + D % 2;
+  // The slot of tile t of the bound sequence's kv head, packed there if it is not yet: K^T in pairs
+  // (word (d / 2, j): values d and d + 1 of key j, a row's words transposed as floats), V in pairs
+  // (word (j / 2, d): value d of keys j and j + 1), the keys' and values' factors.
+  int64_t slot_of(int64_t t) {
+    const int64_t D2 = this->D2(), Dv = this->Dv, tile_bytes = kBlockK * (D2 + this->Dv) * 2;
+    const int64_t slots = std::max<int64_t>(1, std::min(tiles_of(this->keys_total), kTileCacheBytes / tile_bytes));
+    if (held_pages != this->pages || held_head != this->kv_head || static_cast<int64_t>(held.size()) != slots) {
+      held.assign(slots, -1);  // another sequence or kv head: nothing held
+      held_pages = this->pages, held_head = this->kv_head;
+    }
+    const int64_t slot = t % slots;
+    if (held[slot] == t) return slot;
+    const int64_t j0 = t * kBlockK, keys = std::min(kBlockK, this->keys_total - j0), n = padded_keys(keys);
     this->find_runs(j0, keys);
-    this->prefetch(j0 + n, std::min(this->keys_total, j0 + n + kBlockK));
-    const bf16* k_rows = gather(this->k, D, D2, this->pool.k_slot, keys, n, [](const auto& run) { return run.k_at; },
+    this->prefetch(j0 + kBlockK, std::min(this->keys_total, j0 + 2 * kBlockK));
+    float* kf = k_factors.at_least(slots * kBlockK) + slot * kBlockK;
+    const bf16* k_rows = gather(this->k, this->D, D2, this->pool.k_slot, keys, n, [](const auto& run) { return run.k_at; },
                                 static_cast<const float*>(this->scales.k), this->scales.k_slot,
-                                [](const auto& run) { return run.k_scale_at; }, this->scale);
-    // K^T in pairs: word (d / 2, j) holds values d and d + 1 of key j (a row's words, transposed as floats)
-    float* words = reinterpret_cast<float*>(kt.at_least(D2 * kBlockK));
+                                [](const auto& run) { return run.k_scale_at; }, this->scale, kf);
+    float* words = reinterpret_cast<float*>(k_tiles.at_least(slots * D2 * kBlockK) + slot * D2 * kBlockK);
     pack_tile<float, float>(reinterpret_cast<const float*>(k_rows), D2 / 2, n, D2 / 2, words);
-    at::native::cpublas::brgemm(R, n, D2, D2, kBlockK, n, false, qb.data(), reinterpret_cast<const bf16*>(words), s,
-                                true);
-    const float* f = factor.data();
+    float* vf = v_factors.at_least(slots * kBlockK) + slot * kBlockK;
+    const bf16* v_rows = gather(this->v, Dv, Dv, this->pool.v_slot, keys, n, [](const auto& run) { return run.v_at; },
+                                static_cast<const float*>(this->scales.v), this->scales.v_slot,
+                                [](const auto& run) { return run.v_scale_at; }, 1.0f, vf);
+    uint32_t* pairs = reinterpret_cast<uint32_t*>(v_tiles.at_least(slots * kBlockK * Dv) + slot * kBlockK * Dv);
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(v_rows);
+    for (int64_t j = 0; j < n; j += 2)
+      for (int64_t d = 0; d < Dv; ++d) pairs[(j / 2) * Dv + d] = uint32_t(bits[j * Dv + d]) | uint32_t(bits[(j + 1) * Dv + d]) << 16;
+    held[slot] = t;
+    return slot;
+  }
+  void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, float* s) {  // keys j0 .. j0 + n: within one tile
+    if (R <= kRunLoopRows) return Base::scores(bh, R, j0, n, s);
+    const int64_t slot = slot_of(j0 / kBlockK), at = j0 % kBlockK, D2 = this->D2();
+    at::native::cpublas::brgemm(R, n, D2, D2, kBlockK, n, false, qb.data(), k_tiles.data() + slot * D2 * kBlockK + 2 * at,
+                                s, true);
+    const float* f = k_factors.data() + slot * kBlockK + at;
     for (int64_t r = 0; r < R; ++r)
       for (int64_t j = 0; j < n; ++j) s[r * n + j] *= f[j];
   }
-  void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const float* p, float* acc) {  // the runs of scores()
+  void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const float* p, float* acc) {  // the tile of scores()
     if (R <= kRunLoopRows) return Base::add_values(bh, R, j0, n, p, acc);
-    const int64_t keys = std::min(n, this->keys_total - j0), Dv = this->Dv;
-    const bf16* v_rows = gather(this->v, Dv, Dv, this->pool.v_slot, keys, n, [](const auto& run) { return run.v_at; },
-                                static_cast<const float*>(this->scales.v), this->scales.v_slot,
-                                [](const auto& run) { return run.v_scale_at; }, 1.0f);
-    // V in pairs: word (j / 2, d) holds value d of keys j and j + 1
-    uint32_t* words = reinterpret_cast<uint32_t*>(vt.at_least(n * Dv));
-    const uint16_t* bits = reinterpret_cast<const uint16_t*>(v_rows);
-    for (int64_t j = 0; j < n; j += 2)
-      for (int64_t d = 0; d < Dv; ++d) words[(j / 2) * Dv + d] = uint32_t(bits[j * Dv + d]) | uint32_t(bits[(j + 1) * Dv + d]) << 16;
+    const int64_t slot = slot_of(j0 / kBlockK), at = j0 % kBlockK, Dv = this->Dv;
     // the weights times their values' scales, rounded to bfloat16 (zero past S_b)
     bf16* weights = pb.at_least(R * n);
-    const float* f = factor.data();
+    const float* f = v_factors.data() + slot * kBlockK + at;
     for (int64_t r = 0; r < R; ++r)
       for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - j);
         const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + r * n + j), _mm512_maskz_loadu_ps(m, f + j));
         _mm256_mask_storeu_epi16(weights + r * n + j, m, (__m256i)_mm512_cvtneps_pbh(w));
       }
-    at::native::cpublas::brgemm(R, Dv, n, n, Dv, Dv, true, weights, reinterpret_cast<const bf16*>(words), acc, true);
+    at::native::cpublas::brgemm(R, Dv, n, n, Dv, Dv, true, weights, v_tiles.data() + slot * kBlockK * Dv + at * Dv, acc,
+                                true);
   }
 };
 #endif

@@ -11,6 +11,8 @@
                                                   # decoding step over 16 keys, one thread
     python scripts/per_call_ab.py --int8 1024     # a step over an 8-bit cache of 1024 keys (the fast path,
                                                   # the full path) against one over a bfloat16 cache
+    python scripts/per_call_ab.py --int8-generate 4096  # a bfloat16 Llama generating after 4096 tokens with
+                                                  # transformers' Int8Cache against its bfloat16 cache
 
 Where a call takes microseconds and the machine's own speed drifts (a shared machine: the same torch
 call took 8.6 us in one run and 19 us in another here), a best-of ratio misleads: this times
@@ -162,6 +164,31 @@ def generate(T: int, rounds: int = 3) -> None:
                   f"generate 32 mha/sdpa {took['mha'][1] / took['sdpa'][1]:.2f}")
 
 
+def int8_generate(T: int, rounds: int = 5) -> None:
+    """A bfloat16 Llama (attn_implementation "mha") generating 32 tokens after a prompt of T, with
+    transformers' Int8Cache against its default (bfloat16) cache, in turn: the best time of each."""
+    from mha.integrations.transformers import Int8Cache
+    from mha.tools import bench_hf
+    model = bench_hf.llama("mha", torch.bfloat16)
+    prompt = torch.randint(0, 8000, (1, T), generator=torch.Generator().manual_seed(T))
+
+    def run(cache):
+        with torch.no_grad():
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, min_new_tokens=32,
+                           do_sample=False, past_key_values=cache)
+
+    took = {"bf16": [], "int8": []}
+    for i in range(rounds + 1):
+        for name in took:
+            start = time.perf_counter()
+            run(Int8Cache() if name == "int8" else None)
+            if i:  # (the first round warms up)
+                took[name].append(time.perf_counter() - start)
+    best = {name: min(t) * 1e3 for name, t in took.items()}
+    print(f"prompt {T} + 32: bf16 cache {best['bf16']:.1f} ms, Int8Cache {best['int8']:.1f} ms, "
+          f"int8/bf16 {best['int8'] / best['bf16']:.3f}")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--generate", type=int, metavar="T", help="time generation after a prompt of T tokens")
@@ -169,6 +196,7 @@ if __name__ == "__main__":
     parser.add_argument("--dropin", type=int, metavar="T", help="the drop-in module's call at T tokens, with and without weights")
     parser.add_argument("--paged", type=int, metavar="S", help="paged_attention's layers at a decoding step over S keys")
     parser.add_argument("--int8", type=int, metavar="S", help="a step over an 8-bit cache of S keys against a bfloat16 one")
+    parser.add_argument("--int8-generate", type=int, metavar="T", help="a Llama's generation after T tokens, Int8Cache vs bf16")
     args = parser.parse_args()
     if args.generate:
         generate(args.generate)
@@ -180,5 +208,7 @@ if __name__ == "__main__":
         paged(args.paged)
     elif args.int8:
         int8(args.int8)
+    elif args.int8_generate:
+        int8_generate(args.int8_generate)
     else:
         calls()

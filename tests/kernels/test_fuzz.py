@@ -217,7 +217,8 @@ def test_the_pool_holds_each_key_where_the_block_table_says():
 
 
 def _plant(monkeypatch, defect: str, path: str) -> None:
-    """A defect in one paged path (math: dispatch.paged_math_attention; native: native.paged_attention_native):
+    """A defect in one paged path (math: dispatch.paged_math_attention; native: native.paged_attention_native
+    and auto's fast path to the kernel, dispatch.plain_paged):
     the softcap dropped, the window one key wider, or a NaN that leaks out of its sequence (every row
     NaN once one is)."""
     def wrong(band: Band, softcap: float | None) -> tuple[Band, float | None]:
@@ -236,14 +237,21 @@ def _plant(monkeypatch, defect: str, path: str) -> None:
             band, softcap = wrong(terms.band, terms.softcap)
             return leaked(original(*pool, terms.replace(band=band, softcap=softcap), **options))
         monkeypatch.setattr(dispatch, "paged_math_attention", planted)
-    else:
-        original = native.paged_attention_native
+    else:  # the kernel's entry and auto's fast path to it
+        original, fast = native.paged_attention_native, dispatch.plain_paged
 
         def planted(*args, **options):
             *pool, terms = args
             band, softcap = wrong(terms.band, terms.softcap)
             return leaked(original(*pool, terms.replace(band=band, softcap=softcap), **options))
+
+        def planted_fast(*args):
+            *pool, terms = args
+            band, softcap = wrong(terms.band, terms.softcap)
+            out = fast(*pool, terms.replace(band=band, softcap=softcap))
+            return None if out is None else leaked(out)
         monkeypatch.setattr(native, "paged_attention_native", planted)
+        monkeypatch.setattr(dispatch, "plain_paged", planted_fast)
 
 
 @pytest.mark.parametrize("path", ["math", pytest.param("native", marks=pytest.mark.skipif(

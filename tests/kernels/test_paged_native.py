@@ -314,3 +314,55 @@ def test_bfloat16_prompt_over_more_tiles_than_a_thread_keeps(threads):
         assert (got.double() - want).abs().max().item() <= TOLERANCE[torch.bfloat16]
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("P", [1, 3, 16, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, "int8"])
+@torch.no_grad()
+def test_auto_takes_the_fast_path_with_the_full_paths_output(P, dtype):
+    """attend_pages (paged_attention under a contract) with backend "auto" calls the kernel in one step
+    (dispatch.plain_paged): its output is the full path's (backend "native": every argument checked in
+    Python first) bitwise, for every term, a mixed batch, float and 8-bit pages (kept with their scales)."""
+    from mha.kernels import dispatch
+    from mha.kernels.paged import attend_pages
+    wide = torch.float32 if dtype == "int8" else dtype
+    q, k_pages, v_pages, table, cu, seqlens = _pool(MIXED, 4, 2, P, dtype=wide, seed=P)
+    if dtype == "int8":
+        k_pages, v_pages = storage.store(k_pages, True), storage.store(v_pages, True)
+    for name, terms in _terms(4).items():
+        contract = Contract(**terms)
+        fast = dispatch.plain_paged(q, k_pages, v_pages, table, cu, seqlens, contract)
+        assert fast is not None, name
+        full = attend_pages(q, k_pages, v_pages, table, cu, seqlens, contract, backend="native")
+        assert torch.equal(fast, full), name
+        assert torch.equal(attend_pages(q, k_pages, v_pages, table, cu, seqlens, contract), full), name
+
+
+@torch.no_grad()
+def test_the_paged_fast_path_leaves_what_it_does_not_take_to_the_full_path():
+    """Each call the fast path does not take goes the full way: float64 (math), scales apart, a gradient
+    asked for (refused by name), a query not contiguous, a bad page (named), a table of another kind."""
+    from mha.kernels import dispatch, paged_attention
+    from mha.kernels.contract import NONE
+    q, k_pages, v_pages, table, cu, seqlens = _pool(MIXED, 4, 2, 16, seed=2)
+    assert dispatch.plain_paged(q, k_pages, v_pages, table, cu, seqlens, NONE) is not None
+    bad = table.clone()
+    bad[1, 0] = k_pages.shape[0]
+    refused = {
+        "float64": (q.double(), k_pages.double(), v_pages.double(), table, NONE),
+        "q not contiguous": (q.transpose(0, 1).contiguous().transpose(0, 1), k_pages, v_pages, table, NONE),
+        "a page past the pool": (q, k_pages, v_pages, bad, NONE),
+        "a table of floats": (q, k_pages, v_pages, table.float(), NONE),
+        "sinks that learn": (q, k_pages, v_pages, table, Contract(sinks=torch.zeros(4, requires_grad=True))),
+    }
+    with torch.enable_grad():
+        for name, (x, k, v, t, contract) in refused.items():
+            assert dispatch.plain_paged(x, k, v, t, cu, seqlens, contract) is None, name
+        with pytest.raises(ValueError, match="block_table names page"):
+            paged_attention(q, k_pages, v_pages, bad, cu, seqlens)
+        with pytest.raises(ValueError, match="paged_attention is for inference: sinks requires grad"):
+            paged_attention(q, k_pages, v_pages, table, cu, seqlens, sinks=torch.zeros(4, requires_grad=True))
+        with pytest.raises(TypeError, match="block_table"):
+            paged_attention(q, k_pages, v_pages, table.float(), cu, seqlens)
+    got = paged_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k_pages, v_pages, table, cu, seqlens)
+    assert torch.equal(got, paged_attention(q, k_pages, v_pages, table, cu, seqlens))  # the full path makes it contiguous

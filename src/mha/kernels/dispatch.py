@@ -56,7 +56,7 @@ from .sdpa import sdpa_attention
 
 __all__ = ["BACKENDS", "LSE_BACKENDS", "OBSERVERS", "PAGED_BACKENDS", "attention", "attention_with_lse",
            "backward_with_lse", "choose_backend", "choose_lse_backend", "choose_paged_backend", "native_pays",
-           "paged_attention", "plain_call", "plain_pages", "plain_sdpa", "plain_weights", "share_kv_heads",
+           "paged_attention", "plain_call", "plain_paged", "plain_pages", "plain_sdpa", "plain_weights", "share_kv_heads",
            "weights_refusal"]
 
 BACKENDS = {"math": math_attention, "sdpa": sdpa_attention, "flash": flash_attention, "native": native_attention,
@@ -548,22 +548,51 @@ def choose_paged_backend(requested: str, q: Tensor, k_pages: Tensor, v_pages: Te
     return choice
 
 
+def plain_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, cu_q: Tensor, lengths_k: Tensor,
+                contract: Contract) -> Tensor | None:
+    """The per-call fast path of mha.kernels.paged.attend_pages (backend "auto", pages with no scales
+    apart: float pages, or 8-bit ones kept with their scales): the native kernel's output (Tq, H, Dv),
+    whose call checks every shape, count and index it reads, in one step (the full path's checks in
+    Python cost a decoding step over a few pages twice its attention); None where the call takes the
+    full path, which checks it and names what is wrong (_pages_taken's conditions, and whatever the
+    kernel refuses: q not contiguous, pages it does not read in place, a bad count or page)."""
+    if not (q.__class__ is Tensor and q.dim() == 3 and _pages_taken(q, k_pages, v_pages, contract)):
+        return None
+    return _native_pages(lambda kernel, terms: kernel.paged_forward(q, k_pages, v_pages, block_table, cu_q, lengths_k,
+                                                                    terms, None, None)[0], q, contract)
+
+
 def plain_pages(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> Tensor | None:
     """The per-call fast path of mha.kernels.paged.batch_paged_attention (backend "auto") over 8-bit
     rows kept as mha's caches keep them, q (B, H, L, D), k (B, Hkv, S, D + 4), v (B, Hkv, S, Dv + 4)
     int8 (an 8-bit KVCache's or an Int8Cache's step): the native kernel's output (B, H, L, Dv), its
     checks and call in one step (the full path's checks in Python cost a decoding step over 1024 keys
     as much as its attention); None where the call takes the full path, which checks it and names what
-    is wrong (not built, a term the pages do not carry, a gradient asked for of q, k, v, the slopes or
-    the sinks, shapes that do not fit, float64, and what _kernel_fast_path_allowed refuses)."""
-    if (not _kernel_fast_path_allowed(q, k, v) or q.dim() != 4 or contract.terms - native.PAGED_TAKES
-            or (torch.is_grad_enabled() and any(x is not None and x.requires_grad
-                                                for x in (contract.alibi_slopes, contract.sinks)))
-            or (kernel := native.loaded or native.load_if_built()) is None):
-        return None  # (learned slopes or sinks under grad: the full path refuses them, inference only)
+    is wrong (_pages_taken's conditions, shapes that do not fit, and what the kernel refuses)."""
+    if not (q.__class__ is Tensor and q.dim() == 4 and _pages_taken(q, k, v, contract)):
+        return None
+    return _native_pages(lambda kernel, terms: kernel.plain_pages(q, k, v, terms), q, contract)
+
+
+def _pages_taken(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> bool:
+    """What only Python checks before the native kernel's paged fast paths: what
+    _kernel_fast_path_allowed asks, q of a dtype native takes over pages (float64 goes to math), terms
+    the pages carry, and no gradient asked for (of q, k, v, learned slopes or sinks: the full path
+    refuses them, inference only)."""
+    return (_kernel_fast_path_allowed(q, k, v) and q.dtype in _FLOATS and contract.terms <= native.PAGED_TAKES
+            and not (torch.is_grad_enabled() and any(x is not None and x.requires_grad
+                                                     for x in (q, k, v, contract.alibi_slopes, contract.sinks))))
+
+
+def _native_pages(call, q: Tensor, contract: Contract) -> Tensor | None:
+    """call(kernel, terms) on the native kernel (where it is built), the contract as the kernel takes
+    it for q's head dim and dtype, or None where it refuses the call
+    (its RuntimeError, or pybind's TypeError for an argument of another kind): the full path names it."""
+    if (kernel := native.loaded or native.load_if_built()) is None:
+        return None
     try:
-        out = kernel.plain_pages(q, k, v, native._terms(contract, q.shape[-1], q.dtype))
-    except RuntimeError:  # a term the kernel refused (slopes not one per head, say): the full path names it
+        out = call(kernel, native._terms(contract, q.shape[-1], q.dtype))
+    except (RuntimeError, TypeError):
         return None
     if out is not None:
         _log_choice(" (paged)", "native", "the native kernel reads the pages in place")

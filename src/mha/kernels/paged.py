@@ -65,6 +65,10 @@ def attend_pages(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
     entry points that hold a contract already call (the caches, the integrations)."""
     from . import dispatch  # the dispatch imports the backends; this module only checks and asks it
 
+    if (k_scales is None and v_scales is None and backend == "auto"
+            and (out := dispatch.plain_paged(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k, contract))
+            is not None):
+        return out  # the native kernel's call, its checks in one step (most serving steps)
     k_pages, v_pages, k_scales, v_scales = _rows_and_scales(q, k_pages, v_pages, k_scales, v_scales)
     _check_scales(q, k_pages, v_pages, k_scales, v_scales)
     table, cu, lengths_k = _check(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k)

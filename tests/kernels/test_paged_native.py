@@ -317,31 +317,36 @@ def test_bfloat16_prompt_over_more_tiles_than_a_thread_keeps(threads):
 
 
 @pytest.mark.parametrize("P", [1, 3, 16, 300])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, "int8", "int8 under bfloat16, D 5"])
 @torch.no_grad()
-def test_auto_takes_the_fast_path_with_the_full_paths_output(P, dtype):
+def test_auto_takes_the_fast_path_with_the_full_paths_output(monkeypatch, P, dtype):
     """attend_pages (paged_attention under a contract) with backend "auto" calls the kernel in one step
     (dispatch.plain_paged): its output is the full path's (backend "native": every argument checked in
     Python first) bitwise, for every term, a mixed batch, float and 8-bit pages (kept with their scales)."""
     from mha.kernels import dispatch
     from mha.kernels.paged import attend_pages
-    wide = torch.float32 if dtype == "int8" else dtype
-    q, k_pages, v_pages, table, cu, seqlens = _pool(MIXED, 4, 2, P, dtype=wide, seed=P)
-    if dtype == "int8":
+    wide = {"int8": torch.float32, "int8 under bfloat16, D 5": torch.bfloat16}.get(dtype, dtype)
+    D = 5 if "D 5" in str(dtype) else 16  # (rows of 9 bytes: the scales copied out)
+    q, k_pages, v_pages, table, cu, seqlens = _pool(MIXED, 4, 2, P, D=D, dtype=wide, seed=P)
+    if "int8" in str(dtype):
         k_pages, v_pages = storage.store(k_pages, True), storage.store(v_pages, True)
+    fulls = {}
     for name, terms in _terms(4).items():
         contract = Contract(**terms)
         fast = dispatch.plain_paged(q, k_pages, v_pages, table, cu, seqlens, contract)
         assert fast is not None, name
-        full = attend_pages(q, k_pages, v_pages, table, cu, seqlens, contract, backend="native")
-        assert torch.equal(fast, full), name
-        assert torch.equal(attend_pages(q, k_pages, v_pages, table, cu, seqlens, contract), full), name
+        fulls[name] = attend_pages(q, k_pages, v_pages, table, cu, seqlens, contract, backend="native")
+        assert torch.equal(fast, fulls[name]), name
+    monkeypatch.setattr(dispatch, "paged_attention", None)  # auto never reaches the full path's dispatch
+    for name, terms in _terms(4).items():
+        assert torch.equal(attend_pages(q, k_pages, v_pages, table, cu, seqlens, Contract(**terms)), fulls[name]), name
 
 
 @torch.no_grad()
 def test_the_paged_fast_path_leaves_what_it_does_not_take_to_the_full_path():
-    """Each call the fast path does not take goes the full way: float64 (math), scales apart, a gradient
-    asked for (refused by name), a query not contiguous, a bad page (named), a table of another kind."""
+    """Each call the fast path does not take goes the full way: float64 (math), a gradient asked for (of
+    learned sinks or of the pages: refused by name), a query not contiguous, a bad page (named), a
+    table of another kind, a pool of no slots (named, with no sequence too)."""
     from mha.kernels import dispatch, paged_attention
     from mha.kernels.contract import NONE
     q, k_pages, v_pages, table, cu, seqlens = _pool(MIXED, 4, 2, 16, seed=2)
@@ -354,6 +359,8 @@ def test_the_paged_fast_path_leaves_what_it_does_not_take_to_the_full_path():
         "a page past the pool": (q, k_pages, v_pages, bad, NONE),
         "a table of floats": (q, k_pages, v_pages, table.float(), NONE),
         "sinks that learn": (q, k_pages, v_pages, table, Contract(sinks=torch.zeros(4, requires_grad=True))),
+        "pages that learn": (q, k_pages.clone().requires_grad_(), v_pages, table, NONE),
+        "a pool of no slots": (q, k_pages[:, :, :0], v_pages[:, :, :0], table, NONE),
     }
     with torch.enable_grad():
         for name, (x, k, v, t, contract) in refused.items():
@@ -364,5 +371,10 @@ def test_the_paged_fast_path_leaves_what_it_does_not_take_to_the_full_path():
             paged_attention(q, k_pages, v_pages, table, cu, seqlens, sinks=torch.zeros(4, requires_grad=True))
         with pytest.raises(TypeError, match="block_table"):
             paged_attention(q, k_pages, v_pages, table.float(), cu, seqlens)
+        with pytest.raises(ValueError, match="paged_attention is for inference: k_pages requires grad"):
+            paged_attention(q, k_pages.clone().requires_grad_(), v_pages, table, cu, seqlens)
+    empty = torch.zeros(0, 1, dtype=torch.long)  # no sequence, over a pool of no slots: refused by name as before
+    with pytest.raises(ValueError, match="block size of at least 1"):
+        paged_attention(q[:0], k_pages[:, :, :0], v_pages[:, :, :0], empty, torch.tensor([0]), torch.tensor([], dtype=torch.long))
     got = paged_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k_pages, v_pages, table, cu, seqlens)
     assert torch.equal(got, paged_attention(q, k_pages, v_pages, table, cu, seqlens))  # the full path makes it contiguous

@@ -576,10 +576,12 @@ def plain_pages(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> Tensor |
 
 def _pages_taken(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> bool:
     """What only Python checks before the native kernel's paged fast paths: what
-    _kernel_fast_path_allowed asks, q of a dtype native takes over pages (float64 goes to math), terms
+    _kernel_fast_path_allowed asks, CPU tensors (a CUDA call goes to math without a try of the kernel,
+    which would copy its terms to the CPU), q of a dtype native takes over pages (float64: math), terms
     the pages carry, and no gradient asked for (of q, k, v, learned slopes or sinks: the full path
     refuses them, inference only)."""
-    return (_kernel_fast_path_allowed(q, k, v) and q.dtype in _FLOATS and contract.terms <= native.PAGED_TAKES
+    return (_kernel_fast_path_allowed(q, k, v) and q.is_cpu and k.is_cpu and q.dtype in _FLOATS
+            and contract.terms <= native.PAGED_TAKES
             and not (torch.is_grad_enabled() and any(x is not None and x.requires_grad
                                                      for x in (q, k, v, contract.alibi_slopes, contract.sinks))))
 

@@ -2857,6 +2857,7 @@ std::vector<Tensor> paged_sequences(const Tensor& q, const Tensor& k_pages, cons
   TORCH_CHECK(v_pages.size(0) == N && v_pages.size(1) == Hkv && v_pages.size(2) == P,
               "mha paged: v_pages must have k_pages' pages, heads and block size");
   TORCH_CHECK(k_pages.size(3) - trail == D, "mha paged: k_pages must have q's head dim");
+  TORCH_CHECK(P > 0, "mha paged: k_pages must have a block size of at least 1");
   TORCH_CHECK(D > 0 && Dv > 0, "mha paged: head dims must be at least 1");
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "mha paged: key/value heads must divide query heads");
   const auto [k_page, k_head, k_slot] = page_strides(k_pages, "k_pages");

@@ -2449,9 +2449,8 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
   using bf16 = at::BFloat16;
   static constexpr int64_t kAlign = 2;
   using Base::Base;
-  Scratch<bf16> qb, rows, k_tiles, v_tiles;
+  Scratch<bf16> qb, rows, k_tiles, v_tiles, pb;  // the block's queries, a tile's rows, the tiles held, weights
   Scratch<float> k_factors, v_factors;  // per tile: its keys' scale (times 8-bit scales), its values' scales
-  Scratch<bf16> pb;
   std::vector<int64_t> held;        // the tile each slot holds (-1: none)
   const int64_t* held_pages = nullptr;  // for this sequence's table row and kv head
   int64_t held_head = -1;
@@ -2497,7 +2496,7 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
   // (word (d / 2, j): values d and d + 1 of key j, a row's words transposed as floats), V in pairs
   // (word (j / 2, d): value d of keys j and j + 1), the keys' and values' factors.
   int64_t slot_of(int64_t t) {
-    const int64_t D2 = this->D2(), Dv = this->Dv, tile_bytes = kBlockK * (D2 + this->Dv) * 2;
+    const int64_t D2 = this->D2(), Dv = this->Dv, tile_bytes = kBlockK * (D2 + Dv) * int64_t(sizeof(bf16));
     const int64_t slots = std::max<int64_t>(1, std::min(tiles_of(this->keys_total), kTileCacheBytes / tile_bytes));
     if (held_pages != this->pages || held_head != this->kv_head || static_cast<int64_t>(held.size()) != slots) {
       held.assign(slots, -1);  // another sequence or kv head: nothing held

@@ -45,7 +45,7 @@ def test_cli_writes_json_csv_and_plot(tmp_path, monkeypatch, capsys):
     tiny = dict(module=[(1, 16, 32)], causal=[(1, 16, 32)], backends=[32, 64], training=[(1, 16, 32)], contract=64,
                 memory=512, decode=8, window=(256, 16), overhead_decode=[16], auto=([1, 16], [64]), peers=[32], matmul=64,
                 native=dict(forward=[32], one_head=32, training=32, decode=64, window=(128, 8), accuracy=16, short=[16],
-                            matmul=128, cache_decode=[64]))
+                            matmul=128, cache_decode=[64], paged_prompt=32))
     monkeypatch.setattr(bench_cli, "QUICK", tiny)
     # one memory case (its three fresh processes, at T and T/2 and torch's, are most of this test's time)
     few = {name: bench_memory.MEMORY_CASES[name] for name in ("torch causal SDPA", "causal")}
@@ -126,7 +126,7 @@ def test_native_rows_time_it_against_torch_beside_a_matmul(tmp_path):
     if not NATIVE:
         pytest.skip("the native kernel does not build here")
     grid = dict(forward=[64], one_head=96, training=64, decode=256, window=(256, 16), accuracy=32, short=[16], matmul=128,
-                cache_decode=[300])
+                cache_decode=[300], paged_prompt=64)
     rows = list(bench.native_rows(grid, repeat=1))
     assert [r.point for r in rows] == [
         "forward fp32 T64", "forward fp32 T64 causal", "forward fp32 T96 causal H1", "forward+backward fp32 T64 causal",
@@ -135,6 +135,7 @@ def test_native_rows_time_it_against_torch_beside_a_matmul(tmp_path):
         "decode bf16 L1 S256 Hq32/Hkv8 D128",
         *(f"decode {where}, {name}" for where in ("B1 S300 paged", "B8 S300 paged", "B1 S300 paged Hq8/Hkv8")
           for name in ("float32 cache", "bfloat16 cache", "int8 cache", "int8, scales apart")),
+        "prompt fp32 T64 causal Hq8/Hkv2 over pages of 16", "prompt bf16 T64 causal Hq8/Hkv2 over pages of 16",
         "short forward fp32 T16", "short forward bf16 T16",
         "window (16, 0) fp32 T256", "accuracy fp32 T32 causal", "accuracy bf16 T32 causal"]
     assert rows[0].ratios["native/sdpa"] == pytest.approx(rows[0].times_ms["native"] / rows[0].times_ms["sdpa"])
@@ -159,8 +160,11 @@ def test_native_rows_time_it_against_torch_beside_a_matmul(tmp_path):
     assert bf16.extra["read GB/s (same bytes, same rounds)"] == pytest.approx(2 * 8 * 300 * 128 * 2 / bf16.times_ms["read"] / 1e6)
     mha_int8 = next(r for r in rows if r.point == "decode B1 S300 paged Hq8/Hkv8, int8 cache")  # a key a row
     assert mha_int8.extra["bytes / bf16's"] == pytest.approx(132 / 256) and 0 < mha_int8.extra["error"] < 1e-2
-    assert rows[24].ratios["dense causal/window"] > 0
-    assert 0 < rows[25].extra["native error"] < 1e-5 and 0 < rows[26].extra["native error"] < 1e-1
+    prompt = rows[22]  # a prompt over pages: its time beside the dense forward's and torch's, in one run
+    assert prompt.ratios["paged/native"] == pytest.approx(prompt.times_ms["paged"] / prompt.times_ms["native"])
+    assert prompt.extra["paged GFLOP/s"] == pytest.approx(4 * 8 * 64 * 64 * 64 / 2 / prompt.times_ms["paged"] / 1e6)
+    assert rows[26].ratios["dense causal/window"] > 0
+    assert 0 < rows[27].extra["native error"] < 1e-5 and 0 < rows[28].extra["native error"] < 1e-1
     bench.write(rows, bench.machine(matmul_n=64), str(tmp_path))
     assert (tmp_path / "native.png").stat().st_size > 10_000
 

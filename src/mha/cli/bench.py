@@ -44,7 +44,8 @@ FULL = dict(module=list(itertools.product([1, 4, 8], [128, 512, 2048, 4096], [25
             serving_generate=["16 x 64-512 x 32", "32 x 256-1536 x 64", "64 x 256-2048 x 128"],
             gpu=dict(plain=[1024, 4096], terms=4096, term_sets=list(bench_gpu.TERMS)), flex=[1024, 4096],
             native=dict(forward=[1024, 4096], one_head=4096, training=2048, decode=16384, window=(16384, 256), accuracy=1024,
-                        short=[16, 64, 128, 256, 512], matmul=2048, cache_decode=[4096, 16384, 65536]))
+                        short=[16, 64, 128, 256, 512], matmul=2048, cache_decode=[4096, 16384, 65536],
+                        paged_prompt=2048))
 QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 2048, 256)],
              backends=[512, 1024], training=[(4, 512, 256)], auto=([1, 128, 1024], [4096]), peers=[1024], matmul=1024,
              contract=1024, memory=2048, decode=128, overhead_decode=[1024],
@@ -53,7 +54,7 @@ QUICK = dict(module=[(1, 128, 256), (4, 512, 256), (1, 2048, 256)], causal=[(1, 
              distributed=(8192, 4), serving=[512], serving_generate=["16 x 64-512 x 32"],
              gpu=dict(plain=[1024], terms=2048, term_sets=["window", "softcap", "sinks", "documents"]), flex=[1024],
              native=dict(forward=[512, 1024], one_head=1024, training=512, decode=4096, window=(4096, 128), accuracy=256,
-                         short=[64, 256], matmul=1024, cache_decode=[4096]))
+                         short=[64, 256], matmul=1024, cache_decode=[4096], paged_prompt=1024))
 SECTIONS = ("peaks", "module", "causal", "overhead", "auto", "peers", "backends", "training", "contract", "memory", "modern",
             "native", "serving", "variants", "hf", "distributed", "gpu", "flex")
 OPT_IN = ("serving", "variants", "hf", "distributed", "gpu", "flex")  # not in the default run: long, a GPU, or an extra

@@ -538,7 +538,7 @@ def peak_rows() -> Iterator[Row]:
 
 def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
     """The native kernel against torch's SDPA (mha.tools.bench_native): forward, forward +
-    backward, decoding, a sliding window, accuracy; GFLOP/s beside a same-run square matmul of
+    backward, decoding, a prompt over pages, a sliding window, accuracy; GFLOP/s beside a same-run square matmul of
     side grid["matmul"] (a CPU without bfloat16 instructions runs torch's bfloat16 matmul at well
     under 1 GFLOP/s: keep it small in quick grids)."""
     times = functools.partial(best_times, repeat=repeat)
@@ -574,6 +574,12 @@ def native_rows(grid: dict, repeat: int) -> Iterator[Row]:
         for B, heads in ((1, (32, 8)), (8, (32, 8)), (1, (8, 8))):
             yield from _cache_decode_rows(bench_native.cache_decode_point(S, times, B=B, heads=heads),
                                           f"B{B} S{S} paged{'' if heads == (32, 8) else ' Hq8/Hkv8'}", memory)
+    for dtype in bench_native.DTYPES:  # a prompt over pages (a prefill into a paged cache) beside the dense forward
+        p = bench_native.paged_prompt_point(dtype, grid["paged_prompt"], times)
+        yield Row("native", f"prompt {dtype} T{grid['paged_prompt']} causal Hq8/Hkv2 over pages of 16",
+                  {"paged": p["paged"], "native": p["native"], "sdpa": p["sdpa"]},
+                  {"paged/native": p["paged"] / p["native"], "paged/sdpa": p["paged"] / p["sdpa"]},
+                  {"paged GFLOP/s": p["flops"] / p["paged"] / 1e6})
     calls = functools.partial(best_times, repeat=repeat, calls=10)  # short calls: several per timing
     for dtype in bench_native.DTYPES:  # where the dispatch starts to pick it (mha.kernels.dispatch.native_pays)
         for T in grid["short"]:

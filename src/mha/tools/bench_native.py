@@ -158,6 +158,24 @@ def cache_decode_point(S: int, times, *, B: int = 1, heads: tuple[int, int] = (3
     return {"ms": ms, "reads": read_ms, "errors": errors, "bytes": held}
 
 
+def paged_prompt_point(dtype: str, T: int, times, *, kv_heads: int = 2, page: int = 16) -> dict:
+    """A causal prompt of T rows over its own T keys held in pages of ``page`` keys (a prefill into a
+    PagedKVCache, a chunk of continuous batching), GQA HEADS / kv_heads: mha.kernels.paged_attention
+    against the dense native forward and torch's SDPA on the same keys contiguous."""
+    from ..kernels import paged_attention
+
+    q, k, v = _inputs(DTYPES[dtype], T, kv_heads=kv_heads)
+    rows = q[0].transpose(0, 1).contiguous()  # (1, H, T, D) -> (T, H, D)
+    pages = [x[0].transpose(0, 1).reshape(T // page, page, kv_heads, HEAD_DIM).transpose(1, 2).contiguous()
+             for x in (k, v)]  # (1, Hkv, T, D) -> (T / page, Hkv, page, D)
+    table, cu, lengths = torch.arange(T // page)[None], torch.tensor([0, T]), torch.tensor([T])
+    with torch.no_grad():
+        ms = times({"paged": lambda: paged_attention(rows, *pages, table, cu, lengths),
+                    "native": lambda: native.native_attention(q, k, v, Contract(band=CAUSAL)),
+                    "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)})
+    return {**ms, "flops": 4 * HEADS * T * T * HEAD_DIM / 2}
+
+
 def window_point(T: int, window: int, times) -> dict:
     """A causal sliding window (flash-attn's (window, 0)) on native against dense causal SDPA, fp32."""
     q, k, v = _inputs(torch.float32, T)

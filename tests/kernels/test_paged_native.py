@@ -299,19 +299,21 @@ def test_bfloat16_prompts_over_pages_err_as_a_bfloat16_attention(P, pool, D, Dv)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @torch.no_grad()
-def test_bfloat16_prompt_over_more_tiles_than_a_thread_keeps(threads):
-    """A thread keeps the tiles it packed for a kv head (8 MiB: 32 tiles at D = Dv = 256), each at its
-    index modulo their count: two blocks of rows over 33 tiles of keys, so that tile 32 takes tile 0's
-    place and the second block packs tile 0 again; two kv heads and a second sequence in between."""
+def test_a_prompt_over_more_tiles_than_a_thread_keeps(threads, dtype):
+    """A thread keeps the tiles it packed for a kv head (8 MiB: 32 tiles at D = Dv = 256 in bfloat16,
+    16 in float32), each at its index modulo their count: two blocks of rows over 33 tiles of keys, so
+    that a later tile takes tile 0's place and the second block packs tile 0 again; two kv heads and a
+    second sequence in between."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         lengths = [(40, 8400), (12, 300)]  # 80 and 24 stacked rows a kv head (G = 2): blocks of 64
-        q, k_pages, v_pages, table, cu, seqlens = _pool(lengths, 4, 2, 64, D=256, Dv=256, dtype=torch.bfloat16, seed=9)
+        q, k_pages, v_pages, table, cu, seqlens = _pool(lengths, 4, 2, 64, D=256, Dv=256, dtype=dtype, seed=9)
         got = _paged(q, k_pages, v_pages, table, cu, seqlens, {"band": CAUSAL})
         want = _reference(q.double(), k_pages.double(), v_pages.double(), table, cu, seqlens, {"band": CAUSAL})
-        assert (got.double() - want).abs().max().item() <= TOLERANCE[torch.bfloat16]
+        assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype]
     finally:
         torch.set_num_threads(before)
 

@@ -2429,6 +2429,86 @@ struct PagedProducts {
   }
 };
 
+// A thread's tiles of the kv head it works on, for products that pack each tile of keys once for every
+// block of its rows (PagedFloatTiles, PagedBf16Products): up to kTileCacheBytes of them, a tile's
+// slot at its index modulo their count; which tile each slot holds, for which sequence and kv head.
+constexpr int64_t kTileCacheBytes = int64_t(8) << 20;
+
+struct TileSlots {
+  std::vector<int64_t> held;  // the tile each slot holds (-1: none)
+  const int64_t* pages = nullptr;  // for this sequence's table row and kv head
+  int64_t head = -1;
+  // (tile t's slot among as many as tiles of tile_bytes fit, whether it must be packed there now)
+  std::pair<int64_t, bool> find(const int64_t* table, int64_t kv_head, int64_t keys, int64_t tile_bytes, int64_t t) {
+    const int64_t slots = std::max<int64_t>(1, std::min(tiles_of(keys), kTileCacheBytes / tile_bytes));
+    if (pages != table || head != kv_head || static_cast<int64_t>(held.size()) != slots) {
+      held.assign(slots, -1);  // another sequence or kv head: nothing held
+      pages = table, head = kv_head;
+    }
+    const int64_t slot = t % slots;
+    const bool pack = held[slot] != t;
+    held[slot] = t;
+    return {slot, pack};
+  }
+  int64_t count() const { return static_cast<int64_t>(held.size()); }
+};
+
+// PagedProducts for float32 queries over float32 or 8-bit pages, for blocks of more rows than the run
+// loops take (a prompt's, a chunk's): each tile's keys packed once as K^T (8-bit rows dequantized, each
+// times its scale, as PagedProducts converts them) and its values gathered into rows, kept for the
+// next blocks (TileSlots); the scores as the dense forward's PlainProducts makes them, the queries
+// packed scaled, on brgemm. (Run by run, the products of a prompt of 1024 rows over pages of 16 keys
+// took 1.25x the dense forward's time.) Blocks of at most kRunLoopRows rows run on PagedProducts' loops.
+template <typename pool_t>
+struct PagedFloatTiles : PagedProducts<float, float, pool_t> {
+  using Base = PagedProducts<float, float, pool_t>;
+  static constexpr int64_t kAlign = 1;
+  using Base::Base;
+  Scratch<float> qp, rows, k_tiles, v_tiles;  // the block's scaled queries, a tile's keys, the tiles held
+  TileSlots slots;
+
+  void pack_row(int64_t r, int64_t R, const float* src) {
+    if (R <= kRunLoopRows) return Base::pack_row(r, R, src);
+    float* row = qp.at_least(kBlockQ * this->D) + r * this->D;
+    for (int64_t d = 0; d < this->D; ++d) row[d] = src[d] * this->scale;
+  }
+  // tile t's keys (keys of them, from j0) as rows of X floats at out, each row's scale applied (8-bit)
+  template <typename At, typename ScaleAt>
+  void gather(const pool_t* base, int64_t X, int64_t ld, At at, const void* scales, int64_t scale_ld, ScaleAt scale_at,
+              float* out) {
+    for (const auto& run : this->runs) {
+      const float* factor = this->scales_of(scales, scale_at(run));
+      const auto [src, src_ld] = this->rows_of(base, at(run), run.count, X, ld, factor, scale_ld);
+      for (int64_t i = 0; i < run.count; ++i) std::copy(src + i * src_ld, src + i * src_ld + X, out + (run.first + i) * X);
+    }
+  }
+  int64_t slot_of(int64_t t) {
+    const int64_t D = this->D, Dv = this->Dv, tile_bytes = kBlockK * (D + Dv) * int64_t(sizeof(float));
+    const auto [slot, pack] = slots.find(this->pages, this->kv_head, this->keys_total, tile_bytes, t);
+    if (!pack) return slot;
+    const int64_t j0 = t * kBlockK, keys = std::min(kBlockK, this->keys_total - j0);
+    this->find_runs(j0, keys);
+    this->prefetch(j0 + kBlockK, std::min(this->keys_total, j0 + 2 * kBlockK));
+    float* key_rows = rows.at_least(kBlockK * D);
+    gather(this->k, D, this->pool.k_slot, [](const auto& run) { return run.k_at; }, this->scales.k, this->scales.k_slot,
+           [](const auto& run) { return run.k_scale_at; }, key_rows);
+    pack_tile<float, float>(key_rows, D, keys, D, k_tiles.at_least(slots.count() * D * kBlockK) + slot * D * kBlockK);
+    gather(this->v, Dv, this->pool.v_slot, [](const auto& run) { return run.v_at; }, this->scales.v, this->scales.v_slot,
+           [](const auto& run) { return run.v_scale_at; }, v_tiles.at_least(slots.count() * kBlockK * Dv) + slot * kBlockK * Dv);
+    return slot;
+  }
+  void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, float* s) {  // keys j0 .. j0 + n: within one tile
+    if (R <= kRunLoopRows) return Base::scores(bh, R, j0, n, s);
+    const int64_t slot = slot_of(j0 / kBlockK), D = this->D;
+    gemm_nn(R, n, D, qp.data(), D, k_tiles.data() + slot * D * kBlockK + j0 % kBlockK, kBlockK, s, n, false);
+  }
+  void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const float* p, float* acc) {  // the tile of scores()
+    if (R <= kRunLoopRows) return Base::add_values(bh, R, j0, n, p, acc);
+    const int64_t slot = slot_of(j0 / kBlockK), Dv = this->Dv;
+    gemm_nn(R, Dv, n, p, n, v_tiles.data() + (slot * kBlockK + j0 % kBlockK) * Dv, Dv, acc, Dv, true);
+  }
+};
+
 #if defined(MHA_AVX512_BF16)
 // PagedProducts for bfloat16 queries over bfloat16 or 8-bit pages, for blocks of more rows than the
 // run loops take (a prompt's, a chunk's): each tile's keys and values gathered from their runs as
@@ -2437,11 +2517,9 @@ struct PagedProducts {
 // multiplies; the scale and 8-bit keys' scales multiply the scores, and the weights times 8-bit values'
 // scales are rounded to bfloat16 for P . V, as that forward rounds its weights. Tiles are whole pairs of
 // keys (kAlign); the key past an odd S_b is never read (zeros, its score hidden as padding). A thread
-// keeps the tiles it packed for the sequence's kv head it last worked on (up to kTileCacheBytes, a
-// tile's slot at its index modulo their count), for the next blocks of its rows. Blocks of at most
+// keeps the tiles it packed for the next blocks of its rows (TileSlots). Blocks of at most
 // kRunLoopRows rows run on PagedProducts' own loops. (PagedProducts widens a run to float32 and
 // multiplies in float32: a bfloat16 prompt over pages took twice the dense forward's time.)
-constexpr int64_t kTileCacheBytes = int64_t(8) << 20;
 
 template <typename pool_t>
 struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
@@ -2451,9 +2529,7 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
   using Base::Base;
   Scratch<bf16> qb, rows, k_tiles, v_tiles, pb;  // the block's queries, a tile's rows, the tiles held, weights
   Scratch<float> k_factors, v_factors;  // per tile: its keys' scale (times 8-bit scales), its values' scales
-  std::vector<int64_t> held;        // the tile each slot holds (-1: none)
-  const int64_t* held_pages = nullptr;  // for this sequence's table row and kv head
-  int64_t held_head = -1;
+  TileSlots slots;
 
   int64_t D2() const { return this->D + this->D % 2; }
   void pack_row(int64_t r, int64_t R, const bf16* src) {
@@ -2497,31 +2573,25 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
   // (word (j / 2, d): value d of keys j and j + 1), the keys' and values' factors.
   int64_t slot_of(int64_t t) {
     const int64_t D2 = this->D2(), Dv = this->Dv, tile_bytes = kBlockK * (D2 + Dv) * int64_t(sizeof(bf16));
-    const int64_t slots = std::max<int64_t>(1, std::min(tiles_of(this->keys_total), kTileCacheBytes / tile_bytes));
-    if (held_pages != this->pages || held_head != this->kv_head || static_cast<int64_t>(held.size()) != slots) {
-      held.assign(slots, -1);  // another sequence or kv head: nothing held
-      held_pages = this->pages, held_head = this->kv_head;
-    }
-    const int64_t slot = t % slots;
-    if (held[slot] == t) return slot;
-    const int64_t j0 = t * kBlockK, keys = std::min(kBlockK, this->keys_total - j0), n = padded_keys(keys);
+    const auto [slot, pack] = slots.find(this->pages, this->kv_head, this->keys_total, tile_bytes, t);
+    if (!pack) return slot;
+    const int64_t count = slots.count(), j0 = t * kBlockK, keys = std::min(kBlockK, this->keys_total - j0), n = padded_keys(keys);
     this->find_runs(j0, keys);
     this->prefetch(j0 + kBlockK, std::min(this->keys_total, j0 + 2 * kBlockK));
-    float* kf = k_factors.at_least(slots * kBlockK) + slot * kBlockK;
+    float* kf = k_factors.at_least(count * kBlockK) + slot * kBlockK;
     const bf16* k_rows = gather(this->k, this->D, D2, this->pool.k_slot, keys, n, [](const auto& run) { return run.k_at; },
                                 static_cast<const float*>(this->scales.k), this->scales.k_slot,
                                 [](const auto& run) { return run.k_scale_at; }, this->scale, kf);
-    float* words = reinterpret_cast<float*>(k_tiles.at_least(slots * D2 * kBlockK) + slot * D2 * kBlockK);
+    float* words = reinterpret_cast<float*>(k_tiles.at_least(count * D2 * kBlockK) + slot * D2 * kBlockK);
     pack_tile<float, float>(reinterpret_cast<const float*>(k_rows), D2 / 2, n, D2 / 2, words);
-    float* vf = v_factors.at_least(slots * kBlockK) + slot * kBlockK;
+    float* vf = v_factors.at_least(count * kBlockK) + slot * kBlockK;
     const bf16* v_rows = gather(this->v, Dv, Dv, this->pool.v_slot, keys, n, [](const auto& run) { return run.v_at; },
                                 static_cast<const float*>(this->scales.v), this->scales.v_slot,
                                 [](const auto& run) { return run.v_scale_at; }, 1.0f, vf);
-    uint32_t* pairs = reinterpret_cast<uint32_t*>(v_tiles.at_least(slots * kBlockK * Dv) + slot * kBlockK * Dv);
+    uint32_t* pairs = reinterpret_cast<uint32_t*>(v_tiles.at_least(count * kBlockK * Dv) + slot * kBlockK * Dv);
     const uint16_t* bits = reinterpret_cast<const uint16_t*>(v_rows);
     for (int64_t j = 0; j < n; j += 2)
       for (int64_t d = 0; d < Dv; ++d) pairs[(j / 2) * Dv + d] = uint32_t(bits[j * Dv + d]) | uint32_t(bits[(j + 1) * Dv + d]) << 16;
-    held[slot] = t;
     return slot;
   }
   void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, float* s) {  // keys j0 .. j0 + n: within one tile
@@ -2920,6 +2990,19 @@ std::vector<Tensor> paged_sequences(const Tensor& q, const Tensor& k_pages, cons
       }
     }
 #endif
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (prefill) {  // some block has more rows than the run loops take: tiles packed once
+        if (quantized)
+          paged_kernel<scalar_t, acc_t>(call, t, B, q.data_ptr<scalar_t>(), PagedFloatTiles<int8_t>(
+              k_pages.data_ptr<int8_t>(), v_pages.data_ptr<int8_t>(), pool, page_scales, D, Dv, t.scale),
+              out.data_ptr<scalar_t>(), stats);
+        else
+          paged_kernel<scalar_t, acc_t>(call, t, B, q.data_ptr<scalar_t>(), PagedFloatTiles<float>(
+              k_pages.data_ptr<float>(), v_pages.data_ptr<float>(), pool, page_scales, D, Dv, t.scale),
+              out.data_ptr<scalar_t>(), stats);
+        return;
+      }
+    }
     if (quantized) {
       const PagedProducts<scalar_t, acc_t, int8_t> products(k_pages.data_ptr<int8_t>(), v_pages.data_ptr<int8_t>(), pool,
                                                             page_scales, D, Dv, t.scale);

@@ -380,3 +380,25 @@ def test_the_paged_fast_path_leaves_what_it_does_not_take_to_the_full_path():
         paged_attention(q[:0], k_pages[:, :, :0], v_pages[:, :, :0], empty, torch.tensor([0]), torch.tensor([], dtype=torch.long))
     got = paged_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k_pages, v_pages, table, cu, seqlens)
     assert torch.equal(got, paged_attention(q, k_pages, v_pages, table, cu, seqlens))  # the full path makes it contiguous
+
+
+@pytest.mark.parametrize("S", [15, 16, 17, 63, 64, 65, 255, 256, 257, 511, 512, 513])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
+@torch.no_grad()
+def test_prompts_over_pages_at_tile_edges(S, dtype):
+    """A prompt's blocks (more rows than the run loops take) on tiles packed once (PagedFloatTiles,
+    PagedBf16Products) at and around page, block and tile sizes, pages laid out every other one (a
+    strided pool), a chunk of 9 rows and a whole prompt, causal and windowed, against float64."""
+    wide = torch.float32 if dtype == "int8" else dtype
+    lengths = [(min(S, 9), S), (S, S)]
+    q, k_pages, v_pages, table, cu, seqlens = _pool(lengths, 4, 2, 16, dtype=wide, seed=S)
+    k_pages, v_pages = (torch.stack([x, torch.full_like(x, float("nan"))], 1)[:, 0] for x in (k_pages, v_pages))
+    if dtype == "int8":
+        k_pages, v_pages = storage.store(k_pages, True), storage.store(v_pages, True)
+        k_wide, v_wide = (storage.load(x, torch.float64) for x in (k_pages, v_pages))
+    else:
+        k_wide, v_wide = k_pages.double(), v_pages.double()
+    for terms in (dict(band=CAUSAL), dict(band=Band(40, 0), softcap=3.0)):
+        got = _paged(q, k_pages, v_pages, table, cu, seqlens, terms)
+        want = _reference(q.double(), k_wide, v_wide, table, cu, seqlens, terms)
+        assert (got.double() - want).abs().max().item() <= TOLERANCE[wide], (S, terms)

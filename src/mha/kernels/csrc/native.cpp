@@ -2874,6 +2874,38 @@ std::tuple<int64_t, int64_t, int64_t> scale_strides(const Tensor& x, const Tenso
   return pool_strides(x, 1);
 }
 
+// paged_kernel on the products Products<pool_t> make of a call's pool, pool_t its keys' and values'
+// stored type (int8, or q's dtype): the one place the three kinds of paged products are made.
+template <typename scalar_t, typename acc_t>
+struct PagedProductsOf {
+  template <typename pool_t>
+  using type = PagedProducts<scalar_t, acc_t, pool_t>;
+};
+
+template <typename scalar_t, typename acc_t>
+struct PagedRun {
+  const PagedCall& call;
+  const Terms<acc_t>& t;
+  int64_t B;
+  const Tensor &q, &k, &v;
+  const PagePool& pool;
+  const PageScales& scales;
+  const Tensor& out;
+  const RowStats<acc_t>& stats;
+
+  template <template <typename> class Products>
+  void on(bool quantized) const {
+    if (quantized)
+      with(Products<int8_t>(k.data_ptr<int8_t>(), v.data_ptr<int8_t>(), pool, scales, call.D, call.Dv, t.scale));
+    else
+      with(Products<scalar_t>(k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), pool, scales, call.D, call.Dv, t.scale));
+  }
+  template <typename Products>
+  void with(const Products& products) const {
+    paged_kernel<scalar_t, acc_t>(call, t, B, q.data_ptr<scalar_t>(), products, out.data_ptr<scalar_t>(), stats);
+  }
+};
+
 // An 8-bit pool as mha.kernels.storage keeps it, (N, Hkv, P, X + 4): (its rows (N, Hkv, P, X), their
 // float32 scales (N, Hkv, P)), views of each slot's first X bytes and its last four (copied out where
 // those do not lie on whole floats, as storage.split does).
@@ -2975,43 +3007,14 @@ std::vector<Tensor> paged_sequences(const Tensor& q, const Tensor& k_pages, cons
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto t = terms_of<acc_t>(terms);
     const RowStats<acc_t> stats{row_max.data_ptr<acc_t>(), row_sum.data_ptr<acc_t>()};
+    const PagedRun<scalar_t, acc_t> run{call, t, B, q, k_pages, v_pages, pool, page_scales, out, stats};
 #if defined(MHA_AVX512_BF16)
-    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-      if (prefill) {  // some block has more rows than the run loops take: bfloat16 products
-        if (quantized)
-          paged_kernel<scalar_t, acc_t>(call, t, B, q.data_ptr<scalar_t>(), PagedBf16Products<int8_t>(
-              k_pages.data_ptr<int8_t>(), v_pages.data_ptr<int8_t>(), pool, page_scales, D, Dv, t.scale),
-              out.data_ptr<scalar_t>(), stats);
-        else
-          paged_kernel<scalar_t, acc_t>(call, t, B, q.data_ptr<scalar_t>(), PagedBf16Products<scalar_t>(
-              k_pages.data_ptr<scalar_t>(), v_pages.data_ptr<scalar_t>(), pool, page_scales, D, Dv, t.scale),
-              out.data_ptr<scalar_t>(), stats);
-        return;
-      }
-    }
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>)
+      if (prefill) return run.template on<PagedBf16Products>(quantized);  // a block of more rows than the run loops take
 #endif
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      if (prefill) {  // some block has more rows than the run loops take: tiles packed once
-        if (quantized)
-          paged_kernel<scalar_t, acc_t>(call, t, B, q.data_ptr<scalar_t>(), PagedFloatTiles<int8_t>(
-              k_pages.data_ptr<int8_t>(), v_pages.data_ptr<int8_t>(), pool, page_scales, D, Dv, t.scale),
-              out.data_ptr<scalar_t>(), stats);
-        else
-          paged_kernel<scalar_t, acc_t>(call, t, B, q.data_ptr<scalar_t>(), PagedFloatTiles<float>(
-              k_pages.data_ptr<float>(), v_pages.data_ptr<float>(), pool, page_scales, D, Dv, t.scale),
-              out.data_ptr<scalar_t>(), stats);
-        return;
-      }
-    }
-    if (quantized) {
-      const PagedProducts<scalar_t, acc_t, int8_t> products(k_pages.data_ptr<int8_t>(), v_pages.data_ptr<int8_t>(), pool,
-                                                            page_scales, D, Dv, t.scale);
-      paged_kernel<scalar_t, acc_t>(call, t, B, q.data_ptr<scalar_t>(), products, out.data_ptr<scalar_t>(), stats);
-    } else {
-      const PagedProducts<scalar_t, acc_t> products(k_pages.data_ptr<scalar_t>(), v_pages.data_ptr<scalar_t>(), pool,
-                                                    page_scales, D, Dv, t.scale);
-      paged_kernel<scalar_t, acc_t>(call, t, B, q.data_ptr<scalar_t>(), products, out.data_ptr<scalar_t>(), stats);
-    }
+    if constexpr (std::is_same_v<scalar_t, float>)
+      if (prefill) return run.template on<PagedFloatTiles>(quantized);  // (the same: tiles packed once)
+    run.template on<PagedProductsOf<scalar_t, acc_t>::template type>(quantized);
   });
   return {out, row_max, row_sum};
 }

@@ -221,13 +221,12 @@ FAST_TERMS = {
 
 
 @pytest.mark.skipif(not native.native_available(), reason="the native kernel is not built here")
-@pytest.mark.parametrize("terms", list(FAST_TERMS))
 @pytest.mark.parametrize(("B", "H", "Hkv", "L", "S", "D", "Dv"), [
     (1, 6, 6, 1, 1, 8, 8), (2, 6, 3, 1, 17, 5, 9), (3, 6, 1, 2, 64, 16, 4), (1, 6, 2, 65, 65, 64, 64),
     (2, 6, 6, 3, 300, 1, 12)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @torch.no_grad()
-def test_a_batch_over_kept_rows_takes_the_fast_path_with_the_full_paths_output(terms, B, H, Hkv, L, S, D, Dv, dtype):
+def test_a_batch_over_kept_rows_takes_the_fast_path_with_the_full_paths_output(B, H, Hkv, L, S, D, Dv, dtype):
     """batch_paged_attention over an 8-bit cache's rows (an 8-bit KVCache's or Int8Cache's step): the
     native kernel's one-step path (dispatch.plain_pages) gives the full path's output bitwise, for
     every term the pages carry, at and around the kernel's block and tile sizes, GQA, L = 1 and L = S."""
@@ -235,17 +234,17 @@ def test_a_batch_over_kept_rows_takes_the_fast_path_with_the_full_paths_output(t
     q = torch.randn(B, H, L, D, generator=g).to(dtype)
     k_kept = storage.store(torch.randn(B, Hkv, S, D, generator=g) * 2, True)
     v_kept = storage.store(torch.randn(B, Hkv, S, Dv, generator=g), True)
-    given = {name: torch.tensor(x) if isinstance(x, list) else x for name, x in FAST_TERMS[terms].items()}
-    contract = Contract(**given)
-    fast = dispatch.plain_pages(q, k_kept, v_kept, contract)
-    assert fast is not None and fast.shape == (B, H, L, Dv) and fast.dtype == dtype
-    full = batch_paged_attention(q, k_kept, v_kept, contract, backend="native")  # (the full path: attend_pages)
-    assert torch.equal(fast, full)
-    assert torch.equal(batch_paged_attention(q, k_kept, v_kept, contract), fast)  # auto takes the fast path
-    want = batch_paged_attention(q.double(), storage.load(k_kept, torch.float64), storage.load(v_kept, torch.float64),
-                                 contract, backend="math")
-    tolerance = {torch.float32: 5e-6, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]  # (the kernel's own rounding)
-    assert (fast.double() - want).abs().max().item() <= tolerance
+    for terms in FAST_TERMS.values():
+        contract = Contract(**{name: torch.tensor(x) if isinstance(x, list) else x for name, x in terms.items()})
+        fast = dispatch.plain_pages(q, k_kept, v_kept, contract)
+        assert fast is not None and fast.shape == (B, H, L, Dv) and fast.dtype == dtype, terms
+        full = batch_paged_attention(q, k_kept, v_kept, contract, backend="native")  # (the full path: attend_pages)
+        assert torch.equal(fast, full), terms
+        assert torch.equal(batch_paged_attention(q, k_kept, v_kept, contract), fast), terms  # auto: the fast path
+        want = batch_paged_attention(q.double(), storage.load(k_kept, torch.float64), storage.load(v_kept, torch.float64),
+                                     contract, backend="math")
+        tolerance = {torch.float32: 5e-6, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]  # (the kernel's rounding)
+        assert (fast.double() - want).abs().max().item() <= tolerance, terms
 
 
 def _not_fast(q, k, v):

@@ -939,7 +939,7 @@ def test_a_decoding_step_reads_a_kv_cache_view_in_place_with_the_same_bits(dtype
                      chain=dtype != torch.float32)
 
 
-def test_a_view_with_more_rows_than_a_decoding_step_is_copied_and_right():
+def test_a_view_with_more_rows_than_a_decoding_step_gives_the_bits_of_its_copy():
     q = torch.randn(1, 2, 40, 16)
     k, v = (torch.randn(1, 2, 512, 16)[:, :, :100] for _ in range(2))
     torch.testing.assert_close(native.native_attention(q, k, v), native.native_attention(q, k.contiguous(), v.contiguous()),
@@ -1180,7 +1180,7 @@ def test_the_weights_read_rows_where_they_lie_and_lay_the_output_out_by_tokens(L
 @pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
 def test_native_attention_weights_copies_no_projection_heads():
     """The full path (a mask: not the per-call fast path) hands the kernel q, k, v as they lie
-    (_Inputs reads="any rows"): no copy in the call, the bits of contiguous inputs."""
+    (_Inputs in_place): no copy in the call, the bits of contiguous inputs."""
     q = torch.randn(2, 40, 4, 16).transpose(1, 2)  # (B, T, H, D) seen as (B, H, T, D)
     k, v = (torch.randn(2, 70, 4, 16).transpose(1, 2) for _ in range(2))
     contract = Contract(mask=torch.randn(40, 70))
@@ -1192,6 +1192,78 @@ def test_native_attention_weights_copies_no_projection_heads():
     one_key = k[:, :, :1].expand(2, 4, 70, 16)  # a zero row stride (rows overlap): copied, not read in place
     assert torch.equal(native.native_attention_weights(q, one_key, one_key, contract)[1],
                        native.native_attention_weights(q, one_key.contiguous(), one_key.contiguous(), contract)[1])
+
+
+def _copies(call) -> list[str]:
+    """The copies torch's profiler sees while ``call`` runs."""
+    with torch.profiler.profile() as profiled:
+        call()
+    return [e.name for e in profiled.events() if e.name in ("aten::copy_", "aten::clone", "aten::contiguous")]
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize(("H", "Hkv", "D", "L"), [(4, 4, 16, 40), (6, 2, 5, 70), (4, 2, 16, 1), (3, 3, 5, 2)])
+def test_the_forward_reads_projection_heads_where_they_lie(dtype, H, Hkv, D, L):
+    """q, k, v as a projection's (B, T, H, D) output seen as (B, H, T, D) (rows H * D apart: an odd
+    distance at H 3 and D 5, where bfloat16 pairs are packed value by value) go to the kernel with no
+    copy, tiled rows and a decoding step's alike, and give the bits of the same values contiguous; the
+    output lies (B, L, H, Dv), as torch's CPU kernels lay theirs, so merging its heads is a view."""
+    torch.manual_seed(H * 100 + D + L)
+    S = 300 if L > 2 else 33
+    q = torch.randn(2, L, H, D).to(dtype).transpose(1, 2)
+    if L > 2:  # the tiled kernel packs k and v from any rows
+        k, v = (torch.randn(2, S, Hkv, D).to(dtype).transpose(1, 2) for _ in range(2))
+    else:  # a decoding step reads a cache's rows as they follow each other
+        k, v = (torch.randn(2, Hkv, S, D).to(dtype) for _ in range(2))
+    for contract in (Contract(), Contract(band=CAUSAL, offset=S - L), Contract(mask=torch.rand(L, S) > 0.2)):
+        assert not _copies(lambda: native.native_attention(q, k, v, contract))
+        out = native.native_attention(q, k, v, contract)
+        assert torch.equal(out, native.native_attention(q.contiguous(), k.contiguous(), v.contiguous(), contract))
+        assert out.transpose(1, 2).is_contiguous()
+    if dtype != torch.float64:  # the per-call fast path (native chosen at every size) reads them alike
+        fast = native.loaded.plain_sdpa(q, k, v, True, True, 16, (0, 0), (-1, -1), None, None)
+        assert torch.equal(fast, native.native_attention(q, k, v, Contract(band=CAUSAL)))
+        assert not _copies(lambda: native.loaded.plain_sdpa(q, k, v, True, True, 16, (0, 0), (-1, -1), None, None))
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
+def test_rows_the_kernel_cannot_read_in_place_are_copied_and_right():
+    """Rows that overlap (a zero row stride: one key broadcast along S) or a decoding step's keys
+    whose rows do not follow each other are copied, with the copy's bits."""
+    q = torch.randn(1, 40, 2, 8).transpose(1, 2)
+    one_key = torch.randn(1, 2, 1, 8).expand(1, 2, 90, 8)
+    assert torch.equal(native.native_attention(q, one_key, one_key),
+                       native.native_attention(q, one_key.contiguous(), one_key.contiguous()))
+    step, heads = q[:, :, :1], torch.randn(1, 90, 2, 8).transpose(1, 2)  # keys H * D apart: copied for the step
+    assert _copies(lambda: native.native_attention(step, heads, heads))
+    assert torch.equal(native.native_attention(step, heads, heads),
+                       native.native_attention(step, heads.contiguous(), heads.contiguous()))
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
+@pytest.mark.parametrize("L", [1, 40])
+def test_negative_views_are_read_as_the_values_they_stand_for(L):
+    """torch._neg_view's data holds the other sign (torch negates what it reads): the kernel's forward,
+    weights, backward and paged calls read the values the view stands for, contiguous or not."""
+    from mha.kernels.paged import paged_attention
+
+    torch.manual_seed(L)
+    x, k, v = torch.randn(2, L, 3, 8), torch.randn(2, 3, 50, 8), torch.randn(2, 3, 50, 8)
+    for viewed in (x.transpose(1, 2), x.transpose(1, 2).contiguous()):
+        neg, plain = torch._neg_view(viewed), -viewed
+        assert neg.is_neg() and torch.equal(neg, plain)
+        assert torch.equal(native.native_attention(neg, k, v), native.native_attention(plain, k, v))
+        assert torch.equal(native.native_attention_weights(neg, k, v)[1], native.native_attention_weights(plain, k, v)[1])
+        leaf = viewed.clone().requires_grad_(True)
+        grads = [torch.autograd.grad(native.native_attention(q, k, v).square().sum(), leaf)[0]
+                 for q in (torch._neg_view(leaf), -leaf)]
+        assert torch.equal(*grads)
+        pages = (k.reshape(6, 1, 50, 8), v.reshape(6, 1, 50, 8))  # each (batch, head) a page: one sequence's keys
+        rows = torch._neg_view(viewed[:1].transpose(1, 2).reshape(L, 3, 8)[:, :1].contiguous())
+        table, cu, lengths = torch.tensor([[0]]), torch.tensor([0, L]), torch.tensor([50])
+        assert torch.equal(paged_attention(rows, *pages, table, cu, lengths, backend="native"),
+                           paged_attention(rows.resolve_neg(), *pages, table, cu, lengths, backend="native"))
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")

@@ -303,7 +303,7 @@ def checked_attention_weights(q: Tensor, k: Tensor, v: Tensor, contract: Contrac
     k and v with one head count (matched_kv_heads)."""
     q, k, v = autocast_inputs(q, k, v)
     q, contract = contract.fold_logit_scale(q)
-    inputs = _Inputs(q, k, v, contract, reads="any rows")
+    inputs = _Inputs(q, k, v, contract, in_place=True)
     out, weights = _kernel().forward_weights(*inputs.tensors(), inputs.terms())
     return inputs.output(out), weights.view(*inputs.lead, *weights.shape[2:]).to(q.dtype)  # (B, H, L, S) -> (..., L, S)
 
@@ -320,7 +320,7 @@ def _checked_run(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None, dro
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in learned):
         out, lse = _Native.apply(*learned, contract)
         return (out, lse) if with_lse else out
-    inputs = _Inputs(q, k, v, contract, reads="kv rows")  # nothing to differentiate: no autograd node
+    inputs = _Inputs(q, k, v, contract, in_place=True)  # nothing to differentiate: no autograd node
     out, kept = _forward(inputs, for_backward=False)
     return (out, _lse(inputs, *kept[1:])) if with_lse else out
 
@@ -369,34 +369,25 @@ class _Native(torch.autograd.Function):
         return (*grads, d_slopes, d_sinks, None)
 
 
-def _rows_contiguous(x: Tensor, lead: tuple[int, ...]) -> bool:
-    """x (B, H, T, X) with contiguous rows that follow each other within a head (any head and batch
-    strides >= 0), and at least one column: what the kernel's decoding path reads in place."""
-    return (_kernel_shaped(x, lead) and x.stride(-1) == 1 and (x.shape[-2] <= 1 or x.stride(-2) == x.shape[-1])
-            and x.stride(0) >= 0 and x.stride(1) >= 0)
-
-
 def _kernel_shaped(x: Tensor, lead: tuple[int, ...]) -> bool:
-    """x (B, H, T, X) with at least one column: the weights' forward_weights takes it as it is and
-    copies what its rows' strides do not let it read (csrc/native.cpp's rows_readable decides)."""
+    """x (B, H, T, X) with at least one column: the kernel's forward and forward_weights take it as it
+    is and copy what their paths cannot read in place (csrc/native.cpp's Layout decides)."""
     return x.dim() == 4 and x.shape[:2] == lead and x.shape[-1] > 0
 
 
 class _Inputs:
     """q, k, v as the kernel takes them, (B, H, L, D) contiguous, and the contract as its arguments."""
 
-    def __init__(self, q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, reads: str = "contiguous"):
-        """reads: what the kernel's call reads in place, the rest copied contiguous: "kv rows", k and v
-        views whose rows are contiguous but whose heads are further apart (a KV cache's first S of
-        more slots: the decoding path; the backward's inputs are always contiguous); "any rows", q,
-        k and v of the kernel's shape, however they lie (the weights: the kernel copies what it
-        cannot read in place)."""
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, in_place: bool = False):
+        """in_place: q, k and v of the kernel's shape go to it however they lie, and it copies what its
+        path cannot read in place (a call with no gradient: the heads of a projection's (B, T, H, D)
+        output seen as (B, H, T, D), a KV cache's first S of more slots); else contiguous (the
+        autograd function's, saved for the backward)."""
         self.lead, self.kv_lead = leads(q, k, v)  # (..., H), (..., Hkv)
         self.dtype = q.dtype
-        in_place = {"contiguous": lambda x, lead: False, "kv rows": _rows_contiguous, "any rows": _kernel_shaped}[reads]
-        self.q = _at_least_one_column(q if reads == "any rows" and in_place(q, self.lead) else self.as_rows(q, self.lead))
-        self.k, self.v = (_at_least_one_column(x if in_place(x, self.kv_lead) else self.as_rows(x, self.kv_lead))
-                          for x in (k, v))
+        self.q, self.k, self.v = (
+            _at_least_one_column(x if in_place and _kernel_shaped(x, lead) else self.as_rows(x, lead))
+            for x, lead in ((q, self.lead), (k, self.kv_lead), (v, self.kv_lead)))
         self.contract = contract
         self.L, self.S, self.D, self.Dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
 

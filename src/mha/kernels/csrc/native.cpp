@@ -1,7 +1,8 @@
 // mha's native attention kernel: exact attention under the whole contract (mha.kernels.Contract),
 // in tiles, with float32 accumulation (float64 for float64), forward and backward.
 //
-//   forward(q, k, v, terms, for_backward)                  -> out (B, H, L, Dv), row max, row sum (B, H, L)
+//   forward(q, k, v, terms, for_backward)                  -> out (B, H, L, Dv) laid out (B, L, H, Dv),
+//                                                             row max, row sum (B, H, L)
 //   backward(q, k, v, dout, row max, row sum, delta, terms) -> dq, dk, dv, d_slopes
 //   paged_forward(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k, terms)
 //                                                          -> out (Tq, H, Dv), row max, row sum (Tq, H)
@@ -13,7 +14,11 @@
 // by the caller): the backward's P = e^(s - m) / l is then as exact as the forward's, where
 // e^(s - lse) would carry lse's rounding, |m| eps, into every weight at large logits.
 //
-// q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), contiguous; Hkv divides H (GQA: query
+// q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), each row's values contiguous (rows anywhere:
+// the heads of a projection's (B, T, H, D) output seen as (B, H, T, D) are read where they lie; the
+// backward's inputs are contiguous, and a decoding step's k and v rows follow each other within a
+// head, as a cache keeps them); out laid out as torch's CPU kernels lay theirs, (B, L, H, Dv), so
+// that merging its heads is a view. Hkv divides H (GQA: query
 // head h reads key/value head h / G, G = H / Hkv). The G query heads that share a key/value head
 // are one task's rows, stacked (row r = g * L + i), so K and V are read once for all of them: a
 // decoding step (L = 1) of GQA reads the cache once per kv head, not G times.
@@ -895,10 +900,8 @@ struct PlainProducts {
   Operands<acc_t> ops;
   Scratch<acc_t> qp;  // the block's scaled queries
 
-  PlainProducts(const Shape& shape, acc_t scale_, const scalar_t* k, const scalar_t* v)
-      : sh(shape), scale(scale_),
-        ops(operands<scalar_t, acc_t>(shape, k, contiguous_rows(shape.Hkv, shape.S, shape.D), v,
-                                      contiguous_rows(shape.Hkv, shape.S, shape.Dv))) {}
+  PlainProducts(const Shape& shape, acc_t scale_, const scalar_t* k, RowStrides ks, const scalar_t* v, RowStrides vs)
+      : sh(shape), scale(scale_), ops(operands<scalar_t, acc_t>(shape, k, ks, v, vs)) {}
 
   void pack_row(int64_t r, int64_t, const scalar_t* src) {
     acc_t* row = qp.at_least(kBlockQ * sh.D) + r * sh.D;
@@ -915,22 +918,24 @@ struct PlainProducts {
 };
 
 #if defined(MHA_AVX512_BF16)
-// VNNI pairs, tile by tile, of x (BH, S, X) in bfloat16, zero-padded (a key past an odd S, and to an
-// even width; a tile's keys past padded_keys are never read, nor written):
+// VNNI pairs, tile by tile, of x (B, Hkv, S, X) in bfloat16, its rows where xs says, zero-padded (a key
+// past an odd S, and to an even width; a tile's keys past padded_keys are never read, nor written):
 //   transposed: (BH, tiles, X2 / 2, kBlockK, 2), pairs along X (K^T, V^T: the B of products over X)
 //   by rows:    (BH, tiles, kBlockK / 2, X, 2), pairs of keys (V, K: the B of products over keys)
-inline void pack_pairs(const at::BFloat16* x, int64_t BH, int64_t S, int64_t X, bool transposed, at::BFloat16* out) {
-  const int64_t tiles = tiles_of(S), X2 = X + X % 2;
+inline void pack_pairs(const at::BFloat16* x, RowStrides xs, const Shape& sh, int64_t X, bool transposed,
+                       at::BFloat16* out) {
+  const int64_t S = sh.S, Hkv = sh.Hkv, BH = sh.B * Hkv, tiles = tiles_of(S), X2 = X + X % 2;
   // a pair is one 32-bit word, its first value in the low half (x86 is little-endian)
   const auto pair = [](uint16_t first, uint16_t second) { return uint32_t(first) | uint32_t(second) << 16; };
   at::parallel_for(0, BH * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / tiles, first = (task % tiles) * kBlockK, n = std::min(kBlockK, S - first);
       uint32_t* dst = reinterpret_cast<uint32_t*>(out + task * (transposed ? X2 : X) * kBlockK);
-      const auto row = [&](int64_t j) { return first + j < S ? x + (bh * S + first + j) * X : nullptr; };
-      if (transposed && X % 2 == 0) {  // the words' transpose, moved as floats are (8 x 8 in registers)
-        const float* words = reinterpret_cast<const float*>(x + (bh * S + first) * X);
-        pack_tile(words, X / 2, n, X / 2, reinterpret_cast<float*>(dst));
+      const at::BFloat16* head = x + xs.at(bh / Hkv, bh % Hkv, 0);
+      const auto row = [&](int64_t j) { return first + j < S ? head + (first + j) * xs.row : nullptr; };
+      if (transposed && X % 2 == 0 && xs.row % 2 == 0) {  // the words' transpose, moved as floats are (8 x 8 in registers)
+        const float* words = reinterpret_cast<const float*>(head + first * xs.row);
+        pack_tile(words, xs.row / 2, n, X / 2, reinterpret_cast<float*>(dst));
       } else if (transposed) {  // word (d / 2, j) of a (X2 / 2, kBlockK) matrix: values d and d + 1 of key j
         for (int64_t j = 0; j < padded_keys(n); ++j) {
           const at::BFloat16* r = row(j);
@@ -966,13 +971,13 @@ struct Bf16Products {
   std::vector<bf16> qb = {};  // the block's queries, their pad column (D odd) zero
   Scratch<bf16> pb;            // the tile's weights
 
-  Bf16Products(const Shape& shape, float scale_, const bf16* k, const bf16* v)
+  Bf16Products(const Shape& shape, float scale_, const bf16* k, RowStrides ks, const bf16* v, RowStrides vs)
       : sh(shape), scale(scale_), D2(shape.D + shape.D % 2) {
     const int64_t tiles = tiles_of(sh.S), BH = sh.B * sh.Hkv;
     bf16* kt_ = workspace<bf16>(0, BH * tiles * D2 * kBlockK);
     bf16* vv_ = workspace<bf16>(1, BH * tiles * kBlockK * sh.Dv);
-    pack_pairs(k, BH, sh.S, sh.D, true, kt_);
-    pack_pairs(v, BH, sh.S, sh.Dv, false, vv_);
+    pack_pairs(k, ks, sh, sh.D, true, kt_);
+    pack_pairs(v, vs, sh, sh.Dv, false, vv_);
     kt = kt_;
     vv = vv_;
   }
@@ -1240,7 +1245,8 @@ std::pair<acc_t, acc_t> merge_splits(int64_t splits, const acc_t* m, const acc_t
 //   batch(), kv_heads()            batch entries (or sequences) b, key/value heads
 //   shape(b), terms(b)             b's Shape and Terms
 //   rows(b, kv_head, r0, r1)       the stacked rows r0..r1 of a kv head (block_rows)
-//   row(b, rows, r)                the index of rows' r-th row in q (rows of D) and out (rows of Dv)
+//   row(b, rows, r)                the index of rows' r-th row in the row statistics
+//   q_at(b, rows, r), out_at(...)  where that row lies in q and out (elements from their starts)
 //   bind(products, b, kv_head)     the products made to read b's kv head: the head index they take
 //   D, Dv
 template <typename scalar_t, typename acc_t, typename Products, typename Layout>
@@ -1270,10 +1276,10 @@ void forward_blocks(const Layout& layout, const scalar_t* q, const Products& sha
   const auto merge_group = [&](const SplitGroup& group, acc_t* merged) {
     const Rows rows = layout.rows(group.b, group.kv_head, group.r0, group.r1);
     for (int64_t r = 0; r < rows.count; ++r) {
-      const int64_t first = group.first_slot + r, row = layout.row(group.b, rows, r);
+      const int64_t first = group.first_slot + r;
       const auto [top, sum] = merge_splits(group.splits, part_m.data() + first, part_l.data() + first,
                                            part_acc.data() + first * Dv, rows.count, Dv, merged);
-      finish_row(top, sum, merged, Dv, out + row * Dv, stats, row);
+      finish_row(top, sum, merged, Dv, out + layout.out_at(group.b, rows, r), stats, layout.row(group.b, rows, r));
     }
   };
   in_shares(costs_of(plan.items), [&](auto&& next) {
@@ -1290,7 +1296,7 @@ void forward_blocks(const Layout& layout, const scalar_t* q, const Products& sha
       const Rows rows = layout.rows(item.b, item.kv_head, item.r0, item.r1);
       const int64_t R = rows.count, bh = layout.bind(products, item.b, item.kv_head);
       for (int64_t r = 0; r < R; ++r) {  // pack the queries; start each row's running softmax
-        products.pack_row(r, R, q + layout.row(item.b, rows, r) * D);
+        products.pack_row(r, R, q + layout.q_at(item.b, rows, r));
         const bool sink = t.sinks != nullptr && item.split == 0;  // the sink joins once, in the first range
         m[r] = sink ? t.sinks[rows.head[r]] : neg_inf;
         l[r] = sink ? acc_t(1) : acc_t(0);
@@ -1298,10 +1304,8 @@ void forward_blocks(const Layout& layout, const scalar_t* q, const Products& sha
       std::fill(acc, acc + R * Dv, acc_t(0));
       absorb_keys(layout.shape(item.b), t, rows, products, bh, item.k0, item.k1, s, m, l, acc);
       if (item.group < 0) {
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t row = layout.row(item.b, rows, r);
-          finish_row(m[r], l[r], acc + r * Dv, Dv, out + row * Dv, stats, row);
-        }
+        for (int64_t r = 0; r < R; ++r)
+          finish_row(m[r], l[r], acc + r * Dv, Dv, out + layout.out_at(item.b, rows, r), stats, layout.row(item.b, rows, r));
       } else {
         const int64_t slot = plan.groups[item.group].first_slot + item.split * R;
         std::copy(m, m + R, part_m.begin() + slot);
@@ -1315,11 +1319,13 @@ void forward_blocks(const Layout& layout, const scalar_t* q, const Products& sha
   });
 }
 
-// The tiled forward's rows: B batch entries of one Shape, q (B, H, L, D) and out (B, H, L, Dv).
+// The forward's rows: B batch entries of one Shape, q (B, H, L, D) and out (B, H, L, Dv) with their
+// rows where qs and os say, the row statistics (B, H, L).
 template <typename acc_t>
 struct DenseLayout {
   const Shape& sh;
   const Terms<acc_t>& t;
+  RowStrides qs, os;
   int64_t D = sh.D, Dv = sh.Dv;
   int64_t batch() const { return sh.B; }
   int64_t kv_heads() const { return sh.Hkv; }
@@ -1327,15 +1333,11 @@ struct DenseLayout {
   const Terms<acc_t>& terms(int64_t) const { return t; }
   Rows rows(int64_t b, int64_t kv_head, int64_t r0, int64_t r1) const { return block_rows(sh, t, b, kv_head, r0, r1); }
   int64_t row(int64_t b, const Rows& rows, int64_t r) const { return (b * sh.H + rows.head[r]) * sh.L + rows.index[r]; }
+  int64_t q_at(int64_t b, const Rows& rows, int64_t r) const { return qs.at(b, rows.head[r], rows.index[r]); }
+  int64_t out_at(int64_t b, const Rows& rows, int64_t r) const { return os.at(b, rows.head[r], rows.index[r]); }
   template <typename Products>
   int64_t bind(Products&, int64_t b, int64_t kv_head) const { return b * sh.Hkv + kv_head; }
 };
-
-template <typename scalar_t, typename acc_t, typename Products>
-void forward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const Products& shared,
-                    scalar_t* out, const RowStats<acc_t>& stats) {
-  forward_blocks(DenseLayout<acc_t>{sh, t}, q, shared, out, stats);
-}
 
 // ---- backward --------------------------------------------------------------------------------------
 
@@ -1413,9 +1415,10 @@ struct Bf16Backward {
     bf16* kt_ = workspace<bf16>(0, BH * tiles * D2 * kBlockK);
     bf16* k_ = workspace<bf16>(1, BH * tiles * kBlockK * sh.D);
     bf16* vt_ = workspace<bf16>(2, BH * tiles * Dv2 * kBlockK);
-    pack_pairs(keys.data_ptr<bf16>(), BH, sh.S, sh.D, true, kt_);
-    pack_pairs(keys.data_ptr<bf16>(), BH, sh.S, sh.D, false, k_);
-    pack_pairs(values.data_ptr<bf16>(), BH, sh.S, sh.Dv, true, vt_);
+    const RowStrides key_rows = contiguous_rows(sh.Hkv, sh.S, sh.D);
+    pack_pairs(keys.data_ptr<bf16>(), key_rows, sh, sh.D, true, kt_);
+    pack_pairs(keys.data_ptr<bf16>(), key_rows, sh, sh.D, false, k_);
+    pack_pairs(values.data_ptr<bf16>(), contiguous_rows(sh.Hkv, sh.S, sh.Dv), sh, sh.Dv, true, vt_);
     kt = kt_, k = k_, vt = vt_;
   }
 
@@ -2212,20 +2215,30 @@ void weights_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, R
 // (``for_backward``) takes the tiled kernel always: the backward recomputes the scores with the
 // tiled kernel's products, and P = e^(s - m) / l is exact only when s is the same float both times
 // (at large logits one rounding apart is a relative error of |s| eps in P).
+// q, k, v and out of one call, each 4-D (B, heads, T, X) with its rows where its RowStrides say (the
+// decoding path's k and v: rows contiguous, at sh's head strides).
+template <typename scalar_t>
+struct CallRows {
+  const scalar_t *q, *k, *v;
+  scalar_t* out;
+  RowStrides qs, ks, vs, os;
+};
+
 template <typename scalar_t, typename acc_t>
-void run_forward(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, const scalar_t* k, const scalar_t* v,
-                 scalar_t* out, const RowStats<acc_t>& stats, bool for_backward) {
+void run_forward(const Shape& sh, const Terms<acc_t>& t, const CallRows<scalar_t>& x, const RowStats<acc_t>& stats,
+                 bool for_backward) {
+  const DenseLayout<acc_t> layout{sh, t, x.qs, x.os};
   if (sh.rows() <= kDecodeRows && !for_backward) {  // a decoding step: the cache is read as it is
-    forward_kernel<scalar_t, acc_t>(sh, t, q, StepProducts<scalar_t, acc_t>{sh, k, v}, out, stats);
+    forward_blocks(layout, x.q, StepProducts<scalar_t, acc_t>{sh, x.k, x.v}, x.out, stats);
     return;
   }
 #if defined(MHA_AVX512_BF16)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    forward_kernel<scalar_t, acc_t>(sh, t, q, Bf16Products(sh, t.scale, k, v), out, stats);
+    forward_blocks(layout, x.q, Bf16Products(sh, t.scale, x.k, x.ks, x.v, x.vs), x.out, stats);
     return;
   }
 #endif
-  forward_kernel<scalar_t, acc_t>(sh, t, q, PlainProducts<scalar_t, acc_t>(sh, t.scale, k, v), out, stats);
+  forward_blocks(layout, x.q, PlainProducts<scalar_t, acc_t>(sh, t.scale, x.k, x.ks, x.v, x.vs), x.out, stats);
 }
 
 // The backward of one call, on the products for the dtype; dK^T comes out scaled either way.
@@ -2655,6 +2668,8 @@ struct PagedLayout {
     return block_rows(shape(b), terms(b), 0, kv_head, r0, r1);
   }
   int64_t row(int64_t b, const Rows& rows, int64_t r) const { return (call.cu[b] + rows.index[r]) * call.H + rows.head[r]; }
+  int64_t q_at(int64_t b, const Rows& rows, int64_t r) const { return row(b, rows, r) * D; }
+  int64_t out_at(int64_t b, const Rows& rows, int64_t r) const { return row(b, rows, r) * Dv; }
   template <typename Products>
   int64_t bind(Products& products, int64_t b, int64_t kv_head) const {
     products.bind(call.table + b * call.M, kv_head, call.seqlens[b]);
@@ -2737,16 +2752,20 @@ bool rows_readable(const Tensor& x) {
          x.stride(0) >= 0;
 }
 
-// What a kernel reads in place: everything contiguous (the tiled forward, the backward), k's and v's
-// rows contiguous (the decoding path: rows_contiguous), any rows (the weights: rows_readable).
+// x with the values it stands for in its data: a negative view (torch._neg_view: its data holds the
+// other sign, and torch's ops negate what they read) copied out; the kernels read data as it is.
+Tensor stored(const Tensor& x) { return x.is_neg() ? x.resolve_neg() : x; }
+
+// What a kernel reads in place: everything contiguous (the backward and its forward), q's rows anywhere
+// and k's and v's rows contiguous (the decoding path: rows_contiguous), any rows (the tiled forward,
+// the weights: rows_readable).
 enum class Layout { kContiguous, kKvRows, kAnyRows };
 
 Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, Layout layout = Layout::kContiguous) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "mha native: q, k, v must be 4-D");
-  const bool readable = layout == Layout::kAnyRows
-                            ? rows_readable(q) && rows_readable(k) && rows_readable(v)
-                            : q.is_contiguous() && (layout == Layout::kKvRows ? rows_contiguous(k) && rows_contiguous(v)
-                                                                               : k.is_contiguous() && v.is_contiguous());
+  const bool readable = layout == Layout::kAnyRows  ? rows_readable(q) && rows_readable(k) && rows_readable(v)
+                        : layout == Layout::kKvRows ? rows_readable(q) && rows_contiguous(k) && rows_contiguous(v)
+                                                    : q.is_contiguous() && k.is_contiguous() && v.is_contiguous();
   TORCH_CHECK(readable, "mha native: inputs must be contiguous (k and v: rows contiguous)");
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), "mha native: q, k, v must have one batch size");
   TORCH_CHECK(v.size(1) == k.size(1) && v.size(2) == k.size(2), "mha native: v must have k's heads and length");
@@ -2758,15 +2777,29 @@ Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, Layout layout 
   return sh;
 }
 
-std::vector<Tensor> forward(const Tensor& q, const Tensor& k_in, const Tensor& v_in, const TermArgs& terms,
+RowStrides row_strides(const Tensor& x) { return {x.stride(0), x.stride(1), x.stride(2)}; }
+
+// (B, H, L, Dv) laid out (B, L, H, Dv)
+Tensor output_like(const Tensor& q, int64_t Dv) {
+  return at::empty({q.size(0), q.size(2), q.size(1), Dv}, q.options()).transpose(1, 2);
+}
+
+std::vector<Tensor> forward(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const TermArgs& terms,
                             bool for_backward) {
-  // the decoding path reads k and v where they are; the tiled kernel packs them from contiguous ones
-  const bool decode = q.dim() == 4 && k_in.dim() == 4 && k_in.size(1) > 0 && q.size(1) % k_in.size(1) == 0 &&
-                      q.size(1) / k_in.size(1) * q.size(2) <= kDecodeRows && !for_backward;
-  const Tensor& k = decode && rows_contiguous(k_in) ? k_in : k_in.contiguous();
-  const Tensor& v = decode && rows_contiguous(v_in) ? v_in : v_in.contiguous();
-  const Shape sh = shape_of(q, k, v, decode ? Layout::kKvRows : Layout::kContiguous);
-  auto out = at::empty({sh.B, sh.H, sh.L, sh.Dv}, q.options());
+  // read in place where the path can (Layout), else copied contiguous
+  const bool decode = q_in.dim() == 4 && k_in.dim() == 4 && k_in.size(1) > 0 && q_in.size(1) % k_in.size(1) == 0 &&
+                      q_in.size(1) / k_in.size(1) * q_in.size(2) <= kDecodeRows && !for_backward;
+  const Layout layout = for_backward ? Layout::kContiguous : decode ? Layout::kKvRows : Layout::kAnyRows;
+  const auto read = [&](const Tensor& x_in, bool kv) {
+    const Tensor x = stored(x_in);
+    const bool in_place = layout == Layout::kContiguous        ? x.is_contiguous()
+                          : layout == Layout::kKvRows && kv ? rows_contiguous(x)
+                                                            : rows_readable(x);
+    return in_place ? x : x.contiguous();
+  };
+  const Tensor q = read(q_in, false), k = read(k_in, true), v = read(v_in, true);
+  const Shape sh = shape_of(q, k, v, layout);
+  auto out = output_like(q, sh.Dv);
   const bool wide = q.scalar_type() == at::kDouble;
   const auto stats_options = q.options().dtype(wide ? at::kDouble : at::kFloat);
   auto row_max = at::empty({sh.B, sh.H, sh.L}, stats_options), row_sum = at::empty({sh.B, sh.H, sh.L}, stats_options);
@@ -2776,9 +2809,10 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k_in, const Tensor& v
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_native_forward", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto t = terms_of<acc_t>(terms);
-    run_forward<scalar_t, acc_t>(sh, t, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                                 out.data_ptr<scalar_t>(), {row_max.data_ptr<acc_t>(), row_sum.data_ptr<acc_t>()},
-                                 for_backward);
+    const CallRows<scalar_t> rows{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                                  out.data_ptr<scalar_t>(), row_strides(q), row_strides(k), row_strides(v),
+                                  row_strides(out)};
+    run_forward<scalar_t, acc_t>(sh, t, rows, {row_max.data_ptr<acc_t>(), row_sum.data_ptr<acc_t>()}, for_backward);
   });
   return {out, row_max, row_sum};
 }
@@ -2789,25 +2823,28 @@ std::vector<Tensor> forward(const Tensor& q, const Tensor& k_in, const Tensor& v
 // drop-in's weights over torch's at B4 T128 E512), and writing the output laid out (B, L, H, Dv), as
 // torch's CPU kernels lay theirs out, so that merging its heads after is a view.
 std::vector<Tensor> forward_weights(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const TermArgs& terms) {
-  const auto readable = [](const Tensor& x) { return rows_readable(x) ? x : x.contiguous(); };
+  const auto readable = [](const Tensor& x_in) {
+    const Tensor x = stored(x_in);
+    return rows_readable(x) ? x : x.contiguous();
+  };
   const Tensor q = readable(q_in), k = readable(k_in), v = readable(v_in);
   const Shape sh = shape_of(q, k, v, Layout::kAnyRows);
-  auto out = at::empty({sh.B, sh.L, sh.H, sh.Dv}, q.options()).transpose(1, 2);
+  auto out = output_like(q, sh.Dv);
   auto weights = at::empty({sh.B, sh.H, sh.L, sh.S}, q.options().dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
   if (sh.B * sh.H * sh.L == 0) return {out, weights};
   if (sh.S == 0) return {out.zero_(), weights};  // rows that see nothing (a sink's weight is not kept)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "mha_native_forward_weights", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    const auto rows = [](const Tensor& x) { return RowStrides{x.stride(0), x.stride(1), x.stride(2)}; };
-    weights_kernel<scalar_t, acc_t>(sh, terms_of<acc_t>(terms), q.data_ptr<scalar_t>(), rows(q), k.data_ptr<scalar_t>(),
-                                    rows(k), v.data_ptr<scalar_t>(), rows(v), out.data_ptr<scalar_t>(), rows(out),
-                                    weights.data_ptr<acc_t>());
+    weights_kernel<scalar_t, acc_t>(sh, terms_of<acc_t>(terms), q.data_ptr<scalar_t>(), row_strides(q),
+                                    k.data_ptr<scalar_t>(), row_strides(k), v.data_ptr<scalar_t>(), row_strides(v),
+                                    out.data_ptr<scalar_t>(), row_strides(out), weights.data_ptr<acc_t>());
   });
   return {out, weights};
 }
 
-std::vector<Tensor> backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout, const Tensor& row_max,
-                             const Tensor& row_sum, const Tensor& delta, const TermArgs& terms) {
+std::vector<Tensor> backward(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& dout_in,
+                             const Tensor& row_max, const Tensor& row_sum, const Tensor& delta, const TermArgs& terms) {
+  const Tensor q = stored(q_in), k = stored(k_in), v = stored(v_in), dout = stored(dout_in);
   const Shape sh = shape_of(q, k, v);  // the forward's inputs, contiguous (mha.kernels.native saves them so)
   const int64_t threads = at::get_num_threads();
   const int64_t tasks = std::max<int64_t>(1, sh.B * sh.Hkv);  // split the keys when there are fewer (batch, kv head) tasks than threads
@@ -2929,9 +2966,10 @@ bool kept_scales_in_place(const Tensor& kept, at::ScalarType acc_type) {
 }
 
 // paged_forward on its sequences' counts as arrays: cu (B + 1,), seqlens (B,), table (B, M) row-major.
-std::vector<Tensor> paged_sequences(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, int64_t B, int64_t M,
+std::vector<Tensor> paged_sequences(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, int64_t B, int64_t M,
                                     const int64_t* cu, const int64_t* seqlens, const int64_t* pages,
                                     const TermArgs& terms, const Optional& k_scales, const Optional& v_scales) {
+  const Tensor q = stored(q_in), k_pages = stored(k_in), v_pages = stored(v_in);
   TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.dim() == 4,
               "mha paged: q must be (Tq, H, D), k_pages (N, Hkv, P, D), v_pages (N, Hkv, P, Dv)");
   TORCH_CHECK(q.device().is_cpu() && k_pages.device().is_cpu() && v_pages.device().is_cpu(),
@@ -3133,7 +3171,7 @@ pybind11::object plain_sdpa(const Tensor& q, const Tensor& k, const Tensor& v, b
   Tensor out;
   {
     pybind11::gil_scoped_release no_gil;
-    out = native ? forward(q.contiguous(), k, v, plain_terms(is_causal, scale, q.size(3), key_valid), /*for_backward=*/false)[0]
+    out = native ? forward(q, k, v, plain_terms(is_causal, scale, q.size(3), key_valid), /*for_backward=*/false)[0]
                  : at::scaled_dot_product_attention(q, k, v, {}, 0.0, is_causal, scale, enable_gqa && Hkv != H);
   }
   return pybind11::cast(out);

@@ -13,6 +13,8 @@
                                                   # the full path) against one over a bfloat16 cache
     python scripts/per_call_ab.py --int8-generate 4096  # a bfloat16 Llama generating after 4096 tokens with
                                                   # transformers' Int8Cache against its bfloat16 cache
+    python scripts/per_call_ab.py --heads         # auto against torch on a projection's heads, (B, T, H, D)
+                                                  # seen as (B, H, T, D): single calls alternated
 
 Where a call takes microseconds and the machine's own speed drifts (a shared machine: the same torch
 call took 8.6 us in one run and 19 us in another here), a best-of ratio misleads: this times
@@ -189,6 +191,25 @@ def int8_generate(T: int, rounds: int = 5) -> None:
           f"int8/bf16 {best['int8'] / best['bf16']:.3f}")
 
 
+def heads(rounds: int = 15) -> None:
+    """backend="auto" against torch's SDPA, causal, on q, k, v as a model's projections hand them over
+    ((B, T, H, D) seen as (B, H, T, D)), single calls alternated (tuning.alternated_samples): the median
+    of the rounds' ratios, at four shapes, fp32 and bf16."""
+    from mha.functional import scaled_dot_product_attention as sdpa
+    from mha.kernels import tuning
+    for B, H, T, D in [(1, 8, 256, 64), (1, 8, 1024, 64), (4, 8, 256, 64), (32, 12, 128, 32)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v = (torch.randn(B, T, H, D).to(dtype).transpose(1, 2) for _ in range(3))
+            fns = {"auto": lambda: sdpa(q, k, v, is_causal=True),
+                   "torch": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+            with torch.no_grad():
+                alone = tuning.alternated_samples(fns, rounds)
+            ratio = statistics.median(a / b for a, b in zip(alone["auto"], alone["torch"]))
+            print(f"B{B} H{H} T{T} D{D} {str(dtype).removeprefix('torch.')}: auto "
+                  f"{statistics.median(alone['auto']) * 1e3:.2f} ms, torch {statistics.median(alone['torch']) * 1e3:.2f} ms, "
+                  f"auto/torch {ratio:.2f}")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--generate", type=int, metavar="T", help="time generation after a prompt of T tokens")
@@ -197,6 +218,7 @@ if __name__ == "__main__":
     parser.add_argument("--paged", type=int, metavar="S", help="paged_attention's layers at a decoding step over S keys")
     parser.add_argument("--int8", type=int, metavar="S", help="a step over an 8-bit cache of S keys against a bfloat16 one")
     parser.add_argument("--int8-generate", type=int, metavar="T", help="a Llama's generation after T tokens, Int8Cache vs bf16")
+    parser.add_argument("--heads", action="store_true", help="auto against torch on a projection's heads, alternated")
     args = parser.parse_args()
     if args.generate:
         generate(args.generate)
@@ -210,5 +232,7 @@ if __name__ == "__main__":
         int8(args.int8)
     elif args.int8_generate:
         int8_generate(args.int8_generate)
+    elif args.heads:
+        heads()
     else:
         calls()

@@ -676,7 +676,7 @@ def alternated_rounds(calls: int, repeat: int) -> int:
     return max(3, min(tuning.SHORT_CALL_SINGLES, calls)) * repeat
 
 
-def auto_rows(lengths, decode_keys, repeat: int) -> Iterator[Row]:
+def auto_rows(lengths, decode_keys, repeat: int, *, projection: bool = False) -> Iterator[Row]:
     """backend="auto" (mha.functional.scaled_dot_product_attention: checks, contract, dispatch,
     whichever kernel it picks) against torch's SDPA on the same call, B1 H8 D64, no_grad: prefill
     at every length (causal), fp32 and bf16, and decoding steps (L=1, 2 kv heads, GQA) over
@@ -684,14 +684,20 @@ def auto_rows(lengths, decode_keys, repeat: int) -> Iterator[Row]:
     cost shows) and single calls alternated with other work (tuning.alternated_samples): their
     ratio the median of each round's auto/torch, the two calls a round takes one after the other
     (the ratio of the two medians, taken from calls up to a second apart, moved with this
-    machine's drift: 1.08 where the rounds' median read 1.03-1.05, both sides torch's kernel)."""
+    machine's drift: 1.08 where the rounds' median read 1.03-1.05, both sides torch's kernel).
+    ``projection``: q, k and v as a model's projections give them, (B, T, H, D) seen as (B, H, T, D)
+    (rows H * D apart), the prefill points only."""
     F = torch.nn.functional
     for name, dtype in bench_native.DTYPES.items():
         points = [(f"T{T}", (1, HEADS, T), (1, HEADS, T), True) for T in lengths]
-        points += [(f"decode S{S}", (1, HEADS, 1), (1, 2, S), False) for S in decode_keys]
+        points += [(f"decode S{S}", (1, HEADS, 1), (1, 2, S), False) for S in ([] if projection else decode_keys)]
         for point, (B, H, L), (_, Hkv, S), causal in points:
-            q = torch.randn(B, H, L, HEAD_DIM).to(dtype)
-            k, v = (torch.randn(B, Hkv, S, HEAD_DIM).to(dtype) for _ in range(2))
+            if projection:
+                q = torch.randn(B, L, H, HEAD_DIM).to(dtype).transpose(1, 2)
+                k, v = (torch.randn(B, S, Hkv, HEAD_DIM).to(dtype).transpose(1, 2) for _ in range(2))
+            else:
+                q = torch.randn(B, H, L, HEAD_DIM).to(dtype)
+                k, v = (torch.randn(B, Hkv, S, HEAD_DIM).to(dtype) for _ in range(2))
             gqa = Hkv != H
             calls = max(1, min(200, 2 ** 22 // (L * S)))
             fns = {"auto": lambda: scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa),
@@ -700,7 +706,7 @@ def auto_rows(lengths, decode_keys, repeat: int) -> Iterator[Row]:
                 t = best_times(fns, repeat, calls=calls)
                 alone = tuning.alternated_samples(fns, alternated_rounds(calls, repeat))
             paired = statistics.median(a / b for a, b in zip(alone["auto"], alone["torch"]))
-            yield Row("auto", f"{name} {point}{' causal' if causal else ''}",
+            yield Row("auto", f"{name} {point}{' causal' if causal else ''}{', heads of a projection' if projection else ''}",
                       {**t, **{f"{way} alternated": statistics.median(seconds) * 1e3 for way, seconds in alone.items()}},
                       {"auto/torch": t["auto"] / t["torch"], "auto/torch alternated": paired})
 

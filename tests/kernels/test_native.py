@@ -1207,15 +1207,13 @@ def _copies(call) -> list[str]:
 def test_the_forward_reads_projection_heads_where_they_lie(dtype, H, Hkv, D, L):
     """q, k, v as a projection's (B, T, H, D) output seen as (B, H, T, D) (rows H * D apart: an odd
     distance at H 3 and D 5, where bfloat16 pairs are packed value by value) go to the kernel with no
-    copy, tiled rows and a decoding step's alike, and give the bits of the same values contiguous; the
+    copy, the tiled kernel's rows and a decoding step's (L 1 and 2: the run loops read rows a stride
+    apart) alike, and give the bits of the same values contiguous; the
     output lies (B, L, H, Dv), as torch's CPU kernels lay theirs, so merging its heads is a view."""
     torch.manual_seed(H * 100 + D + L)
     S = 300 if L > 2 else 33
     q = torch.randn(2, L, H, D).to(dtype).transpose(1, 2)
-    if L > 2:  # the tiled kernel packs k and v from any rows
-        k, v = (torch.randn(2, S, Hkv, D).to(dtype).transpose(1, 2) for _ in range(2))
-    else:  # a decoding step reads a cache's rows as they follow each other
-        k, v = (torch.randn(2, Hkv, S, D).to(dtype) for _ in range(2))
+    k, v = (torch.randn(2, S, Hkv, D).to(dtype).transpose(1, 2) for _ in range(2))
     for contract in (Contract(), Contract(band=CAUSAL, offset=S - L), Contract(mask=torch.rand(L, S) > 0.2)):
         assert not _copies(lambda: native.native_attention(q, k, v, contract))
         out = native.native_attention(q, k, v, contract)
@@ -1228,17 +1226,15 @@ def test_the_forward_reads_projection_heads_where_they_lie(dtype, H, Hkv, D, L):
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
-def test_rows_the_kernel_cannot_read_in_place_are_copied_and_right():
-    """Rows that overlap (a zero row stride: one key broadcast along S) or a decoding step's keys
-    whose rows do not follow each other are copied, with the copy's bits."""
-    q = torch.randn(1, 40, 2, 8).transpose(1, 2)
+@pytest.mark.parametrize("L", [1, 40])
+def test_rows_that_overlap_are_copied_and_right(L):
+    """Rows that overlap (a zero row stride: one key broadcast along S) are copied, with the copy's
+    bits, on the tiled kernel and a decoding step alike."""
+    q = torch.randn(1, L, 2, 8).transpose(1, 2)
     one_key = torch.randn(1, 2, 1, 8).expand(1, 2, 90, 8)
+    assert _copies(lambda: native.native_attention(q, one_key, one_key))
     assert torch.equal(native.native_attention(q, one_key, one_key),
                        native.native_attention(q, one_key.contiguous(), one_key.contiguous()))
-    step, heads = q[:, :, :1], torch.randn(1, 90, 2, 8).transpose(1, 2)  # keys H * D apart: copied for the step
-    assert _copies(lambda: native.native_attention(step, heads, heads))
-    assert torch.equal(native.native_attention(step, heads, heads),
-                       native.native_attention(step, heads.contiguous(), heads.contiguous()))
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")

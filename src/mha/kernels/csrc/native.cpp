@@ -85,10 +85,6 @@ constexpr int64_t kBlockK = 256;  // keys per tile
 
 struct Shape {
   int64_t B, H, Hkv, G, L, S, D, Dv;
-  // k's and v's batch and head strides (elements): a KV cache's view of its first S of more slots
-  // has rows of D contiguous but heads further apart; the decoding path reads it as it is, every
-  // other path gets them contiguous (forward, backward), where these are Hkv * S * D and S * D.
-  int64_t k_batch = 0, k_head = 0, v_batch = 0, v_head = 0;
   int64_t rows() const { return G * L; }  // the stacked query rows of one key/value head
 };
 
@@ -2119,8 +2115,8 @@ constexpr int64_t kRunLoopRows = 8;  // at most this many rows: run_scores and r
 
 constexpr int64_t kDecodeRows = 16;
 
-// A decoding step's products on the cache as it lies, (B, Hkv, S, D) with rows of D contiguous and
-// heads where the Shape's strides say: the rows' queries unscaled in acc_t (a bfloat16 call's stay
+// A decoding step's products on the cache as it lies, (B, Hkv, S, D) with its rows where ks and vs
+// say (a KV cache's first S of more slots, a projection's heads): the rows' queries unscaled in acc_t (a bfloat16 call's stay
 // bfloat16 values: pair_score_block), the keys and values widened in registers. A tile of kBlockK keys
 // a chunk: run_scores makes its queries' forms once a chunk (bfloat16 pairs); at 64 keys a chunk a
 // step over 16384 keys took 1.2-1.3x the time in bfloat16, 1.05-1.1x in float32 (Zen 4, 2 threads).
@@ -2130,18 +2126,20 @@ struct StepProducts {
   static constexpr bool kScaled = false;
   const Shape& sh;
   const scalar_t* k;
+  RowStrides ks;
   const scalar_t* v;
+  RowStrides vs;
   Scratch<acc_t> qr;
 
   void pack_row(int64_t r, int64_t R, const scalar_t* src) {
     std::transform(src, src + sh.D, qr.at_least(R * sh.D) + r * sh.D, [](scalar_t x) { return static_cast<acc_t>(x); });
   }
   void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, acc_t* s) {
-    run_scores(R, n, sh.D, qr.data(), k + (bh / sh.Hkv) * sh.k_batch + (bh % sh.Hkv) * sh.k_head + j0 * sh.D, sh.D, s, n);
+    run_scores(R, n, sh.D, qr.data(), k + ks.at(bh / sh.Hkv, bh % sh.Hkv, j0), ks.row, s, n);
   }
   acc_t* weights(acc_t* s) { return s; }  // in place of the scores
   void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const acc_t* p, acc_t* acc) {
-    run_values(R, n, sh.Dv, p, n, v + (bh / sh.Hkv) * sh.v_batch + (bh % sh.Hkv) * sh.v_head + j0 * sh.Dv, sh.Dv, acc);
+    run_values(R, n, sh.Dv, p, n, v + vs.at(bh / sh.Hkv, bh % sh.Hkv, j0), vs.row, acc);
   }
 };
 
@@ -2215,8 +2213,7 @@ void weights_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, R
 // (``for_backward``) takes the tiled kernel always: the backward recomputes the scores with the
 // tiled kernel's products, and P = e^(s - m) / l is exact only when s is the same float both times
 // (at large logits one rounding apart is a relative error of |s| eps in P).
-// q, k, v and out of one call, each 4-D (B, heads, T, X) with its rows where its RowStrides say (the
-// decoding path's k and v: rows contiguous, at sh's head strides).
+// q, k, v and out of one call, each 4-D (B, heads, T, X) with its rows where its RowStrides say.
 template <typename scalar_t>
 struct CallRows {
   const scalar_t *q, *k, *v;
@@ -2229,7 +2226,7 @@ void run_forward(const Shape& sh, const Terms<acc_t>& t, const CallRows<scalar_t
                  bool for_backward) {
   const DenseLayout<acc_t> layout{sh, t, x.qs, x.os};
   if (sh.rows() <= kDecodeRows && !for_backward) {  // a decoding step: the cache is read as it is
-    forward_blocks(layout, x.q, StepProducts<scalar_t, acc_t>{sh, x.k, x.v}, x.out, stats);
+    forward_blocks(layout, x.q, StepProducts<scalar_t, acc_t>{sh, x.k, x.ks, x.v, x.vs}, x.out, stats);
     return;
   }
 #if defined(MHA_AVX512_BF16)
@@ -2734,20 +2731,12 @@ Terms<acc_t> terms_of(const TermArgs& a, bool with_sinks = true) {
   return t;
 }
 
-// Whether the rows of x (B, H, T, X) are contiguous and T rows of a head follow each other: what
-// the decoding path reads (batch and head strides of their own, non-negative).
-bool rows_contiguous(const Tensor& x) {
-  if (x.numel() == 0) return true;  // nothing is read (torch calls any empty tensor contiguous, whatever its strides)
-  return (x.stride(3) == 1 || x.size(3) <= 1) && (x.size(2) <= 1 || x.stride(2) == x.size(3)) && x.stride(1) >= 0 &&
-         x.stride(0) >= 0;
-}
-
 // Whether x (B, H, T, X) has its last dim contiguous, rows that do not overlap (a row stride of at
 // least X: the run loops' prefetch and brgemm's leading dimensions take no less) and no negative
-// stride: rows the weights kernel reads where they lie (RowStrides), whatever the distances between
-// them (a broadcast along T, a zero row stride, is copied).
+// stride: rows the forward and the weights read where they lie (RowStrides), whatever the distances
+// between them (a broadcast along T, a zero row stride, is copied).
 bool rows_readable(const Tensor& x) {
-  if (x.numel() == 0) return true;
+  if (x.numel() == 0) return true;  // nothing is read (torch calls any empty tensor contiguous, whatever its strides)
   return (x.stride(3) == 1 || x.size(3) <= 1) && (x.size(2) <= 1 || x.stride(2) >= x.size(3)) && x.stride(1) >= 0 &&
          x.stride(0) >= 0;
 }
@@ -2756,28 +2745,37 @@ bool rows_readable(const Tensor& x) {
 // other sign, and torch's ops negate what they read) copied out; the kernels read data as it is.
 Tensor stored(const Tensor& x) { return x.is_neg() ? x.resolve_neg() : x; }
 
-// What a kernel reads in place: everything contiguous (the backward and its forward), q's rows anywhere
-// and k's and v's rows contiguous (the decoding path: rows_contiguous), any rows (the tiled forward,
-// the weights: rows_readable).
-enum class Layout { kContiguous, kKvRows, kAnyRows };
+// What a kernel reads in place: everything contiguous (the backward and its forward), or any rows
+// (the forward, the weights: rows_readable).
+enum class Layout { kContiguous, kAnyRows };
+
+bool readable(const Tensor& x, Layout layout) {
+  return layout == Layout::kAnyRows ? rows_readable(x) : x.is_contiguous();
+}
+
+// x as a kernel of that layout reads it: in place where it can, else copied contiguous.
+Tensor read_as(const Tensor& x_in, Layout layout) {
+  const Tensor x = stored(x_in);
+  return readable(x, layout) ? x : x.contiguous();
+}
 
 Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, Layout layout = Layout::kContiguous) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "mha native: q, k, v must be 4-D");
-  const bool readable = layout == Layout::kAnyRows  ? rows_readable(q) && rows_readable(k) && rows_readable(v)
-                        : layout == Layout::kKvRows ? rows_readable(q) && rows_contiguous(k) && rows_contiguous(v)
-                                                    : q.is_contiguous() && k.is_contiguous() && v.is_contiguous();
-  TORCH_CHECK(readable, "mha native: inputs must be contiguous (k and v: rows contiguous)");
+  TORCH_CHECK(readable(q, layout) && readable(k, layout) && readable(v, layout),
+              layout == Layout::kAnyRows ? "mha native: q, k, v must have rows of contiguous values that do not overlap"
+                                         : "mha native: inputs must be contiguous");
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), "mha native: q, k, v must have one batch size");
   TORCH_CHECK(v.size(1) == k.size(1) && v.size(2) == k.size(2), "mha native: v must have k's heads and length");
   TORCH_CHECK(k.size(3) == q.size(3), "mha native: k must have q's head dim");
   TORCH_CHECK(q.size(3) > 0 && v.size(3) > 0, "mha native: head dims must be at least 1 (mha.kernels.native pads empty ones)");
   TORCH_CHECK(k.size(1) > 0 ? q.size(1) % k.size(1) == 0 : q.size(1) == 0, "mha native: key/value heads must divide query heads");
-  Shape sh{q.size(0), q.size(1), k.size(1), k.size(1) > 0 ? q.size(1) / k.size(1) : 0, q.size(2), k.size(2), q.size(3),
-           v.size(3), k.stride(0), k.stride(1), v.stride(0), v.stride(1)};
-  return sh;
+  return Shape{q.size(0), q.size(1), k.size(1), k.size(1) > 0 ? q.size(1) / k.size(1) : 0, q.size(2), k.size(2),
+               q.size(3), v.size(3)};
 }
 
-RowStrides row_strides(const Tensor& x) { return {x.stride(0), x.stride(1), x.stride(2)}; }
+// Where x's rows lie; a single row's stride is its width (torch leaves any stride on a dim of size 1,
+// and the run loops prefetch rows a stride apart).
+RowStrides row_strides(const Tensor& x) { return {x.stride(0), x.stride(1), x.size(2) > 1 ? x.stride(2) : x.size(3)}; }
 
 // (B, H, L, Dv) laid out (B, L, H, Dv)
 Tensor output_like(const Tensor& q, int64_t Dv) {
@@ -2786,18 +2784,8 @@ Tensor output_like(const Tensor& q, int64_t Dv) {
 
 std::vector<Tensor> forward(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const TermArgs& terms,
                             bool for_backward) {
-  // read in place where the path can (Layout), else copied contiguous
-  const bool decode = q_in.dim() == 4 && k_in.dim() == 4 && k_in.size(1) > 0 && q_in.size(1) % k_in.size(1) == 0 &&
-                      q_in.size(1) / k_in.size(1) * q_in.size(2) <= kDecodeRows && !for_backward;
-  const Layout layout = for_backward ? Layout::kContiguous : decode ? Layout::kKvRows : Layout::kAnyRows;
-  const auto read = [&](const Tensor& x_in, bool kv) {
-    const Tensor x = stored(x_in);
-    const bool in_place = layout == Layout::kContiguous        ? x.is_contiguous()
-                          : layout == Layout::kKvRows && kv ? rows_contiguous(x)
-                                                            : rows_readable(x);
-    return in_place ? x : x.contiguous();
-  };
-  const Tensor q = read(q_in, false), k = read(k_in, true), v = read(v_in, true);
+  const Layout layout = for_backward ? Layout::kContiguous : Layout::kAnyRows;  // (the backward's: what it saves)
+  const Tensor q = read_as(q_in, layout), k = read_as(k_in, layout), v = read_as(v_in, layout);
   const Shape sh = shape_of(q, k, v, layout);
   auto out = output_like(q, sh.Dv);
   const bool wide = q.scalar_type() == at::kDouble;
@@ -2823,11 +2811,7 @@ std::vector<Tensor> forward(const Tensor& q_in, const Tensor& k_in, const Tensor
 // drop-in's weights over torch's at B4 T128 E512), and writing the output laid out (B, L, H, Dv), as
 // torch's CPU kernels lay theirs out, so that merging its heads after is a view.
 std::vector<Tensor> forward_weights(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const TermArgs& terms) {
-  const auto readable = [](const Tensor& x_in) {
-    const Tensor x = stored(x_in);
-    return rows_readable(x) ? x : x.contiguous();
-  };
-  const Tensor q = readable(q_in), k = readable(k_in), v = readable(v_in);
+  const Tensor q = read_as(q_in, Layout::kAnyRows), k = read_as(k_in, Layout::kAnyRows), v = read_as(v_in, Layout::kAnyRows);
   const Shape sh = shape_of(q, k, v, Layout::kAnyRows);
   auto out = output_like(q, sh.Dv);
   auto weights = at::empty({sh.B, sh.H, sh.L, sh.S}, q.options().dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));

@@ -64,7 +64,7 @@ def decoding_inputs(S: int, B: int, Hq: int = 32, Hkv: int = 8, D: int = 128) ->
     k, v = (torch.randn(B, Hkv, S, D, generator=g) for _ in range(2))
     (k8, k_scales), (v8, v_scales) = storage.split(storage.store(k, True)), storage.split(storage.store(v, True))
     pools = {"float32": (q, k, v, None, None), "bfloat16": (q.bfloat16(), k.bfloat16(), v.bfloat16(), None, None),
-             "int8": (q, k8, v8, k_scales, v_scales)}
+             "int8": (q, k8, v8, k_scales, v_scales), "int8, bfloat16 queries": (q.bfloat16(), k8, v8, k_scales, v_scales)}
     return pools, torch.arange(B)[:, None], torch.arange(B + 1), torch.full((B,), S)
 
 
@@ -83,7 +83,7 @@ def cache_read(S: int, B: int, Hq: int = 32, Hkv: int = 8, D: int = 128, dense: 
     pools = decoding_inputs(S, B, Hq, Hkv, D)[0]
     # an 8-bit pool's rows and scales are views of one stored tensor each (storage.split): read those
     return {name: read_call(*((k, v) if k_scales is None else (k._base, v._base)))
-            for name, (_, k, v, k_scales, _) in pools.items() if not (dense and name == "int8")}
+            for name, (_, k, v, k_scales, _) in pools.items() if not (dense and name.startswith("int8"))}
 
 
 def dense_decoding_calls(kernel, S: int, B: int, Hq: int = 32, Hkv: int = 8, D: int = 128) -> dict:
@@ -92,7 +92,7 @@ def dense_decoding_calls(kernel, S: int, B: int, Hq: int = 32, Hkv: int = 8, D: 
     terms = kernel.Terms()
     terms.scale = D ** -0.5
     return {name: (lambda q, k, v: lambda: kernel.forward(q, k, v, terms, False)[0])(q.unsqueeze(2), k, v)
-            for name, (q, k, v, _, _) in pools.items() if name != "int8"}
+            for name, (q, k, v, _, _) in pools.items() if not name.startswith("int8")}
 
 
 @functools.cache

@@ -134,7 +134,7 @@ def test_native_rows_time_it_against_torch_beside_a_matmul(tmp_path):
         "forward bf16 T64", "forward bf16 T64 causal", "forward bf16 T96 causal H1", "forward+backward bf16 T64 causal",
         "decode bf16 L1 S256 Hq32/Hkv8 D128",
         *(f"decode {where}, {name}" for where in ("B1 S300 paged", "B8 S300 paged", "B1 S300 paged Hq8/Hkv8")
-          for name in ("float32 cache", "bfloat16 cache", "int8 cache", "int8, scales apart")),
+          for name in ("float32 cache", "bfloat16 cache", "int8 cache", "int8 cache, bfloat16 queries", "int8, scales apart")),
         "prompt fp32 T64 causal Hq8/Hkv2 over pages of 16", "prompt bf16 T64 causal Hq8/Hkv2 over pages of 16",
         "short forward fp32 T16", "short forward bf16 T16",
         "window (16, 0) fp32 T256", "accuracy fp32 T32 causal", "accuracy bf16 T32 causal"]
@@ -151,20 +151,22 @@ def test_native_rows_time_it_against_torch_beside_a_matmul(tmp_path):
     assert rows[4].extra["native of read"] == pytest.approx(rows[4].times_ms["read"] / rows[4].times_ms["native"])
     assert rows[4].extra["read GB/s (same bytes, same rounds)"] == pytest.approx(
         2 * 8 * 256 * 128 * 4 / rows[4].times_ms["read"] / 1e6)
-    fp32, bf16, int8, apart = rows[10:14]  # int8 holds (128 + 4) bytes per row where bfloat16 holds 256
+    fp32, bf16, int8, int8_bf16, apart = rows[10:15]  # int8 holds (128 + 4) bytes per row where bfloat16 holds 256
     assert int8.extra["bytes / bf16's"] == pytest.approx(132 / 256) and fp32.extra["bytes / bf16's"] == 2
     assert 0 < int8.extra["error"] < 4 * bf16.extra["error"] and fp32.extra["error"] < 1e-5
+    assert int8_bf16.extra["bytes / bf16's"] == int8.extra["bytes / bf16's"]
+    assert 0 < int8_bf16.extra["error"] < 8 * bf16.extra["error"]
     assert int8.ratios["/ bf16 cache"] == pytest.approx(int8.times_ms["step"] / bf16.times_ms["step"])
     assert bf16.ratios["/ fp32 cache"] == pytest.approx(bf16.times_ms["step"] / fp32.times_ms["step"])
     assert apart.extra["of read"] == pytest.approx(apart.times_ms["read"] / apart.times_ms["step"])
     assert bf16.extra["read GB/s (same bytes, same rounds)"] == pytest.approx(2 * 8 * 300 * 128 * 2 / bf16.times_ms["read"] / 1e6)
     mha_int8 = next(r for r in rows if r.point == "decode B1 S300 paged Hq8/Hkv8, int8 cache")  # a key a row
     assert mha_int8.extra["bytes / bf16's"] == pytest.approx(132 / 256) and 0 < mha_int8.extra["error"] < 1e-2
-    prompt = rows[22]  # a prompt over pages: its time beside the dense forward's and torch's, in one run
+    prompt = rows[25]  # a prompt over pages: its time beside the dense forward's and torch's, in one run
     assert prompt.ratios["paged/native"] == pytest.approx(prompt.times_ms["paged"] / prompt.times_ms["native"])
     assert prompt.extra["paged GFLOP/s"] == pytest.approx(4 * 8 * 64 * 64 * 64 / 2 / prompt.times_ms["paged"] / 1e6)
-    assert rows[26].ratios["dense causal/window"] > 0
-    assert 0 < rows[27].extra["native error"] < 1e-5 and 0 < rows[28].extra["native error"] < 1e-1
+    assert rows[29].ratios["dense causal/window"] > 0
+    assert 0 < rows[30].extra["native error"] < 1e-5 and 0 < rows[31].extra["native error"] < 1e-1
     bench.write(rows, bench.machine(matmul_n=64), str(tmp_path))
     assert (tmp_path / "native.png").stat().st_size > 10_000
 

@@ -402,3 +402,35 @@ def test_prompts_over_pages_at_tile_edges(S, dtype):
         got = _paged(q, k_pages, v_pages, table, cu, seqlens, terms)
         want = _reference(q.double(), k_wide, v_wide, table, cu, seqlens, terms)
         assert (got.double() - want).abs().max().item() <= TOLERANCE[wide], (S, terms)
+
+
+@pytest.mark.parametrize("G", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("D", [5, 32, 33, 128, 200])
+def test_bfloat16_queries_over_8_bit_keys_score_within_bfloat16_rounding(G, D):
+    """A bfloat16 decoding step over 8-bit keys (AVX512-VNNI builds: word_score_block, the queries as
+    16-bit integers times a power of two) gives float64's output to within bfloat16's rounding: rows
+    whose values span far more than 2^7 (their smallest rounded), each row its own power of two, a row
+    of zeros, G query rows a key/value head (blocks of 1 to 4 rows); a float32 call on the same values keeps exact products
+    (float32's rounding alone); a NaN query makes its row NaN alone, an infinite one its row NaN."""
+    from mha.kernels.paged import paged_attention
+
+    torch.manual_seed(G * 1000 + D)
+    S, Hkv = 300, 2
+    k8, v8 = (storage.store(torch.randn(1, Hkv, S, D), True) for _ in range(2))  # one page of S keys
+    table, cu, lengths = torch.tensor([[0]]), torch.tensor([0, 1]), torch.tensor([S])
+
+    def attend(q):
+        return paged_attention(q, k8, v8, table, cu, lengths, is_causal=False).double()
+
+    # scores of a few units (a softmax neither flat nor one-hot), a quarter of the values 10^4 below the rest
+    spans = torch.where(torch.rand(1, G * Hkv, D) < 0.25, 1e-4, 2.0) * 2.0 ** (torch.arange(G * Hkv)[:, None] % 3)
+    q = (torch.randn(1, G * Hkv, D) * spans).bfloat16()
+    q[0, -1] = 0.0
+    exact = attend(q.double())
+    top = exact.abs().max()
+    assert (attend(q) - exact).abs().max() <= 2 ** -8 * top
+    assert (attend(q.float()) - exact).abs().max() <= 2e-6 * top
+    for bad in (float("nan"), float("inf")):
+        q[0, 0, D // 2] = bad
+        got = attend(q)
+        assert got[0, 0].isnan().all() and not got[0, 1:].isnan().any()

@@ -49,7 +49,7 @@ log = logging.getLogger("mha.dispatch")
 _SOURCE = Path(__file__).parent / "csrc" / "native.cpp"
 # -fopenmp: at::parallel_for is compiled into the extension, on torch's OpenMP runtime
 _AVX512 = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DMHA_AVX512"]
-_FLAGS = {"avx512bf16": [*_AVX512, "-mavx512bf16", "-DMHA_AVX512_BF16"], "avx512": _AVX512,
+_FLAGS = {"avx512bf16": [*_AVX512, "-mavx512bf16", "-mavx512vnni", "-DMHA_AVX512_BF16"], "avx512": _AVX512,
           "avx2": ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"], "portable": ["-O3", "-fopenmp"]}
 # MHA_NATIVE_SANITIZE=1: a build of its own with AddressSanitizer and UBSan (docs/testing.md)
 _SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g", "-O1",
@@ -77,7 +77,8 @@ def _best_variant() -> str:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX512":
         return "avx2" if capability == "AVX2" else "portable"
-    return "avx512bf16" if torch.cpu._is_avx512_bf16_supported() else "avx512"
+    # (AVX512-BF16 came with AVX512-VNNI on every CPU that has it; the build uses both)
+    return "avx512bf16" if torch.cpu._is_avx512_bf16_supported() and torch.cpu._is_vnni_supported() else "avx512"
 
 
 @functools.cache

@@ -127,7 +127,9 @@ def cache_decode_point(S: int, times, *, B: int = 1, heads: tuple[int, int] = (3
     GQA 32 / 8, or 8 / 8 where each key is read for one query row; D = 128), the
     keys and values held as float32, bfloat16 or int8 (as mha's caches keep them, mha.kernels.storage:
     a float32 scale per (token, head) after each row), each read in place by the native paged kernel
-    (one page per sequence), and the int8 rows with their scales apart (contiguous k_scales, v_scales:
+    (one page per sequence) under float32 queries, the int8 cache again under bfloat16 queries (a
+    bfloat16 model's: the bfloat16 cache's queries, which 8-bit keys score on 16-bit integers where the
+    build has AVX512-VNNI), and the int8 rows with their scales apart (contiguous k_scales, v_scales:
     the layout the caches kept before mha.kernels.storage): times, the bytes each cache holds, and
     each output's largest error against float64 attention over the unquantized keys; and a read of
     each cache's bytes in the same rounds ("reads": read_call's time per cache)."""
@@ -144,9 +146,11 @@ def cache_decode_point(S: int, times, *, B: int = 1, heads: tuple[int, int] = (3
     calls = {"float32 cache": lambda: paged_attention(q, k, v, table, cu, lengths, is_causal=False),
              "bfloat16 cache": lambda: paged_attention(qb, kb, vb, table, cu, lengths, is_causal=False),
              "int8 cache": lambda: paged_attention(q, k8, v8, table, cu, lengths, is_causal=False),
+             "int8 cache, bfloat16 queries": lambda: paged_attention(qb, k8, v8, table, cu, lengths, is_causal=False),
              "int8, scales apart": lambda: paged_attention(q, k_rows, v_rows, table, cu, lengths, is_causal=False,
                                                            k_scales=k_scales, v_scales=v_scales)}
     reads = {"float32 cache": read_call(k, v), "bfloat16 cache": read_call(kb, vb), "int8 cache": read_call(k8, v8),
+             "int8 cache, bfloat16 queries": read_call(k8, v8),
              "int8, scales apart": read_call(k_rows, v_rows, k_scales, v_scales)}
     with torch.no_grad():
         both = times({**calls, **{f"read {name}": read for name, read in reads.items()}})
@@ -154,7 +158,7 @@ def cache_decode_point(S: int, times, *, B: int = 1, heads: tuple[int, int] = (3
         exact = paged_attention(q.double(), k.double(), v.double(), table, cu, lengths, is_causal=False, backend="math")
         errors = {name: float((call().double() - exact).abs().max()) for name, call in calls.items()}
     held = {"float32 cache": 2 * k.numel() * 4, "bfloat16 cache": 2 * k.numel() * 2, "int8 cache": 2 * k8.numel(),
-            "int8, scales apart": 2 * k8.numel()}
+            "int8 cache, bfloat16 queries": 2 * k8.numel(), "int8, scales apart": 2 * k8.numel()}
     return {"ms": ms, "reads": read_ms, "errors": errors, "bytes": held}
 
 

@@ -1897,6 +1897,24 @@ bool pair_score_block(int64_t count, int64_t D, const float* q, const at::BFloat
 #endif
 
 #if defined(MHA_AVX512_BF16) && defined(__AVX512VNNI__)
+// The power of two that puts a finite ``largest`` > 0 at 2^14 .. 2^15 (2^shift), with 2^-shift: the
+// scaling of a row made 16-bit integers (word_score_block, word_value_chunk); false where either is
+// not a normal float (a row of values below 2^-112: the float loops take it). A row of zeros: 1.
+inline bool word_scaling(float largest, float& times, float& unit) {
+  int exponent = 0;
+  std::frexp(largest, &exponent);  // largest = m 2^exponent, m in [0.5, 1)
+  const int shift = largest > 0.0f ? 15 - exponent : 0;
+  if (shift > 126 || shift < -126) return false;
+  const auto power = [](int e) {
+    const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+  };
+  times = power(shift), unit = power(-shift);
+  return true;
+}
+
 // score_block for 8-bit keys under queries that are bfloat16 values, on vpdpwssd: 32 products of
 // 16-bit integers a step, summed exactly in 32-bit lanes, where widened keys take 16 a step and two
 // instructions to widen. Each query row becomes 16-bit integers times a power of two (its largest
@@ -1924,15 +1942,11 @@ bool word_score_block(int64_t count, int64_t D, const float* q, const int8_t* k,
       top = _mm512_max_ps(top, _mm512_abs_ps(x));
     }
     const float largest = _mm512_reduce_max_ps(top);
-    if (!std::isfinite(largest)) return false;
-    int exponent = 0;
-    std::frexp(largest, &exponent);  // largest = m 2^exponent, m in [0.5, 1)
-    const int shift = largest > 0.0f ? 15 - exponent : 0;
-    unit[r] = std::ldexp(1.0f, -shift);
-    const __m512 times = _mm512_set1_ps(std::ldexp(1.0f, shift));
+    float times = 1.0f;
+    if (!std::isfinite(largest) || !word_scaling(largest, times, unit[r])) return false;
     for (int64_t d = 0; d < D; d += 16) {  // rounded to the nearest integer (even on ties), 2^15 saturated
       const __mmask16 m = D - d >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(D - d);
-      const __m512i whole = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + d), times));
+      const __m512i whole = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + d), _mm512_set1_ps(times)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(qw[r] + d), _mm512_cvtsepi32_epi16(whole));
     }
     std::fill(qw[r] + (D + 15) / 16 * 16, qw[r] + (D + 31) / 32 * 32, int16_t(0));
@@ -2065,12 +2079,87 @@ inline void value_strip(int64_t d, int64_t count, const acc_t* w, int64_t ldw, c
     for (int s = 0; s < kStrip; ++s) V::store(acc + r * Dv + d + s * V::kCount, a[r][s]);
 }
 
+#if defined(MHA_AVX512_BF16) && defined(__AVX512VNNI__)
+// The columns 0 .. Dv / 32 * 32 of a chunk of n (<= kValueChunk) 8-bit value rows for a bfloat16 call
+// (value_strips' bf16_call), on vpdpwssd: each row's chunk of weights as 16-bit integers times a power
+// of two (its largest at 2^14 .. 2^15: the rest within 2^-16 of it, far below the bfloat16 rounding
+// of the call's output), keys in pairs (each pair's two rows widened and interleaved value by value,
+// 32 products an instruction where widened rows take 16 and two instructions to widen), summed exactly
+// in 32-bit lanes and added to acc once a chunk. Returns the columns done: 0 where a weight is not
+// finite (a NaN row's: the float loop carries it) or a row's are all below 2^-112 (word_scaling).
+template <int kRows>
+int64_t word_value_chunk(int64_t n, int64_t Dv, const float* w, int64_t ldw, const int8_t* v, int64_t ld, float* acc) {
+  const int64_t columns = Dv / 32 * 32;
+  if (columns == 0) return 0;
+  alignas(64) int16_t words[kRows][kValueChunk];  // a pair of keys' weights is one 32-bit word
+  float unit[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    __m512 x[2];
+    __m512 top = _mm512_setzero_ps();
+    for (int h = 0; h < 2; ++h) {
+      const int64_t left = n - 16 * h;
+      const __mmask16 m = left >= 16 ? static_cast<__mmask16>(0xFFFF) : left > 0 ? tail_mask(left) : __mmask16(0);
+      x[h] = _mm512_maskz_loadu_ps(m, w + r * ldw + 16 * h);
+      if (_mm512_cmp_ps_mask(x[h], x[h], _CMP_UNORD_Q)) return 0;
+      top = _mm512_max_ps(top, _mm512_abs_ps(x[h]));
+    }
+    const float largest = _mm512_reduce_max_ps(top);
+    float times = 1.0f;
+    if (!std::isfinite(largest) || !word_scaling(largest, times, unit[r])) return 0;
+    for (int h = 0; h < 2; ++h)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(words[r] + 16 * h),
+                         _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x[h], _mm512_set1_ps(times)))));
+  }
+  // an interleaved pair's sums lie in lanes of columns 0-3, 8-11, .. (lo) and 4-7, 12-15, .. (hi):
+  // column c of 0 .. 15 (in_order[0]) and 16 .. 31 (in_order[1]) is lane c % 8 of lo or hi's 128-bit part c / 8
+  alignas(64) int32_t order[2][16];
+  for (int half = 0; half < 2; ++half)
+    for (int c = 0; c < 16; ++c) {
+      const int column = 16 * half + c, part = column / 8, at = column % 8;
+      order[half][c] = at < 4 ? 4 * part + at : 16 + 4 * part + at - 4;
+    }
+  const __m512i in_order[2] = {_mm512_load_si512(order[0]), _mm512_load_si512(order[1])};
+  for (int64_t d = 0; d < columns; d += 32) {
+    __m512i lo[kRows], hi[kRows];
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+    for (int64_t i = 0; i < n; i += 2) {
+      const int8_t* a = v + i * ld + d;
+      prefetch_line<int8_t>(a + n * ld);  // the next chunk's rows (as value_strip asks)
+      const __m512i first = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+      __m512i second = _mm512_setzero_si512();
+      if (i + 1 < n) {
+        prefetch_line<int8_t>(a + (n + 1) * ld);
+        second = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + ld)));
+      }
+      const __m512i low = _mm512_unpacklo_epi16(first, second), high = _mm512_unpackhi_epi16(first, second);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, words[r] + i, sizeof(pair));  // (past n: zero weights, written above)
+        const __m512i y = _mm512_set1_epi32(pair);
+        lo[r] = _mm512_dpwssd_epi32(lo[r], low, y);
+        hi[r] = _mm512_dpwssd_epi32(hi[r], high, y);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r)
+      for (int half = 0; half < 2; ++half) {
+        float* out = acc + r * Dv + d + 16 * half;
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo[r], in_order[half], hi[r]));
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(sum, _mm512_set1_ps(unit[r]), _mm512_loadu_ps(out)));
+      }
+  }
+  return columns;
+}
+#endif
+
 // value_block for values widened as they are read (bfloat16, float16, 8-bit), whose conversion, not
 // their read, is the limit: in chunks of kValueChunk keys, each chunk strip by strip of the output's
 // columns (value_strip); each output value adds its keys one at a time, in order.
 template <int kRows, typename acc_t, typename value_t>
 void value_strips(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const value_t* v, int64_t ld, acc_t* acc,
-                  const acc_t* scales, int64_t scale_ld) {
+                  const acc_t* scales, int64_t scale_ld, bool bf16_call) {
   using V = Lanes<acc_t>;
   constexpr int kStrip = kValueStrip<kRows>;
   const int64_t Dw = Dv / V::kCount * V::kCount;
@@ -2086,6 +2175,10 @@ void value_strips(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const 
       w = scaled, ldw = kValueChunk;
     }
     int64_t d = 0;
+#if defined(MHA_AVX512_BF16) && defined(__AVX512VNNI__)
+    if constexpr (std::is_same_v<value_t, int8_t> && std::is_same_v<acc_t, float> && kRows > 1)
+      if (bf16_call) d = word_value_chunk<kRows>(n, Dv, w, ldw, chunk, ld, acc);
+#endif
     for (; d + kStrip * V::kCount <= Dw; d += kStrip * V::kCount) value_strip<kRows, kStrip>(d, n, w, ldw, chunk, ld, acc, Dv);
     if constexpr (kStrip > 4)
       if (d + 4 * V::kCount <= Dw) value_strip<kRows, 4>(d, n, w, ldw, chunk, ld, acc, Dv), d += 4 * V::kCount;
@@ -2147,11 +2240,11 @@ void value_rows(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const va
 //   acc_r += sum_j w_rj v_j, w_rj = p[r * ldp + j] (times scales[j * scale_ld] where given)   v: ``count`` rows of Dv, ld apart
 template <int kRows, typename acc_t, typename value_t>
 void value_block(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const value_t* v, int64_t ld, acc_t* acc,
-                 const acc_t* scales, int64_t scale_ld) {
+                 const acc_t* scales, int64_t scale_ld, bool bf16_call) {
   if constexpr (std::is_same_v<value_t, acc_t>)
     value_rows<kRows>(count, Dv, p, ldp, v, ld, acc, scales, scale_ld);
   else
-    value_strips<kRows>(count, Dv, p, ldp, v, ld, acc, scales, scale_ld);
+    value_strips<kRows>(count, Dv, p, ldp, v, ld, acc, scales, scale_ld, bf16_call);
 }
 
 // The R rows in blocks of up to four: each block's call of score_block or value_block.
@@ -2177,11 +2270,12 @@ void run_scores(int64_t R, int64_t count, int64_t D, const acc_t* q, const key_t
 }
 
 //   acc_r += sum_j p[r * ldp + j] v_j (times the values' scales, for 8-bit values)   v: ``count`` rows of Dv, ld apart
+// bf16_call: as run_scores'.
 template <typename acc_t, typename value_t>
 void run_values(int64_t R, int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const value_t* v, int64_t ld,
-                acc_t* acc, const acc_t* scales = nullptr, int64_t scale_ld = 0) {
+                acc_t* acc, const acc_t* scales = nullptr, int64_t scale_ld = 0, bool bf16_call = false) {
   in_row_blocks(R, [&](int64_t r0, auto rows) {
-    value_block<decltype(rows)::value>(count, Dv, p + r0 * ldp, ldp, v, ld, acc + r0 * Dv, scales, scale_ld);
+    value_block<decltype(rows)::value>(count, Dv, p + r0 * ldp, ldp, v, ld, acc + r0 * Dv, scales, scale_ld, bf16_call);
   });
 }
 #pragma GCC diagnostic pop
@@ -2510,7 +2604,7 @@ struct PagedProducts {
     for (const Run& run : runs) {
       if (R <= kRunLoopRows) {
         run_values(R, run.count, Dv, p + run.first, n, v + run.v_at, pool.v_slot, acc,
-                   scales_of(scales.v, run.v_scale_at), scales.v_slot);
+                   scales_of(scales.v, run.v_scale_at), scales.v_slot, std::is_same_v<scalar_t, at::BFloat16>);
         continue;
       }
       const auto [values, ld] = rows_of(v, run.v_at, run.count, Dv, pool.v_slot, scales_of(scales.v, run.v_scale_at),

@@ -1995,8 +1995,7 @@ void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64
     if (scales == nullptr && pair_score_block<kRows>(count, D, q, k, ld, s, lds)) return;
 #endif
 #if defined(MHA_AVX512_BF16) && defined(__AVX512VNNI__)
-  // (not one row alone, whose widened products are few: 1.04x the time on 2 Zen 4 threads, Hq 8 / Hkv 8)
-  if constexpr (std::is_same_v<key_t, int8_t> && std::is_same_v<acc_t, float> && kRows > 1)
+  if constexpr (std::is_same_v<key_t, int8_t> && std::is_same_v<acc_t, float>)
     if (bf16_call && word_score_block<kRows>(count, D, q, k, ld, s, lds, scales, scale_ld)) return;
 #endif
   using V = Lanes<acc_t>;
@@ -2176,7 +2175,7 @@ void value_strips(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const 
     }
     int64_t d = 0;
 #if defined(MHA_AVX512_BF16) && defined(__AVX512VNNI__)
-    if constexpr (std::is_same_v<value_t, int8_t> && std::is_same_v<acc_t, float> && kRows > 1)
+    if constexpr (std::is_same_v<value_t, int8_t> && std::is_same_v<acc_t, float>)
       if (bf16_call) d = word_value_chunk<kRows>(n, Dv, w, ldw, chunk, ld, acc);
 #endif
     for (; d + kStrip * V::kCount <= Dw; d += kStrip * V::kCount) value_strip<kRows, kStrip>(d, n, w, ldw, chunk, ld, acc, Dv);

@@ -1208,8 +1208,8 @@ def test_the_forward_reads_projection_heads_where_they_lie(dtype, H, Hkv, D, L):
     """q, k, v as a projection's (B, T, H, D) output seen as (B, H, T, D) (rows H * D apart: an odd
     distance at H 3 and D 5, where bfloat16 pairs are packed value by value) go to the kernel with no
     copy, the tiled kernel's rows and a decoding step's (L 1 and 2: the run loops read rows a stride
-    apart) alike, and give the bits of the same values contiguous; the
-    output lies (B, L, H, Dv), as torch's CPU kernels lay theirs, so merging its heads is a view."""
+    apart) alike, and give the bits of the same values contiguous; the output is laid out as q is, as
+    torch's CPU kernels lay theirs: (B, L, H, Dv) here, so merging its heads is a view."""
     torch.manual_seed(H * 100 + D + L)
     S = 300 if L > 2 else 33
     q = torch.randn(2, L, H, D).to(dtype).transpose(1, 2)
@@ -1218,7 +1218,8 @@ def test_the_forward_reads_projection_heads_where_they_lie(dtype, H, Hkv, D, L):
         assert not _copies(lambda: native.native_attention(q, k, v, contract))
         out = native.native_attention(q, k, v, contract)
         assert torch.equal(out, native.native_attention(q.contiguous(), k.contiguous(), v.contiguous(), contract))
-        assert out.transpose(1, 2).is_contiguous()
+        assert out.transpose(1, 2).is_contiguous()  # (as torch's: laid out as q is)
+        assert native.native_attention(q.contiguous(), k, v, contract).is_contiguous() or L == 1
     if dtype != torch.float64:  # the per-call fast path (native chosen at every size) reads them alike
         fast = native.loaded.plain_sdpa(q, k, v, True, True, 16, (0, 0), (-1, -1), None, None)
         assert torch.equal(fast, native.native_attention(q, k, v, Contract(band=CAUSAL)))

@@ -377,7 +377,8 @@ def _kernel_shaped(x: Tensor, lead: tuple[int, ...]) -> bool:
 
 
 class _Inputs:
-    """q, k, v as the kernel takes them, (B, H, L, D) contiguous, and the contract as its arguments."""
+    """q, k, v as the kernel takes them, (B, H, L, D) (contiguous, or as they lie: in_place), and the
+    contract as its arguments."""
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, contract: Contract, *, in_place: bool = False):
         """in_place: q, k and v of the kernel's shape go to it however they lie, and it copies what its

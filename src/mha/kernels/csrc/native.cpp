@@ -1,7 +1,7 @@
 // mha's native attention kernel: exact attention under the whole contract (mha.kernels.Contract),
 // in tiles, with float32 accumulation (float64 for float64), forward and backward.
 //
-//   forward(q, k, v, terms, for_backward)                  -> out (B, H, L, Dv) laid out (B, L, H, Dv),
+//   forward(q, k, v, terms, for_backward)                  -> out (B, H, L, Dv) laid out as q is,
 //                                                             row max, row sum (B, H, L)
 //   backward(q, k, v, dout, row max, row sum, delta, terms) -> dq, dk, dv, d_slopes
 //   paged_forward(q, k_pages, v_pages, block_table, cu_seqlens_q, seqlens_k, terms)
@@ -15,10 +15,10 @@
 // e^(s - lse) would carry lse's rounding, |m| eps, into every weight at large logits.
 //
 // q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), each row's values contiguous (rows anywhere:
-// the heads of a projection's (B, T, H, D) output seen as (B, H, T, D) are read where they lie; the
-// backward's inputs are contiguous, and a decoding step's k and v rows follow each other within a
-// head, as a cache keeps them); out laid out as torch's CPU kernels lay theirs, (B, L, H, Dv), so
-// that merging its heads is a view. Hkv divides H (GQA: query
+// the heads of a projection's (B, T, H, D) output seen as (B, H, T, D), a KV cache's first S of more
+// slots, are read where they lie; the backward's inputs are contiguous); out laid out as q is, as
+// torch's CPU kernels lay theirs: (B, L, H, Dv) for such heads, so that merging them is a view, else
+// contiguous. Hkv divides H (GQA: query
 // head h reads key/value head h / G, G = H / Hkv). The G query heads that share a key/value head
 // are one task's rows, stacked (row r = g * L + i), so K and V are read once for all of them: a
 // decoding step (L = 1) of GQA reads the cache once per kv head, not G times.
@@ -929,7 +929,8 @@ inline void pack_pairs(const at::BFloat16* x, RowStrides xs, const Shape& sh, in
       uint32_t* dst = reinterpret_cast<uint32_t*>(out + task * (transposed ? X2 : X) * kBlockK);
       const at::BFloat16* head = x + xs.at(bh / Hkv, bh % Hkv, 0);
       const auto row = [&](int64_t j) { return first + j < S ? head + (first + j) * xs.row : nullptr; };
-      if (transposed && X % 2 == 0 && xs.row % 2 == 0) {  // the words' transpose, moved as floats are (8 x 8 in registers)
+      if (transposed && X % 2 == 0 && xs.row % 2 == 0 && reinterpret_cast<uintptr_t>(head) % 4 == 0) {
+        // the words' transpose, moved as floats are (8 x 8 in registers; whole floats apart)
         const float* words = reinterpret_cast<const float*>(head + first * xs.row);
         pack_tile(words, xs.row / 2, n, X / 2, reinterpret_cast<float*>(dst));
       } else if (transposed) {  // word (d / 2, j) of a (X2 / 2, kBlockK) matrix: values d and d + 1 of key j
@@ -1919,8 +1920,8 @@ inline bool word_scaling(float largest, float& times, float& unit) {
 // 16-bit integers a step, summed exactly in 32-bit lanes, where widened keys take 16 a step and two
 // instructions to widen. Each query row becomes 16-bit integers times a power of two (its largest
 // value at 2^14 .. 2^15): exact for every value within 2^7 of the row's largest (a bfloat16 value
-// has 8 significant bits), the rest rounded to within 2^-16 of that largest (2^-15 where 2^15 is
-// saturated), far below the bfloat16 rounding the queries carry already: for bfloat16 calls only
+// has 8 significant bits), the rest rounded to within 2^-15 of that largest, far below the
+// bfloat16 rounding the queries carry already (2^-9 of each value): for bfloat16 calls only
 // (score_block's bf16_call; float32 calls keep the widening loop's exact products). Returns false,
 // computing nothing, for queries that are not bfloat16 values or not finite, or rows wider than
 // kPairRowMax.
@@ -2081,8 +2082,8 @@ inline void value_strip(int64_t d, int64_t count, const acc_t* w, int64_t ldw, c
 #if defined(MHA_AVX512_BF16) && defined(__AVX512VNNI__)
 // The columns 0 .. Dv / 32 * 32 of a chunk of n (<= kValueChunk) 8-bit value rows for a bfloat16 call
 // (value_strips' bf16_call), on vpdpwssd: each row's chunk of weights as 16-bit integers times a power
-// of two (its largest at 2^14 .. 2^15: the rest within 2^-16 of it, far below the bfloat16 rounding
-// of the call's output), keys in pairs (each pair's two rows widened and interleaved value by value,
+// of two (its largest at 2^14 .. 2^15: each within 2^-15 of it, a chunk's 32 within 2^-10 of it at
+// worst, below the bfloat16 rounding of the call's output, 2^-9), keys in pairs (each pair's two rows widened and interleaved value by value,
 // 32 products an instruction where widened rows take 16 and two instructions to widen), summed exactly
 // in 32-bit lanes and added to acc once a chunk. Returns the columns done: 0 where a weight is not
 // finite (a NaN row's: the float loop carries it) or a row's are all below 2^-112 (word_scaling).
@@ -2111,13 +2112,8 @@ int64_t word_value_chunk(int64_t n, int64_t Dv, const float* w, int64_t ldw, con
   }
   // an interleaved pair's sums lie in lanes of columns 0-3, 8-11, .. (lo) and 4-7, 12-15, .. (hi):
   // column c of 0 .. 15 (in_order[0]) and 16 .. 31 (in_order[1]) is lane c % 8 of lo or hi's 128-bit part c / 8
-  alignas(64) int32_t order[2][16];
-  for (int half = 0; half < 2; ++half)
-    for (int c = 0; c < 16; ++c) {
-      const int column = 16 * half + c, part = column / 8, at = column % 8;
-      order[half][c] = at < 4 ? 4 * part + at : 16 + 4 * part + at - 4;
-    }
-  const __m512i in_order[2] = {_mm512_load_si512(order[0]), _mm512_load_si512(order[1])};
+  const __m512i in_order[2] = {_mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
+                                _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31)};
   for (int64_t d = 0; d < columns; d += 32) {
     __m512i lo[kRows], hi[kRows];
 #pragma GCC unroll 4
@@ -2382,11 +2378,6 @@ void weights_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, R
   });
 }
 
-// The forward of one call: the decoding path for a few rows per key/value head, else the tiled
-// kernel on the products for the dtype. A forward whose log-sum-exp the backward will use
-// (``for_backward``) takes the tiled kernel always: the backward recomputes the scores with the
-// tiled kernel's products, and P = e^(s - m) / l is exact only when s is the same float both times
-// (at large logits one rounding apart is a relative error of |s| eps in P).
 // q, k, v and out of one call, each 4-D (B, heads, T, X) with its rows where its RowStrides say.
 template <typename scalar_t>
 struct CallRows {
@@ -2395,6 +2386,11 @@ struct CallRows {
   RowStrides qs, ks, vs, os;
 };
 
+// The forward of one call: the decoding path for a few rows per key/value head, else the tiled
+// kernel on the products for the dtype. A forward whose log-sum-exp the backward will use
+// (``for_backward``) takes the tiled kernel always: the backward recomputes the scores with the
+// tiled kernel's products, and P = e^(s - m) / l is exact only when s is the same float both times
+// (at large logits one rounding apart is a relative error of |s| eps in P).
 template <typename scalar_t, typename acc_t>
 void run_forward(const Shape& sh, const Terms<acc_t>& t, const CallRows<scalar_t>& x, const RowStats<acc_t>& stats,
                  bool for_backward) {
@@ -2951,9 +2947,12 @@ Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, Layout layout 
 // and the run loops prefetch rows a stride apart).
 RowStrides row_strides(const Tensor& x) { return {x.stride(0), x.stride(1), x.size(2) > 1 ? x.stride(2) : x.size(3)}; }
 
-// (B, H, L, Dv) laid out (B, L, H, Dv)
+// (B, H, L, Dv) laid out as q (B, H, L, D) is, as torch's CPU kernels lay their output: (B, L, H, Dv)
+// where q's heads lie closer together than its rows (a projection's heads), else contiguous.
 Tensor output_like(const Tensor& q, int64_t Dv) {
-  return at::empty({q.size(0), q.size(2), q.size(1), Dv}, q.options()).transpose(1, 2);
+  if (q.size(1) > 1 && q.size(2) > 1 && q.stride(1) < q.stride(2))
+    return at::empty({q.size(0), q.size(2), q.size(1), Dv}, q.options()).transpose(1, 2);
+  return at::empty({q.size(0), q.size(1), q.size(2), Dv}, q.options());
 }
 
 std::vector<Tensor> forward(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const TermArgs& terms,

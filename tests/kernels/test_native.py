@@ -1227,6 +1227,20 @@ def test_the_forward_reads_projection_heads_where_they_lie(dtype, H, Hkv, D, L):
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("L", "S"), [(15, 17), (16, 255), (17, 256), (63, 257), (64, 511), (65, 513)])
+def test_projection_heads_at_tile_edges_give_the_bits_of_contiguous_ones(dtype, L, S):
+    """The strided reads at the blocks' and tiles' edges (kBlockQ 64 query rows, kBlockK 256 keys,
+    bfloat16 pairs over an odd S): GQA 6 / 2, causal and not, each the contiguous inputs' bits."""
+    torch.manual_seed(L * 1000 + S)
+    q = torch.randn(1, L, 6, 16).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(1, S, 2, 16).to(dtype).transpose(1, 2) for _ in range(2))
+    for contract in (Contract(), Contract(band=CAUSAL, offset=S - L)):
+        assert torch.equal(native.native_attention(q, k, v, contract),
+                           native.native_attention(q.contiguous(), k.contiguous(), v.contiguous(), contract))
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
 @pytest.mark.parametrize("L", [1, 40])
 def test_rows_that_overlap_are_copied_and_right(L):
     """Rows that overlap (a zero row stride: one key broadcast along S) are copied, with the copy's

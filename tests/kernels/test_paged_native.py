@@ -405,7 +405,7 @@ def test_prompts_over_pages_at_tile_edges(S, dtype):
 
 
 @pytest.mark.parametrize("G", [1, 2, 3, 4, 6])
-@pytest.mark.parametrize("D", [5, 32, 33, 128, 200])
+@pytest.mark.parametrize("D", [1, 5, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 200])
 def test_bfloat16_queries_over_8_bit_keys_score_within_bfloat16_rounding(G, D):
     """A bfloat16 decoding step over 8-bit keys (AVX512-VNNI builds: word_score_block, the queries as
     16-bit integers times a power of two) gives float64's output to within bfloat16's rounding: rows
@@ -436,9 +436,9 @@ def test_bfloat16_queries_over_8_bit_keys_score_within_bfloat16_rounding(G, D):
         assert got[0, 0].isnan().all() and not got[0, 1:].isnan().any()
 
 
-@pytest.mark.parametrize("scale", [1e-30, 1e-36])
+@pytest.mark.parametrize("scale", [1e-30, 1.5 * 2.0 ** -112, 1.5 * 2.0 ** -113, 1e-36])  # 2^-112: shift 126, then 127
 def test_bfloat16_queries_and_weights_far_below_one_over_8_bit_pages(scale):
-    """word_scaling's edge: query rows whose largest value lies near float's smallest normal (1e-36:
+    """words_of's edge: query rows whose largest value lies near float's smallest normal (1e-36:
     below 2^-112, left to the float loops; 1e-30: scaled up by 2^115) over keys as large in turn (their
     scores of a few units), and chunks of weights near it (every key but one about 85 below the top
     score, e^-85 ~ 1e-37), give float64's output to within bfloat16's rounding."""
@@ -450,11 +450,11 @@ def test_bfloat16_queries_and_weights_far_below_one_over_8_bit_pages(scale):
     k[0, 0, 150] = 0.0
     k[0, 0, 150, 0] = 127.0  # one key whose score leads the rest by about 85 under q[..., 0] = 6
     k8, v8 = storage.store(k, True), storage.store(v, True)
-    huge = storage.store(torch.randn(1, Hkv, S, D) * (0.1 / scale), True)  # keys for the tiny queries' row
+    huge = storage.store(torch.randn(1, Hkv, S, D) / scale, True)  # keys for the tiny queries' row
     table, cu, lengths = torch.tensor([[0]]), torch.tensor([0, 1]), torch.tensor([S])
     q = torch.randn(1, G * Hkv, D) * 0.01
     q[0, :2, 0] = 6.0  # rows 0, 1: the leading key
-    q[0, 2] *= scale / 0.01  # row 2: tiny values
+    q[0, 2] *= scale / q[0, 2].abs().max()  # row 2: tiny values, the largest ``scale``
     q = q.bfloat16()
     for keys in (k8, huge):
         got = paged_attention(q, keys, v8, table, cu, lengths, is_causal=False).double()

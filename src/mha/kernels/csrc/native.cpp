@@ -857,7 +857,7 @@ struct Operands {
 };
 
 // K^T tile-major and V in acc_t (V read in place when it is acc_t already), from k and v whose rows
-// lie where ks and vs say (contiguous: the forward's).
+// lie where ks and vs say.
 template <typename scalar_t, typename acc_t>
 Operands<acc_t> operands(const Shape& sh, const scalar_t* k, RowStrides ks, const scalar_t* v, RowStrides vs) {
   acc_t* kt = workspace<acc_t>(0, sh.B * sh.Hkv * tiles_of(sh.S) * sh.D * kBlockK);
@@ -1898,33 +1898,46 @@ bool pair_score_block(int64_t count, int64_t D, const float* q, const at::BFloat
 #endif
 
 #if defined(MHA_AVX512_BF16) && defined(__AVX512VNNI__)
-// The power of two that puts a finite ``largest`` > 0 at 2^14 .. 2^15 (2^shift), with 2^-shift: the
-// scaling of a row made 16-bit integers (word_score_block, word_value_chunk); false where either is
-// not a normal float (a row of values below 2^-112: the float loops take it). A row of zeros: 1.
-inline bool word_scaling(float largest, float& times, float& unit) {
+// The n floats at x as 16-bit integers times a power of two, written to out (rounded to the nearest,
+// 2^15 saturated; whole vectors of 16, zero past n), the largest at 2^14 .. 2^15 (2^-shift, the value
+// of an integer 1, in unit; a row of zeros: 1): the rows word_score_block and word_value_chunk
+// multiply. False, writing nothing of use, for a NaN or an infinity, or a row whose largest value is
+// below 2^-112 (2^shift would not be a normal float): the float loops take those.
+inline bool words_of(const float* x, int64_t n, int16_t* out, float& unit) {
+  __m512 top = _mm512_setzero_ps();
+  for (int64_t d = 0; d < n; d += 16) {
+    const __m512 v = _mm512_maskz_loadu_ps(n - d >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - d), x + d);
+    if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) return false;
+    top = _mm512_max_ps(top, _mm512_abs_ps(v));
+  }
+  const float largest = _mm512_reduce_max_ps(top);
   int exponent = 0;
   std::frexp(largest, &exponent);  // largest = m 2^exponent, m in [0.5, 1)
   const int shift = largest > 0.0f ? 15 - exponent : 0;
-  if (shift > 126 || shift < -126) return false;
+  if (!std::isfinite(largest) || shift > 126 || shift < -126) return false;
   const auto power = [](int e) {
     const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
     float value;
     std::memcpy(&value, &bits, sizeof(value));
     return value;
   };
-  times = power(shift), unit = power(-shift);
+  const __m512 times = _mm512_set1_ps(power(shift));
+  unit = power(-shift);
+  for (int64_t d = 0; d < n; d += 16) {
+    const __m512 v = _mm512_maskz_loadu_ps(n - d >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - d), x + d);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v, times))));
+  }
   return true;
 }
 
-// score_block for 8-bit keys under queries that are bfloat16 values, on vpdpwssd: 32 products of
+// score_block for 8-bit keys under a bfloat16 call's queries (bfloat16 values), on vpdpwssd: 32 products of
 // 16-bit integers a step, summed exactly in 32-bit lanes, where widened keys take 16 a step and two
 // instructions to widen. Each query row becomes 16-bit integers times a power of two (its largest
 // value at 2^14 .. 2^15): exact for every value within 2^7 of the row's largest (a bfloat16 value
 // has 8 significant bits), the rest rounded to within 2^-15 of that largest, far below the
 // bfloat16 rounding the queries carry already (2^-9 of each value): for bfloat16 calls only
 // (score_block's bf16_call; float32 calls keep the widening loop's exact products). Returns false,
-// computing nothing, for queries that are not bfloat16 values or not finite, or rows wider than
-// kPairRowMax.
+// computing nothing, where words_of does, or for rows wider than kPairRowMax.
 template <int kRows>
 bool word_score_block(int64_t count, int64_t D, const float* q, const int8_t* k, int64_t ld, float* s, int64_t lds,
                       const float* scales, int64_t scale_ld) {
@@ -1932,24 +1945,7 @@ bool word_score_block(int64_t count, int64_t D, const float* q, const int8_t* k,
   alignas(64) int16_t qw[kRows][kPairRowMax + 32];
   float unit[kRows];  // the value of a row's integer 1
   for (int r = 0; r < kRows; ++r) {
-    const float* row = q + r * D;
-    __m512 top = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      const __mmask16 m = D - d >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(D - d);
-      const __m512 x = _mm512_maskz_loadu_ps(m, row + d);
-      if (_mm512_test_epi32_mask(_mm512_castps_si512(x), _mm512_set1_epi32(0xFFFF)) ||
-          _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q))
-        return false;  // not a bfloat16 value, or NaN
-      top = _mm512_max_ps(top, _mm512_abs_ps(x));
-    }
-    const float largest = _mm512_reduce_max_ps(top);
-    float times = 1.0f;
-    if (!std::isfinite(largest) || !word_scaling(largest, times, unit[r])) return false;
-    for (int64_t d = 0; d < D; d += 16) {  // rounded to the nearest integer (even on ties), 2^15 saturated
-      const __mmask16 m = D - d >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(D - d);
-      const __m512i whole = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + d), _mm512_set1_ps(times)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qw[r] + d), _mm512_cvtsepi32_epi16(whole));
-    }
+    if (!words_of(q + r * D, D, qw[r], unit[r])) return false;
     std::fill(qw[r] + (D + 15) / 16 * 16, qw[r] + (D + 31) / 32 * 32, int16_t(0));
   }
   const int64_t Dw = D / 32 * 32;
@@ -2085,8 +2081,8 @@ inline void value_strip(int64_t d, int64_t count, const acc_t* w, int64_t ldw, c
 // of two (its largest at 2^14 .. 2^15: each within 2^-15 of it, a chunk's 32 within 2^-10 of it at
 // worst, below the bfloat16 rounding of the call's output, 2^-9), keys in pairs (each pair's two rows widened and interleaved value by value,
 // 32 products an instruction where widened rows take 16 and two instructions to widen), summed exactly
-// in 32-bit lanes and added to acc once a chunk. Returns the columns done: 0 where a weight is not
-// finite (a NaN row's: the float loop carries it) or a row's are all below 2^-112 (word_scaling).
+// in 32-bit lanes and added to acc once a chunk. Returns the columns done: 0 where words_of refuses a
+// row of weights (a NaN row's: the float loop carries it).
 template <int kRows>
 int64_t word_value_chunk(int64_t n, int64_t Dv, const float* w, int64_t ldw, const int8_t* v, int64_t ld, float* acc) {
   const int64_t columns = Dv / 32 * 32;
@@ -2094,21 +2090,8 @@ int64_t word_value_chunk(int64_t n, int64_t Dv, const float* w, int64_t ldw, con
   alignas(64) int16_t words[kRows][kValueChunk];  // a pair of keys' weights is one 32-bit word
   float unit[kRows];
   for (int r = 0; r < kRows; ++r) {
-    __m512 x[2];
-    __m512 top = _mm512_setzero_ps();
-    for (int h = 0; h < 2; ++h) {
-      const int64_t left = n - 16 * h;
-      const __mmask16 m = left >= 16 ? static_cast<__mmask16>(0xFFFF) : left > 0 ? tail_mask(left) : __mmask16(0);
-      x[h] = _mm512_maskz_loadu_ps(m, w + r * ldw + 16 * h);
-      if (_mm512_cmp_ps_mask(x[h], x[h], _CMP_UNORD_Q)) return 0;
-      top = _mm512_max_ps(top, _mm512_abs_ps(x[h]));
-    }
-    const float largest = _mm512_reduce_max_ps(top);
-    float times = 1.0f;
-    if (!std::isfinite(largest) || !word_scaling(largest, times, unit[r])) return 0;
-    for (int h = 0; h < 2; ++h)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(words[r] + 16 * h),
-                         _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x[h], _mm512_set1_ps(times)))));
+    if (!words_of(w + r * ldw, n, words[r], unit[r])) return 0;
+    std::fill(words[r] + (n + 15) / 16 * 16, words[r] + kValueChunk, int16_t(0));
   }
   // an interleaved pair's sums lie in lanes of columns 0-3, 8-11, .. (lo) and 4-7, 12-15, .. (hi):
   // column c of 0 .. 15 (in_order[0]) and 16 .. 31 (in_order[1]) is lane c % 8 of lo or hi's 128-bit part c / 8
@@ -2929,11 +2912,9 @@ Tensor read_as(const Tensor& x_in, Layout layout) {
   return readable(x, layout) ? x : x.contiguous();
 }
 
-Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, Layout layout = Layout::kContiguous) {
+// The call's Shape, its sizes checked (the rows' layout is the caller's: read_as, or the backward's check).
+Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "mha native: q, k, v must be 4-D");
-  TORCH_CHECK(readable(q, layout) && readable(k, layout) && readable(v, layout),
-              layout == Layout::kAnyRows ? "mha native: q, k, v must have rows of contiguous values that do not overlap"
-                                         : "mha native: inputs must be contiguous");
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), "mha native: q, k, v must have one batch size");
   TORCH_CHECK(v.size(1) == k.size(1) && v.size(2) == k.size(2), "mha native: v must have k's heads and length");
   TORCH_CHECK(k.size(3) == q.size(3), "mha native: k must have q's head dim");
@@ -2959,7 +2940,7 @@ std::vector<Tensor> forward(const Tensor& q_in, const Tensor& k_in, const Tensor
                             bool for_backward) {
   const Layout layout = for_backward ? Layout::kContiguous : Layout::kAnyRows;  // (the backward's: what it saves)
   const Tensor q = read_as(q_in, layout), k = read_as(k_in, layout), v = read_as(v_in, layout);
-  const Shape sh = shape_of(q, k, v, layout);
+  const Shape sh = shape_of(q, k, v);
   auto out = output_like(q, sh.Dv);
   const bool wide = q.scalar_type() == at::kDouble;
   const auto stats_options = q.options().dtype(wide ? at::kDouble : at::kFloat);
@@ -2981,11 +2962,11 @@ std::vector<Tensor> forward(const Tensor& q_in, const Tensor& k_in, const Tensor
 // (output (B, H, L, Dv), weights (B, H, L, S) in float32, float64 for float64 inputs): weights_kernel,
 // reading q, k and v where their rows lie (the heads of a projection's (B, T, H, D) output, seen as
 // (B, H, T, D), are not copied: measured, three copies and the output's were a quarter of the
-// drop-in's weights over torch's at B4 T128 E512), and writing the output laid out (B, L, H, Dv), as
-// torch's CPU kernels lay theirs out, so that merging its heads after is a view.
+// drop-in's weights over torch's at B4 T128 E512), and writing the output laid out as q is
+// (output_like: (B, L, H, Dv) for such heads, so that merging them after is a view).
 std::vector<Tensor> forward_weights(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const TermArgs& terms) {
   const Tensor q = read_as(q_in, Layout::kAnyRows), k = read_as(k_in, Layout::kAnyRows), v = read_as(v_in, Layout::kAnyRows);
-  const Shape sh = shape_of(q, k, v, Layout::kAnyRows);
+  const Shape sh = shape_of(q, k, v);
   auto out = output_like(q, sh.Dv);
   auto weights = at::empty({sh.B, sh.H, sh.L, sh.S}, q.options().dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
   if (sh.B * sh.H * sh.L == 0) return {out, weights};
@@ -3002,7 +2983,9 @@ std::vector<Tensor> forward_weights(const Tensor& q_in, const Tensor& k_in, cons
 std::vector<Tensor> backward(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& dout_in,
                              const Tensor& row_max, const Tensor& row_sum, const Tensor& delta, const TermArgs& terms) {
   const Tensor q = stored(q_in), k = stored(k_in), v = stored(v_in), dout = stored(dout_in);
-  const Shape sh = shape_of(q, k, v);  // the forward's inputs, contiguous (mha.kernels.native saves them so)
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && dout.is_contiguous(),
+              "mha native: the backward's q, k, v and dout must be contiguous (mha.kernels.native makes them so)");
+  const Shape sh = shape_of(q, k, v);
   const int64_t threads = at::get_num_threads();
   const int64_t tasks = std::max<int64_t>(1, sh.B * sh.Hkv);  // split the keys when there are fewer (batch, kv head) tasks than threads
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((2 * threads + tasks - 1) / tasks, tiles_of(sh.S)));

@@ -49,7 +49,7 @@ log = logging.getLogger("mha.dispatch")
 _SOURCE = Path(__file__).parent / "csrc" / "native.cpp"
 # -fopenmp: at::parallel_for is compiled into the extension, on torch's OpenMP runtime
 _AVX512 = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DMHA_AVX512"]
-_FLAGS = {"avx512bf16": [*_AVX512, "-mavx512bf16", "-mavx512vnni", "-DMHA_AVX512_BF16"], "avx512": _AVX512,
+_FLAGS = {"avx512bf16": [*_AVX512, "-mavx512bf16", "-mavx512vnni", "-DMHA_AVX512_BF16", "-DMHA_AMX"], "avx512": _AVX512,
           "avx2": ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"], "portable": ["-O3", "-fopenmp"]}
 # MHA_NATIVE_SANITIZE=1: a build of its own with AddressSanitizer and UBSan (docs/testing.md)
 _SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g", "-O1",

@@ -1,0 +1,194 @@
+"""The native kernel's bfloat16 forward on AMX tiles (AmxProducts: tdpbf16ps over the VNNI-packed K^T
+and V), on a CPU that has them: every shape and term at the edges its tiles change (16 rows, 32 keys
+a step, D in steps of 32, Dv in tiles of 16), against the float64 oracle and against the same call on
+brgemm's products (native.set_amx(False)); the handshake with oneDNN's own tile configuration; the
+head dims it takes (that rule is checked on every CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mha
+from helpers.backends import NATIVE
+from helpers.tolerance import assert_close, max_error
+from mha.kernels import Contract, native
+from mha.positions import CAUSAL, Band
+
+pytestmark = pytest.mark.skipif(not NATIVE, reason="the native kernel does not build here (no compiler)")
+
+
+def _kernel():
+    return native._kernel()
+
+
+def _amx() -> bool:
+    return NATIVE and _kernel().amx_active()
+
+
+needs_amx = pytest.mark.skipif(not _amx(), reason="this CPU has no AMX tiles (or the build has no AMX path)")
+
+
+@pytest.fixture
+def amx_switch():
+    """set_amx(on) for the test, the setting before restored after it."""
+    kernel = _kernel()
+    before = kernel.set_amx(True)
+    kernel.set_amx(before)
+
+    def switch(on: bool):
+        kernel.set_amx(on)
+
+    yield switch
+    kernel.set_amx(before)
+
+
+def test_the_tiles_take_d_in_steps_of_32_and_dv_in_tiles_of_16():
+    """The rule alone (any CPU with the avx512bf16 build; false elsewhere): other head dims run on brgemm."""
+    kernel = _kernel()
+    if native.variant() != "avx512bf16":
+        assert not kernel.amx_takes(64, 64)
+        return
+    for D, Dv in [(32, 16), (64, 64), (96, 48), (128, 128), (256, 256), (64, 16)]:
+        assert kernel.amx_takes(D, Dv), (D, Dv)
+    for D, Dv in [(16, 16), (48, 64), (80, 80), (64, 8), (64, 24), (0, 64), (64, 0), (65, 64)]:
+        assert not kernel.amx_takes(D, Dv), (D, Dv)
+
+
+def _inputs(B, H, Hkv, L, S, D, Dv, seed, *, sharp=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, H, L, D, generator=g) * sharp).bfloat16()
+    k = (torch.randn(B, Hkv, S, D, generator=g) * sharp).bfloat16()
+    v = torch.randn(B, Hkv, S, Dv, generator=g).bfloat16()
+    return q, k, v
+
+
+def _both(q, k, v, contract, switch):
+    """(on AMX tiles, on brgemm's products) of one forward."""
+    switch(True)
+    tiles = native.native_attention(q, k, v, contract)
+    switch(False)
+    products = native.native_attention(q, k, v, contract)
+    switch(True)
+    return tiles, products
+
+
+def _exact(q, k, v, contract):
+    return mha.kernels.attention(q.double(), k.double(), v.double(), contract, backend="math")[0]
+
+
+def _check(q, k, v, contract, switch):
+    tiles, products = _both(q, k, v, contract, switch)
+    exact = _exact(q, k, v, contract)
+    assert_close(tiles.double(), exact, torch.bfloat16)
+    # the same products in another order at most: within the brgemm path's own error, plus one rounding
+    assert max_error(tiles, exact) <= 1.5 * max_error(products, exact) + 2 ** -8, (
+        max_error(tiles, exact), max_error(products, exact))
+
+
+# (B, H, Hkv, L, S, D, Dv): rows per kv head past the decoding path's 16; 15-17 and 63-65 rows, keys at
+# 32-key steps and 256-key tiles, every D step count and Dv tile count
+SHAPES = [(1, 2, 2, 17, 1, 64, 64), (1, 2, 1, 9, 31, 32, 16), (1, 1, 1, 33, 32, 64, 64), (1, 1, 1, 63, 33, 64, 64),
+          (2, 3, 3, 65, 255, 96, 48), (1, 4, 2, 64, 256, 128, 128), (1, 2, 2, 100, 257, 64, 80),
+          (1, 1, 1, 129, 511, 256, 64), (1, 8, 2, 40, 513, 64, 64), (1, 2, 2, 300, 1000, 64, 64)]
+
+
+@needs_amx
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}/{}L{}S{}D{}Dv{}".format(*s))
+@pytest.mark.parametrize("terms", ["none", "causal", "bottom-right", "window"])
+def test_tiles_equal_the_oracle_and_the_brgemm_path(shape, terms, amx_switch):
+    B, H, Hkv, L, S, D, Dv = shape
+    q, k, v = _inputs(*shape, seed=L + S + D, sharp=2.0)
+    contract = {"none": None, "causal": Contract(band=CAUSAL),
+                "bottom-right": Contract(band=CAUSAL, offset=S - L), "window": Contract(band=Band(37, 5))}[terms]
+    _check(q, k, v, contract, amx_switch)
+
+
+@needs_amx
+@pytest.mark.parametrize("term", ["mask", "bool mask", "key padding", "softcap", "alibi", "sinks"])
+def test_tiles_under_every_term(term, amx_switch):
+    B, H, Hkv, L, S, D, Dv = 2, 4, 2, 70, 300, 64, 64
+    q, k, v = _inputs(B, H, Hkv, L, S, D, Dv, seed=7, sharp=2.0)
+    g = torch.Generator().manual_seed(8)
+    contract = {
+        "mask": Contract(mask=torch.randn(B, 1, L, S, generator=g)),
+        "bool mask": Contract(mask=torch.rand(B, H, L, S, generator=g) > 0.3),
+        "key padding": Contract(key_valid=torch.arange(S)[None, :] < torch.tensor([[S], [S - 45]])),
+        "softcap": Contract(softcap=5.0),
+        "alibi": Contract(alibi_slopes=torch.rand(H, generator=g), band=CAUSAL),
+        "sinks": Contract(sinks=torch.randn(H, generator=g)),
+    }[term]
+    _check(q, k, v, contract, amx_switch)
+
+
+@needs_amx
+def test_rows_that_see_nothing_are_zeros_and_a_nan_key_makes_its_rows_nan(amx_switch):
+    q, k, v = _inputs(1, 2, 2, 40, 100, 64, 64, seed=3)
+    nothing = Contract(band=Band(0, 0), offset=200)  # every query's one key lies past S
+    amx_switch(True)
+    assert torch.equal(native.native_attention(q, k, v, nothing), torch.zeros(1, 2, 40, 64, dtype=torch.bfloat16))
+    k = k.clone()
+    k[0, 1, 50] = float("nan")
+    out = native.native_attention(q, k, v, Contract(band=CAUSAL))
+    assert not out[0, 0].isnan().any()
+    assert not out[0, 1, :50].isnan().any() and out[0, 1, 50:].isnan().all()
+
+
+@needs_amx
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_strided_heads_of_a_projection_on_any_thread_count(threads, amx_switch):
+    """q, k, v as a projection's (B, T, H, D) output seen as (B, H, T, D): rows H D apart, read where they lie."""
+    B, T, H, D = 2, 150, 4, 64
+    g = torch.Generator().manual_seed(threads)
+    q, k, v = (torch.randn(B, T, H, D, generator=g).bfloat16().transpose(1, 2) for _ in range(3))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        _check(q, k, v, Contract(band=CAUSAL), amx_switch)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_amx
+def test_values_past_s_read_as_zeros_to_the_next_32_keys_not_as_an_earlier_calls(amx_switch):
+    """A product takes the keys in steps of 32, so the packed V holds zeros from S to the next multiple of
+    32 (weights there are 0, and 0 times an earlier call's NaN left in the workspace would be NaN): a call
+    over S = 33 right after one whose values were all NaN equals the oracle."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # (the workspaces are the calling thread's)
+        amx_switch(True)
+        poisoned = torch.full((1, 2, 300, 64), float("nan"), dtype=torch.bfloat16)
+        native.native_attention(poisoned, poisoned, poisoned, None)
+        q, k, v = _inputs(1, 2, 2, 40, 33, 64, 64, seed=5)
+        out = native.native_attention(q, k, v, None)
+    finally:
+        torch.set_num_threads(before)
+    assert_close(out.double(), _exact(q, k, v, None), torch.bfloat16)
+
+
+@needs_amx
+def test_torchs_own_brgemm_before_and_after_the_tiles_on_the_same_threads(amx_switch):
+    """oneDNN's brgemm keeps its tile configuration per thread and loads it again only when it thinks
+    another is current. Each side releases its tiles at the end of a thread's run (torch's flash kernel
+    and the brgemm paths by brgemm_release, the tiles by tilerelease; configure_tiles also releases
+    oneDNN's first, for a caller that left its context set, which Python cannot arrange), so torch's
+    bfloat16 flash kernel (brgemm on AMX) between the tiles' calls, and the backward's brgemm products,
+    compute what they would alone."""
+    q, k, v = _inputs(1, 8, 8, 512, 512, 64, 64, seed=9)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    amx_switch(True)
+    for _ in range(3):
+        theirs = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ours = native.native_attention(q, k, v, Contract(band=CAUSAL))
+        assert max_error(theirs, exact) < 2e-2 and max_error(ours, exact) < 2e-2
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = native.native_attention(*leaves, Contract(band=CAUSAL))  # the backward's forward: brgemm's products
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    exact_leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    want = F.scaled_dot_product_attention(*exact_leaves, is_causal=True)
+    for got, expected in zip(grads, torch.autograd.grad(want, exact_leaves, torch.ones_like(want))):
+        assert_close(got.double(), expected, torch.bfloat16, chain=True)
+    assert max_error(native.native_attention(q, k, v, Contract(band=CAUSAL)), exact) < 2e-2

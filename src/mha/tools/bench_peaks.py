@@ -8,13 +8,16 @@ per core):
                     (mha.kernels.native: fma_peak_work), GFLOP/s: the ceiling of float32 products
     bf16 dot        the same with bfloat16 dot products (vdpbf16ps), where the CPU and build have
                     them (AVX512-BF16); else absent
-    AMX bf16        torch's 4096^3 bfloat16 matmul (oneDNN runs it on AMX tiles), where the CPU has
-                    AMX: achieved, not the tiles' nominal rate (which needs data in the tiles' cache)
+    AMX tiles       independent chains of tdpbf16ps on every thread (amx_tile_peak_work), operands in
+                    the tile registers: the tiles' nominal rate, where the CPU has AMX and the native
+                    kernel's products run on it (native.set_amx); the ceiling of bfloat16 products
+    AMX bf16 matmul torch's 4096^3 bfloat16 matmul (oneDNN runs it on AMX tiles), where the CPU has
+                    AMX: what a large product achieves with its data to move (beside, not judged by)
     read            bench_native.read_call over 512 MiB (past every cache: torch's int64 sum, one stream
                     a thread), GB/s: what decoding is judged against
 
 The native rows print their fraction of the limit of their dtype (``limit_of``): float32 products
-against the FMA peak; bfloat16 against AMX where present, else the bf16 dot peak, else the FMA peak
+against the FMA peak; bfloat16 against the AMX tiles where present, else the bf16 dot peak, else the FMA peak
 (a CPU without bf16 instructions widens to float32 and multiplies there); decoding against the read
 rate.
 """
@@ -31,7 +34,7 @@ from .bench_native import matmul_gflops, read_gbytes_per_second
 
 __all__ = ["LIMITS", "current", "limit_of", "limits"]
 
-LIMITS = ("fp32 FMA GFLOP/s", "bf16 dot GFLOP/s", "AMX bf16 GFLOP/s", "read GB/s")
+LIMITS = ("fp32 FMA GFLOP/s", "bf16 dot GFLOP/s", "AMX tiles GFLOP/s", "AMX bf16 matmul GFLOP/s", "read GB/s")
 
 
 @functools.cache
@@ -42,7 +45,8 @@ def limits(threads: int | None = None) -> dict[str, float | None]:
     flags = tuning.cpu()["flags"]
     return {"fp32 FMA GFLOP/s": _chains(kernel.fma_peak_work) if kernel else None,
             "bf16 dot GFLOP/s": _chains(kernel.bf16_dot_peak_work) if kernel else None,
-            "AMX bf16 GFLOP/s": matmul_gflops(torch.bfloat16, 4096) if "amx_bf16" in flags else None,
+            "AMX tiles GFLOP/s": _chains(kernel.amx_tile_peak_work) if kernel else None,
+            "AMX bf16 matmul GFLOP/s": matmul_gflops(torch.bfloat16, 4096) if "amx_bf16" in flags else None,
             "read GB/s": read_gbytes_per_second(mib=512)}
 
 
@@ -53,7 +57,7 @@ def current() -> dict[str, float | None]:
 
 def limit_of(dtype: str, measured: dict[str, float | None]) -> tuple[str, float] | None:
     """(name, GFLOP/s) of the limit a ``dtype`` ("fp32" or "bf16") forward is judged against."""
-    order = ("fp32 FMA GFLOP/s",) if dtype == "fp32" else ("AMX bf16 GFLOP/s", "bf16 dot GFLOP/s", "fp32 FMA GFLOP/s")
+    order = ("fp32 FMA GFLOP/s",) if dtype == "fp32" else ("AMX tiles GFLOP/s", "bf16 dot GFLOP/s", "fp32 FMA GFLOP/s")
     return next(((name, measured[name]) for name in order if measured.get(name)), None)
 
 

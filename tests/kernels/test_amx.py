@@ -88,11 +88,13 @@ def _check(q, k, v, contract, switch):
         max_error(tiles, exact), max_error(products, exact))
 
 
-# (B, H, Hkv, L, S, D, Dv): rows per kv head past the decoding path's 16; 15-17 and 63-65 rows, keys at
-# 32-key steps and 256-key tiles, every D step count and Dv tile count
+# (B, H, Hkv, L, S, D, Dv): 15-17 and 63-65 rows per kv head, keys at 32-key steps and 256-key tiles, every
+# D step count and Dv tile count
 SHAPES = [(1, 2, 2, 17, 1, 64, 64), (1, 2, 1, 9, 31, 32, 16), (1, 1, 1, 33, 32, 64, 64), (1, 1, 1, 63, 33, 64, 64),
           (2, 3, 3, 65, 255, 96, 48), (1, 4, 2, 64, 256, 128, 128), (1, 2, 2, 100, 257, 64, 80),
-          (1, 1, 1, 129, 511, 256, 64), (1, 8, 2, 40, 513, 64, 64), (1, 2, 2, 300, 1000, 64, 64)]
+          (1, 1, 1, 129, 511, 256, 64), (1, 8, 2, 40, 513, 64, 64), (1, 2, 2, 300, 1000, 64, 64),
+          # steps of 5-16 rows per kv head take the tiles too (4 or fewer: the run loops)
+          (1, 8, 2, 2, 1000, 64, 64), (1, 4, 4, 16, 300, 64, 64), (2, 8, 2, 3, 257, 128, 128), (1, 8, 2, 1, 500, 64, 64)]
 
 
 @needs_amx

@@ -34,9 +34,9 @@ def test_a_contract_of_none_is_the_empty_contract():
 def test_the_functional_fast_path_is_the_dispatchs(monkeypatch):
     q, k, v = _qkv()
     asked = []
-    monkeypatch.setattr(dispatch, "plain_sdpa", lambda *a, **kw: asked.append(kw) or torch.full((1, 2, 6, 4), 7.0))
+    monkeypatch.setattr(dispatch, "plain_sdpa", lambda *a, **kw: asked.append(a[3:]) or torch.full((1, 2, 6, 4), 7.0))
     out = mha.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    assert asked == [{"is_causal": True, "enable_gqa": False, "scale": None}] and bool((out == 7).all())
+    assert asked == [(True, False, None)] and bool((out == 7).all())  # (is_causal, enable_gqa, scale), by position
     monkeypatch.setattr(dispatch, "plain_sdpa", lambda *a, **kw: None)  # the dispatch declines: the full path
     out = mha.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     want, _ = mha.kernels.attention(q, k, v, Contract(band=positions.CAUSAL), backend="math")

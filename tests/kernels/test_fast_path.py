@@ -165,7 +165,8 @@ def test_a_gqa_decoding_step_counts_its_rows_per_key_value_head(monkeypatch, fas
     and the dispatch picks native (the Python one); one query more and it is a prefill torch's kernel
     takes, on the fast path."""
     group = H // Hkv
-    L = dispatch.NATIVE_DECODE_ROWS // group + more  # 16 rows per kv head, then 16 + group
+    # 16 rows per kv head, then 16 + group (without GQA 15 and 16: 16 query rows are a prompt's, below)
+    L = min(dispatch.NATIVE_DECODE_ROWS // group, dispatch.NATIVE_PROMPT_ROWS - 1) + more
     decoding = more == 0
     torch.manual_seed(L)
     q, k, v = torch.randn(1, H, L, 16), torch.randn(1, Hkv, 1024, 16), torch.randn(1, Hkv, 1024, 16)
@@ -180,6 +181,27 @@ def test_a_gqa_decoding_step_counts_its_rows_per_key_value_head(monkeypatch, fas
     if mha.kernels.native.ready():
         chosen = mha.kernels.choose_backend("auto", q, k, v, mha.kernels.Contract())[0]
         assert chosen == ("native" if decoding else "sdpa")
+
+
+@pytest.mark.parametrize("L", [15, 16])
+def test_sixteen_query_rows_are_a_prompt_whatever_their_rows_per_kv_head(monkeypatch, fast_path, L):
+    """A call of L >= dispatch.NATIVE_PROMPT_ROWS (16) query rows is judged by the prefill crossover (the
+    tuning's prefill grid measured L = S = 16; its decoding steps, one row a head): with native measured
+    faster on steps from one key and on prompts from L = S = 64, 16 rows of one head over 1024 keys are
+    torch's (min(L, S) = 16 < 64), 15 native's, on both fast paths and in the dispatch."""
+    monkeypatch.setattr(tuning, "crossovers", lambda dtype: tuning.Crossover(64 * 64, 1, 64 * 64, 1))
+    monkeypatch.setattr(tuning, "resolved_ints", {})
+    torch.manual_seed(L)
+    q, k, v = torch.randn(1, 4, L, 16), torch.randn(1, 4, 1024, 16), torch.randn(1, 4, 1024, 16)
+    decoding = L < dispatch.NATIVE_PROMPT_ROWS
+    assert dispatch.native_pays(q, k) == decoding
+    assert dispatch.plain_call(q, k, v, enable_gqa=False) == (not decoding)
+    out = dispatch.plain_sdpa(q, k, v, is_causal=True, enable_gqa=False)
+    assert (out is not None) == (not decoding or fast_path == "compiled")
+    if out is not None:
+        expected = (native.native_attention(q, k, v, mha.kernels.Contract(band=CAUSAL)) if decoding
+                    else torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        assert torch.equal(out, expected)
 
 
 def test_under_vmap_the_full_path_runs(monkeypatch):
@@ -221,6 +243,7 @@ CASES = [
     (lambda: [_q(1, 1, 2, 4, 8)] * 3, False),
     (lambda: [_q(1, 2, 4, 8)[:, :, ::2]] * 3, False),  # rows apart: still unit last stride
     (lambda: [_q(1, 2, 1, 64), _q(1, 2, 4096, 64), _q(1, 2, 4096, 64)], False),  # a decoding step
+    (lambda: [_q(1, 2, 16, 64), _q(1, 2, 4096, 64), _q(1, 2, 4096, 64)], False),  # 16 rows a head: a prompt's
     (lambda: [_q(1, 8, 512, 16)] * 3, False),  # a long prefill
 ]
 

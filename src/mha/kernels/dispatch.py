@@ -183,7 +183,7 @@ def plain_attention(q, k, v, *, band, offset: int = 0, scale=None) -> Tensor | N
     return None if causal is None else plain_sdpa(q, k, v, is_causal=causal, enable_gqa=True, scale=scale)
 
 
-def plain_sdpa(q, k, v, *, is_causal: bool, enable_gqa: bool, scale: float | None = None,
+def plain_sdpa(q, k, v, is_causal: bool, enable_gqa: bool, scale: float | None = None,
                key_valid: Tensor | None = None) -> Tensor | None:
     """The per-call fast path: the output of a plain call (:func:`plain_call`'s conditions); None when
     the call needs the full path. The caller has checked that no other option is set (a contract of
@@ -195,12 +195,18 @@ def plain_sdpa(q, k, v, *, is_causal: bool, enable_gqa: bool, scale: float | Non
     faster for a call that needs a gradient. torch.compile, a torch function mode (which must see
     torch's call) and CUDA take plain_call. ``key_valid`` (B|1, S) bool, key padding: the native
     kernel's call only (where measured faster, no gradient); None elsewhere (the full path plans
-    torch's kernel beside padding: its rows that see nothing)."""
-    if (_kernel_fast_path_allowed(q, k, v) and (kernel := native.loaded or native.load_if_built()) is not None
+    torch's kernel beside padding: its rows that see nothing). Its arguments may come by position (the
+    per-call path of every plain call: keywords cost it a little more; _kernel_fast_path_allowed's
+    checks are written out here for the same reason)."""
+    if (not _compiling() and q.__class__ is k.__class__ is v.__class__ is Tensor and not OBSERVERS
+            and forward_ad._current_level < 0 and (kernel := native.loaded or native.load_if_built()) is not None
             and (dtype := q.dtype) in _FLOATS):
-        direct, full = tuning.resolved_ints.get((torch.get_num_threads(), dtype)) or tuning.crossover_ints(dtype)
-        out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, direct, full, scale, key_valid)
-        if out is not None or q.is_cpu:  # (it takes CPU tensors only: CUDA's are plain_call's)
+        ints = tuning.resolved_ints.get(dtype) or tuning.crossover_ints(dtype)
+        out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, *ints, scale, key_valid)
+        if out.__class__ is int:  # resolved at another thread count than the one now in use
+            out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, *tuning.crossover_ints(dtype),
+                                    scale, key_valid)
+        if out is not Ellipsis and (out is not None or q.is_cpu):  # (CPU tensors only: CUDA's are plain_call's)
             return out
     if key_valid is not None or not plain_call(q, k, v, enable_gqa):
         return None
@@ -221,13 +227,17 @@ def plain_weights(q, k, v, *, is_causal: bool, scale: float | None = None,
     return None
 
 
+_compiling = torch.compiler.is_compiling  # (one lookup fewer on every call's path)
+
+
 def _kernel_fast_path_allowed(q, k, v) -> bool:
     """What only Python can check before the native kernel's fast path (plain_sdpa, plain_weights):
-    not while torch.compile traces, plain Tensors (no subclass), no observer, no forward-mode AD, no
-    torch.func transform, no torch function mode (a mode sees torch's Python call: plain_call's)."""
-    return (not torch.compiler.is_compiling() and q.__class__ is k.__class__ is v.__class__ is Tensor and not OBSERVERS
-            and forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
-            and not torch._C._is_torch_function_mode_enabled())
+    not while torch.compile traces, plain Tensors (no subclass), no observer, no forward-mode AD. The
+    kernel checks the rest itself: no torch.func transform, no torch function mode (a mode sees torch's
+    Python call: plain_call's), in one step where these reads in Python cost a short call 2 us with its
+    caches cold."""
+    return (not _compiling() and q.__class__ is k.__class__ is v.__class__ is Tensor and not OBSERVERS
+            and forward_ad._current_level < 0)
 
 
 def plain_call(q, k, v, enable_gqa: bool) -> bool:
@@ -407,6 +417,9 @@ def _log_choice(path: str, name: str, why: str) -> None:
 
 
 NATIVE_DECODE_ROWS = 16  # a decoding step: at most this many query rows per key/value head
+# ... and fewer query rows than this: a call of L >= 16 is a prompt's, which the tuning's prefill grid measured
+# (from L = S = 16), its decoding steps having one row a head (the C++ fast path's kPromptRows)
+NATIVE_PROMPT_ROWS = tuning.PREFILL_LENGTHS[0]
 
 
 def native_pays(q: Tensor, k: Tensor) -> bool:
@@ -429,7 +442,8 @@ def _measured_faster(dtype: torch.dtype, rows_per_kv_head: int, L: int, S: int) 
     """native_pays_for's rule on the tuning's crossovers, for a dtype of _FLOATS, outside torch.compile
     and torch.func (plain_call asks it directly: it has checked those, and it is on every call's path)."""
     found = tuning.crossovers(dtype)
-    if rows_per_kv_head <= NATIVE_DECODE_ROWS and found.decode_keys is not None and S >= found.decode_keys:
+    if (rows_per_kv_head <= NATIVE_DECODE_ROWS and L < NATIVE_PROMPT_ROWS and found.decode_keys is not None
+            and S >= found.decode_keys):
         return True
     # the crossover was measured on square calls: a call counts when it is at least that square on
     # both sides (few rows over many keys, measured: native 1.37x torch's time at L=32, S=8192 fp32)

@@ -164,9 +164,10 @@ def cache_path() -> Path:
 
 _tables: dict[str, dict | None] = {}  # machine key -> stored table (None: looked, none there)
 _resolved: dict[tuple[int, torch.dtype], Crossover] = {}  # (threads, dtype) -> what auto uses: the per-call lookup
-# the same as ((plain_decode_keys, plain_prefill_work), (decode_keys, prefill_work)), -1 for never: what the native
-# fast path takes (dispatch.plain_sdpa reads it directly, then asks crossover_ints on a miss)
-resolved_ints: dict[tuple[int, torch.dtype], tuple[tuple[int, int], tuple[int, int]]] = {}
+# dtype -> (threads, (plain_decode_keys, plain_prefill_work), (decode_keys, prefill_work)), -1 for never, at the
+# thread count last resolved: what the native fast path takes (dispatch.plain_sdpa reads it directly, the kernel
+# checks the thread count, and crossover_ints resolves it on a miss)
+resolved_ints: dict[torch.dtype, tuple[int, tuple[int, int], tuple[int, int]]] = {}
 _tried: set[str] = set()  # machine keys measured at first use in this process (tried once, even if it failed)
 _first_use_lock = threading.Lock()
 
@@ -231,13 +232,14 @@ def crossovers(dtype: torch.dtype) -> Crossover:
     return found
 
 
-def crossover_ints(dtype: torch.dtype) -> tuple[tuple[int, int], tuple[int, int]]:
-    """crossovers(dtype) as ((plain_decode_keys, plain_prefill_work), (decode_keys, prefill_work)), -1 for
-    never; kept in resolved_ints."""
+def crossover_ints(dtype: torch.dtype) -> tuple[int, tuple[int, int], tuple[int, int]]:
+    """(threads, (plain_decode_keys, plain_prefill_work), (decode_keys, prefill_work)): crossovers(dtype) at the
+    thread count in use, -1 for never; kept in resolved_ints."""
+    threads = torch.get_num_threads()
     found = crossovers(dtype)
-    ints = tuple(tuple(-1 if x is None else x for x in pair) for pair in (
-        (found.plain_decode_keys, found.plain_prefill_work), (found.decode_keys, found.prefill_work)))
-    resolved_ints[torch.get_num_threads(), dtype] = ints
+    ints = (threads, *(tuple(-1 if x is None else x for x in pair) for pair in (
+        (found.plain_decode_keys, found.plain_prefill_work), (found.decode_keys, found.prefill_work))))
+    resolved_ints[dtype] = ints
     return ints
 
 
@@ -496,7 +498,7 @@ def _grid(round_: int):
     def calls(point, where, q, k, v, contract, causal=False):  # the fast path's call first (see tune)
         torch_call = functools.partial(_torch, q, k, v, causal)
         yield (f"{point} plain", dict(where, path="plain"),
-               functools.partial(_kernel().plain_sdpa, q, k, v, causal, True, 0, _ALWAYS, _ALWAYS, None),
+               functools.partial(_kernel().plain_sdpa, q, k, v, causal, True, 0, -1, _ALWAYS, _ALWAYS, None),
                torch_call)
         yield point, dict(where, path="full"), functools.partial(native_attention, q, k, v, contract), torch_call
 

@@ -48,6 +48,8 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <ATen/native/CPUBlas.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
@@ -2469,11 +2471,13 @@ void value_block(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const v
     value_strips<kRows>(count, Dv, p, ldp, v, ld, acc, scales, scale_ld, bf16_call);
 }
 
-// The R rows in blocks of up to four: each block's call of score_block or value_block.
+// The R rows in blocks of up to kRowBlock: each block's call of score_block or value_block (a block
+// reads each key and value row once).
+constexpr int64_t kRowBlock = 4;
 template <typename Call>
 inline void in_row_blocks(int64_t R, Call call) {
-  for (int64_t r0 = 0; r0 < R; r0 += 4) {
-    switch (std::min<int64_t>(4, R - r0)) {
+  for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
+    switch (std::min<int64_t>(kRowBlock, R - r0)) {
       case 1: call(r0, std::integral_constant<int, 1>{}); break;
       case 2: call(r0, std::integral_constant<int, 2>{}); break;
       case 3: call(r0, std::integral_constant<int, 3>{}); break;
@@ -2613,6 +2617,21 @@ struct CallRows {
   RowStrides qs, ks, vs, os;
 };
 
+// The most rows per key/value head a forward takes on the decoding path (StepProducts): kDecodeRows,
+// but one block of the run loops (kRowBlock) where the call's products run on AMX tiles, which take 16
+// rows for the price of one: the run loops read the keys again for every block of 4 rows (a bfloat16
+// step of 8 or 16 rows over 1024-16384 keys, GQA 4: 0.27-0.34x torch's time on the tiles against
+// 0.38-0.69x on the run loops; H = Hkv, L = 16: 0.72-1.06x against 1.31-1.87x; Xeon with AMX, 2 threads).
+template <typename scalar_t>
+int64_t step_rows(const Shape& sh) {
+#if defined(MHA_AMX)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>)
+    if (AmxProducts::takes(sh)) return kRowBlock;
+#endif
+  (void)sh;
+  return kDecodeRows;
+}
+
 // The forward of one call: the decoding path for a few rows per key/value head, else the tiled
 // kernel on the products for the dtype. A forward whose log-sum-exp the backward will use
 // (``for_backward``) takes the tiled kernel always: the backward recomputes the scores with the
@@ -2622,7 +2641,7 @@ template <typename scalar_t, typename acc_t>
 void run_forward(const Shape& sh, const Terms<acc_t>& t, const CallRows<scalar_t>& x, const RowStats<acc_t>& stats,
                  bool for_backward) {
   const DenseLayout<acc_t> layout{sh, t, x.qs, x.os};
-  if (sh.rows() <= kDecodeRows && !for_backward) {  // a decoding step: the cache is read as it is
+  if (sh.rows() <= step_rows<scalar_t>(sh) && !for_backward) {  // a decoding step: the cache is read as it is
     forward_blocks(layout, x.q, StepProducts<scalar_t, acc_t>{sh, x.k, x.ks, x.v, x.vs}, x.out, stats);
     return;
   }
@@ -3496,10 +3515,15 @@ std::vector<Tensor> key_intervals(const TermArgs& terms, int64_t L, int64_t S) {
 // Otherwise torch's output (at::scaled_dot_product_attention, run without the GIL as torch's own
 // binding runs it, with the caller's scale: None for torch's 1 / sqrt(D)). None also for a call
 // that is not plain.
+// A call of at least kPromptRows query rows is a prompt's, whatever its rows per kv head: the tuning's
+// prefill grid measured it (from L = S = 16, tuning.PREFILL_LENGTHS; dispatch.NATIVE_PROMPT_ROWS), its
+// decoding steps one row per head (an H = Hkv call of L = 16 taken for a step ran native's 16 rows at
+// 1.2-1.9x torch's time, Xeon with AMX).
+constexpr int64_t kPromptRows = 16;
 struct Crossovers {
   int64_t decode_keys, prefill_work;  // a step of at most decode_rows rows per kv head from S keys; L, S >= sqrt(work)
   bool native_faster(int64_t rows, int64_t decode_rows, int64_t L, int64_t S) const {
-    if (rows <= decode_rows && decode_keys >= 0 && S >= decode_keys) return true;
+    if (rows <= decode_rows && L < kPromptRows && decode_keys >= 0 && S >= decode_keys) return true;
     return prefill_work >= 0 && std::min(L, S) * std::min(L, S) >= prefill_work;
   }
 };
@@ -3547,10 +3571,26 @@ TermArgs plain_terms(bool is_causal, std::optional<double> scale, int64_t D, con
   return terms;
 }
 
+// Whether a torch.func transform (vmap, grad, ...) or a TorchFunctionMode is active on this thread: then a
+// call is Python's (a transform wraps the tensors; a mode must see torch's Python call), read here in one
+// step where Python's reads of them cost a short call 2 us with its caches cold (Xeon with AMX). The
+// transforms' test is the one torch._C._are_functorch_transforms_active makes: functorch's dynamic
+// layer keys in the thread's included dispatch keys.
+bool transform_or_mode_active() {
+  const auto included = c10::impl::tls_local_dispatch_key_set().included_;
+  return included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) ||
+         included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode) || at::impl::torch_function_mode_enabled();
+}
+
+// Its answers: the output; None (the full path); the thread count now in use, where the crossovers
+// given were resolved for another (``threads``; -1: for any): the caller resolves them and asks again;
+// Ellipsis where a transform or a torch function mode is active (the caller's Python path decides).
 pybind11::object plain_sdpa(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal, bool enable_gqa,
-                            int64_t decode_rows, std::pair<int64_t, int64_t> direct, std::pair<int64_t, int64_t> full,
-                            std::optional<double> scale, const Optional& key_valid) {
+                            int64_t decode_rows, int64_t threads, std::pair<int64_t, int64_t> direct,
+                            std::pair<int64_t, int64_t> full, std::optional<double> scale, const Optional& key_valid) {
   const auto none = pybind11::none();
+  if (transform_or_mode_active()) return pybind11::ellipsis();
+  if (threads >= 0 && threads != at::get_num_threads()) return pybind11::int_(at::get_num_threads());
   if (!plain_inputs(q, k, v, enable_gqa) || !plain_padding(key_valid, q.size(0), k.size(2))) return none;
   const int64_t H = q.size(1), L = q.size(2), Hkv = k.size(1), S = k.size(2);
   const bool gradient = needs_gradient(q, k, v);
@@ -3572,7 +3612,8 @@ pybind11::object plain_sdpa(const Tensor& q, const Tensor& k, const Tensor& v, b
 // in q's dtype) from forward_weights, or None where the call is not plain or needs a gradient.
 pybind11::object plain_weights(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal, bool enable_gqa,
                                std::optional<double> scale, const Optional& key_valid) {
-  if (!plain_inputs(q, k, v, enable_gqa) || !plain_padding(key_valid, q.size(0), k.size(2)) || needs_gradient(q, k, v))
+  if (transform_or_mode_active() || !plain_inputs(q, k, v, enable_gqa) || !plain_padding(key_valid, q.size(0), k.size(2)) ||
+      needs_gradient(q, k, v))
     return pybind11::none();
   std::vector<Tensor> result;
   {
@@ -3884,8 +3925,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("plain_sdpa", &mha_native::plain_sdpa,
         "the per-call fast path: a plain call's output, native's or torch's SDPA's, or None (mha.kernels.dispatch.plain_sdpa)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("is_causal"), pybind11::arg("enable_gqa"),
-        pybind11::arg("decode_rows"), pybind11::arg("direct"), pybind11::arg("full"), pybind11::arg("scale"),
-        pybind11::arg("key_valid") = pybind11::none());
+        pybind11::arg("decode_rows"), pybind11::arg("threads"), pybind11::arg("direct"), pybind11::arg("full"),
+        pybind11::arg("scale"), pybind11::arg("key_valid") = pybind11::none());
   m.def("plain_weights", &mha_native::plain_weights,
         "a plain call's (output, weights) from native, or None (mha.kernels.dispatch.plain_weights)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("is_causal"), pybind11::arg("enable_gqa"),

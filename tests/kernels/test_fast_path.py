@@ -204,6 +204,23 @@ def test_sixteen_query_rows_are_a_prompt_whatever_their_rows_per_kv_head(monkeyp
         assert torch.equal(out, expected)
 
 
+def test_crossovers_of_another_thread_count_are_resolved_again(monkeypatch, fast_path):
+    """The fast path hands the kernel the crossovers last resolved and the thread count they are for; the
+    kernel answers with the count now in use where it differs (a caller's torch.set_num_threads), and the
+    dispatch resolves them for it and asks again: torch's call here (native never faster), not a stale
+    table's native."""
+    if fast_path == "python":
+        pytest.skip("the native kernel's own check")
+    monkeypatch.setattr(tuning, "crossovers", lambda dtype: tuning.NEVER)
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(tuning, "resolved_ints", {torch.float32: (threads + 1, (0, 0), (0, 0))})  # "always native"
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    assert native.loaded.plain_sdpa(q, k, v, True, False, 16, threads + 1, (0, 0), (0, 0), None, None) == threads
+    out = dispatch.plain_sdpa(q, k, v, True, False)
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert tuning.resolved_ints[torch.float32] == (threads, (-1, -1), (-1, -1))
+
+
 def test_under_vmap_the_full_path_runs(monkeypatch):
     q = torch.randn(3, 1, 2, 4, 8)
     got = torch.vmap(lambda x: sdpa(x, x, x, is_causal=True))(q)

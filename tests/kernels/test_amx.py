@@ -194,3 +194,66 @@ def test_torchs_own_brgemm_before_and_after_the_tiles_on_the_same_threads(amx_sw
     for got, expected in zip(grads, torch.autograd.grad(want, exact_leaves, torch.ones_like(want))):
         assert_close(got.double(), expected, torch.bfloat16, chain=True)
     assert max_error(native.native_attention(q, k, v, Contract(band=CAUSAL)), exact) < 2e-2
+
+
+@needs_amx
+@pytest.mark.parametrize("pool", ["bfloat16", "int8"])
+@pytest.mark.parametrize("S", [31, 33, 255, 257, 511])
+def test_prompts_over_pages_on_the_tiles(pool, S, amx_switch):
+    """A prompt's blocks over KV-cache pages (PagedAmxProducts: the tiles gathered from the pages, 32 keys a
+    step, their values zero past S_b to the next 32) beside a chunk of 17 rows and a decoding row, pages of
+    16 in shuffled order with a NaN page named past every S_b, bfloat16 and 8-bit pools, right after a call
+    whose tiles were NaN: the float64 oracle's output within bfloat16's tolerance, and the brgemm path's to
+    within its own error and a rounding."""
+    from mha.kernels import paged_attention, storage
+
+    g = torch.Generator().manual_seed(S)
+    P, H, Hkv, D, Dv = 16, 8, 2, 64, 64
+    lengths = [(S, S), (17, S + 40), (1, S)]
+    pages = [(s + P - 1) // P for _, s in lengths]
+    N = sum(pages) + 1
+    order = torch.randperm(N - 1, generator=g)
+    table = torch.full((3, max(pages) + 1), N - 1)  # the NaN page past every sequence's keys
+    start = 0
+    for b, count in enumerate(pages):
+        table[b, :count] = order[start:start + count]
+        start += count
+    k_pages, v_pages = torch.randn(N, Hkv, P, D, generator=g), torch.randn(N, Hkv, P, Dv, generator=g)
+    k_pages[N - 1], v_pages[N - 1] = float("nan"), float("nan")
+    q = (torch.randn(sum(L for L, _ in lengths), H, D, generator=g) * 2).bfloat16()
+    cu, seqlens = torch.tensor([0, *torch.tensor([L for L, _ in lengths]).cumsum(0).tolist()]), torch.tensor([s for _, s in lengths])
+    if pool == "int8":
+        k_pages, v_pages = storage.store(k_pages, True), storage.store(v_pages, True)
+        k_wide, v_wide = storage.load(k_pages, torch.float64), storage.load(v_pages, torch.float64)
+    else:
+        k_pages, v_pages = k_pages.bfloat16(), v_pages.bfloat16()
+        k_wide, v_wide = k_pages.double(), v_pages.double()
+
+    def attend():
+        return paged_attention(q, k_pages, v_pages, table, cu, seqlens, is_causal=True)
+
+    # a prompt over pages of NaN first, on the same thread: its tiles (NaN in every slot's keys past S_b
+    # here) are what a slot holds when this call packs it again
+    poison = torch.full((32, Hkv, P, D), float("nan"))
+    poison = storage.store(poison, True) if pool == "int8" else poison.bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        amx_switch(True)
+        paged_attention(torch.ones(64, H, D, dtype=torch.bfloat16), poison, poison, torch.arange(32)[None], torch.tensor([0, 64]), torch.tensor([512]),
+                        is_causal=True)
+        tiles = attend()
+    finally:
+        torch.set_num_threads(before)
+    amx_switch(False)
+    products = attend()
+    amx_switch(True)
+    exact = torch.cat([
+        mha.kernels.attention(q[int(cu[b]):int(cu[b + 1])].double().transpose(0, 1)[None],
+                              *(x.index_select(0, table[b, :pages[b]]).transpose(0, 1).flatten(1, 2)[:, :s]
+                                .repeat_interleave(H // Hkv, 0)[None] for x in (k_wide, v_wide)),
+                              Contract(band=CAUSAL, offset=s - L), backend="math")[0][0].transpose(0, 1)
+        for b, (L, s) in enumerate(lengths)])
+    assert not tiles.isnan().any()
+    assert_close(tiles.double(), exact, torch.bfloat16)
+    assert max_error(tiles, exact) <= 1.5 * max_error(products, exact) + 2 ** -8

@@ -1204,42 +1204,63 @@ inline void configure_tiles() {
 
 inline void release_tiles() { __asm__ volatile("tilerelease" ::); }
 
+// The two products of a block's tile on AMX tiles, over operands in Bf16Products' layouts: R rows (in
+// whole tiles of 16: the caller's buffers hold that many, and the rows past R are computed and never
+// read), n keys (a multiple of 32), D2 (a multiple of 32) and Dv (of 16).
+//   scores      s (R x n, float32)      = q (R x D2, bf16, rows D2 apart) . K^T at kt (D2 / 2 rows of kBlockK pairs)
+//   add_values  acc (R x Dv, float32) += p (R x n, bf16) . V at vv (n / 2 rows of Dv pairs)
+inline void amx_scores(int64_t R, int64_t n, int64_t D2, const at::BFloat16* q, const at::BFloat16* kt, float* s) {
+  const TileGrid a{reinterpret_cast<const char*>(q), D2 * 2, 16 * D2 * 2, 64};  // 16 rows x 32 of D
+  const TileGrid b{reinterpret_cast<const char*>(kt), kBlockK * 4, 16 * kBlockK * 4, 64};  // 16 pairs of D x 16 keys
+  const TileGrid c{reinterpret_cast<const char*>(s), n * 4, 16 * n * 4, 64};
+  if (D2 == 64) two_step_product((R + 15) / 16, n / 16, a, b, c);
+  else tile_product((R + 15) / 16, n / 16, D2 / 32, false, a, b, c);
+}
+
+inline void amx_add_values(int64_t R, int64_t n, int64_t Dv, const at::BFloat16* p, const at::BFloat16* vv, float* acc) {
+  const TileGrid a{reinterpret_cast<const char*>(p), n * 2, 16 * n * 2, 64};  // 16 rows x 32 keys
+  const TileGrid b{reinterpret_cast<const char*>(vv), Dv * 4, 16 * Dv * 4, 64};  // 16 pairs of keys x 16 of Dv
+  const TileGrid c{reinterpret_cast<const char*>(acc), Dv * 4, 16 * Dv * 4, 64};
+  tile_product((R + 15) / 16, Dv / 16, n / 32, true, a, b, c);
+}
+
+// A thread's tile configuration for the products above: loaded at its first product, released at the end
+// of its run (release_products).
+struct TileConfiguration {
+  bool loaded = false;
+  TileConfiguration() = default;
+  TileConfiguration(const TileConfiguration&) {}  // a thread's copy of the products configures its own tiles
+  void load() {
+    if (!loaded) configure_tiles(), loaded = true;
+  }
+  void release() {
+    if (loaded) release_tiles(), loaded = false;
+  }
+};
+
 // The forward's bfloat16 products on AMX tiles (run_forward picks them where amx_usable() and D is a
-// multiple of 32 and Dv of 16): Bf16Products' packed operands, its interface, and tiles of 16 rows,
-// 32 keys or 32 values of D a step. A block's rows are taken in whole tiles of 16 (kRowAlign: the
-// caller's buffers hold that many; the rows past the block's are computed and never read) and its
-// keys in steps of 32 (kAlign: block_keys widens a block's keys to them; V's padding keys are zeros).
+// multiple of 32 and Dv of 16): Bf16Products' packed operands and interface on amx_scores and
+// amx_add_values. Its keys come in steps of 32 (kAlign: block_keys widens a block's keys to them; V's
+// padding keys are zeros) and its rows in tiles of 16 (kRowAlign).
 struct AmxProducts : Bf16Products {
   static constexpr int64_t kAlign = 32;
   static constexpr int64_t kRowAlign = 16;
-  bool configured = false;
+  TileConfiguration tiles;
 
   AmxProducts(const Shape& shape, float scale_, const bf16* k, RowStrides ks, const bf16* v, RowStrides vs)
       : Bf16Products(shape, scale_, k, ks, v, vs, kAlign) {}
-  AmxProducts(const AmxProducts& other) : Bf16Products(other) {}  // a thread's copy configures its own tiles
 
   static bool takes(const Shape& sh) { return amx_usable() && amx_fits(sh.D, sh.Dv); }
 
   void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, float* s) {
-    if (!configured) configure_tiles(), configured = true;
-    const bf16* tile = kt + (bh * tiles_of(sh.S) + j0 / kBlockK) * D2 * kBlockK + 2 * (j0 % kBlockK);
-    const auto* q = reinterpret_cast<const char*>(qb.data());
-    const TileGrid a{q, D2 * 2, 16 * D2 * 2, 64};  // 16 rows x 32 of D
-    const TileGrid b{reinterpret_cast<const char*>(tile), kBlockK * 4, 16 * kBlockK * 4, 64};  // 16 pairs of D x 16 keys
-    const TileGrid c{reinterpret_cast<const char*>(s), n * 4, 16 * n * 4, 64};
-    if (D2 == 64) two_step_product((R + 15) / 16, n / 16, a, b, c);
-    else tile_product((R + 15) / 16, n / 16, D2 / 32, false, a, b, c);
+    tiles.load();
+    amx_scores(R, n, D2, qb.data(), kt + (bh * tiles_of(sh.S) + j0 / kBlockK) * D2 * kBlockK + 2 * (j0 % kBlockK), s);
   }
   void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const float*, float* acc) {
-    const bf16* tile = vv + (bh * tiles_of(sh.S) + j0 / kBlockK) * kBlockK * sh.Dv + (j0 % kBlockK) * sh.Dv;
-    const TileGrid a{reinterpret_cast<const char*>(pb.data()), n * 2, 16 * n * 2, 64};  // 16 rows x 32 keys
-    const TileGrid b{reinterpret_cast<const char*>(tile), sh.Dv * 4, 16 * sh.Dv * 4, 64};  // 16 pairs of keys x 16 of Dv
-    const TileGrid c{reinterpret_cast<const char*>(acc), sh.Dv * 4, 16 * sh.Dv * 4, 64};
-    tile_product((R + 15) / 16, sh.Dv / 16, n / 32, true, a, b, c);
+    amx_add_values(R, n, sh.Dv, pb.data(), vv + (bh * tiles_of(sh.S) + j0 / kBlockK) * kBlockK * sh.Dv + (j0 % kBlockK) * sh.Dv,
+                   acc);
   }
-  void release() {
-    if (configured) release_tiles(), configured = false;
-  }
+  void release() { tiles.release(); }
 };
 #endif
 
@@ -1266,6 +1287,20 @@ std::pair<int64_t, int64_t> block_keys(const Terms<acc_t>& t, const Rows& rows, 
   return {lo, std::max(lo, hi)};
 }
 
+// Whether a block of R rows gets its scores scaled from the products: kScaled, or the products' own
+// scaled(R) where they scale some blocks and not others (PagedBf16Products: its run loops do, its tiles of
+// bfloat16 pages leave the scale to the softmax).
+template <typename Products, typename = void>
+struct ScalesByRows : std::false_type {};
+template <typename Products>
+struct ScalesByRows<Products, std::void_t<decltype(std::declval<const Products&>().scaled(int64_t(0)))>> : std::true_type {};
+
+template <typename Products>
+bool scores_scaled(const Products& products, int64_t R) {
+  if constexpr (ScalesByRows<Products>::value) return products.scaled(R);
+  else return Products::kScaled;
+}
+
 // The walk of the forward and the backward over a block's key tiles: for each tile of [lo, hi) (whole
 // tiles of kBlockK, but at the ends), s (rows x n) receives the tile's scores from the products, shaped
 // by the contract (shape_tile, ``capped`` its tanh for the backward; skipped for a plain tile, one the
@@ -1281,7 +1316,7 @@ void for_each_key_tile(const Shape& sh, const Terms<acc_t>& t, const Rows& rows,
     products.scores(bh, R, j0, n, s);
     const bool covered = band_covers(t, rows, j0, keys), plain = plain_tile(t, covered);
     acc_t scale = 1;
-    if (!Products::kScaled) {
+    if (!scores_scaled(products, R)) {
       if (plain && t.scale > 0) scale = t.scale;
       else for (int64_t x = 0; x < R * n; ++x) s[x] *= t.scale;
     }
@@ -2954,17 +2989,27 @@ struct PagedFloatTiles : PagedProducts<float, float, pool_t> {
 // kRunLoopRows rows run on PagedProducts' own loops. (PagedProducts widens a run to float32 and
 // multiplies in float32: a bfloat16 prompt over pages took twice the dense forward's time.)
 
-template <typename pool_t>
+// kTiles: the same tiles multiplied on AMX (amx_scores, amx_add_values: PagedAmxProducts, which the paged
+// kernel picks where amx_usable() and the head dims fit, as the dense forward picks AmxProducts): keys in
+// steps of 32 (kAlign; each tile's values zero to the next 32), rows in tiles of 16 (kRowAlign).
+template <typename pool_t, bool kTiles = false>
 struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
   using Base = PagedProducts<at::BFloat16, float, pool_t>;
   using bf16 = at::BFloat16;
-  static constexpr int64_t kAlign = 2;
+  static constexpr int64_t kAlign = kTiles ? 32 : 2;
+  static constexpr int64_t kRowAlign = kTiles ? 16 : 1;
   using Base::Base;
   Scratch<bf16> qb, rows, k_tiles, v_tiles, pb;  // the block's queries, a tile's rows, the tiles held, weights
   Scratch<float> k_factors, v_factors;  // per tile: its keys' scale (times 8-bit scales), its values' scales
   TileSlots slots;
+#if defined(MHA_AMX)
+  TileConfiguration tiles;
+#endif
 
   int64_t D2() const { return this->D + this->D % 2; }
+  // The run loops' scores come scaled, and 8-bit keys' tiles (times their rows' scales); bfloat16 pages'
+  // tiles leave the scale to the softmax, as the dense forward's do (a pass over each tile's scores less).
+  bool scaled(int64_t R) const { return R <= kRunLoopRows || Base::kQuantized; }
   void pack_row(int64_t r, int64_t R, const bf16* src) {
     if (R <= kRunLoopRows) return Base::pack_row(r, R, src);
     const int64_t D = this->D;
@@ -3008,7 +3053,8 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
     const int64_t D2 = this->D2(), Dv = this->Dv, tile_bytes = kBlockK * (D2 + Dv) * int64_t(sizeof(bf16));
     const auto [slot, pack] = slots.find(this->pages, this->kv_head, this->keys_total, tile_bytes, t);
     if (!pack) return slot;
-    const int64_t count = slots.count(), j0 = t * kBlockK, keys = std::min(kBlockK, this->keys_total - j0), n = padded_keys(keys);
+    const int64_t count = slots.count(), j0 = t * kBlockK, keys = std::min(kBlockK, this->keys_total - j0);
+    const int64_t n = std::min(kBlockK, (keys + kAlign - 1) / kAlign * kAlign);  // (kAlign 2: padded_keys)
     this->find_runs(j0, keys);
     this->prefetch(j0 + kBlockK, std::min(this->keys_total, j0 + 2 * kBlockK));
     float* kf = k_factors.at_least(count * kBlockK) + slot * kBlockK;
@@ -3030,8 +3076,15 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
   void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, float* s) {  // keys j0 .. j0 + n: within one tile
     if (R <= kRunLoopRows) return Base::scores(bh, R, j0, n, s);
     const int64_t slot = slot_of(j0 / kBlockK), at = j0 % kBlockK, D2 = this->D2();
-    at::native::cpublas::brgemm(R, n, D2, D2, kBlockK, n, false, qb.data(), k_tiles.data() + slot * D2 * kBlockK + 2 * at,
-                                s, true);
+    const bf16* kt = k_tiles.data() + slot * D2 * kBlockK + 2 * at;
+#if defined(MHA_AMX)
+    if constexpr (kTiles) {
+      tiles.load();
+      amx_scores(R, n, D2, qb.data(), kt, s);
+    } else
+#endif
+      at::native::cpublas::brgemm(R, n, D2, D2, kBlockK, n, false, qb.data(), kt, s, true);
+    if (!Base::kQuantized) return;  // (unscaled: scaled(R); the keys' factors are the scale alone)
     const float* f = k_factors.data() + slot * kBlockK + at;
     for (int64_t r = 0; r < R; ++r)
       for (int64_t j = 0; j < n; ++j) s[r * n + j] *= f[j];
@@ -3040,7 +3093,7 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
     if (R <= kRunLoopRows) return Base::add_values(bh, R, j0, n, p, acc);
     const int64_t slot = slot_of(j0 / kBlockK), at = j0 % kBlockK, Dv = this->Dv;
     // the weights times their values' scales, rounded to bfloat16 (zero past S_b)
-    bf16* weights = pb.at_least(R * n);
+    bf16* weights = pb.at_least(kBlockQ * kBlockK);  // (row stride n; AMX reads R rounded up to 16 rows)
     const float* f = v_factors.data() + slot * kBlockK + at;
     for (int64_t r = 0; r < R; ++r)
       for (int64_t j = 0; j < n; j += 16) {
@@ -3048,10 +3101,27 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
         const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + r * n + j), _mm512_maskz_loadu_ps(m, f + j));
         _mm256_mask_storeu_epi16(weights + r * n + j, m, (__m256i)_mm512_cvtneps_pbh(w));
       }
-    at::native::cpublas::brgemm(R, Dv, n, n, Dv, Dv, true, weights, v_tiles.data() + slot * kBlockK * Dv + at * Dv, acc,
-                                true);
+    const bf16* vv = v_tiles.data() + slot * kBlockK * Dv + at * Dv;
+#if defined(MHA_AMX)
+    if constexpr (kTiles) {
+      amx_add_values(R, n, Dv, weights, vv, acc);
+      return;
+    }
+#endif
+    at::native::cpublas::brgemm(R, Dv, n, n, Dv, Dv, true, weights, vv, acc, true);
+  }
+  void release() {
+#if defined(MHA_AMX)
+    if constexpr (kTiles) return tiles.release();
+#endif
+    at::native::cpublas::brgemm_release(true);
   }
 };
+
+template <typename pool_t>
+using PagedAmxProducts = PagedBf16Products<pool_t, true>;
+template <typename pool_t>
+using PagedBrgemmProducts = PagedBf16Products<pool_t, false>;
 #endif
 
 // One sequence's rows of the call, as the forward's machinery takes them: one batch of L_b query
@@ -3458,7 +3528,12 @@ std::vector<Tensor> paged_sequences(const Tensor& q_in, const Tensor& k_in, cons
     const PagedRun<scalar_t, acc_t> run{call, t, B, q, k_pages, v_pages, pool, page_scales, out, stats};
 #if defined(MHA_AVX512_BF16)
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>)
-      if (prefill) return run.template on<PagedBf16Products>(quantized);  // a block of more rows than the run loops take
+      if (prefill) {  // a block of more rows than the run loops take
+#if defined(MHA_AMX)
+        if (amx_usable() && amx_fits(D, Dv)) return run.template on<PagedAmxProducts>(quantized);
+#endif
+        return run.template on<PagedBrgemmProducts>(quantized);
+      }
 #endif
     if constexpr (std::is_same_v<scalar_t, float>)
       if (prefill) return run.template on<PagedFloatTiles>(quantized);  // (the same: tiles packed once)

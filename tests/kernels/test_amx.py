@@ -221,7 +221,8 @@ def test_prompts_over_pages_on_the_tiles(pool, S, amx_switch):
     k_pages, v_pages = torch.randn(N, Hkv, P, D, generator=g), torch.randn(N, Hkv, P, Dv, generator=g)
     k_pages[N - 1], v_pages[N - 1] = float("nan"), float("nan")
     q = (torch.randn(sum(L for L, _ in lengths), H, D, generator=g) * 2).bfloat16()
-    cu, seqlens = torch.tensor([0, *torch.tensor([L for L, _ in lengths]).cumsum(0).tolist()]), torch.tensor([s for _, s in lengths])
+    cu = torch.tensor([0, *torch.tensor([L for L, _ in lengths]).cumsum(0).tolist()])
+    seqlens = torch.tensor([s for _, s in lengths])
     if pool == "int8":
         k_pages, v_pages = storage.store(k_pages, True), storage.store(v_pages, True)
         k_wide, v_wide = storage.load(k_pages, torch.float64), storage.load(v_pages, torch.float64)
@@ -240,8 +241,8 @@ def test_prompts_over_pages_on_the_tiles(pool, S, amx_switch):
     try:
         torch.set_num_threads(1)
         amx_switch(True)
-        paged_attention(torch.ones(64, H, D, dtype=torch.bfloat16), poison, poison, torch.arange(32)[None], torch.tensor([0, 64]), torch.tensor([512]),
-                        is_causal=True)
+        rows = torch.ones(64, H, D, dtype=torch.bfloat16)
+        paged_attention(rows, poison, poison, torch.arange(32)[None], torch.tensor([0, 64]), torch.tensor([512]), is_causal=True)
         tiles = attend()
     finally:
         torch.set_num_threads(before)

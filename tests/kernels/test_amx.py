@@ -197,6 +197,25 @@ def test_torchs_own_brgemm_before_and_after_the_tiles_on_the_same_threads(amx_sw
 
 
 @needs_amx
+def test_torchs_own_brgemm_between_decoding_steps_on_the_same_thread(amx_switch):
+    """A decoding step's scores load the tiles' narrow shape and put back the one before (none: released),
+    so that torch's bfloat16 flash kernel between two steps on the same thread (which configures and
+    releases the tiles itself) leaves the next step nothing stale to run on."""
+    q, k, v = _inputs(1, 8, 2, 1, 1000, 128, 128, seed=12)
+    exact = _exact(q, k, v, None)
+    pq, pk, pv = _inputs(1, 4, 4, 300, 300, 64, 64, seed=13)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        amx_switch(True)
+        for _ in range(3):
+            assert max_error(native.native_attention(q, k, v, None), exact) < 2e-2
+            F.scaled_dot_product_attention(pq, pk, pv, is_causal=True)  # brgemm on the tiles, on this thread
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_amx
 @pytest.mark.parametrize("pool", ["bfloat16", "int8"])
 @pytest.mark.parametrize("S", [31, 33, 255, 257, 511])
 def test_prompts_over_pages_on_the_tiles(pool, S, amx_switch):
@@ -258,3 +277,19 @@ def test_prompts_over_pages_on_the_tiles(pool, S, amx_switch):
     assert not tiles.isnan().any()
     assert_close(tiles.double(), exact, torch.bfloat16)
     assert max_error(tiles, exact) <= 1.5 * max_error(products, exact) + 2 ** -8
+
+
+@needs_amx
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 192, 256])  # 1-6 steps of 32 on the tiles; 8 beyond them
+@pytest.mark.parametrize("H, Hkv, L", [(8, 8, 1), (8, 4, 1), (12, 4, 1), (8, 2, 1), (8, 4, 2)])  # 1-4 rows a kv head
+@pytest.mark.parametrize("S", [15, 16, 17, 300, 1000])
+def test_decoding_scores_on_the_tiles(D, H, Hkv, L, S, amx_switch):
+    """A decoding step's scores over bfloat16 keys (tile_score_block: S^T of 16 keys a group, tile-loaded
+    from the cache's rows where they lie, the rest of the keys on vdpbf16ps), over a cache of more slots
+    than keys (rows D apart, heads further apart): the oracle's output, and the vdpbf16ps path's to within
+    its own error and a rounding."""
+    g = torch.Generator().manual_seed(D + S + H)
+    q = (torch.randn(1, H, L, D, generator=g) * 2).bfloat16()
+    cache = torch.randn(2, 1, Hkv, S + 9, D, generator=g).bfloat16()  # (k|v, B, Hkv, slots, D)
+    k, v = cache[0, :, :, :S], cache[1, :, :, :S]
+    _check(q, k, v, Contract(band=CAUSAL, offset=S - L) if L > 1 else None, amx_switch)

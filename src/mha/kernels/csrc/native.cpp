@@ -1188,21 +1188,44 @@ inline void two_step_product(int64_t M, int64_t N, const TileGrid& a, const Tile
     else rows_resident<1>(i, N, a, b, c);
 }
 
-// This thread's tiles for tile_product: every register 16 rows of 64 bytes (palette 1). oneDNN's
-// brgemm keeps its own configuration per thread and skips loading it again while it thinks it is
-// current: brgemm_release first tells it (and torch's cache of it) that it is not.
-inline void configure_tiles() {
-  at::native::cpublas::brgemm_release(true);
+// The shapes this thread's tile registers take (palette 1, every register 16 rows): the products'
+// (tile_product, amx_scores, amx_add_values: rows of 64 bytes), or a decoding step's scores
+// (tile_score_block: tmm1 16 keys x 32 of D, 64 bytes; tmm0 16 keys x 4 query rows of float32 and
+// tmm2-7 4 rows' query pairs, 16 bytes). Which one is loaded is the thread's own (tile_shape), so that
+// a step's scores inside a prompt's run (a paged batch's decoding rows beside its prompt) put the
+// products' shape back. oneDNN's brgemm keeps its own configuration per thread and skips loading it
+// again while it thinks it is current: brgemm_release first tells it (and torch's cache of it) that it
+// is not; each run of tiles ends released (release_tiles), as oneDNN's runs end.
+enum class TileShape : uint8_t { none, products, step_scores };
+inline thread_local TileShape tile_shape = TileShape::none;
+
+// Loads ``shape`` where another (or none) is loaded; returns the one before.
+inline TileShape use_tiles(TileShape shape) {
+  const TileShape before = tile_shape;
+  if (before == shape) return before;
+  if (before == TileShape::none) at::native::cpublas::brgemm_release(true);
   alignas(64) uint8_t config[64] = {};
   config[0] = 1;  // palette 1
   for (int t = 0; t < 8; ++t) {
-    config[16 + 2 * t] = 64;  // bytes a row (colsb, little-endian 16 bits)
-    config[48 + t] = 16;      // rows
+    const bool narrow = shape == TileShape::step_scores && t != 1;
+    config[16 + 2 * t] = narrow ? 16 : 64;  // bytes a row (colsb, little-endian 16 bits)
+    config[48 + t] = 16;                    // rows
   }
   __asm__ volatile("ldtilecfg %0" ::"m"(*reinterpret_cast<const uint8_t(*)[64]>(config)));
+  tile_shape = shape;
+  return before;
 }
 
-inline void release_tiles() { __asm__ volatile("tilerelease" ::); }
+inline void release_tiles() {
+  if (tile_shape == TileShape::none) return;
+  __asm__ volatile("tilerelease" ::);
+  tile_shape = TileShape::none;
+}
+
+inline void restore_tiles(TileShape before) {
+  if (before == TileShape::none) release_tiles();
+  else use_tiles(before);
+}
 
 // The two products of a block's tile on AMX tiles, over operands in Bf16Products' layouts: R rows (in
 // whole tiles of 16: the caller's buffers hold that many, and the rows past R are computed and never
@@ -1224,19 +1247,6 @@ inline void amx_add_values(int64_t R, int64_t n, int64_t Dv, const at::BFloat16*
   tile_product((R + 15) / 16, Dv / 16, n / 32, true, a, b, c);
 }
 
-// A thread's tile configuration for the products above: loaded at its first product, released at the end
-// of its run (release_products).
-struct TileConfiguration {
-  bool loaded = false;
-  TileConfiguration() = default;
-  TileConfiguration(const TileConfiguration&) {}  // a thread's copy of the products configures its own tiles
-  void load() {
-    if (!loaded) configure_tiles(), loaded = true;
-  }
-  void release() {
-    if (loaded) release_tiles(), loaded = false;
-  }
-};
 
 // The forward's bfloat16 products on AMX tiles (run_forward picks them where amx_usable() and D is a
 // multiple of 32 and Dv of 16): Bf16Products' packed operands and interface on amx_scores and
@@ -1245,22 +1255,20 @@ struct TileConfiguration {
 struct AmxProducts : Bf16Products {
   static constexpr int64_t kAlign = 32;
   static constexpr int64_t kRowAlign = 16;
-  TileConfiguration tiles;
-
   AmxProducts(const Shape& shape, float scale_, const bf16* k, RowStrides ks, const bf16* v, RowStrides vs)
       : Bf16Products(shape, scale_, k, ks, v, vs, kAlign) {}
 
   static bool takes(const Shape& sh) { return amx_usable() && amx_fits(sh.D, sh.Dv); }
 
   void scores(int64_t bh, int64_t R, int64_t j0, int64_t n, float* s) {
-    tiles.load();
+    use_tiles(TileShape::products);
     amx_scores(R, n, D2, qb.data(), kt + (bh * tiles_of(sh.S) + j0 / kBlockK) * D2 * kBlockK + 2 * (j0 % kBlockK), s);
   }
   void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const float*, float* acc) {
     amx_add_values(R, n, sh.Dv, pb.data(), vv + (bh * tiles_of(sh.S) + j0 / kBlockK) * kBlockK * sh.Dv + (j0 % kBlockK) * sh.Dv,
                    acc);
   }
-  void release() { tiles.release(); }
+  void release() { release_tiles(); }
 };
 #endif
 
@@ -2178,6 +2186,83 @@ bool pair_score_block(int64_t count, int64_t D, const float* q, const at::BFloat
 }
 #endif
 
+#if defined(MHA_AMX)
+// score_block for bfloat16 keys on AMX tiles, where the CPU has them: S^T (16 keys x 4 query rows) = K
+// (16 keys x 32 of D, tile-loaded from the cache's rows where they lie) . Q^T (the rows' pairs), D in
+// steps of 32 (at most kStepTiles of them, their query tiles kept in tmm2-7), then each group's 16 x 4
+// scores turned into the rows' runs of s by eight permutes. For queries that are bfloat16 values (a
+// bfloat16 call's, unscaled: the products exact, summed in float32, as pair_score_block's), D a whole
+// number of steps; returns the keys done (whole groups of 16: the rest are pair_score_block's, as are
+// calls it does not take: 0). The tiles' shape before is put back (a prompt's run may hold its own).
+// A decoding step's scores took 41% of its time on vdpbf16ps (B1 Hq32/Hkv8 D128, 16384 keys, Xeon with AMX).
+constexpr int64_t kStepTiles = 6;
+
+template <int kRows>
+int64_t tile_score_block(int64_t count, int64_t D, const float* q, const at::BFloat16* k, int64_t ld, float* s, int64_t lds) {
+  static_assert(kRows >= 1 && kRows <= 4);
+  const int64_t steps = D / 32, groups = count / 16;
+  if (groups == 0 || D % 32 != 0 || steps > kStepTiles || !amx_usable()) return 0;
+  alignas(64) uint32_t pairs[kStepTiles][16][4];  // step c, pair row p, query row r: values 32c + 2p, 32c + 2p + 1
+  for (int r = 0; r < 4; ++r)
+    for (int64_t d = 0; d < D; d += 2) {
+      uint32_t first = 0, second = 0;
+      if (r < kRows) {
+        std::memcpy(&first, q + r * D + d, sizeof(first));
+        std::memcpy(&second, q + r * D + d + 1, sizeof(second));
+        if ((first | second) & 0xFFFFu) return 0;  // not a bfloat16 value
+      }
+      pairs[d / 32][(d % 32) / 2][r] = (first >> 16) | (second & 0xFFFF0000u);
+    }
+  const TileShape before = use_tiles(TileShape::step_scores);
+  const auto load_queries = [&](auto c) {
+    if constexpr (c < kStepTiles)
+      if (c < steps) {
+        switch (int(c)) {
+          case 0: MHA_TILE_LOAD(2, pairs[0], 16); break;
+          case 1: MHA_TILE_LOAD(3, pairs[1], 16); break;
+          case 2: MHA_TILE_LOAD(4, pairs[2], 16); break;
+          case 3: MHA_TILE_LOAD(5, pairs[3], 16); break;
+          case 4: MHA_TILE_LOAD(6, pairs[4], 16); break;
+          default: MHA_TILE_LOAD(7, pairs[5], 16); break;
+        }
+      }
+  };
+  load_queries(std::integral_constant<int, 0>{}), load_queries(std::integral_constant<int, 1>{});
+  load_queries(std::integral_constant<int, 2>{}), load_queries(std::integral_constant<int, 3>{});
+  load_queries(std::integral_constant<int, 4>{}), load_queries(std::integral_constant<int, 5>{});
+  // the group's scores as 4 vectors of 4 keys x 4 rows -> 4 vectors of one row's 16 keys
+  const __m512i rows01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+  const __m512i rows23 = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
+  const __m512i lows = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i highs = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  alignas(64) float scores[16 * 4];
+  const int64_t row_bytes = ld * int64_t(sizeof(at::BFloat16));
+  for (int64_t g = 0; g < groups; ++g) {
+    const at::BFloat16* keys = k + g * 16 * ld;
+    MHA_TILE_ZERO(0);
+    MHA_TILE_LOAD(1, keys, row_bytes);
+    MHA_TILE_DP(0, 1, 2);
+    if (steps > 1) { MHA_TILE_LOAD(1, keys + 32, row_bytes); MHA_TILE_DP(0, 1, 3); }
+    if (steps > 2) { MHA_TILE_LOAD(1, keys + 64, row_bytes); MHA_TILE_DP(0, 1, 4); }
+    if (steps > 3) { MHA_TILE_LOAD(1, keys + 96, row_bytes); MHA_TILE_DP(0, 1, 5); }
+    if (steps > 4) { MHA_TILE_LOAD(1, keys + 128, row_bytes); MHA_TILE_DP(0, 1, 6); }
+    if (steps > 5) { MHA_TILE_LOAD(1, keys + 160, row_bytes); MHA_TILE_DP(0, 1, 7); }
+    MHA_TILE_STORE(0, scores, 16);
+    const __m512 a = _mm512_load_ps(scores), b = _mm512_load_ps(scores + 16);
+    const __m512 c = _mm512_load_ps(scores + 32), d = _mm512_load_ps(scores + 48);
+    const __m512 first01 = _mm512_permutex2var_ps(a, rows01, b), first23 = _mm512_permutex2var_ps(a, rows23, b);
+    const __m512 last01 = _mm512_permutex2var_ps(c, rows01, d), last23 = _mm512_permutex2var_ps(c, rows23, d);
+    float* out = s + g * 16;
+    _mm512_storeu_ps(out, _mm512_permutex2var_ps(first01, lows, last01));
+    if constexpr (kRows > 1) _mm512_storeu_ps(out + lds, _mm512_permutex2var_ps(first01, highs, last01));
+    if constexpr (kRows > 2) _mm512_storeu_ps(out + 2 * lds, _mm512_permutex2var_ps(first23, lows, last23));
+    if constexpr (kRows > 3) _mm512_storeu_ps(out + 3 * lds, _mm512_permutex2var_ps(first23, highs, last23));
+  }
+  restore_tiles(before);
+  return groups * 16;
+}
+#endif
+
 #if defined(MHA_AVX512_BF16) && defined(__AVX512VNNI__)
 // The n floats at x as 16-bit integers times a power of two, written to out (rounded to the nearest,
 // 2^15 saturated; whole vectors of 16, zero past n), the largest at 2^14 .. 2^15 (2^-shift, the value
@@ -2269,8 +2354,16 @@ template <int kRows, typename acc_t, typename key_t>
 void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64_t ld, acc_t* s, int64_t lds,
                  const acc_t* scales, int64_t scale_ld, bool bf16_call) {
 #if defined(MHA_AVX512_BF16)
-  if constexpr (std::is_same_v<key_t, at::BFloat16> && std::is_same_v<acc_t, float>)
+  if constexpr (std::is_same_v<key_t, at::BFloat16> && std::is_same_v<acc_t, float>) {
+#if defined(MHA_AMX)
+    if (scales == nullptr) {  // whole groups of 16 keys on the tiles, the rest on vdpbf16ps
+      const int64_t done = tile_score_block<kRows>(count, D, q, k, ld, s, lds);
+      if (done == count) return;
+      count -= done, k += done * ld, s += done;
+    }
+#endif
     if (scales == nullptr && pair_score_block<kRows>(count, D, q, k, ld, s, lds)) return;
+  }
 #endif
 #if defined(MHA_AVX512_BF16) && defined(__AVX512VNNI__)
   if constexpr (std::is_same_v<key_t, int8_t> && std::is_same_v<acc_t, float>)
@@ -3002,9 +3095,6 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
   Scratch<bf16> qb, rows, k_tiles, v_tiles, pb;  // the block's queries, a tile's rows, the tiles held, weights
   Scratch<float> k_factors, v_factors;  // per tile: its keys' scale (times 8-bit scales), its values' scales
   TileSlots slots;
-#if defined(MHA_AMX)
-  TileConfiguration tiles;
-#endif
 
   int64_t D2() const { return this->D + this->D % 2; }
   // The run loops' scores come scaled, and 8-bit keys' tiles (times their rows' scales); bfloat16 pages'
@@ -3079,7 +3169,7 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
     const bf16* kt = k_tiles.data() + slot * D2 * kBlockK + 2 * at;
 #if defined(MHA_AMX)
     if constexpr (kTiles) {
-      tiles.load();
+      use_tiles(TileShape::products);
       amx_scores(R, n, D2, qb.data(), kt, s);
     } else
 #endif
@@ -3112,7 +3202,7 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
   }
   void release() {
 #if defined(MHA_AMX)
-    if constexpr (kTiles) return tiles.release();
+    if constexpr (kTiles) return release_tiles();
 #endif
     at::native::cpublas::brgemm_release(true);
   }
@@ -3814,7 +3904,7 @@ double amx_tile_peak_work(int64_t iterations) {
     alignas(64) static const uint16_t operand[16 * 32] = {};  // zeros: the rate is the same for any value
     alignas(64) float result[16 * 16];
     for (int64_t task = begin; task < end; ++task) {
-      configure_tiles();
+      use_tiles(TileShape::products);
       MHA_TILE_LOAD(4, operand, 64);
       MHA_TILE_LOAD(5, operand, 64);
       MHA_TILE_LOAD(6, operand, 64);

@@ -2192,16 +2192,20 @@ bool pair_score_block(int64_t count, int64_t D, const float* q, const at::BFloat
 // steps of 32 (at most kStepTiles of them, their query tiles kept in tmm2-7), then each group's 16 x 4
 // scores turned into the rows' runs of s by eight permutes. For queries that are bfloat16 values (a
 // bfloat16 call's, unscaled: the products exact, summed in float32, as pair_score_block's), D a whole
-// number of steps; returns the keys done (whole groups of 16: the rest are pair_score_block's, as are
-// calls it does not take: 0). The tiles' shape before is put back (a prompt's run may hold its own).
+// number of steps, at least kStepTileKeys keys; returns the keys done (whole groups of 16: the rest are
+// pair_score_block's, as are calls it does not take: 0). The tiles' shape before is put back (a prompt's run may hold its own).
 // A decoding step's scores took 41% of its time on vdpbf16ps (B1 Hq32/Hkv8 D128, 16384 keys, Xeon with AMX).
 constexpr int64_t kStepTiles = 6;
+// The least keys a call takes on the tiles: each call packs its queries' pairs and loads and releases the
+// tiles' shape, which runs of 16 keys (a paged cache's pages of 16 apart) did not earn back (1.16-1.24x
+// the step's time on the tiles there).
+constexpr int64_t kStepTileKeys = 64;
 
 template <int kRows>
 int64_t tile_score_block(int64_t count, int64_t D, const float* q, const at::BFloat16* k, int64_t ld, float* s, int64_t lds) {
   static_assert(kRows >= 1 && kRows <= 4);
   const int64_t steps = D / 32, groups = count / 16;
-  if (groups == 0 || D % 32 != 0 || steps > kStepTiles || !amx_usable()) return 0;
+  if (count < kStepTileKeys || D % 32 != 0 || steps > kStepTiles || !amx_usable()) return 0;
   alignas(64) uint32_t pairs[kStepTiles][16][4];  // step c, pair row p, query row r: values 32c + 2p, 32c + 2p + 1
   for (int r = 0; r < 4; ++r)
     for (int64_t d = 0; d < D; d += 2) {

@@ -183,6 +183,12 @@ def test_a_gqa_decoding_step_counts_its_rows_per_key_value_head(monkeypatch, fas
         assert chosen == ("native" if decoding else "sdpa")
 
 
+def test_the_kernel_counts_a_prompts_rows_as_the_dispatch_does():
+    if not native.native_available():
+        pytest.skip("the native kernel does not build here")
+    assert native._kernel().PROMPT_ROWS == dispatch.NATIVE_PROMPT_ROWS == tuning.PREFILL_LENGTHS[0]
+
+
 @pytest.mark.parametrize("L", [15, 16])
 def test_sixteen_query_rows_are_a_prompt_whatever_their_rows_per_kv_head(monkeypatch, fast_path, L):
     """A call of L >= dispatch.NATIVE_PROMPT_ROWS (16) query rows is judged by the prefill crossover (the

@@ -438,6 +438,30 @@ def test_bfloat16_weights_of_every_tail_of_32_keys(S):
     assert float((out.double() - exact).abs().max()) < 3e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L", [1, 40])  # the decoding path and the tiled one
+@pytest.mark.parametrize("scale", [1e4, 1e7, 1e8, 2.5e36])
+def test_weights_at_logits_far_past_a_floats_precision(dtype, L, scale):
+    """The paths whose exponent is fmsub(s, scale, shift) (bfloat16 products, decoding steps) at logits of
+    4e5 to 1e38 (dot products of about 40 times the scale): the one-hot softmax of float64, output and
+    gradients. The shift's rounding is past a weight's range there (a float's ulp at 4e9 is 512): such rows
+    round the product first (fused_exponent); before, every row past 1e8 was zeros or NaN."""
+    g = torch.Generator().manual_seed(L)
+    q = torch.randn(1, 2, L, 32, generator=g).bfloat16().to(dtype).requires_grad_()
+    k = (torch.randn(1, 2, 70, 32, generator=g) * 2).bfloat16().to(dtype).requires_grad_()
+    v = torch.randn(1, 2, 70, 32, generator=g).bfloat16().to(dtype).requires_grad_()
+    out = native.native_attention(q, k, v, Contract(scale=scale))
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    exact_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    scores = (exact_leaves[0] @ exact_leaves[1].transpose(-1, -2)) * scale  # (finite: below 1.8e308)
+    exact = torch.softmax(scores, -1) @ exact_leaves[2]
+    exact_grads = torch.autograd.grad(exact, exact_leaves, torch.ones_like(exact))
+    assert torch.isfinite(out).all() and all(torch.isfinite(gr).all() for gr in grads)
+    assert_close(out.double(), exact.detach(), dtype)
+    for got, want in zip(grads, exact_grads):
+        assert_close(got.double(), want, dtype, chain=True)
+
+
 def test_scores_of_bfloat16_inputs_are_accumulated_in_float32():
     """A dot product bfloat16 would round: 1 + 2^-9 summed over 256 dims; its exact value reaches the softmax."""
     D = 256

@@ -206,6 +206,8 @@ def plain_sdpa(q, k, v, is_causal: bool, enable_gqa: bool, scale: float | None =
         if out.__class__ is int:  # resolved at another thread count than the one now in use
             out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, *tuning.crossover_ints(dtype),
                                     scale, key_valid)
+            if out.__class__ is int:  # (the count changed again meanwhile: another thread's set_num_threads)
+                return None
         if out is not Ellipsis and (out is not None or q.is_cpu):  # (CPU tensors only: CUDA's are plain_call's)
             return out
     if key_valid is not None or not plain_call(q, k, v, enable_gqa):
@@ -590,12 +592,13 @@ def plain_pages(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> Tensor |
 
 def _pages_taken(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> bool:
     """What only Python checks before the native kernel's paged fast paths: what
-    _kernel_fast_path_allowed asks, CPU tensors (a CUDA call goes to math without a try of the kernel,
+    _kernel_fast_path_allowed asks, no torch.func transform or torch function mode (plain_sdpa's kernel
+    checks those itself; the paged kernel does not), CPU tensors (a CUDA call goes to math without a try of the kernel,
     which would copy its terms to the CPU), q of a dtype native takes over pages (float64: math), terms
     the pages carry, and no gradient asked for (of q, k, v, learned slopes or sinks: the full path
     refuses them, inference only)."""
-    return (_kernel_fast_path_allowed(q, k, v) and q.is_cpu and k.is_cpu and q.dtype in _FLOATS
-            and contract.terms <= native.PAGED_TAKES
+    return (_kernel_fast_path_allowed(q, k, v) and not transforms_active() and not torch._C._is_torch_function_mode_enabled()
+            and q.is_cpu and k.is_cpu and q.dtype in _FLOATS and contract.terms <= native.PAGED_TAKES
             and not (torch.is_grad_enabled() and any(x is not None and x.requires_grad
                                                      for x in (q, k, v, contract.alibi_slopes, contract.sinks))))
 

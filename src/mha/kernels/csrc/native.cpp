@@ -239,6 +239,17 @@ void release_products(Products& products) {
   else if constexpr (Products::kAlign == 2) at::native::cpublas::brgemm_release(true);
 }
 
+// A thread's copy of the call's products, released when its run ends however it ends (an exception left
+// the tiles configured, and the thread's tile state stale for its next run).
+template <typename Products>
+struct ThreadProducts {
+  Products products;
+  explicit ThreadProducts(const Products& shared) : products(shared) {}
+  ThreadProducts(const ThreadProducts&) = delete;
+  ThreadProducts& operator=(const ThreadProducts&) = delete;
+  ~ThreadProducts() { release_products(products); }
+};
+
 // The rows a block's buffers hold: its rows rounded up to the products' kRowAlign (1 where they have none).
 template <typename Products, typename = void>
 struct RowAlign : std::integral_constant<int64_t, 1> {};
@@ -295,6 +306,49 @@ struct Lanes {
 #pragma GCC diagnostic pop
 
 // ---- exponentials --------------------------------------------------------------------------------
+
+// The exponent scale x - shift is one fused operation in every exp_shifted and exp_times: the exact
+// product less the shift, whose own error cancels (a row's exponents share it). Past logits of 2^27 (a
+// float's; 2^56 a double's) it does not: the shift's rounding is more than a weight's range (at 4e9 a float's ulp is
+// 512: the row's largest weight was e^-256 or e^+256, the row zeros or NaN in every dtype but float64,
+// found by a test at a scale of 1e8). Those rows take the product rounded first, then the shift
+// (exp_shifted_apart, exp_times_apart: x = shift exactly gives 0), and their shift is the largest
+// product rounded; other rows' shift is rounded up past it (shift_of), so that no exponent exceeds 0.
+template <typename acc_t>
+bool fused_exponent(acc_t scale, acc_t shift) {
+  return scale == acc_t(1) || std::abs(shift) < std::ldexp(acc_t(1), std::numeric_limits<acc_t>::digits + 3);
+}
+
+// scale times a row's largest score: its shift (see fused_exponent). Any shift gives the same softmax; the
+// log-sum-exp is shift + log l.
+template <typename acc_t>
+acc_t shift_of(acc_t largest, acc_t scale) {
+  const acc_t top = scale * largest;
+  if (!std::isfinite(top) || !fused_exponent(scale, top) || scale == acc_t(1)) return top;
+  return std::nextafter(top, std::numeric_limits<acc_t>::infinity());
+}
+
+template <typename acc_t>
+acc_t rounded_product(acc_t a, acc_t b) {
+  volatile acc_t product = a * b;  // (never fused with what follows)
+  return product;
+}
+
+// exp_shifted and exp_times of a row past fused_exponent's bound, one value at a time (rows of logits past 1e8).
+template <typename acc_t, typename W>
+acc_t exp_shifted_apart(int64_t n, const acc_t* x, acc_t scale, acc_t shift, W* w) {
+  acc_t sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    w[j] = static_cast<W>(std::exp(rounded_product(scale, x[j]) - shift));
+    sum += static_cast<acc_t>(w[j]);
+  }
+  return sum;
+}
+
+template <typename acc_t>
+void exp_times_apart(int64_t n, const acc_t* x, acc_t scale, acc_t shift, acc_t factor, acc_t* w) {
+  for (int64_t j = 0; j < n; ++j) w[j] = std::exp(rounded_product(scale, x[j]) - shift) * factor;
+}
 
 // w[j] = exp(scale * x[j] - shift) (0 where x is -inf), in the weights' type W; returns their sum
 // (of the weights as stored: rounded ones sum to what the product with V will use).
@@ -461,8 +515,9 @@ void exp_times<float>(int64_t n, const float* x, float scale, float shift, float
 // polynomial (near-minimax, relative error 7.5e-5 against bfloat16's 3.9e-3), scaled by 2^n
 // (vscalefps). Below -125 (and -inf) the weight is 0 by the mask, not computed: a result below
 // float's normal range takes a microcode assist on Intel (a clamp at -200 instead ran a causal tile's
-// hidden scores at 2.3 ns each, ten times the rest). Seven operations a vector; the earlier degree-4
-// polynomial in natural units with n added to the exponent's bits took eleven.
+// hidden scores at 2.3 ns each, ten times the rest). Seven operations a vector (and exp_shifted's two
+// before it); the earlier degree-4 polynomial in natural units with n added to the exponent's bits took
+// eleven (and its one).
 static inline __m512 exp2_16_for_bf16(__m512 x, __mmask16 kept) {
   kept &= _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
   const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // x - round(x), one operation
@@ -476,15 +531,16 @@ static inline __m512 exp2_16_for_bf16(__m512 x, __mmask16 kept) {
 // The weights rounded to bfloat16 as they are made (the product with V takes them so), 64 at a time
 // (pairs of vectors rounded into one), their sum taken by vdpbf16ps against ones: the weights as
 // rounded, added in pairs, in float32, in two chains (one chain's latency bounded a row of 256 keys).
-// The exponent is taken in log2 units: scale log2(e) x - shift log2(e), one fused operation.
+// The exponent in log2 units, (scale x - shift) log2(e): the difference first, exact where it matters (a
+// fused multiply-subtract, small near the row's max), then its units (scale log2(e) and shift log2(e)
+// folded into one FMA erred by |shift| eps, 6e-4 of a weight at logits of 1e4, and overflowed past 2e38).
 template <>
 float exp_shifted<float, at::BFloat16>(int64_t n, const float* x, float scale, float shift, at::BFloat16* w) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  const __m512 a = _mm512_set1_ps(scale * kLog2e), b = _mm512_set1_ps(shift * kLog2e);
+  const __m512 a = _mm512_set1_ps(scale), b = _mm512_set1_ps(shift), log2e = _mm512_set1_ps(1.44269504088896341f);
   const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);  // bfloat16's 1
   __m512 total0 = _mm512_setzero_ps(), total1 = _mm512_setzero_ps();
   const auto weights = [&](const float* p, __mmask16 m) {
-    return exp2_16_for_bf16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, p), a, b), m);
+    return exp2_16_for_bf16(_mm512_mul_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, p), a, b), log2e), m);
   };
   const auto pair_at = [&](int64_t j) { return _mm512_cvtne2ps_pbh(weights(x + j + 16, 0xFFFF), weights(x + j, 0xFFFF)); };
   int64_t j = 0;
@@ -595,7 +651,7 @@ bool poisons(acc_t max) { return !(max < std::numeric_limits<acc_t>::infinity())
 // weights are zeros). A NaN or +inf score (or sink) makes the row NaN: m, l and acc. scale > 0.
 template <typename acc_t, typename W>
 void absorb(int64_t n, const acc_t* row, acc_t scale, acc_t& m, acc_t& l, acc_t* acc, int64_t Dv, W* w) {
-  const acc_t top = scale * row_max(n, row);
+  const acc_t top = shift_of(row_max(n, row), scale);
   if (poisons(m) || poisons(top)) {
     m = l = std::numeric_limits<acc_t>::quiet_NaN();
     std::fill(acc, acc + Dv, m);
@@ -608,7 +664,8 @@ void absorb(int64_t n, const acc_t* row, acc_t scale, acc_t& m, acc_t& l, acc_t*
     return;
   }
   const acc_t alpha = m_new == m ? acc_t(1) : std::exp(m - m_new);  // 0 when m was -inf
-  l = l * alpha + exp_shifted(n, row, scale, m_new, w);
+  l = l * alpha + (fused_exponent(scale, m_new) ? exp_shifted(n, row, scale, m_new, w)
+                                               : exp_shifted_apart(n, row, scale, m_new, w));
   m = m_new;
   if (alpha != acc_t(1))
     for (int64_t d = 0; d < Dv; ++d) acc[d] *= alpha;
@@ -979,7 +1036,8 @@ struct PlainProducts {
 
 #if defined(MHA_AVX512_BF16)
 // VNNI pairs, tile by tile, of x (B, Hkv, S, X) in bfloat16, its rows where xs says, zero-padded (a key
-// past an odd S, and to an even width; a tile's keys past padded_keys are never read, nor written):
+// past an odd S, and to an even width; the keys past S to a multiple of key_align, which the AMX tiles
+// read in steps of 32; a tile's keys further on are never read, nor written):
 //   transposed: (BH, tiles, X2 / 2, kBlockK, 2), pairs along X (K^T, V^T: the B of products over X)
 //   by rows:    (BH, tiles, kBlockK / 2, X, 2), pairs of keys (V, K: the B of products over keys)
 inline void pack_pairs(const at::BFloat16* x, RowStrides xs, const Shape& sh, int64_t X, bool transposed,
@@ -1002,9 +1060,12 @@ inline void pack_pairs(const at::BFloat16* x, RowStrides xs, const Shape& sh, in
           const at::BFloat16* r = row(j);
           for (int64_t d = 0; d < X2; d += 2) dst[(d / 2) * kBlockK + j] = !r ? 0 : pair(r[d].x, d + 1 < X ? r[d + 1].x : 0);
         }
+      }
+      // zeros to a multiple of key_align keys, which a product over whole steps of keys reads
+      const int64_t padded = std::min(kBlockK, (n + key_align - 1) / key_align * key_align);
+      if (transposed) {
+        for (int64_t d = 0; d < X2 / 2; ++d) std::fill(dst + d * kBlockK + padded_keys(n), dst + d * kBlockK + padded, 0u);
       } else {  // word (j / 2, d) of a (kBlockK / 2, X) matrix: value d of keys j and j + 1
-        // (zeros to a multiple of key_align keys: a product over whole steps of keys reads them)
-        const int64_t padded = std::min(kBlockK, (n + key_align - 1) / key_align * key_align);
         for (int64_t j = 0; j < padded; j += 2) {
           const at::BFloat16 *a = row(j), *b = row(j + 1);
           uint32_t* words = dst + (j / 2) * X;
@@ -1042,7 +1103,7 @@ struct Bf16Products {
     const int64_t tiles = tiles_of(sh.S), BH = sh.B * sh.Hkv;
     bf16* kt_ = workspace<bf16>(0, BH * tiles * D2 * kBlockK);
     bf16* vv_ = workspace<bf16>(1, BH * tiles * kBlockK * sh.Dv);
-    pack_pairs(k, ks, sh, sh.D, true, kt_);
+    pack_pairs(k, ks, sh, sh.D, true, kt_, key_align);
     pack_pairs(v, vs, sh, sh.Dv, false, vv_, key_align);
     kt = kt_;
     vv = vv_;
@@ -1193,9 +1254,9 @@ inline void two_step_product(int64_t M, int64_t N, const TileGrid& a, const Tile
 // (tile_score_block: tmm1 16 keys x 32 of D, 64 bytes; tmm0 16 keys x 4 query rows of float32 and
 // tmm2-7 4 rows' query pairs, 16 bytes). Which one is loaded is the thread's own (tile_shape), so that
 // a step's scores inside a prompt's run (a paged batch's decoding rows beside its prompt) put the
-// products' shape back. oneDNN's brgemm keeps its own configuration per thread and skips loading it
-// again while it thinks it is current: brgemm_release first tells it (and torch's cache of it) that it
-// is not; each run of tiles ends released (release_tiles), as oneDNN's runs end.
+// products' shape back. torch's brgemm remembers per thread which of its kernels last set the tiles
+// (Brgemm::get_current) and skips setting them again for that one: brgemm_release first clears it (and
+// releases oneDNN's context); each run of tiles ends released (release_tiles), as torch's runs end.
 enum class TileShape : uint8_t { none, products, step_scores };
 inline thread_local TileShape tile_shape = TileShape::none;
 
@@ -1265,6 +1326,7 @@ struct AmxProducts : Bf16Products {
     amx_scores(R, n, D2, qb.data(), kt + (bh * tiles_of(sh.S) + j0 / kBlockK) * D2 * kBlockK + 2 * (j0 % kBlockK), s);
   }
   void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const float*, float* acc) {
+    use_tiles(TileShape::products);  // (the scores' shape: a compare)
     amx_add_values(R, n, sh.Dv, pb.data(), vv + (bh * tiles_of(sh.S) + j0 / kBlockK) * kBlockK * sh.Dv + (j0 % kBlockK) * sh.Dv,
                    acc);
   }
@@ -1272,8 +1334,9 @@ struct AmxProducts : Bf16Products {
 };
 #endif
 
-// A tile of n keys from j0 whose last n - keys lie past S (the zero padding of the last tile, or of
-// an odd count for the bf16 pairs): their scores are -inf. Only the first ``keys`` columns are
+// A tile of n keys from j0 whose last n - keys lie past S (the zero padding of the last tile, of an odd
+// count for the bf16 pairs, or to the AMX tiles' 32 keys a step): their scores are -inf, whatever the
+// products made of them. Only the first ``keys`` columns are
 // ever shaped (a position, a mask or a padding flag exists for those alone).
 template <typename acc_t>
 void hide_padding(int64_t R, int64_t n, int64_t keys, acc_t* s) {
@@ -1569,7 +1632,8 @@ void forward_blocks(const Layout& layout, const scalar_t* q, const Products& sha
     }
   };
   in_shares(costs_of(plan.items), [&](auto&& next) {
-    Products products = shared;  // its per-thread buffers
+    ThreadProducts<Products> own(shared);  // its per-thread buffers, released at the run's end
+    Products& products = own.products;
     const int64_t most = buffer_rows<Products>(plan.most_rows);
     // a tile's scores s (rows x kBlockK), the rows' accumulators, maxima m and sums l (apart: with acc
     // 4 KiB after s in one buffer, a float32 decoding step took 1.07-1.11x the time on 2 threads, Zen 4)
@@ -1601,7 +1665,6 @@ void forward_blocks(const Layout& layout, const scalar_t* q, const Products& sha
           merge_group(plan.groups[item.group], acc);
       }
     }
-    release_products(products);
   });
 }
 
@@ -1824,7 +1887,8 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
   const int64_t padded = tiles_of(sh.S) * kBlockK;
   const acc_t inf = std::numeric_limits<acc_t>::infinity();
   in_shares(backward_costs(sh, t, Products::kAlign, chunks, chunk_len), [&](auto&& next) {
-    Products products = shared;  // its per-thread buffers
+    ThreadProducts<Products> own(shared);  // its per-thread buffers, released at the run's end
+    Products& products = own.products;
     Scratch<acc_t> p, ds, capped;  // a tile's P, dS and tanh (softcap)
     for (auto* tile : {&p, &ds, &capped}) tile->at_least(kBlockQ * kBlockK);
     std::vector<acc_t> dqb(kBlockQ * sh.D), shift(kBlockQ), inv_sum(kBlockQ), row_delta(kBlockQ);
@@ -1858,7 +1922,11 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
         std::fill(dqb.begin(), dqb.begin() + R * sh.D, acc_t(0));
         for_each_key_tile(sh, t, rows, products, bh, lo, hi, p.data(), capped.data(),
                           [&](int64_t j0, int64_t n, int64_t keys, acc_t scale) {
-          for (int64_t r = 0; r < R; ++r) exp_times(n, p.data() + r * n, scale, shift[r], inv_sum[r], p.data() + r * n);  // P = e^(S - m) / l
+          for (int64_t r = 0; r < R; ++r) {  // P = e^(S - m) / l
+            acc_t* row = p.data() + r * n;
+            if (fused_exponent(scale, shift[r])) exp_times(n, row, scale, shift[r], inv_sum[r], row);
+            else exp_times_apart(n, row, scale, shift[r], inv_sum[r], row);
+          }
           products.weights(R, n, p.data());
           products.dvalues(R, n, p.data(), kt_block(dvt_head, sh.Dv, j0));  // dV^T += dO^T P
           products.dprobs(bh, R, j0, n, ds.data());  // dP = dO V^T
@@ -1888,7 +1956,6 @@ void backward_kernel(const Shape& sh, const Terms<acc_t>& t, const scalar_t* q, 
         }
       }
     }
-    release_products(products);
   });
 }
 
@@ -2218,22 +2285,12 @@ int64_t tile_score_block(int64_t count, int64_t D, const float* q, const at::BFl
       pairs[d / 32][(d % 32) / 2][r] = (first >> 16) | (second & 0xFFFF0000u);
     }
   const TileShape before = use_tiles(TileShape::step_scores);
-  const auto load_queries = [&](auto c) {
-    if constexpr (c < kStepTiles)
-      if (c < steps) {
-        switch (int(c)) {
-          case 0: MHA_TILE_LOAD(2, pairs[0], 16); break;
-          case 1: MHA_TILE_LOAD(3, pairs[1], 16); break;
-          case 2: MHA_TILE_LOAD(4, pairs[2], 16); break;
-          case 3: MHA_TILE_LOAD(5, pairs[3], 16); break;
-          case 4: MHA_TILE_LOAD(6, pairs[4], 16); break;
-          default: MHA_TILE_LOAD(7, pairs[5], 16); break;
-        }
-      }
-  };
-  load_queries(std::integral_constant<int, 0>{}), load_queries(std::integral_constant<int, 1>{});
-  load_queries(std::integral_constant<int, 2>{}), load_queries(std::integral_constant<int, 3>{});
-  load_queries(std::integral_constant<int, 4>{}), load_queries(std::integral_constant<int, 5>{});
+  MHA_TILE_LOAD(2, pairs[0], 16);
+  if (steps > 1) MHA_TILE_LOAD(3, pairs[1], 16);
+  if (steps > 2) MHA_TILE_LOAD(4, pairs[2], 16);
+  if (steps > 3) MHA_TILE_LOAD(5, pairs[3], 16);
+  if (steps > 4) MHA_TILE_LOAD(6, pairs[4], 16);
+  if (steps > 5) MHA_TILE_LOAD(7, pairs[5], 16);
   // the group's scores as 4 vectors of 4 keys x 4 rows -> 4 vectors of one row's 16 keys
   const __m512i rows01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
   const __m512i rows23 = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
@@ -2749,21 +2806,6 @@ struct CallRows {
   RowStrides qs, ks, vs, os;
 };
 
-// The most rows per key/value head a forward takes on the decoding path (StepProducts): kDecodeRows,
-// but one block of the run loops (kRowBlock) where the call's products run on AMX tiles, which take 16
-// rows for the price of one: the run loops read the keys again for every block of 4 rows (a bfloat16
-// step of 8 or 16 rows over 1024-16384 keys, GQA 4: 0.27-0.34x torch's time on the tiles against
-// 0.38-0.69x on the run loops; H = Hkv, L = 16: 0.72-1.06x against 1.31-1.87x; Xeon with AMX, 2 threads).
-template <typename scalar_t>
-int64_t step_rows(const Shape& sh) {
-#if defined(MHA_AMX)
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>)
-    if (AmxProducts::takes(sh)) return kRowBlock;
-#endif
-  (void)sh;
-  return kDecodeRows;
-}
-
 // The forward of one call: the decoding path for a few rows per key/value head, else the tiled
 // kernel on the products for the dtype. A forward whose log-sum-exp the backward will use
 // (``for_backward``) takes the tiled kernel always: the backward recomputes the scores with the
@@ -2773,7 +2815,7 @@ template <typename scalar_t, typename acc_t>
 void run_forward(const Shape& sh, const Terms<acc_t>& t, const CallRows<scalar_t>& x, const RowStats<acc_t>& stats,
                  bool for_backward) {
   const DenseLayout<acc_t> layout{sh, t, x.qs, x.os};
-  if (sh.rows() <= step_rows<scalar_t>(sh) && !for_backward) {  // a decoding step: the cache is read as it is
+  if (sh.rows() <= kDecodeRows && !for_backward) {  // a decoding step: the cache is read as it is
     forward_blocks(layout, x.q, StepProducts<scalar_t, acc_t>{sh, x.k, x.ks, x.v, x.vs}, x.out, stats);
     return;
   }
@@ -3198,6 +3240,7 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
     const bf16* vv = v_tiles.data() + slot * kBlockK * Dv + at * Dv;
 #if defined(MHA_AMX)
     if constexpr (kTiles) {
+      use_tiles(TileShape::products);  // (the scores' shape: a compare)
       amx_add_values(R, n, Dv, weights, vv, acc);
       return;
     }
@@ -3206,9 +3249,10 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
   }
   void release() {
 #if defined(MHA_AMX)
-    if constexpr (kTiles) return release_tiles();
+    if constexpr (kTiles) release_tiles();
+    else
 #endif
-    at::native::cpublas::brgemm_release(true);
+      at::native::cpublas::brgemm_release(true);
   }
 };
 
@@ -4088,6 +4132,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "how tasks of these costs are split among so many threads: (share bounds, each share's order) (tests)");
   m.def("quantize_rows", &mha_native::quantize_rows, "x (..., X) floating -> (..., X + 4) int8 rows, each then its float32 scale");
   m.def("build_info", &mha_native::build_info, "the instruction set this build was compiled for");
+  m.attr("PROMPT_ROWS") = mha_native::kPromptRows;  // dispatch.NATIVE_PROMPT_ROWS's C++ twin (a test holds them equal)
   m.def("amx_active", &mha_native::amx_active, "whether bfloat16 products run on AMX tiles on this CPU");
   m.def("amx_takes", &mha_native::amx_takes, "whether the AMX tile products take head dims (D, Dv) (the rule alone; tests)");
   m.def("set_amx", &mha_native::set_amx, "allow or forbid AMX tiles for bfloat16 products; returns the previous setting (tests)");

@@ -11,7 +11,7 @@
 
 A kernel change measured in two processes on a shared machine compares two machines (its speed
 drifts 2x between runs here): this builds the base revision's csrc/native.cpp under another module
-name (its ``Terms`` made module-local so that both load), then times each dtype's decoding call
+name (its ``Terms`` made module-local and its namespace its own, so that both load), then times each dtype's decoding call
 (B sequences x 1 row, GQA 32 / 8 heads, D = 128 unless asked, one page per sequence: float32, bfloat16 and int8
 pools, as mha bench's cache rows), or the forward (as mha bench's native rows), or the backward of a
 causal forward (this tree's forward's saved rows, float32 and bfloat16: its dq), on both kernels,
@@ -47,6 +47,9 @@ def base_kernel(revision: str):
     if registration not in text:
         raise SystemExit(f"{revision}'s {SOURCE} registers no Terms class this script knows")
     text = text.replace(registration, registration + " pybind11::module_local(),")
+    # a namespace of its own: a template's static locals (the workspaces) are unique symbols, which the
+    # loader makes one object across both kernels (a crash once their types differed)
+    text = text.replace("mha_native", "mha_native_base")
     folder = Path(tempfile.gettempdir()) / f"mha_kernel_ab_{revision}"
     folder.mkdir(exist_ok=True)
     (folder / "native_base.cpp").write_text(text)

@@ -37,8 +37,8 @@ the torch and mha versions. ``auto`` reads the
 table of this key (:func:`crossovers`). Without one it measures at the first call where the
 choice arises (unless ``MHA_TUNE=off``, or in one of several torch.distributed ranks, which would
 measure each other's crowding) and, until then or when told not to, picks native only on
-the CPU kind it was measured to win on when it was written (AVX-512 with BF16, no AMX:
-``KNOWN``), never elsewhere. ``mha tune`` measures again; ``mha tune --show`` prints the table.
+the CPU kinds it was measured to win on (AVX-512 with BF16 and no AMX, and AMX: ``KNOWN``), never
+elsewhere. ``mha tune`` measures again; ``mha tune --show`` prints the table.
 """
 
 from __future__ import annotations
@@ -102,10 +102,16 @@ class Crossover:
 
 
 # Measured by `mha bench --sections native` on the CPU the kernel was first tuned on (AMD EPYC,
-# AVX-512 + AVX512-BF16, no AMX, 2 threads); used there until this machine has its own table.
+# AVX-512 + AVX512-BF16, no AMX, 2 threads), and by `mha tune` on an Intel Xeon with AMX (2 threads,
+# issue 44's AMX stop: the later of two tables, where they differed the more cautious crossover; float32
+# prompts never, their lead there under the margin at some point of every table); used on a CPU of
+# that kind until the machine has its own table.
 KNOWN = {"avx512_bf16": {torch.float32: Crossover(512 * 512, 1024, 512 * 512, 1024),
                          torch.bfloat16: Crossover(128 * 128, 1024, 128 * 128, 1024),
-                         torch.float16: Crossover(256 * 256, 1024, 256 * 256, 1024)}}
+                         torch.float16: Crossover(256 * 256, 1024, 256 * 256, 1024)},
+         "amx": {torch.float32: Crossover(None, 4096, None, 1),
+                 torch.bfloat16: Crossover(512 * 512, 4096, 128 * 128, 1024),
+                 torch.float16: Crossover(512 * 512, 4096, 128 * 128, 1024)}}
 NEVER = Crossover(None, None)
 
 

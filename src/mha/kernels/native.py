@@ -12,7 +12,9 @@ set this CPU has:
     avx512      AVX-512 (vectorised exponentials, dot products) the CPU has AVX-512F
     avx2        AVX2 and FMA, the compiler's vectorisation      the CPU has AVX2
     portable    plain C++, the compiler's own vectorisation     any other CPU
-The tile products run on torch's brgemm (oneDNN's, which picks its own instructions) in every build.
+The tile products run on torch's brgemm (oneDNN's, which picks its own instructions) in every build,
+but bfloat16's on a CPU with AMX tiles, which the avx512bf16 build multiplies on its own tile code
+(``_kernel().amx_active()``; docs/native.md, "AMX tiles").
 
 MHA_NATIVE=off turns the backend off; MHA_NATIVE=avx512|avx2|portable forces a build;
 MHA_NATIVE_SANITIZE=1 builds (and uses) one with AddressSanitizer and UBSan (docs/testing.md). Where no

@@ -36,8 +36,10 @@
 //
 // Builds (mha.kernels.native picks one for the CPU): avx512bf16 (MHA_AVX512 and MHA_AVX512_BF16:
 // bfloat16 dot products), avx512 (MHA_AVX512), avx2 (AVX2 and FMA: the compiler's vector extensions
-// at 32 bytes), portable (plain C++). Tile products run on torch's brgemm (oneDNN, which picks its own
-// instructions) for float32 and bfloat16 pairs, and on plain loops otherwise; the exponentials are
+// at 32 bytes), portable (plain C++); the avx512bf16 build also carries AMX tile code (MHA_AMX), which
+// runs where the CPU has the tiles (amx_usable). Tile products run on torch's brgemm (oneDNN, which picks
+// its own instructions) for float32 and bfloat16 pairs, bfloat16's on the kernel's own AMX tiles where
+// they run ("AMX" below), and on plain loops otherwise; the exponentials are
 // vectorised in every build (exp16 with AVX-512 intrinsics, the same reduction and polynomial in
 // vector extensions elsewhere), and a decoding step's few rows run on the run loops (run_scores,
 // run_values) in every build.
@@ -1136,13 +1138,21 @@ struct Bf16Products {
 // brgemm calls delivered to this kernel's tiles (measured: 3.5-3.7 TFLOP/s a core against brgemm's
 // ~0.9 at the forward's shapes, Xeon with AMX). The forward's products are two such grids over the
 // operands Bf16Products packs (K^T and V in VNNI pairs): S = Q K^T over D in steps of 32, and
-// acc += P V over the keys in steps of 32. The asm below states that it reads and writes memory
-// ("memory"), so that the compiler keeps the weights' stores before the tile loads that read them
-// (the compiler's own _tile_loadd states no memory it reads).
-#define MHA_TILE_LOAD(t, p, ld) __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(p), "r"(static_cast<long>(ld)) : "memory")
-#define MHA_TILE_STORE(t, p, ld) __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(p), "r"(static_cast<long>(ld)) : "memory")
-#define MHA_TILE_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
-#define MHA_TILE_DP(c, a, b) __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+// acc += P V over the keys in steps of 32. The instructions are written as their bytes (VEX-encoded,
+// the address in rax + rcx, as the assembler encodes the same mnemonics: checked with objdump), so that
+// an assembler older than AMX (binutils before 2.34) still builds the kernel; each states that it
+// reads and writes memory ("memory"), so that the compiler keeps the weights' stores before the tile
+// loads that read them (the compiler's own _tile_loadd states no memory it reads).
+//   tileloadd (%rax,%rcx,1), %tmmT    C4 E2 7B 4B 04+8T 08     tilezero %tmmT     C4 E2 7B 49 C0+8T
+//   tilestored %tmmT, (%rax,%rcx,1)   C4 E2 7A 4B 04+8T 08     ldtilecfg (%rax)   C4 E2 78 49 00
+//   tdpbf16ps %tmmB, %tmmA, %tmmC     C4 E2 02+8(15-B) 5C C0+8C+A                tilerelease        C4 E2 78 49 C0
+#define MHA_TILE_LOAD(t, p, ld) \
+  __asm__ volatile(".byte 0xc4, 0xe2, 0x7b, 0x4b, 0x04 + ((" #t ") << 3), 0x08" ::"a"(p), "c"(static_cast<long>(ld)) : "memory")
+#define MHA_TILE_STORE(t, p, ld) \
+  __asm__ volatile(".byte 0xc4, 0xe2, 0x7a, 0x4b, 0x04 + ((" #t ") << 3), 0x08" ::"a"(p), "c"(static_cast<long>(ld)) : "memory")
+#define MHA_TILE_ZERO(t) __asm__ volatile(".byte 0xc4, 0xe2, 0x7b, 0x49, 0xc0 + ((" #t ") << 3)" ::)
+#define MHA_TILE_DP(c, a, b) \
+  __asm__ volatile(".byte 0xc4, 0xe2, 0x02 + ((15 - (" #b ")) << 3), 0x5c, 0xc0 + ((" #c ") << 3) + (" #a ")" ::)
 
 std::atomic<bool> amx_wanted{true};  // set_amx (tests, A/B runs): whether bfloat16 products may use AMX
 
@@ -1272,14 +1282,14 @@ inline TileShape use_tiles(TileShape shape) {
     config[16 + 2 * t] = narrow ? 16 : 64;  // bytes a row (colsb, little-endian 16 bits)
     config[48 + t] = 16;                    // rows
   }
-  __asm__ volatile("ldtilecfg %0" ::"m"(*reinterpret_cast<const uint8_t(*)[64]>(config)));
+  __asm__ volatile(".byte 0xc4, 0xe2, 0x78, 0x49, 0x00" ::"a"(config), "m"(*reinterpret_cast<const uint8_t(*)[64]>(config)));  // ldtilecfg (%rax)
   tile_shape = shape;
   return before;
 }
 
 inline void release_tiles() {
   if (tile_shape == TileShape::none) return;
-  __asm__ volatile("tilerelease" ::);
+  __asm__ volatile(".byte 0xc4, 0xe2, 0x78, 0x49, 0xc0" ::);  // tilerelease
   tile_shape = TileShape::none;
 }
 

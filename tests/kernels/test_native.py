@@ -447,9 +447,9 @@ def test_weights_at_logits_far_past_a_floats_precision(dtype, L, scale):
     gradients. The shift's rounding is past a weight's range there (a float's ulp at 4e9 is 512): such rows
     round the product first (fused_exponent); before, every row past 1e8 was zeros or NaN."""
     g = torch.Generator().manual_seed(L)
-    q = torch.randn(1, 2, L, 32, generator=g).bfloat16().to(dtype).requires_grad_()
-    k = (torch.randn(1, 2, 70, 32, generator=g) * 2).bfloat16().to(dtype).requires_grad_()
-    v = torch.randn(1, 2, 70, 32, generator=g).bfloat16().to(dtype).requires_grad_()
+    q = torch.randn(1, 4, L, 32, generator=g).to(dtype).requires_grad_()  # (float32: products of 48 bits,
+    k = (torch.randn(1, 4, 70, 32, generator=g) * 2).to(dtype).requires_grad_()  # their rounding a toss)
+    v = torch.randn(1, 4, 70, 32, generator=g).to(dtype).requires_grad_()
     out = native.native_attention(q, k, v, Contract(scale=scale))
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     exact_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]

@@ -314,20 +314,12 @@ struct Lanes {
 // float's; 2^56 a double's) it does not: the shift's rounding is more than a weight's range (at 4e9 a float's ulp is
 // 512: the row's largest weight was e^-256 or e^+256, the row zeros or NaN in every dtype but float64,
 // found by a test at a scale of 1e8). Those rows take the product rounded first, then the shift
-// (exp_shifted_apart, exp_times_apart: x = shift exactly gives 0), and their shift is the largest
-// product rounded; other rows' shift is rounded up past it (shift_of), so that no exponent exceeds 0.
+// (exp_shifted_apart, exp_times_apart: the row's largest gives 0 exactly). Below the bound the fused
+// exponent exceeds 0 by at most half an ulp of the shift (8 at 2^27: a weight of e^8, far from float's
+// range).
 template <typename acc_t>
 bool fused_exponent(acc_t scale, acc_t shift) {
   return scale == acc_t(1) || std::abs(shift) < std::ldexp(acc_t(1), std::numeric_limits<acc_t>::digits + 3);
-}
-
-// scale times a row's largest score: its shift (see fused_exponent). Any shift gives the same softmax; the
-// log-sum-exp is shift + log l.
-template <typename acc_t>
-acc_t shift_of(acc_t largest, acc_t scale) {
-  const acc_t top = scale * largest;
-  if (!std::isfinite(top) || !fused_exponent(scale, top) || scale == acc_t(1)) return top;
-  return std::nextafter(top, std::numeric_limits<acc_t>::infinity());
 }
 
 template <typename acc_t>
@@ -653,7 +645,7 @@ bool poisons(acc_t max) { return !(max < std::numeric_limits<acc_t>::infinity())
 // weights are zeros). A NaN or +inf score (or sink) makes the row NaN: m, l and acc. scale > 0.
 template <typename acc_t, typename W>
 void absorb(int64_t n, const acc_t* row, acc_t scale, acc_t& m, acc_t& l, acc_t* acc, int64_t Dv, W* w) {
-  const acc_t top = shift_of(row_max(n, row), scale);
+  const acc_t top = scale * row_max(n, row);
   if (poisons(m) || poisons(top)) {
     m = l = std::numeric_limits<acc_t>::quiet_NaN();
     std::fill(acc, acc + Dv, m);

@@ -293,3 +293,41 @@ def test_decoding_scores_on_the_tiles(D, H, Hkv, L, S, amx_switch):
     cache = torch.randn(2, 1, Hkv, S + 9, D, generator=g).bfloat16()  # (k|v, B, Hkv, slots, D)
     k, v = cache[0, :, :, :S], cache[1, :, :, :S]
     _check(q, k, v, Contract(band=CAUSAL, offset=S - L) if L > 1 else None, amx_switch)
+
+
+@needs_amx
+@pytest.mark.parametrize("D, S, on_tiles", [(128, 63, 0), (128, 64, 64), (128, 79, 64), (128, 80, 80),
+                                            (192, 300, 256), (224, 300, 0), (96, 320, 320), (80, 300, 0)])
+def test_which_decoding_scores_take_the_tiles(D, S, on_tiles, amx_switch):
+    """tile_score_block takes a call of at least kStepTileKeys (64) keys, D in whole steps of 32 and at most
+    kStepTiles (6) of them, whole groups of 16 keys (the rest on vdpbf16ps); the kernel counts the keys
+    it scored there (take_tile_step_keys, this thread's). One kv head, one row: a call per tile of 256 keys
+    (S = 300: 256 and 44, the second under 64; S = 320: 256 and 64)."""
+    kernel = _kernel()
+    q, k, v = _inputs(1, 1, 1, 1, S, D, 64, seed=S + D)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        amx_switch(True)
+        kernel.take_tile_step_keys()
+        out = native.native_attention(q, k, v, None)
+        assert kernel.take_tile_step_keys() == on_tiles
+    finally:
+        torch.set_num_threads(before)
+    assert_close(out.double(), _exact(q, k, v, None), torch.bfloat16)
+
+
+@needs_amx
+def test_a_nan_or_infinite_key_on_the_decoding_tiles_makes_its_rows_nan(amx_switch):
+    q, k, v = _inputs(1, 8, 2, 1, 300, 128, 128, seed=21)
+    k = k.clone()
+    k[0, 0, 200] = float("nan")
+    k[0, 1, 100, 5] = float("inf")
+    amx_switch(True)
+    out = native.native_attention(q, k, v, None)
+    assert out.isnan().all()  # both kv heads' rows (GQA 4): a NaN score, an infinite one
+    k[0, 1, 100, 5] = 1.0
+    out = native.native_attention(q, k, v, None)
+    assert out[0, :4].isnan().all() and not out[0, 4:].isnan().any()
+    empty = native.native_attention(q[:, :, :0], k, v, None)
+    assert empty.shape == (1, 8, 0, 128)

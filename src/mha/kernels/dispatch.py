@@ -196,10 +196,8 @@ def plain_sdpa(q, k, v, is_causal: bool, enable_gqa: bool, scale: float | None =
     torch's call) and CUDA take plain_call. ``key_valid`` (B|1, S) bool, key padding: the native
     kernel's call only (where measured faster, no gradient); None elsewhere (the full path plans
     torch's kernel beside padding: its rows that see nothing). Its arguments may come by position (the
-    per-call path of every plain call: keywords cost it a little more; _kernel_fast_path_allowed's
-    checks are written out here for the same reason)."""
-    if (not _compiling() and q.__class__ is k.__class__ is v.__class__ is Tensor and not OBSERVERS
-            and forward_ad._current_level < 0 and (kernel := native.loaded or native.load_if_built()) is not None
+    per-call path of every plain call: keywords cost it a little more)."""
+    if (_kernel_fast_path_allowed(q, k, v) and (kernel := native.loaded or native.load_if_built()) is not None
             and (dtype := q.dtype) in _FLOATS):
         ints = tuning.resolved_ints.get(dtype) or tuning.crossover_ints(dtype)
         out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, *ints, scale, key_valid)

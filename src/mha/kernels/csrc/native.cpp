@@ -73,6 +73,7 @@ TORCH_API bool is_autocast_enabled(at::DeviceType device_type);
 #include <numeric>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) || defined(MHA_AVX512) || defined(MHA_AVX512_BF16)
@@ -1318,6 +1319,7 @@ inline void amx_add_values(int64_t R, int64_t n, int64_t Dv, const at::BFloat16*
 struct AmxProducts : Bf16Products {
   static constexpr int64_t kAlign = 32;
   static constexpr int64_t kRowAlign = 16;
+  static_assert(kRowAlign % 16 == 0 && kAlign % 32 == 0, "a tile's 16 rows, a product's 32 keys a step");
   AmxProducts(const Shape& shape, float scale_, const bf16* k, RowStrides ks, const bf16* v, RowStrides vs)
       : Bf16Products(shape, scale_, k, ks, v, vs, kAlign) {}
 
@@ -2212,13 +2214,17 @@ inline void score_blocks(int64_t count, int64_t D, const key_t* k, int64_t ld, a
 // score_block for bfloat16 keys on vdpbf16ps: 32 products a step, the keys as stored (no widening),
 // for queries that are bfloat16 values (a bfloat16 call's, unscaled: the products are then exact and
 // summed in float32, as widened keys' FMAs sum them; subnormal bfloat16 factors count as zero, as
-// vdpbf16ps takes them); returns false, computing nothing, for queries that are not (or rows wider
-// than kPairRowMax), which the widening loop takes.
+// vdpbf16ps takes them): the queries as bfloat16_rows made them.
 constexpr int64_t kPairRowMax = 512;
 template <int kRows>
-bool pair_score_block(int64_t count, int64_t D, const float* q, const at::BFloat16* k, int64_t ld, float* s, int64_t lds) {
+using QueryWords = uint16_t[kRows][kPairRowMax + 32];
+
+// The rows' float queries as bfloat16 bits (zero to a multiple of 32), where every one is a bfloat16
+// value and D <= kPairRowMax; else false (the widening loop takes them). Made once for the tiles' and
+// vdpbf16ps' scores of a call.
+template <int kRows>
+bool bfloat16_rows(int64_t D, const float* q, QueryWords<kRows>& qb) {
   if (D > kPairRowMax) return false;
-  alignas(64) uint16_t qb[kRows][kPairRowMax + 32];
   for (int r = 0; r < kRows; ++r) {
     for (int64_t d = 0; d < D; ++d) {
       uint32_t bits;
@@ -2228,6 +2234,12 @@ bool pair_score_block(int64_t count, int64_t D, const float* q, const at::BFloat
     }
     std::fill(qb[r] + D, qb[r] + (D + 31) / 32 * 32, uint16_t(0));
   }
+  return true;
+}
+
+template <int kRows>
+void pair_score_block(int64_t count, int64_t D, const QueryWords<kRows>& qb, const at::BFloat16* k, int64_t ld, float* s,
+                      int64_t lds) {
   const int64_t Dw = D / 32 * 32;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t(1) << (D - Dw)) - 1);
   score_blocks<kRows>(count, D, k, ld, s, lds, static_cast<const float*>(nullptr), 0, [&](KeyBlock b, auto& sums) {
@@ -2251,7 +2263,6 @@ bool pair_score_block(int64_t count, int64_t D, const float* q, const at::BFloat
     for (int64_t d = 0; d < Dw; d += 32) step(d, ~__mmask32(0));
     if (Dw < D) step(Dw, tail);
   });
-  return true;
 }
 #endif
 
@@ -2259,10 +2270,10 @@ bool pair_score_block(int64_t count, int64_t D, const float* q, const at::BFloat
 // score_block for bfloat16 keys on AMX tiles, where the CPU has them: S^T (16 keys x 4 query rows) = K
 // (16 keys x 32 of D, tile-loaded from the cache's rows where they lie) . Q^T (the rows' pairs), D in
 // steps of 32 (at most kStepTiles of them, their query tiles kept in tmm2-7), then each group's 16 x 4
-// scores turned into the rows' runs of s by eight permutes. For queries that are bfloat16 values (a
+// scores turned into the rows' runs of s by eight permutes. For the queries bfloat16_rows made (a
 // bfloat16 call's, unscaled: the products exact, summed in float32, as pair_score_block's), D a whole
 // number of steps, at least kStepTileKeys keys; returns the keys done (whole groups of 16: the rest are
-// pair_score_block's, as are calls it does not take: 0). The tiles' shape before is put back (a prompt's run may hold its own).
+// pair_score_block's, as are calls it does not take: 0), counted in tile_step_keys (tests). The tiles' shape before is put back (a prompt's run may hold its own).
 // A decoding step's scores took 41% of its time on vdpbf16ps (B1 Hq32/Hkv8 D128, 16384 keys, Xeon with AMX).
 constexpr int64_t kStepTiles = 6;
 // The least keys a call takes on the tiles: each call packs its queries' pairs and loads and releases the
@@ -2270,22 +2281,17 @@ constexpr int64_t kStepTiles = 6;
 // the step's time on the tiles there).
 constexpr int64_t kStepTileKeys = 64;
 
+inline thread_local int64_t tile_step_keys = 0;  // the keys this thread scored on tile_score_block
+
 template <int kRows>
-int64_t tile_score_block(int64_t count, int64_t D, const float* q, const at::BFloat16* k, int64_t ld, float* s, int64_t lds) {
+int64_t tile_score_block(int64_t count, int64_t D, const QueryWords<kRows>& qb, const at::BFloat16* k, int64_t ld,
+                         float* s, int64_t lds) {
   static_assert(kRows >= 1 && kRows <= 4);
   const int64_t steps = D / 32, groups = count / 16;
   if (count < kStepTileKeys || D % 32 != 0 || steps > kStepTiles || !amx_usable()) return 0;
-  alignas(64) uint32_t pairs[kStepTiles][16][4];  // step c, pair row p, query row r: values 32c + 2p, 32c + 2p + 1
-  for (int r = 0; r < 4; ++r)
-    for (int64_t d = 0; d < D; d += 2) {
-      uint32_t first = 0, second = 0;
-      if (r < kRows) {
-        std::memcpy(&first, q + r * D + d, sizeof(first));
-        std::memcpy(&second, q + r * D + d + 1, sizeof(second));
-        if ((first | second) & 0xFFFFu) return 0;  // not a bfloat16 value
-      }
-      pairs[d / 32][(d % 32) / 2][r] = (first >> 16) | (second & 0xFFFF0000u);
-    }
+  alignas(64) uint32_t pairs[kStepTiles][16][4] = {};  // step c, pair row p, query row r: values 32c + 2p, 32c + 2p + 1
+  for (int r = 0; r < kRows; ++r)
+    for (int64_t d = 0; d < D; d += 2) pairs[d / 32][(d % 32) / 2][r] = uint32_t(qb[r][d]) | uint32_t(qb[r][d + 1]) << 16;
   const TileShape before = use_tiles(TileShape::step_scores);
   MHA_TILE_LOAD(2, pairs[0], 16);
   if (steps > 1) MHA_TILE_LOAD(3, pairs[1], 16);
@@ -2322,6 +2328,7 @@ int64_t tile_score_block(int64_t count, int64_t D, const float* q, const at::BFl
     if constexpr (kRows > 3) _mm512_storeu_ps(out + 3 * lds, _mm512_permutex2var_ps(first23, highs, last23));
   }
   restore_tiles(before);
+  tile_step_keys += groups * 16;
   return groups * 16;
 }
 #endif
@@ -2418,14 +2425,15 @@ void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64
                  const acc_t* scales, int64_t scale_ld, bool bf16_call) {
 #if defined(MHA_AVX512_BF16)
   if constexpr (std::is_same_v<key_t, at::BFloat16> && std::is_same_v<acc_t, float>) {
+    alignas(64) QueryWords<kRows> qb;
+    if (scales == nullptr && bfloat16_rows<kRows>(D, q, qb)) {
 #if defined(MHA_AMX)
-    if (scales == nullptr) {  // whole groups of 16 keys on the tiles, the rest on vdpbf16ps
-      const int64_t done = tile_score_block<kRows>(count, D, q, k, ld, s, lds);
-      if (done == count) return;
+      const int64_t done = tile_score_block<kRows>(count, D, qb, k, ld, s, lds);  // whole groups of 16 keys
       count -= done, k += done * ld, s += done;
-    }
 #endif
-    if (scales == nullptr && pair_score_block<kRows>(count, D, q, k, ld, s, lds)) return;
+      if (count > 0) pair_score_block<kRows>(count, D, qb, k, ld, s, lds);  // the rest on vdpbf16ps
+      return;
+    }
   }
 #endif
 #if defined(MHA_AVX512_BF16) && defined(__AVX512VNNI__)
@@ -3139,6 +3147,7 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
   using bf16 = at::BFloat16;
   static constexpr int64_t kAlign = kTiles ? 32 : 2;
   static constexpr int64_t kRowAlign = kTiles ? 16 : 1;
+  static_assert(!kTiles || (kRowAlign % 16 == 0 && kAlign % 32 == 0), "a tile's 16 rows, a product's 32 keys a step");
   using Base::Base;
   Scratch<bf16> qb, rows, k_tiles, v_tiles, pb;  // the block's queries, a tile's rows, the tiles held, weights
   Scratch<float> k_factors, v_factors;  // per tile: its keys' scale (times 8-bit scales), its values' scales
@@ -4081,6 +4090,15 @@ bool amx_takes(int64_t D, int64_t Dv) {
 #endif
 }
 
+// The keys this thread scored on the tiles' decoding path since it was last asked (tests: 1 thread).
+int64_t take_tile_step_keys() {
+#if defined(MHA_AMX)
+  return std::exchange(tile_step_keys, 0);
+#else
+  return 0;
+#endif
+}
+
 // Allow (or forbid) AMX tiles for the bfloat16 products; returns what was set before (tests, A/B runs).
 bool set_amx(bool wanted) {
 #if defined(MHA_AMX)
@@ -4137,6 +4155,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PROMPT_ROWS") = mha_native::kPromptRows;  // dispatch.NATIVE_PROMPT_ROWS's C++ twin (a test holds them equal)
   m.def("amx_active", &mha_native::amx_active, "whether bfloat16 products run on AMX tiles on this CPU");
   m.def("amx_takes", &mha_native::amx_takes, "whether the AMX tile products take head dims (D, Dv) (the rule alone; tests)");
+  m.def("take_tile_step_keys", &mha_native::take_tile_step_keys,
+        "the keys this thread scored on the AMX tiles' decoding path since last asked (tests)");
   m.def("set_amx", &mha_native::set_amx, "allow or forbid AMX tiles for bfloat16 products; returns the previous setting (tests)");
   m.def("plain_sdpa", &mha_native::plain_sdpa,
         "the per-call fast path: a plain call's output, native's or torch's SDPA's, or None (mha.kernels.dispatch.plain_sdpa)",

@@ -295,26 +295,69 @@ def test_decoding_scores_on_the_tiles(D, H, Hkv, L, S, amx_switch):
     _check(q, k, v, Contract(band=CAUSAL, offset=S - L) if L > 1 else None, amx_switch)
 
 
-@needs_amx
-@pytest.mark.parametrize("D, S, on_tiles", [(128, 63, 0), (128, 64, 64), (128, 79, 64), (128, 80, 80),
-                                            (192, 300, 256), (224, 300, 0), (96, 320, 320), (80, 300, 0)])
-def test_which_decoding_scores_take_the_tiles(D, S, on_tiles, amx_switch):
-    """tile_score_block takes a call of at least kStepTileKeys (64) keys, D in whole steps of 32 and at most
-    kStepTiles (6) of them, whole groups of 16 keys (the rest on vdpbf16ps); the kernel counts the keys
-    it scored there (take_tile_step_keys, this thread's). One kv head, one row: a call per tile of 256 keys
-    (S = 300: 256 and 44, the second under 64; S = 320: 256 and 64)."""
+def _tile_keys(call):
+    """call()'s output and (keys scored, keys whose values were added) on the decoding tiles, on one thread."""
     kernel = _kernel()
-    q, k, v = _inputs(1, 1, 1, 1, S, D, 64, seed=S + D)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        amx_switch(True)
         kernel.take_tile_step_keys()
-        out = native.native_attention(q, k, v, None)
-        assert kernel.take_tile_step_keys() == on_tiles
+        out = call()
+        return out, kernel.take_tile_step_keys()
     finally:
         torch.set_num_threads(before)
+
+
+@needs_amx
+@pytest.mark.parametrize("D, S, scored, added", [(128, 63, 0, 0), (128, 64, 64, 64), (128, 79, 64, 64), (128, 80, 80, 80),
+                                                 (192, 300, 256, 256), (224, 300, 0, 256), (96, 320, 320, 320),
+                                                 (80, 300, 0, 256)])
+def test_which_decoding_scores_take_the_tiles(D, S, scored, added, amx_switch):
+    """tile_score_block takes a call of at least kStepTileKeys (64) keys, D in whole steps of 32 and at most
+    kStepTiles (6) of them, whole groups of 16 keys (the rest on vdpbf16ps); tile_value_block the same calls'
+    values where Dv is a whole number of 32 (here 64) whatever D; the kernel counts the keys of each
+    (take_tile_step_keys, this thread's). One kv head, one row: a call per tile of 256 keys (S = 300: 256 and
+    44, the second under 64; S = 320: 256 and 64)."""
+    q, k, v = _inputs(1, 1, 1, 1, S, D, 64, seed=S + D)
+    amx_switch(True)
+    out, taken = _tile_keys(lambda: native.native_attention(q, k, v, None))
+    assert taken == (scored, added)
     assert_close(out.double(), _exact(q, k, v, None), torch.bfloat16)
+
+
+@needs_amx
+@pytest.mark.parametrize("Dv, added", [(16, 0), (48, 0), (80, 0), (32, 992), (96, 992), (160, 992), (256, 992)])
+@pytest.mark.parametrize("H, Hkv", [(8, 8), (8, 2), (12, 4)])  # 1, 4, 3 rows a kv head
+def test_decoding_values_on_the_tiles(Dv, added, H, Hkv, amx_switch):
+    """A decoding step's values over bfloat16 rows (tile_value_block: V's rows as they lie, weights as (w, 0)
+    and (0, w) pairs, up to 4 tiles of 32 columns a pass: Dv 160 and 256 take two passes) where Dv is a whole
+    number of 32, else none of them on the tiles; 1000 keys: 3 tiles of 256 and one of 232, whole groups of
+    16 (992 a row block), the rest on the widening loop. The oracle's output, and the widening loop's to
+    within its own error and a rounding."""
+    q, k, v = _inputs(1, H, Hkv, 1, 1000, 64, Dv, seed=Dv + H)
+    amx_switch(True)
+    _, taken = _tile_keys(lambda: native.native_attention(q, k, v, None))
+    assert taken[1] == added * Hkv * -(-(H // Hkv) // 4)  # per row block of at most 4 rows, per kv head
+    _check(q, k, v, None, amx_switch)
+
+
+@needs_amx
+@pytest.mark.parametrize("S", [100, 600])  # one pass of at most 256 keys; three
+def test_the_weights_values_on_the_tiles(S, amx_switch):
+    """forward_weights' rows (a decoding step's few) add their values over all S keys in one call, whose
+    tiles run in passes of at most kBlockK keys: its output, the oracle's; its weights, the other path's
+    (its scores there on vdpbf16ps: the same products, summed in another order)."""
+    q, k, v = _inputs(1, 8, 2, 1, S, 64, 64, seed=S)
+    amx_switch(True)
+    (out, weights), taken = _tile_keys(lambda: native.native_attention_weights(q, k, v, None))
+    assert taken[1] == S // 16 * 16 * 2
+    amx_switch(False)
+    out_products, weights_products = native.native_attention_weights(q, k, v, None)
+    amx_switch(True)
+    exact = _exact(q, k, v, None)
+    assert_close(out.double(), exact, torch.bfloat16)
+    assert max_error(out, exact) <= 1.5 * max_error(out_products, exact) + 2 ** -8
+    assert_close(weights.double(), weights_products.double(), torch.bfloat16)
 
 
 @needs_amx

@@ -1255,12 +1255,13 @@ inline void two_step_product(int64_t M, int64_t N, const TileGrid& a, const Tile
 // The shapes this thread's tile registers take (palette 1, every register 16 rows): the products'
 // (tile_product, amx_scores, amx_add_values: rows of 64 bytes), or a decoding step's scores
 // (tile_score_block: tmm1 16 keys x 32 of D, 64 bytes; tmm0 16 keys x 4 query rows of float32 and
-// tmm2-7 4 rows' query pairs, 16 bytes). Which one is loaded is the thread's own (tile_shape), so that
+// tmm2-7 4 rows' query pairs, 16 bytes), or its values' (tile_value_block: tmm0-4 8 rows, tmm5-7 16, all
+// of 64 bytes). Which one is loaded is the thread's own (tile_shape), so that
 // a step's scores inside a prompt's run (a paged batch's decoding rows beside its prompt) put the
 // products' shape back. torch's brgemm remembers per thread which of its kernels last set the tiles
 // (Brgemm::get_current) and skips setting them again for that one: brgemm_release first clears it (and
 // releases oneDNN's context); each run of tiles ends released (release_tiles), as torch's runs end.
-enum class TileShape : uint8_t { none, products, step_scores };
+enum class TileShape : uint8_t { none, products, step_scores, step_values };
 inline thread_local TileShape tile_shape = TileShape::none;
 
 // Loads ``shape`` where another (or none) is loaded; returns the one before.
@@ -1272,8 +1273,8 @@ inline TileShape use_tiles(TileShape shape) {
   config[0] = 1;  // palette 1
   for (int t = 0; t < 8; ++t) {
     const bool narrow = shape == TileShape::step_scores && t != 1;
-    config[16 + 2 * t] = narrow ? 16 : 64;  // bytes a row (colsb, little-endian 16 bits)
-    config[48 + t] = 16;                    // rows
+    config[16 + 2 * t] = narrow ? 16 : 64;                          // bytes a row (colsb, little-endian 16 bits)
+    config[48 + t] = shape == TileShape::step_values && t < 5 ? 8 : 16;  // rows
   }
   __asm__ volatile(".byte 0xc4, 0xe2, 0x78, 0x49, 0x00" ::"a"(config), "m"(*reinterpret_cast<const uint8_t(*)[64]>(config)));  // ldtilecfg (%rax)
   tile_shape = shape;
@@ -2577,6 +2578,78 @@ int64_t word_value_chunk(int64_t n, int64_t Dv, const float* w, int64_t ldw, con
 }
 #endif
 
+#if defined(MHA_AMX)
+// value_block's bfloat16 values on AMX tiles, where the CPU has them: acc (kRows x Dv) += P (kRows x 16
+// keys a group, rounded to bfloat16: the call's own rounding, its values and output being bfloat16, as
+// the prompts' tiles and torch's SDPA round their weights) . V (16 keys x 32 columns a tile, loaded from
+// the cache's rows where they lie). V's rows are not repacked into pairs of keys: a row as the B tile pairs
+// neighbouring columns, so A's rows 0..3 are the weights paired with zeros, (w, 0), and rows 4..7 the
+// same as (0, w): a product's rows 0..3 are the even columns of its 32, rows 4..7 the odd, put back in
+// order (two permutes a row) when added to acc. Up to 4 column tiles (tmm0-3, 8 rows) a pass over a
+// pass's keys (at most kBlockK), their weights' tile in tmm4, V's in tmm5-7. For Dv a whole number of
+// 32 and at least kStepTileKeys keys; returns the keys done (whole groups of 16: the rest are
+// value_strips', as are calls it does not take: 0), counted in tile_step_values (tests). A weight below
+// 2^-126 would be zero on the tiles (they take no subnormal input); the exponentials make those zero
+// already. Against the widening loop (Xeon with AMX, 1 thread, B1 Hq32/Hkv8 D128, kernel_ab.py): 0.87x a
+// step's time with its cache in the second-level cache (S 256), 0.95-0.98x from memory (S 1024-16384).
+inline thread_local int64_t tile_step_values = 0;  // the keys this thread added on tile_value_block
+
+template <int kRows>
+int64_t tile_value_block(int64_t count, int64_t Dv, const float* p, int64_t ldp, const at::BFloat16* v, int64_t ld,
+                         float* acc) {
+  static_assert(kRows >= 1 && kRows <= 4);
+  const int64_t groups = count / 16, blocks = Dv / 32;
+  if (count < kStepTileKeys || Dv % 32 != 0 || !amx_usable()) return 0;
+  constexpr int64_t kPassGroups = kBlockK / 16;
+  alignas(64) uint32_t a[kPassGroups][8][16];  // group g: rows r (w, 0) and 4 + r (0, w), rows past kRows zero
+  alignas(64) float c[4][8][16];
+  std::memset(a, 0, sizeof(a));
+  const __m512i evens = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i odds = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const int64_t row_bytes = ld * int64_t(sizeof(at::BFloat16));
+  const TileShape before = use_tiles(TileShape::step_values);
+  for (int64_t g0 = 0; g0 < groups; g0 += kPassGroups) {
+    const int64_t g1 = std::min(groups, g0 + kPassGroups);
+    for (int64_t g = g0; g < g1; ++g)
+      for (int r = 0; r < kRows; ++r) {
+        const __m512i w = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * ldp + g * 16)));
+        _mm512_store_si512(a[g - g0][r], w);
+        _mm512_store_si512(a[g - g0][4 + r], _mm512_slli_epi32(w, 16));
+      }
+    for (int64_t c0 = 0; c0 < blocks; c0 += 4) {
+      const int64_t tiles = std::min<int64_t>(4, blocks - c0);
+      MHA_TILE_ZERO(0);
+      if (tiles > 1) MHA_TILE_ZERO(1);
+      if (tiles > 2) MHA_TILE_ZERO(2);
+      if (tiles > 3) MHA_TILE_ZERO(3);
+      for (int64_t g = g0; g < g1; ++g) {
+        const at::BFloat16* rows = v + g * 16 * ld + 32 * c0;
+        MHA_TILE_LOAD(4, a[g - g0], 64);
+        MHA_TILE_LOAD(5, rows, row_bytes);
+        MHA_TILE_DP(0, 4, 5);
+        if (tiles > 1) { MHA_TILE_LOAD(6, rows + 32, row_bytes); MHA_TILE_DP(1, 4, 6); }
+        if (tiles > 2) { MHA_TILE_LOAD(7, rows + 64, row_bytes); MHA_TILE_DP(2, 4, 7); }
+        if (tiles > 3) { MHA_TILE_LOAD(5, rows + 96, row_bytes); MHA_TILE_DP(3, 4, 5); }
+      }
+      MHA_TILE_STORE(0, c[0], 64);
+      if (tiles > 1) MHA_TILE_STORE(1, c[1], 64);
+      if (tiles > 2) MHA_TILE_STORE(2, c[2], 64);
+      if (tiles > 3) MHA_TILE_STORE(3, c[3], 64);
+      for (int64_t t = 0; t < tiles; ++t)
+        for (int r = 0; r < kRows; ++r) {
+          const __m512 even = _mm512_load_ps(c[t][r]), odd = _mm512_load_ps(c[t][4 + r]);
+          float* out = acc + r * Dv + 32 * (c0 + t);
+          _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), _mm512_permutex2var_ps(even, evens, odd)));
+          _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_loadu_ps(out + 16), _mm512_permutex2var_ps(even, odds, odd)));
+        }
+    }
+  }
+  restore_tiles(before);
+  tile_step_values += groups * 16;
+  return groups * 16;
+}
+#endif
+
 // value_block for values widened as they are read (bfloat16, float16, 8-bit), whose conversion, not
 // their read, is the limit: in chunks of kValueChunk keys, each chunk strip by strip of the output's
 // columns (value_strip); each output value adds its keys one at a time, in order.
@@ -2586,6 +2659,12 @@ void value_strips(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const 
   using V = Lanes<acc_t>;
   constexpr int kStrip = kValueStrip<kRows>;
   const int64_t Dw = Dv / V::kCount * V::kCount;
+#if defined(MHA_AMX)
+  if constexpr (std::is_same_v<value_t, at::BFloat16> && std::is_same_v<acc_t, float>) {
+    const int64_t done = scales == nullptr ? tile_value_block<kRows>(count, Dv, p, ldp, v, ld, acc) : 0;  // groups of 16
+    count -= done, p += done, v += done * ld;
+  }
+#endif
   acc_t scaled[kRows * kValueChunk];  // 8-bit values' weights times their rows' scales
   for (int64_t j0 = 0; j0 < count; j0 += kValueChunk) {
     const int64_t n = std::min(kValueChunk, count - j0);
@@ -4090,12 +4169,13 @@ bool amx_takes(int64_t D, int64_t Dv) {
 #endif
 }
 
-// The keys this thread scored on the tiles' decoding path since it was last asked (tests: 1 thread).
-int64_t take_tile_step_keys() {
+// The keys this thread scored, and the keys whose values it added, on the tiles' decoding path since it
+// was last asked (tests: 1 thread).
+std::pair<int64_t, int64_t> take_tile_step_keys() {
 #if defined(MHA_AMX)
-  return std::exchange(tile_step_keys, 0);
+  return {std::exchange(tile_step_keys, 0), std::exchange(tile_step_values, 0)};
 #else
-  return 0;
+  return {0, 0};
 #endif
 }
 
@@ -4156,7 +4236,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_active", &mha_native::amx_active, "whether bfloat16 products run on AMX tiles on this CPU");
   m.def("amx_takes", &mha_native::amx_takes, "whether the AMX tile products take head dims (D, Dv) (the rule alone; tests)");
   m.def("take_tile_step_keys", &mha_native::take_tile_step_keys,
-        "the keys this thread scored on the AMX tiles' decoding path since last asked (tests)");
+        "(keys scored, keys whose values were added) on the AMX tiles' decoding path by this thread since last asked (tests)");
   m.def("set_amx", &mha_native::set_amx, "allow or forbid AMX tiles for bfloat16 products; returns the previous setting (tests)");
   m.def("plain_sdpa", &mha_native::plain_sdpa,
         "the per-call fast path: a plain call's output, native's or torch's SDPA's, or None (mha.kernels.dispatch.plain_sdpa)",

@@ -360,6 +360,77 @@ def test_the_weights_values_on_the_tiles(S, amx_switch):
     assert_close(weights.double(), weights_products.double(), torch.bfloat16)
 
 
+def _int8_step(H, Hkv, S, D, seed, *, dtype=torch.bfloat16, page=None):
+    """(a decoding step's call over an 8-bit paged cache of ``page``-key pages (one page: S), its float64
+    oracle): one sequence, one row a head, bfloat16 (or ``dtype``) queries."""
+    from mha.kernels import paged_attention, storage
+
+    g = torch.Generator().manual_seed(seed)
+    P = page or S
+    pages = -(-S // P)
+    k, v = (torch.randn(pages, Hkv, P, D, generator=g) for _ in range(2))
+    k8, v8 = storage.store(k, True), storage.store(v, True)
+    q = (torch.randn(1, H, D, generator=g) * 2).to(dtype)
+    table, cu, seqlens = torch.arange(pages)[None], torch.tensor([0, 1]), torch.tensor([S])
+    wide = [storage.load(x, torch.float64).transpose(0, 1).flatten(1, 2)[:, :S].repeat_interleave(H // Hkv, 0)[None]
+            for x in (k8, v8)]
+    exact = mha.kernels.attention(q.double().transpose(0, 1)[None], *wide, None, backend="math")[0][0].transpose(0, 1)
+    return (lambda: paged_attention(q, k8, v8, table, cu, seqlens)), exact
+
+
+@needs_amx
+@pytest.mark.parametrize("D, S, scored", [(128, 63, 0), (128, 64, 64), (128, 300, 256), (64, 320, 320), (64, 1000, 992),
+                                          (96, 300, 0), (192, 300, 0), (32, 300, 0)])
+@pytest.mark.parametrize("H, Hkv", [(8, 8), (8, 2), (12, 4)])  # 1, 4, 3 rows a kv head
+def test_eight_bit_decoding_scores_on_the_tiles(D, S, scored, H, Hkv, amx_switch):
+    """A decoding step's scores over 8-bit keys under bfloat16 queries (tile_word_score_block: the queries'
+    16-bit integers as a signed high byte and an unsigned low one on tdpbssd and tdpbsud, D 64 or 128, at
+    least kStepTileKeys keys a call, whole groups of 16; the rest on vpdpwssd): the oracle's output, and the
+    vpdpwssd path's to within its own error and a rounding; float32 queries never take them (their rule is
+    float32's products)."""
+    call, exact = _int8_step(H, Hkv, S, D, seed=S + D + H)
+    amx_switch(True)
+    tiles, taken = _tile_keys(call)
+    assert taken[0] == scored * Hkv
+    amx_switch(False)
+    products = call()
+    amx_switch(True)
+    assert_close(tiles.double(), exact, torch.bfloat16)
+    assert max_error(tiles, exact) <= 1.5 * max_error(products, exact) + 2 ** -8
+    wide_call, _ = _int8_step(H, Hkv, S, D, seed=S + D + H, dtype=torch.float32)
+    assert _tile_keys(wide_call)[1][0] == 0
+
+
+@needs_amx
+def test_eight_bit_tiles_with_a_nan_query_or_key_and_far_apart_values(amx_switch):
+    """A NaN query row refuses the words (words_of: the float loops take its block); a NaN key makes its
+    rows NaN; a query whose values lie 2^20 apart keeps its largest exactly (the rest within 2^-15 of it)."""
+    from mha.kernels import paged_attention, storage
+
+    g = torch.Generator().manual_seed(3)
+    S, H, Hkv, D = 256, 8, 2, 128
+    k, v = (torch.randn(1, Hkv, S, D, generator=g) for _ in range(2))
+    k[0, 1, 100] = float("nan")
+    k8, v8 = storage.store(k, True), storage.store(v, True)
+    q = torch.randn(1, H, D, generator=g).bfloat16()
+    q[0, 0] = float("nan")
+    q[0, 1, ::2] *= 2 ** 20
+    table, cu, seqlens = torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1]), torch.tensor([S])
+    amx_switch(True)
+    out, taken = _tile_keys(lambda: paged_attention(q, k8, v8, table, cu, seqlens))
+    assert taken[0] == 0 + S  # the first kv head's block (a NaN row) on the float loops, the second's on the tiles
+    assert out[0, 0].isnan().all() and not out[0, 1:4].isnan().any()  # the NaN row alone
+    assert out[0, 4:].isnan().all()  # a NaN key: the second kv head's rows
+    k[0, 1, 100] = 1.0
+    k8 = storage.store(k, True)
+    out = paged_attention(q, k8, v8, table, cu, seqlens)
+    amx_switch(False)
+    products = paged_attention(q, k8, v8, table, cu, seqlens)
+    amx_switch(True)
+    assert out[0, 0].isnan().all() and not out[0, 1:].isnan().any()
+    assert_close(out[0, 1:].double(), products[0, 1:].double(), torch.bfloat16)
+
+
 @needs_amx
 def test_a_nan_or_infinite_key_on_the_decoding_tiles_makes_its_rows_nan(amx_switch):
     q, k, v = _inputs(1, 8, 2, 1, 300, 128, 128, seed=21)

@@ -1146,6 +1146,12 @@ struct Bf16Products {
 #define MHA_TILE_ZERO(t) __asm__ volatile(".byte 0xc4, 0xe2, 0x7b, 0x49, 0xc0 + ((" #t ") << 3)" ::)
 #define MHA_TILE_DP(c, a, b) \
   __asm__ volatile(".byte 0xc4, 0xe2, 0x02 + ((15 - (" #b ")) << 3), 0x5c, 0xc0 + ((" #c ") << 3) + (" #a ")" ::)
+// tdpbssd (signed A, signed B) and tdpbsud (signed A, unsigned B): C (int32) += the dot products of A's
+// and B's groups of 4 bytes
+#define MHA_TILE_DP_SS(c, a, b) \
+  __asm__ volatile(".byte 0xc4, 0xe2, 0x03 + ((15 - (" #b ")) << 3), 0x5e, 0xc0 + ((" #c ") << 3) + (" #a ")" ::)
+#define MHA_TILE_DP_SU(c, a, b) \
+  __asm__ volatile(".byte 0xc4, 0xe2, 0x02 + ((15 - (" #b ")) << 3), 0x5e, 0xc0 + ((" #c ") << 3) + (" #a ")" ::)
 
 std::atomic<bool> amx_wanted{true};  // set_amx (tests, A/B runs): whether bfloat16 products may use AMX
 
@@ -1161,6 +1167,15 @@ bool amx_present() {
 }
 
 bool amx_usable() { return amx_wanted.load(std::memory_order_relaxed) && amx_present(); }
+
+// amx_usable, and the tiles' 8-bit products (AMX-INT8) are there too.
+bool amx_int8_usable() {
+  static const bool int8 = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 25) & 1u);
+  }();
+  return int8 && amx_usable();
+}
 
 // The head dims the tile products take: whole steps of 32 of D (a tile's 64 bytes of bfloat16) and whole
 // tiles of 16 values of Dv (one tile's float32 columns); others run on Bf16Products (brgemm).
@@ -2418,6 +2433,85 @@ bool word_score_block(int64_t count, int64_t D, const float* q, const int8_t* k,
 }
 #endif
 
+#if defined(MHA_AMX)
+// word_score_block on AMX tiles, where the CPU has their 8-bit products: the same 16-bit integer query
+// rows (words_of), each split into a signed high byte and an unsigned low one (w = 256 hi + lo), S^T
+// (16 keys x 4 query rows) = K (16 keys x 64 of D, tile-loaded from the cache's rows where they lie) .
+// hi^T (tdpbssd, tmm0) and . lo^T (tdpbsud, tmm6), D in steps of 64 (at most two: hi in tmm2-3, lo in
+// tmm4-5), summed exactly as integers (256 hi + lo: at most 2^30 at D = 128), then once a float, times
+// the row's unit and the key's scale. For D 64 or 128, at least kStepTileKeys keys; returns the keys
+// done (whole groups of 16: the rest are word_score_block's, as are the calls it does not take: 0),
+// counted in tile_step_keys (tests).
+template <int kRows>
+int64_t tile_word_score_block(int64_t count, int64_t D, const float* q, const int8_t* k, int64_t ld, float* s,
+                              int64_t lds, const float* scales, int64_t scale_ld) {
+  static_assert(kRows >= 1 && kRows <= 4);
+  if (count < kStepTileKeys || (D != 64 && D != 128) || !amx_int8_usable()) return 0;
+  const int64_t steps = D / 64, groups = count / 16;
+  alignas(64) int16_t qw[kRows][128 + 32];
+  float unit[4] = {0, 0, 0, 0};
+  for (int r = 0; r < kRows; ++r)
+    if (!words_of(q + r * D, D, qw[r], unit[r])) return 0;
+  // step c, quad row p, query row r: the 4 bytes of dims 64c + 4p .. + 3
+  alignas(64) uint8_t hi[2][16][4][4] = {}, lo[2][16][4][4] = {};
+  const __m512i quads = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  for (int r = 0; r < kRows; ++r)
+    for (int64_t c = 0; c < steps; ++c) {  // a row's 16 quads of bytes to quad rows 16 bytes apart
+      const __m512i a = _mm512_load_si512(qw[r] + 64 * c), b = _mm512_load_si512(qw[r] + 64 * c + 32);
+      const __m512i low = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(a)), _mm512_cvtepi16_epi8(b), 1);
+      const __m512i high = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(a, 8))),
+                                              _mm512_cvtepi16_epi8(_mm512_srai_epi16(b, 8)), 1);
+      _mm512_i32scatter_epi32(&lo[c][0][r][0], quads, low, 1);
+      _mm512_i32scatter_epi32(&hi[c][0][r][0], quads, high, 1);
+    }
+  const TileShape before = use_tiles(TileShape::step_scores);
+  MHA_TILE_LOAD(2, hi[0], 16);
+  MHA_TILE_LOAD(4, lo[0], 16);
+  if (steps > 1) {
+    MHA_TILE_LOAD(3, hi[1], 16);
+    MHA_TILE_LOAD(5, lo[1], 16);
+  }
+  const __m512i rows01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+  const __m512i rows23 = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
+  const __m512i lows = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i highs = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const __m512i scale_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(static_cast<int>(scale_ld)));
+  alignas(64) int32_t high[16 * 4], low[16 * 4];
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* keys = k + g * 16 * ld;
+    MHA_TILE_ZERO(0);
+    MHA_TILE_ZERO(6);
+    MHA_TILE_LOAD(1, keys, ld);
+    MHA_TILE_DP_SS(0, 1, 2);
+    MHA_TILE_DP_SU(6, 1, 4);
+    if (steps > 1) {
+      MHA_TILE_LOAD(1, keys + 64, ld);
+      MHA_TILE_DP_SS(0, 1, 3);
+      MHA_TILE_DP_SU(6, 1, 5);
+    }
+    MHA_TILE_STORE(0, high, 16);
+    MHA_TILE_STORE(6, low, 16);
+    __m512 quarter[4];  // keys 4i .. 4i + 3 x rows 0 .. 3
+    for (int i = 0; i < 4; ++i)
+      quarter[i] = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(high + 16 * i), 8),
+                                                       _mm512_load_si512(low + 16 * i)));
+    const __m512 first01 = _mm512_permutex2var_ps(quarter[0], rows01, quarter[1]);
+    const __m512 first23 = _mm512_permutex2var_ps(quarter[0], rows23, quarter[1]);
+    const __m512 last01 = _mm512_permutex2var_ps(quarter[2], rows01, quarter[3]);
+    const __m512 last23 = _mm512_permutex2var_ps(quarter[2], rows23, quarter[3]);
+    const __m512 row[4] = {_mm512_permutex2var_ps(first01, lows, last01), _mm512_permutex2var_ps(first01, highs, last01),
+                           _mm512_permutex2var_ps(first23, lows, last23), _mm512_permutex2var_ps(first23, highs, last23)};
+    const __m512 key_scales = _mm512_i32gather_ps(scale_at, scales + g * 16 * scale_ld, 4);
+    for (int r = 0; r < kRows; ++r)
+      _mm512_storeu_ps(s + r * lds + g * 16, _mm512_mul_ps(_mm512_mul_ps(row[r], _mm512_set1_ps(unit[r])), key_scales));
+  }
+  restore_tiles(before);
+  tile_step_keys += groups * 16;
+  return groups * 16;
+}
+#endif
+
 //   s[r * lds + j] = q_r . k_j (times scales[j * scale_ld] where given)   q: kRows rows of D, k: ``count`` rows ld apart
 // bf16_call: the queries are a bfloat16 call's, whose rounding is the call's own (8-bit keys may then
 // be scored on 16-bit integers: word_score_block).
@@ -2439,7 +2533,14 @@ void score_block(int64_t count, int64_t D, const acc_t* q, const key_t* k, int64
 #endif
 #if defined(MHA_AVX512_BF16) && defined(__AVX512VNNI__)
   if constexpr (std::is_same_v<key_t, int8_t> && std::is_same_v<acc_t, float>)
-    if (bf16_call && word_score_block<kRows>(count, D, q, k, ld, s, lds, scales, scale_ld)) return;
+    if (bf16_call) {
+#if defined(MHA_AMX)
+      const int64_t done = scales == nullptr ? 0 : tile_word_score_block<kRows>(count, D, q, k, ld, s, lds, scales, scale_ld);
+      count -= done, k += done * ld, s += done, scales += done * scale_ld;
+      if (count == 0) return;
+#endif
+      if (word_score_block<kRows>(count, D, q, k, ld, s, lds, scales, scale_ld)) return;
+    }
 #endif
   using V = Lanes<acc_t>;
   using vec = typename V::vec;

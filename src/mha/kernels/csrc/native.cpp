@@ -2306,8 +2306,10 @@ int64_t tile_score_block(int64_t count, int64_t D, const QueryWords<kRows>& qb, 
   const int64_t steps = D / 32, groups = count / 16;
   if (count < kStepTileKeys || D % 32 != 0 || steps > kStepTiles || !amx_usable()) return 0;
   alignas(64) uint32_t pairs[kStepTiles][16][4] = {};  // step c, pair row p, query row r: values 32c + 2p, 32c + 2p + 1
-  for (int r = 0; r < kRows; ++r)
-    for (int64_t d = 0; d < D; d += 2) pairs[d / 32][(d % 32) / 2][r] = uint32_t(qb[r][d]) | uint32_t(qb[r][d + 1]) << 16;
+  const __m512i pair_rows = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  for (int r = 0; r < kRows; ++r)  // a row's 16 pairs a step (its words in order) to pair rows 16 bytes apart
+    for (int64_t c = 0; c < steps; ++c)
+      _mm512_i32scatter_epi32(&pairs[c][0][r], pair_rows, _mm512_load_si512(qb[r] + 32 * c), 1);
   const TileShape before = use_tiles(TileShape::step_scores);
   MHA_TILE_LOAD(2, pairs[0], 16);
   if (steps > 1) MHA_TILE_LOAD(3, pairs[1], 16);

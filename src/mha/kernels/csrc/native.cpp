@@ -2479,8 +2479,10 @@ int64_t tile_word_score_block(int64_t count, int64_t D, const float* q, const in
   const __m512i scale_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                               _mm512_set1_epi32(static_cast<int>(scale_ld)));
   alignas(64) int32_t high[16 * 4], low[16 * 4];
+  const int64_t ahead = rows_ahead<int8_t>(ld);
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* keys = k + g * 16 * ld;
+    for (int i = 0; i < 16; ++i) prefetch_row(keys + (ahead + i) * ld, D);  // as score_blocks asks for 8-bit rows
     MHA_TILE_ZERO(0);
     MHA_TILE_ZERO(6);
     MHA_TILE_LOAD(1, keys, ld);

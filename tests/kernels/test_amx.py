@@ -326,12 +326,13 @@ def test_which_decoding_scores_take_the_tiles(D, S, scored, added, amx_switch):
 
 
 @needs_amx
-@pytest.mark.parametrize("Dv, added", [(16, 0), (48, 0), (80, 0), (32, 992), (96, 992), (160, 992), (256, 992)])
-@pytest.mark.parametrize("H, Hkv", [(8, 8), (8, 2), (12, 4)])  # 1, 4, 3 rows a kv head
+@pytest.mark.parametrize("Dv, added", [(16, 0), (48, 0), (80, 0), (288, 0), (32, 992), (96, 992), (160, 992),
+                                       (256, 992)])
+@pytest.mark.parametrize("H, Hkv", [(8, 8), (8, 4), (8, 2), (12, 4)])  # 1, 2, 4, 3 rows a kv head
 def test_decoding_values_on_the_tiles(Dv, added, H, Hkv, amx_switch):
     """A decoding step's values over bfloat16 rows (tile_value_block: V's rows as they lie, weights as (w, 0)
     and (0, w) pairs, up to 4 tiles of 32 columns a pass: Dv 160 and 256 take two passes) where Dv is a whole
-    number of 32, else none of them on the tiles; 1000 keys: 3 tiles of 256 and one of 232, whole groups of
+    number of 32 up to 256, else none of them on the tiles; 1000 keys: 3 tiles of 256 and one of 232, whole groups of
     16 (992 a row block), the rest on the widening loop. The oracle's output, and the widening loop's to
     within its own error and a rounding."""
     q, k, v = _inputs(1, H, Hkv, 1, 1000, 64, Dv, seed=Dv + H)
@@ -342,10 +343,34 @@ def test_decoding_values_on_the_tiles(Dv, added, H, Hkv, amx_switch):
 
 
 @needs_amx
-@pytest.mark.parametrize("S", [100, 600])  # one pass of at most 256 keys; three
+def test_an_infinite_or_nan_value_stays_in_its_own_column_on_the_tiles(amx_switch):
+    """The tiles pair each value with its neighbouring column's (times a zero weight): a call whose sums are
+    not all finite goes to the widening loop, so an infinite value makes its own column infinite and a NaN
+    its own column NaN, the other columns the oracle's, as without the tiles; the key tiles without them
+    stay on the tiles."""
+    q, k, v = _inputs(1, 8, 2, 1, 1000, 64, 64, seed=5)
+    v = v.clone()
+    v[0, 0, 300, 10] = float("inf")  # the second tile of 256 keys, kv head 0
+    v[0, 1, 700, 33] = float("nan")  # the third, kv head 1
+    amx_switch(True)
+    tiles, taken = _tile_keys(lambda: native.native_attention(q, k, v, None))
+    assert taken[1] == 992 * 2 - 256 * 2  # one call of 256 keys in each kv head refused
+    amx_switch(False)
+    products = native.native_attention(q, k, v, None)
+    amx_switch(True)
+    assert torch.equal(tiles.isinf(), products.isinf()) and torch.equal(tiles.isnan(), products.isnan())
+    assert tiles[0, :4, 0, 10].isinf().all() and tiles[0, 4:, 0, 33].isnan().all()
+    assert tiles.isinf().sum() == 4 and tiles.isnan().sum() == 4
+    finite = tiles.isfinite()
+    exact = _exact(q, k, v, None)
+    assert_close(tiles[finite].double(), exact[finite], torch.bfloat16)
+
+
+@needs_amx
+@pytest.mark.parametrize("S", [100, 600])  # one call of at most 256 keys; three
 def test_the_weights_values_on_the_tiles(S, amx_switch):
     """forward_weights' rows (a decoding step's few) add their values over all S keys in one call, whose
-    tiles run in passes of at most kBlockK keys: its output, the oracle's; its weights, the other path's
+    tiles take at most kBlockK keys at a time: its output, the oracle's; its weights, the other path's
     (its scores there on vdpbf16ps: the same products, summed in another order)."""
     q, k, v = _inputs(1, 8, 2, 1, S, 64, 64, seed=S)
     amx_switch(True)
@@ -381,7 +406,7 @@ def _int8_step(H, Hkv, S, D, seed, *, dtype=torch.bfloat16, page=None):
 @needs_amx
 @pytest.mark.parametrize("D, S, scored", [(128, 63, 0), (128, 64, 64), (128, 300, 256), (64, 320, 320), (64, 1000, 992),
                                           (96, 300, 0), (192, 300, 0), (32, 300, 0)])
-@pytest.mark.parametrize("H, Hkv", [(8, 8), (8, 2), (12, 4)])  # 1, 4, 3 rows a kv head
+@pytest.mark.parametrize("H, Hkv", [(8, 8), (8, 4), (8, 2), (12, 4)])  # 1, 2, 4, 3 rows a kv head
 def test_eight_bit_decoding_scores_on_the_tiles(D, S, scored, H, Hkv, amx_switch):
     """A decoding step's scores over 8-bit keys under bfloat16 queries (tile_word_score_block: the queries'
     16-bit integers as a signed high byte and an unsigned low one on tdpbssd and tdpbsud, D 64 or 128, at
@@ -414,7 +439,7 @@ def test_eight_bit_tiles_with_a_nan_query_or_key_and_far_apart_values(amx_switch
     k8, v8 = storage.store(k, True), storage.store(v, True)
     q = torch.randn(1, H, D, generator=g).bfloat16()
     q[0, 0] = float("nan")
-    q[0, 1, ::2] *= 2 ** 20
+    q[0, 5, ::2] *= 2 ** 20  # kv head 1's block: on the tiles
     table, cu, seqlens = torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1]), torch.tensor([S])
     amx_switch(True)
     out, taken = _tile_keys(lambda: paged_attention(q, k8, v8, table, cu, seqlens))
@@ -423,7 +448,8 @@ def test_eight_bit_tiles_with_a_nan_query_or_key_and_far_apart_values(amx_switch
     assert out[0, 4:].isnan().all()  # a NaN key: the second kv head's rows
     k[0, 1, 100] = 1.0
     k8 = storage.store(k, True)
-    out = paged_attention(q, k8, v8, table, cu, seqlens)
+    out, taken = _tile_keys(lambda: paged_attention(q, k8, v8, table, cu, seqlens))
+    assert taken[0] == S
     amx_switch(False)
     products = paged_attention(q, k8, v8, table, cu, seqlens)
     amx_switch(True)

@@ -2434,7 +2434,7 @@ bool word_score_block(int64_t count, int64_t D, const float* q, const int8_t* k,
 }
 #endif
 
-#if defined(MHA_AMX)
+#if defined(MHA_AMX) && defined(__AVX512VNNI__)
 // word_score_block on AMX tiles, where the CPU has their 8-bit products: the same 16-bit integer query
 // rows (words_of), each split into a signed high byte and an unsigned low one (w = 256 hi + lo), S^T
 // (16 keys x 4 query rows) = K (16 keys x 64 of D, tile-loaded from the cache's rows where they lie) .
@@ -2447,7 +2447,8 @@ template <int kRows>
 int64_t tile_word_score_block(int64_t count, int64_t D, const float* q, const int8_t* k, int64_t ld, float* s,
                               int64_t lds, const float* scales, int64_t scale_ld) {
   static_assert(kRows >= 1 && kRows <= 4);
-  if (count < kStepTileKeys || (D != 64 && D != 128) || !amx_int8_usable()) return 0;
+  if (count < kStepTileKeys || (D != 64 && D != 128) || scale_ld > (int64_t(1) << 26) || !amx_int8_usable())
+    return 0;  // (the scales' gather takes 32-bit offsets)
   const int64_t steps = D / 64, groups = count / 16;
   alignas(64) int16_t qw[kRows][128 + 32];
   float unit[4] = {0, 0, 0, 0};
@@ -2689,10 +2690,11 @@ int64_t word_value_chunk(int64_t n, int64_t Dv, const float* w, int64_t ldw, con
 // the cache's rows where they lie). V's rows are not repacked into pairs of keys: a row as the B tile pairs
 // neighbouring columns, so A's rows 0..3 are the weights paired with zeros, (w, 0), and rows 4..7 the
 // same as (0, w): a product's rows 0..3 are the even columns of its 32, rows 4..7 the odd, put back in
-// order (two permutes a row) when added to acc. Up to 4 column tiles (tmm0-3, 8 rows) a pass over a
-// pass's keys (at most kBlockK), their weights' tile in tmm4, V's in tmm5-7. For Dv a whole number of
-// 32 and at least kStepTileKeys keys; returns the keys done (whole groups of 16: the rest are
-// value_strips', as are calls it does not take: 0), counted in tile_step_values (tests). A weight below
+// order (two permutes a row) when added to acc. Up to 4 column tiles (tmm0-3, 8 rows) a pass, their
+// weights' tile in tmm4, V's in tmm5-7. For Dv a whole number of 32 up to 256 and at least kStepTileKeys
+// keys, at most kBlockK of them (the caller calls again for the rest); returns the keys done (whole
+// groups of 16: the rest are value_strips', as are calls it does not take and sums not all finite: 0),
+// counted in tile_step_values (tests). A weight below
 // 2^-126 would be zero on the tiles (they take no subnormal input); the exponentials make those zero
 // already. Against the widening loop (Xeon with AMX, 1 thread, B1 Hq32/Hkv8 D128, kernel_ab.py): 0.87x a
 // step's time with its cache in the second-level cache (S 256), 0.95-0.98x from memory (S 1024-16384).
@@ -2702,53 +2704,59 @@ template <int kRows>
 int64_t tile_value_block(int64_t count, int64_t Dv, const float* p, int64_t ldp, const at::BFloat16* v, int64_t ld,
                          float* acc) {
   static_assert(kRows >= 1 && kRows <= 4);
-  const int64_t groups = count / 16, blocks = Dv / 32;
-  if (count < kStepTileKeys || Dv % 32 != 0 || !amx_usable()) return 0;
-  constexpr int64_t kPassGroups = kBlockK / 16;
-  alignas(64) uint32_t a[kPassGroups][8][16];  // group g: rows r (w, 0) and 4 + r (0, w), rows past kRows zero
-  alignas(64) float c[4][8][16];
-  std::memset(a, 0, sizeof(a));
-  const __m512i evens = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i odds = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  constexpr int64_t kGroups = kBlockK / 16, kTiles = 8;
+  const int64_t groups = std::min(count / 16, kGroups), blocks = Dv / 32;
+  if (count < kStepTileKeys || Dv % 32 != 0 || blocks > kTiles || !amx_usable()) return 0;
+  alignas(64) uint32_t a[kGroups][8][16];  // group g: rows r (w, 0) and 4 + r (0, w), rows past kRows zero
+  alignas(64) float c[kTiles][8][16];
+  if (kRows < 4) std::memset(a, 0, sizeof(a));
+  for (int64_t g = 0; g < groups; ++g)
+    for (int r = 0; r < kRows; ++r) {
+      const __m512i w = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * ldp + g * 16)));
+      _mm512_store_si512(a[g][r], w);
+      _mm512_store_si512(a[g][4 + r], _mm512_slli_epi32(w, 16));
+    }
   const int64_t row_bytes = ld * int64_t(sizeof(at::BFloat16));
   const TileShape before = use_tiles(TileShape::step_values);
-  for (int64_t g0 = 0; g0 < groups; g0 += kPassGroups) {
-    const int64_t g1 = std::min(groups, g0 + kPassGroups);
-    for (int64_t g = g0; g < g1; ++g)
-      for (int r = 0; r < kRows; ++r) {
-        const __m512i w = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * ldp + g * 16)));
-        _mm512_store_si512(a[g - g0][r], w);
-        _mm512_store_si512(a[g - g0][4 + r], _mm512_slli_epi32(w, 16));
-      }
-    for (int64_t c0 = 0; c0 < blocks; c0 += 4) {
-      const int64_t tiles = std::min<int64_t>(4, blocks - c0);
-      MHA_TILE_ZERO(0);
-      if (tiles > 1) MHA_TILE_ZERO(1);
-      if (tiles > 2) MHA_TILE_ZERO(2);
-      if (tiles > 3) MHA_TILE_ZERO(3);
-      for (int64_t g = g0; g < g1; ++g) {
-        const at::BFloat16* rows = v + g * 16 * ld + 32 * c0;
-        MHA_TILE_LOAD(4, a[g - g0], 64);
-        MHA_TILE_LOAD(5, rows, row_bytes);
-        MHA_TILE_DP(0, 4, 5);
-        if (tiles > 1) { MHA_TILE_LOAD(6, rows + 32, row_bytes); MHA_TILE_DP(1, 4, 6); }
-        if (tiles > 2) { MHA_TILE_LOAD(7, rows + 64, row_bytes); MHA_TILE_DP(2, 4, 7); }
-        if (tiles > 3) { MHA_TILE_LOAD(5, rows + 96, row_bytes); MHA_TILE_DP(3, 4, 5); }
-      }
-      MHA_TILE_STORE(0, c[0], 64);
-      if (tiles > 1) MHA_TILE_STORE(1, c[1], 64);
-      if (tiles > 2) MHA_TILE_STORE(2, c[2], 64);
-      if (tiles > 3) MHA_TILE_STORE(3, c[3], 64);
-      for (int64_t t = 0; t < tiles; ++t)
-        for (int r = 0; r < kRows; ++r) {
-          const __m512 even = _mm512_load_ps(c[t][r]), odd = _mm512_load_ps(c[t][4 + r]);
-          float* out = acc + r * Dv + 32 * (c0 + t);
-          _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), _mm512_permutex2var_ps(even, evens, odd)));
-          _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_loadu_ps(out + 16), _mm512_permutex2var_ps(even, odds, odd)));
-        }
+  for (int64_t c0 = 0; c0 < blocks; c0 += 4) {
+    const int64_t tiles = std::min<int64_t>(4, blocks - c0);
+    MHA_TILE_ZERO(0);
+    if (tiles > 1) MHA_TILE_ZERO(1);
+    if (tiles > 2) MHA_TILE_ZERO(2);
+    if (tiles > 3) MHA_TILE_ZERO(3);
+    for (int64_t g = 0; g < groups; ++g) {
+      const at::BFloat16* rows = v + g * 16 * ld + 32 * c0;
+      MHA_TILE_LOAD(4, a[g], 64);
+      MHA_TILE_LOAD(5, rows, row_bytes);
+      MHA_TILE_DP(0, 4, 5);
+      if (tiles > 1) { MHA_TILE_LOAD(6, rows + 32, row_bytes); MHA_TILE_DP(1, 4, 6); }
+      if (tiles > 2) { MHA_TILE_LOAD(7, rows + 64, row_bytes); MHA_TILE_DP(2, 4, 7); }
+      if (tiles > 3) { MHA_TILE_LOAD(5, rows + 96, row_bytes); MHA_TILE_DP(3, 4, 5); }
     }
+    MHA_TILE_STORE(0, c[c0], 64);
+    if (tiles > 1) MHA_TILE_STORE(1, c[c0 + 1], 64);
+    if (tiles > 2) MHA_TILE_STORE(2, c[c0 + 2], 64);
+    if (tiles > 3) MHA_TILE_STORE(3, c[c0 + 3], 64);
   }
   restore_tiles(before);
+  // an infinite or NaN value reaches its neighbouring column here (times the zero beside its weight):
+  // such sums go to the widening loop, which keeps each column its own
+  __mmask16 finite = 0xFFFF;
+  for (int64_t t = 0; t < blocks; ++t)
+    for (int r = 0; r < 8; ++r) {
+      const __m512 x = _mm512_load_ps(c[t][r]);
+      finite &= _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_EQ_OQ);
+    }
+  if (finite != 0xFFFF) return 0;
+  const __m512i evens = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i odds = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int64_t t = 0; t < blocks; ++t)
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 even = _mm512_load_ps(c[t][r]), odd = _mm512_load_ps(c[t][4 + r]);
+      float* out = acc + r * Dv + 32 * t;
+      _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), _mm512_permutex2var_ps(even, evens, odd)));
+      _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_loadu_ps(out + 16), _mm512_permutex2var_ps(even, odds, odd)));
+    }
   tile_step_values += groups * 16;
   return groups * 16;
 }
@@ -2765,8 +2773,9 @@ void value_strips(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const 
   const int64_t Dw = Dv / V::kCount * V::kCount;
 #if defined(MHA_AMX)
   if constexpr (std::is_same_v<value_t, at::BFloat16> && std::is_same_v<acc_t, float>) {
-    const int64_t done = scales == nullptr ? tile_value_block<kRows>(count, Dv, p, ldp, v, ld, acc) : 0;  // groups of 16
-    count -= done, p += done, v += done * ld;
+    if (scales == nullptr)  // whole groups of 16 keys, at most kBlockK a call
+      for (int64_t done; count > 0 && (done = tile_value_block<kRows>(count, Dv, p, ldp, v, ld, acc)) > 0;)
+        count -= done, p += done, v += done * ld;
   }
 #endif
   acc_t scaled[kRows * kValueChunk];  // 8-bit values' weights times their rows' scales

@@ -2296,6 +2296,22 @@ constexpr int64_t kStepTiles = 6;
 // the step's time on the tiles there).
 constexpr int64_t kStepTileKeys = 64;
 
+// The narrow score tiles' rows (16 bytes apart) as 32-bit scatter offsets, and a group's 16 keys x 4
+// query rows as such a tile stores them (4 vectors of 4 keys x 4 rows) turned into each row's 16 keys.
+inline __m512i narrow_rows() { return _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240); }
+inline void group_rows(const __m512 (&quarter)[4], __m512 (&row)[4]) {
+  const __m512i rows01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+  const __m512i rows23 = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
+  const __m512i lows = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i highs = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const __m512 first01 = _mm512_permutex2var_ps(quarter[0], rows01, quarter[1]);
+  const __m512 first23 = _mm512_permutex2var_ps(quarter[0], rows23, quarter[1]);
+  const __m512 last01 = _mm512_permutex2var_ps(quarter[2], rows01, quarter[3]);
+  const __m512 last23 = _mm512_permutex2var_ps(quarter[2], rows23, quarter[3]);
+  row[0] = _mm512_permutex2var_ps(first01, lows, last01), row[1] = _mm512_permutex2var_ps(first01, highs, last01);
+  row[2] = _mm512_permutex2var_ps(first23, lows, last23), row[3] = _mm512_permutex2var_ps(first23, highs, last23);
+}
+
 inline thread_local int64_t tile_step_keys = 0;  // the keys this thread scored on tile_score_block
 
 template <int kRows>
@@ -2305,7 +2321,7 @@ int64_t tile_score_block(int64_t count, int64_t D, const QueryWords<kRows>& qb, 
   const int64_t steps = D / 32, groups = count / 16;
   if (count < kStepTileKeys || D % 32 != 0 || steps > kStepTiles || !amx_usable()) return 0;
   alignas(64) uint32_t pairs[kStepTiles][16][4] = {};  // step c, pair row p, query row r: values 32c + 2p, 32c + 2p + 1
-  const __m512i pair_rows = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  const __m512i pair_rows = narrow_rows();
   for (int r = 0; r < kRows; ++r)  // a row's 16 pairs a step (its words in order) to pair rows 16 bytes apart
     for (int64_t c = 0; c < steps; ++c)
       _mm512_i32scatter_epi32(&pairs[c][0][r], pair_rows, _mm512_load_si512(qb[r] + 32 * c), 1);
@@ -2316,11 +2332,6 @@ int64_t tile_score_block(int64_t count, int64_t D, const QueryWords<kRows>& qb, 
   if (steps > 3) MHA_TILE_LOAD(5, pairs[3], 16);
   if (steps > 4) MHA_TILE_LOAD(6, pairs[4], 16);
   if (steps > 5) MHA_TILE_LOAD(7, pairs[5], 16);
-  // the group's scores as 4 vectors of 4 keys x 4 rows -> 4 vectors of one row's 16 keys
-  const __m512i rows01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
-  const __m512i rows23 = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
-  const __m512i lows = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-  const __m512i highs = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   alignas(64) float scores[16 * 4];
   const int64_t row_bytes = ld * int64_t(sizeof(at::BFloat16));
   for (int64_t g = 0; g < groups; ++g) {
@@ -2334,15 +2345,11 @@ int64_t tile_score_block(int64_t count, int64_t D, const QueryWords<kRows>& qb, 
     if (steps > 4) { MHA_TILE_LOAD(1, keys + 128, row_bytes); MHA_TILE_DP(0, 1, 6); }
     if (steps > 5) { MHA_TILE_LOAD(1, keys + 160, row_bytes); MHA_TILE_DP(0, 1, 7); }
     MHA_TILE_STORE(0, scores, 16);
-    const __m512 a = _mm512_load_ps(scores), b = _mm512_load_ps(scores + 16);
-    const __m512 c = _mm512_load_ps(scores + 32), d = _mm512_load_ps(scores + 48);
-    const __m512 first01 = _mm512_permutex2var_ps(a, rows01, b), first23 = _mm512_permutex2var_ps(a, rows23, b);
-    const __m512 last01 = _mm512_permutex2var_ps(c, rows01, d), last23 = _mm512_permutex2var_ps(c, rows23, d);
-    float* out = s + g * 16;
-    _mm512_storeu_ps(out, _mm512_permutex2var_ps(first01, lows, last01));
-    if constexpr (kRows > 1) _mm512_storeu_ps(out + lds, _mm512_permutex2var_ps(first01, highs, last01));
-    if constexpr (kRows > 2) _mm512_storeu_ps(out + 2 * lds, _mm512_permutex2var_ps(first23, lows, last23));
-    if constexpr (kRows > 3) _mm512_storeu_ps(out + 3 * lds, _mm512_permutex2var_ps(first23, highs, last23));
+    const __m512 quarter[4] = {_mm512_load_ps(scores), _mm512_load_ps(scores + 16), _mm512_load_ps(scores + 32),
+                               _mm512_load_ps(scores + 48)};
+    __m512 row[4];
+    group_rows(quarter, row);
+    for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(s + r * lds + g * 16, row[r]);
   }
   restore_tiles(before);
   tile_step_keys += groups * 16;
@@ -2456,7 +2463,7 @@ int64_t tile_word_score_block(int64_t count, int64_t D, const float* q, const in
     if (!words_of(q + r * D, D, qw[r], unit[r])) return 0;
   // step c, quad row p, query row r: the 4 bytes of dims 64c + 4p .. + 3
   alignas(64) uint8_t hi[2][16][4][4] = {}, lo[2][16][4][4] = {};
-  const __m512i quads = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  const __m512i quads = narrow_rows();
   for (int r = 0; r < kRows; ++r)
     for (int64_t c = 0; c < steps; ++c) {  // a row's 16 quads of bytes to quad rows 16 bytes apart
       const __m512i a = _mm512_load_si512(qw[r] + 64 * c), b = _mm512_load_si512(qw[r] + 64 * c + 32);
@@ -2473,10 +2480,6 @@ int64_t tile_word_score_block(int64_t count, int64_t D, const float* q, const in
     MHA_TILE_LOAD(3, hi[1], 16);
     MHA_TILE_LOAD(5, lo[1], 16);
   }
-  const __m512i rows01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
-  const __m512i rows23 = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
-  const __m512i lows = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-  const __m512i highs = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   const __m512i scale_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                               _mm512_set1_epi32(static_cast<int>(scale_ld)));
   alignas(64) int32_t high[16 * 4], low[16 * 4];
@@ -2500,12 +2503,8 @@ int64_t tile_word_score_block(int64_t count, int64_t D, const float* q, const in
     for (int i = 0; i < 4; ++i)
       quarter[i] = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(high + 16 * i), 8),
                                                        _mm512_load_si512(low + 16 * i)));
-    const __m512 first01 = _mm512_permutex2var_ps(quarter[0], rows01, quarter[1]);
-    const __m512 first23 = _mm512_permutex2var_ps(quarter[0], rows23, quarter[1]);
-    const __m512 last01 = _mm512_permutex2var_ps(quarter[2], rows01, quarter[3]);
-    const __m512 last23 = _mm512_permutex2var_ps(quarter[2], rows23, quarter[3]);
-    const __m512 row[4] = {_mm512_permutex2var_ps(first01, lows, last01), _mm512_permutex2var_ps(first01, highs, last01),
-                           _mm512_permutex2var_ps(first23, lows, last23), _mm512_permutex2var_ps(first23, highs, last23)};
+    __m512 row[4];
+    group_rows(quarter, row);
     const __m512 key_scales = _mm512_i32gather_ps(scale_at, scales + g * 16 * scale_ld, 4);
     for (int r = 0; r < kRows; ++r)
       _mm512_storeu_ps(s + r * lds + g * 16, _mm512_mul_ps(_mm512_mul_ps(row[r], _mm512_set1_ps(unit[r])), key_scales));

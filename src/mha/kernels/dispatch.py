@@ -197,8 +197,9 @@ def plain_sdpa(q, k, v, is_causal: bool, enable_gqa: bool, scale: float | None =
     kernel's call only (where measured faster, no gradient); None elsewhere (the full path plans
     torch's kernel beside padding: its rows that see nothing). Its arguments may come by position (the
     per-call path of every plain call: keywords cost it a little more)."""
-    if (_kernel_fast_path_allowed(q, k, v) and (kernel := native.loaded or native.load_if_built()) is not None
-            and (dtype := q.dtype) in _FLOATS):
+    if (not _compiling() and q.__class__ is k.__class__ is v.__class__ is Tensor and not OBSERVERS  # (written out:
+            and forward_ad._current_level < 0  # _kernel_fast_path_allowed's checks, its frame 1-2 us of a short call)
+            and (kernel := native.loaded or native.load_if_built()) is not None and (dtype := q.dtype) in _FLOATS):
         ints = tuning.resolved_ints.get(dtype) or tuning.crossover_ints(dtype)
         out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, *ints, scale, key_valid)
         if out.__class__ is int:  # resolved at another thread count than the one now in use
@@ -227,11 +228,15 @@ def plain_weights(q, k, v, *, is_causal: bool, scale: float | None = None,
     return None
 
 
-_compiling = torch.compiler.is_compiling  # (one lookup fewer on every call's path)
+# whether torch.compile's Dynamo traces this call: it reads as True there (tensors traced as FakeTensors, as in
+# export, fail the plain-Tensor check too). One Python frame where torch.compiler.is_compiling is two (it asks
+# torch.jit.is_scripting first): a short call's Python costs its time with its caches cold, 1.5 us a frame.
+_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 
 
 def _kernel_fast_path_allowed(q, k, v) -> bool:
-    """What only Python can check before the native kernel's fast path (plain_sdpa, plain_weights):
+    """What only Python can check before the native kernel's fast path (plain_weights; plain_sdpa writes
+    the same checks out):
     not while torch.compile traces, plain Tensors (no subclass), no observer, no forward-mode AD. The
     kernel checks the rest itself: no torch.func transform, no torch function mode (a mode sees torch's
     Python call: plain_call's), in one step where these reads in Python cost a short call 2 us with its

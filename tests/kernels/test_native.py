@@ -462,6 +462,28 @@ def test_weights_at_logits_far_past_a_floats_precision(dtype, L, scale):
         assert_close(got.double(), want, dtype, chain=True)
 
 
+@pytest.mark.parametrize("logit", [2.0 ** 9, 2.0 ** 22])  # an exponent in one FMA, and one in two operations
+def test_bfloat16_weights_of_tiles_of_new_maxima_at_large_logits(logit):
+    """A bfloat16 prompt's weights take their exponent in one FMA where the row's max is at most
+    kFoldedShift (1024), in two operations past it: rows of logits 2^22 + d, d in [0, 5], their max
+    rising tile by tile (keys 0-255, 256-511, 512-599), weigh every key as float64 does (the folded
+    exponent's rounding of the shift puts tiles up to 2^(2 |shift| eps) apart: 0.27 at 2^22)."""
+    g = torch.Generator().manual_seed(3)
+    S, D = 600, 32
+    d = torch.randint(0, 9, (S,), generator=g).double() / 2 + torch.arange(S).double() // 256  # (float32's ulp at 2^22)
+    k = torch.zeros(1, 2, S, D, dtype=torch.float64)
+    k[..., 0], k[..., 1] = logit, d
+    q = torch.zeros(1, 2, 40, D, dtype=torch.float64)  # 40 rows: the tiled path
+    q[..., :2] = 1.0
+    v = torch.randn(1, 2, S, D, generator=g, dtype=torch.float64)
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    assert torch.equal(k[..., 1].double(), d.expand(1, 2, S))  # (exact in bfloat16)
+    out = native.native_attention(q, k, v, Contract(scale=1.0))
+    exact = torch.softmax(q.double() @ k.double().transpose(-1, -2), -1) @ v.double()
+    assert float((out.double() - exact).abs().max()) < 4e-3  # (bfloat16's rounding of outputs below 2; 3.4e-4 here,
+    # 1.0e-2 with the exponent folded at 2^22)
+
+
 def test_scores_of_bfloat16_inputs_are_accumulated_in_float32():
     """A dot product bfloat16 would round: 1 + 2^-9 summed over 256 dims; its exact value reaches the softmax."""
     D = 256

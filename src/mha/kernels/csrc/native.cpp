@@ -504,38 +504,46 @@ void exp_times<float>(int64_t n, const float* x, float scale, float shift, float
 
 #if defined(MHA_AVX512_BF16)
 // 2^x of 16 floats for weights that are rounded to bfloat16 next, x in log2 units (at most about 0 or
-// -inf, never NaN), the lanes of ``kept`` only (0 elsewhere): f = x - n in [-0.5, 0.5] for n = x rounded
-// to the nearest integer (vreduceps, one operation where adding and taking off 1.5 2^23 took three:
-// 0.94x the row's time), 2^f a degree-3
-// polynomial (near-minimax, relative error 7.5e-5 against bfloat16's 3.9e-3), scaled by 2^n
-// (vscalefps). Below -125 (and -inf) the weight is 0 by the mask, not computed: a result below
-// float's normal range takes a microcode assist on Intel (a clamp at -200 instead ran a causal tile's
-// hidden scores at 2.3 ns each, ten times the rest). Seven operations a vector (and exp_shifted's two
-// before it); the earlier degree-4 polynomial in natural units with n added to the exponent's bits took
-// eleven (and its one).
+// -inf, never NaN), the lanes of ``kept`` only (0 elsewhere): f = x - floor(x) in [0, 1) (vreduceps
+// rounding down, one operation), 2^f a degree-3 polynomial (near-minimax on [0, 1), relative error
+// 7.5e-5 against bfloat16's 3.9e-3), scaled by 2^floor(x) by vscalefps, which floors its exponent
+// itself (rounding to nearest took x - f as the exponent, one operation more). Below -125 (and -inf)
+// the weight is 0 by the mask, not computed: a result below float's normal range takes a microcode
+// assist on Intel (a clamp at -200 instead ran a causal tile's hidden scores at 2.3 ns each, ten times
+// the rest). Six operations a vector (and exp_shifted's one or two before it); the earlier degree-4
+// polynomial in natural units with n added to the exponent's bits took eleven (and its one).
 static inline __m512 exp2_16_for_bf16(__m512 x, __mmask16 kept) {
   kept &= _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
-  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // x - round(x), one operation
-  const __m512 n = _mm512_sub_ps(x, f);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(5.517132207751274e-2f), f, _mm512_set1_ps(2.4261054396629333e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.932609677314758e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999281167984009e-1f));
-  return _mm512_maskz_scalef_ps(kept, p, n);
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // x - floor(x), one operation
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(7.802452892065048e-2f), f, _mm512_set1_ps(2.2606714069843292e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.958335638046265e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999251961708069e-1f));
+  return _mm512_maskz_scalef_ps(kept, p, x);
 }
+
+// The exponent's units folded into its fused multiply-subtract, x scale log2(e) - shift log2(e), where
+// |shift| is at most this: each product's rounding errs by |shift| eps in log2 units, a factor its whole
+// tile shares but for its keys' own rounding (|s scale - shift| eps) -- a tile's weights against another
+// tile's of a new max 2^(|shift| eps) apart, 1.2e-4 here, a twentieth of bfloat16's rounding of a weight
+// (past it the two operations below: at logits of 1e4 one FMA's tiles were 1.2e-3 apart, at 1e6 0.12).
+constexpr float kFoldedShift = 1024.0f;
 
 // The weights rounded to bfloat16 as they are made (the product with V takes them so), 64 at a time
 // (pairs of vectors rounded into one), their sum taken by vdpbf16ps against ones: the weights as
 // rounded, added in pairs, in float32, in two chains (one chain's latency bounded a row of 256 keys).
-// The exponent in log2 units, (scale x - shift) log2(e): the difference first, exact where it matters (a
-// fused multiply-subtract, small near the row's max), then its units (scale log2(e) and shift log2(e)
-// folded into one FMA erred by |shift| eps, 6e-4 of a weight at logits of 1e4, and overflowed past 2e38).
-template <>
-float exp_shifted<float, at::BFloat16>(int64_t n, const float* x, float scale, float shift, at::BFloat16* w) {
-  const __m512 a = _mm512_set1_ps(scale), b = _mm512_set1_ps(shift), log2e = _mm512_set1_ps(1.44269504088896341f);
+// The exponent in log2 units, (scale x - shift) log2(e): one FMA where |shift| <= kFoldedShift, else the
+// difference first, exact where it matters (a fused multiply-subtract, small near the row's max), then
+// its units (a product apart: folded, the shift's rounding overflowed past 2e38).
+template <bool kFolded>
+float bf16_weights(int64_t n, const float* x, float scale, float shift, at::BFloat16* w) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  const __m512 a = _mm512_set1_ps(kFolded ? scale * kLog2e : scale), b = _mm512_set1_ps(kFolded ? shift * kLog2e : shift);
+  const __m512 log2e = _mm512_set1_ps(kLog2e);
   const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);  // bfloat16's 1
   __m512 total0 = _mm512_setzero_ps(), total1 = _mm512_setzero_ps();
   const auto weights = [&](const float* p, __mmask16 m) {
-    return exp2_16_for_bf16(_mm512_mul_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, p), a, b), log2e), m);
+    const __m512 units = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, p), a, b);
+    return exp2_16_for_bf16(kFolded ? units : _mm512_mul_ps(units, log2e), m);
   };
   const auto pair_at = [&](int64_t j) { return _mm512_cvtne2ps_pbh(weights(x + j + 16, 0xFFFF), weights(x + j, 0xFFFF)); };
   int64_t j = 0;
@@ -560,6 +568,11 @@ float exp_shifted<float, at::BFloat16>(int64_t n, const float* x, float scale, f
     total1 = _mm512_dpbf16_ps(total1, pair, ones);
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(total0, total1));
+}
+
+template <>
+float exp_shifted<float, at::BFloat16>(int64_t n, const float* x, float scale, float shift, at::BFloat16* w) {
+  return std::abs(shift) <= kFoldedShift ? bf16_weights<true>(n, x, scale, shift, w) : bf16_weights<false>(n, x, scale, shift, w);
 }
 #endif
 

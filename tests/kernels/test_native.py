@@ -484,6 +484,16 @@ def test_bfloat16_weights_of_tiles_of_new_maxima_at_large_logits(logit):
     # 1.0e-2 with the exponent folded at 2^22)
 
 
+def test_the_folded_exponents_bound_is_a_row_max_of_1024():
+    """kFoldedShift, the rule alone: rows of a max up to 1024 (either sign) fold log2(e) into the exponent's
+    FMA, the next float past it takes two operations (the test above shows why not far past it)."""
+    kernel = native._kernel()
+    above = float(np.nextafter(np.float32(1024.0), np.float32(np.inf)))
+    assert kernel.folded_exponent(0.0) and kernel.folded_exponent(1024.0) and kernel.folded_exponent(-1024.0)
+    assert not kernel.folded_exponent(above) and not kernel.folded_exponent(-above)
+    assert not kernel.folded_exponent(float(np.float32(1023.5) * 2))
+
+
 def test_scores_of_bfloat16_inputs_are_accumulated_in_float32():
     """A dot product bfloat16 would round: 1 + 2^-9 summed over 256 dims; its exact value reaches the softmax."""
     D = 256

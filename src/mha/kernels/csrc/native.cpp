@@ -502,6 +502,15 @@ void exp_times<float>(int64_t n, const float* x, float scale, float shift, float
 }
 #endif
 
+// The exponent's units folded into its fused multiply-subtract, x scale log2(e) - shift log2(e), where
+// |shift| is at most this (the AVX-512-BF16 build's bfloat16 weights, bf16_weights): each product's
+// rounding errs by |shift| eps in log2 units, a factor its whole tile shares but for its keys' own
+// rounding (|s scale - shift| eps) -- a tile's weights against another tile's of a new max up to
+// 2^(2 |shift| eps) apart, 1.2e-4 here, a twentieth of bfloat16's rounding of a weight (past it two
+// operations: at logits of 1e4 one FMA's tiles were 1.2e-3 apart, at 2^22 0.27).
+constexpr float kFoldedShift = 1024.0f;
+inline bool folded_exponent(float shift) { return std::abs(shift) <= kFoldedShift; }
+
 #if defined(MHA_AVX512_BF16)
 // 2^x of 16 floats for weights that are rounded to bfloat16 next, x in log2 units (at most about 0 or
 // -inf, never NaN), the lanes of ``kept`` only (0 elsewhere): f = x - floor(x) in [0, 1) (vreduceps
@@ -521,12 +530,6 @@ static inline __m512 exp2_16_for_bf16(__m512 x, __mmask16 kept) {
   return _mm512_maskz_scalef_ps(kept, p, x);
 }
 
-// The exponent's units folded into its fused multiply-subtract, x scale log2(e) - shift log2(e), where
-// |shift| is at most this: each product's rounding errs by |shift| eps in log2 units, a factor its whole
-// tile shares but for its keys' own rounding (|s scale - shift| eps) -- a tile's weights against another
-// tile's of a new max 2^(|shift| eps) apart, 1.2e-4 here, a twentieth of bfloat16's rounding of a weight
-// (past it the two operations below: at logits of 1e4 one FMA's tiles were 1.2e-3 apart, at 1e6 0.12).
-constexpr float kFoldedShift = 1024.0f;
 
 // The weights rounded to bfloat16 as they are made (the product with V takes them so), 64 at a time
 // (pairs of vectors rounded into one), their sum taken by vdpbf16ps against ones: the weights as
@@ -572,7 +575,7 @@ float bf16_weights(int64_t n, const float* x, float scale, float shift, at::BFlo
 
 template <>
 float exp_shifted<float, at::BFloat16>(int64_t n, const float* x, float scale, float shift, at::BFloat16* w) {
-  return std::abs(shift) <= kFoldedShift ? bf16_weights<true>(n, x, scale, shift, w) : bf16_weights<false>(n, x, scale, shift, w);
+  return folded_exponent(shift) ? bf16_weights<true>(n, x, scale, shift, w) : bf16_weights<false>(n, x, scale, shift, w);
 }
 #endif
 
@@ -4358,6 +4361,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &mha_native::quantize_rows, "x (..., X) floating -> (..., X + 4) int8 rows, each then its float32 scale");
   m.def("build_info", &mha_native::build_info, "the instruction set this build was compiled for");
   m.attr("PROMPT_ROWS") = mha_native::kPromptRows;  // dispatch.NATIVE_PROMPT_ROWS's C++ twin (a test holds them equal)
+  m.def("folded_exponent", &mha_native::folded_exponent,
+        "whether bfloat16 weights of a row of this max take their exponent in one FMA (the rule alone, any build; tests)");
   m.def("amx_active", &mha_native::amx_active, "whether bfloat16 products run on AMX tiles on this CPU");
   m.def("amx_takes", &mha_native::amx_takes, "whether the AMX tile products take head dims (D, Dv) (the rule alone; tests)");
   m.def("take_tile_step_keys", &mha_native::take_tile_step_keys,

@@ -78,3 +78,33 @@ def test_varlen_is_one_call_of_the_dispatch(caplog):
     for a, b in ((0, 3), (3, 7)):  # each sequence alone
         alone = mha.functional.scaled_dot_product_attention(*(q[a:b].transpose(0, 1),) * 3, is_causal=True)
         torch.testing.assert_close(out[a:b], alone.transpose(0, 1))
+
+
+@pytest.mark.parametrize("condition", [None, "a tensor subclass", "an observer", "a dual level", "torch.compile"])
+def test_the_fast_paths_python_checks_refuse_alike(monkeypatch, condition):
+    """plain_sdpa writes _kernel_fast_path_allowed's checks out (a Python frame less): under each of them
+    both refuse the kernel's fast path (its plain_sdpa never asked), and without them both allow it."""
+    from torch.autograd import forward_ad
+
+    from mha.kernels import native
+
+    asked = []
+
+    class Kernel:  # (records whether the kernel's own fast path was reached)
+        def plain_sdpa(self, *args):
+            asked.append(args)
+            return None
+
+    monkeypatch.setattr(native, "loaded", Kernel())
+    q, k, v = _qkv()
+    if condition == "a tensor subclass":
+        q = torch.nn.Parameter(q, requires_grad=False)
+    elif condition == "an observer":
+        monkeypatch.setattr(dispatch, "OBSERVERS", [object()])
+    elif condition == "torch.compile":
+        monkeypatch.setattr(dispatch, "_compiling", lambda: True)
+    with forward_ad.dual_level() if condition == "a dual level" else torch.no_grad():
+        allowed = dispatch._kernel_fast_path_allowed(q, k, v)
+        dispatch.plain_sdpa(q, k, v, False, False)
+    assert allowed == (condition is None)
+    assert bool(asked) == (condition is None)

@@ -1173,25 +1173,25 @@ std::atomic<bool> amx_wanted{true};  // set_amx (tests, A/B runs): whether bfloa
 
 // Whether this CPU has AMX's bfloat16 tiles and the OS lets this process use them (Linux grants the
 // tile data state on request: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); asked once.
-bool amx_present() {
-  static const bool present = [] {
+// CPUID leaf 7's EDX (AMX-BF16 bit 22, AMX-TILE 24, AMX-INT8 25), read once; 0 where the leaf is absent.
+unsigned leaf7_edx() {
+  static const unsigned edx = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1u) || !((d >> 24) & 1u)) return false;
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) ? d : 0u;
   }();
+  return edx;
+}
+
+bool amx_present() {
+  static const bool present =
+      ((leaf7_edx() >> 22) & 1u) && ((leaf7_edx() >> 24) & 1u) && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return present;
 }
 
 bool amx_usable() { return amx_wanted.load(std::memory_order_relaxed) && amx_present(); }
 
 // amx_usable, and the tiles' 8-bit products (AMX-INT8) are there too.
-bool amx_int8_usable() {
-  static const bool int8 = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 25) & 1u);
-  }();
-  return int8 && amx_usable();
-}
+bool amx_int8_usable() { return ((leaf7_edx() >> 25) & 1u) && amx_usable(); }
 
 // The head dims the tile products take: whole steps of 32 of D (a tile's 64 bytes of bfloat16) and whole
 // tiles of 16 values of Dv (one tile's float32 columns); others run on Bf16Products (brgemm).
@@ -1283,7 +1283,7 @@ inline void two_step_product(int64_t M, int64_t N, const TileGrid& a, const Tile
     else rows_resident<1>(i, N, a, b, c);
 }
 
-// The shapes this thread's tile registers take (palette 1, every register 16 rows): the products'
+// The shapes this thread's tile registers take (palette 1): the products'
 // (tile_product, amx_scores, amx_add_values: rows of 64 bytes), or a decoding step's scores
 // (tile_score_block: tmm1 16 keys x 32 of D, 64 bytes; tmm0 16 keys x 4 query rows of float32 and
 // tmm2-7 4 rows' query pairs, 16 bytes), or its values' (tile_value_block: tmm0-4 8 rows, tmm5-7 16, all
@@ -2724,13 +2724,17 @@ int64_t tile_value_block(int64_t count, int64_t Dv, const float* p, int64_t ldp,
   if (count < kStepTileKeys || Dv % 32 != 0 || blocks > kTiles || !amx_usable()) return 0;
   alignas(64) uint32_t a[kGroups][8][16];  // group g: rows r (w, 0) and 4 + r (0, w), rows past kRows zero
   alignas(64) float c[kTiles][8][16];
-  if (kRows < 4) std::memset(a, 0, sizeof(a));
-  for (int64_t g = 0; g < groups; ++g)
+  for (int64_t g = 0; g < groups; ++g) {
     for (int r = 0; r < kRows; ++r) {
       const __m512i w = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * ldp + g * 16)));
       _mm512_store_si512(a[g][r], w);
       _mm512_store_si512(a[g][4 + r], _mm512_slli_epi32(w, 16));
     }
+    for (int r = kRows; r < 4; ++r) {  // (the groups used only: a whole zeroing was 8 KiB a call)
+      _mm512_store_si512(a[g][r], _mm512_setzero_si512());
+      _mm512_store_si512(a[g][4 + r], _mm512_setzero_si512());
+    }
+  }
   const int64_t row_bytes = ld * int64_t(sizeof(at::BFloat16));
   const TileShape before = use_tiles(TileShape::step_values);
   for (int64_t c0 = 0; c0 < blocks; c0 += 4) {
@@ -2755,12 +2759,14 @@ int64_t tile_value_block(int64_t count, int64_t Dv, const float* p, int64_t ldp,
   }
   restore_tiles(before);
   // an infinite or NaN value reaches its neighbouring column here (times the zero beside its weight):
-  // such sums go to the widening loop, which keeps each column its own
+  // such sums go to the widening loop, which keeps each column its own (the rows read: the zero rows past
+  // kRows turn NaN only where the rows read do too, an infinite or NaN value times a weight or its zero)
   __mmask16 finite = 0xFFFF;
   for (int64_t t = 0; t < blocks; ++t)
-    for (int r = 0; r < 8; ++r) {
-      const __m512 x = _mm512_load_ps(c[t][r]);
-      finite &= _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_EQ_OQ);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 even = _mm512_load_ps(c[t][r]), odd = _mm512_load_ps(c[t][4 + r]);
+      finite &= _mm512_cmp_ps_mask(_mm512_sub_ps(even, even), _mm512_setzero_ps(), _CMP_EQ_OQ) &
+                _mm512_cmp_ps_mask(_mm512_sub_ps(odd, odd), _mm512_setzero_ps(), _CMP_EQ_OQ);
     }
   if (finite != 0xFFFF) return 0;
   const __m512i evens = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);

@@ -1433,6 +1433,14 @@ void for_each_key_tile(const Shape& sh, const Terms<acc_t>& t, const Rows& rows,
   }
 }
 
+// Products whose weights are a float tile for some blocks and rounded to bfloat16 as they are made for
+// others (PagedBf16Products: its run loops' and 8-bit values' weights are floats): rounded_weights(R),
+// the bfloat16 buffer a block of R rows takes its weights in, or nullptr for weights(s)'s floats.
+template <typename Products, typename = void>
+struct RoundsWeights : std::false_type {};
+template <typename Products>
+struct RoundsWeights<Products, std::void_t<decltype(std::declval<Products&>().rounded_weights(int64_t(0)))>> : std::true_type {};
+
 // The forward's online softmax of a block of rows over the keys [lo, hi) (the tiled kernel's and the
 // paged kernel's): each row's running max m and sum l and its output accumulator acc (R x Dv, from
 // the caller: a sink, or nothing) absorb the tiles' shaped scores, and the products add the tiles'
@@ -1440,10 +1448,17 @@ void for_each_key_tile(const Shape& sh, const Terms<acc_t>& t, const Rows& rows,
 template <typename acc_t, typename Products>
 void absorb_keys(const Shape& sh, const Terms<acc_t>& t, const Rows& rows, Products& products, int64_t bh, int64_t lo,
                  int64_t hi, acc_t* s, acc_t* m, acc_t* l, acc_t* acc) {
+  const auto absorb_tile = [&](int64_t n, acc_t scale, auto* w) {
+    for (int64_t r = 0; r < rows.count; ++r) absorb(n, s + r * n, scale, m[r], l[r], acc + r * sh.Dv, sh.Dv, w + r * n);
+  };
   for_each_key_tile(sh, t, rows, products, bh, lo, hi, s, static_cast<acc_t*>(nullptr),
                     [&](int64_t j0, int64_t n, int64_t, acc_t scale) {
-    auto* w = products.weights(s);
-    for (int64_t r = 0; r < rows.count; ++r) absorb(n, s + r * n, scale, m[r], l[r], acc + r * sh.Dv, sh.Dv, w + r * n);
+    if constexpr (RoundsWeights<Products>::value) {
+      if (auto* w = products.rounded_weights(rows.count)) absorb_tile(n, scale, w);
+      else absorb_tile(n, scale, products.weights(s));
+    } else {
+      absorb_tile(n, scale, products.weights(s));
+    }
     products.add_values(bh, rows.count, j0, n, s, acc);
   });
 }
@@ -3449,18 +3464,26 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
     for (int64_t r = 0; r < R; ++r)
       for (int64_t j = 0; j < n; ++j) s[r * n + j] *= f[j];
   }
+  // bfloat16 pages' tiles: the weights rounded to bfloat16 as the softmax makes them, as the dense forward's
+  // (a pass of their own, float weights times ones rounded, cost a prompt over pages ~11 %; the
+  // dense forward's output bit for bit: tests/kernels/test_paged_native.py); 8-bit values'
+  // weights are floats until add_values scales them.
+  bf16* rounded_weights(int64_t R) {
+    return R <= kRunLoopRows || Base::kQuantized ? nullptr : pb.at_least(kBlockQ * kBlockK);
+  }
   void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const float* p, float* acc) {  // the tile of scores()
     if (R <= kRunLoopRows) return Base::add_values(bh, R, j0, n, p, acc);
     const int64_t slot = slot_of(j0 / kBlockK), at = j0 % kBlockK, Dv = this->Dv;
-    // the weights times their values' scales, rounded to bfloat16 (zero past S_b)
     bf16* weights = pb.at_least(kBlockQ * kBlockK);  // (row stride n; AMX reads R rounded up to 16 rows)
-    const float* f = v_factors.data() + slot * kBlockK + at;
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - j);
-        const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + r * n + j), _mm512_maskz_loadu_ps(m, f + j));
-        _mm256_mask_storeu_epi16(weights + r * n + j, m, (__m256i)_mm512_cvtneps_pbh(w));
-      }
+    if (Base::kQuantized) {  // the weights times their values' scales, rounded to bfloat16 (zero past S_b)
+      const float* f = v_factors.data() + slot * kBlockK + at;
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t j = 0; j < n; j += 16) {
+          const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - j);
+          const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + r * n + j), _mm512_maskz_loadu_ps(m, f + j));
+          _mm256_mask_storeu_epi16(weights + r * n + j, m, (__m256i)_mm512_cvtneps_pbh(w));
+        }
+    }
     const bf16* vv = v_tiles.data() + slot * kBlockK * Dv + at * Dv;
 #if defined(MHA_AMX)
     if constexpr (kTiles) {

@@ -467,7 +467,9 @@ def test_hf_generate_rows_time_mha_against_sdpa_on_the_same_weights(monkeypatch)
     pytest.importorskip("transformers")
     (row,) = bench.hf_generate_rows([8], ["float32"], 2, 1)
     assert row.point == "llama generate float32 prompt 8 + 2" and set(row.times_ms) == {"mha", "sdpa"}
-    assert row.ratios["mha/sdpa time"] > 0 and row.extra["same tokens"] == 1.0
+    assert row.ratios["mha/sdpa time"] > 0 and row.extra["tokens alike"] == row.extra["new tokens"] == 2.0
+    assert bench._leading_alike(torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 5, 4])) == 2
+    assert bench._leading_alike(torch.tensor([7]), torch.tensor([8])) == 0
     order = []
     taken = bench.paired_times({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, 3)
     assert order == ["a", "b", "b", "a", "a", "b"] and [len(ts) for ts in taken.values()] == [3, 3]

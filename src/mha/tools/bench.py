@@ -444,7 +444,9 @@ def hf_generate_rows(prompts, dtypes, new_tokens: int, repeat: int) -> Iterator[
     length, under attn_implementation="mha" and "sdpa" (the same weights), timed in pairs, the order
     swapped every other pair, ``repeat`` pairs at least 5: each one's best time, mha/sdpa the median
     of the pairs' ratios (the target: never above 1; a ratio of two best times, each taken at another
-    moment of a drifting machine, moved more), and whether the tokens agree."""
+    moment of a drifting machine, moved more), and how many new tokens agree before the first that
+    differs ("tokens alike": bfloat16 greedy decoding can part where two logits lie within bfloat16's
+    rounding of each other, as two bfloat16 attentions do: docs/benchmarks.md)."""
     for name in dtypes:
         dtype = getattr(torch, name)
         rate = bench_native.matmul_gflops(dtype, 512)
@@ -460,7 +462,14 @@ def hf_generate_rows(prompts, dtypes, new_tokens: int, repeat: int) -> Iterator[
             yield Row("hf", f"llama generate {name} prompt {T} + {new_tokens}",
                       {i: min(ts) * 1e3 for i, ts in taken.items()},
                       {"mha/sdpa time": statistics.median(a / b for a, b in zip(taken["mha"], taken["sdpa"]))},
-                      {"same tokens": float(torch.equal(tokens["mha"], tokens["sdpa"]))})
+                      {"tokens alike": float(_leading_alike(tokens["mha"][0, T:], tokens["sdpa"][0, T:])),
+                       "new tokens": float(new_tokens)})
+
+
+def _leading_alike(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many of two token sequences' first tokens agree, up to the first that differs."""
+    differ = (a != b).nonzero()
+    return int(differ[0]) if len(differ) else len(a)
 
 
 def distributed_rows(T: int, nprocs: int) -> Iterator[Row]:

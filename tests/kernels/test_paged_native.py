@@ -301,19 +301,38 @@ def test_bfloat16_prompts_over_pages_err_as_a_bfloat16_attention(P, pool, D, Dv)
 @pytest.mark.skipif(native.variant() != "avx512bf16", reason="bfloat16 products on tiles of pages: the avx512bf16 build's "
                     "(the others widen a run of pages to float32)")
 @pytest.mark.parametrize("P", [1, 16, 300])
-@pytest.mark.parametrize(("L", "S"), [(200, 200), (70, 333), (500, 1000)])
+@pytest.mark.parametrize(("L", "S"), [(200, 200), (70, 333), (500, 1000), (9, 9), (17, 255), (64, 256), (4, 300)])
 @torch.no_grad()
 def test_a_bfloat16_prompt_over_bfloat16_pages_is_the_dense_forward(P, L, S):
-    """A bfloat16 prompt (blocks of more rows than the run loops take) over bfloat16 pages gives the dense
-    bfloat16 forward's output over the same keys gathered, bit for bit: the same products, and the
-    weights rounded to bfloat16 as the softmax makes them, as that forward's (weights made in float32
-    and rounded apart differ in about one output in eight)."""
+    """A bfloat16 prompt over bfloat16 pages gives the dense bfloat16 forward's output over the same keys
+    gathered, bit for bit, where both take the same path: blocks of more stacked rows than the run loops
+    take (here 2 a kv head: L > 8, whole blocks of 64 or one block) on tiles, against the dense prompt
+    path (more than 16 rows a kv head): the same products, and the weights rounded to bfloat16 as the
+    softmax makes them, as that forward's (weights made in float32 and rounded apart differ in about
+    one output in eight); and L = 4, 8 stacked rows, on the run loops' float weights as the dense
+    decoding path's. (Elsewhere the two take different paths, each within bfloat16's rounding:
+    test_bfloat16_prompts_over_pages_err_as_a_bfloat16_attention.)"""
     q, k_pages, v_pages, table, cu, seqlens = _pool([(L, S)], 4, 2, P, D=64, Dv=64, dtype=torch.bfloat16, seed=P)
     got = _paged(q, k_pages, v_pages, table, cu, seqlens, {"band": CAUSAL})
     pages = table[0, :(S + P - 1) // P]
     k, v = (x.index_select(0, pages).transpose(0, 1).flatten(1, 2)[:, :S][None] for x in (k_pages, v_pages))
     dense = native.native_attention(q.transpose(0, 1)[None], k, v, Contract(band=CAUSAL, offset=S - L))
     assert torch.equal(got, dense[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize(("H", "L"), [(2, 7), (2, 8), (2, 9), (4, 4), (4, 5)])
+@torch.no_grad()
+def test_bfloat16_blocks_at_the_run_loops_edge(H, L):
+    """Blocks of 7 to 10 stacked rows over bfloat16 pages (G = 1 or 2, one block a kv head) beside a
+    prompt of 70 (which makes the call a prefill's, on PagedBf16Products): up to kRunLoopRows (8) their
+    weights stay float32 for the run loops, past it they are rounded to bfloat16 for the tiles
+    (rounded_weights and add_values on one rule): float64's output within bfloat16's tolerance, for a
+    block that took its weights from the wrong buffer would not be."""
+    lengths = [(L, 300), (70, 70)]
+    q, k_pages, v_pages, table, cu, seqlens = _pool(lengths, H, 2, 16, D=64, Dv=64, dtype=torch.bfloat16, seed=L)
+    got = _paged(q, k_pages, v_pages, table, cu, seqlens, {"band": CAUSAL})
+    want = _reference(q.double(), k_pages.double(), v_pages.double(), table, cu, seqlens, {"band": CAUSAL})
+    assert (got.double() - want).abs().max().item() <= TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -1453,12 +1453,10 @@ void absorb_keys(const Shape& sh, const Terms<acc_t>& t, const Rows& rows, Produ
   };
   for_each_key_tile(sh, t, rows, products, bh, lo, hi, s, static_cast<acc_t*>(nullptr),
                     [&](int64_t j0, int64_t n, int64_t, acc_t scale) {
-    if constexpr (RoundsWeights<Products>::value) {
-      if (auto* w = products.rounded_weights(rows.count)) absorb_tile(n, scale, w);
-      else absorb_tile(n, scale, products.weights(s));
-    } else {
-      absorb_tile(n, scale, products.weights(s));
-    }
+    bool rounded = false;
+    if constexpr (RoundsWeights<Products>::value)
+      if (auto* w = products.rounded_weights(rows.count)) absorb_tile(n, scale, w), rounded = true;
+    if (!rounded) absorb_tile(n, scale, products.weights(s));
     products.add_values(bh, rows.count, j0, n, s, acc);
   });
 }
@@ -3468,13 +3466,12 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
   // (a pass of their own, float weights times ones rounded, cost a prompt over pages ~11 %; the
   // dense forward's output bit for bit: tests/kernels/test_paged_native.py); 8-bit values'
   // weights are floats until add_values scales them.
-  bf16* rounded_weights(int64_t R) {
-    return R <= kRunLoopRows || Base::kQuantized ? nullptr : pb.at_least(kBlockQ * kBlockK);
-  }
+  bf16* rounded_weights(int64_t R) { return R <= kRunLoopRows || Base::kQuantized ? nullptr : weight_tile(); }
+  bf16* weight_tile() { return pb.at_least(kBlockQ * kBlockK); }  // (row stride n; AMX reads R rounded up to 16 rows)
   void add_values(int64_t bh, int64_t R, int64_t j0, int64_t n, const float* p, float* acc) {  // the tile of scores()
     if (R <= kRunLoopRows) return Base::add_values(bh, R, j0, n, p, acc);
     const int64_t slot = slot_of(j0 / kBlockK), at = j0 % kBlockK, Dv = this->Dv;
-    bf16* weights = pb.at_least(kBlockQ * kBlockK);  // (row stride n; AMX reads R rounded up to 16 rows)
+    bf16* weights = weight_tile();  // rounded by the softmax (rounded_weights), or here
     if (Base::kQuantized) {  // the weights times their values' scales, rounded to bfloat16 (zero past S_b)
       const float* f = v_factors.data() + slot * kBlockK + at;
       for (int64_t r = 0; r < R; ++r)

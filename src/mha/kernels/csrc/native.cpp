@@ -293,16 +293,16 @@ struct Halves<acc_t, 2> {
   static acc_t sum(vec v) { return v[0] + v[1]; }
 };
 
+// load and store are typed accesses of an unaligned vector of acc_t (GCC's vector types alias their
+// element type only): a memcpy's store may alias anything, so the run loops reloaded every pointer and
+// count their lambdas hold by reference after each store of an output vector.
 template <typename acc_t>
 struct Lanes {
   typedef acc_t vec __attribute__((vector_size(kLaneBytes)));
+  typedef acc_t unaligned __attribute__((vector_size(kLaneBytes), aligned(alignof(acc_t))));
   static constexpr int64_t kCount = kLaneBytes / sizeof(acc_t);
-  static vec load(const acc_t* p) {
-    vec v;
-    std::memcpy(&v, p, sizeof(vec));
-    return v;
-  }
-  static void store(acc_t* p, vec v) { std::memcpy(p, &v, sizeof(vec)); }
+  static vec load(const acc_t* p) { return *reinterpret_cast<const unaligned*>(p); }
+  static void store(acc_t* p, vec v) { *reinterpret_cast<unaligned*>(p) = v; }
   static acc_t sum(vec v) { return Halves<acc_t, kCount>::sum(v); }
 };
 

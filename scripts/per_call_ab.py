@@ -147,23 +147,29 @@ def dropin(T: int) -> None:
                 print(f"drop-in B{B} T{T} need_weights={weights}: ours/torch {ratio:.2f} ({a:.0f} vs {b:.0f} us)")
 
 
-def generate(T: int, rounds: int = 3) -> None:
+def generate(T: int, rounds: int = 7) -> None:
+    """A float32 Llama's prefill of a prompt of T and its 32-token generation, mha against sdpa, in
+    rounds that alternate which goes first: each round's ratios, then their medians."""
     from mha.tools import bench_hf
     models = {i: bench_hf.llama(i) for i in ("mha", "sdpa")}
     prompt = torch.randint(0, 8000, (1, T), generator=torch.Generator().manual_seed(T))
+    prefills, generations = [], []
     with torch.no_grad():
         for m in models.values():
             m(prompt)
-        for _ in range(rounds):
+        for round_ in range(rounds):
             took = {}
-            for i, m in models.items():
+            for i in ("mha", "sdpa") if round_ % 2 == 0 else ("sdpa", "mha"):
                 start = time.perf_counter()
-                m(prompt)
+                models[i](prompt)
                 middle = time.perf_counter()
-                bench_hf.generate(m, prompt, 32)
+                bench_hf.generate(models[i], prompt, 32)
                 took[i] = (middle - start, time.perf_counter() - middle)
-            print(f"prompt {T}: prefill mha/sdpa {took['mha'][0] / took['sdpa'][0]:.2f}, "
-                  f"generate 32 mha/sdpa {took['mha'][1] / took['sdpa'][1]:.2f}")
+            prefills.append(took["mha"][0] / took["sdpa"][0])
+            generations.append(took["mha"][1] / took["sdpa"][1])
+            print(f"prompt {T}: prefill mha/sdpa {prefills[-1]:.2f}, generate 32 mha/sdpa {generations[-1]:.2f}")
+    print(f"prompt {T}, medians of {rounds} rounds: prefill mha/sdpa {statistics.median(prefills):.2f}, "
+          f"generate 32 mha/sdpa {statistics.median(generations):.2f}")
 
 
 def int8_generate(T: int, rounds: int = 5) -> None:

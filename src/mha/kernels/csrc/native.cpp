@@ -1453,9 +1453,13 @@ void absorb_keys(const Shape& sh, const Terms<acc_t>& t, const Rows& rows, Produ
   };
   for_each_key_tile(sh, t, rows, products, bh, lo, hi, s, static_cast<acc_t*>(nullptr),
                     [&](int64_t j0, int64_t n, int64_t, acc_t scale) {
-    bool rounded = false;
-    if constexpr (RoundsWeights<Products>::value)
-      if (auto* w = products.rounded_weights(rows.count)) absorb_tile(n, scale, w), rounded = true;
+    bool rounded = false;  // the weights went to the products' bfloat16 buffer
+    if constexpr (RoundsWeights<Products>::value) {
+      if (auto* w = products.rounded_weights(rows.count)) {
+        absorb_tile(n, scale, w);
+        rounded = true;
+      }
+    }
     if (!rounded) absorb_tile(n, scale, products.weights(s));
     products.add_values(bh, rows.count, j0, n, s, acc);
   });

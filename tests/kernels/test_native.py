@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import mha
 from helpers.backends import NATIVE
 from helpers.exact import raises_exactly
-from helpers.tolerance import assert_close, assert_within_torch_error
+from helpers.tolerance import assert_close, assert_within_torch_error, max_error, rms_error
 from mha import numpy as oracle
 from mha.kernels import Contract, native
 from mha.positions import CAUSAL, Band
@@ -492,6 +492,127 @@ def test_the_folded_exponents_bound_is_a_row_max_of_1024():
     assert kernel.folded_exponent(0.0) and kernel.folded_exponent(1024.0) and kernel.folded_exponent(-1024.0)
     assert not kernel.folded_exponent(above) and not kernel.folded_exponent(-above)
     assert not kernel.folded_exponent(float(np.float32(1023.5) * 2))
+
+
+# -- fused steps: a bfloat16 block's keys that the band shows every row (csrc: fused_run) ----------------
+
+_FUSED_SHAPES = {  # name: (H, Hkv, L, S, D, Dv): stacked rows a kv head past the decoding path's 16
+    "groups of 4 and 1 row": (1, 1, 17, 300, 64, 64),
+    "2 rows left": (2, 1, 9, 257, 64, 64),  # 18 rows
+    "3 rows left, odd D": (1, 1, 19, 63, 63, 16),
+    "block edge": (1, 1, 65, 511, 32, 48),
+    "one key": (1, 1, 40, 1, 64, 64),
+    "odd keys, Dv 80": (3, 1, 10, 1001, 16, 80),  # 30 rows
+    "D 128": (2, 2, 64, 640, 128, 128),
+    "Dv past the vectors": (1, 1, 40, 300, 64, 40),  # (not fused: Dv % 16)
+}
+_FUSED_CONTRACTS = {
+    "plain": dict(),
+    "causal": dict(band=CAUSAL),
+    "causal, bottom-right": dict(band=CAUSAL, offset=173),
+    "window (100, 0)": dict(band=Band(100, 0), offset=90),
+    "window (30, 200)": dict(band=Band(30, 200)),
+    "sinks": dict(sinks=[2.0, -1.0, 30.0]),
+    "positions in order": dict(band=Band(50, 0), positions=3),
+}
+
+
+def _fused_contract(name: str, H: int, L: int, S: int) -> Contract:
+    terms = dict(_FUSED_CONTRACTS[name])
+    if "sinks" in terms:
+        terms["sinks"] = torch.tensor(terms["sinks"][:H])
+    if "positions" in terms:  # queries at every third key from 17 on, keys at their index
+        terms["positions"] = (torch.arange(L)[None] * terms["positions"] + 17, torch.arange(S)[None])
+    return Contract(**terms)
+
+
+@pytest.mark.parametrize("contract", _FUSED_CONTRACTS)
+@pytest.mark.parametrize("shape", _FUSED_SHAPES)
+def test_fused_steps_err_as_the_tiles_they_replace(shape, contract):
+    """A bfloat16 forward's keys that the band shows every row of a block run on fused steps (scores,
+    weights and values of 4 rows by 64 keys in registers, where native.fused_steps says so); the same call
+    with every key marked valid (a term: every tile shaped, and multiplied on brgemm) errs as much against
+    float64, output and log-sum-exp: groups of 1-4 rows, steps of 1-64 keys, odd D, Dv of 1-4 vectors a
+    chunk, the runs of a causal or banded block's diagonal tiles, sinks."""
+    H, Hkv, L, S, D, Dv = _FUSED_SHAPES[shape]
+    terms = _fused_contract(contract, H, L, S)
+    g = torch.Generator().manual_seed(L * S)
+    q, k, v = (torch.randn(1, h, n, d, generator=g).bfloat16() for h, n, d in ((H, L, D), (Hkv, S, D), (Hkv, S, Dv)))
+    exact = native.native_attention_with_lse(*(x.double() for x in (q, k, v)), terms)
+    fused = native.native_attention_with_lse(q, k, v, terms)
+    tiles = native.native_attention_with_lse(q, k, v, terms.replace(key_valid=torch.ones(1, S, dtype=torch.bool)))
+    for got, theirs, want, name in zip(fused, tiles, exact, ("output", "lse")):
+        seen = torch.isfinite(want)  # (the lse of a row that sees no key: -inf in all three)
+        assert torch.equal(got.double()[~seen], want[~seen]) and torch.equal(theirs.double()[~seen], want[~seen]), name
+        got, theirs, want = got[seen], theirs[seen], want[seen]
+        assert max_error(got, want) <= 1.5 * max_error(theirs, want) + 2e-3, name
+        assert rms_error(got, want) <= 1.25 * rms_error(theirs, want) + 1e-4, name
+
+
+def test_fused_steps_run_where_the_cpu_has_bfloat16_dot_products_and_no_amx_tiles():
+    """The rule alone: the avx512bf16 build on a CPU without AMX tiles (there brgemm's products run on
+    them), Dv in whole vectors of 16; every other build never."""
+    kernel = native._kernel()
+    here = native.variant() == "avx512bf16" and not kernel.amx_active()
+    assert [kernel.fused_steps(Dv) for Dv in (16, 64, 80, 128, 8, 40, 65)] == [here] * 4 + [False] * 3
+
+
+_LAZY = pytest.mark.skipif(not (NATIVE and native._kernel().fused_steps(64)), reason="no fused steps on this CPU or build")
+
+
+@_LAZY
+@pytest.mark.parametrize("rise, lazy", [(5.5, True), (5.625, False), (-3.0, True), (30.0, False)])
+def test_a_fused_step_keeps_its_rows_max_while_no_score_passes_it_by_the_lazy_shift(rise, lazy):
+    """kLazyShift, the rule alone: a row's second step of keys, all rise above the first's max (0), takes
+    its weights against that max while rise log2(e) <= 8 (weights up to 2^8): the max the kernel returns
+    stays 0; past it (5.625 log2(e) = 8.1) the step takes absorb, the exact max. Output and log-sum-exp
+    exact either way (every key of a step weighs the same: the mean of its values)."""
+    kernel = native._kernel()
+    L, S, D = 20, 128, 64  # 20 rows: the tiled path; two steps of 64 keys
+    q, k = torch.zeros(1, 1, L, D), torch.zeros(1, 1, S, D)
+    q[..., 0] = 1.0
+    k[..., 64:, 0] = rise  # (exact in bfloat16)
+    v = torch.randn(1, 1, S, D, generator=torch.Generator().manual_seed(1))
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    out, row_max, row_sum = kernel.forward(q, k, v, native._terms(Contract(scale=1.0), D, torch.bfloat16), True)
+    assert torch.equal(row_max, torch.full_like(row_max, 0.0 if lazy else max(rise, 0.0)))
+    scores = (q.double() @ k.double().transpose(-1, -2))
+    assert float((row_max.double() + row_sum.double().log() - torch.logsumexp(scores, -1)).abs().max()) < 4e-3
+    exact = torch.softmax(scores, -1) @ v.double()
+    assert float((out.double() - exact).abs().max()) < 2e-2
+
+
+@_LAZY
+def test_fused_steps_of_scores_rising_far_past_the_lazy_shift_rescale_their_rows():
+    """Scores rising by 10 a step of 64 keys, 110 over twelve (2^158 in a weight kept against the first
+    step's max: float's range is 2^128): each step past the shift takes the exact max, the row's output is
+    its last step's values' mean, finite."""
+    L, S, D = 24, 768, 32
+    q, k = torch.zeros(1, 2, L, D), torch.zeros(1, 2, S, D)
+    q[..., 0] = 1.0
+    k[..., 0] = 10.0 * (torch.arange(S) // 64)
+    v = torch.randn(1, 2, S, D, generator=torch.Generator().manual_seed(2))
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    out, lse = native.native_attention_with_lse(q, k, v, Contract(scale=1.0))
+    scores = q.double() @ k.double().transpose(-1, -2)
+    assert torch.isfinite(out).all()
+    assert float((lse.double() - torch.logsumexp(scores, -1)).abs().max()) < 4e-3
+    assert float((out.double() - torch.softmax(scores, -1) @ v.double()).abs().max()) < 2e-2
+
+
+@_LAZY
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_nan_or_infinite_score_in_a_fused_step_makes_its_row_nan_and_no_other(value):
+    """A query with a NaN (or an infinity: its scores +-inf) in a group of 4 fused rows: that row's output
+    and log-sum-exp are NaN, as torch's are, and every other row is what it is without it, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 1, n, 64, generator=g).bfloat16() for n in (24, 300, 300))
+    clean = native.native_attention_with_lse(q, k, v)
+    q[0, 0, 5, 3] = value
+    out, lse = native.native_attention_with_lse(q, k, v)
+    assert torch.isnan(out[0, 0, 5]).all() and torch.isnan(lse[0, 0, 5])
+    others = torch.arange(24) != 5
+    assert torch.equal(out[0, 0, others], clean[0][0, 0, others]) and torch.equal(lse[0, 0, others], clean[1][0, 0, others])
 
 
 def test_scores_of_bfloat16_inputs_are_accumulated_in_float32():

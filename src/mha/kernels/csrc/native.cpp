@@ -189,14 +189,21 @@ std::pair<int64_t, int64_t> key_range(const Terms<acc_t>& t, const Rows& rows, i
   return {lo, std::max(lo, key_interval(t, rows.b, S, *last).second)};
 }
 
-// Whether the band hides nothing in the tile of keys j0..j0+n-1 (keys in position order): the
-// interval of the block's last query starts at or before j0, its first query's ends at or after.
+// [first, stop): the keys of 0..S-1 the band shows every row of the block (none where first >= stop),
+// keys in position order: from where its last query's interval starts to where its first query's ends.
+template <typename acc_t>
+std::pair<int64_t, int64_t> shown_keys(const Terms<acc_t>& t, const Rows& rows, int64_t S) {
+  if (!t.has_band) return {0, S};
+  if (t.k_pos != nullptr && !t.k_sorted) return {S, 0};
+  const auto [first, last] = std::minmax_element(rows.position.begin(), rows.position.begin() + rows.count);
+  return {key_interval(t, rows.b, S, *last).first, key_interval(t, rows.b, S, *first).second};
+}
+
+// Whether the band hides nothing in the tile of keys j0..j0+n-1 (n >= 1) from any row of the block.
 template <typename acc_t>
 bool band_covers(const Terms<acc_t>& t, const Rows& rows, int64_t j0, int64_t n) {
-  if (!t.has_band) return true;
-  if (t.k_pos != nullptr && !t.k_sorted) return false;
-  const auto [first, last] = std::minmax_element(rows.position.begin(), rows.position.begin() + rows.count);
-  return key_interval(t, rows.b, j0 + n, *last).first <= j0 && key_interval(t, rows.b, j0 + n, *first).second >= j0 + n;
+  const auto [first, stop] = shown_keys(t, rows, j0 + n);
+  return first <= j0 && stop >= j0 + n;
 }
 
 // ---- tile products: C (M x N) (+)= A . B, three layouts ------------------------------------------
@@ -1092,6 +1099,235 @@ inline void pack_pairs(const at::BFloat16* x, RowStrides xs, const Shape& sh, in
   });
 }
 
+// ---- fused steps: scores, softmax and values of a few rows and keys at a time, in registers -------
+//
+// brgemm's products of a block run at the dot peak, but around them a tile's scores (64 x 256 floats,
+// past the first-level cache) were written, read for their maxima, read again for the weights, and the
+// weights written and read back: the bfloat16 forward took 1.22-1.40x its products' time (Zen 5). The
+// keys of a tile that the band shows every row of the block, where no other term shapes the scores
+// (for_each_key_tile's runs: a plain tile whole, a causal block's diagonal tile but its last keys), run
+// here instead, kFusedRows rows by kFusedKeys keys a step: the scores in 16 registers (vdpbf16ps over the
+// VNNI pairs Bf16Products packs), the weights made from them there and rounded to bfloat16, then added
+// times V into the rows' accumulators. The same products and weights as the tiles', in another order.
+//
+// A lazy shift: a row's weights are 2^((s scale - m) log2 e) against its running max m as long as no
+// score of the step exceeds m by more than kLazyShift in log2 units (weights up to 2^kLazyShift, far
+// from float's range; bfloat16's rounding is relative, the same at any size), so that the step neither
+// takes its maxima nor rescales the row's accumulator. Any other row -- m still -inf, a score past the
+// shift, a NaN or an infinity, m past kFoldedShift or fused_exponent's bound -- takes absorb (the exact
+// path of every other tile) for the step. m is then a reference at most kLazyShift / log2 e below the
+// row's max, and m + log l its log-sum-exp, which is all the backward and a split block's merge take
+// of them; l then sums rounded weights above 1 too (a row's largest weight was 1, exact), its
+// log-sum-exp within bfloat16's rounding of a weight (4e-3). A shift of 0 (the exact max whenever a
+// score passes it) took absorb so often that the forward was slower than the tiles (1.02-1.08x).
+constexpr int64_t kFusedKeys = 64;  // four vectors of keys
+constexpr int kFusedRows = 4;
+constexpr float kLazyShift = 8.0f;
+
+// One step's operands: ``count`` keys (1..kFusedKeys), key pair p of dimension pair d at kt[d * ldk + 2 p
+// (+1)], V's key pair p at vv + p * 2 Dv, and the scores of a group's rows that take absorb (kFusedRows x
+// kFusedKeys).
+struct FusedStep {
+  int64_t D2, Dv, count, ldk;
+  const at::BFloat16* kt;
+  const at::BFloat16* vv;
+  float scale;
+  float* raw;
+  __mmask16 lanes[4];  // the keys of each vector that lie in the step
+};
+
+// s[r][c] = q_r . k for the keys of vector c (zero past count). A whole step's keys are read by plain
+// loads: masked ones took 1.08x the forward's time (Zen 5).
+template <int kRows, bool kWhole>
+[[gnu::always_inline]] inline void scores_of(const FusedStep& f, const at::BFloat16* q, __m512 (&s)[kRows][4]) {
+  #pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r)
+    #pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) s[r][c] = _mm512_setzero_ps();
+  const int32_t* words = reinterpret_cast<const int32_t*>(q);  // a row's dimension pairs
+  for (int64_t d = 0; d < f.D2 / 2; ++d) {
+    __m512bh k[4];
+    #pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const at::BFloat16* keys = f.kt + d * f.ldk + 32 * c;
+      k[c] = (__m512bh)(kWhole ? _mm512_loadu_si512(keys) : _mm512_maskz_loadu_epi32(f.lanes[c], keys));
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh pair = (__m512bh)_mm512_set1_epi32(words[r * f.D2 / 2 + d]);
+      #pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) s[r][c] = _mm512_dpbf16_ps(s[r][c], pair, k[c]);
+    }
+  }
+}
+
+template <int kRows>
+[[gnu::always_inline]] inline void fused_scores(const FusedStep& f, const at::BFloat16* q, __m512 (&s)[kRows][4]) {
+  if (f.count == kFusedKeys) scores_of<kRows, true>(f, q, s);
+  else scores_of<kRows, false>(f, q, s);
+}
+
+// Row r's weights into w, lazily where it may (above), else not (false: absorb makes them).
+[[gnu::always_inline]] inline bool lazy_weights(const FusedStep& f, const __m512 (&s)[4], float m, at::BFloat16* w, float* sums) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  if (!(m > -std::numeric_limits<float>::infinity() && folded_exponent(m) && fused_exponent(f.scale, m))) return false;
+  const __m512 a = _mm512_set1_ps(f.scale * kLog2e), b = _mm512_set1_ps(m * kLog2e);
+  __m512 u[4];
+  __mmask16 past = 0;  // a score past the shift, or NaN
+  #pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    u[c] = _mm512_fmsub_ps(s[c], a, b);
+    past |= _mm512_mask_cmp_ps_mask(f.lanes[c], u[c], _mm512_set1_ps(kLazyShift), _CMP_NLE_UQ);
+  }
+  if (past) return false;
+  const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);
+  const __m512bh low = _mm512_cvtne2ps_pbh(exp2_16_for_bf16(u[1], f.lanes[1]), exp2_16_for_bf16(u[0], f.lanes[0]));
+  const __m512bh high = _mm512_cvtne2ps_pbh(exp2_16_for_bf16(u[3], f.lanes[3]), exp2_16_for_bf16(u[2], f.lanes[2]));
+  _mm512_storeu_si512(w, (__m512i)low);
+  _mm512_storeu_si512(w + 32, (__m512i)high);
+  _mm512_storeu_ps(sums, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(sums), low, ones), high, ones));
+  return true;
+}
+
+// The step's weights of kRows rows (m, l, acc theirs), in w (kRows x kFusedKeys).
+// sums: the rows' vector sums of their lazy weights (16 floats a row), which join l before absorb and at
+// the run's end. The rows that take absorb do after the others, their scores stored (a call with the
+// scores live in registers spilled them all: no vector register survives a call).
+template <int kRows>
+[[gnu::always_inline]] inline void fused_weights(const FusedStep& f, const __m512 (&s)[kRows][4], float* m, float* l, float* acc, float* sums,
+                                                  at::BFloat16* w) {
+  unsigned exact = 0;  // the rows that take absorb
+  #pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
+    if (lazy_weights(f, s[r], m[r], w + r * kFusedKeys, sums + 16 * r)) continue;
+    exact |= 1u << r;
+    #pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(f.raw + r * kFusedKeys + 16 * c, f.lanes[c], s[r][c]);
+  }
+  for (int r = 0; r < kRows; ++r) {
+    if (!(exact >> r & 1u)) continue;
+    at::BFloat16* row = w + r * kFusedKeys;
+    l[r] += _mm512_reduce_add_ps(_mm512_loadu_ps(sums + 16 * r));
+    _mm512_storeu_ps(sums + 16 * r, _mm512_setzero_ps());
+    absorb(f.count, f.raw + r * kFusedKeys, f.scale, m[r], l[r], acc + r * f.Dv, f.Dv, row);
+    std::fill(row + f.count, row + kFusedKeys, at::BFloat16(0.0f));  // (the pair past an odd count reads one)
+  }
+}
+
+// acc[r][c0 .. c0 + 16 kCols) += w_r . V over the step's keys.
+template <int kRows, int kCols>
+[[gnu::always_inline]] inline void fused_values(const FusedStep& f, const at::BFloat16* w, int64_t c0, float* acc) {
+  __m512 o[kRows][kCols];
+  #pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r)
+    #pragma GCC unroll 4
+    for (int c = 0; c < kCols; ++c) o[r][c] = _mm512_loadu_ps(acc + r * f.Dv + c0 + 16 * c);
+  const int32_t* pairs = reinterpret_cast<const int32_t*>(w);  // a row's weights, two keys a word
+  for (int64_t p = 0; p < (f.count + 1) / 2; ++p) {
+    __m512bh v[kCols];
+    #pragma GCC unroll 4
+    for (int c = 0; c < kCols; ++c) v[c] = (__m512bh)_mm512_loadu_si512(f.vv + p * 2 * f.Dv + 2 * c0 + 32 * c);
+    #pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh weight = (__m512bh)_mm512_set1_epi32(pairs[r * kFusedKeys / 2 + p]);
+      #pragma GCC unroll 4
+      for (int c = 0; c < kCols; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], weight, v[c]);
+    }
+  }
+  #pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r)
+    #pragma GCC unroll 4
+    for (int c = 0; c < kCols; ++c) _mm512_storeu_ps(acc + r * f.Dv + c0 + 16 * c, o[r][c]);
+}
+
+// A group's scores and weights (w), and its values (acc): a group's values are added after the next
+// group's weights are made, so that the softmax's operations, which wait on the scores, run beside
+// products that do not wait on them (and the weights' stores are long done when they are read).
+template <int kRows>
+void group_weights(const FusedStep& f, const at::BFloat16* q, float* m, float* l, float* acc, float* sums, at::BFloat16* w) {
+  __m512 s[kRows][4];
+  fused_scores<kRows>(f, q, s);
+  fused_weights<kRows>(f, s, m, l, acc, sums, w);
+}
+
+template <int kRows>
+void group_values(const FusedStep& f, const at::BFloat16* w, float* acc) {
+  for (int64_t c0 = 0; c0 < f.Dv; c0 += 64) {
+    switch (std::min<int64_t>(4, (f.Dv - c0) / 16)) {
+      case 4: fused_values<kRows, 4>(f, w, c0, acc); break;
+      case 3: fused_values<kRows, 3>(f, w, c0, acc); break;
+      case 2: fused_values<kRows, 2>(f, w, c0, acc); break;
+      default: fused_values<kRows, 1>(f, w, c0, acc);
+    }
+  }
+}
+
+// call(std::integral_constant<int, rows>) for a group of 1..kFusedRows rows
+template <typename Call>
+inline void with_group_rows(int64_t rows, Call&& call) {
+  switch (rows) {
+    case 4: call(std::integral_constant<int, 4>{}); break;
+    case 3: call(std::integral_constant<int, 3>{}); break;
+    case 2: call(std::integral_constant<int, 2>{}); break;
+    default: call(std::integral_constant<int, 1>{});
+  }
+}
+
+#if defined(MHA_AMX)
+bool amx_present();  // (the AMX section's)
+#endif
+
+// Whether fused steps take a block's bfloat16 products: Dv in whole vectors (the accumulators' columns),
+// on a CPU without AMX tiles (where brgemm's products, and AmxProducts', run on them, far past vdpbf16ps).
+inline bool fused_steps_take(int64_t Dv) {
+#if defined(MHA_AMX)
+  if (amx_present()) return false;
+#endif
+  return Dv % 16 == 0;
+}
+
+// A run's operands in Bf16Products' layouts: the block's queries q (rows of D2), and the run's first key
+// in a tile's K^T (its dimension pairs 2 kBlockK apart) and V (key pairs of Dv words); a thread's buffers.
+struct FusedOperands {
+  const at::BFloat16* q;
+  int64_t D2, Dv;
+  const at::BFloat16* kt;
+  const at::BFloat16* vv;
+};
+
+struct FusedBuffers {
+  Scratch<float> sums, raw;
+  Scratch<at::BFloat16> weights;
+};
+
+// The run's ``keys`` keys (within one tile) for the block's R rows, kFusedKeys a step, kFusedRows rows a
+// group; their weights' lazy sums join l at the run's end.
+inline void fused_run(FusedBuffers& buffers, const FusedOperands& x, int64_t R, int64_t keys, float scale, float* m,
+                      float* l, float* acc) {
+  float* sums = buffers.sums.at_least(kBlockQ * 16);
+  std::fill_n(sums, R * 16, 0.0f);
+  FusedStep f{x.D2, x.Dv, 0, 2 * kBlockK, nullptr, nullptr, scale, buffers.raw.at_least(kFusedRows * kFusedKeys), {}};
+  constexpr int64_t kGroupWeights = kFusedRows * kFusedKeys;
+  at::BFloat16* weights = buffers.weights.at_least(2 * kGroupWeights);  // two groups': one's values wait on the next's weights
+  const auto weights_of = [&](int64_t g) { return weights + g / kFusedRows % 2 * kGroupWeights; };
+  for (int64_t k0 = 0; k0 < keys; k0 += kFusedKeys) {
+    f.count = std::min(kFusedKeys, keys - k0);
+    f.kt = x.kt + 2 * k0;
+    f.vv = x.vv + k0 * x.Dv;
+    for (int c = 0; c < 4; ++c) f.lanes[c] = tail_mask(std::clamp<int64_t>(f.count - 16 * c, 0, 16));
+    int64_t waiting = -1;  // the group whose values are added next
+    for (int64_t g = 0; g < R; g += kFusedRows) {
+      with_group_rows(std::min<int64_t>(kFusedRows, R - g), [&](auto rows) {
+        group_weights<rows>(f, x.q + g * x.D2, m + g, l + g, acc + g * x.Dv, sums + 16 * g, weights_of(g));
+      });
+      if (waiting >= 0) group_values<kFusedRows>(f, weights_of(waiting), acc + waiting * x.Dv);  // (a whole group)
+      waiting = g;
+    }
+    with_group_rows(R - waiting, [&](auto rows) { group_values<rows>(f, weights_of(waiting), acc + waiting * x.Dv); });
+  }
+  for (int64_t r = 0; r < R; ++r) l[r] += _mm512_reduce_add_ps(_mm512_loadu_ps(sums + 16 * r));
+}
+
 // bfloat16 operands in VNNI pairs (two consecutive values of the product's inner dim side by side)
 // for brgemm's vdpbf16ps products, accumulated in float32: no score is rounded to bfloat16 (the
 // queries and keys are the inputs' own values); the weights p are rounded to bfloat16 for P . V.
@@ -1135,6 +1371,17 @@ struct Bf16Products {
     const bf16* tile = vv + (bh * tiles_of(sh.S) + j0 / kBlockK) * kBlockK * sh.Dv;
     at::native::cpublas::brgemm(R, sh.Dv, n, n, sh.Dv, sh.Dv, true, pb.data(), tile + (j0 % kBlockK) * sh.Dv, acc, true);
   }
+  // The keys j0 .. j0 + keys - 1 (before S; j0 even) of the block's R rows, which the band shows every
+  // row, on fused steps (fused_run), their scores times ``scale`` in the softmax; where fuses(R).
+  bool fuses(int64_t) const { return fused_steps_take(sh.Dv); }
+  void fused_keys(int64_t bh, int64_t R, int64_t j0, int64_t keys, float scale, float* m, float* l, float* acc) {
+    const int64_t tile = bh * tiles_of(sh.S) + j0 / kBlockK, first = j0 % kBlockK;  // (even: pairs of keys)
+    const FusedOperands x{qb.data(), D2, sh.Dv, kt + tile * D2 * kBlockK + 2 * first, vv + (tile * kBlockK + first) * sh.Dv};
+    fused_run(fused, x, R, keys, scale, m, l, acc);
+  }
+
+ private:
+  FusedBuffers fused;
 };
 #endif
 
@@ -1413,15 +1660,36 @@ bool scores_scaled(const Products& products, int64_t R) {
 // by the contract (shape_tile, ``capped`` its tanh for the backward; skipped for a plain tile, one the
 // band covers with no other term), with -inf past S; then ``tile(j0, n, keys, scale)``: the tile's
 // first key, its width, how many of its keys lie before S, and the scale the exponential still
-// applies (1 when the products or s carry it).
-template <typename acc_t, typename Products, typename Tile>
+// applies (1 when the products or s carry it). Where ``whole.active`` (the forward's products fuse, no
+// term but the band shapes the scores), a tile's run of keys that the band shows every row goes to
+// ``whole(j0, count)`` instead (fused_keys: keys j0 .. j0 + count - 1, its scores never made here), and
+// the keys before it and after it are tiles of their own: a causal block's diagonal tile is its
+// keys every row sees, then the few the diagonal hides from some.
+struct NoWholeRuns {
+  bool active = false;
+  void operator()(int64_t, int64_t) const {}
+};
+
+template <typename acc_t, typename Products, typename Tile, typename Whole = NoWholeRuns>
 void for_each_key_tile(const Shape& sh, const Terms<acc_t>& t, const Rows& rows, Products& products, int64_t bh,
-                       int64_t lo, int64_t hi, acc_t* s, acc_t* capped, Tile&& tile) {
+                       int64_t lo, int64_t hi, acc_t* s, acc_t* capped, Tile&& tile, Whole&& whole = {}) {
   const int64_t R = rows.count;
-  for (int64_t j0 = lo; j0 < hi; j0 = (j0 / kBlockK + 1) * kBlockK) {
-    const int64_t n = std::min((j0 / kBlockK + 1) * kBlockK, hi) - j0, keys = std::min(n, sh.S - j0);
-    products.scores(bh, R, j0, n, s);
+  const auto [shown, shown_stop] = shown_keys(t, rows, sh.S);
+  for (int64_t j0 = lo; j0 < hi;) {
+    int64_t n = std::min((j0 / kBlockK + 1) * kBlockK, hi) - j0;
+    if (whole.active) {  // the tile's run of shown keys: from an even key to an even one, or to S
+      const int64_t end = std::min(j0 + n, sh.S), first = std::max(j0, shown + shown % 2);
+      const int64_t stop = std::min(end, shown_stop) == sh.S ? sh.S : std::min(end, shown_stop) / 2 * 2;
+      if (first == j0 && stop > j0) {
+        whole(j0, stop - j0);
+        j0 = stop == end ? j0 + n : stop;  // (past S: the last tile's padding)
+        continue;
+      }
+      if (first > j0 && first < stop) n = first - j0;  // the keys before the run, as a tile
+    }
+    const int64_t keys = std::min(n, sh.S - j0);
     const bool covered = band_covers(t, rows, j0, keys), plain = plain_tile(t, covered);
+    products.scores(bh, R, j0, n, s);
     acc_t scale = 1;
     if (!scores_scaled(products, R)) {
       if (plain && t.scale > 0) scale = t.scale;
@@ -1430,6 +1698,7 @@ void for_each_key_tile(const Shape& sh, const Terms<acc_t>& t, const Rows& rows,
     hide_padding(R, n, keys, s);  // after the scale: -inf times a scale <= 0 is NaN or +inf
     if (!plain) shape_tile(t, rows, j0, keys, s, n, capped, covered);
     tile(j0, n, keys, scale);
+    j0 += n;
   }
 }
 
@@ -1440,6 +1709,34 @@ template <typename Products, typename = void>
 struct RoundsWeights : std::false_type {};
 template <typename Products>
 struct RoundsWeights<Products, std::void_t<decltype(std::declval<Products&>().rounded_weights(int64_t(0)))>> : std::true_type {};
+
+// Products that may take a run of keys whole: fuses(), fused_keys (Bf16Products).
+template <typename Products, typename = void>
+struct FusesKeys : std::false_type {};
+template <typename Products>
+struct FusesKeys<Products, std::void_t<decltype(&Products::fused_keys)>> : std::true_type {};
+
+// for_each_key_tile's whole runs for absorb_keys: the products' fused_keys, where they fuse and nothing but
+// the band shapes the scores (and the scale is the softmax's to apply, > 0).
+template <typename acc_t, typename Products>
+struct WholeRuns {
+  bool active;
+  Products& products;
+  int64_t bh, R;
+  acc_t scale, *m, *l, *acc;
+  void operator()(int64_t j0, int64_t count) const {
+    if constexpr (FusesKeys<Products>::value) products.fused_keys(bh, R, j0, count, scale, m, l, acc);
+  }
+};
+
+template <typename acc_t, typename Products>
+WholeRuns<acc_t, Products> whole_runs(const Terms<acc_t>& t, const Rows& rows, Products& products, int64_t bh, acc_t* m,
+                                      acc_t* l, acc_t* acc) {
+  bool active = false;
+  if constexpr (FusesKeys<Products>::value)
+    active = products.fuses(rows.count) && plain_tile(t, true) && t.scale > 0 && !scores_scaled(products, rows.count);
+  return {active, products, bh, rows.count, t.scale, m, l, acc};
+}
 
 // The forward's online softmax of a block of rows over the keys [lo, hi) (the tiled kernel's and the
 // paged kernel's): each row's running max m and sum l and its output accumulator acc (R x Dv, from
@@ -1462,7 +1759,7 @@ void absorb_keys(const Shape& sh, const Terms<acc_t>& t, const Rows& rows, Produ
     }
     if (!rounded) absorb_tile(n, scale, products.weights(s));
     products.add_values(bh, rows.count, j0, n, s, acc);
-  });
+  }, whole_runs(t, rows, products, bh, m, l, acc));
 }
 
 // ---- the forward's work over the threads --------------------------------------------------------
@@ -3495,6 +3792,15 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
 #endif
     at::native::cpublas::brgemm(R, Dv, n, n, Dv, Dv, true, weights, vv, acc, true);
   }
+  // bfloat16 pages' tiles of a block past the run loops' rows, as the dense forward's (Bf16Products'
+  // fused_keys): the same steps over the slot's tiles, the dense forward's output bit for bit.
+  bool fuses(int64_t R) const { return !kTiles && !Base::kQuantized && R > kRunLoopRows && fused_steps_take(this->Dv); }
+  void fused_keys(int64_t, int64_t R, int64_t j0, int64_t keys, float scale, float* m, float* l, float* acc) {
+    const int64_t slot = slot_of(j0 / kBlockK), at = j0 % kBlockK, D2 = this->D2(), Dv = this->Dv;
+    const FusedOperands x{qb.data(), D2, Dv, k_tiles.data() + slot * D2 * kBlockK + 2 * at, v_tiles.data() + (slot * kBlockK + at) * Dv};
+    fused_run(fused, x, R, keys, scale, m, l, acc);
+  }
+  FusedBuffers fused;
   void release() {
 #if defined(MHA_AMX)
     if constexpr (kTiles) release_tiles();
@@ -4318,6 +4624,15 @@ bool amx_active() {
 }
 
 // Whether the tile products take a call of these head dims where AMX is present (its rule alone, any CPU).
+// Whether a bfloat16 forward's blocks of head dim Dv run on fused steps here (the rule alone; tests).
+bool fused_steps(int64_t Dv) {
+#if defined(MHA_AVX512_BF16)
+  return fused_steps_take(Dv);
+#else
+  return Dv < 0;  // (never: the other builds have no bfloat16 dot products)
+#endif
+}
+
 bool amx_takes(int64_t D, int64_t Dv) {
 #if defined(MHA_AMX)
   return amx_fits(D, Dv);
@@ -4394,6 +4709,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("folded_exponent", &mha_native::folded_exponent,
         "whether bfloat16 weights of a row of this max take their exponent in one FMA (the rule alone, any build; tests)");
   m.def("amx_active", &mha_native::amx_active, "whether bfloat16 products run on AMX tiles on this CPU");
+  m.def("fused_steps", &mha_native::fused_steps, "whether a bfloat16 forward of head dim Dv runs on fused steps here (tests)");
   m.def("amx_takes", &mha_native::amx_takes, "whether the AMX tile products take head dims (D, Dv) (the rule alone; tests)");
   m.def("take_tile_step_keys", &mha_native::take_tile_step_keys,
         "(keys scored, keys whose values were added) on the AMX tiles' decoding path by this thread since last asked (tests)");

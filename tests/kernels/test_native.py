@@ -514,6 +514,7 @@ _FUSED_CONTRACTS = {
     "window (30, 200)": dict(band=Band(30, 200)),
     "sinks": dict(sinks=[2.0, -1.0, 30.0]),
     "positions in order": dict(band=Band(50, 0), positions=3),
+    "positions out of order": dict(band=Band(50, 0), positions=-3),  # (not fused: every key tested)
 }
 
 
@@ -521,8 +522,9 @@ def _fused_contract(name: str, H: int, L: int, S: int) -> Contract:
     terms = dict(_FUSED_CONTRACTS[name])
     if "sinks" in terms:
         terms["sinks"] = torch.tensor(terms["sinks"][:H])
-    if "positions" in terms:  # queries at every third key from 17 on, keys at their index
-        terms["positions"] = (torch.arange(L)[None] * terms["positions"] + 17, torch.arange(S)[None])
+    if "positions" in terms:  # queries at every third key from 17 on; keys at their index, or reversed
+        keys = torch.arange(S)[None] if terms["positions"] > 0 else torch.arange(S - 1, -1, -1)[None]
+        terms["positions"] = (torch.arange(L)[None] * abs(terms["positions"]) + 17, keys)
     return Contract(**terms)
 
 
@@ -533,7 +535,7 @@ def test_fused_steps_err_as_the_tiles_they_replace(shape, contract):
     weights and values of 4 rows by 64 keys in registers, where native.fused_steps says so); the same call
     with every key marked valid (a term: every tile shaped, and multiplied on brgemm) errs as much against
     float64, output and log-sum-exp: groups of 1-4 rows, steps of 1-64 keys, odd D, Dv of 1-4 vectors a
-    chunk, the runs of a causal or banded block's diagonal tiles, sinks."""
+    chunk, each row's keys masked to its band's interval (causal, windows, given positions), sinks."""
     H, Hkv, L, S, D, Dv = _FUSED_SHAPES[shape]
     terms = _fused_contract(contract, H, L, S)
     g = torch.Generator().manual_seed(L * S)

@@ -167,6 +167,11 @@ int64_t first_key_from(const Terms<acc_t>& t, int64_t b, int64_t S, int64_t p) {
   return std::lower_bound(kp, kp + S, p) - kp;
 }
 
+// The keys each row of a block sees, first[r] .. stop[r] - 1 (its key interval, key_interval below).
+struct RowKeys {
+  std::array<int64_t, kBlockQ> first, stop;
+};
+
 // The key-interval rule (mirrors mha.positions.Band.interval; a test checks the two agree on random
 // bands and positions): [first, stop), the keys 0..S-1 whose positions the query's reach holds,
 // keys in position order. Every query's keys are one interval; a block's and a tile's follow from it.
@@ -189,21 +194,14 @@ std::pair<int64_t, int64_t> key_range(const Terms<acc_t>& t, const Rows& rows, i
   return {lo, std::max(lo, key_interval(t, rows.b, S, *last).second)};
 }
 
-// [first, stop): the keys of 0..S-1 the band shows every row of the block (none where first >= stop),
-// keys in position order: from where its last query's interval starts to where its first query's ends.
-template <typename acc_t>
-std::pair<int64_t, int64_t> shown_keys(const Terms<acc_t>& t, const Rows& rows, int64_t S) {
-  if (!t.has_band) return {0, S};
-  if (t.k_pos != nullptr && !t.k_sorted) return {S, 0};
-  const auto [first, last] = std::minmax_element(rows.position.begin(), rows.position.begin() + rows.count);
-  return {key_interval(t, rows.b, S, *last).first, key_interval(t, rows.b, S, *first).second};
-}
-
-// Whether the band hides nothing in the tile of keys j0..j0+n-1 (n >= 1) from any row of the block.
+// Whether the band hides nothing in the tile of keys j0..j0+n-1 (keys in position order): the
+// interval of the block's last query starts at or before j0, its first query's ends at or after.
 template <typename acc_t>
 bool band_covers(const Terms<acc_t>& t, const Rows& rows, int64_t j0, int64_t n) {
-  const auto [first, stop] = shown_keys(t, rows, j0 + n);
-  return first <= j0 && stop >= j0 + n;
+  if (!t.has_band) return true;
+  if (t.k_pos != nullptr && !t.k_sorted) return false;
+  const auto [first, last] = std::minmax_element(rows.position.begin(), rows.position.begin() + rows.count);
+  return key_interval(t, rows.b, j0 + n, *last).first <= j0 && key_interval(t, rows.b, j0 + n, *first).second >= j0 + n;
 }
 
 // ---- tile products: C (M x N) (+)= A . B, three layouts ------------------------------------------
@@ -1103,12 +1101,12 @@ inline void pack_pairs(const at::BFloat16* x, RowStrides xs, const Shape& sh, in
 //
 // brgemm's products of a block run at the dot peak, but around them a tile's scores (64 x 256 floats,
 // past the first-level cache) were written, read for their maxima, read again for the weights, and the
-// weights written and read back: the bfloat16 forward took 1.22-1.40x its products' time (Zen 5). The
-// keys of a tile that the band shows every row of the block, where no other term shapes the scores
-// (for_each_key_tile's runs: a plain tile whole, a causal block's diagonal tile but its last keys), run
-// here instead, kFusedRows rows by kFusedKeys keys a step: the scores in 16 registers (vdpbf16ps over the
-// VNNI pairs Bf16Products packs), the weights made from them there and rounded to bfloat16, then added
-// times V into the rows' accumulators. The same products and weights as the tiles', in another order.
+// weights written and read back: the bfloat16 forward took 1.22-1.40x its products' time (Zen 5). Where
+// no term but the band shapes the scores (key positions in order), every tile runs here instead,
+// kFusedRows rows by kFusedKeys keys a step: the scores in 16 registers (vdpbf16ps over the VNNI pairs
+// Bf16Products packs), each row's keys past its interval (the band's) masked, the weights made there and
+// rounded to bfloat16, then added times V into the rows' accumulators. The same products and weights as
+// the tiles', in another order.
 //
 // A lazy shift: a row's weights are 2^((s scale - m) log2 e) against its running max m as long as no
 // score of the step exceeds m by more than kLazyShift in log2 units (weights up to 2^kLazyShift, far
@@ -1125,16 +1123,24 @@ constexpr int kFusedRows = 4;
 constexpr float kLazyShift = 8.0f;
 
 // One step's operands: ``count`` keys (1..kFusedKeys), key pair p of dimension pair d at kt[d * ldk + 2 p
-// (+1)], V's key pair p at vv + p * 2 Dv, and the scores of a group's rows that take absorb (kFusedRows x
-// kFusedKeys).
+// (+1)], V's key pair p at vv + p * 2 Dv, the step's first key key0 (its index in the sequence), and the
+// scores of a group's rows that take absorb (kFusedRows x kFusedKeys).
 struct FusedStep {
-  int64_t D2, Dv, count, ldk;
+  int64_t D2, Dv, count, ldk, key0;
   const at::BFloat16* kt;
   const at::BFloat16* vv;
   float scale;
   float* raw;
   __mmask16 lanes[4];  // the keys of each vector that lie in the step
 };
+
+// The lanes of the step's keys that a row sees: of each vector, keys key0 + 16 c + lane in [first, stop).
+inline void row_lanes(const FusedStep& f, int64_t first, int64_t stop, __mmask16 (&lanes)[4]) {
+  const int64_t lo = std::clamp<int64_t>(first - f.key0, 0, f.count), hi = std::clamp<int64_t>(stop - f.key0, lo, f.count);
+  const auto below = [](int64_t n) { return n >= 64 ? ~uint64_t(0) : (uint64_t(1) << n) - 1; };
+  const uint64_t seen = below(hi) & ~below(lo);
+  for (int c = 0; c < 4; ++c) lanes[c] = static_cast<__mmask16>(seen >> (16 * c));
+}
 
 // s[r][c] = q_r . k for the keys of vector c (zero past count). A whole step's keys are read by plain
 // loads: masked ones took 1.08x the forward's time (Zen 5).
@@ -1167,8 +1173,10 @@ template <int kRows>
   else scores_of<kRows, false>(f, q, s);
 }
 
-// Row r's weights into w, lazily where it may (above), else not (false: absorb makes them).
-[[gnu::always_inline]] inline bool lazy_weights(const FusedStep& f, const __m512 (&s)[4], float m, at::BFloat16* w, float* sums) {
+// A row's weights of the keys it sees (lanes; 0 elsewhere) into w, lazily where it may (above), else not
+// (false: absorb makes them).
+[[gnu::always_inline]] inline bool lazy_weights(const FusedStep& f, const __m512 (&s)[4], const __mmask16 (&lanes)[4], float m,
+                                                at::BFloat16* w, float* sums) {
   constexpr float kLog2e = 1.44269504088896341f;
   if (!(m > -std::numeric_limits<float>::infinity() && folded_exponent(m) && fused_exponent(f.scale, m))) return false;
   const __m512 a = _mm512_set1_ps(f.scale * kLog2e), b = _mm512_set1_ps(m * kLog2e);
@@ -1177,32 +1185,35 @@ template <int kRows>
   #pragma GCC unroll 4
   for (int c = 0; c < 4; ++c) {
     u[c] = _mm512_fmsub_ps(s[c], a, b);
-    past |= _mm512_mask_cmp_ps_mask(f.lanes[c], u[c], _mm512_set1_ps(kLazyShift), _CMP_NLE_UQ);
+    past |= _mm512_mask_cmp_ps_mask(lanes[c], u[c], _mm512_set1_ps(kLazyShift), _CMP_NLE_UQ);
   }
   if (past) return false;
   const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);
-  const __m512bh low = _mm512_cvtne2ps_pbh(exp2_16_for_bf16(u[1], f.lanes[1]), exp2_16_for_bf16(u[0], f.lanes[0]));
-  const __m512bh high = _mm512_cvtne2ps_pbh(exp2_16_for_bf16(u[3], f.lanes[3]), exp2_16_for_bf16(u[2], f.lanes[2]));
+  const __m512bh low = _mm512_cvtne2ps_pbh(exp2_16_for_bf16(u[1], lanes[1]), exp2_16_for_bf16(u[0], lanes[0]));
+  const __m512bh high = _mm512_cvtne2ps_pbh(exp2_16_for_bf16(u[3], lanes[3]), exp2_16_for_bf16(u[2], lanes[2]));
   _mm512_storeu_si512(w, (__m512i)low);
   _mm512_storeu_si512(w + 32, (__m512i)high);
   _mm512_storeu_ps(sums, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(sums), low, ones), high, ones));
   return true;
 }
 
-// The step's weights of kRows rows (m, l, acc theirs), in w (kRows x kFusedKeys).
+// The step's weights of kRows rows (m, l, acc, keys theirs), in w (kRows x kFusedKeys).
 // sums: the rows' vector sums of their lazy weights (16 floats a row), which join l before absorb and at
 // the run's end. The rows that take absorb do after the others, their scores stored (a call with the
 // scores live in registers spilled them all: no vector register survives a call).
 template <int kRows>
 [[gnu::always_inline]] inline void fused_weights(const FusedStep& f, const __m512 (&s)[kRows][4], float* m, float* l, float* acc, float* sums,
-                                                  at::BFloat16* w) {
+                                                  const int64_t* first, const int64_t* stop, at::BFloat16* w) {
+  const __m512 hidden = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   unsigned exact = 0;  // the rows that take absorb
   #pragma GCC unroll 4
   for (int r = 0; r < kRows; ++r) {
-    if (lazy_weights(f, s[r], m[r], w + r * kFusedKeys, sums + 16 * r)) continue;
+    __mmask16 lanes[4];
+    row_lanes(f, first[r], stop[r], lanes);
+    if (lazy_weights(f, s[r], lanes, m[r], w + r * kFusedKeys, sums + 16 * r)) continue;
     exact |= 1u << r;
     #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(f.raw + r * kFusedKeys + 16 * c, f.lanes[c], s[r][c]);
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(f.raw + r * kFusedKeys + 16 * c, _mm512_mask_blend_ps(lanes[c], hidden, s[r][c]));
   }
   for (int r = 0; r < kRows; ++r) {
     if (!(exact >> r & 1u)) continue;
@@ -1244,10 +1255,11 @@ template <int kRows, int kCols>
 // group's weights are made, so that the softmax's operations, which wait on the scores, run beside
 // products that do not wait on them (and the weights' stores are long done when they are read).
 template <int kRows>
-void group_weights(const FusedStep& f, const at::BFloat16* q, float* m, float* l, float* acc, float* sums, at::BFloat16* w) {
+void group_weights(const FusedStep& f, const at::BFloat16* q, float* m, float* l, float* acc, float* sums, const int64_t* first,
+                   const int64_t* stop, at::BFloat16* w) {
   __m512 s[kRows][4];
   fused_scores<kRows>(f, q, s);
-  fused_weights<kRows>(f, s, m, l, acc, sums, w);
+  fused_weights<kRows>(f, s, m, l, acc, sums, first, stop, w);
 }
 
 template <int kRows>
@@ -1300,25 +1312,28 @@ struct FusedBuffers {
   Scratch<at::BFloat16> weights;
 };
 
-// The run's ``keys`` keys (within one tile) for the block's R rows, kFusedKeys a step, kFusedRows rows a
-// group; their weights' lazy sums join l at the run's end.
-inline void fused_run(FusedBuffers& buffers, const FusedOperands& x, int64_t R, int64_t keys, float scale, float* m,
-                      float* l, float* acc) {
+// A tile's ``keys`` keys from j0 (those before S) for the block's R rows, each seeing those of its
+// interval (``seen``), kFusedKeys a step, kFusedRows rows a group; their weights' lazy sums join l at the
+// tile's end.
+inline void fused_run(FusedBuffers& buffers, const FusedOperands& x, const RowKeys& seen, int64_t R, int64_t j0, int64_t keys,
+                      float scale, float* m, float* l, float* acc) {
   float* sums = buffers.sums.at_least(kBlockQ * 16);
   std::fill_n(sums, R * 16, 0.0f);
-  FusedStep f{x.D2, x.Dv, 0, 2 * kBlockK, nullptr, nullptr, scale, buffers.raw.at_least(kFusedRows * kFusedKeys), {}};
+  FusedStep f{x.D2, x.Dv, 0, 2 * kBlockK, 0, nullptr, nullptr, scale, buffers.raw.at_least(kFusedRows * kFusedKeys), {}};
   constexpr int64_t kGroupWeights = kFusedRows * kFusedKeys;
   at::BFloat16* weights = buffers.weights.at_least(2 * kGroupWeights);  // two groups': one's values wait on the next's weights
   const auto weights_of = [&](int64_t g) { return weights + g / kFusedRows % 2 * kGroupWeights; };
   for (int64_t k0 = 0; k0 < keys; k0 += kFusedKeys) {
     f.count = std::min(kFusedKeys, keys - k0);
+    f.key0 = j0 + k0;
     f.kt = x.kt + 2 * k0;
     f.vv = x.vv + k0 * x.Dv;
     for (int c = 0; c < 4; ++c) f.lanes[c] = tail_mask(std::clamp<int64_t>(f.count - 16 * c, 0, 16));
     int64_t waiting = -1;  // the group whose values are added next
     for (int64_t g = 0; g < R; g += kFusedRows) {
       with_group_rows(std::min<int64_t>(kFusedRows, R - g), [&](auto rows) {
-        group_weights<rows>(f, x.q + g * x.D2, m + g, l + g, acc + g * x.Dv, sums + 16 * g, weights_of(g));
+        group_weights<rows>(f, x.q + g * x.D2, m + g, l + g, acc + g * x.Dv, sums + 16 * g, seen.first.data() + g,
+                            seen.stop.data() + g, weights_of(g));
       });
       if (waiting >= 0) group_values<kFusedRows>(f, weights_of(waiting), acc + waiting * x.Dv);  // (a whole group)
       waiting = g;
@@ -1371,13 +1386,14 @@ struct Bf16Products {
     const bf16* tile = vv + (bh * tiles_of(sh.S) + j0 / kBlockK) * kBlockK * sh.Dv;
     at::native::cpublas::brgemm(R, sh.Dv, n, n, sh.Dv, sh.Dv, true, pb.data(), tile + (j0 % kBlockK) * sh.Dv, acc, true);
   }
-  // The keys j0 .. j0 + keys - 1 (before S; j0 even) of the block's R rows, which the band shows every
-  // row, on fused steps (fused_run), their scores times ``scale`` in the softmax; where fuses(R).
+  // A tile's keys j0 .. j0 + keys - 1 (before S; j0 even) for the block's R rows on fused steps
+  // (fused_run), their scores times ``scale`` in the softmax; where fuses(R).
   bool fuses(int64_t) const { return fused_steps_take(sh.Dv); }
-  void fused_keys(int64_t bh, int64_t R, int64_t j0, int64_t keys, float scale, float* m, float* l, float* acc) {
+  void fused_keys(const RowKeys& seen, int64_t bh, int64_t R, int64_t j0, int64_t keys, float scale, float* m, float* l,
+                  float* acc) {
     const int64_t tile = bh * tiles_of(sh.S) + j0 / kBlockK, first = j0 % kBlockK;  // (even: pairs of keys)
     const FusedOperands x{qb.data(), D2, sh.Dv, kt + tile * D2 * kBlockK + 2 * first, vv + (tile * kBlockK + first) * sh.Dv};
-    fused_run(fused, x, R, keys, scale, m, l, acc);
+    fused_run(fused, x, seen, R, j0, keys, scale, m, l, acc);
   }
 
  private:
@@ -1661,33 +1677,24 @@ bool scores_scaled(const Products& products, int64_t R) {
 // band covers with no other term), with -inf past S; then ``tile(j0, n, keys, scale)``: the tile's
 // first key, its width, how many of its keys lie before S, and the scale the exponential still
 // applies (1 when the products or s carry it). Where ``whole.active`` (the forward's products fuse, no
-// term but the band shapes the scores), a tile's run of keys that the band shows every row goes to
-// ``whole(j0, count)`` instead (fused_keys: keys j0 .. j0 + count - 1, its scores never made here), and
-// the keys before it and after it are tiles of their own: a causal block's diagonal tile is its
-// keys every row sees, then the few the diagonal hides from some.
-struct NoWholeRuns {
+// term but the band shapes the scores), every tile goes to ``whole(j0, keys)`` instead (fused_keys, its
+// scores never made here).
+struct NoWholeTiles {
   bool active = false;
   void operator()(int64_t, int64_t) const {}
 };
 
-template <typename acc_t, typename Products, typename Tile, typename Whole = NoWholeRuns>
+template <typename acc_t, typename Products, typename Tile, typename Whole = NoWholeTiles>
 void for_each_key_tile(const Shape& sh, const Terms<acc_t>& t, const Rows& rows, Products& products, int64_t bh,
                        int64_t lo, int64_t hi, acc_t* s, acc_t* capped, Tile&& tile, Whole&& whole = {}) {
   const int64_t R = rows.count;
-  const auto [shown, shown_stop] = shown_keys(t, rows, sh.S);
-  for (int64_t j0 = lo; j0 < hi;) {
-    int64_t n = std::min((j0 / kBlockK + 1) * kBlockK, hi) - j0;
-    if (whole.active) {  // the tile's run of shown keys: from an even key to an even one, or to S
-      const int64_t end = std::min(j0 + n, sh.S), first = std::max(j0, shown + shown % 2);
-      const int64_t stop = std::min(end, shown_stop) == sh.S ? sh.S : std::min(end, shown_stop) / 2 * 2;
-      if (first == j0 && stop > j0) {
-        whole(j0, stop - j0);
-        j0 = stop == end ? j0 + n : stop;  // (past S: the last tile's padding)
-        continue;
-      }
-      if (first > j0 && first < stop) n = first - j0;  // the keys before the run, as a tile
-    }
+  for (int64_t j0 = lo; j0 < hi; j0 = (j0 / kBlockK + 1) * kBlockK) {
+    const int64_t n = std::min((j0 / kBlockK + 1) * kBlockK, hi) - j0;
     const int64_t keys = std::min(n, sh.S - j0);
+    if (whole.active) {
+      whole(j0, keys);
+      continue;
+    }
     const bool covered = band_covers(t, rows, j0, keys), plain = plain_tile(t, covered);
     products.scores(bh, R, j0, n, s);
     acc_t scale = 1;
@@ -1698,7 +1705,6 @@ void for_each_key_tile(const Shape& sh, const Terms<acc_t>& t, const Rows& rows,
     hide_padding(R, n, keys, s);  // after the scale: -inf times a scale <= 0 is NaN or +inf
     if (!plain) shape_tile(t, rows, j0, keys, s, n, capped, covered);
     tile(j0, n, keys, scale);
-    j0 += n;
   }
 }
 
@@ -1710,32 +1716,37 @@ struct RoundsWeights : std::false_type {};
 template <typename Products>
 struct RoundsWeights<Products, std::void_t<decltype(std::declval<Products&>().rounded_weights(int64_t(0)))>> : std::true_type {};
 
-// Products that may take a run of keys whole: fuses(), fused_keys (Bf16Products).
+// Products that may take a tile whole: fuses(R), fused_keys (Bf16Products, PagedBf16Products).
 template <typename Products, typename = void>
 struct FusesKeys : std::false_type {};
 template <typename Products>
 struct FusesKeys<Products, std::void_t<decltype(&Products::fused_keys)>> : std::true_type {};
 
-// for_each_key_tile's whole runs for absorb_keys: the products' fused_keys, where they fuse and nothing but
-// the band shapes the scores (and the scale is the softmax's to apply, > 0).
+// for_each_key_tile's whole tiles for absorb_keys: the products' fused_keys, where they fuse and nothing
+// but the band shapes the scores (with key positions in order: each row's keys are its interval), the
+// scale the softmax's to apply (> 0); ``seen``, each row's interval.
 template <typename acc_t, typename Products>
-struct WholeRuns {
-  bool active;
+struct WholeTiles {
+  bool active = false;
   Products& products;
   int64_t bh, R;
   acc_t scale, *m, *l, *acc;
-  void operator()(int64_t j0, int64_t count) const {
-    if constexpr (FusesKeys<Products>::value) products.fused_keys(bh, R, j0, count, scale, m, l, acc);
+  RowKeys seen;
+  void operator()(int64_t j0, int64_t keys) const {
+    if constexpr (FusesKeys<Products>::value) products.fused_keys(seen, bh, R, j0, keys, scale, m, l, acc);
   }
 };
 
 template <typename acc_t, typename Products>
-WholeRuns<acc_t, Products> whole_runs(const Terms<acc_t>& t, const Rows& rows, Products& products, int64_t bh, acc_t* m,
-                                      acc_t* l, acc_t* acc) {
-  bool active = false;
+WholeTiles<acc_t, Products> whole_tiles(const Shape& sh, const Terms<acc_t>& t, const Rows& rows, Products& products,
+                                        int64_t bh, acc_t* m, acc_t* l, acc_t* acc) {
+  WholeTiles<acc_t, Products> whole{false, products, bh, rows.count, t.scale, m, l, acc, {}};
   if constexpr (FusesKeys<Products>::value)
-    active = products.fuses(rows.count) && plain_tile(t, true) && t.scale > 0 && !scores_scaled(products, rows.count);
-  return {active, products, bh, rows.count, t.scale, m, l, acc};
+    whole.active = products.fuses(rows.count) && plain_tile(t, true) && t.scale > 0 && !scores_scaled(products, rows.count) &&
+                   (t.k_pos == nullptr || t.k_sorted);
+  for (int64_t r = 0; whole.active && r < rows.count; ++r)
+    std::tie(whole.seen.first[r], whole.seen.stop[r]) = key_interval(t, rows.b, sh.S, rows.position[r]);
+  return whole;
 }
 
 // The forward's online softmax of a block of rows over the keys [lo, hi) (the tiled kernel's and the
@@ -1759,7 +1770,7 @@ void absorb_keys(const Shape& sh, const Terms<acc_t>& t, const Rows& rows, Produ
     }
     if (!rounded) absorb_tile(n, scale, products.weights(s));
     products.add_values(bh, rows.count, j0, n, s, acc);
-  }, whole_runs(t, rows, products, bh, m, l, acc));
+  }, whole_tiles(sh, t, rows, products, bh, m, l, acc));
 }
 
 // ---- the forward's work over the threads --------------------------------------------------------
@@ -3795,10 +3806,11 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
   // bfloat16 pages' tiles of a block past the run loops' rows, as the dense forward's (Bf16Products'
   // fused_keys): the same steps over the slot's tiles, the dense forward's output bit for bit.
   bool fuses(int64_t R) const { return !kTiles && !Base::kQuantized && R > kRunLoopRows && fused_steps_take(this->Dv); }
-  void fused_keys(int64_t, int64_t R, int64_t j0, int64_t keys, float scale, float* m, float* l, float* acc) {
+  void fused_keys(const RowKeys& seen, int64_t, int64_t R, int64_t j0, int64_t keys, float scale, float* m, float* l,
+                  float* acc) {
     const int64_t slot = slot_of(j0 / kBlockK), at = j0 % kBlockK, D2 = this->D2(), Dv = this->Dv;
     const FusedOperands x{qb.data(), D2, Dv, k_tiles.data() + slot * D2 * kBlockK + 2 * at, v_tiles.data() + (slot * kBlockK + at) * Dv};
-    fused_run(fused, x, R, keys, scale, m, l, acc);
+    fused_run(fused, x, seen, R, j0, keys, scale, m, l, acc);
   }
   FusedBuffers fused;
   void release() {

@@ -1201,15 +1201,17 @@ template <int kRows>
 // sums: the rows' vector sums of their lazy weights (16 floats a row), which join l before absorb and at
 // the run's end. The rows that take absorb do after the others, their scores stored (a call with the
 // scores live in registers spilled them all: no vector register survives a call).
-template <int kRows>
+// kMasked: each row's keys masked to its interval, where the band hides some key of the tile from some
+// row (its rows' masks, apart, took 1.02-1.04x a plain tile's time).
+template <int kRows, bool kMasked>
 [[gnu::always_inline]] inline void fused_weights(const FusedStep& f, const __m512 (&s)[kRows][4], float* m, float* l, float* acc, float* sums,
                                                   const int64_t* first, const int64_t* stop, at::BFloat16* w) {
   const __m512 hidden = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   unsigned exact = 0;  // the rows that take absorb
   #pragma GCC unroll 4
   for (int r = 0; r < kRows; ++r) {
-    __mmask16 lanes[4];
-    row_lanes(f, first[r], stop[r], lanes);
+    __mmask16 lanes[4] = {f.lanes[0], f.lanes[1], f.lanes[2], f.lanes[3]};
+    if constexpr (kMasked) row_lanes(f, first[r], stop[r], lanes);
     if (lazy_weights(f, s[r], lanes, m[r], w + r * kFusedKeys, sums + 16 * r)) continue;
     exact |= 1u << r;
     #pragma GCC unroll 4
@@ -1254,12 +1256,12 @@ template <int kRows, int kCols>
 // A group's scores and weights (w), and its values (acc): a group's values are added after the next
 // group's weights are made, so that the softmax's operations, which wait on the scores, run beside
 // products that do not wait on them (and the weights' stores are long done when they are read).
-template <int kRows>
+template <int kRows, bool kMasked>
 void group_weights(const FusedStep& f, const at::BFloat16* q, float* m, float* l, float* acc, float* sums, const int64_t* first,
                    const int64_t* stop, at::BFloat16* w) {
   __m512 s[kRows][4];
   fused_scores<kRows>(f, q, s);
-  fused_weights<kRows>(f, s, m, l, acc, sums, first, stop, w);
+  fused_weights<kRows, kMasked>(f, s, m, l, acc, sums, first, stop, w);
 }
 
 template <int kRows>
@@ -1313,10 +1315,10 @@ struct FusedBuffers {
 };
 
 // A tile's ``keys`` keys from j0 (those before S) for the block's R rows, each seeing those of its
-// interval (``seen``), kFusedKeys a step, kFusedRows rows a group; their weights' lazy sums join l at the
-// tile's end.
-inline void fused_run(FusedBuffers& buffers, const FusedOperands& x, const RowKeys& seen, int64_t R, int64_t j0, int64_t keys,
-                      float scale, float* m, float* l, float* acc) {
+// interval (``seen``; every row all of them where ``covered``), kFusedKeys a step, kFusedRows rows a
+// group; their weights' lazy sums join l at the tile's end.
+inline void fused_run(FusedBuffers& buffers, const FusedOperands& x, const RowKeys& seen, bool covered, int64_t R, int64_t j0,
+                      int64_t keys, float scale, float* m, float* l, float* acc) {
   float* sums = buffers.sums.at_least(kBlockQ * 16);
   std::fill_n(sums, R * 16, 0.0f);
   FusedStep f{x.D2, x.Dv, 0, 2 * kBlockK, 0, nullptr, nullptr, scale, buffers.raw.at_least(kFusedRows * kFusedKeys), {}};
@@ -1332,8 +1334,9 @@ inline void fused_run(FusedBuffers& buffers, const FusedOperands& x, const RowKe
     int64_t waiting = -1;  // the group whose values are added next
     for (int64_t g = 0; g < R; g += kFusedRows) {
       with_group_rows(std::min<int64_t>(kFusedRows, R - g), [&](auto rows) {
-        group_weights<rows>(f, x.q + g * x.D2, m + g, l + g, acc + g * x.Dv, sums + 16 * g, seen.first.data() + g,
-                            seen.stop.data() + g, weights_of(g));
+        const auto weights = covered ? group_weights<rows, false> : group_weights<rows, true>;
+        weights(f, x.q + g * x.D2, m + g, l + g, acc + g * x.Dv, sums + 16 * g, seen.first.data() + g, seen.stop.data() + g,
+                weights_of(g));
       });
       if (waiting >= 0) group_values<kFusedRows>(f, weights_of(waiting), acc + waiting * x.Dv);  // (a whole group)
       waiting = g;
@@ -1389,11 +1392,11 @@ struct Bf16Products {
   // A tile's keys j0 .. j0 + keys - 1 (before S; j0 even) for the block's R rows on fused steps
   // (fused_run), their scores times ``scale`` in the softmax; where fuses(R).
   bool fuses(int64_t) const { return fused_steps_take(sh.Dv); }
-  void fused_keys(const RowKeys& seen, int64_t bh, int64_t R, int64_t j0, int64_t keys, float scale, float* m, float* l,
-                  float* acc) {
+  void fused_keys(const RowKeys& seen, bool covered, int64_t bh, int64_t R, int64_t j0, int64_t keys, float scale, float* m,
+                  float* l, float* acc) {
     const int64_t tile = bh * tiles_of(sh.S) + j0 / kBlockK, first = j0 % kBlockK;  // (even: pairs of keys)
     const FusedOperands x{qb.data(), D2, sh.Dv, kt + tile * D2 * kBlockK + 2 * first, vv + (tile * kBlockK + first) * sh.Dv};
-    fused_run(fused, x, seen, R, j0, keys, scale, m, l, acc);
+    fused_run(fused, x, seen, covered, R, j0, keys, scale, m, l, acc);
   }
 
  private:
@@ -1677,11 +1680,11 @@ bool scores_scaled(const Products& products, int64_t R) {
 // band covers with no other term), with -inf past S; then ``tile(j0, n, keys, scale)``: the tile's
 // first key, its width, how many of its keys lie before S, and the scale the exponential still
 // applies (1 when the products or s carry it). Where ``whole.active`` (the forward's products fuse, no
-// term but the band shapes the scores), every tile goes to ``whole(j0, keys)`` instead (fused_keys, its
-// scores never made here).
+// term but the band shapes the scores), every tile goes to ``whole(j0, keys, covered)`` instead
+// (fused_keys, its scores never made here).
 struct NoWholeTiles {
   bool active = false;
-  void operator()(int64_t, int64_t) const {}
+  void operator()(int64_t, int64_t, bool) const {}
 };
 
 template <typename acc_t, typename Products, typename Tile, typename Whole = NoWholeTiles>
@@ -1691,11 +1694,11 @@ void for_each_key_tile(const Shape& sh, const Terms<acc_t>& t, const Rows& rows,
   for (int64_t j0 = lo; j0 < hi; j0 = (j0 / kBlockK + 1) * kBlockK) {
     const int64_t n = std::min((j0 / kBlockK + 1) * kBlockK, hi) - j0;
     const int64_t keys = std::min(n, sh.S - j0);
+    const bool covered = band_covers(t, rows, j0, keys), plain = plain_tile(t, covered);
     if (whole.active) {
-      whole(j0, keys);
+      whole(j0, keys, covered);
       continue;
     }
-    const bool covered = band_covers(t, rows, j0, keys), plain = plain_tile(t, covered);
     products.scores(bh, R, j0, n, s);
     acc_t scale = 1;
     if (!scores_scaled(products, R)) {
@@ -1732,8 +1735,8 @@ struct WholeTiles {
   int64_t bh, R;
   acc_t scale, *m, *l, *acc;
   RowKeys seen;
-  void operator()(int64_t j0, int64_t keys) const {
-    if constexpr (FusesKeys<Products>::value) products.fused_keys(seen, bh, R, j0, keys, scale, m, l, acc);
+  void operator()(int64_t j0, int64_t keys, bool covered) const {
+    if constexpr (FusesKeys<Products>::value) products.fused_keys(seen, covered, bh, R, j0, keys, scale, m, l, acc);
   }
 };
 
@@ -3806,11 +3809,11 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
   // bfloat16 pages' tiles of a block past the run loops' rows, as the dense forward's (Bf16Products'
   // fused_keys): the same steps over the slot's tiles, the dense forward's output bit for bit.
   bool fuses(int64_t R) const { return !kTiles && !Base::kQuantized && R > kRunLoopRows && fused_steps_take(this->Dv); }
-  void fused_keys(const RowKeys& seen, int64_t, int64_t R, int64_t j0, int64_t keys, float scale, float* m, float* l,
-                  float* acc) {
+  void fused_keys(const RowKeys& seen, bool covered, int64_t, int64_t R, int64_t j0, int64_t keys, float scale, float* m,
+                  float* l, float* acc) {
     const int64_t slot = slot_of(j0 / kBlockK), at = j0 % kBlockK, D2 = this->D2(), Dv = this->Dv;
     const FusedOperands x{qb.data(), D2, Dv, k_tiles.data() + slot * D2 * kBlockK + 2 * at, v_tiles.data() + (slot * kBlockK + at) * Dv};
-    fused_run(fused, x, seen, R, j0, keys, scale, m, l, acc);
+    fused_run(fused, x, seen, covered, R, j0, keys, scale, m, l, acc);
   }
   FusedBuffers fused;
   void release() {

@@ -8,6 +8,7 @@
     python scripts/kernel_ab.py --backward 2048        # the backward (B1 H8 D64, causal) instead
     python scripts/kernel_ab.py --read --keys 65536    # decoding, each kernel also as a fraction of a read of its bytes
     python scripts/kernel_ab.py --forward 4096 --square-heads 1   # the forward of one head (B1 H1 D64)
+    python scripts/kernel_ab.py --forward 1024 --only bfloat16      # only the calls whose names start so
 
 A kernel change measured in two processes on a shared machine compares two machines (its speed
 drifts 2x between runs here): this builds the base revision's csrc/native.cpp under another module
@@ -159,6 +160,8 @@ def main() -> None:
     parser.add_argument("--dense", action="store_true", help="decoding from a dense cache, not pages")
     parser.add_argument("--read", action="store_true", help="decoding: time a read of the same bytes in each round too")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--only", nargs="+", metavar="NAME",
+                        help="time only the calls whose names start so (float32, bfloat16, 'bfloat16 causal', int8, ...)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     new, base = native._kernel(), base_kernel(args.base)
@@ -175,6 +178,8 @@ def main() -> None:
         reads = cache_read(S, args.batch, *args.heads, args.dim, dense=args.dense) if args.read and not square else {}
         reps = max(1, (30_000_000 if square else 1_000_000) // (S * (S if square else args.batch)))
         for name in ours:
+            if args.only and not name.startswith(tuple(args.only)):
+                continue
             difference = float((ours[name]().float() - theirs[name]().float()).abs().max())
             best, ratios, of_read = {"new": float("inf"), "base": float("inf"), "read": float("inf")}, [], {"new": [], "base": []}
             for round_ in range(args.rounds):

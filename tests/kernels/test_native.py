@@ -537,8 +537,9 @@ def _fused_contract(name: str, H: int, L: int, S: int) -> Contract:
 @pytest.mark.parametrize("shape", _FUSED_SHAPES)
 def test_fused_steps_err_as_the_tiles_they_replace(shape, contract):
     """A bfloat16 forward's keys that the band shows every row of a block run on fused steps (scores,
-    weights and values of 4 rows by 64 keys in registers, where native.fused_steps says so); the same call
-    with every key marked valid (a term: every tile shaped, and multiplied on brgemm) errs as much against
+    weights and values of 4 rows by 64 keys in registers; on AMX tiles, a tile's scores and then its weights
+    in one lazy pass: where native lazy_keys says so); the same call with every key marked valid (a term:
+    every tile shaped, its maxima and weights in passes of their own) errs as much against
     float64, output and log-sum-exp: groups of 1-4 rows, steps of 1-64 keys, odd D, Dv of 1-4 vectors a
     chunk, each row's keys masked to its band's interval (causal, windows, given positions), sinks."""
     H, Hkv, L, S, D, Dv = _FUSED_SHAPES[shape]
@@ -554,36 +555,68 @@ def test_fused_steps_err_as_the_tiles_they_replace(shape, contract):
         got, theirs, want = got[seen], theirs[seen], want[seen]
         assert max_error(got, want) <= 1.5 * max_error(theirs, want) + 2e-3, name
         # (the lse: l sums weights taken against a lazy max, rounded: a sink and 65 keys erred 1.8x the
-        # tiles' 2.0e-4 rms, both far inside bfloat16's 4e-3)
+        # tiles' 2.0e-4 rms, both far inside bfloat16's 4e-3; summed before their rounding, the lse erred
+        # 0.03-1.0x the tiles' but the output up to 2.7x: a row's largest weight, 1 on the tiles, is
+        # rounded against a lazy max, and only a sum of the rounded weights cancels that rounding)
         assert rms_error(got, want) <= (1.25 if name == "output" else 2.0) * rms_error(theirs, want) + 1e-4, name
 
 
-def test_fused_steps_run_where_the_cpu_has_bfloat16_dot_products_and_no_amx_tiles():
-    """The rule alone: the avx512bf16 build on a CPU without AMX tiles (there brgemm's products run on
-    them), Dv in whole vectors of 16; every other build never."""
+def test_lazy_steps_run_where_the_cpu_has_bfloat16_dot_products_or_amx_tiles():
+    """The rule alone: on AMX tiles (the avx512bf16 build, amx_active, D in steps of 32 and Dv of 16) a lazy
+    decision covers a tile of 256 keys; on fused steps (that build on a CPU without AMX tiles, Dv in whole
+    vectors of 16) 64; brgemm's products on a CPU with AMX (set_amx(False), or dims the tiles refuse), and
+    every other build, never."""
     kernel = native._kernel()
-    here = native.variant() == "avx512bf16" and not kernel.amx_active()
-    assert [kernel.fused_steps(Dv) for Dv in (16, 64, 80, 128, 8, 40, 65)] == [here] * 4 + [False] * 3
+    dims = [(64, 16), (64, 64), (96, 80), (128, 128), (64, 8), (64, 40), (64, 65), (48, 64), (63, 16)]
+    fits = [True] * 4 + [False] * 5  # (D in steps of 32, Dv of 16)
+    vectors = [True] * 4 + [False] * 3 + [True, True]  # (Dv in whole vectors)
+    before = kernel.set_amx(True)
+    try:
+        present = kernel.amx_active()
+        on = [kernel.lazy_keys(D, Dv) for D, Dv in dims]
+        kernel.set_amx(False)
+        off = [kernel.lazy_keys(D, Dv) for D, Dv in dims]
+    finally:
+        kernel.set_amx(before)
+    if native.variant() != "avx512bf16":
+        assert on == off == [0] * len(dims)
+    elif present:
+        assert on == [256 if fit else 0 for fit in fits] and off == [0] * len(dims)  # (off: brgemm's products)
+    else:
+        assert on == off == [64 if vector else 0 for vector in vectors]
 
 
-_LAZY = pytest.mark.skipif(not (NATIVE and native._kernel().fused_steps(64)), reason="no fused steps on this CPU or build")
+_UNIT = native._kernel().lazy_keys(64, 64) if NATIVE else 0  # the keys a lazy decision covers here
+_LAZY = pytest.mark.skipif(_UNIT == 0, reason="no lazy steps on this CPU or build")
+
+
+@pytest.fixture
+def one_thread():
+    """One thread for the test: on more, a block of a few rows over two tiles is split into key ranges,
+    each starting with no max (a split block's merge), where the lazy shift has nothing to keep."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @_LAZY
 @pytest.mark.parametrize("rise, lazy", [(5.5, True), (5.625, False), (-3.0, True), (30.0, False)])
-def test_a_fused_step_keeps_its_rows_max_while_no_score_passes_it_by_the_lazy_shift(rise, lazy):
-    """kLazyShift, the rule alone: a row's second step of keys, all rise above the first's max (0), takes
-    its weights against that max while rise log2(e) <= 8 (weights up to 2^8): the max the kernel returns
-    stays 0; past it (5.625 log2(e) = 8.1) the step takes absorb, the exact max. Output and log-sum-exp
-    exact either way (every key of a step weighs the same: the mean of its values)."""
+def test_a_fused_step_keeps_its_rows_max_while_no_score_passes_it_by_the_lazy_shift(rise, lazy, one_thread):
+    """kLazyShift, the rule alone: a row's second step of keys (of lazy_keys: 64, or an AMX tile's 256),
+    all rise above the first's max (0), takes its weights against that max while rise log2(e) <= 8
+    (weights up to 2^8): the max the kernel returns stays 0; past it (5.625 log2(e) = 8.1) the step takes
+    absorb, the exact max. Output and log-sum-exp exact either way (every key of a step weighs the same:
+    the mean of its values)."""
     kernel = native._kernel()
-    L, S, D = 20, 128, 64  # 20 rows: the tiled path; two steps of 64 keys
+    L, S, D = 20, 2 * _UNIT, 64  # 20 rows: the tiled path; two steps
     q, k = torch.zeros(1, 1, L, D), torch.zeros(1, 1, S, D)
     q[..., 0] = 1.0
-    k[..., 64:, 0] = rise  # (exact in bfloat16)
+    k[..., _UNIT:, 0] = rise  # (exact in bfloat16)
     v = torch.randn(1, 1, S, D, generator=torch.Generator().manual_seed(1))
     q, k, v = (x.bfloat16() for x in (q, k, v))
-    out, row_max, row_sum = kernel.forward(q, k, v, native._terms(Contract(scale=1.0), D, torch.bfloat16), True)
+    # (not the backward's forward: that one runs on brgemm's products on a CPU with AMX tiles)
+    out, row_max, row_sum = kernel.forward(q, k, v, native._terms(Contract(scale=1.0), D, torch.bfloat16), False)
     assert torch.equal(row_max, torch.full_like(row_max, 0.0 if lazy else max(rise, 0.0)))
     scores = (q.double() @ k.double().transpose(-1, -2))
     assert float((row_max.double() + row_sum.double().log() - torch.logsumexp(scores, -1)).abs().max()) < 4e-3
@@ -593,18 +626,36 @@ def test_a_fused_step_keeps_its_rows_max_while_no_score_passes_it_by_the_lazy_sh
 
 @_LAZY
 def test_fused_steps_of_scores_rising_far_past_the_lazy_shift_rescale_their_rows():
-    """Scores rising by 10 a step of 64 keys, 110 over twelve (2^158 in a weight kept against the first
+    """Scores rising by 10 a step of lazy_keys, 110 over twelve (2^158 in a weight kept against the first
     step's max: float's range is 2^128): each step past the shift takes the exact max, the row's output is
     its last step's values' mean, finite."""
-    L, S, D = 24, 768, 32
+    L, S, D = 24, 12 * _UNIT, 32
     q, k = torch.zeros(1, 2, L, D), torch.zeros(1, 2, S, D)
     q[..., 0] = 1.0
-    k[..., 0] = 10.0 * (torch.arange(S) // 64)
+    k[..., 0] = 10.0 * (torch.arange(S) // _UNIT)
     v = torch.randn(1, 2, S, D, generator=torch.Generator().manual_seed(2))
     q, k, v = (x.bfloat16() for x in (q, k, v))
     out, lse = native.native_attention_with_lse(q, k, v, Contract(scale=1.0))
     scores = q.double() @ k.double().transpose(-1, -2)
     assert torch.isfinite(out).all()
+    assert float((lse.double() - torch.logsumexp(scores, -1)).abs().max()) < 4e-3
+    assert float((out.double() - torch.softmax(scores, -1) @ v.double()).abs().max()) < 2e-2
+
+
+@_LAZY
+def test_a_rise_in_a_lazy_steps_last_keys_weighs_its_earlier_keys_against_the_new_max(one_thread):
+    """A row's second step of lazy_keys: its keys at the first step's max (0) but the last 64, which rise
+    by 30 (2^43 in a weight against 0): the earlier keys' weights, made lazily before the rise was seen,
+    must be e^-30 of the risen ones' in the output (on AMX tiles the decision is the whole tile's; on fused
+    steps the last 64 are a step of their own)."""
+    L, S, D = 20, 2 * _UNIT, 64
+    q, k = torch.zeros(1, 1, L, D), torch.zeros(1, 1, S, D)
+    q[..., 0] = 1.0
+    k[..., S - 64:, 0] = 30.0
+    v = torch.randn(1, 1, S, D, generator=torch.Generator().manual_seed(3))
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    out, lse = native.native_attention_with_lse(q, k, v, Contract(scale=1.0))
+    scores = q.double() @ k.double().transpose(-1, -2)
     assert float((lse.double() - torch.logsumexp(scores, -1)).abs().max()) < 4e-3
     assert float((out.double() - torch.softmax(scores, -1) @ v.double()).abs().max()) < 2e-2
 

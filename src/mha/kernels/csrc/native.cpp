@@ -1119,6 +1119,7 @@ inline void pack_pairs(const at::BFloat16* x, RowStrides xs, const Shape& sh, in
 // log-sum-exp within bfloat16's rounding of a weight (4e-3). A shift of 0 (the exact max whenever a
 // score passes it) took absorb so often that the forward was slower than the tiles (1.02-1.08x).
 constexpr int64_t kFusedKeys = 64;  // four vectors of keys
+static_assert(kBlockK == 4 * kFusedKeys, "amx_fused_run: a tile's four steps, a chain of sums each");
 constexpr int kFusedRows = 4;
 constexpr float kLazyShift = 8.0f;
 
@@ -1310,7 +1311,7 @@ struct FusedOperands {
 };
 
 struct FusedBuffers {
-  Scratch<float> sums, raw;
+  Scratch<float> sums, raw, scores;
   Scratch<at::BFloat16> weights;
 };
 
@@ -1594,21 +1595,78 @@ inline void restore_tiles(TileShape before) {
 // read), n keys (a multiple of 32), D2 (a multiple of 32) and Dv (of 16).
 //   scores      s (R x n, float32)      = q (R x D2, bf16, rows D2 apart) . K^T at kt (D2 / 2 rows of kBlockK pairs)
 //   add_values  acc (R x Dv, float32) += p (R x n, bf16) . V at vv (n / 2 rows of Dv pairs)
-inline void amx_scores(int64_t R, int64_t n, int64_t D2, const at::BFloat16* q, const at::BFloat16* kt, float* s) {
+// (lds, ldp: the rows of s and p that many values apart, where not n)
+inline void amx_scores(int64_t R, int64_t n, int64_t D2, const at::BFloat16* q, const at::BFloat16* kt, float* s,
+                       int64_t lds = 0) {
+  lds = lds ? lds : n;
   const TileGrid a{reinterpret_cast<const char*>(q), D2 * 2, 16 * D2 * 2, 64};  // 16 rows x 32 of D
   const TileGrid b{reinterpret_cast<const char*>(kt), kBlockK * 4, 16 * kBlockK * 4, 64};  // 16 pairs of D x 16 keys
-  const TileGrid c{reinterpret_cast<const char*>(s), n * 4, 16 * n * 4, 64};
+  const TileGrid c{reinterpret_cast<const char*>(s), lds * 4, 16 * lds * 4, 64};
   if (D2 == 64) two_step_product((R + 15) / 16, n / 16, a, b, c);
   else tile_product((R + 15) / 16, n / 16, D2 / 32, false, a, b, c);
 }
 
-inline void amx_add_values(int64_t R, int64_t n, int64_t Dv, const at::BFloat16* p, const at::BFloat16* vv, float* acc) {
-  const TileGrid a{reinterpret_cast<const char*>(p), n * 2, 16 * n * 2, 64};  // 16 rows x 32 keys
+inline void amx_add_values(int64_t R, int64_t n, int64_t Dv, const at::BFloat16* p, const at::BFloat16* vv, float* acc,
+                           int64_t ldp = 0) {
+  ldp = ldp ? ldp : n;
+  const TileGrid a{reinterpret_cast<const char*>(p), ldp * 2, 16 * ldp * 2, 64};  // 16 rows x 32 keys
   const TileGrid b{reinterpret_cast<const char*>(vv), Dv * 4, 16 * Dv * 4, 64};  // 16 pairs of keys x 16 of Dv
   const TileGrid c{reinterpret_cast<const char*>(acc), Dv * 4, 16 * Dv * 4, 64};
   tile_product((R + 15) / 16, Dv / 16, n / 32, true, a, b, c);
 }
 
+
+// A tile's ``keys`` keys from j0 for the block's R rows (fused_run's contract) on AMX tiles: the tile's
+// scores of every row on the tiles, then each row's weights in one pass over them with fused_run's lazy
+// shift, decided for the row's whole tile (a weight made against m before a later key raised it would be
+// too large), else absorb's exact pass (its max, the accumulator rescaled), then every row's weights
+// times V on the tiles. Where the tiles' own steps took the row maxima in a pass before the weights',
+// and rescaled each row's accumulator for every tile. The products span the keys rounded up to 32 (the
+// tiles' step; V holds zeros from S to the next 32, the weights of keys past ``keys`` are 0); the rows
+// of s and w are ``ld`` apart, the keys rounded up to kFusedKeys (a lazy step's four vectors).
+inline void amx_fused_run(FusedBuffers& buffers, const FusedOperands& x, const RowKeys& seen, bool covered, int64_t R,
+                          int64_t j0, int64_t keys, float scale, float* m, float* l, float* acc) {
+  const int64_t n = (keys + 31) / 32 * 32, ld = (keys + kFusedKeys - 1) / kFusedKeys * kFusedKeys;
+  const int64_t R16 = (R + 15) / 16 * 16;  // (the tiles' rows: those past R are computed and never read)
+  float* s = buffers.scores.at_least(kBlockQ * kBlockK);
+  at::BFloat16* w = buffers.weights.at_least(kBlockQ * kBlockK);
+  std::fill(w + R * ld, w + R16 * ld, at::BFloat16(0.0f));
+  use_tiles(TileShape::products);
+  amx_scores(R, n, x.D2, x.q, x.kt, s, ld);
+  FusedStep f{x.D2, x.Dv, 0, 0, 0, nullptr, nullptr, scale, nullptr, {}};
+  const auto step = [&](int64_t r, int64_t k0) {  // f: row r's keys k0 .. k0 + kFusedKeys - 1 of the tile
+    f.count = std::min(kFusedKeys, keys - k0);
+    f.key0 = j0 + k0;
+    for (int c = 0; c < 4; ++c) f.lanes[c] = tail_mask(std::clamp<int64_t>(f.count - 16 * c, 0, 16));
+    if (!covered) row_lanes(f, seen.first[r], seen.stop[r], f.lanes);
+  };
+  const __m512 hidden = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = s + r * ld;
+    at::BFloat16* weights = w + r * ld;
+    alignas(64) float sums[kBlockK / kFusedKeys][16] = {};  // a chain of sums a step (vdpbf16ps' latency)
+    bool lazy = true;
+    for (int64_t k0 = 0; lazy && k0 < keys; k0 += kFusedKeys) {
+      step(r, k0);
+      const __m512 v[4] = {_mm512_load_ps(row + k0), _mm512_load_ps(row + k0 + 16), _mm512_load_ps(row + k0 + 32),
+                           _mm512_load_ps(row + k0 + 48)};
+      lazy = lazy_weights(f, v, f.lanes, m[r], weights + k0, sums[k0 / kFusedKeys]);
+    }
+    if (lazy) {
+      l[r] += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_load_ps(sums[0]), _mm512_load_ps(sums[1])),
+                                                 _mm512_add_ps(_mm512_load_ps(sums[2]), _mm512_load_ps(sums[3]))));
+      continue;
+    }
+    for (int64_t k0 = 0; !covered && k0 < keys; k0 += kFusedKeys) {  // each key outside the row's interval hidden
+      step(r, k0);
+      for (int c = 0; c < 4; ++c)
+        _mm512_store_ps(row + k0 + 16 * c, _mm512_mask_blend_ps(f.lanes[c], hidden, _mm512_load_ps(row + k0 + 16 * c)));
+    }
+    absorb(keys, row, scale, m[r], l[r], acc + r * x.Dv, x.Dv, weights);
+    std::fill(weights + keys, weights + ld, at::BFloat16(0.0f));
+  }
+  amx_add_values(R, n, x.Dv, w, x.vv, acc, ld);
+}
 
 // The forward's bfloat16 products on AMX tiles (run_forward picks them where amx_usable() and D is a
 // multiple of 32 and Dv of 16): Bf16Products' packed operands and interface on amx_scores and
@@ -1633,6 +1691,18 @@ struct AmxProducts : Bf16Products {
                    acc);
   }
   void release() { release_tiles(); }
+
+  // A tile's keys on fused steps (amx_fused_run).
+  bool fuses(int64_t) const { return true; }
+  void fused_keys(const RowKeys& seen, bool covered, int64_t bh, int64_t R, int64_t j0, int64_t keys, float scale, float* m,
+                  float* l, float* acc) {
+    const int64_t tile = bh * tiles_of(sh.S) + j0 / kBlockK, first = j0 % kBlockK;  // (a multiple of 32: kAlign)
+    const FusedOperands x{qb.data(), D2, sh.Dv, kt + tile * D2 * kBlockK + 2 * first, vv + (tile * kBlockK + first) * sh.Dv};
+    amx_fused_run(fused, x, seen, covered, R, j0, keys, scale, m, l, acc);
+  }
+
+ private:
+  FusedBuffers fused;
 };
 #endif
 
@@ -4639,13 +4709,17 @@ bool amx_active() {
 }
 
 // Whether the tile products take a call of these head dims where AMX is present (its rule alone, any CPU).
-// Whether a bfloat16 forward's blocks of head dim Dv run on fused steps here (the rule alone; tests).
-bool fused_steps(int64_t Dv) {
-#if defined(MHA_AVX512_BF16)
-  return fused_steps_take(Dv);
-#else
-  return Dv < 0;  // (never: the other builds have no bfloat16 dot products)
+// How many keys one lazy-shift decision of a bfloat16 forward of head dims D, Dv covers here: a fused
+// step's kFusedKeys, an AMX tile's kBlockK (amx_fused_run), or 0 where neither runs (the rule alone; tests).
+int64_t lazy_keys(int64_t D, int64_t Dv) {
+#if defined(MHA_AMX)
+  if (amx_usable() && amx_fits(D, Dv)) return kBlockK;
 #endif
+#if defined(MHA_AVX512_BF16)
+  if (fused_steps_take(Dv)) return kFusedKeys;
+#endif
+  (void)D, (void)Dv;
+  return 0;
 }
 
 bool amx_takes(int64_t D, int64_t Dv) {
@@ -4724,7 +4798,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("folded_exponent", &mha_native::folded_exponent,
         "whether bfloat16 weights of a row of this max take their exponent in one FMA (the rule alone, any build; tests)");
   m.def("amx_active", &mha_native::amx_active, "whether bfloat16 products run on AMX tiles on this CPU");
-  m.def("fused_steps", &mha_native::fused_steps, "whether a bfloat16 forward of head dim Dv runs on fused steps here (tests)");
+  m.def("lazy_keys", &mha_native::lazy_keys,
+        "the keys one lazy-shift decision of a bfloat16 forward of head dims D, Dv covers here: 64, 256 (AMX), 0 (tests)");
   m.def("amx_takes", &mha_native::amx_takes, "whether the AMX tile products take head dims (D, Dv) (the rule alone; tests)");
   m.def("take_tile_step_keys", &mha_native::take_tile_step_keys,
         "(keys scored, keys whose values were added) on the AMX tiles' decoding path by this thread since last asked (tests)");

@@ -3878,11 +3878,16 @@ struct PagedBf16Products : PagedProducts<at::BFloat16, float, pool_t> {
   }
   // bfloat16 pages' tiles of a block past the run loops' rows, as the dense forward's (Bf16Products'
   // fused_keys): the same steps over the slot's tiles, the dense forward's output bit for bit.
-  bool fuses(int64_t R) const { return !kTiles && !Base::kQuantized && R > kRunLoopRows && fused_steps_take(this->Dv); }
+  bool fuses(int64_t R) const {
+    return !Base::kQuantized && R > kRunLoopRows && (kTiles || fused_steps_take(this->Dv));
+  }
   void fused_keys(const RowKeys& seen, bool covered, int64_t, int64_t R, int64_t j0, int64_t keys, float scale, float* m,
                   float* l, float* acc) {
     const int64_t slot = slot_of(j0 / kBlockK), at = j0 % kBlockK, D2 = this->D2(), Dv = this->Dv;
     const FusedOperands x{qb.data(), D2, Dv, k_tiles.data() + slot * D2 * kBlockK + 2 * at, v_tiles.data() + (slot * kBlockK + at) * Dv};
+#if defined(MHA_AMX)
+    if constexpr (kTiles) return amx_fused_run(fused, x, seen, covered, R, j0, keys, scale, m, l, acc);
+#endif
     fused_run(fused, x, seen, covered, R, j0, keys, scale, m, l, acc);
   }
   FusedBuffers fused;

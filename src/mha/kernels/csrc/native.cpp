@@ -1620,8 +1620,8 @@ inline void amx_add_values(int64_t R, int64_t n, int64_t Dv, const at::BFloat16*
 // scores of every row on the tiles, then each row's weights in one pass over them with fused_run's lazy
 // shift, decided for the row's whole tile (a weight made against m before a later key raised it would be
 // too large), else absorb's exact pass (its max, the accumulator rescaled), then every row's weights
-// times V on the tiles. Where the tiles' own steps took the row maxima in a pass before the weights',
-// and rescaled each row's accumulator for every tile. The products span the keys rounded up to 32 (the
+// times V on the tiles. (The tiles' own path takes the row maxima in a pass of their own and rescales
+// each row's accumulator every tile.) The products span the keys rounded up to 32 (the
 // tiles' step; V holds zeros from S to the next 32, the weights of keys past ``keys`` are 0); the rows
 // of s and w are ``ld`` apart, the keys rounded up to kFusedKeys (a lazy step's four vectors).
 inline void amx_fused_run(FusedBuffers& buffers, const FusedOperands& x, const RowKeys& seen, bool covered, int64_t R,
@@ -1692,7 +1692,7 @@ struct AmxProducts : Bf16Products {
   }
   void release() { release_tiles(); }
 
-  // A tile's keys on fused steps (amx_fused_run).
+  // A tile's keys in one lazy pass (amx_fused_run), where whole_tiles finds only the band shaping them.
   bool fuses(int64_t) const { return true; }
   void fused_keys(const RowKeys& seen, bool covered, int64_t bh, int64_t R, int64_t j0, int64_t keys, float scale, float* m,
                   float* l, float* acc) {
@@ -4713,7 +4713,6 @@ bool amx_active() {
 #endif
 }
 
-// Whether the tile products take a call of these head dims where AMX is present (its rule alone, any CPU).
 // How many keys one lazy-shift decision of a bfloat16 forward of head dims D, Dv covers here: a fused
 // step's kFusedKeys, an AMX tile's kBlockK (amx_fused_run), or 0 where neither runs (the rule alone; tests).
 int64_t lazy_keys(int64_t D, int64_t Dv) {
@@ -4727,6 +4726,7 @@ int64_t lazy_keys(int64_t D, int64_t Dv) {
   return 0;
 }
 
+// Whether the tile products take a call of these head dims where AMX is present (its rule alone, any CPU).
 bool amx_takes(int64_t D, int64_t Dv) {
 #if defined(MHA_AMX)
   return amx_fits(D, Dv);

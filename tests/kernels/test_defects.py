@@ -361,6 +361,27 @@ def test_a_non_finite_scale_is_refused_naming_scale(backend, scale):
         Contract(scale=scale)
 
 
+@pytest.mark.parametrize("term, length", [("sinks", 3), ("alibi_slopes", 5), ("logit_scale", 1)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_contracts_per_head_tensor_of_another_length_is_refused_naming_it(backend, term, length):
+    """A Contract built by hand with 3 sinks (or 5 slopes, 1 logit scale) for 4 query heads: a ValueError
+    naming the term, at every kernel entry; the native kernel read past the sinks' end (AddressSanitizer)
+    and the math backend failed in a broadcast deep in torch."""
+    q, k = torch.randn(1, 4, 15, 16), torch.randn(1, 2, 40, 16)
+    contract = Contract(**{term: torch.rand(length) + 0.5})
+    message = (f"{term} must have shape (4,) (num_heads,): one value per query head (dim -3 of query), "
+               f"got ({length},)")
+    with raises_exactly(ValueError, message):
+        mha.kernels.attention(q, k, k, contract, backend=backend)
+    if backend in ("auto", "math", "flash", "native"):  # (the backends with a log-sum-exp)
+        with raises_exactly(ValueError, message):
+            mha.kernels.attention_with_lse(q, k, k, contract, backend=backend)
+    if backend == "native":
+        for entry in (native.native_attention, native.native_attention_with_lse, native.native_attention_weights):
+            with raises_exactly(ValueError, message):
+                entry(q, k, k, contract)
+
+
 @native_only
 def test_native_refuses_a_double_backward_as_flash_does():
     """create_graph=True then a second backward silently gave first-order results (wrong

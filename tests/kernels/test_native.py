@@ -517,7 +517,7 @@ _FUSED_CONTRACTS = {
     "causal, bottom-right": dict(band=CAUSAL, offset=173),
     "window (100, 0)": dict(band=Band(100, 0), offset=90),
     "window (30, 200)": dict(band=Band(30, 200)),
-    "sinks": dict(sinks=[2.0, -1.0, 30.0]),
+    "sinks": dict(sinks=[2.0, -1.0, 30.0, 0.5]),  # (as many as the most heads of _FUSED_SHAPES: 4)
     "positions in order": dict(band=Band(50, 0), positions=3),
     "positions out of order": dict(band=Band(50, 0), positions=-3),  # (not fused: every key tested)
 }

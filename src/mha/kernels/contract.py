@@ -273,6 +273,18 @@ def from_keywords(like: Tensor, heads: int, *, is_causal: bool = False, window: 
                        sinks=_checks.per_head(named["sinks"], sinks, heads, like, meaning), **terms)
 
 
+def check_heads(contract: Contract, q: Tensor) -> None:
+    """The contract's per-head tensors (alibi_slopes, sinks, logit_scale) hold one value per query head
+    (dim -3 of q, where q has one): a ValueError naming the one that does not, never a kernel reading
+    past its end or a broadcast failing deep in torch."""
+    if q.dim() < 3:
+        return
+    for name in LEARNED:
+        x = getattr(contract, name)
+        if x is not None:
+            _checks.shape(name, x, (q.shape[-3],), "(num_heads,): one value per query head (dim -3 of query)")
+
+
 def undeclared(takes: frozenset[str], contract: Contract, who: str = "it") -> str | None:
     """Why a backend refuses the contract for its terms alone: the terms it does not declare (its
     TAKES), named ("WHO does not take softcap, sinks"); or None."""

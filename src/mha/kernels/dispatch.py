@@ -45,7 +45,7 @@ from . import flash, flex, mods, native, sdpa, tuning
 from . import math as math_kernel
 from ._context import differentiates, transforms_active
 from ._shapes import matched_kv_heads
-from .contract import NONE, TOP_LEFT_CAUSAL, Contract, resolve, undeclared
+from .contract import NONE, TOP_LEFT_CAUSAL, Contract, check_heads, resolve, undeclared
 from .flash import flash_attention, flash_attention_backward, flash_attention_with_lse
 from .flex import flex_attention, flex_attention_with_lse
 from .math import math_attention, paged_math_attention
@@ -125,6 +125,7 @@ def _run(q, k, v, contract, *, dropout_p, need_weights, backend):
     for name, x in (("q", q), ("k", k), ("v", v)):
         _checks.tensor(name, x)  # a tensor, not nested (the fast path took the plain ones)
     k, v = matched_kv_heads(q, k, v)  # one head count for k and v (torch's enable_gqa shares them separately)
+    check_heads(contract, q)
     if contract.score_mod is not None or contract.mask_mod is not None:
         mods.check_devices(q.device, score_mod=contract.score_mod, mask_mod=contract.mask_mod)  # bad input: named first
     name, _, sdpa_plan = _choose(backend, q, k, v, contract, need_weights=need_weights, dropout_p=dropout_p)
@@ -506,6 +507,7 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, contract: Contract | Non
     part's contract and merge them once (merge.add_sinks). Inputs in float32 or float64 give the
     log-sum-exp in that dtype. Differentiable through out (not through lse) on flash and native."""
     contract = resolve(contract)
+    check_heads(contract, q)
     if contract.score_mod is not None or contract.mask_mod is not None:
         mods.check_devices(q.device, score_mod=contract.score_mod, mask_mod=contract.mask_mod)
     name, _ = choose_lse_backend(backend, q, k, v, contract)

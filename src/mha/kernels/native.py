@@ -41,7 +41,7 @@ from torch import Tensor
 from . import merge
 from ._context import autocast_inputs, autograd_function_refusal
 from ._shapes import leads, matched_kv_heads, unflat
-from .contract import Contract, resolve, undeclared
+from .contract import Contract, check_heads, resolve, undeclared
 
 __all__ = ["TAKES", "native_attention", "native_attention_weights", "native_attention_with_lse", "native_available",
            "paged_attention_native", "ready", "sanitized", "unsupported", "variant"]
@@ -294,6 +294,7 @@ def native_attention_weights(q: Tensor, k: Tensor, v: Tensor, contract: Contract
     for a call that needs no gradient (the weights come from no autograd graph; the dispatch asks
     weights_take first) and no dropout. Every term native takes; a row that sees nothing: zeros."""
     contract = resolve(contract)
+    check_heads(contract, q)
     k, v = matched_kv_heads(q, k, v)
     if reason := unsupported(q, k, v, contract):
         raise ValueError(f"the native backend cannot run this call: {reason}")
@@ -313,6 +314,7 @@ def checked_attention_weights(q: Tensor, k: Tensor, v: Tensor, contract: Contrac
 
 def _checked_run(q: Tensor, k: Tensor, v: Tensor, contract: Contract | None, dropout_p: float, *, with_lse: bool):
     contract = resolve(contract)
+    check_heads(contract, q)
     k, v = matched_kv_heads(q, k, v)
     reason = unsupported(q, k, v, contract, dropout_p)
     if reason:

@@ -62,6 +62,7 @@ class Contract:
     sinks:         (H,) per-head sink logits, or None
     score_mod:     score_mod(score, b, h, q_idx, kv_idx) -> score (mha.kernels.mods), or None
     mask_mod:      mask_mod(b, h, q_idx, kv_idx) -> bool, True = attend (mha.kernels.mods), or None
+    The (H,) tensors are checked against the query's heads when a kernel runs (check_heads).
     """
     band: Band | None = None
     offset: int = 0

@@ -283,7 +283,7 @@ def check_heads(contract: Contract, q: Tensor) -> None:
     for name in LEARNED:
         x = getattr(contract, name)
         if x is not None:
-            _checks.shape(name, x, (q.shape[-3],), "(num_heads,): one value per query head (dim -3 of query)")
+            _checks.shape(name, x, (q.shape[-3],), _PER_HEAD.format(dim="-3", query="query"))
 
 
 def undeclared(takes: frozenset[str], contract: Contract, who: str = "it") -> str | None:

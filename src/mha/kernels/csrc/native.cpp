@@ -1133,6 +1133,9 @@ struct FusedStep {
   float scale;
   float* raw;
   __mmask16 lanes[4];  // the keys of each vector that lie in the step
+  void lanes_of_count() {  // lanes: the step's first ``count`` keys
+    for (int c = 0; c < 4; ++c) lanes[c] = tail_mask(std::clamp<int64_t>(count - 16 * c, 0, 16));
+  }
 };
 
 // The lanes of the step's keys that a row sees: of each vector, keys key0 + 16 c + lane in [first, stop).
@@ -1331,7 +1334,7 @@ inline void fused_run(FusedBuffers& buffers, const FusedOperands& x, const RowKe
     f.key0 = j0 + k0;
     f.kt = x.kt + 2 * k0;
     f.vv = x.vv + k0 * x.Dv;
-    for (int c = 0; c < 4; ++c) f.lanes[c] = tail_mask(std::clamp<int64_t>(f.count - 16 * c, 0, 16));
+    f.lanes_of_count();
     int64_t waiting = -1;  // the group whose values are added next
     for (int64_t g = 0; g < R; g += kFusedRows) {
       with_group_rows(std::min<int64_t>(kFusedRows, R - g), [&](auto rows) {
@@ -1637,7 +1640,7 @@ inline void amx_fused_run(FusedBuffers& buffers, const FusedOperands& x, const R
   const auto step = [&](int64_t r, int64_t k0) {  // f: row r's keys k0 .. k0 + kFusedKeys - 1 of the tile
     f.count = std::min(kFusedKeys, keys - k0);
     f.key0 = j0 + k0;
-    for (int c = 0; c < 4; ++c) f.lanes[c] = tail_mask(std::clamp<int64_t>(f.count - 16 * c, 0, 16));
+    f.lanes_of_count();
     if (!covered) row_lanes(f, seen.first[r], seen.stop[r], f.lanes);
   };
   const __m512 hidden = _mm512_set1_ps(-std::numeric_limits<float>::infinity());

@@ -2,8 +2,8 @@
 # The checks that need a GPU, in one run on a lent GPU machine (one H100 or H200; its host a 16-core
 # Xeon): the device tool runs it in the repository root, the project as source (PYTHONPATH=src).
 #
-#   bash scripts/device-check.sh            every part, about 8 minutes (the limits below add to 465 s, 483 with the kill grace)
-#   bash scripts/device-check.sh tests fuzz  some parts: env, tests, defects, fuzz, bench, cpu
+#   bash scripts/device-check.sh            every part, about 9 minutes (the limits below add to 515 s, 536 with the kill grace)
+#   bash scripts/device-check.sh tests fuzz  some parts: env, tests, defects, fuzz, bench, cpu, decode
 #
 # Each part has a time limit of its own, so that the whole run ends in time and one part's hang costs
 # only its own; each prints what it ran and its figures; logs and results go to $OUT (the device
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 out=${OUT:-device-check-out}
 mkdir -p "$out"
-parts=${*:-env tests defects fuzz bench cpu}
+parts=${*:-env tests defects fuzz bench cpu decode}
 device=${MHA_TEST_DEVICE:-cuda}
 status=0
 
@@ -76,7 +76,15 @@ for r in bench.gpu_rows(dict(plain=[64], terms=256, term_sets=['window', 'docume
             MHA_TUNE=off step cpu 100 python -m mha bench --sections peaks native --quick --repeat 2 --threads 16 2 \
                 --out "$out/cpu"
             ;;
-        *) echo "unknown part $part (env, tests, defects, fuzz, bench, cpu)"; status=2 ;;
+        decode)  # the host's bfloat16 decoding steps on AMX tiles against the vector loops, from memory and from
+                 # cache, at 16 threads (whether the tiles' rule holds there: scripts/decode_tiles.py)
+            if [ "$device" = cuda ]; then
+                MHA_TUNE=off step decode 50 python scripts/decode_tiles.py --threads 16 --keys 4096 16384 --rounds 5
+            else
+                MHA_TUNE=off step decode 50 python scripts/decode_tiles.py --threads 2 --keys 1024 --rounds 3
+            fi
+            ;;
+        *) echo "unknown part $part (env, tests, defects, fuzz, bench, cpu, decode)"; status=2 ;;
     esac
 done
 echo "== device check: exit $status"

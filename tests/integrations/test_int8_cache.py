@@ -75,6 +75,43 @@ def test_the_cache_stores_about_half_a_bfloat16_cache():
     assert layer.keys.numel() + layer.values.numel() == 2 * layer.keys.shape[2] * TINY["num_key_value_heads"] * (D + 4)
 
 
+def test_decoding_steps_write_into_the_layers_buffers_not_a_copy_of_the_cache():
+    """Each step's rows go into the buffers the prompt's update made (DynamicLayer concatenated the
+    whole cache every step): the same buffers until RESERVE slots past the prompt, the same rows as a
+    concatenation, and the buffers' bytes those of the filled slots and up to RESERVE more."""
+    torch.manual_seed(4)
+    layer, joined = hf.Int8Layer(), None
+    for step in range(12):
+        k, v = torch.randn(1, 2, 9 if step == 0 else 1, 16), torch.randn(1, 2, 9 if step == 0 else 1, 8)
+        keys, values = layer.update(k, v)
+        joined = [storage.store(x, True) if joined is None else torch.cat([joined[i], storage.store(x, True)], dim=2)
+                  for i, x in enumerate((k, v))]
+        assert torch.equal(keys, joined[0]) and torch.equal(values, joined[1])
+        if step == 0:
+            buffers = keys.data_ptr(), values.data_ptr()
+        assert (keys.data_ptr(), values.data_ptr()) == buffers
+    for kept in (layer.keys, layer.values):
+        assert kept.untyped_storage().nbytes() <= (kept.shape[2] + storage.RESERVE) * 2 * kept.shape[3]
+    layer.crop(-3)  # the next rows continue after the crop, in the same buffers
+    keys, _ = layer.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 8))
+    assert keys.shape[2] == 18 and keys.data_ptr() == buffers[0] and torch.equal(keys[:, :, :17], joined[0][:, :, :17])
+
+
+def test_a_growing_8bit_kvcache_writes_each_step_into_its_buffers():
+    import mha
+
+    cache = mha.KVCache(quantize="int8")
+    module = mha.GeneralAttention(16, 16, 16, 8, 8, 16, 2, num_kv_heads=1).eval()
+    torch.manual_seed(5)
+    with torch.no_grad():
+        module(*(torch.randn(1, 6, 16),) * 3, is_causal=True, cache=cache)
+        start = cache.keys.data_ptr(), cache.values.data_ptr()
+        for _ in range(4):
+            token = torch.randn(1, 1, 16)
+            module(token, token, token, is_causal=True, cache=cache)
+    assert cache.size == 10 and (cache.keys.data_ptr(), cache.values.data_ptr()) == start
+
+
 def test_a_cache_cropped_and_reordered_keeps_rows_and_scales_together():
     torch.manual_seed(3)
     layer = hf.Int8Layer()
@@ -86,6 +123,9 @@ def test_a_cache_cropped_and_reordered_keeps_rows_and_scales_together():
     assert torch.equal(dequantize(rows, scales, torch.float32), dequantize(*quantize_int8(k[1:, :, :5]), torch.float32))
     rows, scales = storage.split(layer.values)
     assert rows.shape == (1, 2, 5, 8)
+    k2, v2 = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 8)  # and the selected batch grows from there
+    keys, _ = layer.update(k2, v2)
+    assert torch.equal(keys, torch.cat([storage.store(k[1:, :, :5], True), storage.store(k2, True)], dim=2))
 
 
 def test_refusals_name_what_is_wrong():

@@ -287,3 +287,97 @@ def test_the_fast_path_leaves_what_it_does_not_take_to_the_full_path(case):
             else:
                 with pytest.raises(ValueError, match="paged_attention is for inference"):
                     call()
+
+
+def _buffer_of(kept: torch.Tensor) -> tuple[int, int]:
+    """(where the buffer starts, how many slots it has) of a tensor append returned."""
+    return kept.data_ptr(), kept.stride(1) // kept.shape[3]
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prompt", [1, 255, 256, 300])
+def test_appended_rows_are_written_into_the_buffer_until_it_is_full_then_copied_once(dtype, prompt):
+    """A prompt of S, then one row at a time: the buffer has room for the S slots and up to RESERVE more
+    (the first multiple of RESERVE past S), each step writes into it (the same buffer, what a
+    concatenation gives), and the step past it copies into a new one, again with room."""
+    R = storage.RESERVE
+    new = [torch.randn(2, 3, prompt, 5).to(dtype)] + [torch.randn(2, 3, 1, 5).to(dtype) for _ in range(R + 1)]
+    kept, joined = None, None
+    capacity = (prompt // R + 1) * R
+    for step, rows in enumerate(new):
+        before = None if kept is None else _buffer_of(kept)
+        kept = storage.append(kept, rows)
+        joined = rows if joined is None else torch.cat([joined, rows], dim=2)
+        assert torch.equal(kept, joined)
+        S = kept.shape[2]
+        if step == 0 or S > capacity:
+            assert kept.data_ptr() != rows.data_ptr()  # never the caller's rows themselves
+            assert before is None or kept.data_ptr() != before[0]
+            capacity = (S // R + 1) * R
+        else:
+            assert _buffer_of(kept) == before  # written in place
+        assert _buffer_of(kept)[1] == capacity
+
+
+def test_a_cropped_buffer_takes_the_next_rows_after_its_crop():
+    kept = storage.append(None, torch.randn(1, 2, 10, 4))
+    cropped = kept.narrow(2, 0, 6)
+    new = torch.randn(1, 2, 3, 4)
+    out = storage.append(cropped, new)
+    assert out.data_ptr() == kept.data_ptr() and torch.equal(out, torch.cat([cropped, new], dim=2))
+
+
+def test_a_tensor_without_room_or_of_another_layout_is_copied_not_written_into():
+    """A tensor append did not make (a contiguous one, a slice of a longer user tensor along the heads, a
+    transposed one, a selection of a buffer's batch) is never written into."""
+    user = torch.randn(2, 3, 8, 4)
+    new = torch.randn(2, 3, 1, 4)
+    for kept in (user, user.narrow(1, 0, 3), user.transpose(0, 1).contiguous().transpose(0, 1),
+                 storage.append(None, user).index_select(0, torch.tensor([1, 0]))):
+        snapshot = user.clone()
+        out = storage.append(kept, new)
+        assert torch.equal(out, torch.cat([kept, new], dim=2)) and torch.equal(user, snapshot)
+        assert out.data_ptr() != kept.data_ptr()
+    longer = torch.randn(2, 3, 20, 4)  # a user's rows with more slots past them: its storage, not append's buffer
+    snapshot = longer.clone()
+    storage.append(None, longer[:, :, :8])
+    assert torch.equal(longer, snapshot)
+
+
+def test_a_buffer_made_under_inference_mode_is_copied_outside_it():
+    with torch.inference_mode():
+        kept = storage.append(None, torch.randn(1, 1, 3, 4))
+    with torch.no_grad():
+        out = storage.append(kept, torch.randn(1, 1, 1, 4))  # (torch refuses an in-place write to it here)
+    assert out.shape == (1, 1, 4, 4) and torch.equal(out[:, :, :3], kept)
+    with torch.inference_mode():
+        again = storage.append(kept, torch.randn(1, 1, 1, 4))
+    assert again.data_ptr() == kept.data_ptr()
+
+
+def test_rows_that_do_not_follow_the_kept_ones_are_refused_by_name():
+    kept = storage.append(None, torch.zeros(2, 3, 4, 5, dtype=torch.int8))
+    for new, what in ((torch.zeros(1, 3, 1, 5, dtype=torch.int8), r"\(1, 3, 1, 5\)"),
+                      (torch.zeros(2, 3, 1, 6, dtype=torch.int8), r"\(2, 3, 1, 6\)"),
+                      (torch.zeros(2, 3, 1, 5), r"\(2, 3, 1, 5\) torch.float32")):
+        with pytest.raises(ValueError, match=f"new rows {what}.*do not follow the kept"):
+            storage.append(kept, new)
+    with pytest.raises(ValueError, match=r"new rows must be \(batch, heads, length, width\), got shape \(3, 5\)"):
+        storage.append(kept, torch.zeros(3, 5, dtype=torch.int8))
+
+
+def test_two_views_of_one_buffer_appended_in_turn_keep_their_own_rows():
+    """Some heads of a buffer (a view append did not return) get a buffer of their own, so the whole
+    buffer's next rows do not land in them."""
+    whole = storage.append(None, torch.randn(2, 4, 5, 3))
+    heads = storage.append(whole.narrow(1, 0, 2), torch.ones(2, 2, 1, 3))
+    storage.append(whole, torch.zeros(2, 4, 1, 3))
+    assert torch.equal(heads[:, :, 5], torch.ones(2, 2, 3))
+
+
+def test_a_tensor_with_the_strides_of_room_but_not_its_storage_is_copied():
+    """Strides of a buffer with 16 slots over a storage that ends at the 8th of the last head: no room."""
+    kept = torch.empty_strided((2, 3, 8, 4), (3 * 16 * 4, 16 * 4, 4, 1))
+    kept.copy_(torch.randn(2, 3, 8, 4))
+    new = torch.randn(2, 3, 1, 4)
+    assert torch.equal(storage.append(kept, new), torch.cat([kept, new], dim=2))

@@ -78,7 +78,8 @@ class KVCache:
         KVCache()                        grows as tokens arrive
         KVCache(max_length=4096)         preallocated: each step writes into the same buffers
         KVCache(window=256)              rolling: keeps the last 256 positions (sliding windows)
-        KVCache(quantize="int8")         8-bit keys and values (inference; growing or preallocated)
+        KVCache(quantize="int8")         8-bit keys and values (inference; growing or preallocated;
+                                         growing in buffers with room: mha.kernels.storage.append)
 
     Pass it as ``cache=`` to mha.GeneralAttention's forward: the prompt first (prefill), then one token
     (or chunk) at a time; each new query sees the cached keys at positions up to its own. Sequences
@@ -351,7 +352,10 @@ class KVCache:
             kept = seen = tuple(seen)
         else:
             stored = (getattr(self, name) for name in fields[:len(new)])
-            seen = new if self.keys is None else tuple(_concat(old, t) for old, t in zip(stored, new))
+            if self.quantize:  # inference only: buffers with room, each step's rows written into them
+                seen = tuple(storage.append(old, t) for old, t in zip(stored, new))
+            else:  # (a concatenation: autograd and torch.compile follow it)
+                seen = new if self.keys is None else tuple(_concat(old, t) for old, t in zip(stored, new))
             kept = seen
             if self.window is not None and size + L > self.window:  # a rolling cache keeps the last `window` slots
                 drop = size + L - self.window

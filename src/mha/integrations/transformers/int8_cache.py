@@ -27,7 +27,8 @@ class Int8Layer(DynamicLayer):
     each row's D values quantized (mha.kernels.quantize.quantize_int8) followed by the bytes of its
     float32 scale (mha.kernels.storage). Rows and scales in one tensor, so every operation transformers' DynamicLayer
     does on its keys (appending, cropping, selecting or repeating the batch, offloading) keeps them
-    together."""
+    together, and every one of them that replaces the tensors (selecting the batch, offloading) leaves
+    the next update a copy to make once; a crop stays in the same buffers."""
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -36,10 +37,16 @@ class Int8Layer(DynamicLayer):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Quantize the new (B, Hkv, L, D|Dv) keys and values and append them; returns the whole cache
-        (int8, rows then scales), which only mha's attention function reads."""
+        (int8, rows then scales), which only mha's attention function reads. The layer's keys and values
+        are the filled slots of buffers with room for more (mha.kernels.storage.append): a step writes its
+        rows where DynamicLayer's concatenation copied the whole cache."""
         for name, x in (("key_states", key_states), ("value_states", value_states)):
             _checks.rank(name, _checks.floating(name, x), (4,), "(batch, kv heads, length, head_dim)")
-        return super().update(storage.store(key_states, True), storage.store(value_states, True))
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = storage.append(self.keys, storage.store(key_states, True))
+        self.values = storage.append(self.values, storage.store(value_states, True))
+        return self.keys, self.values
 
 
 class Int8Cache(Cache):

@@ -17,7 +17,7 @@ from mha.positions import Band
 from mha.tools.fuzz import Case, Finding, cases, check, draw, driver, properties
 from mha.tools.fuzz.cases import PAGE_SIZES, generator
 from mha.tools.fuzz.driver import Crash, Isolated, Report, shrink
-from mha.tools.fuzz.reference import Spec, reference, tolerance
+from mha.tools.fuzz.reference import Spec, error, reference, tolerance
 
 
 def _die(how: str):
@@ -141,6 +141,22 @@ def test_the_checker_finds_a_wrong_answer():
         properties.scaled_dot_product_attention = original
     assert [f.signature for f in found] == [f"sdpa:flash:equal:{x}:float32" for x in ("out", "dq", "dk", "dv")]
     assert isinstance(found[0], Finding)
+
+
+def test_a_packings_torch_error_counts_the_one_torch_makes_over_the_whole_packing():
+    """A saturated softmax (scores near 700) over packed sequences, one of them keys alone: torch's
+    fused kernel over the packing with its block mask (what the sdpa backend runs) errs 2e-5 in dV
+    where over each sequence alone it errs 4e-9; that error is torch's own for the call (found by
+    the property test, which reported the sdpa and auto backends)."""
+    case = Case(kind="varlen", seed=0, dtype="float32", q_lead=(2,), k_lead=(1,), v_lead=(1,), L=8, S=8, D=3, Dv=3,
+                magnitude=30.0, lengths=(0, 2, 0), k_lengths=(0, 2, 11), grad=True, threads=1)
+    assert check(case) == []
+    setup = properties.prepare(case)
+    cotangent = torch.randn(2, 2, 3, generator=torch.Generator().manual_seed(1))
+    per_sequence, *others = setup.torch_own(cotangent)
+    reference_dv = setup.reference(cotangent).grads["dv"]
+    errors = [error(o.grads["dv"], reference_dv) for o in (per_sequence, *others)]
+    assert errors[0] < 1e-7 < max(errors[1:])
 
 
 def test_the_tolerance_is_twice_torchs_error_plus_a_floor():

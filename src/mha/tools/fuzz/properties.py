@@ -296,9 +296,27 @@ def _per_sequence(case: Case, q: Tensor, k: Tensor, v: Tensor, slopes, sinks) ->
         packed_own = [_packed([o[0] for o in parts], q, k, v)]
         if parts and all(len(o) > 1 for o in parts):
             packed_own.append(_packed([o[-1] for o in parts], q, k, v))
-        return packed_own
+        return packed_own + [_packed([o], q, k, v) for o in _over_the_packing(case, q, k, v, slopes, sinks, cotangent)]
 
     return (lambda cotangent: _packed(per_sequence(reference, cotangent), q, k, v)), own
+
+
+def _over_the_packing(case: Case, q: Tensor, k: Tensor, v: Tensor, slopes, sinks, cotangent) -> list[Outcome]:
+    """torch's own over the whole packing in one call, as the sdpa backend gives it to torch: each
+    sequence's keys apart by a block-diagonal mask, its positions bottom-right; (H, T, X) outcomes.
+    Its fused kernel's dV at large logits is not the one over each sequence alone (a saturated
+    softmax, scores near 700: 2.0e-5 against 3.7e-9 of float64's). None with ALiBi, a softcap or
+    sinks (no mask folds them)."""
+    if slopes is not None or sinks is not None or case.softcap is not None:
+        return []
+    sequence = torch.arange(len(case.lengths))
+    q_seq, k_seq = (sequence.repeat_interleave(torch.tensor(n, dtype=torch.long)) for n in (case.lengths, case.k_lengths))
+    q_pos = torch.cat([torch.arange(L) + S - L for L, S in zip(case.lengths, case.k_lengths)] or [torch.zeros(0)]).long()
+    k_pos = torch.cat([torch.arange(S) for S in case.k_lengths] or [torch.zeros(0)]).long()
+    terms = Spec(enable_gqa=True, scale=case.scale, band=band_of(case), q_pos=q_pos, k_pos=k_pos,
+                 mask=q_seq[:, None] == k_seq[None, :])
+    part = None if cotangent is None else cotangent.transpose(0, 1)  # (T, H, Dv) -> (H, T, Dv)
+    return torch_own(*(x.transpose(0, 1) for x in (q, k, v)), terms, part, expressible=False, is_causal=case.is_causal)
 
 
 def _packed(outcomes: list[Outcome], q: Tensor, k: Tensor, v: Tensor) -> Outcome:

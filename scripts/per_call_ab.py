@@ -13,10 +13,10 @@
                                                   # the full path) against one over a bfloat16 cache
     python scripts/per_call_ab.py --int8-generate 4096  # a bfloat16 Llama generating after 4096 tokens with
                                                   # transformers' Int8Cache against its bfloat16 cache
-    python scripts/per_call_ab.py --int8-layer 16384  # a transformers cache layer's decoding step (its update
-                                                  # and mha's attention over it) at 16384 keys, GQA 32/8, D 128:
-                                                  # Int8Layer against it concatenating (as before) and a
-                                                  # bfloat16 DynamicLayer
+    python scripts/per_call_ab.py --cache-layers 16384  # transformers cache layers' decoding step (the
+                                                  # update and mha's attention over it) at 16384 keys, GQA 32/8,
+                                                  # D 128: Int8Layer, it concatenating (as before), bfloat16
+                                                  # BufferedLayer and DynamicLayer
     python scripts/per_call_ab.py --heads         # auto against torch on a projection's heads, (B, T, H, D)
                                                   # seen as (B, H, T, D): single calls alternated
 
@@ -201,11 +201,12 @@ def int8_generate(T: int, rounds: int = 5) -> None:
           f"int8/bf16 {best['int8'] / best['bf16']:.3f}")
 
 
-def int8_layer(S: int, rounds: int = 5, steps: int = 16) -> None:
+def cache_layers(S: int, rounds: int = 5, steps: int = 16) -> None:
     """A decoding step of one transformers cache layer (update, then mha's attention_forward over what it
     returns) after S keys, Hq 32 / Hkv 8, D 128: Int8Layer (buffers with room), the same layer
-    concatenating its cache every step (DynamicLayer's update: the layer before), and a bfloat16
-    DynamicLayer, each layer's steps in turn: the median of the rounds' mean step."""
+    concatenating its cache every step (DynamicLayer's update: the layer before), a bfloat16
+    BufferedLayer and a bfloat16 DynamicLayer, each layer's steps in turn: the median of the rounds'
+    mean step."""
     from types import SimpleNamespace
 
     from transformers.cache_utils import DynamicLayer
@@ -231,7 +232,8 @@ def int8_layer(S: int, rounds: int = 5, steps: int = 16) -> None:
             hf.attention_forward(module, q, *layer.update(k, v), None, scaling=D ** -0.5)
         return (time.perf_counter() - start) / steps
 
-    layers = {"Int8Layer": hf.Int8Layer, "concatenating": ConcatenatingInt8Layer, "bf16 DynamicLayer": DynamicLayer}
+    layers = {"Int8Layer": hf.Int8Layer, "concatenating": ConcatenatingInt8Layer, "bf16 BufferedLayer": hf.BufferedLayer,
+              "bf16 DynamicLayer": DynamicLayer}
     took = {name: [] for name in layers}
     with torch.no_grad():
         for i in range(rounds + 1):
@@ -241,7 +243,9 @@ def int8_layer(S: int, rounds: int = 5, steps: int = 16) -> None:
                     took[name].append(t)
     ms = {name: statistics.median(t) * 1e3 for name, t in took.items()}
     print(f"S {S}: step {', '.join(f'{name} {t:.2f} ms' for name, t in ms.items())}; Int8Layer/concatenating "
-          f"{ms['Int8Layer'] / ms['concatenating']:.3f}, Int8Layer/bf16 {ms['Int8Layer'] / ms['bf16 DynamicLayer']:.3f}")
+          f"{ms['Int8Layer'] / ms['concatenating']:.3f}, Int8Layer/bf16 BufferedLayer "
+          f"{ms['Int8Layer'] / ms['bf16 BufferedLayer']:.3f}, BufferedLayer/DynamicLayer "
+          f"{ms['bf16 BufferedLayer'] / ms['bf16 DynamicLayer']:.3f}")
 
 
 def heads(rounds: int = 15) -> None:
@@ -271,7 +275,7 @@ if __name__ == "__main__":
     parser.add_argument("--paged", type=int, metavar="S", help="paged_attention's layers at a decoding step over S keys")
     parser.add_argument("--int8", type=int, metavar="S", help="a step over an 8-bit cache of S keys against a bfloat16 one")
     parser.add_argument("--int8-generate", type=int, metavar="T", help="a Llama's generation after T tokens, Int8Cache vs bf16")
-    parser.add_argument("--int8-layer", type=int, metavar="S", help="a cache layer's step over S keys, Int8Layer vs before")
+    parser.add_argument("--cache-layers", type=int, metavar="S", help="transformers cache layers' steps over S keys")
     parser.add_argument("--heads", action="store_true", help="auto against torch on a projection's heads, alternated")
     args = parser.parse_args()
     if args.generate:
@@ -286,8 +290,8 @@ if __name__ == "__main__":
         int8(args.int8)
     elif args.int8_generate:
         int8_generate(args.int8_generate)
-    elif args.int8_layer:
-        int8_layer(args.int8_layer)
+    elif args.cache_layers:
+        cache_layers(args.cache_layers)
     elif args.heads:
         heads()
     else:

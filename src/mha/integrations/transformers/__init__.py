@@ -29,11 +29,13 @@ reads or extends its mask itself (rare: a KeyMask then says so) runs with
 ``register(name, compact_masks=False)``: transformers' eager masks, mha's attention.
 
 8-bit keys and values in ``generate``: pass ``past_key_values=Int8Cache()`` to a model loaded with
-``attn_implementation="mha"`` (int8_cache).
+``attn_implementation="mha"`` (int8_cache). Float keys and values without a copy of the cache every
+step: ``past_key_values=BufferedCache()`` (buffered_cache, any attention implementation).
 
-The rooms: masks (the mask function, KeyMask), attention (the attention function), int8_cache
-(Int8Cache), continuous_batching (generate_batch), compat (every use of transformers' private state,
-gated by version: a renamed one is a RuntimeError naming it).
+The rooms: masks (the mask function, KeyMask), attention (the attention function), buffered_cache
+(BufferedCache: layers in buffers with room), int8_cache (Int8Cache), continuous_batching
+(generate_batch), compat (every use of transformers' private state, gated by version: a renamed one
+is a RuntimeError naming it).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from ... import _checks
 from . import compat
 from .attention import attention_forward
+from .buffered_cache import BufferedCache, BufferedLayer
 from .continuous_batching import (
     CONTINUOUS_BATCHING_NAME,
     ContinuousBatching,
@@ -59,7 +62,8 @@ from .continuous_batching import (
 from .int8_cache import Int8Cache, Int8Layer
 from .masks import KeyMask, eager_mask_forward, mask_forward
 
-__all__ = ["CONTINUOUS_BATCHING_NAME", "ContinuousBatching", "Int8Cache", "Int8Layer", "KeyMask", "attention_forward",
+__all__ = ["CONTINUOUS_BATCHING_NAME", "BufferedCache", "BufferedLayer", "ContinuousBatching", "Int8Cache", "Int8Layer",
+           "KeyMask", "attention_forward",
            "continuous_batching_forward", "eager_mask_forward", "enable_continuous_batching", "mask_forward", "register"]
 
 

@@ -10,49 +10,43 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
 from ... import _checks
 from ...kernels import storage
 from ...kernels.contract import from_keywords
 from ...kernels.paged import batch_paged_attention
 from ...positions import CAUSAL, Band
+from .buffered_cache import BufferedLayer
 from .masks import KeyMask
 
 __all__ = ["Int8Cache", "Int8Layer", "int8_attention"]
 
 
-class Int8Layer(DynamicLayer):
+class Int8Layer(BufferedLayer):
     """One layer of :class:`Int8Cache`: keys (B, Hkv, S, D + 4) and values (B, Hkv, S, Dv + 4) int8,
     each row's D values quantized (mha.kernels.quantize.quantize_int8) followed by the bytes of its
-    float32 scale (mha.kernels.storage). Rows and scales in one tensor, so every operation transformers' DynamicLayer
-    does on its keys (appending, cropping, selecting or repeating the batch, offloading) keeps them
-    together, and every one of them that replaces the tensors (selecting the batch, offloading) leaves
-    the next update a copy to make once; a crop stays in the same buffers."""
+    float32 scale (mha.kernels.storage), in buffers with room as a BufferedLayer's. Rows and scales in
+    one tensor, so every operation transformers' DynamicLayer does on its keys (appending, cropping,
+    selecting or repeating the batch, offloading) keeps them together."""
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self.dtype = torch.int8
         self.keys, self.values = self.keys.to(torch.int8), self.values.to(torch.int8)
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Quantize the new (B, Hkv, L, D|Dv) keys and values and append them; returns the whole cache
-        (int8, rows then scales), which only mha's attention function reads. The layer's keys and values
-        are the filled slots of buffers with room for more (mha.kernels.storage.append): a step writes its
-        rows where DynamicLayer's concatenation copied the whole cache."""
-        for name, x in (("key_states", key_states), ("value_states", value_states)):
-            _checks.rank(name, _checks.floating(name, x), (4,), "(batch, kv heads, length, head_dim)")
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.keys = storage.append(self.keys, storage.store(key_states, True))
-        self.values = storage.append(self.values, storage.store(value_states, True))
-        return self.keys, self.values
+    def kept(self, name: str, states: Tensor) -> Tensor:
+        """The new (B, Hkv, L, X) floating states quantized: (B, Hkv, L, X + 4) int8, rows then scales,
+        which only mha's attention function reads."""
+        _checks.rank(name, _checks.floating(name, states), (4,), "(batch, kv heads, length, head_dim)")
+        return storage.store(states, True)
 
 
 class Int8Cache(Cache):
     """transformers' Cache with 8-bit keys and values, for models with ``attn_implementation="mha"``:
     ``model.generate(ids, past_key_values=Int8Cache())``. About 0.52x a bfloat16 cache's bytes at a
-    head dim of 128 (0.27x float32's); attention reads the int8 rows in place (module docstring)."""
+    head dim of 128 (0.27x float32's), plus a BufferedLayer's room for up to 256 slots a layer;
+    attention reads the int8 rows in place (module docstring)."""
 
     def __init__(self) -> None:
         super().__init__(layer_class_to_replicate=Int8Layer)

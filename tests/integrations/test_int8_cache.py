@@ -97,21 +97,6 @@ def test_decoding_steps_write_into_the_layers_buffers_not_a_copy_of_the_cache():
     assert keys.shape[2] == 18 and keys.data_ptr() == buffers[0] and torch.equal(keys[:, :, :17], joined[0][:, :, :17])
 
 
-def test_a_growing_8bit_kvcache_writes_each_step_into_its_buffers():
-    import mha
-
-    cache = mha.KVCache(quantize="int8")
-    module = mha.GeneralAttention(16, 16, 16, 8, 8, 16, 2, num_kv_heads=1).eval()
-    torch.manual_seed(5)
-    with torch.no_grad():
-        module(*(torch.randn(1, 6, 16),) * 3, is_causal=True, cache=cache)
-        start = cache.keys.data_ptr(), cache.values.data_ptr()
-        for _ in range(4):
-            token = torch.randn(1, 1, 16)
-            module(token, token, token, is_causal=True, cache=cache)
-    assert cache.size == 10 and (cache.keys.data_ptr(), cache.values.data_ptr()) == start
-
-
 def test_a_cache_cropped_and_reordered_keeps_rows_and_scales_together():
     torch.manual_seed(3)
     layer = hf.Int8Layer()

@@ -391,6 +391,33 @@ def test_a_selected_cache_decodes_the_sequences_it_kept(kind, padded):
         assert selected.lengths.tolist() == [7, 8, 8]  # 4 + 3 steps, 5 + 3
 
 
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_a_growing_cache_writes_each_step_into_its_buffers_and_concatenates_under_autograd(quantize):
+    """Under no_grad a growing cache's steps write into buffers with room (mha.kernels.storage.append):
+    the same buffers from the prompt on, the outputs of a preallocated cache. With gradients (float),
+    each step concatenates, and the prompt's keys get gradients through later steps."""
+    m = _module(**VARIANTS["rope"])
+    g = torch.Generator().manual_seed(6)
+    prompt, steps = torch.randn(2, 5, E, generator=g), torch.randn(4, 2, 1, E, generator=g)
+    growing, preallocated = mha.KVCache(quantize=quantize), mha.KVCache(max_length=9, quantize=quantize)
+    with torch.no_grad():
+        for cache in (growing, preallocated):
+            m(prompt, prompt, prompt, is_causal=True, cache=cache)
+        buffers = growing.keys.data_ptr(), growing.values.data_ptr()
+        for token in steps:
+            assert torch.equal(m(token, token, token, is_causal=True, cache=growing),
+                               m(token, token, token, is_causal=True, cache=preallocated))
+    assert (growing.keys.data_ptr(), growing.values.data_ptr()) == buffers and growing.size == 9
+    if quantize:
+        return
+    x = prompt.clone().requires_grad_()
+    cache = mha.KVCache()
+    m(x, x, x, is_causal=True, cache=cache)
+    first = cache.keys.data_ptr()
+    m(steps[0], steps[0], steps[0], is_causal=True, cache=cache).sum().backward()
+    assert cache.keys.data_ptr() != first and x.grad is not None and x.grad.abs().sum() > 0
+
+
 def test_select_refuses_what_is_not_a_list_of_sequences():
     cache = mha.KVCache()
     cache.update(torch.zeros(2, 1, 3, D), torch.zeros(2, 1, 3, D), None)

@@ -16,7 +16,9 @@ position. Attention masks are derived from positions, so a new query at position
 cached keys at positions <= p (bottom-right causal alignment).
 
 Decode under torch.no_grad (or inference_mode): a preallocated cache writes each step into the
-same buffers, which autograd cannot differentiate through across steps.
+same buffers, which autograd cannot differentiate through across steps; a growing one then writes
+into buffers with room for up to 256 more slots (mha.kernels.storage.append: the whole cache copied
+once each time the room is used up), and concatenates where autograd or torch.compile follows it.
 
 quantize="int8" keeps keys and values as int8 rows, each followed by its float32 scale (one per
 (token, head)): mha.kernels.storage's one layout, as PagedKVCache and transformers' Int8Cache keep
@@ -75,11 +77,10 @@ class Seen:
 class KVCache:
     """The keys and values of past tokens of one attention module (one layer), for decoding.
 
-        KVCache()                        grows as tokens arrive
+        KVCache()                        grows as tokens arrive (under no_grad, in buffers with room)
         KVCache(max_length=4096)         preallocated: each step writes into the same buffers
         KVCache(window=256)              rolling: keeps the last 256 positions (sliding windows)
-        KVCache(quantize="int8")         8-bit keys and values (inference; growing or preallocated;
-                                         growing in buffers with room: mha.kernels.storage.append)
+        KVCache(quantize="int8")         8-bit keys and values (inference; growing or preallocated)
 
     Pass it as ``cache=`` to mha.GeneralAttention's forward: the prompt first (prefill), then one token
     (or chunk) at a time; each new query sees the cached keys at positions up to its own. Sequences
@@ -352,7 +353,7 @@ class KVCache:
             kept = seen = tuple(seen)
         else:
             stored = (getattr(self, name) for name in fields[:len(new)])
-            if self.quantize:  # inference only: buffers with room, each step's rows written into them
+            if self._in_buffers(new):  # buffers with room, each step's rows written into them
                 seen = tuple(storage.append(old, t) for old, t in zip(stored, new))
             else:  # (a concatenation: autograd and torch.compile follow it)
                 seen = new if self.keys is None else tuple(_concat(old, t) for old, t in zip(stored, new))
@@ -365,6 +366,16 @@ class KVCache:
         for name, t in zip(fields, kept):
             setattr(self, name, t)
         return seen
+
+    def _in_buffers(self, new: tuple[Tensor, ...]) -> bool:
+        """Whether a growing cache appends its keys and values into buffers with room (storage.append):
+        an 8-bit one always (inference only), a float one where nothing follows the cache but
+        inference (no autograd, no torch.compile tracing it) and it keeps only keys and values
+        (uniform; not rolling, whose kept slots move along)."""
+        if self.quantize:
+            return True
+        return (len(new) == 2 and self.window is None and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling())
 
 
 def _preallocate(t: Tensor, slots: int) -> Tensor:

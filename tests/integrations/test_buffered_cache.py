@@ -75,6 +75,28 @@ def test_under_autograd_a_layer_concatenates_and_gradients_flow_as_through_a_dyn
         assert layer.keys.stride(1) == storage.RESERVE * 8
 
 
+def test_gradients_of_the_queries_alone_flow_through_a_layers_steps():
+    """Grad enabled, only the queries requiring it (a LoRA on q_proj): attention saves the keys it read,
+    so the next update must not write into them (it concatenates)."""
+    torch.manual_seed(7)
+    q = torch.randn(1, 2, 1, 8, requires_grad=True)
+    layer = hf.BufferedLayer()
+    keys, values = layer.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
+    first = torch.nn.functional.scaled_dot_product_attention(q, keys, values)
+    keys, values = layer.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+    (first.sum() + torch.nn.functional.scaled_dot_product_attention(q, keys, values).sum()).backward()
+    assert q.grad is not None and q.grad.isfinite().all()
+
+
+def test_a_reset_layer_lets_its_buffers_go():
+    layer = hf.BufferedLayer()
+    with torch.no_grad():
+        layer.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
+        assert layer.rooms[0].buffer is not None
+        layer.reset()
+        assert layer.rooms[0].buffer is None and not layer.is_initialized
+
+
 def test_new_states_that_do_not_follow_the_layers_are_refused_by_name():
     layer = hf.BufferedLayer()
     with torch.no_grad():

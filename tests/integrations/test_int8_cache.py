@@ -78,23 +78,25 @@ def test_the_cache_stores_about_half_a_bfloat16_cache():
 def test_decoding_steps_write_into_the_layers_buffers_not_a_copy_of_the_cache():
     """Each step's rows go into the buffers the prompt's update made (DynamicLayer concatenated the
     whole cache every step): the same buffers until RESERVE slots past the prompt, the same rows as a
-    concatenation, and the buffers' bytes those of the filled slots and up to RESERVE more."""
+    concatenation, and the buffers' bytes those of the filled slots and up to RESERVE more; after a
+    crop, the next update copies into new buffers."""
     torch.manual_seed(4)
-    layer, joined = hf.Int8Layer(), None
-    for step in range(12):
-        k, v = torch.randn(1, 2, 9 if step == 0 else 1, 16), torch.randn(1, 2, 9 if step == 0 else 1, 8)
-        keys, values = layer.update(k, v)
-        joined = [storage.store(x, True) if joined is None else torch.cat([joined[i], storage.store(x, True)], dim=2)
-                  for i, x in enumerate((k, v))]
-        assert torch.equal(keys, joined[0]) and torch.equal(values, joined[1])
-        if step == 0:
-            buffers = keys.data_ptr(), values.data_ptr()
-        assert (keys.data_ptr(), values.data_ptr()) == buffers
-    for kept in (layer.keys, layer.values):
-        assert kept.untyped_storage().nbytes() <= (kept.shape[2] + storage.RESERVE) * 2 * kept.shape[3]
-    layer.crop(-3)  # the next rows continue after the crop, in the same buffers
-    keys, _ = layer.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 8))
-    assert keys.shape[2] == 18 and keys.data_ptr() == buffers[0] and torch.equal(keys[:, :, :17], joined[0][:, :, :17])
+    with torch.no_grad():  # (generate's: under autograd a layer concatenates)
+        layer, joined = hf.Int8Layer(), None
+        for step in range(12):
+            k, v = torch.randn(1, 2, 9 if step == 0 else 1, 16), torch.randn(1, 2, 9 if step == 0 else 1, 8)
+            keys, values = layer.update(k, v)
+            joined = [storage.store(x, True) if joined is None else torch.cat([joined[i], storage.store(x, True)], dim=2)
+                      for i, x in enumerate((k, v))]
+            assert torch.equal(keys, joined[0]) and torch.equal(values, joined[1])
+            if step == 0:
+                buffers = keys.data_ptr(), values.data_ptr()
+            assert (keys.data_ptr(), values.data_ptr()) == buffers
+        for kept in (layer.keys, layer.values):
+            assert kept.untyped_storage().nbytes() <= (kept.shape[2] + storage.RESERVE) * 2 * kept.shape[3]
+        layer.crop(-3)  # a crop is copied once at the next update (views of the slots it dropped may live on)
+        keys, _ = layer.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 8))
+        assert keys.shape[2] == 18 and keys.data_ptr() != buffers[0] and torch.equal(keys[:, :, :17], joined[0][:, :, :17])
 
 
 def test_a_cache_cropped_and_reordered_keeps_rows_and_scales_together():

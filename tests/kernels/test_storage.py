@@ -290,7 +290,7 @@ def test_the_fast_path_leaves_what_it_does_not_take_to_the_full_path(case):
 
 
 def _buffer_of(kept: torch.Tensor) -> tuple[int, int]:
-    """(where the buffer starts, how many slots it has) of a tensor append returned."""
+    """(where the buffer starts, how many slots it has) of a tensor a room returned."""
     return kept.data_ptr(), kept.stride(1) // kept.shape[3]
 
 
@@ -300,15 +300,15 @@ def test_appended_rows_are_written_into_the_buffer_until_it_is_full_then_copied_
     """A prompt of S, then one row at a time: the buffer has room for the S slots and up to RESERVE more
     (the first multiple of RESERVE past S), each step writes into it (the same buffer, what a
     concatenation gives), and the step past it copies into a new one, again with room."""
-    R = storage.RESERVE
+    R, room = storage.RESERVE, storage.Room()
     new = [torch.randn(2, 3, prompt, 5).to(dtype)] + [torch.randn(2, 3, 1, 5).to(dtype) for _ in range(R + 1)]
     kept, joined = None, None
     capacity = (prompt // R + 1) * R
     for step, rows in enumerate(new):
         before = None if kept is None else _buffer_of(kept)
-        kept = storage.append(kept, rows)
+        kept = room.append(kept, rows)
         joined = rows if joined is None else torch.cat([joined, rows], dim=2)
-        assert torch.equal(kept, joined)
+        assert torch.equal(kept, joined) and room.filled == kept.shape[2]
         S = kept.shape[2]
         if step == 0 or S > capacity:
             assert kept.data_ptr() != rows.data_ptr()  # never the caller's rows themselves
@@ -319,65 +319,79 @@ def test_appended_rows_are_written_into_the_buffer_until_it_is_full_then_copied_
         assert _buffer_of(kept)[1] == capacity
 
 
-def test_a_cropped_buffer_takes_the_next_rows_after_its_crop():
-    kept = storage.append(None, torch.randn(1, 2, 10, 4))
-    cropped = kept.narrow(2, 0, 6)
-    new = torch.randn(1, 2, 3, 4)
-    out = storage.append(cropped, new)
-    assert out.data_ptr() == kept.data_ptr() and torch.equal(out, torch.cat([cropped, new], dim=2))
+def test_what_is_not_the_rooms_filled_slots_is_copied_not_written_into():
+    """A crop, a batch or heads taken of the buffer, its slots trimmed from the front, a contiguous
+    copy, a caller's tensor with room past its rows: each copied with the new rows, the buffer (and
+    the caller's tensor) left as they were."""
+    prompt = torch.randn(2, 4, 5, 3)
+    views = (lambda w: w.narrow(2, 0, 3), lambda w: w[0:1], lambda w: w.narrow(1, 0, 2), lambda w: w.narrow(2, 2, 3),
+             lambda w: w.contiguous())
+    for view in views:
+        room = storage.Room()
+        whole = room.append(None, prompt)
+        kept = view(whole)
+        new = torch.randn(kept.shape[0], kept.shape[1], 1, 3)
+        out = room.append(kept, new)
+        assert torch.equal(out, torch.cat([kept, new], dim=2)) and out.data_ptr() != whole.data_ptr()
+        assert torch.equal(whole, prompt)
+    user = torch.randn(2, 4, 20, 3)
+    snapshot = user.clone()
+    out = storage.Room().append(user[:, :, :5], torch.randn(2, 4, 1, 3))
+    assert torch.equal(user, snapshot) and out.data_ptr() != user.data_ptr()
 
 
-def test_a_tensor_without_room_or_of_another_layout_is_copied_not_written_into():
-    """A tensor append did not make (a contiguous one, a slice of a longer user tensor along the heads, a
-    transposed one, a selection of a buffer's batch) is never written into."""
-    user = torch.randn(2, 3, 8, 4)
-    new = torch.randn(2, 3, 1, 4)
-    for kept in (user, user.narrow(1, 0, 3), user.transpose(0, 1).contiguous().transpose(0, 1),
-                 storage.append(None, user).index_select(0, torch.tensor([1, 0]))):
-        snapshot = user.clone()
-        out = storage.append(kept, new)
-        assert torch.equal(out, torch.cat([kept, new], dim=2)) and torch.equal(user, snapshot)
-        assert out.data_ptr() != kept.data_ptr()
-    longer = torch.randn(2, 3, 20, 4)  # a user's rows with more slots past them: its storage, not append's buffer
-    snapshot = longer.clone()
-    storage.append(None, longer[:, :, :8])
-    assert torch.equal(longer, snapshot)
+def test_another_rooms_slots_or_the_buffer_seen_in_another_order_are_copied():
+    """What fills the same slots count but is not this buffer as it lies: another room's (the keys' room
+    given the values), the batch and heads swapped (a transpose of as many sequences as heads)."""
+    keys_room, values_room = storage.Room(), storage.Room()
+    keys_room.append(None, torch.randn(2, 2, 5, 3))
+    values = values_room.append(None, torch.randn(2, 2, 5, 3))
+    new = torch.randn(2, 2, 1, 3)
+    assert torch.equal(keys_room.append(values, new), torch.cat([values, new], dim=2))
+    room = storage.Room()
+    whole = room.append(None, torch.randn(2, 2, 5, 3))
+    swapped = whole.transpose(0, 1)
+    assert torch.equal(room.append(swapped, new), torch.cat([swapped, new], dim=2))
+
+
+def test_two_holders_of_one_room_appended_in_turn_keep_their_own_rows():
+    """A shallow copy of a cache shares its room: the first to append writes in place, the other
+    (now behind the filled count) copies, so neither sees the other's rows."""
+    room = storage.Room()
+    shared = room.append(None, torch.randn(1, 2, 5, 3))
+    first = room.append(shared, torch.ones(1, 2, 1, 3))
+    second = room.append(shared, torch.zeros(1, 2, 1, 3))
+    assert first.data_ptr() == shared.data_ptr() != second.data_ptr()
+    assert torch.equal(first[:, :, 5], torch.ones(1, 2, 3)) and torch.equal(second[:, :, 5], torch.zeros(1, 2, 3))
 
 
 def test_a_buffer_made_under_inference_mode_is_copied_outside_it():
+    room = storage.Room()
     with torch.inference_mode():
-        kept = storage.append(None, torch.randn(1, 1, 3, 4))
+        kept = room.append(None, torch.randn(1, 1, 3, 4))
     with torch.no_grad():
-        out = storage.append(kept, torch.randn(1, 1, 1, 4))  # (torch refuses an in-place write to it here)
-    assert out.shape == (1, 1, 4, 4) and torch.equal(out[:, :, :3], kept)
+        out = room.append(kept, torch.randn(1, 1, 1, 4))  # (torch refuses an in-place write to it here)
+    assert out.shape == (1, 1, 4, 4) and torch.equal(out[:, :, :3], kept) and out.data_ptr() != kept.data_ptr()
     with torch.inference_mode():
-        again = storage.append(kept, torch.randn(1, 1, 1, 4))
-    assert again.data_ptr() == kept.data_ptr()
+        kept = room.append(None, torch.randn(1, 1, 3, 4))
+        assert room.append(kept, torch.randn(1, 1, 1, 4)).data_ptr() == kept.data_ptr()
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 5, 4), (2, 0, 5, 4), (2, 2, 0, 4)])
+def test_empty_batches_heads_and_lengths_append_as_a_concatenation(shape):
+    kept = torch.zeros(shape)
+    new = torch.ones(shape[0], shape[1], 1, shape[3])
+    assert storage.Room().append(kept, new).shape == torch.cat([kept, new], dim=2).shape
 
 
 def test_rows_that_do_not_follow_the_kept_ones_are_refused_by_name():
-    kept = storage.append(None, torch.zeros(2, 3, 4, 5, dtype=torch.int8))
+    kept = storage.Room().append(None, torch.zeros(2, 3, 4, 5, dtype=torch.int8))
     for new, what in ((torch.zeros(1, 3, 1, 5, dtype=torch.int8), r"\(1, 3, 1, 5\)"),
                       (torch.zeros(2, 3, 1, 6, dtype=torch.int8), r"\(2, 3, 1, 6\)"),
                       (torch.zeros(2, 3, 1, 5), r"\(2, 3, 1, 5\) torch.float32")):
         with pytest.raises(ValueError, match=f"new rows {what}.*do not follow the kept"):
-            storage.append(kept, new)
+            storage.Room().append(kept, new)
     with pytest.raises(ValueError, match=r"new rows must be \(batch, heads, length, width\), got shape \(3, 5\)"):
-        storage.append(kept, torch.zeros(3, 5, dtype=torch.int8))
-
-
-def test_two_views_of_one_buffer_appended_in_turn_keep_their_own_rows():
-    """Some heads of a buffer (a view append did not return) get a buffer of their own, so the whole
-    buffer's next rows do not land in them."""
-    whole = storage.append(None, torch.randn(2, 4, 5, 3))
-    heads = storage.append(whole.narrow(1, 0, 2), torch.ones(2, 2, 1, 3))
-    storage.append(whole, torch.zeros(2, 4, 1, 3))
-    assert torch.equal(heads[:, :, 5], torch.ones(2, 2, 3))
-
-
-def test_a_tensor_with_the_strides_of_room_but_not_its_storage_is_copied():
-    """Strides of a buffer with 16 slots over a storage that ends at the 8th of the last head: no room."""
-    kept = torch.empty_strided((2, 3, 8, 4), (3 * 16 * 4, 16 * 4, 4, 1))
-    kept.copy_(torch.randn(2, 3, 8, 4))
-    new = torch.randn(2, 3, 1, 4)
-    assert torch.equal(storage.append(kept, new), torch.cat([kept, new], dim=2))
+        storage.Room().append(kept, torch.zeros(3, 5, dtype=torch.int8))
+    with pytest.raises(ValueError, match=r"the kept rows must be \(batch, heads, length, width\), got shape \(4, 5\)"):
+        storage.Room().append(torch.zeros(4, 5, dtype=torch.int8), torch.zeros(1, 1, 1, 5, dtype=torch.int8))

@@ -15,8 +15,8 @@ and its kernels take (the native kernel converts and scales each row as it reads
     split(kept)          -> (rows (..., T, X), scales (..., T) float32, or None for floating rows)
     load(kept, dtype)    -> (..., T, X) in dtype: dequantized where 8-bit (the reference's way)
     width(kept)          -> X
-    append(kept, new)    -> kept and new along T, in a buffer with room for more (a growing cache's
-                            step writes its rows, not a copy of all it holds)
+    Room().append(kept, new) -> kept and new along T, in a buffer with room for more (a growing
+                            cache's step writes its rows, not a copy of all it holds)
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from torch import Tensor
 
 from .quantize import dequantize, quantize_int8
 
-__all__ = ["RESERVE", "SCALE_BYTES", "append", "load", "quantized", "split", "store", "width"]
+__all__ = ["RESERVE", "SCALE_BYTES", "Room", "load", "quantized", "split", "store", "width"]
 
 SCALE_BYTES = 4  # a float32 scale, kept as four int8 after its row
-RESERVE = 256  # slots a growing buffer keeps beyond those it holds (append)
+RESERVE = 256  # slots a growing buffer keeps beyond those it holds (Room)
 
 
 def quantized(kept: Tensor) -> bool:
@@ -79,46 +79,55 @@ def load(kept: Tensor, dtype: torch.dtype) -> Tensor:
     return rows.to(dtype) if scales is None else dequantize(rows, scales, dtype)
 
 
-def append(kept: Tensor | None, new: Tensor) -> Tensor:
-    """kept (B, H, S, W) then new (B, H, L, W) along the length, as the first S + L slots of a buffer
-    (B, H, capacity, W): new's rows written in place where kept is such a view with room for them (what
-    append returned, or a crop of it), else kept and new copied into a buffer of the S + L slots and up
-    to RESERVE more (a step then writes its L rows, and a growing cache copies all it holds once every
-    RESERVE slots, not at every step as a concatenation does). For inference: the rows past S are
-    overwritten, and tensors taken of them before (by a view of the buffer from before a crop) see the
-    new rows. ``kept`` is what append returned (or a crop, a selection, a copy of it): a tensor of
-    someone else's with room past its rows would be written into. kept None (or empty, as
-    transformers' layers start) holds nothing yet: a new buffer, never new itself."""
-    if new.dim() != 4:
-        raise ValueError(f"new rows must be (batch, heads, length, width), got shape {tuple(new.shape)}")
-    empty = kept is None or kept.numel() == 0
-    if empty:
-        kept = new[:, :, :0]
-    B, H, S, W = kept.shape if kept.dim() == 4 else (None,) * 4
-    L = new.shape[2]
-    if (B, H, W) != (new.shape[0], new.shape[1], new.shape[3]) or kept.dtype != new.dtype or kept.device != new.device:
-        raise ValueError(f"new rows {tuple(new.shape)} {new.dtype} on {new.device} do not follow the kept "
-                         f"{tuple(kept.shape)} {kept.dtype} on {kept.device}: (batch, heads, width), dtype and "
-                         "device must be the same")
-    buffer = None if empty else _room(kept, L)
-    if buffer is None:
-        capacity = ((S + L) // RESERVE + 1) * RESERVE
-        buffer = new.new_empty((B, H, capacity, W))
-        buffer.narrow(2, 0, S).copy_(kept)
-    buffer.narrow(2, S, L).copy_(new)
-    return buffer.narrow(2, 0, S + L)
+class Room:
+    """A growing cache's buffer (B, H, capacity, W) and how many of its slots are filled: ``append``
+    writes a step's rows into it where a concatenation would copy the whole cache.
 
+        room = Room()
+        keys = room.append(keys, new_keys)   # keys then new_keys along the length (a view of the buffer)
 
-def _room(kept: Tensor, L: int) -> Tensor | None:
-    """The buffer (B, H, capacity, W) whose first S slots ``kept`` (B, H, S, W) is, where it has room for L
-    more: kept's strides those of a contiguous buffer of ``capacity`` slots, its storage holding them all;
-    else None."""
-    B, H, S, W = kept.shape
-    capacity = kept.stride(1) // W if W else 0
-    if S + L > capacity or kept.stride() != (H * capacity * W, capacity * W, W, 1):
-        return None
-    if kept.is_inference() and not torch.is_inference_mode_enabled():
-        return None  # (made under inference_mode, written outside it: torch refuses the write)
-    if kept.untyped_storage().nbytes() < (kept.storage_offset() + B * H * capacity * W) * kept.element_size():
-        return None
-    return kept.as_strided((B, H, capacity, W), kept.stride(), kept.storage_offset())
+    The rows go in place where ``kept`` is the room's filled slots as append last returned them (the
+    whole buffer's batch and heads, its strides, ending at the filled count), with room left; anything
+    else (a crop, a batch selected, another room's tensor, a caller's own) is copied with the new rows
+    into a new buffer of S + L slots and up to RESERVE more, never written into. So a step writes L rows
+    and the whole cache is copied once every RESERVE slots, and a shallow copy of a cache sharing its
+    room stays right: the first to append writes in place, the other then copies. For inference: the
+    views append returned before are the buffer, so they stay valid as its filled slots only (later
+    rows go past them)."""
+
+    __slots__ = ("buffer", "filled")
+
+    def __init__(self) -> None:
+        self.buffer: Tensor | None = None
+        self.filled = 0
+
+    def append(self, kept: Tensor | None, new: Tensor) -> Tensor:
+        """kept (B, H, S, W) then new (B, H, L, W) along the length, as the buffer's first S + L slots.
+        kept None, or an empty tensor of another rank (transformers' layers start with one), is no slots."""
+        if new.dim() != 4:
+            raise ValueError(f"new rows must be (batch, heads, length, width), got shape {tuple(new.shape)}")
+        if kept is None or kept.dim() != 4 and kept.numel() == 0:
+            kept = new[:, :, :0]
+        if kept.dim() != 4:
+            raise ValueError(f"the kept rows must be (batch, heads, length, width), got shape {tuple(kept.shape)}")
+        (B, H, S, W), L = kept.shape, new.shape[2]
+        if (B, H, W) != (new.shape[0], new.shape[1], new.shape[3]) or kept.dtype != new.dtype or kept.device != new.device:
+            raise ValueError(f"new rows {tuple(new.shape)} {new.dtype} on {new.device} do not follow the kept "
+                             f"{tuple(kept.shape)} {kept.dtype} on {kept.device}: (batch, heads, width), dtype and "
+                             "device must be the same")
+        if not self._holds(kept, L):
+            self.buffer = new.new_empty((B, H, ((S + L) // RESERVE + 1) * RESERVE, W))
+            self.buffer.narrow(2, 0, S).copy_(kept)
+            self.filled = S
+        self.buffer.narrow(2, S, L).copy_(new)
+        self.filled = S + L
+        return self.buffer.narrow(2, 0, S + L)
+
+    def _holds(self, kept: Tensor, L: int) -> bool:
+        """Whether ``kept`` is this room's filled slots, with room for L more that may be written here."""
+        buffer = self.buffer
+        return (buffer is not None and kept.data_ptr() == buffer.data_ptr() and kept.dtype == buffer.dtype
+                and kept.device == buffer.device and kept.shape[2] == self.filled
+                and (kept.shape[0], kept.shape[1], kept.shape[3]) == (buffer.shape[0], buffer.shape[1], buffer.shape[3])
+                and kept.stride() == buffer.stride() and self.filled + L <= buffer.shape[2]
+                and (torch.is_inference_mode_enabled() or not buffer.is_inference()))  # (torch refuses that write)

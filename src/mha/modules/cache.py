@@ -17,7 +17,7 @@ cached keys at positions <= p (bottom-right causal alignment).
 
 Decode under torch.no_grad (or inference_mode): a preallocated cache writes each step into the
 same buffers, which autograd cannot differentiate through across steps; a growing one then writes
-into buffers with room for up to 256 more slots (mha.kernels.storage.append: the whole cache copied
+into buffers with room for up to 256 more slots (mha.kernels.storage.Room: the whole cache copied
 once each time the room is used up), and concatenates where autograd or torch.compile follows it.
 
 quantize="int8" keeps keys and values as int8 rows, each followed by its float32 scale (one per
@@ -104,6 +104,7 @@ class KVCache:
         # once a key_padding_mask arrives, sequences differ: per-slot positions and validity (B, S), lengths (B,)
         self.positions = self.valid = self._lengths = None
         self._buffers = None  # preallocated: (keys, values[, positions, valid]) with max_length slots
+        self._rooms = (storage.Room(), storage.Room())  # growing: the keys' and values' buffers with room
         self._dropped = None  # rolling: (,) int64, the slots dropped so far (a tensor: no Python int to guard on)
         self._owner = None  # a weak reference to the module whose keys this cache holds
 
@@ -293,6 +294,7 @@ class KVCache:
         else:
             for name in self._fields():
                 setattr(self, name, getattr(self, name).index_select(0, index))
+            self._rooms = (storage.Room(), storage.Room())  # (the selection is copied at the next step)
         if self._lengths is not None:
             self._lengths = self._lengths.index_select(0, index)
 
@@ -354,7 +356,7 @@ class KVCache:
         else:
             stored = (getattr(self, name) for name in fields[:len(new)])
             if self._in_buffers(new):  # buffers with room, each step's rows written into them
-                seen = tuple(storage.append(old, t) for old, t in zip(stored, new))
+                seen = tuple(room.append(old, t) for room, old, t in zip(self._rooms, stored, new))
             else:  # (a concatenation: autograd and torch.compile follow it)
                 seen = new if self.keys is None else tuple(_concat(old, t) for old, t in zip(stored, new))
             kept = seen
@@ -368,7 +370,7 @@ class KVCache:
         return seen
 
     def _in_buffers(self, new: tuple[Tensor, ...]) -> bool:
-        """Whether a growing cache appends its keys and values into buffers with room (storage.append):
+        """Whether a growing cache appends its keys and values into buffers with room (self._rooms):
         an 8-bit one always (inference only), a float one where nothing follows the cache but
         inference (no autograd, no torch.compile tracing it) and it keeps only keys and values
         (uniform; not rolling, whose kept slots move along)."""

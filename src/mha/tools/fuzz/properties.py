@@ -22,6 +22,7 @@ CUDA, repeat is not checked (torch's and FlexAttention's CUDA backward accumulat
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -122,6 +123,7 @@ def _one_backend(case, backend, setup: Setup, cotangent, ref: Outcome, own: list
         return [found] if "raises" in properties else []
     found = []
     out, grads = first
+    own = [o for o in own if o.backends is None or backend in o.backends]
     if "shape" in properties and (out.shape != ref.out.shape or out.dtype != inputs[0].dtype):
         return [Finding(_sig(case, backend, "shape"), f"got {tuple(out.shape)} {out.dtype}, expected "
                                                      f"{tuple(ref.out.shape)} {inputs[0].dtype}")]
@@ -296,18 +298,23 @@ def _per_sequence(case: Case, q: Tensor, k: Tensor, v: Tensor, slopes, sinks) ->
         packed_own = [_packed([o[0] for o in parts], q, k, v)]
         if parts and all(len(o) > 1 for o in parts):
             packed_own.append(_packed([o[-1] for o in parts], q, k, v))
-        return packed_own + [_packed([o], q, k, v) for o in _over_the_packing(case, q, k, v, slopes, sinks, cotangent)]
+        for whole in _over_the_packing(case, q, k, v, slopes, sinks, cotangent):
+            packed_own.append(dataclasses.replace(_packed([whole], q, k, v), backends=("sdpa", "auto")))
+        return packed_own
 
     return (lambda cotangent: _packed(per_sequence(reference, cotangent), q, k, v)), own
 
 
 def _over_the_packing(case: Case, q: Tensor, k: Tensor, v: Tensor, slopes, sinks, cotangent) -> list[Outcome]:
-    """torch's own over the whole packing in one call, as the sdpa backend gives it to torch: each
-    sequence's keys apart by a block-diagonal mask, its positions bottom-right; (H, T, X) outcomes.
-    Its fused kernel's dV at large logits is not the one over each sequence alone (a saturated
-    softmax, scores near 700: 2.0e-5 against 3.7e-9 of float64's). None with ALiBi, a softcap or
-    sinks (no mask folds them)."""
-    if slopes is not None or sinks is not None or case.softcap is not None:
+    """torch's own over a varlen call's whole packing in one call, as the sdpa backend (and auto where it
+    takes it) gives it to torch: each sequence's keys apart by a block-diagonal mask, its positions
+    bottom-right; (H, T, X) outcomes, which only those backends are allowed (Outcome.backends). Its fused
+    kernel's dV at large logits is not the one over each sequence alone (a saturated softmax, scores
+    near 700: 2.0e-5 against 3.7e-9 of float64's). None for paged calls (no backend hands torch their
+    packing), inputs with a NaN or an infinity (torch's call over the packing spreads it to every
+    sequence: a leak between sequences must stay visible), ALiBi, a softcap or sinks (no mask folds them)."""
+    if (case.kind != "varlen" or slopes is not None or sinks is not None or case.softcap is not None
+            or not all(x.isfinite().all() for x in (q, k, v))):
         return []
     sequence = torch.arange(len(case.lengths))
     q_seq, k_seq = (sequence.repeat_interleave(torch.tensor(n, dtype=torch.long)) for n in (case.lengths, case.k_lengths))

@@ -59,6 +59,7 @@ class Outcome:
     bounds: dict[str, tuple[float, float]] = field(default_factory=dict)  # (size, flush) per quantity: _Sizes
     certain: Tensor | None = None  # bool like out: NaN for sure (see the module docstring)
     possible: Tensor | None = None  # bool like out: NaN allowed
+    backends: tuple[str, ...] | None = None  # torch's own: the backends that run it so (None: a way for every one)
 
 
 def as_4d(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> tuple[Tensor, Tensor, Tensor, tuple[int, ...]]:

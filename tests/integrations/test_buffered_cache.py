@@ -54,7 +54,7 @@ def test_each_step_writes_into_the_layers_buffers():
     assert [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers] == buffers
     layer = cache.layers[0]
     assert layer.keys.shape == (1, TINY["num_key_value_heads"], 12, TINY["head_dim"])
-    assert layer.keys.stride(1) == storage.RESERVE * TINY["head_dim"]  # 12 slots and room to 256
+    assert layer.keys.stride(1) == storage.capacity(7) * TINY["head_dim"]  # 12 slots in the prompt's 14
 
 
 def test_under_autograd_a_layer_concatenates_and_gradients_flow_as_through_a_dynamic_layer():
@@ -72,7 +72,7 @@ def test_under_autograd_a_layer_concatenates_and_gradients_flow_as_through_a_dyn
     with torch.no_grad():  # and without gradients, the buffers again
         layer = hf.BufferedLayer()
         layer.update(k0, v0)
-        assert layer.keys.stride(1) == storage.RESERVE * 8
+        assert layer.keys.stride(1) == storage.capacity(3) * 8
 
 
 def test_gradients_of_the_queries_alone_flow_through_a_layers_steps():

@@ -2,6 +2,8 @@
 float32 scale's bytes) and paged attention reading it where it lies: every backend against float64
 attention over the dequantized rows, whatever the strides of the two scale pools."""
 
+import math
+
 import pytest
 import torch
 
@@ -295,15 +297,16 @@ def _buffer_of(kept: torch.Tensor) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("prompt", [1, 255, 256, 300])
+@pytest.mark.parametrize("prompt", [1, 5, 255, 256, 300])
 def test_appended_rows_are_written_into_the_buffer_until_it_is_full_then_copied_once(dtype, prompt):
-    """A prompt of S, then one row at a time: the buffer has room for the S slots and up to RESERVE more
-    (the first multiple of RESERVE past S), each step writes into it (the same buffer, what a
-    concatenation gives), and the step past it copies into a new one, again with room."""
+    """A prompt of S, then one row at a time: a new buffer has room for twice the slots it holds, at most
+    RESERVE more (storage.capacity), each step writes into it (the same buffer, what a concatenation
+    gives), and the step past it copies into a new one, again with room."""
     R, room = storage.RESERVE, storage.Room()
-    new = [torch.randn(2, 3, prompt, 5).to(dtype)] + [torch.randn(2, 3, 1, 5).to(dtype) for _ in range(R + 1)]
-    kept, joined = None, None
-    capacity = (prompt // R + 1) * R
+    assert [storage.capacity(n) for n in (1, 5, 255, 256, 300)] == [2, 10, 510, 512, 556]
+    new = [torch.randn(2, 3, prompt, 5).to(dtype)] + [torch.randn(2, 3, 1, 5).to(dtype) for _ in range(R + 3)]
+    kept, joined, copies = None, None, 0
+    capacity = storage.capacity(prompt)
     for step, rows in enumerate(new):
         before = None if kept is None else _buffer_of(kept)
         kept = room.append(kept, rows)
@@ -313,10 +316,11 @@ def test_appended_rows_are_written_into_the_buffer_until_it_is_full_then_copied_
         if step == 0 or S > capacity:
             assert kept.data_ptr() != rows.data_ptr()  # never the caller's rows themselves
             assert before is None or kept.data_ptr() != before[0]
-            capacity = (S // R + 1) * R
+            capacity, copies = storage.capacity(S), copies + 1
         else:
             assert _buffer_of(kept) == before  # written in place
         assert _buffer_of(kept)[1] == capacity
+    assert copies <= 2 + math.ceil(math.log2(R + 3))  # doubling from one slot, then once every RESERVE
 
 
 def test_what_is_not_the_rooms_filled_slots_is_copied_not_written_into():

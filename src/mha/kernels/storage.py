@@ -26,10 +26,10 @@ from torch import Tensor
 
 from .quantize import dequantize, quantize_int8
 
-__all__ = ["RESERVE", "SCALE_BYTES", "Room", "load", "quantized", "split", "store", "width"]
+__all__ = ["RESERVE", "SCALE_BYTES", "Room", "capacity", "load", "quantized", "split", "store", "width"]
 
 SCALE_BYTES = 4  # a float32 scale, kept as four int8 after its row
-RESERVE = 256  # slots a growing buffer keeps beyond those it holds (Room)
+RESERVE = 256  # the most slots a growing buffer keeps beyond those it holds (Room, capacity)
 
 
 def quantized(kept: Tensor) -> bool:
@@ -79,6 +79,11 @@ def load(kept: Tensor, dtype: torch.dtype) -> Tensor:
     return rows.to(dtype) if scales is None else dequantize(rows, scales, dtype)
 
 
+def capacity(slots: int) -> int:
+    """The slots a Room's new buffer has for ``slots`` filled ones: twice as many, at most RESERVE more."""
+    return slots + min(slots, RESERVE)
+
+
 class Room:
     """A growing cache's buffer (B, H, capacity, W) and how many of its slots are filled: ``append``
     writes a step's rows into it where a concatenation would copy the whole cache.
@@ -89,8 +94,9 @@ class Room:
     The rows go in place where ``kept`` is the room's filled slots as append last returned them (the
     whole buffer's batch and heads, its strides, ending at the filled count), with room left; anything
     else (a crop, a batch selected, another room's tensor, a caller's own) is copied with the new rows
-    into a new buffer of S + L slots and up to RESERVE more, never written into. So a step writes L rows
-    and the whole cache is copied once every RESERVE slots, and a shallow copy of a cache sharing its
+    into a new buffer (``capacity``: twice the S + L slots, at most RESERVE more), never written into. So
+    a step writes L rows and the whole cache is copied once every RESERVE slots (doubling up to them:
+    a short prompt's buffers hold at most twice its bytes), and a shallow copy of a cache sharing its
     room stays right: the first to append writes in place, the other then copies. For inference: the
     views append returned before are the buffer, so they stay valid as its filled slots only (later
     rows go past them)."""
@@ -116,7 +122,7 @@ class Room:
                              f"{tuple(kept.shape)} {kept.dtype} on {kept.device}: (batch, heads, width), dtype and "
                              "device must be the same")
         if not self._holds(kept, L):
-            self.buffer = new.new_empty((B, H, ((S + L) // RESERVE + 1) * RESERVE, W))
+            self.buffer = new.new_empty((B, H, capacity(S + L), W))
             self.buffer.narrow(2, 0, S).copy_(kept)
             self.filled = S
         self.buffer.narrow(2, S, L).copy_(new)

@@ -17,8 +17,9 @@ cached keys at positions <= p (bottom-right causal alignment).
 
 Decode under torch.no_grad (or inference_mode): a preallocated cache writes each step into the
 same buffers, which autograd cannot differentiate through across steps; a growing one then writes
-into buffers with room for up to 256 more slots (mha.kernels.storage.Room: the whole cache copied
-once each time the room is used up), and concatenates where autograd or torch.compile follows it.
+into buffers with room (mha.kernels.storage.Room: as many slots again, at most 256 more; the whole
+cache copied once each time the room is used up), and concatenates where autograd or torch.compile
+follows it.
 
 quantize="int8" keeps keys and values as int8 rows, each followed by its float32 scale (one per
 (token, head)): mha.kernels.storage's one layout, as PagedKVCache and transformers' Int8Cache keep

@@ -1,7 +1,7 @@
 """Caches for transformers' generate whose layers grow in buffers with room:
 ``model.generate(ids, past_key_values=BufferedCache())``. transformers' DynamicLayer concatenates its
 keys and values with each step's, a copy of the whole cache every step; a :class:`BufferedLayer`'s
-keys and values are the filled slots of buffers with room for up to 256 more
+keys and values are the filled slots of buffers with room for as many again, at most 256 more
 (mha.kernels.storage.Room): a step writes its rows, and the filled slots are copied once each time
 the room is used up. The same values as DynamicCache's, in any attention implementation; the keys and
 values a layer returns are views of its buffers (strided along the heads), which mha's attention and
@@ -58,7 +58,7 @@ class BufferedCache(Cache):
     """A transformers Cache of :class:`BufferedLayer` layers, DynamicCache's results without its copy of
     the whole cache every step: ``model.generate(ids, past_key_values=BufferedCache())``, any attention
     implementation. Not a DynamicCache (no config: every layer keeps all its keys, a sliding one too;
-    no linear-attention layers). Up to 256 slots a layer more than the filled ones."""
+    no linear-attention layers). At most twice the filled slots a layer, at most 256 more."""
 
     def __init__(self) -> None:
         super().__init__(layer_class_to_replicate=BufferedLayer)

@@ -45,7 +45,7 @@ class Int8Layer(BufferedLayer):
 class Int8Cache(Cache):
     """transformers' Cache with 8-bit keys and values, for models with ``attn_implementation="mha"``:
     ``model.generate(ids, past_key_values=Int8Cache())``. About 0.52x a bfloat16 cache's bytes at a
-    head dim of 128 (0.27x float32's), plus a BufferedLayer's room for up to 256 slots a layer;
+    head dim of 128 (0.27x float32's), plus a BufferedLayer's room (at most as many slots again, and 256);
     attention reads the int8 rows in place (module docstring)."""
 
     def __init__(self) -> None:

@@ -297,7 +297,7 @@ def _buffer_of(kept: torch.Tensor) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("prompt", [1, 5, 255, 256, 300])
+@pytest.mark.parametrize("prompt", [1, 5, 255, 256, 257, 300])
 def test_appended_rows_are_written_into_the_buffer_until_it_is_full_then_copied_once(dtype, prompt):
     """A prompt of S, then one row at a time: a new buffer has room for twice the slots it holds, at most
     RESERVE more (storage.capacity), each step writes into it (the same buffer, what a concatenation
@@ -386,6 +386,23 @@ def test_empty_batches_heads_and_lengths_append_as_a_concatenation(shape):
     kept = torch.zeros(shape)
     new = torch.ones(shape[0], shape[1], 1, shape[3])
     assert storage.Room().append(kept, new).shape == torch.cat([kept, new], dim=2).shape
+
+
+def test_no_new_rows_keep_the_buffer_and_an_empty_start_grows_from_nothing():
+    room = storage.Room()
+    empty = room.append(None, torch.zeros(1, 2, 0, 3))
+    assert empty.shape == (1, 2, 0, 3)
+    kept = room.append(empty, torch.ones(1, 2, 3, 3))
+    assert torch.equal(room.append(kept, torch.zeros(1, 2, 0, 3)), kept) and room.filled == 3
+    assert room.append(room.append(kept, torch.zeros(1, 2, 0, 3)), torch.ones(1, 2, 1, 3)).data_ptr() == kept.data_ptr()
+
+
+def test_in_place_is_allowed_only_where_nothing_but_inference_follows():
+    assert not storage.in_place_allowed()  # (grad enabled)
+    with torch.no_grad():
+        assert storage.in_place_allowed()
+    with torch.inference_mode():
+        assert storage.in_place_allowed()
 
 
 def test_rows_that_do_not_follow_the_kept_ones_are_refused_by_name():

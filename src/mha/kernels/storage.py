@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .quantize import dequantize, quantize_int8
 
-__all__ = ["RESERVE", "SCALE_BYTES", "Room", "capacity", "load", "quantized", "split", "store", "width"]
+__all__ = ["RESERVE", "SCALE_BYTES", "Room", "capacity", "in_place_allowed", "load", "quantized", "split", "store", "width"]
 
 SCALE_BYTES = 4  # a float32 scale, kept as four int8 after its row
 RESERVE = 256  # the most slots a growing buffer keeps beyond those it holds (Room, capacity)
@@ -79,6 +79,13 @@ def load(kept: Tensor, dtype: torch.dtype) -> Tensor:
     return rows.to(dtype) if scales is None else dequantize(rows, scales, dtype)
 
 
+def in_place_allowed() -> bool:
+    """Whether a growing float cache may append into a Room now: nothing follows it but inference (no
+    autograd, whose saved tensors an in-place write would change, and no torch.compile tracing it);
+    else it concatenates."""
+    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
 def capacity(slots: int) -> int:
     """The slots a Room's new buffer has for ``slots`` filled ones: twice as many, at most RESERVE more."""
     return slots + min(slots, RESERVE)
@@ -124,7 +131,6 @@ class Room:
         if not self._holds(kept, L):
             self.buffer = new.new_empty((B, H, capacity(S + L), W))
             self.buffer.narrow(2, 0, S).copy_(kept)
-            self.filled = S
         self.buffer.narrow(2, S, L).copy_(new)
         self.filled = S + L
         return self.buffer.narrow(2, 0, S + L)

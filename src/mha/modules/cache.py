@@ -377,8 +377,7 @@ class KVCache:
         (uniform; not rolling, whose kept slots move along)."""
         if self.quantize:
             return True
-        return (len(new) == 2 and self.window is None and not torch.is_grad_enabled()
-                and not torch.compiler.is_compiling())
+        return len(new) == 2 and self.window is None and storage.in_place_allowed()
 
 
 def _preallocate(t: Tensor, slots: int) -> Tensor:

@@ -10,7 +10,6 @@ torch's SDPA read in place.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -42,7 +41,7 @@ class BufferedLayer(DynamicLayer):
         keys, values = self.kept("key_states", key_states), self.kept("value_states", value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if not storage.in_place_allowed():
             return super().update(keys, values)  # (a concatenation, which autograd and torch.compile follow)
         rooms = self.rooms
         self.keys, self.values = rooms[0].append(self.keys, keys), rooms[1].append(self.values, values)

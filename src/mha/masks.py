@@ -133,11 +133,8 @@ def from_sdpa(attn_mask: Tensor | None, *, L: int, S: int, batch_shape: tuple[in
     _checks.mask_dtype("attn_mask", attn_mask)
     _same_device("attn_mask", attn_mask, like)
     target = (*batch_shape, L, S)
-    try:
-        broadcast = torch.broadcast_shapes(attn_mask.shape, target)
-    except RuntimeError:
-        broadcast = None
-    if broadcast != torch.Size(target):
+    shape = tuple(attn_mask.shape)  # broadcasts to target: no more dims than it, each 1 or target's
+    if len(shape) > len(target) or any(n not in (1, t) for n, t in zip(reversed(shape), reversed(target))):
         raise ValueError(
             f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the attention "
             f"scores' shape {target} (batch..., L, S)"

@@ -162,3 +162,39 @@ def test_multihead_float_padding_alone_is_the_additive_mask():
     assert key_valid is None and mask.dtype == torch.float64
     want = _per_entry(lambda b, h, i, j: padding[b, j].item(), torch.float64)
     torch.testing.assert_close(mask.expand(B, H, L, S), want, atol=0, rtol=0)
+
+
+def _torch_broadcast(*shapes):
+    try:
+        return tuple(torch.broadcast_shapes(*shapes))
+    except RuntimeError:
+        return None
+
+
+_SHAPES = [s for n in range(4) for s in itertools.product((0, 1, 2, 3), repeat=n)]
+
+
+def test_the_shapes_broadcast_as_torchs_broadcast_shapes_says_for_every_small_shape():
+    from mha.kernels._shapes import broadcast
+    for a, b in itertools.product(_SHAPES, repeat=2):
+        want = _torch_broadcast(a, b)
+        if want is None:
+            with pytest.raises(RuntimeError, match="do not broadcast"):
+                broadcast(a, b)
+        else:
+            assert broadcast(a, b) == want and broadcast(torch.Size(a), b) == want, (a, b)
+    for shapes in [((2, 1, 3), (1, 4, 1), (3,)), ((1,), (0,), (1, 1)), (), ((4,),)]:  # three, none, one
+        assert broadcast(*shapes) == _torch_broadcast(*shapes), shapes
+    with pytest.raises(RuntimeError, match=r"\(2,\), \(2,\), \(3,\) do not broadcast: 2 against 3 at dim -1"):
+        broadcast((2,), (2,), (3,))
+
+
+def test_an_sdpa_mask_is_taken_exactly_where_it_broadcasts_to_the_scores_shape():
+    target = (2, 3, 1, 2)  # (B, H, L, S)
+    for shape in (s for n in range(6) for s in itertools.product((0, 1, 2, 3), repeat=n) if n < 5 or s[:1] == (1,)):
+        mask = torch.zeros(shape, dtype=torch.bool)
+        if _torch_broadcast(shape, target) == target:
+            assert masks.from_sdpa(mask, L=1, S=2, batch_shape=(2, 3), like=torch.empty(1)).dim() == max(2, len(shape))
+        else:
+            with pytest.raises(ValueError, match="does not broadcast to the attention scores' shape"):
+                masks.from_sdpa(mask, L=1, S=2, batch_shape=(2, 3), like=torch.empty(1))

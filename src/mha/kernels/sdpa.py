@@ -252,12 +252,12 @@ def _folded_shape(q: Tensor, k: Tensor, v: Tensor, contract: Contract) -> torch.
         shapes.append((batch, 1, L, S))  # per sequence: (B, 1, L, S)
     if contract.alibi_slopes is not None:
         shapes.append((contract.alibi_slopes.shape[0], 1, 1))  # per head: (H, 1, 1)
-    return torch.broadcast_shapes(*shapes)
+    return torch.Size(broadcast(*shapes))
 
 
 def _grows(mask: Tensor, key_valid: Tensor) -> bool:
     padding = (key_valid.shape[0], 1, 1, key_valid.shape[-1])  # (B, S) as (B, 1, 1, S)
-    return torch.broadcast_shapes(mask.shape, padding) != mask.shape
+    return broadcast(mask.shape, padding) != mask.shape
 
 
 def _with_padding(mask: Tensor | None, key_valid: Tensor | None) -> Tensor | None:

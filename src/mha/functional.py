@@ -78,16 +78,17 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     (torch's FlexAttention, compiled; on CPU forward only) and math (eager, any device: the
     reference, which builds the L x S scores); the other backends refuse them.
     """
-    # a plain call: the dispatch's per-call fast path (torch's kernel, when that is what auto would run)
+    # a plain call (an attn_mask beside it at most): the dispatch's per-call fast path (torch's kernel, when
+    # that is what auto would run)
     # (its arguments positional and no call where scale is None: a call's Python costs a short call's time
     # when its caches are cold, as between a model's other layers)
-    if (attn_mask is None and dropout_p.__class__ is float and dropout_p == 0.0
+    if (dropout_p.__class__ is float and dropout_p == 0.0
             and (scale is None or kernels.dispatch.plain_scale(scale))  # (torch's own argument)
             and backend == "auto" and causal_alignment is None and window is None and alibi_slopes is None
             and softcap is None and sinks is None and logit_scale is None and score_mod is None and mask_mod is None
             and (is_causal is False or is_causal is True)
             and (enable_gqa is False or enable_gqa is True)):
-        out = kernels.dispatch.plain_sdpa(query, key, value, is_causal, enable_gqa, scale)
+        out = kernels.dispatch.plain_sdpa(query, key, value, is_causal, enable_gqa, scale, None, attn_mask)
         if out is not None:
             return out
     if _checks.nested(query) or _checks.nested(key) or _checks.nested(value):

@@ -309,10 +309,15 @@ def test_auto_rows_time_loops_and_single_calls_alternated_with_other_work(monkey
         assert set(row.ratios) == {"auto/torch", "auto/torch alternated"} and all(v > 0 for v in row.ratios.values())
         assert {"auto", "torch", "auto alternated", "torch alternated"} <= set(row.times_ms)
     seen = []  # the projection's points: q, k, v (B, T, H, D) seen as (B, H, T, D), rows H * D apart
-    monkeypatch.setattr(bench, "scaled_dot_product_attention", lambda q, k, v, **kw: seen.append(q.stride(2) + k.stride(2)))
+    monkeypatch.setattr(bench, "scaled_dot_product_attention", lambda q, k, v, m, **kw: seen.append(q.stride(2) + k.stride(2)))
     rows = list(bench.auto_rows([16], [64], 1, projection=True))
     assert [r.point for r in rows] == ["fp32 T16 causal, heads of a projection", "bf16 T16 causal, heads of a projection"]
     assert seen and set(seen) == {2 * bench.HEADS * bench.HEAD_DIM}
+    masks = []  # the masked points: a bool (L, S) mask, not causal, beside the same call of torch's
+    monkeypatch.setattr(bench, "scaled_dot_product_attention", lambda q, k, v, m, **kw: masks.append((m, kw["is_causal"])))
+    rows = list(bench.auto_rows([16], [64], 1, mask=True))
+    assert [r.point for r in rows] == ["fp32 T16, a bool mask (L, S)", "bf16 T16, a bool mask (L, S)"]
+    assert masks and all(m.dtype == torch.bool and m.shape == (16, 16) and not m.all() and not causal for m, causal in masks)
     monkeypatch.undo()
     from mha.kernels import tuning
 

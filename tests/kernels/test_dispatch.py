@@ -36,7 +36,10 @@ def test_the_functional_fast_path_is_the_dispatchs(monkeypatch):
     asked = []
     monkeypatch.setattr(dispatch, "plain_sdpa", lambda *a, **kw: asked.append(a[3:]) or torch.full((1, 2, 6, 4), 7.0))
     out = mha.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    assert asked == [(True, False, None)] and bool((out == 7).all())  # (is_causal, enable_gqa, scale), by position
+    assert asked == [(True, False, None, None, None)] and bool((out == 7).all())  # (is_causal, enable_gqa, scale,
+    mask = torch.ones(6, 6, dtype=torch.bool)  # key_valid, mask), by position; an attn_mask goes as the mask
+    mha.functional.scaled_dot_product_attention(q, k, v, mask, scale=0.5)
+    assert asked[1] == (False, False, 0.5, None, mask)
     monkeypatch.setattr(dispatch, "plain_sdpa", lambda *a, **kw: None)  # the dispatch declines: the full path
     out = mha.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     want, _ = mha.kernels.attention(q, k, v, Contract(band=positions.CAUSAL), backend="math")

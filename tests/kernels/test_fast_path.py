@@ -80,7 +80,15 @@ def _q(*shape, **kw):
 
 
 @pytest.mark.parametrize("name, make, kwargs", [
-    ("a mask", lambda: [_q(1, 2, 4, 8)] * 3, dict(attn_mask=torch.ones(4, 4, dtype=torch.bool))),
+    ("a mask beside causality", lambda: [_q(1, 2, 4, 8)] * 3, dict(attn_mask=torch.ones(4, 4, dtype=torch.bool),
+                                                                   is_causal=True)),
+    ("a bfloat16 mask", lambda: [_q(1, 2, 4, 8)] * 3, dict(attn_mask=torch.zeros(4, 4, dtype=torch.bfloat16))),
+    ("a float64 mask", lambda: [_q(1, 2, 4, 8)] * 3, dict(attn_mask=torch.zeros(4, 4, dtype=torch.float64))),
+    ("a mask of one dim", lambda: [_q(1, 2, 4, 8)] * 3, dict(attn_mask=torch.ones(4, dtype=torch.bool))),
+    ("a mask of five dims", lambda: [_q(1, 2, 4, 8)] * 3, dict(attn_mask=torch.ones(1, 1, 1, 4, 4, dtype=torch.bool))),
+    ("a mask of another batch", lambda: [_q(2, 2, 4, 8)] * 3, dict(attn_mask=torch.ones(3, 1, 4, 4, dtype=torch.bool))),
+    ("a mask of more keys", lambda: [_q(1, 2, 4, 8)] * 3, dict(attn_mask=torch.ones(4, 5, dtype=torch.bool))),
+    ("a mask subclass", lambda: [_q(1, 2, 4, 8)] * 3, dict(attn_mask=torch.nn.Parameter(torch.zeros(4, 4)))),
     ("a negative scale", lambda: [_q(1, 2, 4, 8)] * 3, dict(scale=-0.5)),
     ("a zero scale", lambda: [_q(1, 2, 4, 8)] * 3, dict(scale=0.0)),
     ("an infinite scale", lambda: [_q(1, 2, 4, 8)] * 3, dict(scale=float("inf"))),
@@ -333,19 +341,21 @@ _VALID = torch.ones(1, 4, dtype=torch.bool)
 
 
 @pytest.mark.parametrize("contract, form", [
-    (mha.kernels.Contract(), (False, None, None)),
-    (mha.kernels.Contract(scale=0.25), (False, 0.25, None)),
-    (mha.kernels.Contract(scale=0.25, offset=7), (False, 0.25, None)),  # an offset alone places nothing
-    (mha.kernels.Contract(band=CAUSAL, scale=0.25), (True, 0.25, None)),
-    (mha.kernels.Contract(band=Band(None, 0)), (True, None, None)),  # causality equal to CAUSAL, not the object
+    (mha.kernels.Contract(), (False, None, None, None)),
+    (mha.kernels.Contract(scale=0.25), (False, 0.25, None, None)),
+    (mha.kernels.Contract(scale=0.25, offset=7), (False, 0.25, None, None)),  # an offset alone places nothing
+    (mha.kernels.Contract(band=CAUSAL, scale=0.25), (True, 0.25, None, None)),
+    (mha.kernels.Contract(band=Band(None, 0)), (True, None, None, None)),  # causality equal to CAUSAL, not the object
     (mha.kernels.Contract(band=CAUSAL, offset=3), None),  # bottom-right: not torch's is_causal
     (mha.kernels.Contract(band=Band(2, 0)), None),
     (mha.kernels.Contract(scale=-0.25), None),
     (mha.kernels.Contract(band=CAUSAL, scale=-0.25), None),
     (mha.kernels.Contract(softcap=5.0), None),
-    (mha.kernels.Contract(key_valid=_VALID), (False, None, _VALID)),  # key padding: the native kernel's fast path only
+    (mha.kernels.Contract(key_valid=_VALID), (False, None, _VALID, None)),  # key padding: the native kernel's fast path only
     (mha.kernels.Contract(key_valid=_VALID, band=CAUSAL, offset=3), None),
-    (mha.kernels.Contract(key_valid=_VALID, mask=_VALID), None),
+    (mha.kernels.Contract(mask=_VALID, scale=0.5), (False, 0.5, None, _VALID)),  # a mask: the C++ fast path's torch call
+    (mha.kernels.Contract(key_valid=_VALID, mask=_VALID), (False, None, _VALID, _VALID)),  # (plain_sdpa refuses both)
+    (mha.kernels.Contract(mask=_VALID, band=CAUSAL, offset=1), None),
 ], ids=repr)
 def test_the_contracts_the_fast_path_takes_as_its_arguments(contract, form):
     assert dispatch._plain_form(contract) == form
@@ -362,7 +372,7 @@ def test_a_scale_and_an_offset_take_the_fast_path_with_the_full_paths_bits(monke
     real = dispatch.plain_sdpa
     monkeypatch.setattr(dispatch, "plain_sdpa", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     fast, _ = mha.kernels.attention(q, k, v, contract)
-    assert calls == [dict(is_causal=band is not None, enable_gqa=True, scale=0.3, key_valid=None)]
+    assert calls == [dict(is_causal=band is not None, enable_gqa=True, scale=0.3, key_valid=None, mask=None)]
     monkeypatch.setattr(dispatch, "plain_sdpa", lambda *a, **kw: None)
     full, _ = mha.kernels.attention(q, k, v, contract)
     assert torch.equal(fast, full)
@@ -449,3 +459,74 @@ def test_the_fast_paths_own_native_call_starts_at_its_crossover_key(monkeypatch,
     assert torch.equal(out, native_out if on_native else torch_out)
     if native.native_available():  # (the two kernels' bits differ here: the test tells them apart)
         assert not torch.equal(native_out, torch_out)
+
+
+def _mask_cases():
+    g = torch.Generator().manual_seed(4)
+    B, H, L, S = 2, 4, 5, 17
+    additive = torch.randn(L, S, generator=g)
+    additive[2] = float("-inf")  # a row that sees nothing: zeros, as the full path gives
+    blocked = torch.rand(B, 1, L, S, generator=g) > 0.3
+    blocked[1, 0, 3] = False
+    return {
+        "bool (L, S)": torch.rand(L, S, generator=g) > 0.4,
+        "bool (B, 1, L, S), blocked rows": blocked,
+        "bool (1, H, 1, S)": torch.rand(1, H, 1, S, generator=g) > 0.2,
+        "float32 (L, S), a row all -inf": additive,
+        "float32 (B, H, L, S)": torch.randn(B, H, L, S, generator=g),
+        "float32 (H, L, S), expanded": torch.randn(1, L, 1, generator=g).expand(H, L, S),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask_name", list(_mask_cases()))
+@pytest.mark.parametrize("Hkv", [4, 2])
+def test_an_attn_mask_takes_torchs_call_on_the_fast_path_with_the_full_paths_bits(monkeypatch, fast_path, dtype,
+                                                                                 mask_name, Hkv):
+    """An attn_mask the full path hands to torch's kernel as it is (bool, or float32: the dtype masks are
+    added in) runs there from the C++ fast path, bitwise the full path's output and gradients (of the
+    mask too); the Python fast path leaves every mask to the full path."""
+    monkeypatch.setattr(tuning, "crossovers", lambda dtype: tuning.NEVER)  # torch's kernel on both paths
+    monkeypatch.setattr(tuning, "resolved_ints", {})
+    mask = _mask_cases()[mask_name]
+    torch.manual_seed(Hkv)
+    q = torch.randn(2, 4, 5, 16, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(2, Hkv, 17, 16, dtype=dtype, requires_grad=True) for _ in range(2))
+    grad_mask = mask.detach().clone().requires_grad_() if mask.is_floating_point() else mask
+    kwargs = dict(attn_mask=grad_mask, enable_gqa=Hkv != 4, scale=0.4)
+    assert took_fast_path(monkeypatch, q, k, v, **kwargs) == (fast_path == "compiled")
+    inputs = (q, k, v, grad_mask) if mask.is_floating_point() else (q, k, v)
+    fast = sdpa(q, k, v, **kwargs)
+    full = full_path(monkeypatch, q, k, v, **kwargs)
+    assert torch.equal(fast, full)
+    if mask_name.endswith("-inf"):
+        assert not fast[:, :, 2].any()
+    for a, b in zip(torch.autograd.grad(fast.float().square().sum(), inputs),
+                    torch.autograd.grad(full.float().square().sum(), inputs)):
+        assert torch.equal(a, b)
+
+
+def test_a_mask_is_left_to_the_full_path_where_native_is_measured_faster(monkeypatch, fast_path):
+    """Where either crossover picks native, the full path runs native beside the mask (its bits):
+    the fast path declines the call, whichever crossover picks it."""
+    q = torch.randn(1, 2, 4, 8)
+    mask = torch.rand(4, 4) > 0.5
+    for found in (tuning.Crossover(1, 1), tuning.Crossover(None, None, 1, 1), tuning.Crossover(1, None)):
+        monkeypatch.setattr(tuning, "crossovers", lambda dtype, found=found: found)
+        monkeypatch.setattr(tuning, "resolved_ints", {})
+        with torch.no_grad():
+            assert dispatch.plain_sdpa(q, q, q, False, False, None, None, mask) is None, found
+    monkeypatch.setattr(tuning, "crossovers", lambda dtype: tuning.NEVER)
+    monkeypatch.setattr(tuning, "resolved_ints", {})
+    with torch.no_grad():
+        taken = dispatch.plain_sdpa(q, q, q, False, False, None, None, mask)
+    assert (taken is not None) == (fast_path == "compiled")
+
+
+def test_a_mask_that_does_not_broadcast_is_named_by_the_full_path(monkeypatch, fast_path):
+    q = torch.randn(2, 4, 5, 8)
+    for mask in (torch.ones(3, 1, 5, 6, dtype=torch.bool), torch.ones(4, 5, dtype=torch.bool), torch.zeros(2, 5, 6)):
+        with pytest.raises(ValueError, match=r"attn_mask of shape .* does not broadcast to the attention scores' shape"):
+            sdpa(q, q, q, attn_mask=mask)
+    with pytest.raises(TypeError, match="attn_mask must be a torch.Tensor, got list"):
+        sdpa(q, q, q, attn_mask=[[True] * 5] * 5)  # (never handed to the kernel's call)

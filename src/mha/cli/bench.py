@@ -151,6 +151,7 @@ def _jobs(grid, sections, repeat):
         jobs += [(f"auto {T}", lambda T=T: list(bench.auto_rows([T], [], repeat))) for T in lengths]
         jobs += [(f"auto {T} projection heads", lambda T=T: list(bench.auto_rows([T], [], repeat, projection=True)))
                  for T in lengths if 16 <= T <= 1024]
+        jobs += [(f"auto {T} mask", lambda T=T: list(bench.auto_rows([T], [], repeat, mask=True))) for T in lengths if T <= 1024]
         jobs.append(("auto decode", lambda: list(bench.auto_rows([], keys, repeat))))
     if "peers" in sections:
         if importlib.util.find_spec("onnxruntime") and importlib.util.find_spec("onnx"):

@@ -115,12 +115,12 @@ def _observed(q, k, v, contract, *, dropout_p, need_weights):
 
 def _run(q, k, v, contract, *, dropout_p, need_weights, backend):
     if backend == "auto" and dropout_p == 0.0 and (plain := _plain_form(contract)) is not None:
-        causal, scale, key_valid = plain
+        causal, scale, key_valid, mask = plain
         if not need_weights:
-            out = plain_sdpa(q, k, v, is_causal=causal, enable_gqa=True, scale=scale, key_valid=key_valid)
+            out = plain_sdpa(q, k, v, is_causal=causal, enable_gqa=True, scale=scale, key_valid=key_valid, mask=mask)
             if out is not None:
                 return out, None
-        elif (both := plain_weights(q, k, v, is_causal=causal, scale=scale, key_valid=key_valid)) is not None:
+        elif mask is None and (both := plain_weights(q, k, v, is_causal=causal, scale=scale, key_valid=key_valid)) is not None:
             return both
     for name, x in (("q", q), ("k", k), ("v", v)):
         _checks.tensor(name, x)  # a tensor, not nested (the fast path took the plain ones)
@@ -143,18 +143,19 @@ def _run(q, k, v, contract, *, dropout_p, need_weights, backend):
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes of the fast path and of native_pays
-_PLAIN_TERMS = frozenset({"band", "scale", "key_valid"})
+_PLAIN_TERMS = frozenset({"band", "scale", "key_valid", "mask"})
 
 
-def _plain_form(contract: Contract) -> tuple[bool, float | None, Tensor | None] | None:
-    """(is_causal, scale, key_valid) of a contract the fast path takes: causality torch's SDPA call
-    takes as its own arguments (plain_causality; the shared NONE and TOP_LEFT_CAUSAL known by
-    identity), and key padding (which only the native kernel's fast path takes), else None."""
+def _plain_form(contract: Contract) -> tuple[bool, float | None, Tensor | None, Tensor | None] | None:
+    """(is_causal, scale, key_valid, mask) of a contract the fast path takes: causality torch's SDPA
+    call takes as its own arguments (plain_causality; the shared NONE and TOP_LEFT_CAUSAL known by
+    identity), key padding (which only the native kernel's fast path takes) and a mask (which only its
+    torch's call takes: plain_sdpa), else None."""
     if contract is NONE or contract is TOP_LEFT_CAUSAL:
-        return contract is TOP_LEFT_CAUSAL, None, None
+        return contract is TOP_LEFT_CAUSAL, None, None, None
     if not contract.terms <= _PLAIN_TERMS or (causal := plain_causality(contract.band, contract.offset, contract.scale)) is None:
         return None
-    return causal, contract.scale, contract.key_valid
+    return causal, contract.scale, contract.key_valid, contract.mask
 
 
 def plain_causality(band, offset: int, scale) -> bool | None:
@@ -185,7 +186,7 @@ def plain_attention(q, k, v, *, band, offset: int = 0, scale=None) -> Tensor | N
 
 
 def plain_sdpa(q, k, v, is_causal: bool, enable_gqa: bool, scale: float | None = None,
-               key_valid: Tensor | None = None) -> Tensor | None:
+               key_valid: Tensor | None = None, mask: Tensor | None = None) -> Tensor | None:
     """The per-call fast path: the output of a plain call (:func:`plain_call`'s conditions); None when
     the call needs the full path. The caller has checked that no other option is set (a contract of
     causality at most, no dropout, no weights, backend "auto"). On CPU, once the native kernel is
@@ -196,21 +197,26 @@ def plain_sdpa(q, k, v, is_causal: bool, enable_gqa: bool, scale: float | None =
     faster for a call that needs a gradient. torch.compile, a torch function mode (which must see
     torch's call) and CUDA take plain_call. ``key_valid`` (B|1, S) bool, key padding: the native
     kernel's call only (where measured faster, no gradient); None elsewhere (the full path plans
-    torch's kernel beside padding: its rows that see nothing). Its arguments may come by position (the
-    per-call path of every plain call: keywords cost it a little more)."""
+    torch's kernel beside padding: its rows that see nothing). ``mask``, an attn_mask as the full path
+    hands it to torch's kernel (bool, or float32: the dtype masks are added in; 2-4 dims, each 1 or the
+    call's (B, H, L, S)), neither causality nor padding beside it: torch's kernel with it, where neither
+    crossover picks native (the full path's native then takes it), the C++ fast path only (None
+    elsewhere). Its arguments may come by position (the per-call path of every plain call: keywords
+    cost it a little more)."""
     if (not _compiling() and q.__class__ is k.__class__ is v.__class__ is Tensor and not OBSERVERS  # (written out:
             and forward_ad._current_level < 0  # _kernel_fast_path_allowed's checks, its frame 1-2 us of a short call)
+            and (mask is None or mask.__class__ is Tensor)
             and (kernel := native.loaded or native.load_if_built()) is not None and (dtype := q.dtype) in _FLOATS):
         ints = tuning.resolved_ints.get(dtype) or tuning.crossover_ints(dtype)
-        out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, *ints, scale, key_valid)
+        out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, *ints, scale, key_valid, mask)
         if out.__class__ is int:  # resolved at another thread count than the one now in use
             out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, *tuning.crossover_ints(dtype),
-                                    scale, key_valid)
+                                    scale, key_valid, mask)
             if out.__class__ is int:  # (the count changed again meanwhile: another thread's set_num_threads)
                 return None
         if out is not Ellipsis and (out is not None or q.is_cpu):  # (CPU tensors only: CUDA's are plain_call's)
             return out
-    if key_valid is not None or not plain_call(q, k, v, enable_gqa):
+    if key_valid is not None or mask is not None or not plain_call(q, k, v, enable_gqa):
         return None
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
                                           enable_gqa=enable_gqa and k.shape[1] != q.shape[1])

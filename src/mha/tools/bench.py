@@ -23,8 +23,9 @@ drift in the machine's speed hits them alike). Sections:
     variants  the efficient variants: time and peak memory at each T (each in a fresh process:
               python -m mha.tools.bench_variants), and with them their quality on all-MiniLM-L6-v2's
               real attention (mha.tools.bench_quality: per-head error, embedding cosine, neighbours)
-    auto      backend="auto" against torch's SDPA at every length (1 .. 8192, causal) and on
-              decoding steps, fp32 and bf16: what a user of the default gets, per-call cost included
+    auto      backend="auto" against torch's SDPA at every length (1 .. 8192, causal), beside a
+              bool mask (up to 1024) and on decoding steps, fp32 and bf16: what a user of the
+              default gets, per-call cost included
     peers     mha's default path against torch's SDPA and ONNX Runtime's CPU MultiHeadAttention
               (when onnxruntime is installed: the onnx extra), fp32 forward, T 1024 and 4096
     native    the native kernel (mha.kernels.native) against torch's SDPA: forward and forward +
@@ -685,7 +686,7 @@ def alternated_rounds(calls: int, repeat: int) -> int:
     return max(3, min(tuning.SHORT_CALL_SINGLES, calls)) * repeat
 
 
-def auto_rows(lengths, decode_keys, repeat: int, *, projection: bool = False) -> Iterator[Row]:
+def auto_rows(lengths, decode_keys, repeat: int, *, projection: bool = False, mask: bool = False) -> Iterator[Row]:
     """backend="auto" (mha.functional.scaled_dot_product_attention: checks, contract, dispatch,
     whichever kernel it picks) against torch's SDPA on the same call, B1 H8 D64, no_grad: prefill
     at every length (causal), fp32 and bf16, and decoding steps (L=1, 2 kv heads, GQA) over
@@ -695,12 +696,14 @@ def auto_rows(lengths, decode_keys, repeat: int, *, projection: bool = False) ->
     (the ratio of the two medians, taken from calls up to a second apart, moved with this
     machine's drift: 1.08 where the rounds' median read 1.03-1.05, both sides torch's kernel).
     ``projection``: q, k and v as a model's projections give them, (B, T, H, D) seen as (B, H, T, D)
-    (rows H * D apart), the prefill points only."""
+    (rows H * D apart), the prefill points only. ``mask``: the prefill points not causal, beside an
+    attn_mask (L, S) of bool (a fifth of the keys hidden at random), the decoding points left out."""
     F = torch.nn.functional
     for name, dtype in bench_native.DTYPES.items():
-        points = [(f"T{T}", (1, HEADS, T), (1, HEADS, T), True) for T in lengths]
-        points += [(f"decode S{S}", (1, HEADS, 1), (1, 2, S), False) for S in ([] if projection else decode_keys)]
+        points = [(f"T{T}", (1, HEADS, T), (1, HEADS, T), not mask) for T in lengths]
+        points += [(f"decode S{S}", (1, HEADS, 1), (1, 2, S), False) for S in ([] if projection or mask else decode_keys)]
         for point, (B, H, L), (_, Hkv, S), causal in points:
+            hidden = torch.rand(L, S) > 0.2 if mask else None
             if projection:
                 q = torch.randn(B, L, H, HEAD_DIM).to(dtype).transpose(1, 2)
                 k, v = (torch.randn(B, S, Hkv, HEAD_DIM).to(dtype).transpose(1, 2) for _ in range(2))
@@ -709,13 +712,14 @@ def auto_rows(lengths, decode_keys, repeat: int, *, projection: bool = False) ->
                 k, v = (torch.randn(B, Hkv, S, HEAD_DIM).to(dtype) for _ in range(2))
             gqa = Hkv != H
             calls = max(1, min(200, 2 ** 22 // (L * S)))
-            fns = {"auto": lambda: scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa),
-                   "torch": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)}
+            fns = {"auto": lambda: scaled_dot_product_attention(q, k, v, hidden, is_causal=causal, enable_gqa=gqa),
+                   "torch": lambda: F.scaled_dot_product_attention(q, k, v, hidden, is_causal=causal, enable_gqa=gqa)}
             with torch.no_grad():
                 t = best_times(fns, repeat, calls=calls)
                 alone = tuning.alternated_samples(fns, alternated_rounds(calls, repeat))
             paired = statistics.median(a / b for a, b in zip(alone["auto"], alone["torch"]))
-            yield Row("auto", f"{name} {point}{' causal' if causal else ''}{', heads of a projection' if projection else ''}",
+            how = ", a bool mask (L, S)" if mask else ", heads of a projection" if projection else ""
+            yield Row("auto", f"{name} {point}{' causal' if causal else ''}{how}",
                       {**t, **{f"{way} alternated": statistics.median(seconds) * 1e3 for way, seconds in alone.items()}},
                       {"auto/torch": t["auto"] / t["torch"], "auto/torch alternated": paired})
 

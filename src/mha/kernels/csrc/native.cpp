@@ -4435,6 +4435,22 @@ bool plain_padding(const Optional& key_valid, int64_t B, int64_t S) {
          (valid.size(0) == B || valid.size(0) == 1) && (S <= 1 || valid.stride(1) == 1) && valid.layout() == at::kStrided;
 }
 
+// Whether mask is an attn_mask the full path hands to torch's kernel as it is (masks.from_sdpa, sdpa._masked
+// on the CPU): absent, or bool (True = attend) or float32 (added: the dtype masks are added in beside each
+// of the fast path's dtypes, masks.additive_dtype), strided on the CPU, of 2 to 4 dims that are each 1 or
+// the call's (B, H, L, S) from the right. Else the full path converts it, or names what is wrong.
+bool plain_mask(const Optional& mask, const Tensor& q, int64_t S) {
+  if (!mask) return true;
+  const Tensor& m = *mask;
+  if (m.is_nested() || m.layout() != at::kStrided || !m.device().is_cpu() || m.dim() < 2 || m.dim() > 4 ||
+      (m.scalar_type() != at::kBool && m.scalar_type() != at::kFloat))
+    return false;
+  const int64_t call[4] = {q.size(0), q.size(1), q.size(2), S};
+  for (int64_t d = 1; d <= m.dim(); ++d)
+    if (m.size(-d) != 1 && m.size(-d) != call[4 - d]) return false;
+  return true;
+}
+
 // The terms of a plain call: the scale (None: 1 / sqrt(D), as Contract.scale_for), top-left causality at
 // most, key padding where given.
 TermArgs plain_terms(bool is_causal, std::optional<double> scale, int64_t D, const Optional& key_valid) {
@@ -4462,25 +4478,33 @@ bool transform_or_mode_active() {
 // Its answers: the output; None (the full path); the thread count now in use, where the crossovers
 // given were resolved for another (``threads``; -1: for any): the caller resolves them and asks again;
 // Ellipsis where a transform or a torch function mode is active (the caller's Python path decides).
+// An attn_mask (plain_mask's) runs on torch's kernel alone, as the full path runs it there: not beside
+// causality or key padding (the full path folds them into a copy), nor where either path's crossovers
+// pick native (the full path then runs native beside the mask: its bits).
 pybind11::object plain_sdpa(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal, bool enable_gqa,
                             int64_t decode_rows, int64_t threads, std::pair<int64_t, int64_t> direct,
-                            std::pair<int64_t, int64_t> full, std::optional<double> scale, const Optional& key_valid) {
+                            std::pair<int64_t, int64_t> full, std::optional<double> scale, const Optional& key_valid,
+                            const Optional& mask) {
   const auto none = pybind11::none();
   if (transform_or_mode_active()) return pybind11::ellipsis();
   if (threads >= 0 && threads != at::get_num_threads()) return pybind11::int_(at::get_num_threads());
-  if (!plain_inputs(q, k, v, enable_gqa) || !plain_padding(key_valid, q.size(0), k.size(2))) return none;
-  const int64_t H = q.size(1), L = q.size(2), Hkv = k.size(1), S = k.size(2);
+  if (!plain_inputs(q, k, v, enable_gqa) || !plain_padding(key_valid, q.size(0), k.size(2)) ||
+      !plain_mask(mask, q, k.size(2)) || (mask && (is_causal || key_valid)))
+    return none;
+  const int64_t H = q.size(1), L = q.size(2), Hkv = k.size(1), S = k.size(2), rows = L * (H / Hkv);
   const bool gradient = needs_gradient(q, k, v);
   const Crossovers measured = gradient ? Crossovers{full.first, full.second} : Crossovers{direct.first, direct.second};
-  const bool native = measured.native_faster(L * (H / Hkv), decode_rows, L, S);
+  const bool native = measured.native_faster(rows, decode_rows, L, S);
   // the full path: native's autograd function, or torch's kernel beside key padding (its rows that see
-  // nothing are NaN there: the full path plans them)
-  if ((native && gradient) || (!native && key_valid)) return none;
+  // nothing are NaN there: the full path plans them), or native beside a mask
+  if ((native && gradient) || (!native && key_valid) ||
+      (mask && (native || Crossovers{full.first, full.second}.native_faster(rows, decode_rows, L, S))))
+    return none;
   Tensor out;
   {
     pybind11::gil_scoped_release no_gil;
     out = native ? forward(q, k, v, plain_terms(is_causal, scale, q.size(3), key_valid), /*for_backward=*/false)[0]
-                 : at::scaled_dot_product_attention(q, k, v, {}, 0.0, is_causal, scale, enable_gqa && Hkv != H);
+                 : at::scaled_dot_product_attention(q, k, v, mask, 0.0, is_causal, scale, enable_gqa && Hkv != H);
   }
   return pybind11::cast(out);
 }
@@ -4833,7 +4857,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the per-call fast path: a plain call's output, native's or torch's SDPA's, or None (mha.kernels.dispatch.plain_sdpa)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("is_causal"), pybind11::arg("enable_gqa"),
         pybind11::arg("decode_rows"), pybind11::arg("threads"), pybind11::arg("direct"), pybind11::arg("full"),
-        pybind11::arg("scale"), pybind11::arg("key_valid") = pybind11::none());
+        pybind11::arg("scale"), pybind11::arg("key_valid") = pybind11::none(), pybind11::arg("mask") = pybind11::none());
   m.def("plain_weights", &mha_native::plain_weights,
         "a plain call's (output, weights) from native, or None (mha.kernels.dispatch.plain_weights)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("is_causal"), pybind11::arg("enable_gqa"),

@@ -506,21 +506,23 @@ def test_an_attn_mask_takes_torchs_call_on_the_fast_path_with_the_full_paths_bit
         assert torch.equal(a, b)
 
 
-def test_a_mask_is_left_to_the_full_path_where_native_is_measured_faster(monkeypatch, fast_path):
-    """Where either crossover picks native, the full path runs native beside the mask (its bits):
-    the fast path declines the call, whichever crossover picks it."""
-    q = torch.randn(1, 2, 4, 8)
-    mask = torch.rand(4, 4) > 0.5
-    for found in (tuning.Crossover(1, 1), tuning.Crossover(None, None, 1, 1), tuning.Crossover(1, None)):
+@pytest.mark.parametrize("L, S", [(16, 16), (1, 64)])  # a prompt, a decoding step
+def test_a_mask_is_left_to_the_full_path_where_its_crossovers_pick_native(monkeypatch, fast_path, L, S):
+    """Where the full path's crossovers pick native, it runs native beside the mask (its bits): the
+    fast path declines the call. The fast path's own crossovers (native called from C++ on plain
+    calls) leave a masked call on torch's kernel, which is the full path's there: the same bits."""
+    q, k = torch.randn(1, 2, L, 8), torch.randn(1, 2, S, 8)
+    mask = torch.rand(L, S) > 0.5
+    for found, declined in ((tuning.Crossover(1, 1), True), (tuning.Crossover(1, None), True),
+                            (tuning.Crossover(None, 1), L == 1), (tuning.Crossover(None, None, 1, 1), False),
+                            (tuning.NEVER, False)):
         monkeypatch.setattr(tuning, "crossovers", lambda dtype, found=found: found)
         monkeypatch.setattr(tuning, "resolved_ints", {})
         with torch.no_grad():
-            assert dispatch.plain_sdpa(q, q, q, False, False, None, None, mask) is None, found
-    monkeypatch.setattr(tuning, "crossovers", lambda dtype: tuning.NEVER)
-    monkeypatch.setattr(tuning, "resolved_ints", {})
-    with torch.no_grad():
-        taken = dispatch.plain_sdpa(q, q, q, False, False, None, None, mask)
-    assert (taken is not None) == (fast_path == "compiled")
+            taken = dispatch.plain_sdpa(q, k, k, False, False, None, None, mask)
+            assert (taken is not None) == (fast_path == "compiled" and not declined), found
+            if taken is not None:
+                assert torch.equal(taken, full_path(monkeypatch, q, k, k, attn_mask=mask))
 
 
 def test_a_mask_that_does_not_broadcast_is_named_by_the_full_path(monkeypatch, fast_path):

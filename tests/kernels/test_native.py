@@ -790,6 +790,39 @@ def test_bfloat16_masks_and_int32_positions_are_read_as_the_kernel_reads_them():
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("S", [1, 15, 16, 17, 63, 255, 256, 257])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_bool_mask_hides_exactly_its_false_keys_at_every_tail_and_stride(S, dtype):
+    """shape_tile's mask_row: a bool mask's keys a vector at a time (16 on AVX-512, 8 on AVX2) and the
+    tail one by one, a mask whose keys lie a stride apart (a transposed view) one by one, key padding the
+    same way; a hidden key's NaN never reaches the output; forward and gradients equal math's."""
+    g = torch.Generator().manual_seed(S)
+    q = torch.randn(2, 2, 7, 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    k, v = (torch.randn(2, 2, S, 8, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+    keep = torch.rand(2, 1, 7, S, generator=g) > 0.3
+    keep[..., 0] = True  # (every row sees a key: math's softmax of a blind row is NaN)
+    k, v = k.requires_grad_(), v.requires_grad_()
+    strided = keep.transpose(-1, -2).contiguous().transpose(-1, -2)  # the same values, keys 7 apart
+    valid = torch.rand(2, S, generator=g) > 0.2
+    valid[:, 0] = True
+    for contract in (Contract(mask=keep), Contract(mask=strided), Contract(mask=keep, key_valid=valid)):
+        got = native.native_attention(q, k, v, contract)
+        want, _ = mha.kernels.attention(q, k, v, contract, backend="math")
+        assert_close(got, want)
+        for a, b in zip(torch.autograd.grad(got.double().sum(), (q, k, v)),
+                        torch.autograd.grad(want.double().sum(), (q, k, v))):
+            assert_close(a, b)
+    if S > 1:  # a NaN in a key every row is masked from
+        hidden = keep.clone()
+        hidden[..., S - 1] = False
+        poisoned = k.detach().clone()
+        poisoned[:, :, S - 1, 3] = float("nan")
+        with torch.no_grad():
+            got = native.native_attention(q, poisoned, v, Contract(mask=hidden))
+            want = native.native_attention(q, k, v, Contract(mask=hidden))
+        assert not got.isnan().any() and torch.equal(got, want)
+
+
 def _run_elsewhere(code: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env={**os.environ, **env})

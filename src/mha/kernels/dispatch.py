@@ -199,8 +199,8 @@ def plain_sdpa(q, k, v, is_causal: bool, enable_gqa: bool, scale: float | None =
     kernel's call only (where measured faster, no gradient); None elsewhere (the full path plans
     torch's kernel beside padding: its rows that see nothing). ``mask``, an attn_mask as the full path
     hands it to torch's kernel (bool, or float32: the dtype masks are added in; 2-4 dims, each 1 or the
-    call's (B, H, L, S)), neither causality nor padding beside it: torch's kernel with it, where neither
-    crossover picks native (the full path's native then takes it), the C++ fast path only (None
+    call's (B, H, L, S)), neither causality nor padding beside it: torch's kernel with it, where the
+    full path's crossovers do not pick native (its native then takes it), the C++ fast path only (None
     elsewhere). Its arguments may come by position (the per-call path of every plain call: keywords
     cost it a little more)."""
     if (not _compiling() and q.__class__ is k.__class__ is v.__class__ is Tensor and not OBSERVERS  # (written out:

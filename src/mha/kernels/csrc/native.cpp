@@ -1207,13 +1207,17 @@ template <int kRows>
   else scores_of<kRows, false>(f, q, s);
 }
 
-// A row's weights of the keys it sees (lanes; 0 elsewhere) into w, lazily where it may (above), else not
-// (false: absorb makes them).
-[[gnu::always_inline]] inline bool lazy_weights(const FusedStep& f, const __m512 (&s)[4], const __mmask16 (&lanes)[4], float m,
-                                                at::BFloat16* w, float* sums) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  if (!(m > -std::numeric_limits<float>::infinity() && folded_exponent(m) && fused_exponent(f.scale, m))) return false;
-  const __m512 a = _mm512_set1_ps(f.scale * kLog2e), b = _mm512_set1_ps(m * kLog2e);
+// Whether a row of running max m may take its weights lazily (above): m finite, within kFoldedShift and
+// fused_exponent's bound.
+inline bool lazy_shift_takes(float scale, float m) {
+  return m > -std::numeric_limits<float>::infinity() && folded_exponent(m) && fused_exponent(scale, m);
+}
+
+// One step's lazy weights of a row (scores s, the keys it sees lanes; 0 elsewhere) into w, their sum into
+// the chain ``sum``, at 2^(s a - b) (a = scale log2 e, b = m log2 e); false, with nothing added, where some
+// score passes the shift or is NaN (absorb then makes the row's weights).
+[[gnu::always_inline]] inline bool lazy_step(const __m512 (&s)[4], const __mmask16 (&lanes)[4], __m512 a, __m512 b, at::BFloat16* w,
+                                             __m512& sum) {
   __m512 u[4];
   __mmask16 past = 0;  // a score past the shift, or NaN
   #pragma GCC unroll 4
@@ -1227,7 +1231,20 @@ template <int kRows>
   const __m512bh high = _mm512_cvtne2ps_pbh(exp2_16_for_bf16(u[3], lanes[3]), exp2_16_for_bf16(u[2], lanes[2]));
   _mm512_storeu_si512(w, (__m512i)low);
   _mm512_storeu_si512(w + 32, (__m512i)high);
-  _mm512_storeu_ps(sums, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(sums), low, ones), high, ones));
+  sum = _mm512_dpbf16_ps(_mm512_dpbf16_ps(sum, low, ones), high, ones);
+  return true;
+}
+
+inline __m512 lazy_factor(float x) { return _mm512_set1_ps(x * 1.44269504088896341f); }  // x log2 e
+
+// A row's weights of the keys it sees (lanes; 0 elsewhere) into w, lazily where it may (above), else not
+// (false: absorb makes them); their sum into the row's vector of sums.
+[[gnu::always_inline]] inline bool lazy_weights(const FusedStep& f, const __m512 (&s)[4], const __mmask16 (&lanes)[4], float m,
+                                                at::BFloat16* w, float* sums) {
+  if (!lazy_shift_takes(f.scale, m)) return false;
+  __m512 sum = _mm512_loadu_ps(sums);
+  if (!lazy_step(s, lanes, lazy_factor(f.scale), lazy_factor(m), w, sum)) return false;
+  _mm512_storeu_ps(sums, sum);
   return true;
 }
 
@@ -1666,34 +1683,50 @@ inline void amx_fused_run(FusedBuffers& buffers, const FusedOperands& x, const R
   std::fill(w + R * ld, w + R16 * ld, at::BFloat16(0.0f));
   use_tiles(TileShape::products);
   amx_scores(R, n, x.D2, x.q, x.kt, s, ld);
-  FusedStep f{x.D2, x.Dv, 0, 0, 0, nullptr, nullptr, scale, nullptr, {}};
-  const auto step = [&](int64_t r, int64_t k0) {  // f: row r's keys k0 .. k0 + kFusedKeys - 1 of the tile
-    f.count = std::min(kFusedKeys, keys - k0);
-    f.key0 = j0 + k0;
-    f.lanes_of_count();
-    if (!covered) row_lanes(f, seen.first[r], seen.stop[r], f.lanes);
+  constexpr int kSteps = kBlockK / kFusedKeys;
+  const int64_t steps = ld / kFusedKeys;
+  FusedStep step[kSteps];  // the tile's steps, their lanes the keys that lie in them (every row's, where covered)
+  for (int64_t k = 0; k < steps; ++k) {
+    step[k] = FusedStep{x.D2, x.Dv, std::min(kFusedKeys, keys - k * kFusedKeys), 0, j0 + k * kFusedKeys, nullptr, nullptr, scale,
+                        nullptr, {}};
+    step[k].lanes_of_count();
+  }
+  const auto lanes_of = [&](int64_t r, int64_t k, __mmask16 (&lanes)[4]) {  // the keys of step k row r sees
+    for (int c = 0; c < 4; ++c) lanes[c] = step[k].lanes[c];
+    if (!covered) row_lanes(step[k], seen.first[r], seen.stop[r], lanes);
   };
   const __m512 hidden = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 a = lazy_factor(scale);
   for (int64_t r = 0; r < R; ++r) {
     float* row = s + r * ld;
     at::BFloat16* weights = w + r * ld;
-    alignas(64) float sums[kBlockK / kFusedKeys][16] = {};  // a chain of sums a step (vdpbf16ps' latency)
-    bool lazy = true;
-    for (int64_t k0 = 0; lazy && k0 < keys; k0 += kFusedKeys) {
-      step(r, k0);
-      const __m512 v[4] = {_mm512_load_ps(row + k0), _mm512_load_ps(row + k0 + 16), _mm512_load_ps(row + k0 + 32),
-                           _mm512_load_ps(row + k0 + 48)};
-      lazy = lazy_weights(f, v, f.lanes, m[r], weights + k0, sums[k0 / kFusedKeys]);
+    if (lazy_shift_takes(scale, m[r])) {  // the row's steps, each a chain of sums (vdpbf16ps' latency)
+      const __m512 b = lazy_factor(m[r]);
+      __m512 sums[kSteps] = {};
+      bool lazy = true;
+      #pragma GCC unroll 4
+      for (int64_t k = 0; k < kSteps; ++k) {
+        if (k >= steps) break;
+        __mmask16 lanes[4];
+        lanes_of(r, k, lanes);
+        const float* v0 = row + k * kFusedKeys;
+        const __m512 v[4] = {_mm512_load_ps(v0), _mm512_load_ps(v0 + 16), _mm512_load_ps(v0 + 32), _mm512_load_ps(v0 + 48)};
+        if (!lazy_step(v, lanes, a, b, weights + k * kFusedKeys, sums[k])) {
+          lazy = false;
+          break;
+        }
+      }
+      if (lazy) {
+        static_assert(kSteps == 4, "the row's four chains of sums");
+        l[r] += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3])));
+        continue;
+      }
     }
-    if (lazy) {
-      l[r] += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_load_ps(sums[0]), _mm512_load_ps(sums[1])),
-                                                 _mm512_add_ps(_mm512_load_ps(sums[2]), _mm512_load_ps(sums[3]))));
-      continue;
-    }
-    for (int64_t k0 = 0; !covered && k0 < keys; k0 += kFusedKeys) {  // each key outside the row's interval hidden
-      step(r, k0);
-      for (int c = 0; c < 4; ++c)
-        _mm512_store_ps(row + k0 + 16 * c, _mm512_mask_blend_ps(f.lanes[c], hidden, _mm512_load_ps(row + k0 + 16 * c)));
+    for (int64_t k = 0; !covered && k < steps; ++k) {  // each key outside the row's interval hidden
+      __mmask16 lanes[4];
+      lanes_of(r, k, lanes);
+      float* v0 = row + k * kFusedKeys;
+      for (int c = 0; c < 4; ++c) _mm512_store_ps(v0 + 16 * c, _mm512_mask_blend_ps(lanes[c], hidden, _mm512_load_ps(v0 + 16 * c)));
     }
     absorb(keys, row, scale, m[r], l[r], acc + r * x.Dv, x.Dv, weights);
     std::fill(weights + keys, weights + ld, at::BFloat16(0.0f));

@@ -62,7 +62,7 @@ def calls() -> None:
                         "dispatch.plain_sdpa": lambda: dispatch.plain_sdpa(q, k, v, is_causal=causal, enable_gqa=gqa)}
                 if native.loaded is not None:
                     ways["native plain_sdpa alone"] = lambda: native.loaded.plain_sdpa(
-                        q, k, v, causal, gqa, dispatch.NATIVE_DECODE_ROWS, *tuning.crossover_ints(dtype), None)
+                        q, k, v, causal, gqa, dispatch.NATIVE_DECODE_ROWS, {dtype: tuning.crossover_ints(dtype)}, None)
                 for way, call in ways.items():
                     r, ta, tb = pair_ratio(call, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                                                          enable_gqa=gqa),

@@ -85,8 +85,10 @@ def test_varlen_is_one_call_of_the_dispatch(caplog):
 
 @pytest.mark.parametrize("condition", [None, "a tensor subclass", "an observer", "a dual level", "torch.compile"])
 def test_the_fast_paths_python_checks_refuse_alike(monkeypatch, condition):
-    """plain_sdpa writes _kernel_fast_path_allowed's checks out (a Python frame less): under each of them
-    both refuse the kernel's fast path (its plain_sdpa never asked), and without them both allow it."""
+    """_kernel_fast_path_allowed (plain_weights' checks) refuses under each condition and allows without
+    them. plain_sdpa writes out what only Python can check (no observer, not compiling: its kernel never
+    asked under them); the tensors' classes and forward AD's tangents are its kernel's own checks
+    (test_the_kernel_refuses_subclasses_and_tangents_itself)."""
     from torch.autograd import forward_ad
 
     from mha.kernels import native
@@ -110,4 +112,4 @@ def test_the_fast_paths_python_checks_refuse_alike(monkeypatch, condition):
         allowed = dispatch._kernel_fast_path_allowed(q, k, v)
         dispatch.plain_sdpa(q, k, v, False, False)
     assert allowed == (condition is None)
-    assert bool(asked) == (condition is None)
+    assert bool(asked) == (condition in (None, "a tensor subclass", "a dual level"))

@@ -126,6 +126,41 @@ def test_a_nested_tensor_skips_the_fast_path():
         mha.kernels.attention(nested, nested, nested, mha.kernels.Contract())
 
 
+@pytest.mark.skipif(native.loaded is None and not native.native_available(), reason="the native kernel is not built here")
+def test_the_kernel_refuses_subclasses_and_tangents_itself():
+    """The C++ fast path reads what dispatch.plain_sdpa no longer reads in Python: q, k, v or a mask
+    that is not a plain torch.Tensor (a subclass, a Parameter, a list) is Python's to decide (Ellipsis);
+    a tangent on any of them (forward AD) is the full path's (None); under a dual level, tensors without
+    one are a plain call (torch's bits). And the crossovers come from the dict it is handed, by dtype."""
+    kernel = native._kernel()
+    q = _q(1, 2, 5, 8)
+    resolved = {torch.float32: (-1, (-1, -1), (-1, -1))}  # torch's kernel always
+
+    class Sub(torch.Tensor):
+        pass
+
+    def ask(*tensors, mask=None):
+        return kernel.plain_sdpa(*tensors, False, False, 16, resolved, None, None, mask)
+
+    want = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert torch.equal(ask(q, q, q), want)
+    for odd in (torch.nn.Parameter(q.clone()), q.clone().as_subclass(Sub), q.tolist(), None):
+        for place in range(3):
+            assert ask(*[odd if i == place else q for i in range(3)]) is Ellipsis
+    assert ask(q, q, q, mask=torch.nn.Parameter(torch.ones(5, 5))) is Ellipsis
+    assert ask(q, q, q, mask=[[True] * 5] * 5) is Ellipsis
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(q, torch.ones_like(q))
+        for place in range(3):
+            assert ask(*[dual if i == place else q for i in range(3)]) is None
+        tangent_mask = forward_ad.make_dual(torch.zeros(5, 5), torch.ones(5, 5))
+        assert ask(q, q, q, mask=tangent_mask) is None
+        assert torch.equal(ask(q, q, q), want)
+    assert ask(q.bfloat16(), q.bfloat16(), q.bfloat16()) == torch.get_num_threads()  # no bfloat16 crossovers given
+    with pytest.raises(TypeError, match="resolved must be a dict"):
+        kernel.plain_sdpa(q, q, q, False, False, 16, [], None, None, None)
+
+
 def test_autocast_forward_ad_and_native_calls_take_the_full_path(monkeypatch):
     q = torch.randn(1, 2, 4, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -229,7 +264,7 @@ def test_crossovers_of_another_thread_count_are_resolved_again(monkeypatch, fast
     threads = torch.get_num_threads()
     monkeypatch.setattr(tuning, "resolved_ints", {torch.float32: (threads + 1, (0, 0), (0, 0))})  # "always native"
     q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
-    assert native.loaded.plain_sdpa(q, k, v, True, False, 16, threads + 1, (0, 0), (0, 0), None, None) == threads
+    assert native.loaded.plain_sdpa(q, k, v, True, False, 16, tuning.resolved_ints, None, None) == threads
     out = dispatch.plain_sdpa(q, k, v, True, False)
     assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
     assert tuning.resolved_ints[torch.float32] == (threads, (-1, -1), (-1, -1))

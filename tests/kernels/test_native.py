@@ -1512,9 +1512,9 @@ def test_the_forward_reads_projection_heads_where_they_lie(dtype, H, Hkv, D, L):
         assert out.transpose(1, 2).is_contiguous()  # (as torch's: laid out as q is)
         assert native.native_attention(q.contiguous(), k, v, contract).is_contiguous() or L == 1
     if dtype != torch.float64:  # the per-call fast path (native chosen at every size) reads them alike
-        fast = native.loaded.plain_sdpa(q, k, v, True, True, 16, -1, (0, 0), (-1, -1), None, None)
+        fast = native.loaded.plain_sdpa(q, k, v, True, True, 16, {dtype: (-1, (0, 0), (-1, -1))}, None, None)
         assert torch.equal(fast, native.native_attention(q, k, v, Contract(band=CAUSAL)))
-        assert not _copies(lambda: native.loaded.plain_sdpa(q, k, v, True, True, 16, -1, (0, 0), (-1, -1), None, None))
+        assert not _copies(lambda: native.loaded.plain_sdpa(q, k, v, True, True, 16, {dtype: (-1, (0, 0), (-1, -1))}, None, None))
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")

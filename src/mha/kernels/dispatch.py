@@ -203,15 +203,14 @@ def plain_sdpa(q, k, v, is_causal: bool, enable_gqa: bool, scale: float | None =
     full path's crossovers do not pick native (its native then takes it), the C++ fast path only (None
     elsewhere). Its arguments may come by position (the per-call path of every plain call: keywords
     cost it a little more)."""
-    if (not _compiling() and q.__class__ is k.__class__ is v.__class__ is Tensor and not OBSERVERS  # (written out:
-            and forward_ad._current_level < 0  # _kernel_fast_path_allowed's checks, its frame 1-2 us of a short call)
-            and (mask is None or mask.__class__ is Tensor)
-            and (kernel := native.loaded or native.load_if_built()) is not None and (dtype := q.dtype) in _FLOATS):
-        ints = tuning.resolved_ints.get(dtype) or tuning.crossover_ints(dtype)
-        out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, *ints, scale, key_valid, mask)
-        if out.__class__ is int:  # resolved at another thread count than the one now in use
-            out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, *tuning.crossover_ints(dtype),
-                                    scale, key_valid, mask)
+    # (the kernel reads the tensors' classes, forward AD's tangents and the crossovers of tuning.resolved_ints
+    # itself: those reads in Python cost a short call 0.1-0.2x torch's time with its caches cold)
+    if not _compiling() and not OBSERVERS and (kernel := native.loaded or native.load_if_built()) is not None:
+        out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, tuning.resolved_ints, scale, key_valid, mask)
+        if out.__class__ is int:  # none resolved for this dtype at the thread count in use
+            tuning.crossover_ints(q.dtype)
+            out = kernel.plain_sdpa(q, k, v, is_causal, enable_gqa, NATIVE_DECODE_ROWS, tuning.resolved_ints, scale,
+                                    key_valid, mask)
             if out.__class__ is int:  # (the count changed again meanwhile: another thread's set_num_threads)
                 return None
         if out is not Ellipsis and (out is not None or q.is_cpu):  # (CPU tensors only: CUDA's are plain_call's)
@@ -242,8 +241,8 @@ _compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_co
 
 
 def _kernel_fast_path_allowed(q, k, v) -> bool:
-    """What only Python can check before the native kernel's fast path (plain_weights; plain_sdpa writes
-    the same checks out):
+    """What only Python can check before the native kernel's fast path of plain_weights (plain_sdpa's
+    kernel reads the tensors' classes and forward AD's tangents itself):
     not while torch.compile traces, plain Tensors (no subclass), no observer, no forward-mode AD. The
     kernel checks the rest itself: no torch.func transform, no torch function mode (a mode sees torch's
     Python call: plain_call's), in one step where these reads in Python cost a short call 2 us with its

@@ -504,7 +504,7 @@ def _grid(round_: int):
     def calls(point, where, q, k, v, contract, causal=False):  # the fast path's call first (see tune)
         torch_call = functools.partial(_torch, q, k, v, causal)
         yield (f"{point} plain", dict(where, path="plain"),
-               functools.partial(_kernel().plain_sdpa, q, k, v, causal, True, 0, -1, _ALWAYS, _ALWAYS, None),
+               functools.partial(_kernel().plain_sdpa, q, k, v, causal, True, 0, {q.dtype: (-1, _ALWAYS, _ALWAYS)}, None),
                torch_call)
         yield point, dict(where, path="full"), functools.partial(native_attention, q, k, v, contract), torch_call
 

@@ -58,6 +58,8 @@
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with torch's casters for at::Tensor
+#include <torch/csrc/DynamicTypes.h>  // torch.dtype objects (the fast path's crossovers are keyed by them)
+#include <torch/csrc/autograd/python_variable.h>  // a Tensor object's class and its at::Tensor
 
 namespace at::autocast {  // as <ATen/autocast_mode.h> declares it (that header alone parses in ~10 s)
 TORCH_API bool is_autocast_enabled(at::DeviceType device_type);
@@ -4447,8 +4449,9 @@ std::vector<Tensor> key_intervals(const TermArgs& terms, int64_t L, int64_t S) {
 // after a kernel), a short call paid more for them than for its attention. The conditions are
 // dispatch.plain_call's (it states them; tests hold the two to the same answers), on CPU tensors:
 // one floating dtype, 4-D, nothing empty, one batch, Hkv = H (or dividing it with enable_gqa),
-// D = Dk = Dv, contiguous rows, no autocast. The caller has checked what only Python can (the
-// tensors' class, observers, forward AD, torch.func, torch.compile). Then the measured crossovers
+// D = Dk = Dv, contiguous rows, no autocast, no forward-mode tangent, plain torch.Tensors, no torch.func
+// transform or torch function mode. The caller has checked what only Python can (observers,
+// torch.compile). Then the measured crossovers
 // (-1 for never) pick the kernel: a call that needs no gradient by ``direct`` (where this kernel,
 // called from here, was measured faster: forward's output), one that does by ``full`` (where the
 // full path, mha.kernels.native's autograd function, was: None, the caller takes the full path).
@@ -4538,27 +4541,62 @@ bool transform_or_mode_active() {
          included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode) || at::impl::torch_function_mode_enabled();
 }
 
-// Its answers: the output; None (the full path); the thread count now in use, where the crossovers
-// given were resolved for another (``threads``; -1: for any): the caller resolves them and asks again;
-// Ellipsis where a transform or a torch function mode is active (the caller's Python path decides).
+// Whether obj is a torch.Tensor, not a subclass (nor a Parameter): a subclass's call is Python's.
+bool plain_tensor(pybind11::handle obj) { return Py_TYPE(obj.ptr()) == reinterpret_cast<PyTypeObject*>(THPVariableClass); }
+
+// Whether any of the tensors carries a forward-mode tangent (forward AD's level 0, the one level torch
+// has): then the call is the full path's (native has no forward-mode derivative).
+bool has_tangent(std::initializer_list<const Tensor*> tensors) {
+  for (const Tensor* x : tensors)
+    if (x != nullptr && x->defined() && x->_fw_grad(0).defined()) return true;
+  return false;
+}
+
+// The crossovers of a dtype in ``resolved`` (tuning.resolved_ints: a dict of torch.dtype -> (threads,
+// direct, full), each a pair, -1 for never), where resolved for the thread count in use (or threads -1:
+// any); nullopt where missing or resolved for another count.
+std::optional<std::pair<Crossovers, Crossovers>> resolved_crossovers(pybind11::handle resolved, at::ScalarType dtype) {
+  if (!PyDict_Check(resolved.ptr())) throw pybind11::type_error("plain_sdpa: resolved must be a dict of crossovers by dtype");
+  PyObject* found = PyDict_GetItem(resolved.ptr(), reinterpret_cast<PyObject*>(torch::getTHPDtype(dtype)));  // (borrowed)
+  if (found == nullptr) return std::nullopt;
+  const auto ints = pybind11::reinterpret_borrow<pybind11::object>(found)
+                        .cast<std::tuple<int64_t, std::pair<int64_t, int64_t>, std::pair<int64_t, int64_t>>>();
+  const int64_t threads = std::get<0>(ints);
+  if (threads >= 0 && threads != at::get_num_threads()) return std::nullopt;
+  const auto [direct, full] = std::pair{std::get<1>(ints), std::get<2>(ints)};
+  return std::pair{Crossovers{direct.first, direct.second}, Crossovers{full.first, full.second}};
+}
+
+// Its answers: the output; None (the full path, or CUDA tensors: the caller's Python decides); the thread
+// count now in use, where ``resolved`` holds no crossovers of the call's dtype for it: the caller resolves
+// them (tuning.crossover_ints) and asks again; Ellipsis where the call is Python's to decide: q, k, v or
+// the mask not plain torch.Tensors (a subclass, a Parameter, anything else), or a transform or a torch
+// function mode active. The caller has checked what only Python can (observers, torch.compile).
 // An attn_mask (plain_mask's) runs on torch's kernel alone, as the full path runs it there: not beside
 // causality or key padding (the full path folds them into a copy), nor where the full path's crossovers
 // pick native (it then runs native beside the mask: its bits). The direct ones, measured on plain calls
 // of this kernel's own, say nothing of a masked call's, which it never runs.
-pybind11::object plain_sdpa(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal, bool enable_gqa,
-                            int64_t decode_rows, int64_t threads, std::pair<int64_t, int64_t> direct,
-                            std::pair<int64_t, int64_t> full, std::optional<double> scale, const Optional& key_valid,
-                            const Optional& mask) {
+// (q, k, v and mask come as Python objects, their classes read here: the same checks in Python, and the
+// crossovers' lookup and their six arguments, cost a short call 0.1-0.2x torch's time with caches cold.)
+pybind11::object plain_sdpa(pybind11::handle q_obj, pybind11::handle k_obj, pybind11::handle v_obj, bool is_causal,
+                            bool enable_gqa, int64_t decode_rows, pybind11::handle resolved, std::optional<double> scale,
+                            const Optional& key_valid, pybind11::handle mask_obj) {
   const auto none = pybind11::none();
-  if (transform_or_mode_active()) return pybind11::ellipsis();
-  if (threads >= 0 && threads != at::get_num_threads()) return pybind11::int_(at::get_num_threads());
+  if (!plain_tensor(q_obj) || !plain_tensor(k_obj) || !plain_tensor(v_obj) || !(mask_obj.is_none() || plain_tensor(mask_obj)) ||
+      transform_or_mode_active())
+    return pybind11::ellipsis();
+  const Tensor &q = THPVariable_Unpack(q_obj.ptr()), &k = THPVariable_Unpack(k_obj.ptr()), &v = THPVariable_Unpack(v_obj.ptr());
+  const Optional mask = mask_obj.is_none() ? Optional{} : Optional{THPVariable_Unpack(mask_obj.ptr())};
   if (!plain_inputs(q, k, v, enable_gqa) || !plain_padding(key_valid, q.size(0), k.size(2)) ||
-      !plain_mask(mask, q, k.size(2)) || (mask && (is_causal || key_valid)))
+      !plain_mask(mask, q, k.size(2)) || (mask && (is_causal || key_valid)) ||
+      has_tangent({&q, &k, &v, mask ? &*mask : nullptr}))
     return none;
+  const auto crossovers = resolved_crossovers(resolved, q.scalar_type());
+  if (!crossovers) return pybind11::int_(at::get_num_threads());
+  const auto& [direct, full_path] = *crossovers;
   const int64_t H = q.size(1), L = q.size(2), Hkv = k.size(1), S = k.size(2), rows = L * (H / Hkv);
   const bool gradient = needs_gradient(q, k, v);
-  const Crossovers full_path{full.first, full.second};
-  const bool native = !mask && (gradient ? full_path : Crossovers{direct.first, direct.second}).native_faster(rows, decode_rows, L, S);
+  const bool native = !mask && (gradient ? full_path : direct).native_faster(rows, decode_rows, L, S);
   // the full path: native's autograd function, or torch's kernel beside key padding (its rows that see
   // nothing are NaN there: the full path plans them), or native beside a mask
   if ((native && gradient) || (!native && key_valid) || (mask && full_path.native_faster(rows, decode_rows, L, S)))
@@ -4919,8 +4957,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("plain_sdpa", &mha_native::plain_sdpa,
         "the per-call fast path: a plain call's output, native's or torch's SDPA's, or None (mha.kernels.dispatch.plain_sdpa)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("is_causal"), pybind11::arg("enable_gqa"),
-        pybind11::arg("decode_rows"), pybind11::arg("threads"), pybind11::arg("direct"), pybind11::arg("full"),
-        pybind11::arg("scale"), pybind11::arg("key_valid") = pybind11::none(), pybind11::arg("mask") = pybind11::none());
+        pybind11::arg("decode_rows"), pybind11::arg("resolved"), pybind11::arg("scale"),
+        pybind11::arg("key_valid") = pybind11::none(), pybind11::arg("mask") = pybind11::none());
   m.def("plain_weights", &mha_native::plain_weights,
         "a plain call's (output, weights) from native, or None (mha.kernels.dispatch.plain_weights)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("is_causal"), pybind11::arg("enable_gqa"),

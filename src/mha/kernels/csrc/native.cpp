@@ -4545,10 +4545,12 @@ bool transform_or_mode_active() {
 bool plain_tensor(pybind11::handle obj) { return Py_TYPE(obj.ptr()) == reinterpret_cast<PyTypeObject*>(THPVariableClass); }
 
 // Whether any of the tensors carries a forward-mode tangent (forward AD's level 0, the one level torch
-// has): then the call is the full path's (native has no forward-mode derivative).
+// has): then the call is the full path's (native has no forward-mode derivative). A tensor without
+// autograd metadata has none; _fw_grad itself is an operator call (through the dispatcher).
 bool has_tangent(std::initializer_list<const Tensor*> tensors) {
   for (const Tensor* x : tensors)
-    if (x != nullptr && x->defined() && x->_fw_grad(0).defined()) return true;
+    if (x != nullptr && x->defined() && x->unsafeGetTensorImpl()->autograd_meta() != nullptr && x->_fw_grad(0).defined())
+      return true;
   return false;
 }
 

@@ -159,6 +159,18 @@ def test_the_kernel_refuses_subclasses_and_tangents_itself():
     assert ask(q.bfloat16(), q.bfloat16(), q.bfloat16()) == torch.get_num_threads()  # no bfloat16 crossovers given
     with pytest.raises(TypeError, match="resolved must be a dict"):
         kernel.plain_sdpa(q, q, q, False, False, 16, [], None, None, None)
+    # its binding (CPython's calling convention, no pybind loaders) names what is wrong
+    for args, match in [((q, q, q, False, False, 16, resolved), r"8 to 10 positional arguments \(7 given\)"),
+                        ((q, q, q, 1, False, 16, resolved, None), "must be bools"),
+                        ((q, q, q, False, False, 16, resolved, None, [True]), "key_valid must be a Tensor"),
+                        ((q, q, q, False, False, 16, {torch.float32: (2, (1, 2))}, None), r"must be \(threads"),
+                        ((q, q, q, False, False, 16, {torch.float32: (-1, (1, 2), (1.5, 2))}, None), r"must be \(threads")]:
+        with pytest.raises(TypeError, match=match):
+            kernel.plain_sdpa(*args)
+    with pytest.raises(TypeError):
+        kernel.plain_sdpa(q, q, q, False, False, 16, resolved, None, mask=None)  # (positional only)
+    scaled = torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.125)
+    assert torch.equal(kernel.plain_sdpa(q, q, q, False, False, 16, resolved, 0.125), scaled)
 
 
 def test_autocast_forward_ad_and_native_calls_take_the_full_path(monkeypatch):

@@ -643,36 +643,20 @@ def test_fused_steps_of_scores_rising_far_past_the_lazy_shift_rescale_their_rows
 
 
 @_LAZY
-def test_a_rise_in_a_lazy_steps_last_keys_weighs_its_earlier_keys_against_the_new_max(one_thread):
-    """A row's second step of lazy_keys: its keys at the first step's max (0) but the last 64, which rise
-    by 30 (2^43 in a weight against 0): the earlier keys' weights, made lazily before the rise was seen,
-    must be e^-30 of the risen ones' in the output (on AMX tiles the decision is the whole tile's; on fused
-    steps the last 64 are a step of their own)."""
-    L, S, D = 20, 2 * _UNIT, 64
-    q, k = torch.zeros(1, 1, L, D), torch.zeros(1, 1, S, D)
-    q[..., 0] = 1.0
-    k[..., S - 64:, 0] = 30.0
-    v = torch.randn(1, 1, S, D, generator=torch.Generator().manual_seed(3))
-    q, k, v = (x.bfloat16() for x in (q, k, v))
-    out, lse = native.native_attention_with_lse(q, k, v, Contract(scale=1.0))
-    scores = q.double() @ k.double().transpose(-1, -2)
-    assert float((lse.double() - torch.logsumexp(scores, -1)).abs().max()) < 4e-3
-    assert float((out.double() - torch.softmax(scores, -1) @ v.double()).abs().max()) < 2e-2
-
-
-@_LAZY
-@pytest.mark.parametrize("at, extra", [(0.0, 0), (0.3125, 0), (0.5625, 0), (0.9375, 0), (None, 100), (None, 37)])
-def test_four_keys_rising_anywhere_in_a_lazy_decision_take_the_exact_max(at, extra, one_thread):
-    """Four keys of a row's second lazy decision (lazy_keys) rise by 30 above the first's max (0): at its
-    start, in its second, third or last 64 keys (an AMX tile's four steps), or as the last keys of a
-    decision cut short (S = lazy_keys + 100 or + 37: a last step of part of its keys). Wherever the rise
-    lies, the steps before it were made lazily and the row must take the exact max: output and
-    log-sum-exp as float64's."""
+@pytest.mark.parametrize("at, extra, width", [(0.0, 0, 4), (0.3125, 0, 4), (0.5625, 0, 4), (0.9375, 0, 4), (None, 100, 4),
+                                              (None, 37, 4), (None, 0, 64)])
+def test_keys_rising_anywhere_in_a_lazy_decision_weigh_its_earlier_keys_against_the_new_max(at, extra, width, one_thread):
+    """``width`` keys of a row's second lazy decision (lazy_keys) rise by 30 above the first's max (0;
+    2^43 in a weight against it): four at its start, in its second, third or last 64 keys (an AMX tile's
+    four steps), or as the last keys of a decision cut short (S = lazy_keys + 100 or + 37: a last step of
+    part of its keys); or its last 64 (on fused steps a step of their own). Wherever the rise lies, the
+    earlier keys' weights, made lazily before it was seen, must come out e^-30 of the risen ones': output
+    and log-sum-exp as float64's."""
     L, S, D = 20, _UNIT + (extra or _UNIT), 64
-    start = S - 4 if at is None else _UNIT + int(at * _UNIT)
+    start = S - width if at is None else _UNIT + int(at * _UNIT)
     q, k = torch.zeros(1, 1, L, D), torch.zeros(1, 1, S, D)
     q[..., 0] = 1.0
-    k[..., start:start + 4, 0] = 30.0
+    k[..., start:start + width, 0] = 30.0
     v = torch.randn(1, 1, S, D, generator=torch.Generator().manual_seed(4))
     q, k, v = (x.bfloat16() for x in (q, k, v))
     out, lse = native.native_attention_with_lse(q, k, v, Contract(scale=1.0))

@@ -4562,19 +4562,20 @@ std::optional<std::pair<Crossovers, Crossovers>> resolved_crossovers(pybind11::h
   if (!PyDict_Check(resolved.ptr())) throw torch::TypeError("plain_sdpa: resolved must be a dict of crossovers by dtype");
   PyObject* found = PyDict_GetItem(resolved.ptr(), reinterpret_cast<PyObject*>(torch::getTHPDtype(dtype)));  // (borrowed)
   if (found == nullptr) return std::nullopt;
-  const auto integer = [](PyObject* x) {
+  const auto malformed = []() {
+    PyErr_Clear();
+    return torch::TypeError("plain_sdpa: a dtype's crossovers must be (threads, (int, int), (int, int))");
+  };
+  const auto integer = [&](PyObject* x) {
     const long long value = PyLong_Check(x) ? PyLong_AsLongLong(x) : -1;
-    if (!PyLong_Check(x) || (value == -1 && PyErr_Occurred())) {
-      PyErr_Clear();
-      throw torch::TypeError("plain_sdpa: a dtype's crossovers must be (threads, (int, int), (int, int))");
-    }
+    if (!PyLong_Check(x) || (value == -1 && PyErr_Occurred())) throw malformed();
     return static_cast<int64_t>(value);
   };
   const auto pair = [&](PyObject* x) {
-    if (!PyTuple_Check(x) || PyTuple_GET_SIZE(x) != 2) integer(Py_None);  // (raises)
+    if (!PyTuple_Check(x) || PyTuple_GET_SIZE(x) != 2) throw malformed();
     return Crossovers{integer(PyTuple_GET_ITEM(x, 0)), integer(PyTuple_GET_ITEM(x, 1))};
   };
-  if (!PyTuple_Check(found) || PyTuple_GET_SIZE(found) != 3) integer(Py_None);
+  if (!PyTuple_Check(found) || PyTuple_GET_SIZE(found) != 3) throw malformed();
   const int64_t threads = integer(PyTuple_GET_ITEM(found, 0));
   if (threads >= 0 && threads != at::get_num_threads()) return std::nullopt;
   return std::pair{pair(PyTuple_GET_ITEM(found, 1)), pair(PyTuple_GET_ITEM(found, 2))};

@@ -33,9 +33,12 @@ needs_amx = pytest.mark.skipif(not _amx(), reason="this CPU has no AMX tiles (or
 
 @pytest.fixture
 def amx_switch():
-    """set_amx(on) for the test, the setting before restored after it."""
+    """set_amx(on) for the test, a decoding step's 16-bit cache read on the tiles (set_step_reading("tiles"),
+    which the kernel picks on no CPU by itself: tests/kernels/test_step_reading.py) where they are on, the
+    settings before restored after it."""
     kernel = _kernel()
     before = kernel.set_amx(True)
+    reading = kernel.set_step_reading("tiles")
     kernel.set_amx(before)
 
     def switch(on: bool):
@@ -43,6 +46,7 @@ def amx_switch():
 
     yield switch
     kernel.set_amx(before)
+    kernel.set_step_reading(reading)
 
 
 def test_the_tiles_take_d_in_steps_of_32_and_dv_in_tiles_of_16():

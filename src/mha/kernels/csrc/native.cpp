@@ -2523,6 +2523,38 @@ inline typename Lanes<acc_t>::vec widen_tail(const T* p, int64_t count) {
   return widen<acc_t>(values);
 }
 
+// How a decoding step reads a 16-bit (bfloat16, float16) cache, the one place that chooses (set_step_reading:
+// tests, scripts/decode_tiles.py):
+//   tiles   scores and values on AMX tiles (tile_score_block, tile_value_block) where AMX is usable and the
+//           call fits them, the rest as strips;
+//   strips  scores on vdpbf16ps (bfloat16 queries over bfloat16 keys) or widened, values in chunks of
+//           kValueChunk keys strip by strip of the output's columns, the sums in registers (value_strips);
+//   rows    the same scores, values read as whole rows in streams and added to the output once a block
+//           (value_rows, as float32 values are).
+// The read is a long step's limit where the arithmetic is not. On the Xeon with AMX of issue 44's sixth
+// stop (2 threads, Hq 32 / Hkv 8, D 128, each call's cache read from memory: `python
+// scripts/decode_tiles.py --threads 2`, the readings alternated round by round in one process), a
+// bfloat16 step over 256-65536 keys took of the float32 step's time: tiles 0.75-0.80, strips 0.66-0.71,
+// rows 0.58-0.65; the tiles' scores with rows' values 0.65-0.69. Rows keep more lines in flight (three
+// streams, every line of a row); the tiles wait on their loads. With the same small cache every call
+// (1-4 MiB a thread, in the caches) the tiles won (0.50-0.64 against rows' 0.56-0.81), but a model reads
+// each layer's cache from memory once a token. On Zen 4 the values' widening and products, at half width
+// there, are the limit: strips in streams took 1.04-1.09x the strips' time (rows not measured there). So
+// rows where AMX is present, strips elsewhere.
+enum class StepReading : int { tiles, strips, rows };
+inline StepReading default_step_reading() {
+#if defined(MHA_AMX)
+  if (amx_present()) return StepReading::rows;
+#endif
+  return StepReading::strips;
+}
+
+inline std::atomic<int>& step_reading_choice() {
+  static std::atomic<int> choice{static_cast<int>(default_step_reading())};
+  return choice;
+}
+inline StepReading step_reading() { return static_cast<StepReading>(step_reading_choice().load(std::memory_order_relaxed)); }
+
 // Rows of keys (or values) are asked for ahead of the ones being read: the hardware's prefetcher stops
 // at each 4 KiB page, which a cache's rows cross every few keys. Rows of 16 or 32 bits, whose reading
 // is the limit, are asked for 8 KiB ahead into the second-level cache: a core has few first-level
@@ -2817,7 +2849,8 @@ int64_t tile_score_block(int64_t count, int64_t D, const QueryWords<kRows>& qb, 
                          float* s, int64_t lds) {
   static_assert(kRows >= 1 && kRows <= 4);
   const int64_t steps = D / 32, groups = count / 16;
-  if (count < kStepTileKeys || D % 32 != 0 || steps > kStepTiles || !amx_usable()) return 0;
+  if (count < kStepTileKeys || D % 32 != 0 || steps > kStepTiles || step_reading() != StepReading::tiles || !amx_usable())
+    return 0;
   alignas(64) uint32_t pairs[kStepTiles][16][4] = {};  // step c, pair row p, query row r: values 32c + 2p, 32c + 2p + 1
   const __m512i pair_rows = narrow_rows();
   for (int r = 0; r < kRows; ++r)  // a row's 16 pairs a step (its words in order) to pair rows 16 bytes apart
@@ -3204,7 +3237,8 @@ int64_t tile_value_block(int64_t count, int64_t Dv, const float* p, int64_t ldp,
   static_assert(kRows >= 1 && kRows <= 4);
   constexpr int64_t kGroups = kBlockK / 16, kTiles = 8;
   const int64_t groups = std::min(count / 16, kGroups), blocks = Dv / 32;
-  if (count < kStepTileKeys || Dv % 32 != 0 || blocks > kTiles || !amx_usable()) return 0;
+  if (count < kStepTileKeys || Dv % 32 != 0 || blocks > kTiles || step_reading() != StepReading::tiles || !amx_usable())
+    return 0;
   alignas(64) uint32_t a[kGroups][8][16];  // group g: rows r (w, 0) and 4 + r (0, w), rows past kRows zero
   alignas(64) float c[kTiles][8][16];
   for (int64_t g = 0; g < groups; ++g) {
@@ -3311,7 +3345,8 @@ void value_strips(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const 
   }
 }
 
-// value_block for values stored as acc_t, read row by row, whole (kBlockKeys at a time, in streams:
+// value_block for values stored as acc_t (and 16-bit ones where step_reading() says rows, widened as
+// read), read row by row, whole (kBlockKeys at a time, in streams:
 // in_key_blocks; the output read and added to once a block): a long cache's float32 values are
 // read-bound, and reading rows whole keeps the memory busiest (measured, AVX2 at 1 and 2 threads: this
 // loop took 0.85-0.92x the strips' time over 16384 keys; the strips 0.88x this loop's where the values
@@ -3361,10 +3396,11 @@ void value_rows(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const va
 template <int kRows, typename acc_t, typename value_t>
 void value_block(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const value_t* v, int64_t ld, acc_t* acc,
                  const acc_t* scales, int64_t scale_ld, bool bf16_call) {
-  if constexpr (std::is_same_v<value_t, acc_t>)
-    value_rows<kRows>(count, Dv, p, ldp, v, ld, acc, scales, scale_ld);
-  else
-    value_strips<kRows>(count, Dv, p, ldp, v, ld, acc, scales, scale_ld, bf16_call);
+  constexpr bool kRowsAlways = std::is_same_v<value_t, acc_t>, kSixteenBits = sizeof(value_t) == 2;
+  if constexpr (kRowsAlways || kSixteenBits) {
+    if (kRowsAlways || step_reading() == StepReading::rows) return value_rows<kRows>(count, Dv, p, ldp, v, ld, acc, scales, scale_ld);
+  }
+  if constexpr (!kRowsAlways) value_strips<kRows>(count, Dv, p, ldp, v, ld, acc, scales, scale_ld, bf16_call);
 }
 
 // The R rows in blocks of up to kRowBlock: each block's call of score_block or value_block (a block
@@ -4951,6 +4987,20 @@ bool set_amx(bool wanted) {
 #endif
 }
 
+// Set how a decoding step reads a 16-bit cache (StepReading: "tiles", "strips" or "rows"; "" leaves it);
+// returns the reading before (tests, scripts/decode_tiles.py).
+std::string set_step_reading(const std::string& name) {
+  static const char* const names[] = {"tiles", "strips", "rows"};
+  const int before = step_reading_choice().load();
+  if (!name.empty()) {
+    const auto found = std::find(std::begin(names), std::end(names), name);
+    if (found == std::end(names))
+      throw pybind11::value_error("set_step_reading: reading must be 'tiles', 'strips' or 'rows', got '" + name + "'");
+    step_reading_choice().store(static_cast<int>(found - std::begin(names)));
+  }
+  return names[before];
+}
+
 std::string build_info() {
 #if defined(MHA_AVX512_BF16)
   return "avx512bf16";
@@ -5003,6 +5053,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_takes", &mha_native::amx_takes, "whether the AMX tile products take head dims (D, Dv) (the rule alone; tests)");
   m.def("take_tile_step_keys", &mha_native::take_tile_step_keys,
         "(keys scored, keys whose values were added) on the AMX tiles' decoding path by this thread since last asked (tests)");
+  m.def("set_step_reading", &mha_native::set_step_reading,
+        "how a decoding step reads a 16-bit cache: 'tiles', 'strips' or 'rows' ('' leaves it); returns the reading before",
+        pybind11::arg("reading") = std::string());
   m.def("set_amx", &mha_native::set_amx, "allow or forbid AMX tiles for bfloat16 products; returns the previous setting (tests)");
   m.attr("plain_sdpa") = pybind11::reinterpret_steal<pybind11::object>(PyCFunction_New(&mha_native::plain_sdpa_method, nullptr));
   m.def("plain_weights", &mha_native::plain_weights,

@@ -2524,7 +2524,7 @@ inline typename Lanes<acc_t>::vec widen_tail(const T* p, int64_t count) {
 }
 
 // How a decoding step reads a 16-bit (bfloat16, float16) cache, the one place that chooses (set_step_reading:
-// tests, scripts/decode_tiles.py):
+// tests, scripts/decode_reading.py):
 //   tiles   scores and values on AMX tiles (tile_score_block, tile_value_block) where AMX is usable and the
 //           call fits them, the rest as strips;
 //   strips  scores on vdpbf16ps (bfloat16 queries over bfloat16 keys) or widened, values in chunks of
@@ -2533,7 +2533,7 @@ inline typename Lanes<acc_t>::vec widen_tail(const T* p, int64_t count) {
 //           (value_rows, as float32 values are).
 // The read is a long step's limit where the arithmetic is not. On the Xeon with AMX of issue 44's sixth
 // stop (2 threads, Hq 32 / Hkv 8, D 128, each call's cache read from memory: `python
-// scripts/decode_tiles.py --threads 2`, the readings alternated round by round in one process), a
+// scripts/decode_reading.py --threads 2`, the readings alternated round by round in one process), a
 // bfloat16 step over 256-65536 keys took of the float32 step's time: tiles 0.75-0.80, strips 0.66-0.71,
 // rows 0.58-0.65; the tiles' scores with rows' values 0.65-0.69. Rows keep more lines in flight (three
 // streams, every line of a row); the tiles wait on their loads. With the same small cache every call
@@ -4988,7 +4988,7 @@ bool set_amx(bool wanted) {
 }
 
 // Set how a decoding step reads a 16-bit cache (StepReading: "tiles", "strips" or "rows"; "" leaves it);
-// returns the reading before (tests, scripts/decode_tiles.py).
+// returns the reading before (tests, scripts/decode_reading.py).
 std::string set_step_reading(const std::string& name) {
   static const char* const names[] = {"tiles", "strips", "rows"};
   const int before = step_reading_choice().load();

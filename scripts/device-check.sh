@@ -79,7 +79,7 @@ for r in bench.gpu_rows(dict(plain=[64], terms=256, term_sets=['window', 'docume
         decode)  # the host's bfloat16 decoding steps read three ways (AMX tiles, strips, rows) beside float32, from
                  # memory and from cache, at 16 threads (whether the reading's rule holds there: scripts/decode_reading.py)
             if [ "$device" = cuda ]; then
-                MHA_TUNE=off step decode 50 python scripts/decode_reading.py --threads 16 --keys 4096 16384 --rounds 5
+                MHA_TUNE=off step decode 90 python scripts/decode_reading.py --threads 16 --keys 4096 16384 --rounds 5
             else
                 MHA_TUNE=off step decode 50 python scripts/decode_reading.py --threads 2 --keys 1024 --rounds 3
             fi

@@ -3396,11 +3396,13 @@ void value_rows(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const va
 template <int kRows, typename acc_t, typename value_t>
 void value_block(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const value_t* v, int64_t ld, acc_t* acc,
                  const acc_t* scales, int64_t scale_ld, bool bf16_call) {
-  constexpr bool kRowsAlways = std::is_same_v<value_t, acc_t>, kSixteenBits = sizeof(value_t) == 2;
-  if constexpr (kRowsAlways || kSixteenBits) {
-    if (kRowsAlways || step_reading() == StepReading::rows) return value_rows<kRows>(count, Dv, p, ldp, v, ld, acc, scales, scale_ld);
+  if constexpr (std::is_same_v<value_t, acc_t>) {
+    value_rows<kRows>(count, Dv, p, ldp, v, ld, acc, scales, scale_ld);
+  } else {
+    if constexpr (sizeof(value_t) == 2)  // bfloat16, float16: as step_reading says
+      if (step_reading() == StepReading::rows) return value_rows<kRows>(count, Dv, p, ldp, v, ld, acc, scales, scale_ld);
+    value_strips<kRows>(count, Dv, p, ldp, v, ld, acc, scales, scale_ld, bf16_call);
   }
-  if constexpr (!kRowsAlways) value_strips<kRows>(count, Dv, p, ldp, v, ld, acc, scales, scale_ld, bf16_call);
 }
 
 // The R rows in blocks of up to kRowBlock: each block's call of score_block or value_block (a block

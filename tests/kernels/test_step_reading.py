@@ -1,6 +1,6 @@
-"""How the native kernel reads a decoding step's 16-bit (bfloat16, float16) cache: set_step_reading's three
-readings ("tiles": AMX tiles where the CPU has them, else as "strips"; "strips": the values in chunks of keys
-strip by strip of the output's columns; "rows": the values as whole rows in streams, as float32 values are),
+"""How the native kernel reads a decoding step's 16-bit (bfloat16, float16) or 8-bit cache: set_step_reading's
+three readings ("tiles": AMX tiles where the CPU has them, else as "strips"; "strips": the values in chunks of
+keys strip by strip of the output's columns; "rows": the values as whole rows, as float32 values are),
 the one the kernel picks by itself (rows where AMX is present, strips elsewhere), and that each gives the
 float64 oracle's output at the edges (0, 1 and tile-boundary key counts, 1-16 rows a key/value head, odd
 value widths, caches of more slots than keys, a (B, S, H, D) layout, pages, infinite and NaN values).
@@ -8,12 +8,14 @@ value widths, caches of more slots than keys, a (B, S, H, D) layout, pages, infi
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import mha
 from helpers.backends import NATIVE
-from helpers.tolerance import assert_close
+from helpers.tolerance import assert_close, assert_within_torch_error
 from mha.kernels import native
 
 pytestmark = pytest.mark.skipif(not NATIVE, reason="the native kernel does not build here (no compiler)")
@@ -159,3 +161,68 @@ def test_every_reading_over_pages(page, dtype, reading):
             v = vp[table[i, :pages[i]]].transpose(0, 1).flatten(1, 2)[None, :, :S]
             exact = _exact(q[i][None, :, None], k, v)[0, :, 0]
             assert_close(out[i].double(), exact, dtype, err_msg=f"{name}, sequence {i}")
+
+
+def _table(pages: list[int], g: torch.Generator) -> torch.Tensor:
+    """A block table placing each sequence's pages anywhere in a pool of sum(pages) pages."""
+    order = torch.randperm(sum(pages), generator=g)
+    table = torch.zeros(len(pages), max(pages), dtype=torch.long)
+    first = 0
+    for i, n in enumerate(pages):
+        table[i, :n] = order[first:first + n]
+        first += n
+    return table
+
+
+@pytest.mark.parametrize("page", [16, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scales_apart", [False, True], ids=["kept", "scales apart"])
+def test_every_reading_over_8_bit_pages(page, dtype, scales_apart, reading):
+    """8-bit pages (each row's scale after it, or the scales given apart), float32 and bfloat16 queries,
+    odd value width: the float64 oracle over the dequantized pages in every reading (rows: the values
+    widened in float32 row by row; strips: chunk by chunk, a bfloat16 call's weights as 16-bit integers)."""
+    from mha.kernels import paged_attention, storage
+
+    g = torch.Generator().manual_seed(page + 3)
+    Hq, Hkv, D, Dv, lengths = 8, 2, 64, 80, [1, 17, 300, 1000]
+    pages = [-(-S // page) for S in lengths]
+    kept = [storage.store(torch.randn(sum(pages), Hkv, page, X, generator=g) * 2, True) for X in (D, Dv)]
+    (k8, ks), (v8, vs) = (storage.split(x) for x in kept)
+    table = _table(pages, g)
+    q = (torch.randn(len(lengths), Hq, D, generator=g) * 2).to(dtype)
+    cu, seqlens = torch.arange(len(lengths) + 1), torch.tensor(lengths)
+    pools = dict(k_pages=k8, v_pages=v8, k_scales=ks, v_scales=vs) if scales_apart else dict(k_pages=kept[0], v_pages=kept[1])
+    wide_k, wide_v = (rows.double() * scales[..., None].double() for rows, scales in ((k8, ks), (v8, vs)))
+    call = functools.partial(paged_attention, q, pools["k_pages"], pools["v_pages"], table, cu, seqlens,
+                             k_scales=pools.get("k_scales"), v_scales=pools.get("v_scales"))
+    theirs = call(backend="math")  # the dequantized pages in q's dtype (float32 for bfloat16 queries), torch's products
+    for name in READINGS:
+        reading(name)
+        out = call(backend="native")
+        for i, S in enumerate(lengths):
+            k, v = (x[table[i, :pages[i]]].transpose(0, 1).flatten(1, 2)[None, :, :S] for x in (wide_k, wide_v))
+            exact = _exact(q[i][None, :, None], k, v)[0, :, 0]
+            assert_within_torch_error(out[i].double(), theirs[i].double(), exact, err_msg=f"{name}, sequence {i}")
+
+
+def test_8_bit_values_are_read_as_rows_or_strips(reading):
+    """The 8-bit readings add in two orders too: 6 keys of weight 1 (zero queries), 4 rows a kv head, one
+    column's values 2^25, 0, 0, -2^25, 1, 0 (int8 64, 0, 0, -64, 1, 0, scales 2^19 and 1: each product
+    exact). Strips add each key in turn (the output 1/6); rows add blocks of three neighbouring keys to
+    the output ((-2^25 + 1) rounds to -2^25 in float32: the output 0)."""
+    from mha.kernels import paged_attention
+
+    Dv = 16
+    values = torch.zeros(1, 1, 8, Dv + 4, dtype=torch.int8)
+    values[0, 0, [0, 3, 4], 0] = torch.tensor([64, -64, 1], dtype=torch.int8)
+    scales = torch.tensor([2.0 ** 19, 1, 1, 2.0 ** 19, 1, 1, 1, 1])
+    values[0, 0, :, Dv:] = scales[:, None].view(torch.int8)
+    keys = torch.zeros(1, 1, 8, 64 + 4, dtype=torch.int8)
+    keys[..., 64:] = torch.ones(8, 1).view(torch.int8)
+    q = torch.zeros(1, 4, 64)
+    call = lambda: paged_attention(q, keys, values, torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1]),  # noqa: E731
+                                   torch.tensor([6]), backend="native")[0, :, 0]
+    reading("strips")
+    assert torch.equal(call(), torch.full((4,), 1 / 6))
+    reading("rows")
+    assert torch.equal(call(), torch.zeros(4))

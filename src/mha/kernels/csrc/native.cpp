@@ -2523,14 +2523,18 @@ inline typename Lanes<acc_t>::vec widen_tail(const T* p, int64_t count) {
   return widen<acc_t>(values);
 }
 
-// How a decoding step reads a 16-bit (bfloat16, float16) cache, the one place that chooses (set_step_reading:
-// tests, scripts/decode_reading.py):
+// How a decoding step reads a 16-bit (bfloat16, float16) or 8-bit cache, the one place that chooses
+// (set_step_reading: tests, scripts/decode_reading.py):
 //   tiles   scores and values on AMX tiles (tile_score_block, tile_value_block) where AMX is usable and the
 //           call fits them, the rest as strips;
 //   strips  scores on vdpbf16ps (bfloat16 queries over bfloat16 keys) or widened, values in chunks of
 //           kValueChunk keys strip by strip of the output's columns, the sums in registers (value_strips);
-//   rows    the same scores, values read as whole rows in streams and added to the output once a block
-//           (value_rows, as float32 values are).
+//   rows    the same scores, values read as whole rows and added to the output once a block (value_rows,
+//           as float32 values are: 16-bit ones in streams; 8-bit ones widened in float32, a bfloat16
+//           call's too, where strips take its weights as 16-bit integers: word_value_chunk).
+// (8-bit values as rows, against strips: 0.95-0.96x a step's time over 16384 and 65536 keys, float32 and
+// bfloat16 queries, the same Xeon, 2 threads, kernel_ab.py --read; in streams, or with their keys asked
+// for line by line into the second-level cache as 16-bit ones are, 0.98-1.03x: not kept.)
 // The read is a long step's limit where the arithmetic is not. On the Xeon with AMX of issue 44's sixth
 // stop (2 threads, Hq 32 / Hkv 8, D 128, each call's cache read from memory: `python
 // scripts/decode_reading.py --threads 2`, the readings alternated round by round in one process), a
@@ -3345,7 +3349,7 @@ void value_strips(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const 
   }
 }
 
-// value_block for values stored as acc_t (and 16-bit ones where step_reading() says rows, widened as
+// value_block for values stored as acc_t (and narrower ones where step_reading() says rows, widened as
 // read), read row by row, whole (kBlockKeys at a time, in streams:
 // in_key_blocks; the output read and added to once a block): a long cache's float32 values are
 // read-bound, and reading rows whole keeps the memory busiest (measured, AVX2 at 1 and 2 threads: this
@@ -3399,8 +3403,8 @@ void value_block(int64_t count, int64_t Dv, const acc_t* p, int64_t ldp, const v
   if constexpr (std::is_same_v<value_t, acc_t>) {
     value_rows<kRows>(count, Dv, p, ldp, v, ld, acc, scales, scale_ld);
   } else {
-    if constexpr (sizeof(value_t) == 2)  // bfloat16, float16: as step_reading says
-      if (step_reading() == StepReading::rows) return value_rows<kRows>(count, Dv, p, ldp, v, ld, acc, scales, scale_ld);
+    if (step_reading() == StepReading::rows)  // bfloat16, float16 and 8-bit values: as step_reading says
+      return value_rows<kRows>(count, Dv, p, ldp, v, ld, acc, scales, scale_ld);
     value_strips<kRows>(count, Dv, p, ldp, v, ld, acc, scales, scale_ld, bf16_call);
   }
 }

@@ -145,12 +145,7 @@ def test_every_reading_over_pages(page, dtype, reading):
     pages = [-(-S // page) for S in lengths]
     kp = torch.randn(sum(pages), Hkv, page, D, generator=g).to(dtype)
     vp = torch.randn(sum(pages), Hkv, page, D, generator=g).to(dtype)
-    order = torch.randperm(sum(pages), generator=g)  # each sequence's pages anywhere in the pool
-    table = torch.zeros(len(lengths), max(pages), dtype=torch.long)
-    first = 0
-    for i, n in enumerate(pages):
-        table[i, :n] = order[first:first + n]
-        first += n
+    table = _table(pages, g)
     q = (torch.randn(len(lengths), Hq, D, generator=g) * 2).to(dtype)
     cu, seqlens = torch.arange(len(lengths) + 1), torch.tensor(lengths)
     for name in READINGS:

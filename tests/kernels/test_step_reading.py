@@ -152,10 +152,14 @@ def test_every_reading_over_pages(page, dtype, reading):
         reading(name)
         out = paged_attention(q, kp, vp, table, cu, seqlens)
         for i, S in enumerate(lengths):
-            k = kp[table[i, :pages[i]]].transpose(0, 1).flatten(1, 2)[None, :, :S]
-            v = vp[table[i, :pages[i]]].transpose(0, 1).flatten(1, 2)[None, :, :S]
-            exact = _exact(q[i][None, :, None], k, v)[0, :, 0]
+            exact = _exact(q[i][None, :, None], _keys_of(kp, table[i], S), _keys_of(vp, table[i], S))[0, :, 0]
             assert_close(out[i].double(), exact, dtype, err_msg=f"{name}, sequence {i}")
+
+
+def _keys_of(pool: torch.Tensor, table_row: torch.Tensor, S: int) -> torch.Tensor:
+    """A sequence's first S rows (1, Hkv, S, X) from a pool of pages (N, Hkv, P, X) and its block table row."""
+    pages = -(-S // pool.shape[2])
+    return pool[table_row[:pages]].transpose(0, 1).flatten(1, 2)[None, :, :S]
 
 
 def _table(pages: list[int], g: torch.Generator) -> torch.Tensor:
@@ -195,8 +199,7 @@ def test_every_reading_over_8_bit_pages(page, dtype, scales_apart, reading):
         reading(name)
         out = call(backend="native")
         for i, S in enumerate(lengths):
-            k, v = (x[table[i, :pages[i]]].transpose(0, 1).flatten(1, 2)[None, :, :S] for x in (wide_k, wide_v))
-            exact = _exact(q[i][None, :, None], k, v)[0, :, 0]
+            exact = _exact(q[i][None, :, None], _keys_of(wide_k, table[i], S), _keys_of(wide_v, table[i], S))[0, :, 0]
             assert_within_torch_error(out[i].double(), theirs[i].double(), exact, err_msg=f"{name}, sequence {i}")
 
 
@@ -215,8 +218,11 @@ def test_8_bit_values_are_read_as_rows_or_strips(reading):
     keys = torch.zeros(1, 1, 8, 64 + 4, dtype=torch.int8)
     keys[..., 64:] = torch.ones(8, 1).view(torch.int8)
     q = torch.zeros(1, 4, 64)
-    call = lambda: paged_attention(q, keys, values, torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1]),  # noqa: E731
-                                   torch.tensor([6]), backend="native")[0, :, 0]
+
+    def call():
+        table, cu, lengths = torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1]), torch.tensor([6])
+        return paged_attention(q, keys, values, table, cu, lengths, backend="native")[0, :, 0]
+
     reading("strips")
     assert torch.equal(call(), torch.full((4,), 1 / 6))
     reading("rows")

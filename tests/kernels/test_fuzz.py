@@ -145,9 +145,11 @@ def test_the_checker_finds_a_wrong_answer():
 
 def test_a_packings_torch_error_counts_the_one_torch_makes_over_the_whole_packing():
     """A saturated softmax (scores near 700) over packed sequences, one of them keys alone: torch's
-    fused kernel over the packing with its block mask (what the sdpa backend runs) errs 2e-5 in dV
-    where over each sequence alone it errs 4e-9; that error is torch's own for the call (found by
-    the property test, which reported the sdpa and auto backends)."""
+    fused kernel over the packing with its block mask (what the sdpa backend runs) errs 2e-5 in dV on
+    AVX-512 CPUs (an AMX Xeon, a Zen 4) where over each sequence alone it errs 4e-9; that error is
+    torch's own for the call (found by the property test, which reported the sdpa and auto backends).
+    On an AVX2 Zen 3 torch's kernel errs 4e-9 over the packing too: the outcomes over the packing are
+    told apart by their label, whichever CPU runs this."""
     case = Case(kind="varlen", seed=0, dtype="float32", q_lead=(2,), k_lead=(1,), v_lead=(1,), L=8, S=8, D=3, Dv=3,
                 magnitude=30.0, lengths=(0, 2, 0), k_lengths=(0, 2, 11), grad=True, threads=1)
     assert check(case) == []
@@ -156,10 +158,13 @@ def test_a_packings_torch_error_counts_the_one_torch_makes_over_the_whole_packin
     per_sequence, *others = setup.torch_own(cotangent)
     reference_dv = setup.reference(cotangent).grads["dv"]
     errors = [error(o.grads["dv"], reference_dv) for o in (per_sequence, *others)]
-    assert errors[0] < 1e-7 < max(errors[1:])
+    assert errors[0] < 1e-7
     # only the backends that hand torch the packing are allowed its error: the others are held to
-    # torch's over each sequence (10 000x tighter here)
-    assert per_sequence.backends is None
+    # torch's over each sequence (10 000x tighter on the CPUs where torch errs over the packing)
+    over_the_packing = properties._over_the_packing(case, *setup.inputs[:3], None, None, cotangent)
+    assert len(over_the_packing) >= 1
+    labels = [o.backends for o in (per_sequence, *others)]
+    assert labels == [None] * (len(labels) - len(over_the_packing)) + [("sdpa", "auto")] * len(over_the_packing)
     assert all(o.backends == ("sdpa", "auto") for e, o in zip(errors, (per_sequence, *others)) if e > 1e-7)
     q, k, v = setup.inputs[:3]
     assert properties._over_the_packing(case.replace(kind="paged"), q, k, v, None, None, None) == []

@@ -867,19 +867,23 @@ def test_off_means_off():
     assert "native backend: off (MHA_NATIVE=off)" in ran.stderr
 
 
-@pytest.mark.parametrize("asked, capability, bf16, build", [
-    (None, "AVX512", True, "avx512bf16"), (None, "AVX512", False, "avx512"), (None, "AVX2", True, "avx2"),
-    (None, "DEFAULT", False, "portable"), ("auto", "AVX2", False, "avx2"), ("Off", "AVX512", True, None),
-    ("AVX2", "AVX512", True, "avx2"), ("portable", "AVX512", True, "portable"), ("avx512", "DEFAULT", False, "avx512"),
+@pytest.mark.parametrize("asked, capability, bf16, vnni, build", [
+    (None, "AVX512", True, True, "avx512bf16"), (None, "AVX512", False, True, "avx512"),
+    (None, "AVX512", True, False, "avx512"), (None, "AVX2", True, True, "avx2"),
+    (None, "DEFAULT", False, False, "portable"), ("auto", "AVX2", False, False, "avx2"),
+    ("Off", "AVX512", True, True, None), ("AVX2", "AVX512", True, True, "avx2"),
+    ("portable", "AVX512", True, True, "portable"), ("avx512", "DEFAULT", False, False, "avx512"),
 ])
-def test_each_cpu_gets_its_build(monkeypatch, asked, capability, bf16, build):
-    """The build for the CPU torch reports (its capability, AVX512-BF16), or the one MHA_NATIVE names."""
+def test_each_cpu_gets_its_build(monkeypatch, asked, capability, bf16, vnni, build):
+    """The build for the CPU torch reports (its capability, AVX512-BF16 and AVX512-VNNI: the bf16 build
+    uses both), or the one MHA_NATIVE names; the CPU running the test is never asked."""
     if asked is None:
         monkeypatch.delenv("MHA_NATIVE", raising=False)
     else:
         monkeypatch.setenv("MHA_NATIVE", asked)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: vnni)
     native._best_variant.cache_clear()  # asked once per process: ask again for this CPU
     try:
         assert native.variant() == build
